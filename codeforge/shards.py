@@ -1,0 +1,238 @@
+"""Documents -> token shards on disk, and the memmap reader.
+
+Layout of a prepared directory:
+  meta.json                 tokenizer hash, dtype, counts per split, skipped counts by reason, sources, options
+  tokenizer/                a copy of the tokenizer the shards were made with
+  train_000000.bin ...      raw token ids (uint16 when the vocab fits, else uint32), documents back to back,
+  val_000000.bin ...        each followed by the end-of-text token
+  train_docs.npy, val_docs.npy   int64 start offset of every document in the split's token stream
+
+Speed: one reader thread decodes and filters documents into a bounded queue while the main thread hands
+batches to `encode_batch_fast`, which runs in Rust on all cores and releases the GIL, so reading overlaps
+encoding and memory stays bounded by the queue. Order is kept, so the same inputs give identical bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import queue
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import __version__
+from .corpus import CorpusOptions, CorpusStats, iter_documents, split_of
+from .tokenizer import META_FILE, TOKENIZER_FILE, CodeTokenizer
+
+SPLITS = ("train", "val")
+FORMAT = "codeforge-shards-v1"
+
+
+class ShardError(ValueError):
+    """Prepared data is missing, incomplete or does not fit what it is used with."""
+
+
+def dtype_for(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+class _SplitWriter:
+    """Appends documents' token ids to numbered shard files of at most `shard_tokens` tokens."""
+
+    def __init__(self, out: Path, split: str, dtype: np.dtype, shard_tokens: int):
+        self.out, self.split, self.dtype, self.shard_tokens = out, split, dtype, shard_tokens
+        self.shards: list[dict] = []
+        self.doc_starts: list[int] = []
+        self.tokens = 0
+        self.bytes = 0
+        self._f = None
+        self._in_shard = 0
+
+    def _open_next(self) -> None:
+        if self._f:
+            self._f.close()
+        name = f"{self.split}_{len(self.shards):06d}.bin"
+        self.shards.append({"file": name, "tokens": 0})
+        self._f = open(self.out / name, "wb")
+        self._in_shard = 0
+
+    def add(self, docs: list[list[int]], n_bytes: int) -> None:
+        """Append documents (id lists already ending in end-of-text) in one write per shard touched.
+        A document never straddles two shards unless it alone is larger than a shard."""
+        flat = np.fromiter(itertools.chain.from_iterable(docs), dtype=self.dtype)
+        lens = [len(d) for d in docs]
+        i = 0  # first document not yet written
+        while i < len(docs):
+            if self._f is None or (self._in_shard and self._in_shard + lens[i] > self.shard_tokens):
+                self._open_next()
+            j, room, n = i, self.shard_tokens - self._in_shard, 0
+            while j < len(docs) and (n + lens[j] <= room or (j == i and self._in_shard == 0)):
+                self.doc_starts.append(self.tokens + n)
+                n += lens[j]
+                j += 1
+            start = sum(lens[:i]) if i else 0
+            flat[start:start + n].tofile(self._f)
+            self._in_shard += n
+            self.shards[-1]["tokens"] += n
+            self.tokens += n
+            i = j
+        self.bytes += n_bytes
+
+    def close(self) -> dict:
+        if self._f:
+            self._f.close()
+        np.save(self.out / f"{self.split}_docs.npy", np.asarray(self.doc_starts, dtype=np.int64))
+        return {"shards": self.shards, "tokens": self.tokens, "documents": len(self.doc_starts),
+                "bytes": self.bytes}
+
+
+def _fingerprint(sources: list[str], tok_hash: str, options: dict) -> str:
+    blob = json.dumps({"sources": [os.path.abspath(s) if not s.startswith("hf:") else s for s in sources],
+                       "tokenizer": tok_hash, "options": options}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def prepare(sources: list[str], tokenizer_dir: str | os.PathLike, out_dir: str | os.PathLike,
+            opts: CorpusOptions | None = None, overwrite: bool = False, shard_tokens: int = 100_000_000,
+            batch_docs: int = 512, log=print) -> dict:
+    """Read, filter, dedup, split and tokenize `sources` into shards under `out_dir`; return meta."""
+    opts = opts or CorpusOptions()
+    opts.validate()
+    tok = CodeTokenizer.load(tokenizer_dir)
+    out = Path(out_dir)
+    options = {**opts.to_dict(), "shard_tokens": shard_tokens}
+    fp = _fingerprint(sources, tok.hash, options)
+    if out.exists() and any(out.iterdir()):
+        old = out / "meta.json"
+        same = old.exists() and json.loads(old.read_text()).get("fingerprint") == fp
+        if not overwrite:
+            if same:
+                log(f"{out} already holds this dataset (fingerprint {fp}); nothing to do")
+                return json.loads(old.read_text())
+            raise ShardError(f"{out} already holds {'a different dataset' if old.exists() else 'other files'}; "
+                             f"pass --overwrite to replace it or choose another --out")
+
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        meta = _write(sources, tok, tmp, opts, shard_tokens, batch_docs, log)
+        meta.update(fingerprint=fp, options=options)
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        # Rename into place only when complete: an interrupted run never leaves a directory that looks done.
+        if out.exists():
+            trash = out.parent / f".{out.name}.old-{os.getpid()}"
+            out.rename(trash)
+            tmp.rename(out)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return meta
+
+
+def _write(sources, tok: CodeTokenizer, tmp: Path, opts: CorpusOptions, shard_tokens: int,
+           batch_docs: int, log) -> dict:
+    dtype = dtype_for(tok.vocab_size)
+    stats = CorpusStats()
+    writers = {s: _SplitWriter(tmp, s, dtype, shard_tokens) for s in SPLITS}
+    q: queue.Queue = queue.Queue(maxsize=4)  # bounded: at most ~6 batches of text in memory
+    failure: list[BaseException] = []
+
+    def reader() -> None:
+        try:
+            batch: list = []
+            for doc in iter_documents(sources, opts, stats):
+                batch.append(doc)
+                if len(batch) >= batch_docs:
+                    q.put(batch)
+                    batch = []
+            if batch:
+                q.put(batch)
+        except BaseException as e:  # surfaced in the main thread
+            failure.append(e)
+        finally:
+            q.put(None)
+
+    t0 = time.perf_counter()
+    th = threading.Thread(target=reader, daemon=True)
+    th.start()
+    while (batch := q.get()) is not None:
+        out: dict[str, tuple[list, list]] = {s: ([], []) for s in SPLITS}
+        for doc, ids in zip(batch, tok.encode_batch([d.text for d in batch])):
+            ids.append(tok.eot_id)
+            docs, nb = out[split_of(doc.digest, opts.val_fraction)]
+            docs.append(ids)
+            nb.append(doc.nbytes)
+        for s, (docs, nb) in out.items():
+            if docs:
+                writers[s].add(docs, sum(nb))
+    th.join()
+    if failure:
+        raise failure[0]
+    seconds = time.perf_counter() - t0
+    splits = {s: w.close() for s, w in writers.items()}
+    if stats.documents == 0:
+        raise ShardError(f"the corpus is empty after filtering (skipped: {dict(stats.skipped) or 'nothing found'});"
+                         f" check --languages, --max-file-bytes and the inputs")
+    shutil.copytree(tok.path, tmp / "tokenizer",
+                    ignore=lambda d, names: [n for n in names if n not in (TOKENIZER_FILE, META_FILE,
+                                                                             "tokenizer_config.json")])
+    total_bytes = sum(v["bytes"] for v in splits.values())
+    total_tokens = sum(v["tokens"] for v in splits.values())
+    return {
+        "format": FORMAT, "codeforge_version": __version__, "tokenizer_hash": tok.hash,
+        "vocab_size": tok.vocab_size, "eot_id": tok.eot_id, "dtype": dtype.name, "splits": splits,
+        "documents": stats.documents, "tokens": total_tokens, "bytes": total_bytes,
+        "skipped": dict(sorted(stats.skipped.items())), "skipped_examples": stats.examples,
+        "sources": list(sources), "seconds": round(seconds, 2),
+        "mb_per_s": round(total_bytes / 1e6 / max(seconds, 1e-9), 2),
+        "tokens_per_s": round(total_tokens / max(seconds, 1e-9)),
+    }
+
+
+class ShardSet:
+    """Read side: the token stream of one split as a list of memmaps, plus the document index."""
+
+    def __init__(self, data_dir: str | os.PathLike, split: str = "train"):
+        self.dir = Path(data_dir)
+        meta_path = self.dir / "meta.json"
+        if not meta_path.exists():
+            raise ShardError(f"{self.dir} is not a prepared data directory (no meta.json); "
+                             f"run `codeforge prepare --input SRC --tokenizer TOK --out {self.dir}`")
+        self.meta = json.loads(meta_path.read_text())
+        if self.meta.get("format") != FORMAT:
+            raise ShardError(f"{meta_path}: unknown format {self.meta.get('format')!r}, expected {FORMAT}")
+        if split not in self.meta["splits"]:
+            raise ShardError(f"{self.dir} has no split {split!r}; it has {list(self.meta['splits'])}")
+        info = self.meta["splits"][split]
+        self.split = split
+        dtype = np.dtype(self.meta["dtype"])
+        self.arrays = []
+        for s in info["shards"]:
+            path = self.dir / s["file"]
+            if not path.exists() or path.stat().st_size != s["tokens"] * dtype.itemsize:
+                raise ShardError(f"shard {path} is missing or truncated; prepare the data again")
+            self.arrays.append(np.memmap(path, dtype=dtype, mode="r"))
+        self.tokens = info["tokens"]
+        self.documents = info["documents"]
+
+    @property
+    def tokenizer_hash(self) -> str:
+        return self.meta["tokenizer_hash"]
+
+    def check_tokenizer(self, tok_hash: str, what: str = "the given tokenizer") -> None:
+        """Refuse to use shards with a tokenizer other than the one they were made with."""
+        if tok_hash != self.tokenizer_hash:
+            raise ShardError(f"{self.dir} was prepared with tokenizer {self.tokenizer_hash} but {what} is "
+                             f"{tok_hash}; prepare the data again with this tokenizer or use the matching one")
+
+    def doc_starts(self) -> np.ndarray:
+        return np.load(self.dir / f"{self.split}_docs.npy")

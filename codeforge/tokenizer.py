@@ -1,0 +1,201 @@
+"""Byte-level BPE for code: train, load, encode, decode.
+
+The tokenizer is HF `tokenizers` (Rust). Pre-tokenization splits text before BPE merges are learned, which
+decides what a token may span. For code we split (a regex in the style of GPT-4's, tuned on Go, see docs/LOG.md):
+  - contractions; identifiers (letters, digits, `_`, not starting with a digit) with at most one leading
+    non-identifier character (`.Println`, ` func`, `(int64`),
+  - digit groups of at most 3,
+  - punctuation runs (optional leading space) with the newline and indentation that follow (`{\n\t\t`),
+  - newline runs with the whitespace around them, whitespace runs not followed by text,
+then map every byte to a printable symbol (byte-level), so any UTF-8 text round-trips byte for byte.
+
+Special tokens get fixed ids 0..N-1 in the order of SPECIAL_TOKENS, so every tokenizer codeforge trains
+agrees on them and later stages (chat SFT, tool calls, fill-in-the-middle) need no new tokenizer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+EOT = "<|endoftext|>"
+SPECIAL_TOKENS = [
+    EOT,  # separates documents in the shards
+    "<s>", "</s>", "<pad>", "<unk>",  # seed 000
+    "<PR_TITLE>", "<PR_BODY>",  # seed 000
+    "<|im_start|>", "<|im_end|>",  # ChatML, seed 004
+    "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",  # seed 003 stage 3
+    "<fim_prefix>", "<fim_middle>", "<fim_suffix>",  # fill-in-the-middle
+] + [f"<|reserved_{i}|>" for i in range(8)]
+
+CODE_SPLIT_PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}_]?[\p{L}_][\p{L}\p{N}_]*|\p{N}{1,3}"""
+    r"""| ?[^\s\p{L}\p{N}_]+[\r\n]*[ \t]*|\s*[\r\n]+[ \t]*|\s+(?!\S)|\s+"""
+)
+MIN_VOCAB, MAX_VOCAB = 256, 200_000
+TOKENIZER_FILE = "tokenizer.json"
+META_FILE = "codeforge_tokenizer.json"
+
+
+class TokenizerError(ValueError):
+    """A tokenizer could not be trained or loaded; the message says what to do."""
+
+
+def _build_empty() -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(CODE_SPLIT_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def file_hash(path: str | os.PathLike) -> str:
+    """Content hash of a tokenizer.json; shards and checkpoints record it to detect mismatches."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
+class CodeTokenizer:
+    """A trained tokenizer plus what codeforge needs around it (special ids, content hash)."""
+
+    def __init__(self, tok: Tokenizer, path: Path | None = None):
+        self.tok = tok
+        # Text from a corpus is data: a literal "<s>" inside a source file must not become the special token.
+        self.tok.encode_special_tokens = True
+        self.path = path
+        self.hash = file_hash(path / TOKENIZER_FILE) if path is not None else ""
+        self.vocab_size = tok.get_vocab_size()
+        self.special_ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+        self.eot_id = self.special_ids[EOT]
+
+    # -- loading ------------------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "CodeTokenizer":
+        p = Path(path)
+        if p.is_file() and p.name == TOKENIZER_FILE:
+            p = p.parent
+        f = p / TOKENIZER_FILE
+        if not f.exists():
+            raise TokenizerError(
+                f"no tokenizer at {p} (expected {f}); train one with "
+                f"`codeforge tokenizer train --input SRC --out {p}`")
+        try:
+            tok = Tokenizer.from_file(str(f))
+        except Exception as e:  # tokenizers raises a bare Exception on a corrupt file
+            raise TokenizerError(f"{f} is not a valid tokenizer.json: {e}") from e
+        if tok.token_to_id(EOT) is None:
+            raise TokenizerError(f"{f} lacks the {EOT} token; it was not trained by codeforge")
+        return cls(tok, p)
+
+    # -- encoding -----------------------------------------------------------------------------------------
+    def encode(self, text: str, allow_special: bool = False) -> list[int]:
+        """Token ids of `text`. With allow_special, special-token strings in the text become their ids."""
+        if allow_special:
+            self.tok.encode_special_tokens = False
+            try:
+                return self.tok.encode(text, add_special_tokens=False).ids
+            finally:
+                self.tok.encode_special_tokens = True
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Ids of many texts at once, in parallel over all cores (Rust threads)."""
+        return [e.ids for e in self.tok.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special)
+
+
+def train_tokenizer(texts: Iterator[str], vocab_size: int, out_dir: str | os.PathLike,
+                    min_frequency: int = 2, show_progress: bool = False) -> tuple[CodeTokenizer, dict]:
+    """Train byte-level BPE from an iterator of texts (streamed: memory grows with distinct pre-tokens,
+    not with the corpus) and write tokenizer.json, the HF wrapper files and codeforge's metadata."""
+    if not (MIN_VOCAB <= vocab_size <= MAX_VOCAB):
+        raise TokenizerError(
+            f"--vocab-size {vocab_size} is out of range [{MIN_VOCAB}, {MAX_VOCAB}]: "
+            f"pick e.g. 32000 for code, 50000 as in seed 000")
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise TokenizerError(
+            f"--vocab-size {vocab_size} leaves no room for merges: 256 byte symbols + "
+            f"{len(SPECIAL_TOKENS)} special tokens need at least {256 + len(SPECIAL_TOKENS)}")
+    out = Path(out_dir)
+    stats = {"documents": 0, "bytes": 0}
+
+    def counted() -> Iterator[str]:
+        for t in texts:
+            stats["documents"] += 1
+            stats["bytes"] += len(t.encode("utf-8"))
+            yield t
+
+    tok = _build_empty()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=show_progress)
+    t0 = time.perf_counter()
+    tok.train_from_iterator(counted(), trainer=trainer)
+    seconds = time.perf_counter() - t0
+    if stats["documents"] == 0:
+        raise TokenizerError("no training text: every input was empty or filtered out")
+
+    # Write aside, then rename into place: an interrupted run never leaves a half-written tokenizer.
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tok.save(str(tmp / TOKENIZER_FILE))
+    (tmp / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1_000_000,
+        "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>",
+        "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in ("<s>", "</s>", "<pad>", "<unk>")],
+        "clean_up_tokenization_spaces": False,
+    }, indent=2))
+    meta = {
+        "format": "codeforge-tokenizer-v1", "vocab_size": tok.get_vocab_size(),
+        "requested_vocab_size": vocab_size, "hash": file_hash(tmp / TOKENIZER_FILE),
+        "special_tokens": {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}, "eot": EOT,
+        "pre_tokenizer_pattern": CODE_SPLIT_PATTERN, "train_documents": stats["documents"],
+        "train_bytes": stats["bytes"], "train_seconds": round(seconds, 2),
+    }
+    (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.rename(out)
+    return CodeTokenizer.load(out), meta
+
+
+def evaluate_tokenizer(tok: CodeTokenizer, texts: Iterable[str]) -> dict:
+    """Bytes per token and byte-exact round-trip over `texts`."""
+    n_bytes = n_tokens = n_docs = 0
+    failures: list[int] = []
+    batch: list[str] = []
+
+    def flush() -> None:
+        nonlocal n_bytes, n_tokens, n_docs
+        for text, ids in zip(batch, tok.encode_batch(batch)):
+            n_bytes += len(text.encode("utf-8"))
+            n_tokens += len(ids)
+            if tok.decode(ids) != text:
+                failures.append(n_docs)
+            n_docs += 1
+        batch.clear()
+
+    for t in texts:
+        batch.append(t)
+        if len(batch) >= 256:
+            flush()
+    flush()
+    return {"documents": n_docs, "bytes": n_bytes, "tokens": n_tokens,
+            "bytes_per_token": n_bytes / max(n_tokens, 1), "roundtrip_failures": len(failures),
+            "roundtrip_ok": not failures}

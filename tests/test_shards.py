@@ -1,0 +1,115 @@
+import json
+import os
+
+import numpy as np
+import pytest
+
+from codeforge.corpus import CorpusOptions
+from codeforge.shards import ShardError, ShardSet, prepare
+from codeforge.tokenizer import CodeTokenizer, train_tokenizer
+
+from conftest import STDLIB
+
+
+def _quiet(*a):
+    pass
+
+
+def test_shards_decode_back_to_documents(data_dir, tokenizer_dir):
+    meta = json.loads((data_dir / "meta.json").read_text())
+    tok = CodeTokenizer.load(tokenizer_dir)
+    assert meta["tokenizer_hash"] == tok.hash and meta["dtype"] == "uint16"
+    assert meta["splits"]["val"]["documents"] > 0 and meta["splits"]["train"]["documents"] > 0
+    assert meta["documents"] == sum(s["documents"] for s in meta["splits"].values())
+    assert meta["skipped"]["binary"] == 1 and meta["skipped"]["duplicate"] >= 1
+    ss = ShardSet(data_dir, "train")
+    starts = ss.doc_starts()
+    stream = np.concatenate(ss.arrays)
+    assert len(starts) == ss.documents and starts[0] == 0 and len(stream) == ss.tokens
+    ends = list(starts[1:]) + [len(stream)]
+    assert all(stream[e - 1] == tok.eot_id for e in ends)  # every document ends with end-of-text
+    first = tok.decode(stream[starts[0]:ends[0] - 1].tolist())
+    assert first.startswith("package ") or first.startswith("def ") or first.startswith('"""')
+    assert (data_dir / "tokenizer" / "tokenizer.json").exists()
+
+
+def test_deterministic_bytes_and_small_shards(tmp_path, code_corpus, tokenizer_dir):
+    opts = CorpusOptions(languages=["go", "python"], val_fraction=0.2, max_file_bytes=20_000)
+    a = prepare([str(code_corpus)], tokenizer_dir, tmp_path / "a", opts, shard_tokens=500, log=_quiet)
+    b = prepare([str(code_corpus)], tokenizer_dir, tmp_path / "b", opts, shard_tokens=500, log=_quiet)
+    assert len(a["splits"]["train"]["shards"]) > 3
+    files = sorted(os.listdir(tmp_path / "a"))
+    assert files == sorted(os.listdir(tmp_path / "b"))
+    for f in files:
+        if f.endswith((".bin", ".npy")):
+            assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+    assert all(s["tokens"] <= 500 for s in a["splits"]["train"]["shards"])
+
+
+def test_refuses_other_dataset_unless_overwrite(tmp_path, code_corpus, tokenizer_dir):
+    out = tmp_path / "d"
+    prepare([str(code_corpus)], tokenizer_dir, out, CorpusOptions(languages=["go"]), log=_quiet)
+    before = (out / "meta.json").read_bytes()
+    msgs = []
+    prepare([str(code_corpus)], tokenizer_dir, out, CorpusOptions(languages=["go"]), log=msgs.append)
+    assert "nothing to do" in msgs[0]
+    with pytest.raises(ShardError, match="different dataset"):
+        prepare([str(code_corpus)], tokenizer_dir, out, CorpusOptions(languages=["python"]), log=_quiet)
+    assert (out / "meta.json").read_bytes() == before  # untouched
+    meta = prepare([str(code_corpus)], tokenizer_dir, out, CorpusOptions(languages=["python"]), overwrite=True,
+                   log=_quiet)
+    assert json.loads((out / "meta.json").read_text())["fingerprint"] == meta["fingerprint"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left behind
+
+
+def test_empty_corpus_refused_and_nothing_written(tmp_path, code_corpus, tokenizer_dir):
+    with pytest.raises(ShardError, match="empty after filtering"):
+        prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(languages=["rust"]), log=_quiet)
+    assert not (tmp_path / "d").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_interrupted_run_leaves_no_complete_looking_dir(tmp_path, code_corpus, tokenizer_dir, monkeypatch):
+    import codeforge.shards as shards
+    real = shards._SplitWriter.add
+    calls = {"n": 0}
+
+    def boom(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] > 1:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(shards._SplitWriter, "add", boom)
+    with pytest.raises(KeyboardInterrupt):
+        prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(), batch_docs=4, log=_quiet)
+    assert not (tmp_path / "d").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_tokenizer_mismatch_named(tmp_path, data_dir):
+    other, _ = train_tokenizer(iter(["completely different text " * 50]), 300, tmp_path / "other")
+    ss = ShardSet(data_dir)
+    with pytest.raises(ShardError, match=f"{ss.tokenizer_hash}.*{other.hash}"):
+        ss.check_tokenizer(other.hash)
+    ss.check_tokenizer(ss.tokenizer_hash)
+
+
+def test_uint32_for_large_vocab(tmp_path):
+    texts = [f"tok{i} " * 3 for i in range(70000)]
+    tok, meta = train_tokenizer(iter(texts), 66000, tmp_path / "big", min_frequency=1)
+    if tok.vocab_size <= 65536:
+        pytest.skip(f"corpus gave only {tok.vocab_size} tokens")
+    (tmp_path / "c.txt").write_text("\n".join(texts[:100]))
+    m = prepare([str(tmp_path / "c.txt")], tmp_path / "big", tmp_path / "d", log=_quiet)
+    assert m["dtype"] == "uint32"
+
+
+def test_missing_or_truncated_shards(tmp_path, data_dir):
+    with pytest.raises(ShardError, match="codeforge prepare"):
+        ShardSet(tmp_path)
+    import shutil
+    d = tmp_path / "copy"
+    shutil.copytree(data_dir, d)
+    f = d / "train_000000.bin"
+    f.write_bytes(f.read_bytes()[:-2])
+    with pytest.raises(ShardError, match="truncated"):
+        ShardSet(d)
