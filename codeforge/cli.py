@@ -143,17 +143,210 @@ def build_parser() -> argparse.ArgumentParser:
     di.add_argument("dir")
     di.set_defaults(func=cmd_data_info)
 
-    _register_later_commands(sub)
+    _train_parser(sub)
+    _quickstart_parser(sub)
+    _generate_parser(sub)
+    _eval_parser(sub)
     return p
 
 
-def _register_later_commands(sub) -> None:
-    """Training, evaluation and generation commands (they import torch lazily)."""
+# -- training --------------------------------------------------------------------------------------------
+
+TRAIN_FLAGS = [  # (flag, config key, type, help): the options users reach for most, named as in seed 002
+    ("--batch-size", "train.batch_size", int, "micro-batch size [1-4096]"),
+    ("--grad-accum-steps", "train.grad_accum_steps", int, "micro-batches per optimizer step"),
+    ("--learning-rate", "train.learning_rate", float, "peak learning rate (0, 0.1]"),
+    ("--max-iters", "train.max_iters", int, "optimizer steps (budget)"),
+    ("--max-tokens", "train.max_tokens", int, "tokens (budget, if --max-iters is not set)"),
+    ("--epochs", "train.epochs", float, "epochs over the training split (budget, default 1)"),
+    ("--block-size", "model.block_size", int, "context length"),
+    ("--vocab-size", "model.vocab_size", int, "model vocabulary (default: the data's tokenizer, padded to 64)"),
+    ("--n-layer", "model.n_layer", int, None), ("--n-head", "model.n_head", int, None),
+    ("--n-kv-head", "model.n_kv_head", int, "grouped-query attention heads"),
+    ("--n-embd", "model.n_embd", int, None),
+    ("--warmup-steps", "train.warmup_steps", int, None), ("--schedule", "train.schedule", str, "cosine|linear|constant|wsd"),
+    ("--weight-decay", "train.weight_decay", float, None), ("--grad-clip", "train.grad_clip", float, None),
+    ("--eval-every", "train.eval_every", int, None), ("--eval-iters", "train.eval_iters", int, None),
+    ("--sample-every", "train.sample_every", int, None), ("--save-every", "train.save_every", int, None),
+    ("--keep-last", "train.keep_last", int, None), ("--log-every", "train.log_every", int, None),
+    ("--seed", "train.seed", int, None), ("--device", "train.device", str, "auto|cpu|cuda|cuda:N|mps"),
+    ("--precision", "train.precision", str, "auto|fp32|fp16|bf16"), ("--optimizer", "train.optimizer", str, "adamw|adamw8bit"),
+    ("--init-from", "train.init_from", str, "start from another run's (best) weights: staged training"),
+]
+
+
+def _train_parser(sub) -> None:
+    t = sub.add_parser("train", help="train a model on prepared shards")
+    t.add_argument("--data", required=True, help="directory from `codeforge prepare`")
+    t.add_argument("--out", required=True, help="run directory")
+    t.add_argument("--preset", nargs="+", action="extend", default=[], metavar="NAME",
+                   help="model and/or hardware presets, applied in order (see `codeforge presets`)")
+    t.add_argument("--config", help="TOML or YAML file with [model] and [train] tables")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config field")
+    t.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    for flag, key, typ, hlp in TRAIN_FLAGS:
+        t.add_argument(flag, dest=key, type=typ, default=None, help=hlp)
+    t.add_argument("--dropout", type=float, default=None, help="sets embedding, attention and residual dropout")
+    t.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
+    t.add_argument("--gradient-checkpointing", action="store_true", default=None)
+    t.add_argument("--wandb", action="store_true", default=None, help="log to Weights & Biases")
+    t.add_argument("--no-tensorboard", action="store_true")
+    t.add_argument("--no-progress", action="store_true")
+    t.set_defaults(func=cmd_train)
+    p = sub.add_parser("presets", help="list model presets (with parameter counts) and hardware profiles")
+    p.set_defaults(func=cmd_presets)
+
+
+def _train_config(a: argparse.Namespace):
+    from .config import load_file, resolve
+    flags = {key: getattr(a, key) for _, key, _, _ in TRAIN_FLAGS}
+    if a.dropout is not None:
+        flags.update({"model.embd_dropout": a.dropout, "model.attn_dropout": a.dropout, "model.resid_dropout": a.dropout})
+    flags.update({"train.compile": a.compile, "train.grad_checkpointing": a.gradient_checkpointing,
+                  "train.wandb": a.wandb, "train.data": a.data, "train.out": a.out})
+    if a.no_tensorboard:
+        flags["train.tensorboard"] = False
+    if a.no_progress:
+        flags["train.progress"] = False
+    base = None
+    if a.resume and os.path.exists(os.path.join(a.out, "config.toml")):
+        base = load_file(os.path.join(a.out, "config.toml"))  # the saved run, then this command's changes
+    return resolve(a.preset, a.config, a.set, flags, base=base, vocab_from_data=True)
+
+
+def cmd_train(a: argparse.Namespace) -> int:
+    from .train.trainer import Trainer, TrainingError
+    cfg = _train_config(a)
     try:
-        from .cli_train import register
-    except ImportError:
-        return
-    register(sub)
+        r = Trainer(cfg, resume=a.resume).run()
+    except TrainingError as e:
+        raise CLIError(str(e)) from e
+    msg = f"done: step {r['step']}, {r['tokens']:,} tokens"
+    if r["val_loss"] is not None:
+        msg += f", val loss {r['val_loss']:.4f}"
+    print(msg + f"; run directory {r['run_dir']}")
+    return 0
+
+
+def cmd_presets(a: argparse.Namespace) -> int:
+    from .config import preset_names, resolve
+    from .models.gpt import GPT
+    import torch
+    names = preset_names()
+    print(f"{'model preset':20s} {'params':>14s} {'layers':>6s} {'heads':>5s} {'kv':>3s} {'width':>6s} "
+          f"{'ffn':>6s} {'ctx':>6s} {'vocab':>6s}  arch")
+    for n in names["model"]:
+        m = resolve([n]).model
+        with torch.device("meta"):
+            count = GPT(m).num_params()
+        print(f"{n:20s} {count:14,d} {m.n_layer:6d} {m.n_head:5d} {m.n_kv_head:3d} {m.n_embd:6d} {m.ffn_hidden:6d} "
+              f"{m.block_size:6d} {m.vocab_size:6d}  {m.norm}/{m.pos}/{m.mlp}")
+    print("hardware profiles: " + ", ".join(names["train"]))
+    return 0
+
+
+def _quickstart_parser(sub) -> None:
+    q = sub.add_parser("quickstart", help="the whole pipeline on a built-in corpus: tokenizer, prepare, train, "
+                                          "eval, sample")
+    q.add_argument("--out", default="runs/quickstart")
+    q.add_argument("--corpus", default="python-stdlib", help="python-stdlib | go | PATH")
+    q.add_argument("--max-iters", type=int, default=None, help="training steps (default: about 7 CPU minutes)")
+    q.add_argument("--device", default="auto")
+    q.set_defaults(func=cmd_quickstart)
+
+
+def cmd_quickstart(a: argparse.Namespace) -> int:
+    from .quickstart import run_quickstart
+    try:
+        run_quickstart(a.out, a.corpus, a.max_iters, a.device)
+    except FileNotFoundError as e:
+        raise CLIError(str(e)) from e
+    return 0
+
+
+# -- generation and evaluation --------------------------------------------------------------------------
+
+def _generate_parser(sub) -> None:
+    g = sub.add_parser("generate", help="generate text from a trained run")
+    g.add_argument("--run", required=True, help="run directory or checkpoint directory")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text ('-' reads stdin)")
+    src.add_argument("--prompt-file", help="one prompt per file; with --prompts-jsonl, one JSON string per line")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-k", type=int, default=50)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--num-samples", type=int, default=1)
+    g.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
+    g.add_argument("--checkpoint", default="best", choices=["best", "latest", "final"])
+    g.add_argument("--device", default="auto")
+    g.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from .engine import Engine, SamplingParams
+    if a.prompt == "-" or (a.prompt is None and a.prompt_file is None):
+        prompt = sys.stdin.read()
+    elif a.prompt_file:
+        if not os.path.exists(a.prompt_file):
+            raise CLIError(f"--prompt-file {a.prompt_file} does not exist")
+        prompt = open(a.prompt_file, encoding="utf-8").read()
+    else:
+        prompt = a.prompt
+    eng = Engine.from_run(a.run, a.device, a.checkpoint)
+    try:
+        params = SamplingParams(a.max_new_tokens, a.temperature, a.top_k, a.top_p, a.repetition_penalty, a.seed, a.stop)
+        params.validate()
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+    if not prompt:
+        print("note: empty prompt; generating from the start of a document", file=sys.stderr)
+    for i in range(a.num_samples):
+        if a.num_samples > 1:
+            print(f"--- sample {i + 1} ---")
+        if a.seed is not None:
+            params.seed = a.seed + i
+        sys.stdout.write(prompt)
+        for piece in eng.stream(prompt, params):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    return 0
+
+
+def _eval_parser(sub) -> None:
+    e = sub.add_parser("eval", help="loss, perplexity, bits per byte, syntax validity and pass@k of a run")
+    e.add_argument("--run", required=True)
+    e.add_argument("--data", default=None, help="prepared directory (default: the run's training data)")
+    e.add_argument("--eval-iters", type=int, default=50)
+    e.add_argument("--batch-size", type=int, default=8)
+    e.add_argument("--syntax-samples", type=int, default=16, help="completions checked for syntax (0: skip)")
+    e.add_argument("--language", default=None, help="go | python (default: the data's majority language)")
+    e.add_argument("--humaneval", type=int, default=0, metavar="N", help="run pass@k on the first N HumanEval problems")
+    e.add_argument("--k", type=int, nargs="+", default=[1, 10])
+    e.add_argument("--samples-per-problem", type=int, default=10)
+    e.add_argument("--max-new-tokens", type=int, default=256)
+    e.add_argument("--timeout", type=float, default=5.0, help="seconds per sandboxed program")
+    e.add_argument("--checkpoint", default="best", choices=["best", "latest", "final"])
+    e.add_argument("--device", default="auto")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=cmd_eval)
+
+
+def cmd_eval(a: argparse.Namespace) -> int:
+    from .evaluate import run_eval
+    r = run_eval(a.run, data=a.data, eval_iters=a.eval_iters, batch_size=a.batch_size,
+                 syntax_samples=a.syntax_samples, language=a.language, humaneval=a.humaneval, ks=a.k,
+                 samples_per_problem=a.samples_per_problem, max_new_tokens=a.max_new_tokens,
+                 timeout=a.timeout, which=a.checkpoint, device=a.device)
+    if a.json:
+        print(json.dumps(r))
+    else:
+        for k, v in r.items():
+            print(f"{k:20s} {v:.4f}" if isinstance(v, float) else f"{k:20s} {v}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,12 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     from .corpus import CorpusError
     from .shards import ShardError
     from .tokenizer import TokenizerError
-    known: tuple[type[BaseException], ...] = (CLIError, CorpusError, ShardError, TokenizerError)
-    try:
-        from .config import ConfigError
-        known += (ConfigError,)
-    except ImportError:
-        pass
+    from .config import ConfigError
+    from .train.checkpoint import CheckpointError
+    known = (CLIError, CorpusError, ShardError, TokenizerError, ConfigError, CheckpointError)
     t0 = time.perf_counter()
     try:
         return args.func(args)

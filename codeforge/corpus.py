@@ -235,7 +235,9 @@ def _walk(root: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[Docume
         rel = os.path.relpath(dirpath, root)
         parts = () if rel == "." else tuple(Path(rel).parts)
         if any(p in VENDORED_DIRS for p in parts):
-            stats.skipped["vendored"] += sum(1 for n in filenames if os.path.splitext(n)[1] in exts)
+            n = sum(1 for name in filenames if os.path.splitext(name)[1] in exts)
+            if n:
+                stats.skipped["vendored"] += n
             continue
         for name in sorted(filenames):
             if os.path.splitext(name)[1] not in exts:

@@ -1,0 +1,74 @@
+"""The one place that chooses device and precision (and says why), plus peak FLOPs for MFU."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+# Dense bf16/fp16 tensor-core peak, TFLOP/s, from vendor datasheets (no sparsity).
+PEAK_TFLOPS = {
+    "H100 SXM": 989.0, "H100 80GB HBM3": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H200": 989.0,
+    "GH200": 989.0, "A100": 312.0, "A10G": 125.0, "A10": 125.0, "L40S": 362.0, "L4": 121.0, "V100": 125.0,
+    "T4": 65.0, "RTX 4090": 165.0, "RTX 4080": 97.5, "RTX 4070": 58.0, "RTX 3090": 71.0, "RTX 3080": 59.5,
+    "RTX 3060": 25.5, "GTX 1660": 10.0, "MI300X": 1307.0, "MI250X": 383.0, "MI210": 181.0,
+    "RX 7900 XTX": 123.0, "RX 6700 XT": 25.0,
+}
+
+
+def choose_device(requested: str = "auto") -> tuple[torch.device, str]:
+    """(device, reason). auto: CUDA (also ROCm, which PyTorch exposes as cuda), then Apple MPS, then CPU."""
+    if requested and requested != "auto":
+        dev = torch.device(requested)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {requested}: no CUDA/ROCm device is visible; use --device cpu or auto")
+        if dev.type == "mps" and not torch.backends.mps.is_available():
+            raise ValueError(f"--device {requested}: Apple MPS is not available here; use --device cpu or auto")
+        return dev, "requested"
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        kind = "ROCm" if torch.version.hip else "CUDA"
+        return torch.device("cuda", local), f"{kind} device found: {torch.cuda.get_device_name(local)}"
+    if torch.backends.mps.is_available():
+        return torch.device("mps"), "Apple MPS found"
+    return torch.device("cpu"), f"no GPU found; CPU with {torch.get_num_threads()} threads"
+
+
+def choose_precision(device: torch.device, requested: str = "auto") -> tuple[str, str]:
+    """(precision, reason): bf16 where the device supports it, else fp16 with a gradient scaler, fp32 on CPU."""
+    if requested == "fp16" and device.type == "cpu":
+        raise ValueError("--precision fp16 needs a GPU (no fast fp16 matmul or grad scaler on CPU); use fp32 or bf16")
+    if requested != "auto":
+        return requested, "requested"
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return "bf16", "the GPU supports bfloat16 (no loss scaling needed)"
+        return "fp16", "the GPU lacks bfloat16; fp16 with a gradient scaler"
+    if device.type == "mps":
+        return "fp32", "MPS autocast is not used by default; fp32"
+    return "fp32", "CPU: fp32 is the fastest exact choice on most CPUs"
+
+
+def autocast(device: torch.device, precision: str):
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Peak dense FLOP/s of a CUDA/ROCm device from the table, or None (then no MFU is printed)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
+        if key in name:
+            return PEAK_TFLOPS[key] * 1e12
+    return None
+
+
+def memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return 0.0

@@ -1,0 +1,214 @@
+"""Generation: KV cache, batched prompts of different lengths, sampling, stop sequences, streaming.
+
+The engine sees token ids and a model with the shared surface (forward with kv_cache, pos, attn_mask), so it
+works for every preset. Prompts in a batch are left-padded; a boolean mask hides the padding keys and the
+positions of each row start at 0 at its first real token, so a padded row computes what it would alone.
+Prefill runs the whole prompt once; then each step feeds one token per row and reuses the cached keys and
+values, so a step costs O(context) instead of re-running the prompt (O(context^2) per token).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .device import autocast
+from .models.gpt import KVCache
+from .tokenizer import CodeTokenizer
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.8  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    repetition_penalty: float = 1.0  # 1: off (CTRL, Keskar et al. 2019)
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)  # stop sequences (not included in the output)
+    stop_at_eot: bool = True
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens {self.max_new_tokens} must be at least 1")
+        if self.temperature < 0:
+            raise ValueError(f"temperature {self.temperature} must be >= 0 (0 is greedy)")
+        if self.top_k < 0 or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_k {self.top_k} must be >= 0 and top_p {self.top_p} in (0, 1]")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty {self.repetition_penalty} must be > 0")
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Set to -inf every logit outside the top-k and outside the nucleus (the smallest set of tokens whose
+    probabilities sum to at least top_p; Holtzman et al. 2019). logits: (B, vocab)."""
+    if top_k > 0 and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        remove = cum - sorted_logits.softmax(-1) >= top_p  # mass before this token already reaches top_p
+        remove[:, 0] = False  # always keep the most likely token
+        logits = logits.masked_fill(remove.scatter(1, idx, remove), float("-inf"))
+    return logits
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """Divide positive logits (multiply negative ones) of tokens already in the row by `penalty`.
+    seen: (B, vocab) bool."""
+    if penalty == 1.0:
+        return logits
+    pen = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, pen, logits)
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, tokenizer: CodeTokenizer, device: torch.device | str = "cpu",
+                 precision: str = "fp32"):
+        self.model = model.eval()
+        self.tok = tokenizer
+        self.device = torch.device(device)
+        self.precision = precision
+        self.cache_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+            precision, next(model.parameters()).dtype)
+        self.block_size = model.cfg.block_size
+        self.pad_id = tokenizer.special_ids.get("<pad>", 0)
+
+    @classmethod
+    def from_run(cls, run: str, device: str = "auto", which: str = "best") -> "Engine":
+        """An engine over a run's (or checkpoint's) weights, on the chosen device and its precision."""
+        from .device import choose_device, choose_precision
+        from .train.checkpoint import load_model
+        dev, _ = choose_device(device)
+        precision, _ = choose_precision(dev, "auto")
+        model, tok, _, _ = load_model(run, dev, which)
+        return cls(model, tok, dev, precision)
+
+    def _fit_prompt(self, ids: list[int], max_new: int, warn) -> tuple[list[int], int]:
+        if not ids:
+            ids = [self.tok.eot_id]  # an empty prompt starts a new document
+        room = self.block_size - 1
+        if len(ids) > room:
+            warn(f"prompt of {len(ids)} tokens exceeds the context ({self.block_size}); keeping the last {room}")
+            ids = ids[-room:]
+        return ids, min(max_new, self.block_size - len(ids))
+
+    @torch.no_grad()
+    def generate_ids(self, prompts: list[list[int]], p: SamplingParams, warn=None) -> Iterator[list[int | None]]:
+        """Yield, per step, one new token id per row (None for rows that have finished)."""
+        p.validate()
+        warn = warn or (lambda m: print(f"warning: {m}", file=sys.stderr))
+        fitted = [self._fit_prompt(ids, p.max_new_tokens, warn) for ids in prompts]
+        prompts = [f[0] for f in fitted]
+        budgets = [f[1] for f in fitted]
+        B, L = len(prompts), max(map(len, prompts))
+        steps = max(budgets)
+        pads = [L - len(x) for x in prompts]
+        idx = torch.tensor([[self.pad_id] * pd + x for pd, x in zip(pads, prompts)], device=self.device)
+        real = torch.arange(L, device=self.device).unsqueeze(0) >= torch.tensor(pads, device=self.device).unsqueeze(1)
+        pos = (torch.arange(L, device=self.device).unsqueeze(0) - torch.tensor(pads, device=self.device).unsqueeze(1)).clamp(min=0)
+        total = L + steps
+        keymask = torch.zeros(B, total, dtype=torch.bool, device=self.device)
+        keymask[:, :L] = real
+        causal = torch.ones(L, L, dtype=torch.bool, device=self.device).tril()
+        # (B, 1, L, L): causal and not a padding key; a padding query sees itself so its row stays finite.
+        mask = (causal & keymask[:, None, :L]) | torch.eye(L, dtype=torch.bool, device=self.device)
+        mask = mask.unsqueeze(1) if any(pads) else None
+        cache = KVCache(self.model.cfg, B, total, self.device, self.cache_dtype)
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(p.seed if p.seed is not None else torch.seed() % 2**63)
+        seen = torch.zeros(B, self.model.cfg.vocab_size, dtype=torch.bool, device=self.device)
+        seen.scatter_(1, idx, real)
+        done = torch.zeros(B, dtype=torch.bool, device=self.device)
+        budget = torch.tensor(budgets, device=self.device)
+        vocab = self.tok.vocab_size
+        next_pos = pos[:, -1] + 1
+        logits = self._forward(idx, cache, pos, mask)[:, -1, :]
+        for t in range(steps):
+            logits = logits.float()[:, :vocab]  # padded vocab rows are never sampled
+            logits = apply_repetition_penalty(logits, seen[:, :vocab], p.repetition_penalty)
+            if p.temperature == 0:
+                nxt = logits.argmax(-1)
+            else:
+                probs = filter_logits(logits / p.temperature, p.top_k, p.top_p).softmax(-1)
+                nxt = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+            finished_now = done | (budget <= t)
+            out = [None if finished_now[i] else int(nxt[i]) for i in range(B)]
+            yield out
+            done = finished_now | ((nxt == self.tok.eot_id) if p.stop_at_eot else done)
+            if bool(done.all()) or t == steps - 1:
+                return
+            seen[torch.arange(B), nxt] = True
+            keymask[:, L + t] = True
+            step_mask = keymask[:, None, None, :L + t + 1] if any(pads) else None
+            logits = self._forward(nxt.unsqueeze(1), cache, next_pos.unsqueeze(1), step_mask)[:, -1, :]
+            next_pos = next_pos + 1
+
+    def _forward(self, idx, cache, pos, mask):
+        with autocast(self.device, self.precision):
+            return self.model(idx, kv_cache=cache, pos=pos, attn_mask=mask)
+
+    def generate(self, prompts: list[str], p: SamplingParams, warn=None) -> list[str]:
+        """Completions (text after each prompt), cut at end-of-text and at the first stop sequence."""
+        ids = [self.tok.encode(x) for x in prompts]
+        outs: list[list[int]] = [[] for _ in prompts]
+        texts = [""] * len(prompts)
+        stopped = [False] * len(prompts)
+        for step in self.generate_ids(ids, p, warn):
+            for i, t in enumerate(step):
+                if t is None or stopped[i]:
+                    continue
+                if t == self.tok.eot_id and p.stop_at_eot:
+                    stopped[i] = True
+                    continue
+                outs[i].append(t)
+                if p.stop:
+                    text = self.tok.decode(outs[i])
+                    cut = _first_stop(text, p.stop)
+                    if cut is not None:
+                        texts[i], stopped[i] = text[:cut], True
+            if all(stopped):
+                break
+        return [texts[i] if stopped[i] and p.stop and texts[i] else _cut(self.tok.decode(outs[i]), p.stop)
+                for i in range(len(prompts))]
+
+    def stream(self, prompt: str, p: SamplingParams, warn=None) -> Iterator[str]:
+        """New text as it is generated (one prompt). Holds back an incomplete UTF-8 character or a
+        possible start of a stop sequence until it is settled."""
+        out: list[int] = []
+        sent = 0
+        hold = max((len(s) for s in p.stop), default=1) - 1
+        for step in self.generate_ids([self.tok.encode(prompt)], p, warn):
+            t = step[0]
+            if t is None or (t == self.tok.eot_id and p.stop_at_eot):
+                break
+            out.append(t)
+            text = self.tok.decode(out)
+            cut = _first_stop(text, p.stop)
+            if cut is not None:
+                if cut > sent:
+                    yield text[sent:cut]
+                return
+            safe = len(text) - hold
+            if text.endswith("\ufffd"):
+                safe = min(safe, len(text) - 1)
+            if safe > sent:
+                yield text[sent:safe]
+                sent = safe
+        text = _cut(self.tok.decode(out), p.stop)
+        if len(text) > sent:
+            yield text[sent:]
+
+
+def _first_stop(text: str, stops: list[str]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _cut(text: str, stops: list[str]) -> str:
+    i = _first_stop(text, stops)
+    return text if i is None else text[:i]

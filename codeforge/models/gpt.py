@@ -1,0 +1,345 @@
+"""One GPT whose config covers GPT-2 and Llama/Qwen: norm, positions, MLP, GQA, QK-norm, tying, bias, dropout.
+
+GPT-2 (Radford et al. 2019): LayerNorm, learned positions, GELU MLP, bias, tied embeddings.
+Llama/Qwen (Touvron et al. 2023; Qwen2 2024): RMSNorm, rotary positions (Su et al. 2021), SwiGLU MLP
+(Shazeer 2020), grouped-query attention (Ainslie et al. 2023), no bias. ReLU^2 (So et al. 2021) and
+QK-norm (Dehghani et al. 2023) are options. Attention runs through PyTorch SDPA (flash / memory-efficient
+kernels where the device has them).
+
+The surface every model in codeforge shares:
+  forward(idx, targets=None, kv_cache=None, pos=None, attn_mask=None) -> logits (B, T, vocab), or the mean
+  cross-entropy loss when targets are given (targets == -1 are ignored); num_params(); flops_per_token();
+  optim_groups(weight_decay).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+IGNORE_INDEX = -1
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 50304
+    block_size: int = 1024
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    n_kv_head: int = 0  # 0: same as n_head (multi-head attention); fewer: grouped-query attention
+    mlp: str = "gelu"  # gelu | swiglu | relu2
+    ffn_hidden: int = 0  # 0: 4 * n_embd for gelu/relu2; for swiglu 8/3 * n_embd rounded up to 64
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm_eps: float = 1e-5
+    pos: str = "learned"  # learned | rope
+    rope_base: float = 10000.0
+    qk_norm: bool = False
+    tie_embeddings: bool = True
+    bias: bool = True
+    embd_dropout: float = 0.0
+    attn_dropout: float = 0.0
+    resid_dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.n_kv_head:
+            self.n_kv_head = self.n_head
+        if not self.ffn_hidden:
+            self.ffn_hidden = 4 * self.n_embd if self.mlp != "swiglu" else 64 * math.ceil(8 * self.n_embd / 3 / 64)
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GPTConfig":
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown model config keys {sorted(unknown)}; known: {sorted(names)}")
+        return cls(**d)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+
+
+def make_norm(cfg: GPTConfig, dim: int) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(dim, cfg.norm_eps)
+    return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+def rope_tables(head_dim: int, length: int, base: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (length, head_dim // 2) for rotary embeddings (rotate-half convention)."""
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    ang = torch.outer(torch.arange(length, device=device, dtype=torch.float32), inv)
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, n_head, T, head_dim); cos/sin: (B or 1, 1, T, head_dim // 2)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
+
+
+class KVCache:
+    """Keys and values of every layer for up to `max_len` positions: (B, n_kv_head, max_len, head_dim) each."""
+
+    def __init__(self, cfg: GPTConfig, batch: int, max_len: int, device, dtype):
+        shape = (batch, cfg.n_kv_head, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+        self.len = 0  # positions filled so far (the same for every row)
+        self.max_len = max_len
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig, layer: int):
+        super().__init__()
+        if cfg.n_embd % cfg.n_head or cfg.n_head % cfg.n_kv_head:
+            raise ValueError(f"n_embd {cfg.n_embd} must divide by n_head {cfg.n_head}, and n_head by "
+                             f"n_kv_head {cfg.n_kv_head}")
+        self.cfg, self.layer = cfg, layer
+        hd = cfg.head_dim
+        self.c_attn = nn.Linear(cfg.n_embd, (cfg.n_head + 2 * cfg.n_kv_head) * hd, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_proj.residual = True  # scaled at init
+        self.q_norm = make_norm(cfg, hd) if cfg.qk_norm else None
+        self.k_norm = make_norm(cfg, hd) if cfg.qk_norm else None
+        self.resid_drop = nn.Dropout(cfg.resid_dropout)
+
+    def forward(self, x, rope, kv_cache: KVCache | None, attn_mask):
+        B, T, C = x.shape
+        cfg, hd = self.cfg, self.cfg.head_dim
+        qkv = self.c_attn(x)
+        q, k, v = qkv.split([cfg.n_head * hd, cfg.n_kv_head * hd, cfg.n_kv_head * hd], dim=-1)
+        q = q.view(B, T, cfg.n_head, hd).transpose(1, 2)  # (B, n_head, T, hd)
+        k = k.view(B, T, cfg.n_kv_head, hd).transpose(1, 2)  # (B, n_kv_head, T, hd)
+        v = v.view(B, T, cfg.n_kv_head, hd).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if kv_cache is not None:
+            start = kv_cache.len
+            kv_cache.k[self.layer][:, :, start:start + T] = k
+            kv_cache.v[self.layer][:, :, start:start + T] = v
+            k = kv_cache.k[self.layer][:, :, :start + T]
+            v = kv_cache.v[self.layer][:, :, :start + T]
+        is_causal = attn_mask is None and T > 1
+        if attn_mask is None and kv_cache is not None and kv_cache.len > 0 and T > 1:
+            # Chunk after a cached prefix: query i sees every cached key and new keys up to itself.
+            L = k.size(2)
+            attn_mask = torch.ones(T, L, dtype=torch.bool, device=x.device).tril(diagonal=L - T)
+            is_causal = False
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+            dropout_p=cfg.attn_dropout if self.training else 0.0, enable_gqa=cfg.n_kv_head != cfg.n_head)
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, n_embd)
+        return self.resid_drop(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.kind = cfg.mlp
+        if cfg.mlp not in ("gelu", "swiglu", "relu2"):
+            raise ValueError(f"mlp {cfg.mlp!r} is not one of gelu, swiglu, relu2")
+        width = cfg.ffn_hidden * (2 if cfg.mlp == "swiglu" else 1)  # swiglu: gate and up in one matmul
+        self.c_fc = nn.Linear(cfg.n_embd, width, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.ffn_hidden, cfg.n_embd, bias=cfg.bias)
+        self.c_proj.residual = True
+        self.drop = nn.Dropout(cfg.resid_dropout)
+
+    def forward(self, x):
+        h = self.c_fc(x)
+        if self.kind == "swiglu":
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        elif self.kind == "relu2":
+            h = F.relu(h).square()
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.drop(self.c_proj(h))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig, layer: int):
+        super().__init__()
+        self.ln_1 = make_norm(cfg, cfg.n_embd)
+        self.attn = Attention(cfg, layer)
+        self.ln_2 = make_norm(cfg, cfg.n_embd)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, rope=None, kv_cache=None, attn_mask=None):
+        x = x + self.attn(self.ln_1(x), rope, kv_cache, attn_mask)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        if cfg.pos not in ("learned", "rope") or cfg.norm not in ("layernorm", "rmsnorm"):
+            raise ValueError(f"pos must be learned|rope and norm layernorm|rmsnorm, got {cfg.pos}, {cfg.norm}")
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.pos == "learned" else None
+        self.drop = nn.Dropout(cfg.embd_dropout)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.ln_f = make_norm(cfg, cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        if cfg.pos == "rope":
+            cos, sin = rope_tables(cfg.head_dim, cfg.block_size, cfg.rope_base)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.grad_checkpointing = False
+        self.loss_chunk_rows = 0  # > 0: fused chunked lm_head + cross-entropy in training (lm_loss)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """GPT-2 initialisation: every Linear and Embedding weight N(0, 0.02), biases 0, norms 1, and the
+        projections that write into the residual stream N(0, 0.02 / sqrt(2 * n_layer)) so the stream's
+        variance does not grow with depth (Radford et al. 2019, section 2.3)."""
+        std = 0.02
+        for name, m in self.named_modules():
+            if isinstance(m, nn.Linear):
+                s = std / math.sqrt(2 * self.cfg.n_layer) if getattr(m, "residual", False) else std
+                if m is not self.lm_head or not self.cfg.tie_embeddings:
+                    nn.init.normal_(m.weight, 0.0, s)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, 0.0, std)
+            elif isinstance(m, (nn.LayerNorm, RMSNorm)):
+                nn.init.ones_(m.weight)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+        if self.cfg.pos == "rope":  # buffers are not saved; recompute after e.g. to_empty()
+            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.block_size, self.cfg.rope_base,
+                                   device=self.wte.weight.device)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+    # -- the shared surface -------------------------------------------------------------------------------
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Exact count of distinct parameters (a tied lm_head counts once)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.wte.weight.numel() + (self.wpe.weight.numel() if self.wpe is not None else 0)
+        return n
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs per token: 6 per weight-matrix parameter (forward 2, backward 4, Kaplan et al. 2020)
+        including the lm_head matmul even when tied, plus attention scores and values: 6 * 2 * n_layer *
+        n_embd * T (forward 2*2*T*C per layer, backward twice that). Position embeddings are lookups."""
+        T = seq_len or self.cfg.block_size
+        n = self.num_params() - (self.wpe.weight.numel() if self.wpe is not None else 0)
+        if not self.cfg.tie_embeddings:
+            n -= self.wte.weight.numel()  # the input lookup is free; lm_head is the matmul counted
+        return 6 * n + 12 * self.cfg.n_layer * self.cfg.n_embd * T
+
+    def optim_groups(self, weight_decay: float) -> list[dict]:
+        """Matrices (dim >= 2: linear weights, embeddings) decay; biases and norm gains do not. Every
+        parameter is in exactly one group (asserted)."""
+        params = {n: p for n, p in self.named_parameters() if p.requires_grad}
+        decay = [p for p in params.values() if p.dim() >= 2]
+        no_decay = [p for p in params.values() if p.dim() < 2]
+        assert len(decay) + len(no_decay) == len(params), "a parameter is in no optimizer group"
+        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: KVCache | None = None,
+                pos: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None):
+        """idx (B, T) token ids. pos (B, T) positions, default 0..T-1 after what the cache holds.
+        attn_mask (B, 1, T, L) bool, True where a query may attend (for left-padded batches)."""
+        B, T = idx.shape
+        start = kv_cache.len if kv_cache is not None else 0
+        if start + T > self.cfg.block_size:
+            raise ValueError(f"sequence of {start + T} tokens exceeds the model's context of {self.cfg.block_size}")
+        if pos is None:
+            pos = torch.arange(start, start + T, device=idx.device).unsqueeze(0)  # (1, T)
+        x = self.wte(idx)  # (B, T, n_embd)
+        rope = None
+        if self.wpe is not None:
+            x = x + self.wpe(pos)
+        else:
+            rope = (self.rope_cos[pos].unsqueeze(1), self.rope_sin[pos].unsqueeze(1))  # (B|1, 1, T, hd/2)
+        x = self.drop(x)
+        for block in self.blocks:
+            if self.grad_checkpointing and self.training and kv_cache is None:
+                x = torch.utils.checkpoint.checkpoint(block, x, rope, None, attn_mask, use_reentrant=False)
+            else:
+                x = block(x, rope, kv_cache, attn_mask)
+        if kv_cache is not None:
+            kv_cache.len += T
+        x = self.ln_f(x)
+        if targets is None:
+            return self.lm_head(x)
+        return lm_loss(x, self.lm_head.weight, targets, self.loss_chunk_rows if self.training else 0)
+
+
+def lm_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_rows: int = 0) -> torch.Tensor:
+    """Mean next-token cross-entropy of hidden states h (B, T, C) under the output matrix (vocab, C),
+    ignoring targets == -1, with float32 softmax.
+
+    With chunk_rows > 0 and gradients on, the fused path runs: the (B*T, vocab) logits never exist at once
+    (see ChunkedLinearCrossEntropy). Otherwise the plain path: one matmul, then F.cross_entropy."""
+    if chunk_rows > 0 and torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+        return ChunkedLinearCrossEntropy.apply(h.reshape(-1, h.size(-1)), weight, targets.reshape(-1), chunk_rows)
+    logits = F.linear(h, weight)  # (B, T, vocab)
+    return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX)
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Linear layer + mean cross-entropy whose gradients are computed during the forward pass, chunk by
+    chunk of rows, so only one (chunk_rows, vocab) block of logits is alive at a time.
+
+    For a row with logits z = h W^T and target t: loss = logsumexp(z) - z_t, dloss/dz = softmax(z) - onehot(t).
+    Then dL/dh = (dloss/dz) W and dL/dW = sum over rows of (dloss/dz)^T h, both divided by the number of
+    counted rows. The same FLOPs as the plain path (one forward and two backward matmuls), far less memory
+    and memory traffic; backward only scales the stored gradients by the incoming scalar."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, chunk_rows):
+        n_valid = (targets != IGNORE_INDEX).sum().clamp(min=1)
+        grad_h = torch.empty_like(h)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        for i in range(0, h.size(0), chunk_rows):
+            hc, tc = h[i:i + chunk_rows], targets[i:i + chunk_rows]
+            z = F.linear(hc, weight).float()  # (rows, vocab)
+            valid = tc != IGNORE_INDEX
+            tsafe = tc.clamp(min=0).unsqueeze(1)
+            lse = torch.logsumexp(z, dim=-1)
+            loss += ((lse - z.gather(1, tsafe).squeeze(1)) * valid).sum()
+            g = torch.softmax(z, dim=-1)  # reuse for dloss/dz
+            g.scatter_add_(1, tsafe, -torch.ones_like(tsafe, dtype=g.dtype))
+            g *= valid.unsqueeze(1)  # ignored rows contribute nothing
+            g = g.to(h.dtype)
+            grad_h[i:i + chunk_rows] = g @ weight
+            grad_w.addmm_(g.t().float(), hc.float())  # accumulated in float32 across chunks
+        ctx.save_for_backward(grad_h, grad_w, n_valid)
+        ctx.w_dtype = weight.dtype
+        return loss / n_valid
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w, n_valid = ctx.saved_tensors
+        scale = grad_out / n_valid
+        return grad_h * scale.to(grad_h.dtype), (grad_w * scale).to(ctx.w_dtype), None, None

@@ -1,0 +1,152 @@
+"""Checkpoints: atomic save, keep-last-N plus best and final, exact resume.
+
+RUN/checkpoints/step_NNNNNN/
+  model.safetensors   weights (tied tensors stored once)
+  config.json         the resolved run configuration (model + train) and the tokenizer hash
+  train_state.pt      optimizer, grad scaler, loader cursor, RNG states, step and token counters
+  tokenizer/          the tokenizer, so a checkpoint alone can generate
+RUN/checkpoints/latest, best, final   one line each: the name of a step directory
+
+A checkpoint is written to a hidden temporary directory and renamed into place, and `latest` is replaced
+atomically after that, so a crash (even kill -9) never leaves a half-written checkpoint behind `latest`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_model, save_model
+
+STEP_PREFIX = "step_"
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def _write_pointer(ckpt_root: Path, name: str, target: str) -> None:
+    tmp = ckpt_root / f".{name}.tmp"
+    tmp.write_text(target + "\n")
+    os.replace(tmp, ckpt_root / name)
+
+
+def _read_pointer(ckpt_root: Path, name: str) -> Path | None:
+    f = ckpt_root / name
+    if not f.exists():
+        return None
+    p = ckpt_root / f.read_text().strip()
+    return p if (p / "model.safetensors").exists() else None
+
+
+def rng_state() -> dict:
+    s = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        s["cuda"] = torch.cuda.get_rng_state_all()
+    return s
+
+
+def set_rng_state(s: dict) -> None:
+    torch.set_rng_state(s["torch"])
+    np.random.set_state(s["numpy"])
+    random.setstate(s["python"])
+    if "cuda" in s and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, config: dict, train_state: dict,
+                    tokenizer_dir: str | Path | None, keep_last: int, best: bool = False,
+                    final: bool = False) -> Path:
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"{STEP_PREFIX}{step:06d}"
+    tmp = root / f".{name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_model(model, str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    torch.save(train_state, tmp / "train_state.pt")
+    if tokenizer_dir is not None:
+        shutil.copytree(tokenizer_dir, tmp / "tokenizer")
+    final_dir = root / name
+    if final_dir.exists():  # the same step saved again (e.g. final right after a periodic save)
+        shutil.rmtree(final_dir)
+    os.rename(tmp, final_dir)
+    _write_pointer(root, "latest", name)
+    if best:
+        _write_pointer(root, "best", name)
+    if final:
+        _write_pointer(root, "final", name)
+    _prune(root, keep_last)
+    return final_dir
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    steps = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX))
+    keep = set(steps[-keep_last:])
+    for ptr in ("latest", "best", "final"):
+        p = _read_pointer(root, ptr)
+        if p is not None:
+            keep.add(p)
+    for p in steps:
+        if p not in keep:
+            shutil.rmtree(p, ignore_errors=True)
+    for p in root.iterdir():  # leftovers of a crashed save
+        if p.name.startswith(f".{STEP_PREFIX}") and not p.name.endswith(f"-{os.getpid()}"):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def find_checkpoint(path: str | Path, which: str = "latest") -> Path:
+    """A checkpoint directory from a run directory (its latest / best / final) or a checkpoint path."""
+    p = Path(path)
+    if (p / "model.safetensors").exists():
+        return p
+    root = p / "checkpoints"
+    if not p.exists():
+        raise CheckpointError(f"{p} does not exist: pass a run directory (from `codeforge train --out`) or a "
+                              f"checkpoint directory")
+    found = _read_pointer(root, which) if root.exists() else None
+    if found is None and root.exists():  # pointer missing: fall back to the newest complete step
+        steps = sorted(q for q in root.iterdir() if q.name.startswith(STEP_PREFIX) and (q / "model.safetensors").exists())
+        found = steps[-1] if steps else None
+    if found is None:
+        raise CheckpointError(f"no checkpoint in {p}: train first (`codeforge train --out {p}`) or pass a "
+                              f"checkpoint directory")
+    return found
+
+
+def read_config(ckpt: Path) -> dict:
+    return json.loads((ckpt / "config.json").read_text())
+
+
+def load_weights(model: torch.nn.Module, ckpt: Path) -> None:
+    missing, unexpected = load_model(model, str(ckpt / "model.safetensors"), strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"{ckpt}: weights do not fit the model (missing {missing[:5]}, unexpected {unexpected[:5]})")
+
+
+def load_train_state(ckpt: Path) -> dict:
+    return torch.load(ckpt / "train_state.pt", map_location="cpu", weights_only=False)
+
+
+def load_model(path: str | Path, device: torch.device, which: str = "best"):
+    """(model in eval mode, tokenizer, checkpoint dir, saved config) from a run or checkpoint directory."""
+    from ..models.gpt import GPT, GPTConfig
+    from ..tokenizer import CodeTokenizer, TokenizerError
+    ck = find_checkpoint(path, which)
+    cfg = read_config(ck)
+    if not (ck / "tokenizer" / "tokenizer.json").exists():
+        raise CheckpointError(f"{ck} has no tokenizer/ directory; copy the tokenizer the run was trained with "
+                              f"to {ck / 'tokenizer'}")
+    try:
+        tok = CodeTokenizer.load(ck / "tokenizer")
+    except TokenizerError as e:
+        raise CheckpointError(str(e)) from e
+    model = GPT(GPTConfig.from_dict(cfg["model"]))
+    load_weights(model, ck)
+    return model.to(device).eval(), tok, ck, cfg

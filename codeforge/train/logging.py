@@ -1,0 +1,82 @@
+"""Where training reports go: metrics.jsonl (always), TensorBoard, W&B (when asked), a progress bar."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+class RunLogger:
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, tensorboard: bool = True,
+                 wandb: bool = False, wandb_project: str = "codeforge", config: dict | None = None,
+                 progress: bool = True, enabled: bool = True):
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self.tb = self.wb = self.bar = None
+        if not enabled:
+            return
+        if start_step > 0 and self.path.exists():
+            self._truncate_after(start_step)
+        self.f = open(self.path, "a", buffering=1)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step or None)
+        if wandb:
+            try:
+                import wandb as wb
+            except ImportError as e:
+                raise ValueError("--wandb needs the wandb package: pip install 'codeforge[wandb]' "
+                                 "(WANDB_MODE=offline works without a network)") from e
+            self.wb = wb.init(project=wandb_project, dir=str(run_dir), config=config, resume="allow",
+                              id=run_dir.name)
+        if progress:
+            self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True, file=sys.stderr,
+                            disable=None, unit="step")
+
+    def _truncate_after(self, step: int) -> None:
+        """On resume, drop records of steps after the checkpoint: they will be produced again."""
+        keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(ln + "\n" for ln in keep))
+        tmp.replace(self.path)
+
+    def log(self, rec: dict) -> None:
+        if not self.enabled:
+            return
+        self.f.write(json.dumps(rec) + "\n")
+        step = rec["step"]
+        for k, v in rec.items():
+            if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+                if self.tb:
+                    self.tb.add_scalar(k if "/" in k else ("val/" if k.startswith("val_") else "train/") + k, v, step)
+        if self.wb:
+            self.wb.log(rec, step=step)
+
+    def progress(self, step: int, postfix: dict) -> None:
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.set_postfix(postfix, refresh=False)
+            self.bar.refresh()
+
+    def message(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.f.close()
+        if self.tb:
+            self.tb.close()
+        if self.wb:
+            self.wb.finish()
+        if self.bar is not None:
+            self.bar.close()
