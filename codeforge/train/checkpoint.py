@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_model as st_load_model
+from safetensors.torch import save_model as st_save_model
 
 STEP_PREFIX = "step_"
 
@@ -68,7 +69,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, conf
     tmp = root / f".{name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_model(model, str(tmp / "model.safetensors"))
+    st_save_model(model, str(tmp / "model.safetensors"))
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     torch.save(train_state, tmp / "train_state.pt")
     if tokenizer_dir is not None:
@@ -125,7 +126,7 @@ def read_config(ckpt: Path) -> dict:
 
 
 def load_weights(model: torch.nn.Module, ckpt: Path) -> None:
-    missing, unexpected = load_model(model, str(ckpt / "model.safetensors"), strict=False)
+    missing, unexpected = st_load_model(model, str(ckpt / "model.safetensors"), strict=False)
     if missing or unexpected:
         raise CheckpointError(f"{ckpt}: weights do not fit the model (missing {missing[:5]}, unexpected {unexpected[:5]})")
 

@@ -1,0 +1,129 @@
+"""Run untrusted generated Python code with time, memory, process and network limits.
+
+Layers, outermost first (none alone is a container; together they stop what generated code does by
+accident or on purpose in pass@k evaluation):
+  1. a separate process in its own session, killed with its whole process group at the wall-clock limit;
+  2. rlimits: address space (memory), CPU seconds, file size, and no core dumps;
+  3. a new network namespace where the kernel allows it (root or user namespaces): no interface but a
+     down loopback, so nothing is reachable;
+  4. a prelude run before the code: disables process creation (fork, exec, subprocess, os.system), sockets,
+     and file access outside the scratch directory (reads of Python's own installation stay allowed);
+  5. an empty scratch directory as cwd, HOME and TMPDIR, removed afterwards; an environment with nothing of
+     the user's (only PATH and the locale).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+CLONE_NEWNET = 0x40000000
+
+PRELUDE = r'''
+import builtins, io, os, sys
+_scratch = os.path.realpath(os.getcwd())
+_allowed_read = tuple(os.path.realpath(p) for p in {sys.prefix, sys.base_prefix, sys.exec_prefix} | set(p for p in sys.path if p))
+_real_open = builtins.open
+def _guarded_open(file, mode="r", *a, **k):
+    if isinstance(file, int):
+        return _real_open(file, mode, *a, **k)
+    p = os.path.realpath(os.fspath(file))
+    inside = p == _scratch or p.startswith(_scratch + os.sep)
+    if not inside and (any(c in mode for c in "wax+") or not p.startswith(_allowed_read)):
+        raise PermissionError(f"sandbox: access to {p} is not allowed")
+    return _real_open(file, mode, *a, **k)
+builtins.open = io.open = _guarded_open
+def _blocked(*a, **k):
+    raise PermissionError("sandbox: not allowed")
+for _name in ("fork", "forkpty", "system", "popen", "execv", "execve", "execl", "execle", "execlp", "execvp",
+              "execvpe", "spawnv", "spawnve", "spawnl", "posix_spawn", "posix_spawnp", "kill", "killpg",
+              "remove", "unlink", "rmdir", "removedirs", "rename", "replace", "chmod", "chown", "putenv"):
+    if hasattr(os, _name):
+        setattr(os, _name, _blocked)
+import socket as _socket
+class _NoSocket(_socket.socket):
+    def __init__(self, *a, **k):
+        raise PermissionError("sandbox: network access is not allowed")
+_socket.socket = _NoSocket
+_socket.create_connection = _blocked
+_socket.getaddrinfo = _blocked
+import subprocess as _subprocess
+_subprocess.Popen = _blocked
+for _mod in ("shutil", "multiprocessing", "ctypes", "resource"):
+    sys.modules[_mod] = None
+del _name, _mod
+'''
+
+
+@dataclass
+class SandboxResult:
+    status: str  # passed | failed | timeout | memory | error
+    detail: str
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+
+def _limits(memory_mb: int, cpu_seconds: int, isolate_net: bool):
+    def apply() -> None:
+        mem = memory_mb * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 1))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 2**20, 16 * 2**20))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if isolate_net:
+            try:
+                ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWNET)
+            except Exception:  # not permitted here: the prelude still blocks sockets
+                pass
+    return apply
+
+
+def run_python(code: str, timeout: float = 5.0, memory_mb: int = 1024, isolate_net: bool = True) -> SandboxResult:
+    """Run `code` under the limits above. passed: exit 0; failed: an exception or non-zero exit (the last
+    line of stderr in detail); timeout; memory: MemoryError or killed by the address-space limit."""
+    scratch = tempfile.mkdtemp(prefix="codeforge-sandbox-")
+    path = os.path.join(scratch, "program.py")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(PRELUDE + "\n" + code)
+    env = {"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8",
+           "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-I", "program.py"], cwd=scratch, env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=_limits(memory_mb, int(timeout) + 1, isolate_net))
+    try:
+        _, err = proc.communicate(timeout=timeout)
+        status = None
+    except subprocess.TimeoutExpired:
+        status = "timeout"
+        err = b""
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the program and anything it managed to start
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        shutil.rmtree(scratch, ignore_errors=True)
+    seconds = time.perf_counter() - t0
+    text = err.decode("utf-8", "replace").strip()
+    last = text.splitlines()[-1] if text else ""
+    if status == "timeout":
+        return SandboxResult("timeout", f"exceeded {timeout}s", seconds)
+    if proc.returncode == 0:
+        return SandboxResult("passed", "", seconds)
+    if "MemoryError" in last or proc.returncode == -signal.SIGKILL and not last:
+        return SandboxResult("memory", last or "killed (memory limit)", seconds)
+    if proc.returncode in (-signal.SIGXCPU,):
+        return SandboxResult("timeout", "CPU time limit", seconds)
+    return SandboxResult("failed", last or f"exit code {proc.returncode}", seconds)
