@@ -280,30 +280,16 @@ class Trainer:
                 "skipped_steps": self.skipped, "run_dir": str(self.run_dir)}
 
     def _optimisation_step(self) -> tuple[float, float]:
-        """One optimizer step over grad_accum_steps micro-batches. A non-finite loss or gradient skips the
-        update (weights stay finite); too many in a row stops the run."""
+        """One optimizer step at this step's learning rate; counts skipped (non-finite) steps and stops the run
+        after max_bad_steps of them in a row."""
         t = self.cfg.train
         lr = lr_at(self.step, base_lr=t.learning_rate, warmup=t.warmup_steps, total=self.total_steps,
                    schedule=t.schedule, min_ratio=t.min_lr_ratio, decay_fraction=t.decay_fraction)
         for g in self.opt.param_groups:
             g["lr"] = lr
-        loss_acc = torch.zeros((), device=self.device)
-        for micro in range(t.grad_accum_steps):
-            x, y = self.loader.next_batch()
-            sync = micro == t.grad_accum_steps - 1
-            ctx = self.fwd.no_sync() if self.ddp and not sync else contextlib.nullcontext()
-            with ctx:
-                with autocast(self.device, self.precision):
-                    loss = self.fwd(x, y) / t.grad_accum_steps
-                self.scaler.scale(loss).backward()
-            loss_acc += loss.detach()
-        self.scaler.unscale_(self.opt)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf)
-        # One host sync per optimizer step: is the loss or the gradient non-finite?
-        loss_v, norm_v = torch.stack([loss_acc.float(), norm.float()]).tolist()
-        fp16_overflow = self.precision == "fp16" and math.isfinite(loss_v) and not math.isfinite(norm_v)
-        if math.isfinite(loss_v) and (math.isfinite(norm_v) or fp16_overflow):
-            self.scaler.step(self.opt)  # fp16 overflow: the scaler skips the step and lowers the scale
+        loss_v, norm_v, applied = train_step(self.fwd, self.model, self.opt, self.scaler, self.loader.next_batch,
+                                             t.grad_accum_steps, t.grad_clip, self.device, self.precision, self.ddp)
+        if applied:
             self.bad_in_row = 0
         else:
             self.skipped += 1
@@ -314,6 +300,30 @@ class Trainer:
                     f"{self.bad_in_row} non-finite losses in a row at step {self.step + 1}; stopping without writing "
                     f"NaN weights. Lower --learning-rate, check the data, or use --precision bf16/fp32; the last "
                     f"good checkpoint is in {self.run_dir / 'checkpoints'}")
-        self.scaler.update()
-        self.opt.zero_grad(set_to_none=True)
         return loss_v, norm_v
+
+
+def train_step(fwd, model, opt, scaler, next_batch, accum: int, clip: float, device: torch.device,
+               precision: str, ddp: bool = False) -> tuple[float, float, bool]:
+    """Forward/backward over `accum` micro-batches, unscale, clip, and step unless the loss or the gradient
+    is non-finite (then the weights stay as they were). Returns (mean loss, grad norm, applied). The single
+    host sync per optimizer step is the read of loss and norm together. The benchmarks time this function."""
+    loss_acc = torch.zeros((), device=device)
+    for micro in range(accum):
+        x, y = next_batch()
+        ctx = fwd.no_sync() if ddp and micro < accum - 1 else contextlib.nullcontext()
+        with ctx:
+            with autocast(device, precision):
+                loss = fwd(x, y) / accum
+            scaler.scale(loss).backward()
+        loss_acc += loss.detach()
+    scaler.unscale_(opt)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else math.inf)
+    loss_v, norm_v = torch.stack([loss_acc.float(), norm.float()]).tolist()
+    fp16_overflow = precision == "fp16" and math.isfinite(loss_v) and not math.isfinite(norm_v)
+    applied = math.isfinite(loss_v) and (math.isfinite(norm_v) or fp16_overflow)
+    if applied:
+        scaler.step(opt)  # on an fp16 overflow the scaler skips the step itself and lowers the scale
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+    return loss_v, norm_v, applied

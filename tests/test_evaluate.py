@@ -1,0 +1,44 @@
+import math
+
+import pytest
+
+from codeforge.evaluate import function_prompts, is_valid_syntax, pass_at_k, token_byte_lengths
+from codeforge.tokenizer import CodeTokenizer
+
+
+def test_pass_at_k_hand_computed():
+    assert pass_at_k(5, 2, 1) == pytest.approx(0.4)
+    assert pass_at_k(10, 3, 5) == pytest.approx(1 - 21 / 252)  # 1 - C(7,5)/C(10,5)
+    assert pass_at_k(10, 0, 5) == 0.0
+    assert pass_at_k(10, 10, 1) == 1.0
+    assert pass_at_k(4, 1, 4) == 1.0  # n - c < k
+    assert pass_at_k(200, 13, 10) == pytest.approx(1 - math.comb(187, 10) / math.comb(200, 10))
+    with pytest.raises(ValueError):
+        pass_at_k(3, 1, 5)
+
+
+def test_syntax_valid_and_broken():
+    assert is_valid_syntax("def f(x):\n    return x + 1\n", "python")
+    assert not is_valid_syntax("def f(x):\n    return (x + \n", "python")
+    assert not is_valid_syntax("def f(x)\n    return x\n", "python")
+    assert is_valid_syntax("func Add(a, b int) int {\n\treturn a + b\n}\n", "go")
+    assert is_valid_syntax("package main\n\nfunc main() {\n\tprintln(1)\n}\n", "go")
+    assert not is_valid_syntax("func Add(a, b int) int {\n\treturn a +\n", "go")
+    assert not is_valid_syntax("func Add(a b int int {\n}\n", "go")
+
+
+def test_function_prompts_cut_signature_and_doc():
+    py = 'import os\n\ndef f(x):\n    """Doc."""\n    return x\n\n\ndef g():\n    pass\n'
+    ps = function_prompts(py, "python", 5)
+    assert ps[0] == 'def f(x):\n    """Doc."""\n    ' and ps[1] == "def g():\n    "
+    go = "package p\n\n// Add adds.\nfunc Add(a, b int) int {\n\treturn a + b\n}\n"
+    assert function_prompts(go, "go", 5) == ["// Add adds.\nfunc Add(a, b int) int {\n\t"]
+
+
+def test_token_byte_lengths_sum_to_text_bytes(tokenizer_dir):
+    tok = CodeTokenizer.load(tokenizer_dir)
+    lens = token_byte_lengths(tok)
+    for text in ["func main() {\n\tfmt.Println(\"héllo ✓\")\n}\n", "x = 1  # 🎉\r\n"]:
+        ids = tok.encode(text)
+        assert int(lens[ids].sum()) == len(text.encode("utf-8"))
+    assert lens[tok.eot_id] == 0

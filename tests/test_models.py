@@ -1,0 +1,117 @@
+import pytest
+import torch
+
+from codeforge.config import resolve
+from codeforge.models.gpt import GPT, GPTConfig, lm_loss
+from codeforge.train.optim import build_optimizer, lr_at
+
+# The README's table: true parameter counts at each preset's listed vocabulary.
+COUNTS = {
+    "gpt2-tiny": 51_500_032, "gpt2-small": 124_475_904, "gpt2-medium": 254_101_504,
+    "fragment-lowend": 5_785_088, "fragment-midrange": 14_684_160, "fragment-highend": 93_522_432,
+    "tiny": 11_340_032, "medium": 109_529_856, "large": 1_034_344_000, "xlarge": 2_078_967_808,
+    "qwen-small": 128_404_224,
+}
+
+
+@pytest.mark.parametrize("name", list(COUNTS))
+def test_presets_build_with_stated_counts(name):
+    cfg = resolve([name]).model
+    with torch.device("meta"):
+        model = GPT(cfg)
+    assert model.num_params() == COUNTS[name]
+
+
+def test_gpt2_small_count_by_formula():
+    V, T, C, L = 50304, 1024, 768, 12
+    assert COUNTS["gpt2-small"] == V * C + T * C + L * (12 * C * C + 13 * C) + 2 * C
+
+
+def small(**kw):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=300, block_size=32, n_layer=2, n_head=4, n_embd=64, **kw))
+
+
+@pytest.mark.parametrize("kw", [{}, dict(norm="rmsnorm", pos="rope", mlp="swiglu", n_kv_head=2, bias=False,
+                                         tie_embeddings=False, qk_norm=True), dict(mlp="relu2")])
+def test_forward_shapes_groups_and_init(kw):
+    m = small(**kw)
+    x = torch.randint(0, 300, (3, 16))
+    assert m(x).shape == (3, 16, 300)
+    loss = m(x, torch.randint(0, 300, (3, 16)))
+    assert loss.ndim == 0 and abs(loss.item() - torch.log(torch.tensor(300.0)).item()) < 0.5  # ~uniform at init
+    groups = m.optim_groups(0.1)
+    ids = [id(p) for g in groups for p in g["params"]]
+    assert len(ids) == len(set(ids)) == len(list(m.parameters()))
+    assert m.blocks[0].attn.c_proj.weight.std().item() < 0.02 / 1.5  # residual projections scaled by depth
+
+
+def test_chunked_loss_equals_plain_fp32():
+    torch.manual_seed(0)
+    h = torch.randn(2, 40, 16, requires_grad=True)
+    w = torch.randn(97, 16, requires_grad=True)
+    y = torch.randint(0, 97, (2, 40))
+    y[0, :5] = -1  # ignored targets
+    ref = lm_loss(h, w, y)
+    gh, gw = torch.autograd.grad(ref, [h, w])
+    fast = lm_loss(h, w, y, chunk_rows=7)
+    fh, fw = torch.autograd.grad(fast * 1.0, [h, w])
+    assert torch.allclose(fast, ref, atol=1e-6)
+    assert torch.allclose(fh, gh, atol=1e-6) and torch.allclose(fw, gw, atol=1e-6)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_fast_path_loss_curve_matches_plain(precision):
+    """Training with the fused chunked loss follows the plain path's losses (bf16: within bf16 tolerance)."""
+    from codeforge.device import autocast
+    curves = {}
+    for rows in (0, 24):
+        m = small()
+        m.loss_chunk_rows = rows
+        opt = build_optimizer(m, "adamw", 3e-3, 0.1, (0.9, 0.95), torch.device("cpu"))
+        g = torch.Generator().manual_seed(1)
+        data = torch.randint(0, 300, (8, 4, 33), generator=g)
+        out = []
+        for step in range(8):
+            x, y = data[step, :, :-1], data[step, :, 1:]
+            with autocast(torch.device("cpu"), precision):
+                loss = m(x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        curves[rows] = out
+    tol = 1e-5 if precision == "fp32" else 3e-2
+    assert all(abs(a - b) < tol for a, b in zip(curves[0], curves[24])), curves
+
+
+def test_gradient_checkpointing_same_grads():
+    grads = []
+    for ckpt in (False, True):
+        m = small()
+        m.grad_checkpointing = ckpt
+        x = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(3))
+        m(x, x).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in m.parameters()]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+def test_context_overflow_refused():
+    with pytest.raises(ValueError, match="exceeds the model's context of 32"):
+        small()(torch.zeros(1, 33, dtype=torch.long))
+
+
+def test_schedules():
+    kw = dict(base_lr=1.0, warmup=10, total=110, min_ratio=0.1)
+    assert lr_at(0, **kw) == pytest.approx(0.1) and lr_at(9, **kw) == pytest.approx(1.0)
+    assert lr_at(110, **kw) == pytest.approx(0.1) and lr_at(60, **kw) == pytest.approx(0.55)
+    assert lr_at(60, schedule="linear", **kw) == pytest.approx(0.55)
+    assert lr_at(100, schedule="constant", **kw) == 1.0
+    assert lr_at(50, schedule="wsd", **kw) == 1.0 and lr_at(110, schedule="wsd", **kw) == pytest.approx(0.1)
+    assert lr_at(100, schedule="wsd", **kw) == pytest.approx(1.0 - 0.9 * 0.5)
+
+
+def test_adamw8bit_refused_on_cpu():
+    with pytest.raises(ValueError, match="adamw8bit needs a CUDA device"):
+        build_optimizer(small(), "adamw8bit", 1e-3, 0.1, (0.9, 0.95), torch.device("cpu"))

@@ -1,0 +1,171 @@
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from codeforge.config import ConfigError, resolve
+from codeforge.train.checkpoint import find_checkpoint, load_train_state
+from codeforge.train.trainer import Trainer, TrainingError
+
+TINY = {"model.n_layer": 2, "model.n_head": 2, "model.n_embd": 64, "model.block_size": 32,
+        "train.batch_size": 4, "train.learning_rate": 3e-3, "train.warmup_steps": 2, "train.eval_every": 5,
+        "train.eval_iters": 2, "train.save_every": 4, "train.log_every": 1, "train.progress": False,
+        "train.device": "cpu", "train.loss_chunk_rows": 0}
+
+
+def cfg_for(data_dir, out, **over):
+    flags = {**TINY, "train.data": str(data_dir), "train.out": str(out)}
+    flags.update({k.replace("__", "."): v for k, v in over.items()})
+    return resolve([], None, [], flags, vocab_from_data=True)
+
+
+def losses(run):
+    recs = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
+    return {r["step"]: r["loss"] for r in recs if "loss" in r}
+
+
+def test_loss_falls_and_files_written(data_dir, tmp_path):
+    r = Trainer(cfg_for(data_dir, tmp_path / "run", train__max_iters=60), log=lambda m: None).run()
+    ls = losses(tmp_path / "run")
+    first = sum(ls[s] for s in range(1, 6)) / 5
+    last = sum(ls[s] for s in range(56, 61)) / 5
+    assert last < first - 1.0, (first, last)
+    assert r["step"] == 60 and r["val_loss"] is not None and math.isfinite(r["val_loss"])
+    recs = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
+    train = [x for x in recs if "loss" in x]
+    assert all({"step", "loss", "lr", "tokens_per_s"} <= set(x) for x in train)
+    assert any("val_loss" in x and "val_bpb" in x for x in recs)
+    assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+    ck = tmp_path / "run" / "checkpoints"
+    names = sorted(p.name for p in ck.iterdir() if p.name.startswith("step_"))
+    # keep_last 3 plus best: periodic saves at 4..56, final at 60
+    assert names[-1] == "step_000060" and len(names) <= 4
+    assert (ck / "final").read_text().strip() == "step_000060"
+    assert (tmp_path / "run" / "config.toml").exists()
+
+
+def test_stop_and_resume_equals_straight(data_dir, tmp_path, monkeypatch):
+    over = dict(train__max_iters=12, model__resid_dropout=0.1, model__attn_dropout=0.1, train__grad_accum_steps=2)
+    Trainer(cfg_for(data_dir, tmp_path / "a", **over), log=lambda m: None).run()
+    straight = losses(tmp_path / "a")
+
+    # Second run: SIGTERM arrives during step 6; the trainer saves and exits, then --resume finishes.
+    import codeforge.train.trainer as tr
+    real = tr.Trainer._optimisation_step
+
+    def step_then_signal(self):
+        out = real(self)
+        if self.step == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(tr.Trainer, "_optimisation_step", step_then_signal)
+    r = Trainer(cfg_for(data_dir, tmp_path / "b", **over), log=lambda m: None).run()
+    assert r["interrupted"] == "SIGTERM" and r["step"] == 6
+    monkeypatch.setattr(tr.Trainer, "_optimisation_step", real)
+    with pytest.raises(ConfigError, match="--resume"):
+        Trainer(cfg_for(data_dir, tmp_path / "b", **over), log=lambda m: None)
+    Trainer(cfg_for(data_dir, tmp_path / "b", **over), resume=True, log=lambda m: None).run()
+    resumed = losses(tmp_path / "b")
+    assert sorted(resumed) == sorted(straight) == list(range(1, 13))
+    assert all(resumed[s] == straight[s] for s in straight), (resumed, straight)
+
+
+@pytest.mark.parametrize("dummy", [0])
+def test_kill_9_leaves_resumable_checkpoint(data_dir, tmp_path, dummy):
+    common = ["--data", str(data_dir), "--n-layer", "2", "--n-head", "2", "--n-embd", "128", "--block-size", "64",
+              "--batch-size", "8", "--schedule", "constant", "--warmup-steps", "0", "--eval-every", "0",
+              "--save-every", "5", "--log-every", "1", "--device", "cpu", "--no-progress", "--dropout", "0.1"]
+    ref = tmp_path / "ref"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    run = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "codeforge", "train", *common, "--out", str(run),
+                             "--max-iters", "100000"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    latest = run / "checkpoints" / "latest"
+    while time.time() < deadline and not (latest.exists() and latest.read_text().strip() >= "step_000015"):
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    ck = find_checkpoint(run)
+    start = load_train_state(ck)["step"]
+    assert start >= 15
+    end = start + 6
+    # Resume the killed run to `end`; train a reference straight to `end` with the same settings.
+    assert subprocess.run([sys.executable, "-m", "codeforge", "train", *common, "--out", str(run), "--resume",
+                           "--max-iters", str(end)], env=env, capture_output=True).returncode == 0
+    assert subprocess.run([sys.executable, "-m", "codeforge", "train", *common, "--out", str(ref),
+                           "--max-iters", str(end)], env=env, capture_output=True).returncode == 0
+    a, b = losses(run), losses(ref)
+    assert all(a[s] == b[s] for s in range(1, end + 1)), [(s, a.get(s), b[s]) for s in range(start - 2, end + 1)]
+
+
+def test_non_finite_loss_stops_without_nan_weights(data_dir, tmp_path, monkeypatch):
+    import codeforge.models.gpt as gpt
+    real = gpt.lm_loss
+    calls = {"n": 0}
+
+    def nan_after_some(*a, **k):
+        calls["n"] += 1
+        loss = real(*a, **k)
+        return loss * float("nan") if calls["n"] > 3 else loss
+
+    monkeypatch.setattr(gpt, "lm_loss", nan_after_some)
+    t = Trainer(cfg_for(data_dir, tmp_path / "run", train__max_iters=50, train__eval_every=0, train__max_bad_steps=4),
+                log=lambda m: None)
+    with pytest.raises(TrainingError, match="4 non-finite losses in a row"):
+        t.run()
+    assert t.skipped == 4 and t.step == 6  # 3 good steps, then 3 skipped ones counted before the 4th stops it
+    assert all(torch.isfinite(p).all() for p in t.model.parameters())
+
+
+def test_bad_configs_refused():
+    with pytest.raises(ConfigError, match=r"model.n_layer = 0 is out of range \[1, 256\]; set --n-layer"):
+        resolve([], None, [], {"model.n_layer": 0})
+    with pytest.raises(ConfigError, match=r"train.learning_rate = 0.0 is out of range \(0.0"):
+        resolve([], None, ["train.learning_rate=0"])
+    with pytest.raises(ConfigError, match="not divisible by model.n_head"):
+        resolve([], None, ["n_embd=100", "n_head=3"])
+    with pytest.raises(ConfigError, match="dropout"):
+        resolve(["fragment-lowend"], None, ["resid_dropout=0.95"])
+    with pytest.raises(ConfigError, match="unknown setting 'model.n_layers'"):
+        resolve([], None, ["model.n_layers=4"])
+    with pytest.raises(ConfigError, match="key=value"):
+        resolve([], None, ["n_layer"])
+    with pytest.raises(ConfigError, match="unknown preset 'gpt5'"):
+        resolve(["gpt5"])
+    with pytest.raises(ConfigError, match="not an integer"):
+        resolve([], None, ["n_layer=two"])
+    with pytest.raises(ConfigError, match="schedule"):
+        resolve([], None, ["schedule=exp"])
+
+
+def test_config_precedence_and_file(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[model]\nn_layer = 3\n[train]\nbatch_size = 5\n")
+    y = tmp_path / "c.yaml"
+    y.write_text("model:\n  n_layer: 7\n")
+    c = resolve(["fragment-lowend", "lowend-cpu"], str(f), ["train.batch_size=6"], {"model.n_head": 2})
+    assert (c.model.n_layer, c.model.n_embd, c.model.n_head, c.train.batch_size, c.train.grad_accum_steps) == (3, 256, 2, 6, 16)
+    assert c.model.ffn_hidden == 1024 and c.model.n_kv_head == 2  # derived after overrides
+    assert resolve([], str(y)).model.n_layer == 7
+
+
+def test_init_from_checks_shape_and_tokenizer(data_dir, tmp_path):
+    Trainer(cfg_for(data_dir, tmp_path / "a", train__max_iters=4), log=lambda m: None).run()
+    with pytest.raises(ConfigError, match="model shape differs.*n_layer"):
+        Trainer(cfg_for(data_dir, tmp_path / "b", train__max_iters=4, model__n_layer=3,
+                        train__init_from=str(tmp_path / "a")), log=lambda m: None)
+    t = Trainer(cfg_for(data_dir, tmp_path / "c", train__max_iters=4, train__init_from=str(tmp_path / "a")),
+                log=lambda m: None)
+    from safetensors.torch import load_file
+    saved = load_file(str(find_checkpoint(tmp_path / "a", "best") / "model.safetensors"))
+    assert torch.equal(t.model.wte.weight, saved["wte.weight"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        Trainer(cfg_for(data_dir, tmp_path / "d", train__init_from=str(tmp_path / "nope")), log=lambda m: None)
