@@ -137,14 +137,17 @@ class Engine:
                 probs = filter_logits(logits / p.temperature, p.top_k, p.top_p).softmax(-1)
                 nxt = torch.multinomial(probs, 1, generator=gen).squeeze(1)
             finished_now = done | (budget <= t)
-            out = [None if finished_now[i] else int(nxt[i]) for i in range(B)]
-            yield out
+            ids, fin = nxt.tolist(), finished_now.tolist()  # one host transfer per step
+            yield [None if f else i for i, f in zip(ids, fin)]
             done = finished_now | ((nxt == self.tok.eot_id) if p.stop_at_eot else done)
-            if bool(done.all()) or t == steps - 1:
+            if t == steps - 1 or all(f or (p.stop_at_eot and i == self.tok.eot_id) for i, f in zip(ids, fin)):
                 return
-            seen[torch.arange(B), nxt] = True
-            keymask[:, L + t] = True
-            step_mask = keymask[:, None, None, :L + t + 1] if any(pads) else None
+            if p.repetition_penalty != 1.0:
+                seen[torch.arange(B), nxt] = True
+            step_mask = None
+            if any(pads):
+                keymask[:, L + t] = True
+                step_mask = keymask[:, None, None, :L + t + 1]
             logits = self._forward(nxt.unsqueeze(1), cache, next_pos.unsqueeze(1), step_mask)[:, -1, :]
             next_pos = next_pos + 1
 
