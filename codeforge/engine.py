@@ -97,7 +97,7 @@ class Engine:
             ids = ids[-room:]
         return ids, min(max_new, self.block_size - len(ids))
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate_ids(self, prompts: list[list[int]], p: SamplingParams, warn=None) -> Iterator[list[int | None]]:
         """Yield, per step, one new token id per row (None for rows that have finished)."""
         p.validate()
