@@ -221,6 +221,8 @@ def cmd_train(a: argparse.Namespace) -> int:
         r = Trainer(cfg, resume=a.resume).run()
     except TrainingError as e:
         raise CLIError(str(e)) from e
+    if os.environ.get("RANK", "0") != "0":
+        return 0
     msg = f"done: step {r['step']}, {r['tokens']:,} tokens"
     if r["val_loss"] is not None:
         msg += f", val loss {r['val_loss']:.4f}"

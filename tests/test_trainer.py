@@ -169,3 +169,18 @@ def test_init_from_checks_shape_and_tokenizer(data_dir, tmp_path):
     assert torch.equal(t.model.wte.weight, saved["wte.weight"])
     with pytest.raises(ConfigError, match="does not exist"):
         Trainer(cfg_for(data_dir, tmp_path / "d", train__init_from=str(tmp_path / "nope")), log=lambda m: None)
+
+
+def test_torchrun_two_ranks_cpu(data_dir, tmp_path):
+    """Data parallel through torchrun (gloo on CPU): both ranks step together, rank 0 writes the run."""
+    out = tmp_path / "ddp"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        "-m", "codeforge", "train", "--data", str(data_dir), "--out", str(out), "--n-layer", "2",
+                        "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "4", "--max-iters", "6",
+                        "--eval-every", "3", "--save-every", "3", "--log-every", "1", "--no-progress", "--device", "cpu"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("done: step 6") == 1  # printed by rank 0 only
+    assert "x 2 rank(s)" in r.stdout
+    assert sorted(losses(out)) == [1, 2, 3, 4, 5, 6]
+    assert find_checkpoint(out).name == "step_000006"

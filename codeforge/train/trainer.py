@@ -238,6 +238,11 @@ class Trainer:
         t_last, tokens_last = time.perf_counter(), self.tokens
         try:
             while True:
+                if self.ddp:  # every rank must agree to stop at the same step, or the others hang in all-reduce
+                    flag = torch.tensor([1 if stop["signal"] else 0], device=self.device)
+                    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+                    if flag.item() and not stop["signal"]:
+                        stop["signal"] = "SIGTERM"
                 last = self.step >= total
                 fresh = self.step != start_step or start_step == 0
                 if fresh and ((t.eval_every and self.step % t.eval_every == 0) or last):
