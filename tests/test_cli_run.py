@@ -1,0 +1,72 @@
+"""train / generate / eval as a user runs them, including bad input."""
+
+import json
+import shutil
+
+import pytest
+
+from codeforge.cli import main
+
+
+@pytest.fixture(scope="module")
+def run_dir(data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "r"
+    assert main(["train", "--data", str(data_dir), "--out", str(out), "--n-layer", "2", "--n-head", "2",
+                 "--n-embd", "64", "--block-size", "64", "--batch-size", "4", "--max-iters", "8", "--eval-every", "4",
+                 "--eval-iters", "2", "--sample-every", "4", "--no-progress", "--device", "cpu"]) == 0
+    return out
+
+
+def test_generate_prints_prompt_and_completion(run_dir, capsys):
+    assert main(["generate", "--run", str(run_dir), "--prompt", "def f(x):", "--max-new-tokens", "8",
+                 "--seed", "1", "--num-samples", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("def f(x):") == 2 and "--- sample 2 ---" in out
+    assert (run_dir / "samples.jsonl").exists()
+
+
+def test_generate_from_stdin_and_empty_prompt(run_dir, capsys, monkeypatch):
+    import io
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert main(["generate", "--run", str(run_dir), "--max-new-tokens", "4", "--seed", "0"]) == 0
+    assert "empty prompt" in capsys.readouterr().err
+
+
+def test_eval_json_keys(run_dir, capsys):
+    assert main(["eval", "--run", str(run_dir), "--eval-iters", "2", "--batch-size", "2", "--syntax-samples", "2",
+                 "--humaneval", "1", "--samples-per-problem", "2", "--k", "1", "2", "--max-new-tokens", "16",
+                 "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    for k in ("val_loss", "perplexity", "bits_per_byte", "syntax_valid_rate", "pass_at_1", "pass_at_k"):
+        assert k in r
+    assert r["pass_at_k"] == {"2": 0.0} or set(r["pass_at_k"]) == {"2"}
+    assert r["val_loss"] > 0 and 0 <= r["syntax_valid_rate"] <= 1
+    lines = (run_dir / "eval.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1])["val_loss"] == r["val_loss"]
+
+
+def test_bad_runs_and_configs(run_dir, data_dir, tmp_path, capsys):
+    assert main(["generate", "--run", str(tmp_path / "nope"), "--prompt", "x"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    broken = tmp_path / "broken"
+    shutil.copytree(run_dir, broken)
+    for ck in (broken / "checkpoints").iterdir():
+        if ck.is_dir():
+            shutil.rmtree(ck / "tokenizer")
+    assert main(["eval", "--run", str(broken)]) == 2
+    assert "no tokenizer" in capsys.readouterr().err
+    assert main(["train", "--data", str(data_dir), "--out", str(tmp_path / "x"), "--n-layer", "0"]) == 2
+    assert "model.n_layer = 0 is out of range" in capsys.readouterr().err
+    assert main(["train", "--data", str(data_dir), "--out", str(run_dir), "--max-iters", "2"]) == 2
+    assert "pass --resume" in capsys.readouterr().err
+    assert main(["train", "--data", str(data_dir), "--out", str(tmp_path / "y"), "--precision", "fp16",
+                 "--device", "cpu"]) == 2
+    assert "fp16 needs a GPU" in capsys.readouterr().err
+    assert main(["generate", "--run", str(run_dir), "--prompt", "x", "--top-p", "0"]) == 2
+    assert "top_p" in capsys.readouterr().err
+
+
+def test_presets_command(capsys):
+    assert main(["presets"]) == 0
+    out = capsys.readouterr().out
+    assert "gpt2-small" in out and "124,475,904" in out and "12gb-card" in out
