@@ -14,6 +14,7 @@ encoding and memory stays bounded by the queue. Order is kept, so the same input
 
 from __future__ import annotations
 
+import array
 import hashlib
 import itertools
 import json
@@ -48,7 +49,7 @@ class _SplitWriter:
     def __init__(self, out: Path, split: str, dtype: np.dtype, shard_tokens: int):
         self.out, self.split, self.dtype, self.shard_tokens = out, split, dtype, shard_tokens
         self.shards: list[dict] = []
-        self.doc_starts: list[int] = []
+        self.doc_starts = array.array("q")  # 8 bytes per document, not a Python int object each
         self.tokens = 0
         self.bytes = 0
         self._f = None
@@ -87,7 +88,7 @@ class _SplitWriter:
     def close(self) -> dict:
         if self._f:
             self._f.close()
-        np.save(self.out / f"{self.split}_docs.npy", np.asarray(self.doc_starts, dtype=np.int64))
+        np.save(self.out / f"{self.split}_docs.npy", np.frombuffer(self.doc_starts, dtype=np.int64))
         return {"shards": self.shards, "tokens": self.tokens, "documents": len(self.doc_starts),
                 "bytes": self.bytes}
 
