@@ -159,7 +159,6 @@ class Engine:
         """Completions (text after each prompt), cut at end-of-text and at the first stop sequence."""
         ids = [self.tok.encode(x) for x in prompts]
         outs: list[list[int]] = [[] for _ in prompts]
-        texts = [""] * len(prompts)
         stopped = [False] * len(prompts)
         for step in self.generate_ids(ids, p, warn):
             for i, t in enumerate(step):
@@ -169,15 +168,11 @@ class Engine:
                     stopped[i] = True
                     continue
                 outs[i].append(t)
-                if p.stop:
-                    text = self.tok.decode(outs[i])
-                    cut = _first_stop(text, p.stop)
-                    if cut is not None:
-                        texts[i], stopped[i] = text[:cut], True
+                if p.stop and _first_stop(self.tok.decode(outs[i]), p.stop) is not None:
+                    stopped[i] = True
             if all(stopped):
                 break
-        return [texts[i] if stopped[i] and p.stop and texts[i] else _cut(self.tok.decode(outs[i]), p.stop)
-                for i in range(len(prompts))]
+        return [_cut(self.tok.decode(o), p.stop) for o in outs]
 
     def stream(self, prompt: str, p: SamplingParams, warn=None) -> Iterator[str]:
         """New text as it is generated (one prompt). Holds back an incomplete UTF-8 character or a

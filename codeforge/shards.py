@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from . import __version__
+from .atomic import publish, staging_dir
 from .corpus import CorpusOptions, CorpusStats, iter_documents, split_of
 from .tokenizer import META_FILE, TOKENIZER_FILE, CodeTokenizer
 
@@ -119,21 +120,12 @@ def prepare(sources: list[str], tokenizer_dir: str | os.PathLike, out_dir: str |
             raise ShardError(f"{out} already holds {'a different dataset' if old.exists() else 'other files'}; "
                              f"pass --overwrite to replace it or choose another --out")
 
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = staging_dir(out)
     try:
         meta = _write(sources, tok, tmp, opts, shard_tokens, batch_docs, log)
         meta.update(fingerprint=fp, options=options)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-        # Rename into place only when complete: an interrupted run never leaves a directory that looks done.
-        if out.exists():
-            trash = out.parent / f".{out.name}.old-{os.getpid()}"
-            out.rename(trash)
-            tmp.rename(out)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            tmp.rename(out)
+        publish(tmp, out)  # only when complete: an interrupted run never leaves a directory that looks done
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return meta

@@ -18,12 +18,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from .atomic import publish, staging_dir
 
 EOT = "<|endoftext|>"
 SPECIAL_TOKENS = [
@@ -146,9 +147,7 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int, out_dir: str | os.Pat
         raise TokenizerError("no training text: every input was empty or filtered out")
 
     # Write aside, then rename into place: an interrupted run never leaves a half-written tokenizer.
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = staging_dir(out)
     tok.save(str(tmp / TOKENIZER_FILE))
     (tmp / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1_000_000,
@@ -164,14 +163,7 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int, out_dir: str | os.Pat
         "train_bytes": stats["bytes"], "train_seconds": round(seconds, 2),
     }
     (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp.rename(out)
+    publish(tmp, out)
     return CodeTokenizer.load(out), meta
 
 

@@ -24,6 +24,8 @@ import torch
 from safetensors.torch import load_model as st_load_model
 from safetensors.torch import save_model as st_save_model
 
+from ..atomic import publish, staging_dir
+
 STEP_PREFIX = "step_"
 
 
@@ -66,18 +68,14 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, conf
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     name = f"{STEP_PREFIX}{step:06d}"
-    tmp = root / f".{name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    final_dir = root / name
+    tmp = staging_dir(final_dir)
     st_save_model(model, str(tmp / "model.safetensors"))
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     torch.save(train_state, tmp / "train_state.pt")
     if tokenizer_dir is not None:
         shutil.copytree(tokenizer_dir, tmp / "tokenizer")
-    final_dir = root / name
-    if final_dir.exists():  # the same step saved again (e.g. final right after a periodic save)
-        shutil.rmtree(final_dir)
-    os.rename(tmp, final_dir)
+    publish(tmp, final_dir)  # replaces the same step saved earlier (e.g. on SIGTERM right after a periodic save)
     _write_pointer(root, "latest", name)
     if best:
         _write_pointer(root, "best", name)
