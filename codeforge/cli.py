@@ -8,8 +8,10 @@ import os
 import sys
 import time
 
+from . import CodeforgeError
 
-class CLIError(Exception):
+
+class CLIError(CodeforgeError):
     pass
 
 
@@ -353,16 +355,10 @@ def cmd_eval(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .corpus import CorpusError
-    from .shards import ShardError
-    from .tokenizer import TokenizerError
-    from .config import ConfigError
-    from .train.checkpoint import CheckpointError
-    known = (CLIError, CorpusError, ShardError, TokenizerError, ConfigError, CheckpointError)
     t0 = time.perf_counter()
     try:
         return args.func(args)
-    except known as e:
+    except CodeforgeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

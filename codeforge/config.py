@@ -14,10 +14,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from . import CodeforgeError
 from .models.gpt import GPTConfig
 
 
-class ConfigError(ValueError):
+class ConfigError(CodeforgeError):
     """An invalid configuration value; the message names the field, the value, the range and the fix."""
 
 

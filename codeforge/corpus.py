@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from . import CodeforgeError
+
 LANGUAGES: dict[str, tuple[str, ...]] = {
     "go": (".go",), "python": (".py", ".pyi"), "c": (".c", ".h"), "cpp": (".cc", ".cpp", ".cxx", ".hpp", ".hh"),
     "rust": (".rs",), "java": (".java",), "javascript": (".js", ".mjs", ".jsx"), "typescript": (".ts", ".tsx"),
@@ -36,7 +38,7 @@ GENERATED = re.compile(
 DEDUP_MODES = ("none", "exact", "near")
 
 
-class CorpusError(ValueError):
+class CorpusError(CodeforgeError):
     """Bad corpus input; the message names the input and the fix."""
 
 

@@ -7,6 +7,12 @@ import os
 
 import torch
 
+from . import CodeforgeError
+
+class DeviceError(CodeforgeError):
+    """The requested device or precision is not available here."""
+
+
 # Dense bf16/fp16 tensor-core peak, TFLOP/s, from vendor datasheets (no sparsity).
 PEAK_TFLOPS = {
     "H100 SXM": 989.0, "H100 80GB HBM3": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H200": 989.0,
@@ -22,9 +28,9 @@ def choose_device(requested: str = "auto") -> tuple[torch.device, str]:
     if requested and requested != "auto":
         dev = torch.device(requested)
         if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"--device {requested}: no CUDA/ROCm device is visible; use --device cpu or auto")
+            raise DeviceError(f"--device {requested}: no CUDA/ROCm device is visible; use --device cpu or auto")
         if dev.type == "mps" and not torch.backends.mps.is_available():
-            raise ValueError(f"--device {requested}: Apple MPS is not available here; use --device cpu or auto")
+            raise DeviceError(f"--device {requested}: Apple MPS is not available here; use --device cpu or auto")
         return dev, "requested"
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", 0))
@@ -38,7 +44,7 @@ def choose_device(requested: str = "auto") -> tuple[torch.device, str]:
 def choose_precision(device: torch.device, requested: str = "auto") -> tuple[str, str]:
     """(precision, reason): bf16 where the device supports it, else fp16 with a gradient scaler, fp32 on CPU."""
     if requested == "fp16" and device.type == "cpu":
-        raise ValueError("--precision fp16 needs a GPU (no fast fp16 matmul or grad scaler on CPU); use fp32 or bf16")
+        raise DeviceError("--precision fp16 needs a GPU (no fast fp16 matmul or grad scaler on CPU); use fp32 or bf16")
     if requested != "auto":
         return requested, "requested"
     if device.type == "cuda":

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import __version__
+from . import CodeforgeError, __version__
 from .atomic import publish, staging_dir
 from .corpus import CorpusOptions, CorpusStats, iter_documents, split_of
 from .tokenizer import META_FILE, TOKENIZER_FILE, CodeTokenizer
@@ -36,7 +36,7 @@ SPLITS = ("train", "val")
 FORMAT = "codeforge-shards-v1"
 
 
-class ShardError(ValueError):
+class ShardError(CodeforgeError):
     """Prepared data is missing, incomplete or does not fit what it is used with."""
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from . import CodeforgeError
 from .atomic import publish, staging_dir
 
 EOT = "<|endoftext|>"
@@ -45,7 +46,7 @@ TOKENIZER_FILE = "tokenizer.json"
 META_FILE = "codeforge_tokenizer.json"
 
 
-class TokenizerError(ValueError):
+class TokenizerError(CodeforgeError):
     """A tokenizer could not be trained or loaded; the message says what to do."""
 
 

@@ -24,12 +24,13 @@ import torch
 from safetensors.torch import load_model as st_load_model
 from safetensors.torch import save_model as st_save_model
 
+from .. import CodeforgeError
 from ..atomic import publish, staging_dir
 
 STEP_PREFIX = "step_"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(CodeforgeError):
     pass
 
 
