@@ -292,6 +292,9 @@ def _generate_parser(sub) -> None:
 def cmd_generate(a: argparse.Namespace) -> int:
     from .engine import Engine, SamplingParams
     if a.prompt == "-" or (a.prompt is None and a.prompt_file is None):
+        if sys.stdin.isatty() and a.prompt is None:
+            raise CLIError("no prompt: pass --prompt TEXT, --prompt-file FILE, or pipe text on stdin "
+                           "(--prompt '' generates from the start of a document)")
         prompt = sys.stdin.read()
     elif a.prompt_file:
         if not os.path.exists(a.prompt_file):

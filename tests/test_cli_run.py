@@ -70,3 +70,9 @@ def test_presets_command(capsys):
     assert main(["presets"]) == 0
     out = capsys.readouterr().out
     assert "gpt2-small" in out and "124,475,904" in out and "12gb-card" in out
+
+
+def test_too_little_data_for_batch(data_dir, tmp_path, capsys):
+    assert main(["train", "--data", str(data_dir), "--out", str(tmp_path / "z"), "--batch-size", "4096",
+                 "--block-size", "4096", "--n-layer", "1", "--device", "cpu"]) == 2
+    assert "too few for one batch" in capsys.readouterr().err

@@ -118,8 +118,11 @@ class Trainer:
         except ValueError as e:
             raise ConfigError(str(e)) from e
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
-        self.loader = BatchLoader(self.train_set, t.batch_size, m.block_size, seed=t.seed, rank=self.rank,
-                                  world_size=self.world, device=self.device)
+        try:
+            self.loader = BatchLoader(self.train_set, t.batch_size, m.block_size, seed=t.seed, rank=self.rank,
+                                      world_size=self.world, device=self.device)
+        except ValueError as e:  # too little data for one batch
+            raise ConfigError(str(e)) from e
         self.tokens_per_step = t.batch_size * m.block_size * t.grad_accum_steps * self.world
         self.total_steps = self._budget()
         self.token_bytes = token_byte_lengths(self.tok, m.vocab_size)
