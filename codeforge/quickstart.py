@@ -69,7 +69,7 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
               f"({meta['train_bytes'] / 1e6:.1f} MB) in {meta['train_seconds']:.1f}s -> {tok_dir}")
 
     data_dir = out_dir / "data"
-    meta = prepare([src], tok_dir, data_dir, opts, log=lambda m: None)
+    meta = prepare([src], tok_dir, data_dir, opts, overwrite=True, log=lambda m: None)  # no-op when unchanged
     print(f"[3/5] prepare: {meta['documents']} files -> {meta['tokens']:,} tokens "
           f"(train {meta['splits']['train']['tokens']:,}, val {meta['splits']['val']['tokens']:,}); "
           f"skipped {meta['skipped']} -> {data_dir}")

@@ -95,9 +95,24 @@ class _SplitWriter:
 
 
 def _fingerprint(sources: list[str], tok_hash: str, options: dict) -> str:
-    blob = json.dumps({"sources": [os.path.abspath(s) if not s.startswith("hf:") else s for s in sources],
-                       "tokenizer": tok_hash, "options": options}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    """Identifies a dataset: the sources (with every file's size and modification time, so an edited or
+    added file makes a new one), the tokenizer and the options."""
+    h = hashlib.sha256(json.dumps({"tokenizer": tok_hash, "options": options}, sort_keys=True).encode())
+    for src in sources:
+        h.update(src.encode() if src.startswith("hf:") else os.path.abspath(src).encode())
+        if os.path.isdir(src):
+            for dirpath, dirnames, filenames in os.walk(src):
+                dirnames.sort()
+                for name in sorted(filenames):
+                    try:
+                        st = os.stat(os.path.join(dirpath, name))
+                    except OSError:
+                        continue
+                    h.update(f"{dirpath}/{name}:{st.st_size}:{st.st_mtime_ns}".encode())
+        elif os.path.exists(src):
+            st = os.stat(src)
+            h.update(f":{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
 
 
 def prepare(sources: list[str], tokenizer_dir: str | os.PathLike, out_dir: str | os.PathLike,

@@ -113,3 +113,16 @@ def test_missing_or_truncated_shards(tmp_path, data_dir):
     f.write_bytes(f.read_bytes()[:-2])
     with pytest.raises(ShardError, match="truncated"):
         ShardSet(d)
+
+
+def test_changed_source_is_a_different_dataset(tmp_path, code_corpus, tokenizer_dir):
+    import shutil
+    src = tmp_path / "src"
+    shutil.copytree(code_corpus / "pkg0", src)
+    out = tmp_path / "d"
+    before = prepare([str(src)], tokenizer_dir, out, CorpusOptions(languages=["go"]), log=_quiet)
+    (src / "new.go").write_text("package pkg0\n\nfunc New() int { return 42 }\n")
+    with pytest.raises(ShardError, match="different dataset"):
+        prepare([str(src)], tokenizer_dir, out, CorpusOptions(languages=["go"]), log=_quiet)
+    meta = prepare([str(src)], tokenizer_dir, out, CorpusOptions(languages=["go"]), overwrite=True, log=_quiet)
+    assert meta["documents"] == before["documents"] + 1
