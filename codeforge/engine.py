@@ -9,6 +9,7 @@ values, so a step costs O(context) instead of re-running the prompt (O(context^2
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -120,7 +121,8 @@ class Engine:
         mask = mask.unsqueeze(1) if any(pads) else None
         cache = KVCache(self.model.cfg, B, total, self.device, self.cache_dtype)
         gen = torch.Generator(device=self.device)
-        gen.manual_seed(p.seed if p.seed is not None else torch.seed() % 2**63)
+        # Unseeded: fresh entropy from the OS, never by reseeding torch's global generator (training's RNG).
+        gen.manual_seed(p.seed if p.seed is not None else int.from_bytes(os.urandom(8), "little") % 2**63)
         seen = torch.zeros(B, self.model.cfg.vocab_size, dtype=torch.bool, device=self.device)
         seen.scatter_(1, idx, real)
         done = torch.zeros(B, dtype=torch.bool, device=self.device)

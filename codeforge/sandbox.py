@@ -3,20 +3,18 @@
 Layers, outermost first (none alone is a container; together they stop what generated code does by
 accident or on purpose in pass@k evaluation):
   1. a separate process in its own session, killed with its whole process group at the wall-clock limit;
-  2. rlimits: address space (memory), CPU seconds, file size, and no core dumps;
-  3. a new network namespace where the kernel allows it (root or user namespaces): no interface but a
-     down loopback, so nothing is reachable;
-  4. a prelude run before the code: disables process creation (fork, exec, subprocess, os.system), sockets,
+  2. a prelude, run by the child before the code (no preexec_fn, which is unsafe in a threaded parent), that
+     sets rlimits (address space, CPU seconds, file size, no core dumps), enters a new network namespace
+     where the kernel allows it (root or user namespaces: only a down loopback, nothing reachable), and
+     disables process creation (fork, exec, subprocess, os.system), sockets,
      and file access outside the scratch directory (reads of Python's own installation stay allowed);
-  5. an empty scratch directory as cwd, HOME and TMPDIR, removed afterwards; an environment with nothing of
+  3. an empty scratch directory as cwd, HOME and TMPDIR, removed afterwards; an environment with nothing of
      the user's (only PATH and the locale).
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -25,10 +23,20 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-CLONE_NEWNET = 0x40000000
-
 PRELUDE = r'''
 import builtins, io, os, sys
+import resource as _resource
+_mem = __MEMORY_BYTES__
+_resource.setrlimit(_resource.RLIMIT_AS, (_mem, _mem))
+_resource.setrlimit(_resource.RLIMIT_CPU, (__CPU_SECONDS__, __CPU_SECONDS__ + 1))
+_resource.setrlimit(_resource.RLIMIT_FSIZE, (16 * 2**20, 16 * 2**20))
+_resource.setrlimit(_resource.RLIMIT_CORE, (0, 0))
+if __ISOLATE_NET__:
+    import ctypes as _ctypes
+    try:  # a new, empty network namespace: needs root or unprivileged user namespaces
+        _ctypes.CDLL(None, use_errno=True).unshare(0x40000000)  # CLONE_NEWNET
+    except Exception:
+        pass  # the socket guard below still applies
 _scratch = os.path.realpath(os.getcwd())
 _allowed_read = tuple(os.path.realpath(p) for p in {sys.prefix, sys.base_prefix, sys.exec_prefix} | set(p for p in sys.path if p))
 _real_open = builtins.open
@@ -74,34 +82,20 @@ class SandboxResult:
         return self.status == "passed"
 
 
-def _limits(memory_mb: int, cpu_seconds: int, isolate_net: bool):
-    def apply() -> None:
-        mem = memory_mb * 2**20
-        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 1))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 2**20, 16 * 2**20))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        if isolate_net:
-            try:
-                ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWNET)
-            except Exception:  # not permitted here: the prelude still blocks sockets
-                pass
-    return apply
-
-
 def run_python(code: str, timeout: float = 5.0, memory_mb: int = 1024, isolate_net: bool = True) -> SandboxResult:
     """Run `code` under the limits above. passed: exit 0; failed: an exception or non-zero exit (the last
     line of stderr in detail); timeout; memory: MemoryError or killed by the address-space limit."""
     scratch = tempfile.mkdtemp(prefix="codeforge-sandbox-")
     path = os.path.join(scratch, "program.py")
+    prelude = (PRELUDE.replace("__MEMORY_BYTES__", str(memory_mb * 2**20))
+               .replace("__CPU_SECONDS__", str(int(timeout) + 1)).replace("__ISOLATE_NET__", str(bool(isolate_net))))
     with open(path, "w", encoding="utf-8") as f:
-        f.write(PRELUDE + "\n" + code)
+        f.write(prelude + "\n" + code)
     env = {"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8",
            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-I", "program.py"], cwd=scratch, env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-                            preexec_fn=_limits(memory_mb, int(timeout) + 1, isolate_net))
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
         _, err = proc.communicate(timeout=timeout)
         status = None

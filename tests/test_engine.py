@@ -133,3 +133,11 @@ def test_long_and_empty_prompts(tok):
     assert len(steps) == 4
     with pytest.raises(ValueError, match="top_p"):
         list(eng.generate_ids([[1]], SamplingParams(top_p=0)))
+
+
+def test_unseeded_sampling_leaves_global_rng_alone(tok):
+    """Sampling during training must not disturb the RNG stream that dropout and exact resume rely on."""
+    eng = Engine(tiny_model(tok.vocab_size), tok)
+    state = torch.get_rng_state()
+    eng.generate(["x"], SamplingParams(max_new_tokens=3, temperature=1.0, stop_at_eot=False))
+    assert torch.equal(state, torch.get_rng_state())
