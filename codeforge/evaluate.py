@@ -220,8 +220,6 @@ def run_eval(run: str, data: str | None = None, eval_iters: int = 50, batch_size
     import time
     from pathlib import Path
 
-    import numpy as np
-
     from .device import choose_device, choose_precision
     from .engine import Engine
     from .train.checkpoint import load_model
@@ -236,18 +234,14 @@ def run_eval(run: str, data: str | None = None, eval_iters: int = 50, batch_size
     step = int(ck.name.split("_")[-1]) if ck.name.startswith("step_") else 0
     r: dict = {"run": str(run), "checkpoint": str(ck), "step": step, "data": str(data)}
     T = cfg["model"]["block_size"]
+    token_bytes = token_byte_lengths(tok, cfg["model"]["vocab_size"])
     try:
-        r.update(evaluate_loss(model, val, batch_size, T, eval_iters, dev, precision,
-                               token_byte_lengths(tok, cfg["model"]["vocab_size"])))
+        r.update(evaluate_loss(model, val, batch_size, T, eval_iters, dev, precision, token_bytes))
     except ValueError:  # split shorter than one batch: evaluate with a smaller batch
-        r.update(evaluate_loss(model, val, 1, min(T, val.tokens - 1), eval_iters, dev, precision,
-                               token_byte_lengths(tok, cfg["model"]["vocab_size"])))
+        r.update(evaluate_loss(model, val, 1, min(T, val.tokens - 1), eval_iters, dev, precision, token_bytes))
     eng = Engine(model, tok, dev, precision)
     if syntax_samples:
-        starts = val.doc_starts()
-        stream = np.concatenate(val.arrays)
-        ends = list(starts[1:]) + [len(stream)]
-        docs = [tok.decode(stream[s:e - 1].tolist()) for s, e in zip(starts[:200], ends[:200])]
+        docs = [tok.decode(val.document(i).tolist()) for i in range(min(200, val.documents))]
         if language:
             docs = [d for d in docs if guess_language(d) == language]
         r.update(syntax_validity(eng, docs, syntax_samples, max_new_tokens=min(max_new_tokens, 128)))

@@ -66,7 +66,7 @@ class _SplitWriter:
 
     def add(self, docs: list[list[int]], n_bytes: int) -> None:
         """Append documents (id lists already ending in end-of-text) in one write per shard touched.
-        A document never straddles two shards unless it alone is larger than a shard."""
+        A document never straddles two shards: one larger than a shard gets a shard of its own."""
         flat = np.fromiter(itertools.chain.from_iterable(docs), dtype=self.dtype)
         lens = [len(d) for d in docs]
         i = 0  # first document not yet written
@@ -244,3 +244,12 @@ class ShardSet:
 
     def doc_starts(self) -> np.ndarray:
         return np.load(self.dir / f"{self.split}_docs.npy")
+
+    def document(self, i: int) -> np.ndarray:
+        """Token ids of document i, without its end-of-text separator, sliced from its shard's memmap
+        (the writer never splits a document across shards)."""
+        starts = self.doc_starts()
+        start, end = int(starts[i]), int(starts[i + 1]) if i + 1 < len(starts) else self.tokens
+        bounds = np.cumsum([0] + [len(a) for a in self.arrays])
+        s = int(np.searchsorted(bounds, start, side="right") - 1)
+        return self.arrays[s][start - bounds[s]:end - bounds[s] - 1]

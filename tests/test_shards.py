@@ -29,6 +29,8 @@ def test_shards_decode_back_to_documents(data_dir, tokenizer_dir):
     ends = list(starts[1:]) + [len(stream)]
     assert all(stream[e - 1] == tok.eot_id for e in ends)  # every document ends with end-of-text
     first = tok.decode(stream[starts[0]:ends[0] - 1].tolist())
+    for i in (0, 1, len(starts) - 1):
+        assert np.array_equal(ss.document(i), stream[starts[i]:ends[i] - 1])
     assert first.startswith("package ") or first.startswith("def ") or first.startswith('"""')
     assert (data_dir / "tokenizer" / "tokenizer.json").exists()
 
@@ -44,6 +46,11 @@ def test_deterministic_bytes_and_small_shards(tmp_path, code_corpus, tokenizer_d
         if f.endswith((".bin", ".npy")):
             assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
     assert all(s["tokens"] <= 500 for s in a["splits"]["train"]["shards"])
+    ss = ShardSet(tmp_path / "a")  # documents read across many shards equal the concatenated stream
+    stream, starts = np.concatenate(ss.arrays), ss.doc_starts()
+    for i in range(ss.documents):
+        end = starts[i + 1] if i + 1 < ss.documents else len(stream)
+        assert np.array_equal(ss.document(i), stream[starts[i]:end - 1])
 
 
 def test_refuses_other_dataset_unless_overwrite(tmp_path, code_corpus, tokenizer_dir):
@@ -126,3 +133,12 @@ def test_changed_source_is_a_different_dataset(tmp_path, code_corpus, tokenizer_
         prepare([str(src)], tokenizer_dir, out, CorpusOptions(languages=["go"]), log=_quiet)
     meta = prepare([str(src)], tokenizer_dir, out, CorpusOptions(languages=["go"]), overwrite=True, log=_quiet)
     assert meta["documents"] == before["documents"] + 1
+
+
+def test_document_larger_than_shard_gets_its_own(tmp_path, code_corpus, tokenizer_dir):
+    meta = prepare([str(code_corpus / "pkg1")], tokenizer_dir, tmp_path / "d", CorpusOptions(languages=["go"],
+                   val_fraction=0.0), shard_tokens=10, log=_quiet)
+    ss = ShardSet(tmp_path / "d")
+    assert len(meta["splits"]["train"]["shards"]) == ss.documents > 1
+    for i, arr in enumerate(ss.arrays):
+        assert np.array_equal(ss.document(i), arr[:-1])  # whole shard = one document + end-of-text
