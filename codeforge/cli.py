@@ -283,7 +283,8 @@ def _generate_parser(sub) -> None:
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--num-samples", type=int, default=1)
-    g.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
+    g.add_argument("--stop", action="append", default=[], help="stop sequence, repeatable; \\n and \\t are read as "
+                   "newline and tab (e.g. --stop '\\ndef ')")
     g.add_argument("--checkpoint", default="best", choices=["best", "latest", "final"])
     g.add_argument("--device", default="auto")
     g.set_defaults(func=cmd_generate)
@@ -304,7 +305,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
         prompt = a.prompt
     eng = Engine.from_run(a.run, a.device, a.checkpoint)
     try:
-        params = SamplingParams(a.max_new_tokens, a.temperature, a.top_k, a.top_p, a.repetition_penalty, a.seed, a.stop)
+        stops = [x.replace("\\n", "\n").replace("\\t", "\t") for x in a.stop]
+        params = SamplingParams(a.max_new_tokens, a.temperature, a.top_k, a.top_p, a.repetition_penalty, a.seed, stops)
         params.validate()
     except ValueError as e:
         raise CLIError(str(e)) from e
