@@ -185,3 +185,19 @@ def test_torchrun_two_ranks_cpu(data_dir, tmp_path):
     assert "x 2 rank(s)" in r.stdout
     assert sorted(losses(out)) == [1, 2, 3, 4, 5, 6]
     assert find_checkpoint(out).name == "step_000006"
+
+
+def test_init_from_refuses_other_tokenizer(data_dir, tmp_path, code_corpus):
+    from codeforge.corpus import CorpusOptions
+    from codeforge.shards import prepare
+    from codeforge.tokenizer import train_tokenizer
+    Trainer(cfg_for(data_dir, tmp_path / "a", train__max_iters=2), log=lambda m: None).run()
+    texts = [p.read_text() for p in sorted(code_corpus.glob("pkg*/*.go"))] * 3
+    train_tokenizer(iter(texts), 900, tmp_path / "tok2")
+    other = prepare([str(code_corpus)], tmp_path / "tok2", tmp_path / "data2", CorpusOptions(languages=["go"]),
+                    log=lambda *a: None)
+    with pytest.raises(ConfigError, match="it was trained with tokenizer .* but .* uses"):
+        # same shape: the vocab is set to the first run's so only the tokenizer differs
+        Trainer(cfg_for(tmp_path / "data2", tmp_path / "b", train__max_iters=2, train__init_from=str(tmp_path / "a"),
+                        model__vocab_size=1024), log=lambda m: None)
+    assert other["tokenizer_hash"]
