@@ -21,13 +21,15 @@ MODERN = ["--preset", "qwen-small", "--batch-size", "16", "--block-size", "1024"
 SEED000 = ["--preset", "gpt2-small", "--block-size", "1024", "--vocab-size", "50000", "--precision", "fp16"]
 
 VARIANTS = {
-    "gpt2 eager, plain loss": GPT2 + ["--precision", "bf16", "--loss-chunk-rows", "0"],
-    "gpt2 eager, chunked loss": GPT2 + ["--precision", "bf16"],
-    "gpt2 compile, plain loss": GPT2 + ["--precision", "bf16", "--compile", "--loss-chunk-rows", "0"],
-    "gpt2 compile, chunked loss": GPT2 + ["--precision", "bf16", "--compile"],
-    "modern compile, chunked loss": MODERN + ["--precision", "bf16", "--compile"],
+    "gpt2 eager, plain loss": GPT2 + ["--precision", "bf16"],
+    "gpt2 eager, chunked loss": GPT2 + ["--precision", "bf16", "--loss-chunk-rows", "4096"],
+    "gpt2 compile, plain loss": GPT2 + ["--precision", "bf16", "--compile"],
+    "gpt2 compile, chunked loss": GPT2 + ["--precision", "bf16", "--compile", "--loss-chunk-rows", "4096"],
+    "modern compile, plain loss": MODERN + ["--precision", "bf16", "--compile"],
+    "modern compile, chunked loss": MODERN + ["--precision", "bf16", "--compile", "--loss-chunk-rows", "4096"],
     "seed000 fp16 batch 2": SEED000 + ["--batch-size", "2", "--compile"],
     "seed000 fp16 batch 8": SEED000 + ["--batch-size", "8", "--compile"],
+    "seed000 fp16 batch 8 chunked": SEED000 + ["--batch-size", "8", "--compile", "--loss-chunk-rows", "4096"],
     "seed000 fp16 batch 8 + ckpt": SEED000 + ["--batch-size", "8", "--gradient-checkpointing", "--compile"],
 }
 

@@ -86,7 +86,7 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--gradient-checkpointing", action="store_true")
-    ap.add_argument("--loss-chunk-rows", type=int, default=1024, help="0: plain lm_head + cross-entropy")
+    ap.add_argument("--loss-chunk-rows", type=int, default=0, help="> 0: fused chunked lm_head + cross-entropy")
     ap.add_argument("--dropout", type=float, default=None)
     ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--steps", type=int, default=20)

@@ -53,7 +53,9 @@ class TrainConfig:
     precision: str = "auto"  # auto | fp32 | fp16 | bf16
     compile: bool = False
     grad_checkpointing: bool = False
-    loss_chunk_rows: int = 1024  # fused lm_head + cross-entropy chunk (0: plain path); see models/gpt.py
+    # > 0: fused chunked lm_head + cross-entropy with this many rows per chunk (models/gpt.py). Off by default:
+    # neutral on CPU (docs/LOG.md) and not yet measured on a GPU; it saves the (B*T, vocab) logits' memory.
+    loss_chunk_rows: int = 0
     max_bad_steps: int = 5  # stop after this many non-finite losses in a row
     init_from: str = ""
     tensorboard: bool = True

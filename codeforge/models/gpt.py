@@ -321,19 +321,20 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(h)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        w = weight.to(h.dtype)  # once: under autocast h is bf16/fp16 and the matmuls run in that dtype
         for i in range(0, h.size(0), chunk_rows):
             hc, tc = h[i:i + chunk_rows], targets[i:i + chunk_rows]
-            z = F.linear(hc, weight).float()  # (rows, vocab)
+            z = F.linear(hc, w).float()  # (rows, vocab)
             valid = tc != IGNORE_INDEX
             tsafe = tc.clamp(min=0).unsqueeze(1)
             lse = torch.logsumexp(z, dim=-1)
             loss += ((lse - z.gather(1, tsafe).squeeze(1)) * valid).sum()
-            g = torch.softmax(z, dim=-1)  # reuse for dloss/dz
+            g = (z - lse.unsqueeze(1)).exp_()  # softmax from the logsumexp already computed
             g.scatter_add_(1, tsafe, -torch.ones_like(tsafe, dtype=g.dtype))
             g *= valid.unsqueeze(1)  # ignored rows contribute nothing
             g = g.to(h.dtype)
-            grad_h[i:i + chunk_rows] = g @ weight
-            grad_w.addmm_(g.t().float(), hc.float())  # accumulated in float32 across chunks
+            grad_h[i:i + chunk_rows] = g @ w
+            grad_w += g.t() @ hc  # summed in float32 across chunks
         ctx.save_for_backward(grad_h, grad_w, n_valid)
         ctx.w_dtype = weight.dtype
         return loss / n_valid
