@@ -201,3 +201,12 @@ def test_init_from_refuses_other_tokenizer(data_dir, tmp_path, code_corpus):
         Trainer(cfg_for(tmp_path / "data2", tmp_path / "b", train__max_iters=2, train__init_from=str(tmp_path / "a"),
                         model__vocab_size=1024), log=lambda m: None)
     assert other["tokenizer_hash"]
+
+
+def test_resume_after_crash_mid_metrics_line(data_dir, tmp_path):
+    Trainer(cfg_for(data_dir, tmp_path / "r", train__max_iters=4), log=lambda m: None).run()
+    with open(tmp_path / "r" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "loss": 1.2')  # what kill -9 can leave behind
+    Trainer(cfg_for(data_dir, tmp_path / "r", train__max_iters=6), resume=True, log=lambda m: None).run()
+    recs = [json.loads(x) for x in open(tmp_path / "r" / "metrics.jsonl")]
+    assert sorted(r["step"] for r in recs if "loss" in r) == [1, 2, 3, 4, 5, 6]

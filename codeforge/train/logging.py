@@ -38,8 +38,16 @@ class RunLogger:
                             disable=None, unit="step")
 
     def _truncate_after(self, step: int) -> None:
-        """On resume, drop records of steps after the checkpoint: they will be produced again."""
-        keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+        """On resume, drop records of steps after the checkpoint (they will be produced again) and a last line
+        cut short by a crash."""
+        keep = []
+        for ln in self.path.read_text().splitlines():
+            try:
+                rec = json.loads(ln)
+            except json.JSONDecodeError:
+                continue
+            if rec["step"] <= step:
+                keep.append(ln)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(ln + "\n" for ln in keep))
         tmp.replace(self.path)
