@@ -119,15 +119,16 @@ def function_prompts(text: str, language: str, limit: int) -> list[str]:
             if end <= node.start_byte or first.type == "expression_statement" and end == body.end_byte:
                 continue
             head = src[node.start_byte:end].decode("utf-8", "replace")
-            out.append(head + ("\n    " if end != first.start_byte else ""))
+            indent = src[first.start_byte - first.start_point[1]:first.start_byte].decode("utf-8", "replace")
+            out.append(head + ("\n" + indent if end != first.start_byte else ""))
         elif language == "go" and node.type == "function_declaration":
             body = node.child_by_field_name("body")
             if body is None:
                 continue
-            start = node.start_byte
+            start, row = node.start_byte, node.start_point[0]
             prev = node.prev_sibling
-            while prev is not None and prev.type == "comment" and prev.end_point[0] >= node.start_point[0] - 1:
-                start, prev = prev.start_byte, prev.prev_sibling
+            while prev is not None and prev.type == "comment" and prev.end_point[0] >= row - 1:  # the doc block
+                start, row, prev = prev.start_byte, prev.start_point[0], prev.prev_sibling
             out.append(src[start:body.start_byte + 1].decode("utf-8", "replace") + "\n\t")
         if len(out) >= limit:
             break

@@ -31,8 +31,10 @@ def test_function_prompts_cut_signature_and_doc():
     py = 'import os\n\ndef f(x):\n    """Doc."""\n    return x\n\n\ndef g():\n    pass\n'
     ps = function_prompts(py, "python", 5)
     assert ps[0] == 'def f(x):\n    """Doc."""\n    ' and ps[1] == "def g():\n    "
-    go = "package p\n\n// Add adds.\nfunc Add(a, b int) int {\n\treturn a + b\n}\n"
-    assert function_prompts(go, "go", 5) == ["// Add adds.\nfunc Add(a, b int) int {\n\t"]
+    go = "package p\n\n// Add adds.\n// It is pure.\nfunc Add(a, b int) int {\n\treturn a + b\n}\n"
+    assert function_prompts(go, "go", 5) == ["// Add adds.\n// It is pure.\nfunc Add(a, b int) int {\n\t"]
+    tabs = 'def h():\n\t"""Tab-indented."""\n\treturn 1\n'
+    assert function_prompts(tabs, "python", 5) == ['def h():\n\t"""Tab-indented."""\n\t']
 
 
 def test_token_byte_lengths_sum_to_text_bytes(tokenizer_dir):
