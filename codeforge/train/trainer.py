@@ -276,6 +276,8 @@ class Trainer:
                     if "memory_gib" in rec:
                         post["mem"] = f"{rec['memory_gib']:.1f}G"
                     self.logger.progress(self.step, post)
+            if self.ddp:  # normal end only (after an error a barrier would hang): rank 0 may still be saving
+                torch.distributed.barrier()
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
