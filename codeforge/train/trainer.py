@@ -248,6 +248,7 @@ class Trainer:
                         stop["signal"] = "SIGTERM"
                 last = self.step >= total
                 fresh = self.step != start_step or start_step == 0
+                t_aside = time.perf_counter()  # evaluation, samples and saves are not training throughput
                 if fresh and ((t.eval_every and self.step % t.eval_every == 0) or last):
                     self._evaluate()
                 if fresh and t.sample_every and self.step % t.sample_every == 0 and self.step > 0:
@@ -256,6 +257,7 @@ class Trainer:
                     self._save(final=last)
                 if last or stop["signal"]:
                     break
+                t_last += time.perf_counter() - t_aside
                 loss, norm = self._optimisation_step()
                 self.step += 1
                 self.tokens += self.tokens_per_step
