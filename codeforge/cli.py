@@ -49,7 +49,7 @@ def cmd_tokenizer_train(a: argparse.Namespace) -> int:
             if budget and seen >= budget:
                 return
 
-    tok, meta = train_tokenizer(texts(), a.vocab_size, a.out, show_progress=sys.stderr.isatty())
+    tok, meta = train_tokenizer(texts(), a.vocab_size, a.out, show_progress=sys.stderr.isatty(), overwrite=a.overwrite)
     print(f"trained tokenizer: vocab {meta['vocab_size']} on {meta['train_documents']} documents "
           f"({meta['train_bytes'] / 1e6:.1f} MB) in {meta['train_seconds']:.1f}s -> {a.out} (hash {meta['hash']})")
     if stats.skipped:
@@ -121,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--vocab-size", type=int, default=32000)
     t.add_argument("--out", required=True)
     t.add_argument("--max-train-bytes", type=float, default=None, help="stop reading after this many characters")
+    t.add_argument("--overwrite", action="store_true", help="replace what --out already holds")
     t.set_defaults(func=cmd_tokenizer_train)
     e = tks.add_parser("eval", help="bytes per token and round-trip check on a corpus")
     _corpus_args(e)

@@ -26,7 +26,10 @@ PEAK_TFLOPS = {
 def choose_device(requested: str = "auto") -> tuple[torch.device, str]:
     """(device, reason). auto: CUDA (also ROCm, which PyTorch exposes as cuda), then Apple MPS, then CPU."""
     if requested and requested != "auto":
-        dev = torch.device(requested)
+        try:
+            dev = torch.device(requested)
+        except RuntimeError as e:
+            raise DeviceError(f"--device {requested!r} is not a device: use auto, cpu, cuda, cuda:N or mps") from e
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise DeviceError(f"--device {requested}: no CUDA/ROCm device is visible; use --device cpu or auto")
         if dev.type == "mps" and not torch.backends.mps.is_available():

@@ -107,6 +107,8 @@ class Engine:
         prompts = [f[0] for f in fitted]
         budgets = [f[1] for f in fitted]
         B, L = len(prompts), max(map(len, prompts))
+        # The cache is shared: every row has the padded length L, so no row may run past block_size - L.
+        budgets = [min(b, self.block_size - L) for b in budgets]
         steps = max(budgets)
         pads = [L - len(x) for x in prompts]
         idx = torch.tensor([[self.pad_id] * pd + x for pd, x in zip(pads, prompts)], device=self.device)
@@ -162,6 +164,7 @@ class Engine:
         ids = [self.tok.encode(x) for x in prompts]
         outs: list[list[int]] = [[] for _ in prompts]
         stopped = [False] * len(prompts)
+        stop_tokens = max((len(x) for x in p.stop), default=0) + 4
         for step in self.generate_ids(ids, p, warn):
             for i, t in enumerate(step):
                 if t is None or stopped[i]:
@@ -170,7 +173,9 @@ class Engine:
                     stopped[i] = True
                     continue
                 outs[i].append(t)
-                if p.stop and _first_stop(self.tok.decode(outs[i]), p.stop) is not None:
+                # Only the tail can hold a new stop: a token decodes to at least one character, bar a split
+                # multi-byte one, so the last len(stop) + 4 tokens cover it without re-decoding everything.
+                if p.stop and _first_stop(self.tok.decode(outs[i][-stop_tokens:]), p.stop) is not None:
                     stopped[i] = True
             if all(stopped):
                 break

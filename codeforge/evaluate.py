@@ -230,10 +230,13 @@ def run_eval(run: str, data: str | None = None, eval_iters: int = 50, batch_size
     data = data or cfg["train"]["data"]
     val = ShardSet(data, "val")
     if val.tokens == 0:
+        import sys
+        print(f"warning: {data} has an empty validation split; evaluating on the training split (optimistic)",
+              file=sys.stderr)
         val = ShardSet(data, "train")
     val.check_tokenizer(tok.hash, f"the checkpoint's tokenizer ({ck})")
     step = int(ck.name.split("_")[-1]) if ck.name.startswith("step_") else 0
-    r: dict = {"run": str(run), "checkpoint": str(ck), "step": step, "data": str(data)}
+    r: dict = {"run": str(run), "checkpoint": str(ck), "step": step, "data": str(data), "eval_split": val.split}
     T = cfg["model"]["block_size"]
     token_bytes = token_byte_lengths(tok, cfg["model"]["vocab_size"])
     try:

@@ -6,8 +6,9 @@ accident or on purpose in pass@k evaluation):
   2. a prelude, run by the child before the code (no preexec_fn, which is unsafe in a threaded parent), that
      sets rlimits (address space, CPU seconds, file size, no core dumps), enters a new network namespace
      where the kernel allows it (root or user namespaces: only a down loopback, nothing reachable), and
-     disables process creation (fork, exec, subprocess, os.system), sockets,
-     and file access outside the scratch directory (reads of Python's own installation stay allowed);
+     disables process creation (fork, exec, subprocess, os.system), sockets, and file creation or access
+     outside the scratch directory (reads of Python's own installation stay allowed) through builtins, io,
+     os and the C modules behind them (posix, _posixsubprocess, _socket, ctypes);
   3. an empty scratch directory as cwd, HOME and TMPDIR, removed afterwards; an environment with nothing of
      the user's (only PATH and the locale).
 """
@@ -48,12 +49,14 @@ def _guarded_open(file, mode="r", *a, **k):
     if not inside and (any(c in mode for c in "wax+") or not p.startswith(_allowed_read)):
         raise PermissionError(f"sandbox: access to {p} is not allowed")
     return _real_open(file, mode, *a, **k)
-builtins.open = io.open = _guarded_open
+import _io
+builtins.open = io.open = _io.open = _guarded_open
 def _blocked(*a, **k):
     raise PermissionError("sandbox: not allowed")
 for _name in ("fork", "forkpty", "system", "popen", "execv", "execve", "execl", "execle", "execlp", "execvp",
               "execvpe", "spawnv", "spawnve", "spawnl", "posix_spawn", "posix_spawnp", "kill", "killpg",
-              "remove", "unlink", "rmdir", "removedirs", "rename", "replace", "chmod", "chown", "putenv"):
+              "remove", "unlink", "rmdir", "removedirs", "rename", "replace", "chmod", "chown", "putenv",
+              "open", "truncate", "symlink", "link", "mkdir", "makedirs", "utime", "mkfifo", "mknod", "chroot"):
     if hasattr(os, _name):
         setattr(os, _name, _blocked)
 import socket as _socket
@@ -65,7 +68,8 @@ _socket.create_connection = _blocked
 _socket.getaddrinfo = _blocked
 import subprocess as _subprocess
 _subprocess.Popen = _blocked
-for _mod in ("shutil", "multiprocessing", "ctypes", "resource"):
+# the C modules behind os, subprocess and socket, so the guards above cannot be sidestepped by importing them
+for _mod in ("shutil", "multiprocessing", "ctypes", "_ctypes", "resource", "posix", "_posixsubprocess", "_socket"):
     sys.modules[_mod] = None
 del _name, _mod
 '''

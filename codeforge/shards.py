@@ -128,10 +128,10 @@ def prepare(sources: list[str], tokenizer_dir: str | os.PathLike, out_dir: str |
     if out.exists() and any(out.iterdir()):
         old = out / "meta.json"
         same = old.exists() and json.loads(old.read_text()).get("fingerprint") == fp
+        if same:
+            log(f"{out} already holds this dataset (fingerprint {fp}); nothing to do")
+            return json.loads(old.read_text())
         if not overwrite:
-            if same:
-                log(f"{out} already holds this dataset (fingerprint {fp}); nothing to do")
-                return json.loads(old.read_text())
             raise ShardError(f"{out} already holds {'a different dataset' if old.exists() else 'other files'}; "
                              f"pass --overwrite to replace it or choose another --out")
 

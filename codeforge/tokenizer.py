@@ -117,9 +117,11 @@ class CodeTokenizer:
 
 
 def train_tokenizer(texts: Iterator[str], vocab_size: int, out_dir: str | os.PathLike,
-                    min_frequency: int = 2, show_progress: bool = False) -> tuple[CodeTokenizer, dict]:
+                    min_frequency: int = 2, show_progress: bool = False,
+                    overwrite: bool = False) -> tuple[CodeTokenizer, dict]:
     """Train byte-level BPE from an iterator of texts (streamed: memory grows with distinct pre-tokens,
-    not with the corpus) and write tokenizer.json, the HF wrapper files and codeforge's metadata."""
+    not with the corpus) and write tokenizer.json, the HF wrapper files and codeforge's metadata.
+    A non-empty `out_dir` is replaced only with overwrite (shards and runs made with it would no longer match)."""
     if not (MIN_VOCAB <= vocab_size <= MAX_VOCAB):
         raise TokenizerError(
             f"--vocab-size {vocab_size} is out of range [{MIN_VOCAB}, {MAX_VOCAB}]: "
@@ -129,6 +131,9 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int, out_dir: str | os.Pat
             f"--vocab-size {vocab_size} leaves no room for merges: 256 byte symbols + "
             f"{len(SPECIAL_TOKENS)} special tokens need at least {256 + len(SPECIAL_TOKENS)}")
     out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        what = "a tokenizer" if (out / TOKENIZER_FILE).exists() else "other files"
+        raise TokenizerError(f"{out} already holds {what}; choose another --out, or pass --overwrite to replace it")
     stats = {"documents": 0, "bytes": 0}
 
     def counted() -> Iterator[str]:

@@ -141,3 +141,12 @@ def test_unseeded_sampling_leaves_global_rng_alone(tok):
     state = torch.get_rng_state()
     eng.generate(["x"], SamplingParams(max_new_tokens=3, temperature=1.0, stop_at_eot=False))
     assert torch.equal(state, torch.get_rng_state())
+
+
+def test_batch_of_short_and_long_prompts_stays_within_context(tok):
+    """Rows share one cache padded to the longest prompt, so no row may run past the context."""
+    model = tiny_model(tok.vocab_size)  # block_size 64
+    eng = Engine(model, tok)
+    steps = list(eng.generate_ids([[5] * 3, [6] * 50], SamplingParams(max_new_tokens=40, temperature=0,
+                                                                      stop_at_eot=False)))
+    assert len(steps) == 64 - 50

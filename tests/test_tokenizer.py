@@ -68,3 +68,16 @@ def test_code_pretokenizer_keeps_indentation_with_punctuation(tokenizer_dir):
     words = [p for p, _ in pieces]
     assert "Ġ{Ċĉĉ" in words  # " {\n\t\t" is one piece, byte-level mapped
     assert "Ġa_b1" in words  # identifiers keep underscores and digits
+
+
+def test_train_refuses_to_replace_a_directory(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "important.txt").write_text("keep me")
+    with pytest.raises(TokenizerError, match="already holds other files"):
+        train_tokenizer(iter(["some text " * 20]), 300, out)
+    assert (out / "important.txt").read_text() == "keep me"
+    train_tokenizer(iter(["some text " * 20]), 300, tmp_path / "tok")
+    with pytest.raises(TokenizerError, match="already holds a tokenizer.*--overwrite"):
+        train_tokenizer(iter(["other text " * 20]), 300, tmp_path / "tok")
+    train_tokenizer(iter(["other text " * 20]), 300, tmp_path / "tok", overwrite=True)

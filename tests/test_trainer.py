@@ -210,3 +210,21 @@ def test_resume_after_crash_mid_metrics_line(data_dir, tmp_path):
     Trainer(cfg_for(data_dir, tmp_path / "r", train__max_iters=6), resume=True, log=lambda m: None).run()
     recs = [json.loads(x) for x in open(tmp_path / "r" / "metrics.jsonl")]
     assert sorted(r["step"] for r in recs if "loss" in r) == [1, 2, 3, 4, 5, 6]
+
+
+def test_checkpoints_sorted_by_step_number(tmp_path):
+    from codeforge.train.checkpoint import _prune
+    root = tmp_path / "checkpoints"
+    for s in (999000, 999500, 1000000, 1000500):
+        (root / f"step_{s:06d}").mkdir(parents=True)
+        (root / f"step_{s:06d}" / "model.safetensors").write_bytes(b"x")
+    _prune(root, keep_last=2)
+    assert sorted(p.name for p in root.iterdir()) == ["step_1000000", "step_1000500"]
+    assert find_checkpoint(tmp_path).name == "step_1000500"  # no latest pointer: the newest by number
+
+
+def test_best_only_for_evaluated_steps(data_dir, tmp_path):
+    Trainer(cfg_for(data_dir, tmp_path / "r", train__max_iters=8, train__eval_every=4, train__save_every=2),
+            log=lambda m: None).run()
+    best = (tmp_path / "r" / "checkpoints" / "best").read_text().strip()
+    assert best in ("step_000004", "step_000008")  # steps 2 and 6 were saved but never evaluated

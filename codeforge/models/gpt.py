@@ -303,7 +303,9 @@ def lm_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_
     if chunk_rows > 0 and torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
         return ChunkedLinearCrossEntropy.apply(h.reshape(-1, h.size(-1)), weight, targets.reshape(-1), chunk_rows)
     logits = F.linear(h, weight)  # (B, T, vocab)
-    return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX)
+    total = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                            reduction="sum")
+    return total / (targets != IGNORE_INDEX).sum().clamp(min=1)  # 0, not NaN, when every target is ignored
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):

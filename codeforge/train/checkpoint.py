@@ -86,8 +86,13 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, conf
     return final_dir
 
 
+def _step_of(p: Path) -> int:
+    """The step of a step_NNNNNN directory: numeric, so step_1000000 sorts after step_999500."""
+    return int(p.name[len(STEP_PREFIX):])
+
+
 def _prune(root: Path, keep_last: int) -> None:
-    steps = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX))
+    steps = sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX)), key=_step_of)
     keep = set(steps[-keep_last:])
     for ptr in ("latest", "best", "final"):
         p = _read_pointer(root, ptr)
@@ -112,7 +117,8 @@ def find_checkpoint(path: str | Path, which: str = "latest") -> Path:
                               f"checkpoint directory")
     found = _read_pointer(root, which) if root.exists() else None
     if found is None and root.exists():  # pointer missing: fall back to the newest complete step
-        steps = sorted(q for q in root.iterdir() if q.name.startswith(STEP_PREFIX) and (q / "model.safetensors").exists())
+        steps = sorted((q for q in root.iterdir() if q.name.startswith(STEP_PREFIX)
+                        and (q / "model.safetensors").exists()), key=_step_of)
         found = steps[-1] if steps else None
     if found is None:
         raise CheckpointError(f"no checkpoint in {p}: train first (`codeforge train --out {p}`) or pass a "

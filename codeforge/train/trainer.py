@@ -10,7 +10,6 @@ import math
 import os
 import signal
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -30,6 +29,12 @@ from .optim import build_optimizer, lr_at
 
 class TrainingError(RuntimeError):
     """Training cannot go on; the message says why and what to do."""
+
+
+def shape_diff(saved: dict, cfg: GPTConfig) -> dict:
+    """Fields whose difference makes saved weights unusable (dropout rates may change between stages)."""
+    return {k: (v, getattr(cfg, k, None)) for k, v in saved.items()
+            if not k.endswith("dropout") and getattr(cfg, k, None) != v}
 
 
 def round_up(n: int, k: int) -> int:
@@ -87,9 +92,10 @@ class Trainer:
                               f"choose another --out (nothing was changed)")
         if self.start_ckpt is not None:
             saved = ckpt_io.read_config(self.start_ckpt)
-            if saved["model"] != asdict(m):
-                raise ConfigError(f"--resume: the checkpoint's model config differs from this run's; resume "
-                                  f"with the same settings (saved: {saved['model']})")
+            diff = shape_diff(saved["model"], m)
+            if diff:
+                raise ConfigError(f"--resume: the checkpoint's model differs from this run's (field: (checkpoint, "
+                                  f"this run)) {diff}; resume with the same model settings")
             if saved.get("tokenizer_hash") != self.tok.hash:
                 raise ConfigError(f"--resume: the checkpoint used tokenizer {saved.get('tokenizer_hash')} but "
                                   f"{t.data} uses {self.tok.hash}")
@@ -130,6 +136,7 @@ class Trainer:
 
         self.step, self.tokens, self.best_val, self.bad_in_row, self.skipped = 0, 0, math.inf, 0, 0
         self.last_val: float | None = None
+        self.last_val_step = -1
         if self.start_ckpt is not None:
             self._restore(self.start_ckpt)
 
@@ -154,9 +161,8 @@ class Trainer:
         except ckpt_io.CheckpointError as e:
             raise ConfigError(f"--init-from: {e}") from e
         saved = ckpt_io.read_config(ck)
-        if saved["model"] != asdict(self.cfg.model):
-            diff = {k: (v, getattr(self.cfg.model, k)) for k, v in saved["model"].items()
-                    if getattr(self.cfg.model, k, None) != v}
+        diff = shape_diff(saved["model"], self.cfg.model)
+        if diff:
             raise ConfigError(f"--init-from {ck}: model shape differs (field: (checkpoint, this run)) {diff}; use "
                               f"the same model settings as the run you continue from")
         if saved.get("tokenizer_hash") != self.tok.hash:
@@ -174,18 +180,20 @@ class Trainer:
         ckpt_io.set_rng_state(st["rng"])
         self.step, self.tokens = st["step"], st["tokens"]
         self.best_val, self.skipped = st["best_val"], st["skipped"]
-        self.last_val = st.get("last_val")
+        self.last_val, self.last_val_step = st.get("last_val"), st.get("last_val_step", -1)
         self.say(f"resumed from {ck} at step {self.step} ({self.tokens:,} tokens)")
 
     def _save(self, final: bool = False) -> None:
         if not self.master:
             return
-        best = self.last_val is not None and self.last_val <= self.best_val
+        # "best" only for weights evaluated at this very step, and strictly better than any before
+        best = self.last_val is not None and self.last_val_step == self.step and self.last_val < self.best_val
         if best:
             self.best_val = self.last_val
         state = {"optimizer": self.opt.state_dict(), "scaler": self.scaler.state_dict(),
                  "loader": self.loader.state_dict(), "rng": ckpt_io.rng_state(), "step": self.step,
-                 "tokens": self.tokens, "best_val": self.best_val, "skipped": self.skipped, "last_val": self.last_val}
+                 "tokens": self.tokens, "best_val": self.best_val, "skipped": self.skipped, "last_val": self.last_val,
+                 "last_val_step": self.last_val_step}
         config = {**self.cfg.to_dict(), "tokenizer_hash": self.tok.hash}
         path = ckpt_io.save_checkpoint(self.run_dir, self.step, self.model, config, state, self.tok.path,
                                        self.cfg.train.keep_last, best=best, final=final)
@@ -198,9 +206,12 @@ class Trainer:
         try:
             r = evaluate_loss(self.model, self.val_set, t.batch_size, self.cfg.model.block_size, t.eval_iters,
                               self.device, self.precision, self.token_bytes)
-        except ValueError:  # validation split smaller than one batch
+        except ValueError as e:  # validation split smaller than one batch
+            if not getattr(self, "_warned_val", False):
+                self.logger.message(f"no evaluation (so no 'best' checkpoint): {e}")
+                self._warned_val = True
             return None
-        self.last_val = r["val_loss"]
+        self.last_val, self.last_val_step = r["val_loss"], self.step
         rec = {"step": self.step, "val_loss": r["val_loss"], "val_perplexity": r["perplexity"],
                "val_bpb": r["bits_per_byte"], "tokens": self.tokens}
         self.logger.log(rec)
