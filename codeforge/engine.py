@@ -157,7 +157,7 @@ class Engine:
 
     def _forward(self, idx, cache, pos, mask):
         with autocast(self.device, self.precision):
-            return self.model(idx, kv_cache=cache, pos=pos, attn_mask=mask)
+            return self.model(idx, kv_cache=cache, pos=pos, attn_mask=mask, last_only=True)
 
     def generate(self, prompts: list[str], p: SamplingParams, warn=None) -> list[str]:
         """Completions (text after each prompt), cut at end-of-text and at the first stop sequence."""

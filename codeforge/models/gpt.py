@@ -265,9 +265,10 @@ class GPT(nn.Module):
         return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: KVCache | None = None,
-                pos: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None):
+                pos: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None, last_only: bool = False):
         """idx (B, T) token ids. pos (B, T) positions, default 0..T-1 after what the cache holds.
-        attn_mask (B, 1, T, L) bool, True where a query may attend (for left-padded batches)."""
+        attn_mask (B, 1, T, L) bool, True where a query may attend (for left-padded batches).
+        last_only: logits of the last position only, (B, 1, vocab) (generation needs no more)."""
         B, T = idx.shape
         start = kv_cache.len if kv_cache is not None else 0
         if start + T > self.cfg.block_size:
@@ -288,9 +289,9 @@ class GPT(nn.Module):
                 x = block(x, rope, kv_cache, attn_mask)
         if kv_cache is not None:
             kv_cache.len += T
-        x = self.ln_f(x)
         if targets is None:
-            return self.lm_head(x)
+            return self.lm_head(self.ln_f(x[:, -1:] if last_only else x))
+        x = self.ln_f(x)
         return lm_loss(x, self.lm_head.weight, targets, self.loss_chunk_rows if self.training else 0)
 
 
