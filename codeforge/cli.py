@@ -367,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     except CodeforgeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into e.g. `head`, which stopped reading: not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print(f"interrupted after {time.perf_counter() - t0:.0f}s", file=sys.stderr)
         return 130
