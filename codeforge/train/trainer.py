@@ -91,14 +91,7 @@ class Trainer:
             raise ConfigError(f"{self.run_dir} already holds a training run; pass --resume to continue it, or "
                               f"choose another --out (nothing was changed)")
         if self.start_ckpt is not None:
-            saved = ckpt_io.read_config(self.start_ckpt)
-            diff = shape_diff(saved["model"], m)
-            if diff:
-                raise ConfigError(f"--resume: the checkpoint's model differs from this run's (field: (checkpoint, "
-                                  f"this run)) {diff}; resume with the same model settings")
-            if saved.get("tokenizer_hash") != self.tok.hash:
-                raise ConfigError(f"--resume: the checkpoint used tokenizer {saved.get('tokenizer_hash')} but "
-                                  f"{t.data} uses {self.tok.hash}")
+            self._check_compatible(self.start_ckpt, "--resume")
 
         # -- model -----------------------------------------------------------------------------------------
         torch.manual_seed(t.seed)
@@ -160,16 +153,20 @@ class Trainer:
             ck = ckpt_io.find_checkpoint(src, "best")
         except ckpt_io.CheckpointError as e:
             raise ConfigError(f"--init-from: {e}") from e
+        self._check_compatible(ck, "--init-from")
+        ckpt_io.load_weights(self.model, ck)
+        self.say(f"initialised weights from {ck}")
+
+    def _check_compatible(self, ck: Path, what: str) -> None:
+        """Refuse a checkpoint whose weights do not fit this run's model or whose tokenizer is not the data's."""
         saved = ckpt_io.read_config(ck)
         diff = shape_diff(saved["model"], self.cfg.model)
         if diff:
-            raise ConfigError(f"--init-from {ck}: model shape differs (field: (checkpoint, this run)) {diff}; use "
-                              f"the same model settings as the run you continue from")
+            raise ConfigError(f"{what} {ck}: model shape differs (field: (checkpoint, this run)) {diff}; use the "
+                              f"same model settings as the run you continue from")
         if saved.get("tokenizer_hash") != self.tok.hash:
-            raise ConfigError(f"--init-from {ck}: it was trained with tokenizer {saved.get('tokenizer_hash')} but "
+            raise ConfigError(f"{what} {ck}: it was trained with tokenizer {saved.get('tokenizer_hash')} but "
                               f"{self.cfg.train.data} uses {self.tok.hash}; prepare the data with that tokenizer")
-        ckpt_io.load_weights(self.model, ck)
-        self.say(f"initialised weights from {ck}")
 
     def _restore(self, ck: Path) -> None:
         ckpt_io.load_weights(self.model, ck)
