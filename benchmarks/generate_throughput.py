@@ -15,7 +15,7 @@ import torch
 from codeforge.config import resolve
 from codeforge.device import choose_device
 from codeforge.engine import Engine, SamplingParams
-from codeforge.models.gpt import GPT
+from codeforge.models import build_model
 from codeforge.tokenizer import train_tokenizer
 
 
@@ -42,7 +42,7 @@ def main() -> None:
     cfg = resolve(a.preset, None, [f"model.vocab_size={a.vocab_size}"]).model
     cfg.block_size = max(cfg.block_size, a.prompt_tokens + a.new_tokens)
     torch.manual_seed(0)
-    model = GPT(cfg).to(device).eval()
+    model = build_model(cfg).to(device).eval()
     with tempfile.TemporaryDirectory() as tmp:
         tok, _ = train_tokenizer(iter([" ".join(f"w{i}" for i in range(5000))]), 512, tmp + "/tok")
         eng = Engine(model, tok, device)

@@ -18,8 +18,9 @@ import torch
 
 from codeforge.config import resolve
 from codeforge.device import choose_device, choose_precision, peak_flops
-from codeforge.models.gpt import GPT
+from codeforge.models import build_model
 from codeforge.train.optim import build_optimizer
+from codeforge.train.losses import lm_loss_fn
 from codeforge.train.trainer import train_step
 
 
@@ -35,7 +36,7 @@ def measure(a, batch_size: int) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    model = GPT(m).to(device)
+    model = build_model(m).to(device)
     model.grad_checkpointing = a.gradient_checkpointing
     model.loss_chunk_rows = a.loss_chunk_rows
     fwd = torch.compile(model) if a.compile else model
@@ -47,20 +48,22 @@ def measure(a, batch_size: int) -> dict:
     batches = [(b[:, :-1].to(device), b[:, 1:].to(device)) for b in batches]
     i = {"n": 0}
 
-    def next_batch():
-        i["n"] += 1
-        return batches[i["n"] % len(batches)]
+    def cycle():
+        while True:
+            i["n"] += 1
+            yield batches[i["n"] % len(batches)]
+    next_batch = cycle()
 
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize()
 
     for _ in range(a.warmup):
-        train_step(fwd, model, opt, scaler, next_batch, a.grad_accum_steps, 1.0, device, precision)
+        train_step(fwd, model, opt, scaler, next_batch, lm_loss_fn, a.grad_accum_steps, 1.0, device, precision)
     sync()
     t0 = time.perf_counter()
     for _ in range(a.steps):
-        loss, _, _ = train_step(fwd, model, opt, scaler, next_batch, a.grad_accum_steps, 1.0, device, precision)
+        loss, _, _ = train_step(fwd, model, opt, scaler, next_batch, lm_loss_fn, a.grad_accum_steps, 1.0, device, precision)
     sync()
     dt = (time.perf_counter() - t0) / a.steps
     tokens = batch_size * T * a.grad_accum_steps

@@ -155,46 +155,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 # -- training --------------------------------------------------------------------------------------------
 
-TRAIN_FLAGS = [  # (flag, config key, type, help): the options users reach for most, named as in seed 002
-    ("--batch-size", "train.batch_size", int, "micro-batch size [1-4096]"),
-    ("--grad-accum-steps", "train.grad_accum_steps", int, "micro-batches per optimizer step"),
-    ("--learning-rate", "train.learning_rate", float, "peak learning rate (0, 0.1]"),
-    ("--max-iters", "train.max_iters", int, "optimizer steps (budget)"),
-    ("--max-tokens", "train.max_tokens", int, "tokens (budget, if --max-iters is not set)"),
-    ("--epochs", "train.epochs", float, "epochs over the training split (budget, default 1)"),
-    ("--block-size", "model.block_size", int, "context length"),
-    ("--vocab-size", "model.vocab_size", int, "model vocabulary (default: the data's tokenizer, padded to 64)"),
-    ("--n-layer", "model.n_layer", int, None), ("--n-head", "model.n_head", int, None),
-    ("--n-kv-head", "model.n_kv_head", int, "grouped-query attention heads"),
-    ("--n-embd", "model.n_embd", int, None),
-    ("--warmup-steps", "train.warmup_steps", int, None), ("--schedule", "train.schedule", str, "cosine|linear|constant|wsd"),
-    ("--weight-decay", "train.weight_decay", float, None), ("--grad-clip", "train.grad_clip", float, None),
-    ("--eval-every", "train.eval_every", int, None), ("--eval-iters", "train.eval_iters", int, None),
-    ("--sample-every", "train.sample_every", int, None), ("--save-every", "train.save_every", int, None),
-    ("--keep-last", "train.keep_last", int, None), ("--log-every", "train.log_every", int, None),
-    ("--seed", "train.seed", int, None), ("--device", "train.device", str, "auto|cpu|cuda|cuda:N|mps"),
-    ("--precision", "train.precision", str, "auto|fp32|fp16|bf16"), ("--optimizer", "train.optimizer", str, "adamw|adamw8bit"),
-    ("--init-from", "train.init_from", str, "start from another run's (best) weights: staged training"),
-]
-
-
 def _train_parser(sub) -> None:
-    t = sub.add_parser("train", help="train a model on prepared shards")
-    t.add_argument("--data", required=True, help="directory from `codeforge prepare`")
-    t.add_argument("--out", required=True, help="run directory")
+    from dataclasses import fields
+
+    from .config import SECTIONS
+    from .fields import describe, flag_name
+    t = sub.add_parser("train", help="train a model on prepared shards (any stage)",
+                       description="Every config field is a flag (generated from its declaration in config.py "
+                                   "and models/gpt.py); precedence, later wins: defaults < --stage defaults < "
+                                   "--preset < --config < --set < flags.")
     t.add_argument("--preset", nargs="+", action="extend", default=[], metavar="NAME",
                    help="model and/or hardware presets, applied in order (see `codeforge presets`)")
     t.add_argument("--config", help="TOML or YAML file with [model] and [train] tables")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config field")
     t.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
-    for flag, key, typ, hlp in TRAIN_FLAGS:
-        t.add_argument(flag, dest=key, type=typ, default=None, help=hlp)
     t.add_argument("--dropout", type=float, default=None, help="sets embedding, attention and residual dropout")
-    t.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
-    t.add_argument("--gradient-checkpointing", action="store_true", default=None)
-    t.add_argument("--wandb", action="store_true", default=None, help="log to Weights & Biases")
-    t.add_argument("--no-tensorboard", action="store_true")
-    t.add_argument("--no-progress", action="store_true")
+    for section, cls in SECTIONS.items():
+        g = t.add_argument_group(f"{section} settings")
+        for f in fields(cls):
+            if not f.metadata.get("cli", True):
+                continue
+            kw: dict = {"dest": f"{section}.{f.name}", "default": None, "help": describe(f)}
+            if isinstance(f.default, bool):
+                kw["action"] = argparse.BooleanOptionalAction
+            else:
+                kw["type"] = type(f.default)
+                kw["metavar"] = f.name.upper() if not f.metadata.get("choices") else None
+                if f.metadata.get("choices"):
+                    kw["choices"] = f.metadata["choices"]
+            g.add_argument(flag_name(f), **kw)
     t.set_defaults(func=cmd_train)
     p = sub.add_parser("presets", help="list model presets (with parameter counts) and hardware profiles")
     p.set_defaults(func=cmd_presets)
@@ -202,28 +191,22 @@ def _train_parser(sub) -> None:
 
 def _train_config(a: argparse.Namespace):
     from .config import load_file, resolve
-    flags = {key: getattr(a, key) for _, key, _, _ in TRAIN_FLAGS}
+    flags = {k: v for k, v in vars(a).items() if k.startswith(("model.", "train.")) and v is not None}
     if a.dropout is not None:
         flags.update({"model.embd_dropout": a.dropout, "model.attn_dropout": a.dropout, "model.resid_dropout": a.dropout})
-    flags.update({"train.compile": a.compile, "train.grad_checkpointing": a.gradient_checkpointing,
-                  "train.wandb": a.wandb, "train.data": a.data, "train.out": a.out})
-    if a.no_tensorboard:
-        flags["train.tensorboard"] = False
-    if a.no_progress:
-        flags["train.progress"] = False
+    out = flags.get("train.out")
+    if not flags.get("train.data") or not out:
+        raise CLIError("train needs --data DIR (from `codeforge prepare`) and --out RUN")
     base = None
-    if a.resume and os.path.exists(os.path.join(a.out, "config.toml")):
-        base = load_file(os.path.join(a.out, "config.toml"))  # the saved run, then this command's changes
+    if a.resume and os.path.exists(os.path.join(out, "config.toml")):
+        base = load_file(os.path.join(out, "config.toml"))  # the saved run, then this command's changes
     return resolve(a.preset, a.config, a.set, flags, base=base, vocab_from_data=True)
 
 
 def cmd_train(a: argparse.Namespace) -> int:
-    from .train.trainer import Trainer, TrainingError
+    from .stages import run
     cfg = _train_config(a)
-    try:
-        r = Trainer(cfg, resume=a.resume).run()
-    except TrainingError as e:
-        raise CLIError(str(e)) from e
+    r = run(cfg, resume=a.resume)
     if os.environ.get("RANK", "0") != "0":
         return 0
     msg = f"done: step {r['step']}, {r['tokens']:,} tokens"
@@ -235,15 +218,16 @@ def cmd_train(a: argparse.Namespace) -> int:
 
 def cmd_presets(a: argparse.Namespace) -> int:
     from .config import preset_names, resolve
-    from .models.gpt import GPT
     import torch
+
+    from .models import build_model
     names = preset_names()
     print(f"{'model preset':20s} {'params':>14s} {'layers':>6s} {'heads':>5s} {'kv':>3s} {'width':>6s} "
           f"{'ffn':>6s} {'ctx':>6s} {'vocab':>6s}  arch")
     for n in names["model"]:
         m = resolve([n]).model
         with torch.device("meta"):
-            count = GPT(m).num_params()
+            count = build_model(m).num_params()
         print(f"{n:20s} {count:14,d} {m.n_layer:6d} {m.n_head:5d} {m.n_kv_head:3d} {m.n_embd:6d} {m.ffn_hidden:6d} "
               f"{m.block_size:6d} {m.vocab_size:6d}  {m.norm}/{m.pos}/{m.mlp}")
     print("hardware profiles: " + ", ".join(names["train"]))
@@ -286,7 +270,8 @@ def _generate_parser(sub) -> None:
     g.add_argument("--num-samples", type=int, default=1)
     g.add_argument("--stop", action="append", default=[], help="stop sequence, repeatable; \\n and \\t are read as "
                    "newline and tab (e.g. --stop '\\ndef ')")
-    g.add_argument("--checkpoint", default="best", choices=["best", "latest", "final"])
+    g.add_argument("--checkpoint", default="auto", choices=["auto", "best", "latest", "final"],
+                   help="auto: best if the run has one, else latest")
     g.add_argument("--device", default="auto")
     g.set_defaults(func=cmd_generate)
 
@@ -339,7 +324,9 @@ def _eval_parser(sub) -> None:
     e.add_argument("--samples-per-problem", type=int, default=10)
     e.add_argument("--max-new-tokens", type=int, default=256)
     e.add_argument("--timeout", type=float, default=5.0, help="seconds per sandboxed program")
-    e.add_argument("--checkpoint", default="best", choices=["best", "latest", "final"])
+    e.add_argument("--checkpoint", default="auto", choices=["auto", "best", "latest", "final"],
+                   help="auto: best if the run has one, else latest")
+    e.add_argument("--tool-cases", type=int, default=100, help="held-out tool-calling cases for chat runs (0: skip)")
     e.add_argument("--device", default="auto")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_eval)
@@ -350,7 +337,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
     r = run_eval(a.run, data=a.data, eval_iters=a.eval_iters, batch_size=a.batch_size,
                  syntax_samples=a.syntax_samples, language=a.language, humaneval=a.humaneval, ks=a.k,
                  samples_per_problem=a.samples_per_problem, max_new_tokens=a.max_new_tokens,
-                 timeout=a.timeout, which=a.checkpoint, device=a.device)
+                 timeout=a.timeout, which=a.checkpoint, device=a.device, tool_cases=a.tool_cases)
     if a.json:
         print(json.dumps(r))
     else:

@@ -14,77 +14,61 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from . import CodeforgeError
+from .fields import ConfigError, check_fields, setting
 from .models.gpt import GPTConfig
 
-
-class ConfigError(CodeforgeError):
-    """An invalid configuration value; the message names the field, the value, the range and the fix."""
+STAGES = ("pretrain", "code", "sft", "tools")
+CHAT_STAGES = ("sft", "tools")
 
 
 @dataclass
 class TrainConfig:
-    data: str = ""
-    out: str = ""
-    batch_size: int = 8
-    grad_accum_steps: int = 1
-    learning_rate: float = 3e-4
-    min_lr_ratio: float = 0.1  # the schedule's floor, as a fraction of learning_rate
-    schedule: str = "cosine"  # cosine | linear | constant | wsd
-    warmup_steps: int = 100
-    decay_fraction: float = 0.2  # wsd: share of the run spent decaying
-    max_iters: int = 0  # optimizer steps; 0: from max_tokens or epochs
-    max_tokens: int = 0
-    epochs: float = 0.0
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    optimizer: str = "adamw"  # adamw | adamw8bit
-    eval_every: int = 250
-    eval_iters: int = 20
-    sample_every: int = 0
-    sample_tokens: int = 64
-    save_every: int = 500
-    keep_last: int = 3
-    log_every: int = 10
-    seed: int = 1337
-    device: str = "auto"
-    precision: str = "auto"  # auto | fp32 | fp16 | bf16
-    compile: bool = False
-    grad_checkpointing: bool = False
-    # > 0: fused chunked lm_head + cross-entropy with this many rows per chunk (models/gpt.py). Off by default:
-    # neutral on CPU (docs/LOG.md) and not yet measured on a GPU; it saves the (B*T, vocab) logits' memory.
-    loss_chunk_rows: int = 0
-    max_bad_steps: int = 5  # stop after this many non-finite losses in a row
-    init_from: str = ""
-    tensorboard: bool = True
-    wandb: bool = False
-    wandb_project: str = "codeforge"
-    progress: bool = True
+    stage: str = setting("pretrain", "training stage: packed text (pretrain, code) or chat conversations with "
+                         "a loss mask (sft, tools); each stage has its seed's defaults (presets/stages.toml)",
+                         choices=STAGES)
+    data: str = setting("", "prepared data directory (from `codeforge prepare`)")
+    out: str = setting("", "run directory")
+    batch_size: int = setting(8, "micro-batch size", range=(1, 4096))
+    grad_accum_steps: int = setting(1, "micro-batches per optimizer step", range=(1, 4096))
+    learning_rate: float = setting(3e-4, "peak learning rate", range=(0.0, 0.1), open_low=True)
+    min_lr_ratio: float = setting(0.1, "the schedule's floor, as a fraction of learning_rate", range=(0.0, 1.0))
+    schedule: str = setting("cosine", "learning-rate schedule", choices=("cosine", "linear", "constant", "wsd"))
+    warmup_steps: int = setting(100, "linear warm-up steps", range=(0, 10**9))
+    decay_fraction: float = setting(0.2, "wsd: share of the run spent decaying", range=(0.0, 1.0))
+    max_iters: int = setting(0, "optimizer steps (budget)", range=(0, 10**12), zero_means="from max_tokens or epochs")
+    max_tokens: int = setting(0, "tokens (budget, if max_iters is 0)", range=(0, 10**15), zero_means="from epochs")
+    epochs: float = setting(0.0, "epochs over the training split (budget)", range=(0.0, 1e6), zero_means="1 epoch")
+    weight_decay: float = setting(0.1, "AdamW weight decay of matrices", range=(0.0, 10.0))
+    beta1: float = setting(0.9, "AdamW beta1", range=(0.0, 0.999999))
+    beta2: float = setting(0.95, "AdamW beta2", range=(0.0, 0.999999))
+    grad_clip: float = setting(1.0, "clip the gradient norm to this", range=(0.0, 1e6), zero_means="no clipping")
+    optimizer: str = setting("adamw", "optimizer (adamw8bit: bitsandbytes, CUDA only)", choices=("adamw", "adamw8bit"))
+    eval_every: int = setting(250, "evaluate every N steps", range=(0, 10**9), zero_means="only at the end")
+    eval_iters: int = setting(20, "validation batches per evaluation", range=(1, 10**6))
+    sample_every: int = setting(0, "write a sample every N steps", range=(0, 10**9), zero_means="never")
+    sample_tokens: int = setting(64, "tokens per sample", range=(1, 10**6))
+    save_every: int = setting(500, "checkpoint every N steps", range=(0, 10**9), zero_means="only at the end")
+    keep_last: int = setting(3, "periodic checkpoints kept (plus best and final)", range=(1, 10**6))
+    log_every: int = setting(10, "log a training line every N steps", range=(1, 10**9))
+    seed: int = setting(1337, "seed of weights, data order and dropout", range=(0, 2**63 - 1))
+    device: str = setting("auto", "auto|cpu|cuda|cuda:N|mps")
+    precision: str = setting("auto", "numeric precision", choices=("auto", "fp32", "fp16", "bf16"))
+    compile: bool = setting(False, "torch.compile the model")
+    grad_checkpointing: bool = setting(False, "recompute activations in backward (less memory)",
+                                       flag="--gradient-checkpointing")
+    # > 0: fused chunked lm_head + cross-entropy (train/losses.py). Off by default: neutral on CPU (docs/LOG.md)
+    # and not yet measured on a GPU; it saves the (B*T, vocab) logits' memory.
+    loss_chunk_rows: int = setting(0, "fused chunked LM loss, rows per chunk", range=(0, 10**7), zero_means="off")
+    max_bad_steps: int = setting(5, "stop after this many non-finite losses in a row", range=(1, 10**6))
+    init_from: str = setting("", "start from another run's weights (staged training); a run or checkpoint dir")
+    tensorboard: bool = setting(True, "write TensorBoard events")
+    wandb: bool = setting(False, "log to Weights & Biases")
+    wandb_project: str = setting("codeforge", "W&B project")
+    progress: bool = setting(True, "progress bar on a terminal")
 
 
-# field: (low, high, inclusive_low); the ranges of seed 002 are the floor, wider where users need it.
-RANGES: dict[str, tuple[float, float, bool]] = {
-    "model.vocab_size": (256, 200_000, True), "model.block_size": (8, 131_072, True),
-    "model.n_layer": (1, 256, True), "model.n_head": (1, 256, True), "model.n_embd": (16, 16_384, True),
-    "model.embd_dropout": (0.0, 0.9, True), "model.attn_dropout": (0.0, 0.9, True),
-    "model.resid_dropout": (0.0, 0.9, True), "model.rope_base": (1.0, 1e9, True),
-    "train.batch_size": (1, 4096, True), "train.grad_accum_steps": (1, 4096, True),
-    "train.learning_rate": (0.0, 1e-1, False), "train.min_lr_ratio": (0.0, 1.0, True),
-    "train.warmup_steps": (0, 10**9, True), "train.max_iters": (0, 10**12, True),
-    "train.epochs": (0.0, 1e6, True), "train.weight_decay": (0.0, 10.0, True),
-    "train.beta1": (0.0, 0.999999, True), "train.beta2": (0.0, 0.999999, True), "train.grad_clip": (0.0, 1e6, True),
-    "train.eval_every": (0, 10**9, True), "train.eval_iters": (1, 10**6, True), "train.save_every": (0, 10**9, True),
-    "train.keep_last": (1, 10**6, True), "train.log_every": (1, 10**9, True), "train.decay_fraction": (0.0, 1.0, True),
-    "train.loss_chunk_rows": (0, 10**7, True),
-}
-CHOICES: dict[str, tuple[str, ...]] = {
-    "model.mlp": ("gelu", "swiglu", "relu2"), "model.norm": ("layernorm", "rmsnorm"), "model.pos": ("learned", "rope"),
-    "train.schedule": ("cosine", "linear", "constant", "wsd"), "train.optimizer": ("adamw", "adamw8bit"),
-    "train.precision": ("auto", "fp32", "fp16", "bf16"),
-}
 FLAG_OF = {"learning_rate": "--learning-rate", "batch_size": "--batch-size", "vocab_size": "--vocab-size"}
+SECTIONS = {"model": GPTConfig, "train": TrainConfig}
 
 
 @dataclass
@@ -96,20 +80,8 @@ class RunConfig:
         return {"model": asdict(self.model), "train": asdict(self.train)}
 
     def validate(self) -> "RunConfig":
-        flat = {f"model.{k}": v for k, v in asdict(self.model).items()}
-        flat.update({f"train.{k}": v for k, v in asdict(self.train).items()})
-        for key, (lo, hi, incl) in RANGES.items():
-            v = flat[key]
-            if key == "model.vocab_size" and v == 0:
-                continue  # 0: taken from the prepared data's tokenizer at training time
-            if not ((lo <= v if incl else lo < v) and v <= hi):
-                name = key.split(".")[1]
-                flag = FLAG_OF.get(name, "--" + name.replace("_", "-"))
-                raise ConfigError(f"{key} = {v!r} is out of range {'[' if incl else '('}{lo}, {hi}]; "
-                                  f"set {flag} (or --set {key}=...) to a value in that range")
-        for key, options in CHOICES.items():
-            if flat[key] not in options:
-                raise ConfigError(f"{key} = {flat[key]!r} is not one of {options}")
+        check_fields(self.model, "model")
+        check_fields(self.train, "train")
         m = self.model
         if m.n_embd % m.n_head:
             raise ConfigError(f"model.n_embd = {m.n_embd} is not divisible by model.n_head = {m.n_head}; "
@@ -123,7 +95,7 @@ class RunConfig:
 
 def _preset_tables() -> dict[str, dict[str, dict]]:
     out = {}
-    for kind, fname in (("model", "models.toml"), ("train", "hardware.toml")):
+    for kind, fname in (("model", "models.toml"), ("train", "hardware.toml"), ("stage", "stages.toml")):
         out[kind] = tomllib.loads(resources.files("codeforge.presets").joinpath(fname).read_text())
     return out
 
@@ -156,19 +128,18 @@ def _coerce(key: str, value: Any, current: Any) -> Any:
     return str(value)
 
 
-def _apply(cfg: RunConfig, key: str, value: Any) -> None:
-    """Set `model.x`, `train.x` or a bare `x` (found in whichever section has it)."""
+def _key(key: str) -> str:
+    """`model.x`, `train.x`, or a bare `x` resolved to the section that has it."""
     section, _, name = key.rpartition(".")
-    sections = [section] if section else [s for s in ("model", "train") if name in _field_names(s)]
-    if not sections or section not in ("", "model", "train") or name not in _field_names(sections[0]):
+    sections = [section] if section else [s for s in SECTIONS if name in _field_names(s)]
+    if not sections or section not in ("", *SECTIONS) or name not in _field_names(sections[0]):
         raise ConfigError(f"unknown setting {key!r}; model keys: {sorted(_field_names('model'))}; "
                           f"train keys: {sorted(_field_names('train'))}")
-    obj = getattr(cfg, sections[0])
-    setattr(obj, name, _coerce(f"{sections[0]}.{name}", value, getattr(obj, name)))
+    return f"{sections[0]}.{name}"
 
 
 def _field_names(section: str) -> set[str]:
-    return {f.name for f in fields(GPTConfig if section == "model" else TrainConfig)}
+    return {f.name for f in fields(SECTIONS[section])}
 
 
 def load_file(path: str | Path) -> dict:
@@ -192,39 +163,52 @@ def load_file(path: str | Path) -> dict:
 def resolve(presets: list[str] = (), file: str | None = None, sets: list[str] = (),
             flags: dict[str, Any] | None = None, base: dict | None = None,
             vocab_from_data: bool = False) -> RunConfig:
-    """Build and validate a RunConfig. `base` (a saved config dict) starts it instead of the defaults.
+    """Build and validate a RunConfig. Layers, later wins: the declared defaults (or `base`, a saved config
+    dict), the stage's defaults (presets/stages.toml), presets, the file, --set, flags. The dataclasses are
+    built once from the merged values, so derived fields (n_kv_head, ffn_hidden) follow the final values.
     vocab_from_data: a preset's vocab_size is dropped (0 = take it from the data) unless the file, --set or
     a flag sets one."""
-    cfg = RunConfig()
-    cfg.model.n_kv_head = cfg.model.ffn_hidden = 0  # derived at the end unless something sets them
-    if base:
-        cfg = RunConfig(GPTConfig.from_dict(base["model"]), TrainConfig(**base["train"]))
+    layers: list[tuple[str, Any]] = []  # (section.key, value), in order of precedence
     tables = _preset_tables()
     for name in presets:
-        kind = next((k for k, t in tables.items() if name in t), None)
+        kind = next((k for k in ("model", "train") if name in tables[k]), None)
         if kind is None:
             raise ConfigError(f"unknown preset {name!r}; models: {sorted(tables['model'])}; "
                               f"hardware: {sorted(tables['train'])}")
-        for k, v in tables[kind][name].items():
-            _apply(cfg, f"{kind}.{k}", v)
+        layers += [(f"{kind}.{k}", v) for k, v in tables[kind][name].items()]
     if vocab_from_data and not base:
-        cfg.model.vocab_size = 0
+        layers.append(("model.vocab_size", 0))
     if file:
         for k, v in load_file(file).items():
-            if isinstance(v, dict) and k in ("model", "train"):
-                for kk, vv in v.items():
-                    _apply(cfg, f"{k}.{kk}", vv)
+            if isinstance(v, dict) and k in SECTIONS:
+                layers += [(f"{k}.{kk}", vv) for kk, vv in v.items()]
             else:
-                _apply(cfg, k, v)
+                layers.append((k, v))
     for s in sets:
         if "=" not in s:
             raise ConfigError(f"--set {s!r} must look like key=value (e.g. --set model.n_layer=6)")
         k, v = s.split("=", 1)
-        _apply(cfg, k.strip(), v.strip())
-    for k, v in (flags or {}).items():
-        if v is not None:
-            _apply(cfg, k, v)
-    cfg.model.__post_init__()  # derived defaults (n_kv_head, ffn_hidden) after overrides
+        layers.append((k.strip(), v.strip()))
+    layers += [(k, v) for k, v in (flags or {}).items() if v is not None]
+    layers = [(_key(k), v) for k, v in layers]
+
+    values = {sec: {f.name: f.default for f in fields(cls)} for sec, cls in SECTIONS.items()}
+    if base:
+        for sec in SECTIONS:
+            values[sec].update(base.get(sec, {}))
+    stage = next((v for k, v in reversed(layers) if k == "train.stage"), values["train"]["stage"])
+    if stage not in tables["stage"]:
+        raise ConfigError(f"train.stage = {stage!r} is not one of {STAGES}; set --stage")
+    if not base:  # a resumed run keeps its saved values; the stage's defaults came in when it started
+        layers = [(f"train.{k}", v) for k, v in tables["stage"][stage].items()] + layers
+    for key, v in layers:
+        sec, name = key.split(".")
+        default = next(f.default for f in fields(SECTIONS[sec]) if f.name == name)
+        values[sec][name] = _coerce(key, v, default)
+    try:
+        cfg = RunConfig(GPTConfig.from_dict(values["model"]), TrainConfig(**values["train"]))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"saved or given config: {e}") from e
     return cfg.validate()
 
 

@@ -81,3 +81,25 @@ def memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return 0.0
+
+
+def distributed_env() -> tuple[int, int]:
+    """(rank, world size) as torchrun sets them; (0, 1) for a plain process."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def setup_distributed(device: torch.device) -> bool:
+    """Join the process group when torchrun started several ranks (NCCL on GPUs, gloo on CPU); True if so.
+    Called at the entry point, paired with teardown_distributed in a finally."""
+    _, world = distributed_env()
+    if world <= 1:
+        return False
+    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return True
+
+
+def teardown_distributed() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 import torch
 
 from .device import autocast
-from .models.gpt import KVCache
 from .tokenizer import CodeTokenizer
 
 
@@ -76,14 +75,14 @@ class Engine:
         self.precision = precision
         self.cache_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
             precision, next(model.parameters()).dtype)
-        self.block_size = model.cfg.block_size
+        self.block_size = model.context_length
         self.pad_id = tokenizer.special_ids.get("<pad>", 0)
 
     @classmethod
-    def from_run(cls, run: str, device: str = "auto", which: str = "best") -> "Engine":
+    def from_run(cls, run: str, device: str = "auto", which: str = "auto") -> "Engine":
         """An engine over a run's (or checkpoint's) weights, on the chosen device and its precision."""
         from .device import choose_device, choose_precision
-        from .train.checkpoint import load_model
+        from .checkpoint import load_model
         dev, _ = choose_device(device)
         precision, _ = choose_precision(dev, "auto")
         model, tok, _, _ = load_model(run, dev, which)
@@ -121,17 +120,17 @@ class Engine:
         # (B, 1, L, L): causal and not a padding key; a padding query sees itself so its row stays finite.
         mask = (causal & keymask[:, None, :L]) | torch.eye(L, dtype=torch.bool, device=self.device)
         mask = mask.unsqueeze(1) if any(pads) else None
-        cache = KVCache(self.model.cfg, B, total, self.device, self.cache_dtype)
+        cache = self.model.new_kv_cache(B, total, self.device, self.cache_dtype)
         gen = torch.Generator(device=self.device)
         # Unseeded: fresh entropy from the OS, never by reseeding torch's global generator (training's RNG).
         gen.manual_seed(p.seed if p.seed is not None else int.from_bytes(os.urandom(8), "little") % 2**63)
-        seen = torch.zeros(B, self.model.cfg.vocab_size, dtype=torch.bool, device=self.device)
-        seen.scatter_(1, idx, real)
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         budget = torch.tensor(budgets, device=self.device)
         vocab = self.tok.vocab_size
         next_pos = pos[:, -1] + 1
         logits = self._forward(idx, cache, pos, mask)[:, -1, :]
+        seen = torch.zeros(B, logits.size(-1), dtype=torch.bool, device=self.device)  # (B, model vocab)
+        seen.scatter_(1, idx, real)
         for t in range(steps):
             logits = logits.float()[:, :vocab]  # padded vocab rows are never sampled
             logits = apply_repetition_penalty(logits, seen[:, :vocab], p.repetition_penalty)
@@ -207,6 +206,33 @@ class Engine:
         text = _cut(self.tok.decode(out), p.stop)
         if len(text) > sent:
             yield text[sent:]
+
+
+    def chat(self, messages: list[dict], tools: list[dict] | None, p: SamplingParams, warn=None,
+             on_text=None) -> dict:
+        """The assistant's next turn for a conversation (chat.py's rendering plus the generation prompt):
+        {"content", "tool_calls", "errors", "text", "ended"}; generation stops at <|im_end|> (ended=True) or
+        at the token budget. on_text(piece) streams the raw text as it comes."""
+        from .chat import IM_END, encode_conversation, parse_assistant
+        ids, _ = encode_conversation(self.tok, messages, tools, add_generation_prompt=True)
+        end_id = self.tok.special_ids[IM_END]
+        out: list[int] = []
+        sent, ended = 0, False
+        for step in self.generate_ids([ids], p, warn):
+            t = step[0]
+            if t is None or t == end_id or (t == self.tok.eot_id and p.stop_at_eot):
+                ended = t == end_id
+                break
+            out.append(t)
+            if on_text is not None:
+                text = self.tok.decode(out)
+                if not text.endswith("\ufffd") and len(text) > sent:
+                    on_text(text[sent:])
+                    sent = len(text)
+        text = self.tok.decode(out)
+        if on_text is not None and len(text) > sent:
+            on_text(text[sent:])
+        return {**parse_assistant(text), "text": text, "ended": ended}
 
 
 def _first_stop(text: str, stops: list[str]) -> int | None:

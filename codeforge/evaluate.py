@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from .device import autocast
-from .loader import BatchLoader
+from .loader import batch_source
 from .shards import ShardSet
 from .tokenizer import CodeTokenizer
+from .train.losses import IGNORE_INDEX
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -40,37 +40,37 @@ def token_byte_lengths(tok: CodeTokenizer, size: int | None = None) -> torch.Ten
 
 
 @torch.no_grad()
-def evaluate_loss(model: torch.nn.Module, shards: ShardSet, batch_size: int, block_size: int, iters: int,
-                  device: torch.device, precision: str, token_bytes: torch.Tensor) -> dict:
-    """Mean loss over `iters` batches read in order from the start of the split (the same tokens every
-    time, so evaluations are comparable), perplexity = exp(loss), and bits per byte = the summed loss (in
-    bits) of targets that stand for text, over the bytes those targets stand for."""
+def evaluate_loss(model: torch.nn.Module, batches, iters: int, device: torch.device, precision: str,
+                  token_bytes: torch.Tensor) -> dict:
+    """Mean loss over the counted targets (!= -1) of `iters` batches from `batches` (a loader reading the
+    split in order, so every evaluation sees the same tokens), perplexity = exp(loss), and bits per byte =
+    the summed loss (in bits) of counted targets that stand for text, over the bytes they stand for.
+    The loss is the model's own (forward with targets, loss_reduction="none"), the one training uses."""
     was_training = model.training
     model.eval()
-    loader = BatchLoader(shards, batch_size, block_size, shuffle=False, device=device)
-    iters = min(iters, loader.per_epoch)
     tb = token_bytes.to(device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     bits_loss = torch.zeros((), dtype=torch.float64, device=device)
-    n_tok = 0
+    n_tok = torch.zeros((), dtype=torch.int64, device=device)
     n_bytes = torch.zeros((), dtype=torch.int64, device=device)
-    for _ in range(iters):
-        x, y = loader.next_batch()
+    for _ in range(min(iters, batches.per_epoch)):
+        x, y = batches.next_batch()
         for r in range(x.size(0)):  # one row at a time bounds the (T, vocab) logits in memory
             with autocast(device, precision):
-                logits = model(x[r:r + 1])
-            nll = F.cross_entropy(logits[0].float(), y[r], reduction="none")  # (T,)
+                nll = model(x[r:r + 1], y[r:r + 1], loss_reduction="none")[0].double()  # (T,), 0 where ignored
+            counted = y[r] != IGNORE_INDEX
+            nb = tb[y[r].clamp(min=0)] * counted
             loss_sum += nll.sum()
-            nb = tb[y[r]]
             bits_loss += (nll * (nb > 0)).sum()
             n_bytes += nb.sum()
-            n_tok += y.size(1)
+            n_tok += counted.sum()
     if was_training:
         model.train()
-    val_loss = (loss_sum / max(n_tok, 1)).item()
+    n = int(n_tok.item())
+    val_loss = (loss_sum / max(n, 1)).item()
     nbytes = int(n_bytes.item())
     return {"val_loss": val_loss, "perplexity": math.exp(min(val_loss, 700.0)),
-            "bits_per_byte": bits_loss.item() / math.log(2) / max(nbytes, 1), "eval_tokens": n_tok}
+            "bits_per_byte": bits_loss.item() / math.log(2) / max(nbytes, 1), "eval_tokens": n}
 
 
 # -- syntax validity -------------------------------------------------------------------------------------
@@ -211,11 +211,28 @@ def humaneval_pass_at_k(engine, n_problems: int, samples: int, ks: list[int], ma
             "humaneval_problems": len(problems), "humaneval_samples": samples, "sandbox_outcomes": outcomes}
 
 
+# -- tool calling ---------------------------------------------------------------------------------------
+
+def tool_calling_eval(engine, n_cases: int = 100, seed: int = 0, max_new_tokens: int = 96) -> dict:
+    """Scores of a chat model on held-out synthetic tool-calling conversations (tasks/tool_data.py; disjoint
+    from any training split it generates): share of tool-call attempts that parse, right tool, arguments
+    exactly right, and no call when none is needed. Greedy decoding, each reply cut at <|im_end|>."""
+    from .engine import SamplingParams
+    from .tasks.tool_data import eval_cases, generate, score
+    cases = eval_cases(generate(max(1, n_cases), seed=seed, split="heldout"))[:n_cases]
+    p = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    preds = [engine.chat(c["messages"], c["tools"], p) for c in cases]
+    r = score(cases, preds)
+    r["tool_im_end_rate"] = sum(pr["ended"] for pr in preds) / max(len(preds), 1)
+    return r
+
+
 # -- the eval command ------------------------------------------------------------------------------------
 
 def run_eval(run: str, data: str | None = None, eval_iters: int = 50, batch_size: int = 8, syntax_samples: int = 16,
              language: str | None = None, humaneval: int = 0, ks: list[int] = (1, 10), samples_per_problem: int = 10,
-             max_new_tokens: int = 256, timeout: float = 5.0, which: str = "best", device: str = "auto") -> dict:
+             max_new_tokens: int = 256, timeout: float = 5.0, which: str = "auto", device: str = "auto",
+             tool_cases: int = 100) -> dict:
     """Everything `codeforge eval` reports, appended to RUN/eval.jsonl and to TensorBoard."""
     import json
     import time
@@ -223,7 +240,7 @@ def run_eval(run: str, data: str | None = None, eval_iters: int = 50, batch_size
 
     from .device import choose_device, choose_precision
     from .engine import Engine
-    from .train.checkpoint import load_model
+    from .checkpoint import load_model
     dev, _ = choose_device(device)
     precision, _ = choose_precision(dev, "auto")
     model, tok, ck, cfg = load_model(run, dev, which)
@@ -240,18 +257,23 @@ def run_eval(run: str, data: str | None = None, eval_iters: int = 50, batch_size
     T = cfg["model"]["block_size"]
     token_bytes = token_byte_lengths(tok, cfg["model"]["vocab_size"])
     try:
-        r.update(evaluate_loss(model, val, batch_size, T, eval_iters, dev, precision, token_bytes))
+        batches = batch_source(val, batch_size, T, tok.special_ids, shuffle=False, device=dev)
     except ValueError:  # split shorter than one batch: evaluate with a smaller batch
-        r.update(evaluate_loss(model, val, 1, min(T, val.tokens - 1), eval_iters, dev, precision, token_bytes))
+        batches = batch_source(val, 1, min(T, val.tokens - 1), tok.special_ids, shuffle=False, device=dev)
+    r.update(evaluate_loss(model, batches, eval_iters, dev, precision, token_bytes))
     eng = Engine(model, tok, dev, precision)
-    if syntax_samples:
+    chat = val.chat or cfg["train"].get("stage") in ("sft", "tools")
+    r["chat"] = chat
+    if chat and tool_cases:
+        r.update(tool_calling_eval(eng, tool_cases))
+    if syntax_samples and not val.chat:
         docs = [tok.decode(val.document(i).tolist()) for i in range(min(200, val.documents))]
         if language:
             docs = [d for d in docs if guess_language(d) == language]
         r.update(syntax_validity(eng, docs, syntax_samples, max_new_tokens=min(max_new_tokens, 128)))
     else:
         r["syntax_valid_rate"] = None
-    if humaneval:
+    if humaneval and not val.chat:
         r.update(humaneval_pass_at_k(eng, humaneval, samples_per_problem, list(ks), max_new_tokens, timeout))
     else:
         r.update({"pass_at_1": None, "pass_at_k": {}})

@@ -69,8 +69,10 @@ class BatchLoader:
         return t[:, :-1], t[:, 1:]
 
     def __iter__(self):
-        while True:
-            yield self.next_batch()
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.next_batch()
 
     @property
     def tokens_per_epoch(self) -> int:
@@ -86,3 +88,129 @@ class BatchLoader:
                 raise ValueError(f"loader state was saved with {k}={state[k]!r} but this run has "
                                  f"{getattr(self, k)!r}; resume with the same setting")
         self.epoch, self.pos, self._order = state["epoch"], state["pos"], None
+
+
+class ChatBatchLoader:
+    """(B, T) batches of whole conversations from chat shards (shards.py writes a loss mask beside them).
+
+    Pieces: a conversation of at most T+1 tokens is one piece. A longer one is split at its turn boundaries
+    (<|im_start|> tokens) into consecutive runs of turns that each fit; if a single turn is longer than
+    T+1, the whole conversation is dropped. Both are counted (`split`, `dropped`) and never cut mid-turn.
+    Rows: pieces in a seeded per-epoch order (rank r takes every world_size-th), packed greedily one after
+    another into rows of T+1 tokens and padded; targets are -1 wherever the mask says the token is not
+    written by an assistant, and on the padding. The cursor (epoch, position in the piece order) is the
+    state, so a resumed run reads exactly the next batch, as BatchLoader does.
+    """
+
+    def __init__(self, shards: ShardSet, batch_size: int, block_size: int, start_id: int, pad_id: int,
+                 seed: int = 1337, shuffle: bool = True, rank: int = 0, world_size: int = 1,
+                 device: str | torch.device = "cpu"):
+        if not shards.chat:
+            raise ValueError(f"{shards.dir} holds plain text shards, not chat data; prepare chat JSONL with "
+                             f"`codeforge prepare --chat`, or train with --stage pretrain")
+        self.shards, self.B, self.T, self.pad_id = shards, batch_size, block_size, pad_id
+        self.seed, self.shuffle, self.rank, self.world_size = seed, shuffle, rank, world_size
+        self.device = torch.device(device)
+        self.split = self.dropped = 0
+        starts = shards.doc_starts()
+        ends = np.append(starts[1:], shards.tokens)
+        pieces: list[tuple[int, int]] = []
+        for a, b in zip(starts.tolist(), ends.tolist()):
+            if b - a <= block_size + 1:
+                pieces.append((a, b))
+                continue
+            ids, _ = shards.span(a, b)
+            cuts = [a + int(i) for i in np.flatnonzero(np.asarray(ids) == start_id)] + [b]
+            if cuts[0] != a:
+                cuts.insert(0, a)
+            turns = list(zip(cuts[:-1], cuts[1:]))
+            if any(e - s > block_size + 1 for s, e in turns):
+                self.dropped += 1
+                continue
+            self.split += 1
+            s0 = turns[0][0]
+            for s, e in turns:
+                if e - s0 > block_size + 1:
+                    pieces.append((s0, s))
+                    s0 = s
+            pieces.append((s0, b))
+        self.pieces = np.array(pieces, dtype=np.int64).reshape(-1, 2)
+        self.epoch, self.pos = 0, 0
+        self._order: np.ndarray | None = None
+        self.per_epoch = self._count_rows(self._epoch_order()) // batch_size
+        if self.per_epoch == 0:
+            raise ValueError(
+                f"{shards.dir} split {shards.split!r} has {len(self.pieces)} usable conversation pieces "
+                f"({self.dropped} dropped with a turn longer than {block_size + 1} tokens): too few for one batch "
+                f"of {batch_size} rows per rank over {world_size} rank(s); lower --batch-size, raise the model's "
+                f"context, or add data")
+
+    def _epoch_order(self) -> np.ndarray:
+        if self._order is None:
+            ids = np.arange(len(self.pieces), dtype=np.int64)
+            if self.shuffle:
+                ids = np.random.default_rng([self.seed, self.epoch]).permutation(ids)
+            self._order = ids[self.rank::self.world_size]
+        return self._order
+
+    def _count_rows(self, order: np.ndarray) -> int:
+        rows, used = 0, self.T + 2  # start "full" so the first piece opens a row
+        for n in (self.pieces[order, 1] - self.pieces[order, 0]).tolist():
+            if used + n > self.T + 1:
+                rows, used = rows + 1, 0
+            used += n
+        return rows
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y), each (B, T) int64; y is -1 where no loss is taken."""
+        order = self._epoch_order()
+        ids = np.full((self.B, self.T + 1), self.pad_id, dtype=np.int64)
+        mask = np.zeros((self.B, self.T + 1), dtype=bool)
+        for r in range(self.B):
+            used = 0
+            while True:
+                if self.pos >= len(order):  # epoch over: a fresh order (rows never mix two epochs)
+                    if used:
+                        break
+                    self.epoch, self.pos, self._order = self.epoch + 1, 0, None
+                    order = self._epoch_order()
+                a, b = self.pieces[order[self.pos]]
+                if used + (b - a) > self.T + 1:
+                    break
+                tok, m = self.shards.span(int(a), int(b))
+                ids[r, used:used + b - a] = tok
+                mask[r, used:used + b - a] = m.astype(bool)
+                used += int(b - a)
+                self.pos += 1
+        x = torch.from_numpy(ids[:, :-1])
+        y = torch.from_numpy(np.where(mask[:, 1:], ids[:, 1:], -1))
+        return x.to(self.device), y.to(self.device)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.next_batch()
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos, "seed": self.seed, "shuffle": self.shuffle,
+                "rank": self.rank, "world_size": self.world_size, "B": self.B, "T": self.T, "chat": True}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k in ("seed", "shuffle", "world_size", "B", "T"):
+            if state[k] != getattr(self, k):
+                raise ValueError(f"loader state was saved with {k}={state[k]!r} but this run has "
+                                 f"{getattr(self, k)!r}; resume with the same setting")
+        self.epoch, self.pos, self._order = state["epoch"], state["pos"], None
+
+
+def batch_source(shards: ShardSet, batch_size: int, block_size: int, special_ids: dict[str, int], *,
+                 seed: int = 1337, shuffle: bool = True, rank: int = 0, world_size: int = 1,
+                 device: str | torch.device = "cpu"):
+    """The loader the data calls for: conversation rows with masked targets for chat shards, packed chunks
+    otherwise. Both yield (x, y) and save/restore their cursor."""
+    if shards.chat:
+        return ChatBatchLoader(shards, batch_size, block_size, special_ids["<|im_start|>"], special_ids["<pad>"],
+                               seed=seed, shuffle=shuffle, rank=rank, world_size=world_size, device=device)
+    return BatchLoader(shards, batch_size, block_size, seed=seed, shuffle=shuffle, rank=rank,
+                       world_size=world_size, device=device)

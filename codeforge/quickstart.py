@@ -19,8 +19,8 @@ from .corpus import CorpusOptions, CorpusStats, iter_documents
 from .engine import Engine, SamplingParams
 from .evaluate import run_eval
 from .shards import prepare
-from .tokenizer import CodeTokenizer, train_tokenizer
-from .train.trainer import Trainer
+from .tokenizer import train_tokenizer
+from .stages import run as run_stage
 
 # Sized for a 2-core laptop CPU: ~3,000 tokens/s for this model, so 600 steps of 2,048 tokens take about
 # 7 minutes (docs/LOG.md has the measured run).
@@ -81,7 +81,7 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     cfg = resolve([], None, [], flags, vocab_from_data=True)
     print(f"[4/5] train: {cfg.train.max_iters} steps -> {run_dir}")
     resume = (run_dir / "checkpoints").exists()
-    result = Trainer(cfg, resume=resume).run()
+    result = run_stage(cfg, resume=resume)
     if result["interrupted"]:
         print("interrupted; run the quickstart again to resume")
         return result

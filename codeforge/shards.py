@@ -6,6 +6,8 @@ Layout of a prepared directory:
   train_000000.bin ...      raw token ids (uint16 when the vocab fits, else uint32), documents back to back,
   val_000000.bin ...        each followed by the end-of-text token
   train_docs.npy, val_docs.npy   int64 start offset of every document in the split's token stream
+  train_000000.mask ...     chat data only (meta "chat": true): one uint8 per token, 1 where the token is
+                            written by an assistant and carries loss as a target (chat.py)
 
 Speed: one reader thread decodes and filters documents into a bounded queue while the main thread hands
 batches to `encode_batch_fast`, which runs in Rust on all cores and releases the GIL, so reading overlaps
@@ -30,7 +32,7 @@ import numpy as np
 from . import CodeforgeError, __version__
 from .atomic import publish, staging_dir
 from .corpus import CorpusOptions, CorpusStats, iter_documents, split_of
-from .tokenizer import META_FILE, TOKENIZER_FILE, CodeTokenizer
+from .tokenizer import META_FILE, TOKENIZER_FILE, CodeTokenizer, write_hf_config
 
 SPLITS = ("train", "val")
 FORMAT = "codeforge-shards-v1"
@@ -47,8 +49,10 @@ def dtype_for(vocab_size: int) -> np.dtype:
 class _SplitWriter:
     """Appends documents' token ids to numbered shard files of at most `shard_tokens` tokens."""
 
-    def __init__(self, out: Path, split: str, dtype: np.dtype, shard_tokens: int):
+    def __init__(self, out: Path, split: str, dtype: np.dtype, shard_tokens: int, with_mask: bool = False):
         self.out, self.split, self.dtype, self.shard_tokens = out, split, dtype, shard_tokens
+        self.with_mask = with_mask
+        self._m = None
         self.shards: list[dict] = []
         self.doc_starts = array.array("q")  # 8 bytes per document, not a Python int object each
         self.tokens = 0
@@ -62,12 +66,17 @@ class _SplitWriter:
         name = f"{self.split}_{len(self.shards):06d}.bin"
         self.shards.append({"file": name, "tokens": 0})
         self._f = open(self.out / name, "wb")
+        if self.with_mask:
+            if self._m:
+                self._m.close()
+            self._m = open(self.out / name.replace(".bin", ".mask"), "wb")
         self._in_shard = 0
 
-    def add(self, docs: list[list[int]], n_bytes: int) -> None:
+    def add(self, docs: list[list[int]], n_bytes: int, masks: list[list[int]] | None = None) -> None:
         """Append documents (id lists already ending in end-of-text) in one write per shard touched.
         A document never straddles two shards: one larger than a shard gets a shard of its own."""
         flat = np.fromiter(itertools.chain.from_iterable(docs), dtype=self.dtype)
+        flat_m = np.fromiter(itertools.chain.from_iterable(masks), dtype=np.uint8) if self.with_mask else None
         lens = [len(d) for d in docs]
         i = 0  # first document not yet written
         while i < len(docs):
@@ -80,6 +89,8 @@ class _SplitWriter:
                 j += 1
             start = sum(lens[:i]) if i else 0
             flat[start:start + n].tofile(self._f)
+            if flat_m is not None:
+                flat_m[start:start + n].tofile(self._m)
             self._in_shard += n
             self.shards[-1]["tokens"] += n
             self.tokens += n
@@ -89,6 +100,8 @@ class _SplitWriter:
     def close(self) -> dict:
         if self._f:
             self._f.close()
+        if self._m:
+            self._m.close()
         np.save(self.out / f"{self.split}_docs.npy", np.frombuffer(self.doc_starts, dtype=np.int64))
         return {"shards": self.shards, "tokens": self.tokens, "documents": len(self.doc_starts),
                 "bytes": self.bytes}
@@ -117,13 +130,15 @@ def _fingerprint(sources: list[str], tok_hash: str, options: dict) -> str:
 
 def prepare(sources: list[str], tokenizer_dir: str | os.PathLike, out_dir: str | os.PathLike,
             opts: CorpusOptions | None = None, overwrite: bool = False, shard_tokens: int = 100_000_000,
-            batch_docs: int = 512, log=print) -> dict:
-    """Read, filter, dedup, split and tokenize `sources` into shards under `out_dir`; return meta."""
+            batch_docs: int = 512, log=print, chat: bool = False) -> dict:
+    """Read, filter, dedup, split and tokenize `sources` into shards under `out_dir`; return meta.
+    chat: the sources are chat JSONL (chat.py); conversations are rendered with ChatML and a loss mask is
+    written beside the tokens."""
     opts = opts or CorpusOptions()
     opts.validate()
     tok = CodeTokenizer.load(tokenizer_dir)
     out = Path(out_dir)
-    options = {**opts.to_dict(), "shard_tokens": shard_tokens}
+    options = {**opts.to_dict(), "shard_tokens": shard_tokens, "chat": chat}
     fp = _fingerprint(sources, tok.hash, options)
     if out.exists() and any(out.iterdir()):
         old = out / "meta.json"
@@ -137,7 +152,7 @@ def prepare(sources: list[str], tokenizer_dir: str | os.PathLike, out_dir: str |
 
     tmp = staging_dir(out)
     try:
-        meta = _write(sources, tok, tmp, opts, shard_tokens, batch_docs, log)
+        meta = (_write_chat if chat else _write)(sources, tok, tmp, opts, shard_tokens, batch_docs, log)
         meta.update(fingerprint=fp, options=options)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         publish(tmp, out)  # only when complete: an interrupted run never leaves a directory that looks done
@@ -190,20 +205,60 @@ def _write(sources, tok: CodeTokenizer, tmp: Path, opts: CorpusOptions, shard_to
     if stats.documents == 0:
         raise ShardError(f"the corpus is empty after filtering (skipped: {dict(stats.skipped) or 'nothing found'});"
                          f" check --languages, --max-file-bytes and the inputs")
+    return _finish(tok, tmp, stats, splits, sources, seconds)
+
+
+def _finish(tok: CodeTokenizer, tmp: Path, stats: CorpusStats, splits: dict, sources, seconds: float) -> dict:
+    """Copy the tokenizer (with the chat template in its HF config) beside the shards; the meta dict."""
     shutil.copytree(tok.path, tmp / "tokenizer",
-                    ignore=lambda d, names: [n for n in names if n not in (TOKENIZER_FILE, META_FILE,
-                                                                             "tokenizer_config.json")])
+                    ignore=lambda d, names: [n for n in names if n not in (TOKENIZER_FILE, META_FILE)])
+    write_hf_config(tmp / "tokenizer")
     total_bytes = sum(v["bytes"] for v in splits.values())
     total_tokens = sum(v["tokens"] for v in splits.values())
     return {
         "format": FORMAT, "codeforge_version": __version__, "tokenizer_hash": tok.hash,
-        "vocab_size": tok.vocab_size, "eot_id": tok.eot_id, "dtype": dtype.name, "splits": splits,
+        "vocab_size": tok.vocab_size, "eot_id": tok.eot_id, "dtype": dtype_for(tok.vocab_size).name, "splits": splits,
         "documents": stats.documents, "tokens": total_tokens, "bytes": total_bytes,
         "skipped": dict(sorted(stats.skipped.items())), "skipped_examples": stats.examples,
         "sources": list(sources), "seconds": round(seconds, 2),
         "mb_per_s": round(total_bytes / 1e6 / max(seconds, 1e-9), 2),
         "tokens_per_s": round(total_tokens / max(seconds, 1e-9)),
     }
+
+
+def _write_chat(sources, tok: CodeTokenizer, tmp: Path, opts: CorpusOptions, shard_tokens: int,
+                batch_docs: int, log) -> dict:
+    """Chat JSONL -> shards plus loss masks. Conversations are deduplicated exactly and split train/val by
+    the hash of their rendered text; each ends with end-of-text (no loss)."""
+    from .chat import encode_conversation, read_conversations, render_text
+    from .corpus import content_hash
+    dtype = dtype_for(tok.vocab_size)
+    stats = CorpusStats()
+    writers = {s: _SplitWriter(tmp, s, dtype, shard_tokens, with_mask=True) for s in SPLITS}
+    seen: set[bytes] = set()
+    t0 = time.perf_counter()
+    for messages, tools, where in read_conversations(sources, stats, opts.strict):
+        text = render_text(messages, tools)
+        digest = content_hash(text)
+        if digest in seen:
+            stats.skip("duplicate", where)
+            continue
+        seen.add(digest)
+        ids, mask = encode_conversation(tok, messages, tools)
+        stats.documents += 1
+        nbytes = len(text.encode("utf-8"))
+        stats.bytes += nbytes
+        writers[split_of(digest, opts.val_fraction)].add([ids + [tok.eot_id]], nbytes, [mask + [0]])
+    splits = {s: w.close() for s, w in writers.items()}
+    if stats.documents == 0:
+        raise ShardError(f"no usable conversation in {list(sources)} (skipped: {dict(stats.skipped) or 'nothing found'}); "
+                         f"each JSONL line needs {{\"messages\": [{{\"role\": ..., \"content\": ...}}, ...]}} with "
+                         f"an assistant turn")
+    meta = _finish(tok, tmp, stats, splits, sources, time.perf_counter() - t0)
+    meta["chat"] = True
+    meta["loss_tokens"] = {s: int(sum(np.fromfile(tmp / sh["file"].replace(".bin", ".mask"), dtype=np.uint8).sum()
+                                      for sh in v["shards"])) for s, v in splits.items()}
+    return meta
 
 
 class ShardSet:
@@ -229,6 +284,13 @@ class ShardSet:
             if not path.exists() or path.stat().st_size != s["tokens"] * dtype.itemsize:
                 raise ShardError(f"shard {path} is missing or truncated; prepare the data again")
             self.arrays.append(np.memmap(path, dtype=dtype, mode="r"))
+        self.chat = bool(self.meta.get("chat"))
+        self.masks = []  # chat data: per shard, 1 where the token carries loss
+        for s in info["shards"] if self.chat else []:
+            path = self.dir / s["file"].replace(".bin", ".mask")
+            if not path.exists() or path.stat().st_size != s["tokens"]:
+                raise ShardError(f"loss mask {path} is missing or truncated; prepare the data again")
+            self.masks.append(np.memmap(path, dtype=np.uint8, mode="r"))
         self.tokens = info["tokens"]
         self.documents = info["documents"]
 
@@ -244,6 +306,19 @@ class ShardSet:
 
     def doc_starts(self) -> np.ndarray:
         return np.load(self.dir / f"{self.split}_docs.npy")
+
+    def span(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Tokens [start, end) of the split's stream (within one shard, as every document is) and their
+        loss mask (chat data) or None."""
+        bounds = self._bounds()
+        s = int(np.searchsorted(bounds, start, side="right") - 1)
+        a, b = start - bounds[s], end - bounds[s]
+        return self.arrays[s][a:b], (self.masks[s][a:b] if self.chat else None)
+
+    def _bounds(self) -> np.ndarray:
+        if not hasattr(self, "_bounds_cache"):
+            self._bounds_cache = np.cumsum([0] + [len(a) for a in self.arrays])
+        return self._bounds_cache
 
     def document(self, i: int) -> np.ndarray:
         """Token ids of document i, without its end-of-text separator, sliced from its shard's memmap

@@ -116,6 +116,18 @@ class CodeTokenizer:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special)
 
 
+def write_hf_config(tok_dir: str | os.PathLike) -> None:
+    """tokenizer_config.json for `transformers` (PreTrainedTokenizerFast): special tokens and the chat
+    template (chat.py), so AutoTokenizer.apply_chat_template renders conversations as codeforge does."""
+    from .chat import CHAT_TEMPLATE
+    (Path(tok_dir) / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1_000_000,
+        "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>",
+        "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in ("<s>", "</s>", "<pad>", "<unk>")],
+        "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE,
+    }, indent=2))
+
+
 def train_tokenizer(texts: Iterator[str], vocab_size: int, out_dir: str | os.PathLike,
                     min_frequency: int = 2, show_progress: bool = False,
                     overwrite: bool = False) -> tuple[CodeTokenizer, dict]:
@@ -155,12 +167,7 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int, out_dir: str | os.Pat
     # Write aside, then rename into place: an interrupted run never leaves a half-written tokenizer.
     tmp = staging_dir(out)
     tok.save(str(tmp / TOKENIZER_FILE))
-    (tmp / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1_000_000,
-        "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>",
-        "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in ("<s>", "</s>", "<pad>", "<unk>")],
-        "clean_up_tokenization_spaces": False,
-    }, indent=2))
+    write_hf_config(tmp)
     meta = {
         "format": "codeforge-tokenizer-v1", "vocab_size": tok.get_vocab_size(),
         "requested_vocab_size": vocab_size, "hash": file_hash(tmp / TOKENIZER_FILE),

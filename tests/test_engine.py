@@ -61,7 +61,8 @@ def test_cache_equals_recompute_and_batching(tok, arch):
 def test_top_k_top_p_keep_exactly_the_right_tokens():
     probs = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]])
     logits = probs.log()
-    kept = lambda lg: torch.isfinite(lg)[0].tolist()
+    def kept(lg):
+        return torch.isfinite(lg)[0].tolist()
     assert kept(filter_logits(logits, top_k=2)) == [True, True, False, False, False]
     assert kept(filter_logits(logits, top_p=0.5)) == [True, False, False, False, False]
     assert kept(filter_logits(logits, top_p=0.6)) == [True, True, False, False, False]

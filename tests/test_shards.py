@@ -8,7 +8,6 @@ from codeforge.corpus import CorpusOptions
 from codeforge.shards import ShardError, ShardSet, prepare
 from codeforge.tokenizer import CodeTokenizer, train_tokenizer
 
-from conftest import STDLIB
 
 
 def _quiet(*a):
@@ -38,7 +37,7 @@ def test_shards_decode_back_to_documents(data_dir, tokenizer_dir):
 def test_deterministic_bytes_and_small_shards(tmp_path, code_corpus, tokenizer_dir):
     opts = CorpusOptions(languages=["go", "python"], val_fraction=0.2, max_file_bytes=20_000)
     a = prepare([str(code_corpus)], tokenizer_dir, tmp_path / "a", opts, shard_tokens=500, log=_quiet)
-    b = prepare([str(code_corpus)], tokenizer_dir, tmp_path / "b", opts, shard_tokens=500, log=_quiet)
+    prepare([str(code_corpus)], tokenizer_dir, tmp_path / "b", opts, shard_tokens=500, log=_quiet)
     assert len(a["splits"]["train"]["shards"]) > 3
     files = sorted(os.listdir(tmp_path / "a"))
     assert files == sorted(os.listdir(tmp_path / "b"))

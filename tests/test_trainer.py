@@ -9,8 +9,10 @@ import time
 import pytest
 import torch
 
+from codeforge import CodeforgeError
+from codeforge.checkpoint import find_checkpoint, load_train_state
 from codeforge.config import ConfigError, resolve
-from codeforge.train.checkpoint import find_checkpoint, load_train_state
+from codeforge.stages import run as run_stage
 from codeforge.train.trainer import Trainer, TrainingError
 
 TINY = {"model.n_layer": 2, "model.n_head": 2, "model.n_embd": 64, "model.block_size": 32,
@@ -25,13 +27,17 @@ def cfg_for(data_dir, out, **over):
     return resolve([], None, [], flags, vocab_from_data=True)
 
 
+def train_run(cfg, resume=False):
+    return run_stage(cfg, resume=resume, log=lambda m: None)
+
+
 def losses(run):
     recs = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
     return {r["step"]: r["loss"] for r in recs if "loss" in r}
 
 
 def test_loss_falls_and_files_written(data_dir, tmp_path):
-    r = Trainer(cfg_for(data_dir, tmp_path / "run", train__max_iters=60), log=lambda m: None).run()
+    r = train_run(cfg_for(data_dir, tmp_path / "run", train__max_iters=60))
     ls = losses(tmp_path / "run")
     first = sum(ls[s] for s in range(1, 6)) / 5
     last = sum(ls[s] for s in range(56, 61)) / 5
@@ -52,7 +58,7 @@ def test_loss_falls_and_files_written(data_dir, tmp_path):
 
 def test_stop_and_resume_equals_straight(data_dir, tmp_path, monkeypatch):
     over = dict(train__max_iters=12, model__resid_dropout=0.1, model__attn_dropout=0.1, train__grad_accum_steps=2)
-    Trainer(cfg_for(data_dir, tmp_path / "a", **over), log=lambda m: None).run()
+    train_run(cfg_for(data_dir, tmp_path / "a", **over))
     straight = losses(tmp_path / "a")
 
     # Second run: SIGTERM arrives during step 6; the trainer saves and exits, then --resume finishes.
@@ -66,12 +72,12 @@ def test_stop_and_resume_equals_straight(data_dir, tmp_path, monkeypatch):
         return out
 
     monkeypatch.setattr(tr.Trainer, "_optimisation_step", step_then_signal)
-    r = Trainer(cfg_for(data_dir, tmp_path / "b", **over), log=lambda m: None).run()
+    r = train_run(cfg_for(data_dir, tmp_path / "b", **over))
     assert r["interrupted"] == "SIGTERM" and r["step"] == 6
     monkeypatch.setattr(tr.Trainer, "_optimisation_step", real)
     with pytest.raises(ConfigError, match="--resume"):
-        Trainer(cfg_for(data_dir, tmp_path / "b", **over), log=lambda m: None)
-    Trainer(cfg_for(data_dir, tmp_path / "b", **over), resume=True, log=lambda m: None).run()
+        train_run(cfg_for(data_dir, tmp_path / "b", **over))
+    train_run(cfg_for(data_dir, tmp_path / "b", **over), resume=True)
     resumed = losses(tmp_path / "b")
     assert sorted(resumed) == sorted(straight) == list(range(1, 13))
     assert all(resumed[s] == straight[s] for s in straight), (resumed, straight)
@@ -106,23 +112,43 @@ def test_kill_9_leaves_resumable_checkpoint(data_dir, tmp_path, dummy):
     assert all(a[s] == b[s] for s in range(1, end + 1)), [(s, a.get(s), b[s]) for s in range(start - 2, end + 1)]
 
 
-def test_non_finite_loss_stops_without_nan_weights(data_dir, tmp_path, monkeypatch):
-    import codeforge.models.gpt as gpt
-    real = gpt.lm_loss
+class ToyBatches:
+    """A batch source of random tokens (the trainer only needs next/state_dict/load_state_dict)."""
+
+    def __init__(self, vocab=64, B=4, T=16):
+        self.g, self.vocab, self.B, self.T, self.n = torch.Generator().manual_seed(0), vocab, B, T, 0
+
+    def __next__(self):
+        self.n += 1
+        x = torch.randint(0, self.vocab, (self.B, self.T + 1), generator=self.g)
+        return x[:, :-1], x[:, 1:]
+
+    def state_dict(self):
+        return {"n": self.n}
+
+    def load_state_dict(self, s):
+        self.n = s["n"]
+
+
+def test_trainer_is_handed_its_parts_and_stops_on_non_finite_loss(tmp_path):
+    """The loop alone: a model, a batch source and a loss function it did not build; a loss that turns NaN
+    is skipped, and max_bad_steps in a row stop the run without writing NaN weights."""
+    from codeforge.models import build_model
+    cfg = resolve([], None, [], {**TINY, "model.vocab_size": 256, "train.max_bad_steps": 4, "train.eval_every": 0})
+    model = build_model(cfg.model)
     calls = {"n": 0}
 
-    def nan_after_some(*a, **k):
+    def loss_fn(m, batch):
         calls["n"] += 1
-        loss = real(*a, **k)
-        return loss * float("nan") if calls["n"] > 3 else loss
+        loss = m(*batch)
+        return (loss * float("nan") if calls["n"] > 3 else loss), {}
 
-    monkeypatch.setattr(gpt, "lm_loss", nan_after_some)
-    t = Trainer(cfg_for(data_dir, tmp_path / "run", train__max_iters=50, train__eval_every=0, train__max_bad_steps=4),
-                log=lambda m: None)
+    t = Trainer(model, ToyBatches(), loss_fn, cfg.train, tmp_path / "run", device=torch.device("cpu"),
+                precision="fp32", total_steps=50, tokens_per_step=64, run_config=cfg.to_dict(), log=lambda m: None)
     with pytest.raises(TrainingError, match="4 non-finite losses in a row"):
         t.run()
     assert t.skipped == 4 and t.step == 6  # 3 good steps, then 3 skipped ones counted before the 4th stops it
-    assert all(torch.isfinite(p).all() for p in t.model.parameters())
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_bad_configs_refused():
@@ -158,18 +184,29 @@ def test_config_precedence_and_file(tmp_path):
 
 
 def test_init_from_checks_shape_and_tokenizer(data_dir, tmp_path):
-    Trainer(cfg_for(data_dir, tmp_path / "a", train__max_iters=4), log=lambda m: None).run()
-    with pytest.raises(ConfigError, match="model shape differs.*n_layer"):
-        Trainer(cfg_for(data_dir, tmp_path / "b", train__max_iters=4, model__n_layer=3,
-                        train__init_from=str(tmp_path / "a")), log=lambda m: None)
-    t = Trainer(cfg_for(data_dir, tmp_path / "c", train__max_iters=4, train__init_from=str(tmp_path / "a")),
-                log=lambda m: None)
+    train_run(cfg_for(data_dir, tmp_path / "a", train__max_iters=4))
+    with pytest.raises(CodeforgeError, match="model shape differs.*n_layer"):
+        train_run(cfg_for(data_dir, tmp_path / "b", train__max_iters=4, model__n_layer=3,
+                      train__init_from=str(tmp_path / "a")))
+    captured = {}
+    import codeforge.train.trainer as tr
+    real_init = tr.Trainer.__init__
+
+    def spy(self, model, *a, **k):
+        captured["wte"] = model.wte.weight.detach().clone()  # the weights the trainer is handed
+        real_init(self, model, *a, **k)
+
+    tr.Trainer.__init__ = spy
+    try:
+        train_run(cfg_for(data_dir, tmp_path / "c", train__max_iters=4, train__init_from=str(tmp_path / "a")))
+    finally:
+        tr.Trainer.__init__ = real_init
     from safetensors.torch import load_file
     saved = load_file(str(find_checkpoint(tmp_path / "a", "best") / "model.safetensors"))
     emb = saved["wte.weight"] if "wte.weight" in saved else saved["lm_head.weight"]  # tied: stored once
-    assert torch.equal(t.model.wte.weight, emb)
-    with pytest.raises(ConfigError, match="does not exist"):
-        Trainer(cfg_for(data_dir, tmp_path / "d", train__init_from=str(tmp_path / "nope")), log=lambda m: None)
+    assert torch.equal(captured["wte"], emb)
+    with pytest.raises(CodeforgeError, match="does not exist"):
+        train_run(cfg_for(data_dir, tmp_path / "d", train__init_from=str(tmp_path / "nope")))
 
 
 def test_torchrun_two_ranks_cpu(data_dir, tmp_path):
@@ -191,29 +228,29 @@ def test_init_from_refuses_other_tokenizer(data_dir, tmp_path, code_corpus):
     from codeforge.corpus import CorpusOptions
     from codeforge.shards import prepare
     from codeforge.tokenizer import train_tokenizer
-    Trainer(cfg_for(data_dir, tmp_path / "a", train__max_iters=2), log=lambda m: None).run()
+    train_run(cfg_for(data_dir, tmp_path / "a", train__max_iters=2))
     texts = [p.read_text() for p in sorted(code_corpus.glob("pkg*/*.go"))] * 3
     train_tokenizer(iter(texts), 900, tmp_path / "tok2")
     other = prepare([str(code_corpus)], tmp_path / "tok2", tmp_path / "data2", CorpusOptions(languages=["go"]),
                     log=lambda *a: None)
-    with pytest.raises(ConfigError, match="it was trained with tokenizer .* but .* uses"):
+    with pytest.raises(CodeforgeError, match="it was trained with tokenizer .* but .* uses"):
         # same shape: the vocab is set to the first run's so only the tokenizer differs
-        Trainer(cfg_for(tmp_path / "data2", tmp_path / "b", train__max_iters=2, train__init_from=str(tmp_path / "a"),
-                        model__vocab_size=1024), log=lambda m: None)
+        train_run(cfg_for(tmp_path / "data2", tmp_path / "b", train__max_iters=2, train__init_from=str(tmp_path / "a"),
+                        model__vocab_size=1024))
     assert other["tokenizer_hash"]
 
 
 def test_resume_after_crash_mid_metrics_line(data_dir, tmp_path):
-    Trainer(cfg_for(data_dir, tmp_path / "r", train__max_iters=4), log=lambda m: None).run()
+    train_run(cfg_for(data_dir, tmp_path / "r", train__max_iters=4))
     with open(tmp_path / "r" / "metrics.jsonl", "a") as f:
         f.write('{"step": 5, "loss": 1.2')  # what kill -9 can leave behind
-    Trainer(cfg_for(data_dir, tmp_path / "r", train__max_iters=6), resume=True, log=lambda m: None).run()
+    train_run(cfg_for(data_dir, tmp_path / "r", train__max_iters=6), resume=True)
     recs = [json.loads(x) for x in open(tmp_path / "r" / "metrics.jsonl")]
     assert sorted(r["step"] for r in recs if "loss" in r) == [1, 2, 3, 4, 5, 6]
 
 
 def test_checkpoints_sorted_by_step_number(tmp_path):
-    from codeforge.train.checkpoint import _prune
+    from codeforge.checkpoint import _prune
     root = tmp_path / "checkpoints"
     for s in (999000, 999500, 1000000, 1000500):
         (root / f"step_{s:06d}").mkdir(parents=True)
@@ -224,7 +261,6 @@ def test_checkpoints_sorted_by_step_number(tmp_path):
 
 
 def test_best_only_for_evaluated_steps(data_dir, tmp_path):
-    Trainer(cfg_for(data_dir, tmp_path / "r", train__max_iters=8, train__eval_every=4, train__save_every=2),
-            log=lambda m: None).run()
+    train_run(cfg_for(data_dir, tmp_path / "r", train__max_iters=8, train__eval_every=4, train__save_every=2))
     best = (tmp_path / "r" / "checkpoints" / "best").read_text().strip()
     assert best in ("step_000004", "step_000008")  # steps 2 and 6 were saved but never evaluated

@@ -7,9 +7,9 @@ QK-norm (Dehghani et al. 2023) are options. Attention runs through PyTorch SDPA 
 kernels where the device has them).
 
 The surface every model in codeforge shares:
-  forward(idx, targets=None, kv_cache=None, pos=None, attn_mask=None) -> logits (B, T, vocab), or the mean
-  cross-entropy loss when targets are given (targets == -1 are ignored); num_params(); flops_per_token();
-  optim_groups(weight_decay).
+  forward(idx, targets=None, kv_cache=None, pos=None, attn_mask=None, loss_reduction="mean") -> logits
+  (B, T, vocab), or the cross-entropy loss when targets are given (targets == -1 are ignored; train/losses.py);
+  num_params(); flops_per_token(); optim_groups(weight_decay); new_kv_cache(...); context_length.
 """
 
 from __future__ import annotations
@@ -21,29 +21,35 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-IGNORE_INDEX = -1
+from ..fields import setting
+from ..train import losses
+
 
 
 @dataclass
 class GPTConfig:
-    vocab_size: int = 50304
-    block_size: int = 1024
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    n_kv_head: int = 0  # 0: same as n_head (multi-head attention); fewer: grouped-query attention
-    mlp: str = "gelu"  # gelu | swiglu | relu2
-    ffn_hidden: int = 0  # 0: 4 * n_embd for gelu/relu2; for swiglu 8/3 * n_embd rounded up to 64
-    norm: str = "layernorm"  # layernorm | rmsnorm
-    norm_eps: float = 1e-5
-    pos: str = "learned"  # learned | rope
-    rope_base: float = 10000.0
-    qk_norm: bool = False
-    tie_embeddings: bool = True
-    bias: bool = True
-    embd_dropout: float = 0.0
-    attn_dropout: float = 0.0
-    resid_dropout: float = 0.0
+    arch: str = setting("gpt", "model architecture (the registry key, saved in checkpoints)", choices=("gpt",))
+    vocab_size: int = setting(50304, "model vocabulary", range=(256, 200_000),
+                              zero_means="the data's tokenizer, padded to a multiple of 64")
+    block_size: int = setting(1024, "context length in tokens", range=(8, 131_072))
+    n_layer: int = setting(12, "transformer blocks", range=(1, 256))
+    n_head: int = setting(12, "attention heads", range=(1, 256))
+    n_embd: int = setting(768, "model width", range=(16, 16_384))
+    n_kv_head: int = setting(0, "key/value heads (fewer than n_head: grouped-query attention)", range=(1, 256),
+                             zero_means="n_head")
+    mlp: str = setting("gelu", "MLP activation", choices=("gelu", "swiglu", "relu2"))
+    ffn_hidden: int = setting(0, "MLP hidden width", range=(1, 1 << 20),
+                              zero_means="4 x n_embd (gelu, relu2) or 8/3 x n_embd rounded up to 64 (swiglu)")
+    norm: str = setting("layernorm", "normalisation", choices=("layernorm", "rmsnorm"))
+    norm_eps: float = setting(1e-5, "normalisation epsilon", range=(0.0, 1.0))
+    pos: str = setting("learned", "positions: learned table or rotary", choices=("learned", "rope"))
+    rope_base: float = setting(10000.0, "rotary base (theta)", range=(1.0, 1e9))
+    qk_norm: bool = setting(False, "normalise queries and keys per head")
+    tie_embeddings: bool = setting(True, "share the input embedding with the output matrix")
+    bias: bool = setting(True, "biases in linear layers and LayerNorm")
+    embd_dropout: float = setting(0.0, "dropout after the embedding", range=(0.0, 0.9))
+    attn_dropout: float = setting(0.0, "dropout on attention weights", range=(0.0, 0.9))
+    resid_dropout: float = setting(0.0, "dropout on residual branches", range=(0.0, 0.9))
 
     def __post_init__(self) -> None:
         if not self.n_kv_head:
@@ -61,6 +67,7 @@ class GPTConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "GPTConfig":
         names = {f.name for f in fields(cls)}
+        d = {"arch": "gpt", **d}  # checkpoints from before the registry have no arch
         unknown = set(d) - names
         if unknown:
             raise ValueError(f"unknown model config keys {sorted(unknown)}; known: {sorted(names)}")
@@ -238,6 +245,14 @@ class GPT(nn.Module):
             self.rope_sin.copy_(sin)
 
     # -- the shared surface -------------------------------------------------------------------------------
+    @property
+    def context_length(self) -> int:
+        return self.cfg.block_size
+
+    def new_kv_cache(self, batch: int, max_len: int, device, dtype) -> KVCache:
+        """An empty cache for `batch` rows of up to `max_len` positions (the engine asks; it never builds one)."""
+        return KVCache(self.cfg, batch, max_len, device, dtype)
+
     def num_params(self, non_embedding: bool = False) -> int:
         """Exact count of distinct parameters (a tied lm_head counts once)."""
         n = sum(p.numel() for p in self.parameters())
@@ -265,10 +280,13 @@ class GPT(nn.Module):
         return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: KVCache | None = None,
-                pos: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None, last_only: bool = False):
+                pos: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None, last_only: bool = False,
+                loss_reduction: str = "mean"):
         """idx (B, T) token ids. pos (B, T) positions, default 0..T-1 after what the cache holds.
         attn_mask (B, 1, T, L) bool, True where a query may attend (for left-padded batches).
-        last_only: logits of the last position only, (B, 1, vocab) (generation needs no more)."""
+        last_only: logits of the last position only, (B, 1, vocab) (generation needs no more).
+        With targets: the mean loss over targets != -1, or (B, T) per-token losses with loss_reduction="none"
+        (evaluation uses that, so it shares this one loss path)."""
         B, T = idx.shape
         start = kv_cache.len if kv_cache is not None else 0
         if start + T > self.cfg.block_size:
@@ -292,58 +310,5 @@ class GPT(nn.Module):
         if targets is None:
             return self.lm_head(self.ln_f(x[:, -1:] if last_only else x))
         x = self.ln_f(x)
-        return lm_loss(x, self.lm_head.weight, targets, self.loss_chunk_rows if self.training else 0)
-
-
-def lm_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_rows: int = 0) -> torch.Tensor:
-    """Mean next-token cross-entropy of hidden states h (B, T, C) under the output matrix (vocab, C),
-    ignoring targets == -1, with float32 softmax.
-
-    With chunk_rows > 0 and gradients on, the fused path runs: the (B*T, vocab) logits never exist at once
-    (see ChunkedLinearCrossEntropy). Otherwise the plain path: one matmul, then F.cross_entropy."""
-    if chunk_rows > 0 and torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-        return ChunkedLinearCrossEntropy.apply(h.reshape(-1, h.size(-1)), weight, targets.reshape(-1), chunk_rows)
-    logits = F.linear(h, weight)  # (B, T, vocab)
-    total = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX,
-                            reduction="sum")
-    return total / (targets != IGNORE_INDEX).sum().clamp(min=1)  # 0, not NaN, when every target is ignored
-
-
-class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Linear layer + mean cross-entropy whose gradients are computed during the forward pass, chunk by
-    chunk of rows, so only one (chunk_rows, vocab) block of logits is alive at a time.
-
-    For a row with logits z = h W^T and target t: loss = logsumexp(z) - z_t, dloss/dz = softmax(z) - onehot(t).
-    Then dL/dh = (dloss/dz) W and dL/dW = sum over rows of (dloss/dz)^T h, both divided by the number of
-    counted rows. The same FLOPs as the plain path (one forward and two backward matmuls), far less memory
-    and memory traffic; backward only scales the stored gradients by the incoming scalar."""
-
-    @staticmethod
-    def forward(ctx, h, weight, targets, chunk_rows):
-        n_valid = (targets != IGNORE_INDEX).sum().clamp(min=1)
-        grad_h = torch.empty_like(h)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        loss = torch.zeros((), dtype=torch.float32, device=h.device)
-        w = weight.to(h.dtype)  # once: under autocast h is bf16/fp16 and the matmuls run in that dtype
-        for i in range(0, h.size(0), chunk_rows):
-            hc, tc = h[i:i + chunk_rows], targets[i:i + chunk_rows]
-            z = F.linear(hc, w).float()  # (rows, vocab)
-            valid = tc != IGNORE_INDEX
-            tsafe = tc.clamp(min=0).unsqueeze(1)
-            lse = torch.logsumexp(z, dim=-1)
-            loss += ((lse - z.gather(1, tsafe).squeeze(1)) * valid).sum()
-            g = (z - lse.unsqueeze(1)).exp_()  # softmax from the logsumexp already computed
-            g.scatter_add_(1, tsafe, -torch.ones_like(tsafe, dtype=g.dtype))
-            g *= valid.unsqueeze(1)  # ignored rows contribute nothing
-            g = g.to(h.dtype)
-            grad_h[i:i + chunk_rows] = g @ w
-            grad_w += g.t() @ hc  # summed in float32 across chunks
-        ctx.save_for_backward(grad_h, grad_w, n_valid)
-        ctx.w_dtype = weight.dtype
-        return loss / n_valid
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        grad_h, grad_w, n_valid = ctx.saved_tensors
-        scale = grad_out / n_valid
-        return grad_h * scale.to(grad_h.dtype), (grad_w * scale).to(ctx.w_dtype), None, None
+        return losses.lm_loss(x, self.lm_head.weight, targets, self.loss_chunk_rows if self.training else 0,
+                              reduction=loss_reduction)

@@ -1,4 +1,5 @@
-"""Checkpoints: atomic save, keep-last-N plus best and final, exact resume.
+"""Checkpoints: atomic save, keep-last-N plus best and final, exact resume, the compatibility check, and
+loading a model for inference. Model-agnostic: models are built through the registry by the saved `arch`.
 
 RUN/checkpoints/step_NNNNNN/
   model.safetensors   weights (tied tensors stored once)
@@ -24,8 +25,8 @@ import torch
 from safetensors.torch import load_model as st_load_model
 from safetensors.torch import save_model as st_save_model
 
-from .. import CodeforgeError
-from ..atomic import publish, staging_dir
+from . import CodeforgeError
+from .atomic import publish, staging_dir
 
 STEP_PREFIX = "step_"
 
@@ -64,8 +65,10 @@ def set_rng_state(s: dict) -> None:
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, config: dict, train_state: dict,
-                    tokenizer_dir: str | Path | None, keep_last: int, best: bool = False,
+                    assets: dict[str, Path] | None, keep_last: int, best: bool = False,
                     final: bool = False) -> Path:
+    """Write step_NNNNNN aside and rename it into place; `assets` are directories copied in by name
+    (the tokenizer). Then move the pointers and prune to keep_last plus the pointed-to steps."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     name = f"{STEP_PREFIX}{step:06d}"
@@ -74,8 +77,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, conf
     st_save_model(model, str(tmp / "model.safetensors"))
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     torch.save(train_state, tmp / "train_state.pt")
-    if tokenizer_dir is not None:
-        shutil.copytree(tokenizer_dir, tmp / "tokenizer")
+    for asset, src in (assets or {}).items():
+        shutil.copytree(src, tmp / asset)
     publish(tmp, final_dir)  # replaces the same step saved earlier (e.g. on SIGTERM right after a periodic save)
     _write_pointer(root, "latest", name)
     if best:
@@ -106,8 +109,16 @@ def _prune(root: Path, keep_last: int) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+POINTERS = ("latest", "best", "final")
+
+
 def find_checkpoint(path: str | Path, which: str = "latest") -> Path:
-    """A checkpoint directory from a run directory (its latest / best / final) or a checkpoint path."""
+    """A checkpoint directory from a checkpoint path, or from a run directory by pointer: "latest", "best",
+    "final", or "auto" (best if the run has one, else latest). Asking for best or final when the run has
+    none says so by name; only a missing `latest` pointer (a crash between save and pointer) falls back to
+    the newest complete step."""
+    if which not in (*POINTERS, "auto"):
+        raise CheckpointError(f"checkpoint {which!r} is not one of {POINTERS + ('auto',)}")
     p = Path(path)
     if (p / "model.safetensors").exists():
         return p
@@ -115,8 +126,14 @@ def find_checkpoint(path: str | Path, which: str = "latest") -> Path:
     if not p.exists():
         raise CheckpointError(f"{p} does not exist: pass a run directory (from `codeforge train --out`) or a "
                               f"checkpoint directory")
+    if which == "auto":
+        which = "best" if root.exists() and _read_pointer(root, "best") is not None else "latest"
     found = _read_pointer(root, which) if root.exists() else None
-    if found is None and root.exists():  # pointer missing: fall back to the newest complete step
+    if found is None and which in ("best", "final") and root.exists() and any(root.iterdir()):
+        why = ("no evaluated step was saved (no validation split, or --eval-every 0)" if which == "best"
+               else "the run has not finished")
+        raise CheckpointError(f"{p} has no '{which}' checkpoint: {why}; use --checkpoint latest")
+    if found is None and root.exists():  # latest pointer missing: the newest complete step
         steps = sorted((q for q in root.iterdir() if q.name.startswith(STEP_PREFIX)
                         and (q / "model.safetensors").exists()), key=_step_of)
         found = steps[-1] if steps else None
@@ -140,10 +157,29 @@ def load_train_state(ckpt: Path) -> dict:
     return torch.load(ckpt / "train_state.pt", map_location="cpu", weights_only=False)
 
 
-def load_model(path: str | Path, device: torch.device, which: str = "best"):
+def shape_diff(saved: dict, current: dict) -> dict:
+    """Model fields whose difference makes saved weights unusable: {field: (saved, current)}. Dropout rates
+    may change between stages, so they are not compared."""
+    saved = {"arch": "gpt", **saved}
+    return {k: (v, current.get(k)) for k, v in saved.items() if not k.endswith("dropout") and current.get(k) != v}
+
+
+def check_compatible(ck: Path, model_cfg: dict, tokenizer_hash: str, what: str, data: str = "the data") -> None:
+    """Refuse a checkpoint whose weights do not fit `model_cfg` or whose tokenizer is not `tokenizer_hash`."""
+    saved = read_config(ck)
+    diff = shape_diff(saved["model"], model_cfg)
+    if diff:
+        raise CheckpointError(f"{what} {ck}: model shape differs (field: (checkpoint, this run)) {diff}; use the "
+                              f"same model settings as the run you continue from")
+    if saved.get("tokenizer_hash") != tokenizer_hash:
+        raise CheckpointError(f"{what} {ck}: it was trained with tokenizer {saved.get('tokenizer_hash')} but "
+                              f"{data} uses {tokenizer_hash}; prepare the data with that tokenizer")
+
+
+def load_model(path: str | Path, device: torch.device, which: str = "auto"):
     """(model in eval mode, tokenizer, checkpoint dir, saved config) from a run or checkpoint directory."""
-    from ..models.gpt import GPT, GPTConfig
-    from ..tokenizer import CodeTokenizer, TokenizerError
+    from .models import build_model
+    from .tokenizer import CodeTokenizer, TokenizerError
     ck = find_checkpoint(path, which)
     cfg = read_config(ck)
     if not (ck / "tokenizer" / "tokenizer.json").exists():
@@ -153,6 +189,6 @@ def load_model(path: str | Path, device: torch.device, which: str = "best"):
         tok = CodeTokenizer.load(ck / "tokenizer")
     except TokenizerError as e:
         raise CheckpointError(str(e)) from e
-    model = GPT(GPTConfig.from_dict(cfg["model"]))
+    model = build_model(cfg["model"])
     load_weights(model, ck)
     return model.to(device).eval(), tok, ck, cfg

@@ -1,0 +1,145 @@
+"""Language-model stages (pretrain, code; and, through sft.py, the chat stages): prepared shards -> model ->
+Trainer. Owns the process group, device and precision choice, the vocabulary from the data's tokenizer,
+--resume and --init-from with their compatibility checks, the budget, and the eval/sample callbacks."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from .. import checkpoint as ckpt_io
+from ..config import CHAT_STAGES, ConfigError, RunConfig
+from ..device import choose_device, choose_precision, distributed_env, setup_distributed, teardown_distributed
+from ..evaluate import evaluate_loss, token_byte_lengths
+from ..loader import batch_source
+from ..models import build_model
+from ..shards import ShardSet
+from ..tokenizer import CodeTokenizer
+from ..train.losses import lm_loss_fn
+from ..train.trainer import Trainer
+
+
+def round_up(n: int, k: int) -> int:
+    return (n + k - 1) // k * k
+
+
+def run(cfg: RunConfig, resume: bool = False, log=print,
+        sampler: Callable[..., str] | None = None) -> dict:
+    """Train (or resume) the run `cfg` describes; the process group lives exactly as long as this call."""
+    t = cfg.train
+    if not t.data or not t.out:
+        raise ConfigError("train needs --data DIR (from `codeforge prepare`) and --out RUN")
+    device, why_dev = choose_device(t.device)
+    precision, why_prec = choose_precision(device, t.precision)
+    rank, world = distributed_env()
+    setup_distributed(device)
+    try:
+        say = log if rank == 0 else (lambda m: None)
+        say(f"device: {device} ({why_dev}); precision: {precision} ({why_prec})")
+        return _train(cfg, resume, say, device, precision, rank, world, sampler or plain_sample)
+    finally:
+        teardown_distributed()
+
+
+def _train(cfg: RunConfig, resume: bool, say, device: torch.device, precision: str, rank: int, world: int,
+           sampler) -> dict:
+    t = cfg.train
+    run_dir = Path(t.out)
+    # -- data and tokenizer -------------------------------------------------------------------------------
+    train_set = ShardSet(t.data, "train")
+    chat_stage = t.stage in CHAT_STAGES
+    if chat_stage and not train_set.chat:
+        raise ConfigError(f"--stage {t.stage} trains on chat data, but {t.data} holds plain text shards; prepare "
+                          f"chat JSONL with `codeforge prepare --chat ...` (or `codeforge make-sft` first)")
+    if train_set.chat and not chat_stage:
+        raise ConfigError(f"{t.data} holds chat data; train it with --stage sft (or tools), not {t.stage}")
+    val_set = ShardSet(t.data, "val") if train_set.meta["splits"]["val"]["tokens"] else None
+    tok = CodeTokenizer.load(Path(t.data) / "tokenizer")
+    train_set.check_tokenizer(tok.hash, "the tokenizer copied beside it")
+    m = cfg.model
+    if m.vocab_size == 0:  # from the data, padded to a multiple of 64 for fast matmuls
+        cfg.model = m = replace(m, vocab_size=round_up(tok.vocab_size, 64))
+    elif m.vocab_size < tok.vocab_size:
+        raise ConfigError(f"model.vocab_size = {m.vocab_size} is smaller than the tokenizer's vocabulary "
+                          f"({tok.vocab_size}); drop --vocab-size to take it from the data")
+    cfg.validate()
+
+    # -- resume or init_from --------------------------------------------------------------------------------
+    start_ckpt = None
+    if resume:
+        try:
+            start_ckpt = ckpt_io.find_checkpoint(run_dir)
+        except ckpt_io.CheckpointError:
+            say(f"--resume: no checkpoint in {run_dir} yet; starting fresh")
+    elif (run_dir / "checkpoints").exists() and any((run_dir / "checkpoints").iterdir()):
+        raise ConfigError(f"{run_dir} already holds a training run; pass --resume to continue it, or "
+                          f"choose another --out (nothing was changed)")
+    model_dict = m.to_dict()
+    if start_ckpt is not None:
+        ckpt_io.check_compatible(start_ckpt, model_dict, tok.hash, "--resume", t.data)
+
+    # -- model ----------------------------------------------------------------------------------------------
+    torch.manual_seed(t.seed)
+    model = build_model(m).to(device)
+    model.grad_checkpointing = t.grad_checkpointing
+    model.loss_chunk_rows = t.loss_chunk_rows
+    if t.init_from and start_ckpt is None:
+        ck = ckpt_io.find_checkpoint(t.init_from, "auto")
+        ckpt_io.check_compatible(ck, model_dict, tok.hash, "--init-from", t.data)
+        ckpt_io.load_weights(model, ck)
+        say(f"initialised weights from {ck}")
+    elif chat_stage and start_ckpt is None:
+        say(f"note: --stage {t.stage} without --init-from trains a chat model from random weights; pass "
+            f"--init-from PRETRAINED_RUN to fine-tune one")
+    say(f"model: {model.num_params():,} parameters ({model.num_params(True):,} non-embedding), "
+        f"{model.flops_per_token() / 1e6:.1f} MFLOPs/token; {m.n_layer} layers, {m.n_head} heads, "
+        f"{m.n_embd} wide, context {m.block_size}, vocab {m.vocab_size}")
+
+    # -- batches and budget ---------------------------------------------------------------------------------
+    try:
+        batches = batch_source(train_set, t.batch_size, m.block_size, tok.special_ids, seed=t.seed, rank=rank,
+                               world_size=world, device=device)
+    except ValueError as e:  # too little data for one batch
+        raise ConfigError(str(e)) from e
+    if getattr(batches, "split", 0) or getattr(batches, "dropped", 0):
+        say(f"chat data: {batches.split} conversation(s) longer than the context ({m.block_size + 1} tokens) "
+            f"split at turn boundaries, {batches.dropped} dropped (a single turn longer than the context)")
+    tokens_per_step = t.batch_size * m.block_size * t.grad_accum_steps * world
+    if t.max_iters:
+        total = t.max_iters
+    elif t.max_tokens:
+        total = math.ceil(t.max_tokens / tokens_per_step)
+    else:
+        total = max(1, math.ceil((t.epochs or 1.0) * batches.per_epoch / t.grad_accum_steps))
+    token_bytes = token_byte_lengths(tok, m.vocab_size)
+    warned = []
+
+    def evaluate(mdl):
+        if val_set is None:
+            return None
+        try:
+            vb = batch_source(val_set, t.batch_size, m.block_size, tok.special_ids, shuffle=False, device=device)
+        except ValueError as e:  # validation split smaller than one batch
+            if not warned:
+                say(f"no evaluation (so no 'best' checkpoint): {e}")
+                warned.append(1)
+            return None
+        return evaluate_loss(mdl, vb, t.eval_iters, device, precision, token_bytes)
+
+    trainer = Trainer(model, batches, lm_loss_fn, t, run_dir, device=device, precision=precision,
+                      total_steps=total, tokens_per_step=tokens_per_step,
+                      run_config={**cfg.to_dict(), "tokenizer_hash": tok.hash}, assets={"tokenizer": tok.path},
+                      evaluate=evaluate, sample=lambda mdl, step: sampler(mdl, tok, device, precision, step, t.sample_tokens),
+                      start_checkpoint=start_ckpt, rank=rank, world=world, log=say)
+    return trainer.run()
+
+
+def plain_sample(model, tok, device, precision, step: int, max_new_tokens: int = 64) -> str:
+    """A sample from the start of a document (seeded by the step)."""
+    from ..engine import Engine, SamplingParams
+    eng = Engine(model, tok, device, precision)
+    return eng.generate([""], SamplingParams(max_new_tokens=max_new_tokens, temperature=0.8, top_k=50, seed=step))[0]

@@ -1,0 +1,1 @@
+"""Task data built from a corpus: instruction pairs for supervised fine-tuning."""

@@ -1,0 +1,328 @@
+"""Mine chat instruction pairs from a code corpus, offline: documented function -> its real source.
+
+Every Go or Python function that carries documentation becomes one conversation in the OpenAI chat shape:
+
+    {"messages": [{"role": "user", "content": REQUEST}, {"role": "assistant", "content": CODE}],
+     "meta": {"source": PATH, "language": "go" | "python", "name": NAME}}
+
+The request shows the function's *stub* in a fenced code block and asks for the whole function:
+
+* Python: decorators, the `def` header up to its colon (it may span lines) and the docstring literal, all
+  exactly as written. The answer is the function from its first decorator to its last line, so it repeats
+  the stub and goes on with the body. Methods (also of nested classes) count; they are dedented by the
+  indentation of their first line. Functions nested inside functions are not mined: they lean on the
+  enclosing scope.
+* Go: the `//` doc comment directly above a top-level `func` (compiler directives such as `//go:noinline`
+  dropped) and the signature up to the body's `{`. The answer is the declaration from `func` to its
+  closing brace, *without* the doc comment: the doc is already in the request, so the model learns to
+  answer with code only.
+
+The wording of the request is one of a few phrasings, drawn by a `random.Random` seeded from (seed, hash
+of the function's code), so the output depends only on the inputs. The same hash deduplicates functions
+(identical code mined twice, e.g. a vendored copy, is kept once) and picks the held-out split with
+`corpus.split_of`, so a function stays in its split when files are added.
+
+Functions that do not make a useful pair are counted by reason: `no_doc`, `short_doc` (under
+`MIN_DOC_CHARS`), `trivial_body` (only `pass`, `...`, `raise NotImplementedError` or the docstring; an
+empty Go body), `no_body` (a Go declaration implemented in assembly), `syntax_error` (tree-sitter found an
+error inside it), `too_long` (more than `max_chars` characters), `duplicate`.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import os
+import random
+import re
+import shutil
+from collections import Counter
+from pathlib import Path
+
+from .. import CodeforgeError
+from ..atomic import publish, staging_dir
+from ..corpus import CorpusOptions, CorpusStats, content_hash, iter_documents, split_of
+
+MINED_LANGUAGES = {".go": "go", ".py": "python"}  # extension -> language; other files are not mined
+MIN_DOC_CHARS = 10  # "Add adds." and shorter say nothing the name does not
+LANG_NAME = {"go": "Go", "python": "Python"}
+DOC_NAME = {"go": "doc comment", "python": "docstring"}
+# go/ast's rule for a directive line, which is not part of a doc comment
+GO_DIRECTIVE = re.compile(r"^//(line |extern |export |[a-z0-9]+:[a-z0-9])")
+PHRASINGS = (
+    "Implement this {Lang} function. The signature and {doc} are given; write the whole function.\n\n{block}",
+    "Write `{name}` in {Lang} so that it does what its {doc} says:\n\n{block}",
+    "{block}\n\nComplete the function above: keep the signature and the {doc}, and write the body.",
+    ("Here is the signature of a {Lang} function together with its {doc}. Please write the full "
+     "implementation.\n\n{block}"),
+    "Fill in the body of the following {Lang} function.\n\n{block}",
+)
+
+
+class MineError(CodeforgeError):
+    """Bad input to the instruction-pair miner; the message names the value and the fix."""
+
+
+# -- finding functions -----------------------------------------------------------------------------------
+
+def _dedent(text: str, indent: str) -> str:
+    """Remove `indent` from the lines that start with it. Unlike textwrap.dedent this also works when a
+    multi-line string inside the function has a line at column 0 (such lines are left as they are)."""
+    if not indent:
+        return text
+    return "\n".join(line.removeprefix(indent) for line in text.split("\n"))
+
+
+def _line_start(src: bytes, byte: int) -> int:
+    return src.rfind(b"\n", 0, byte) + 1
+
+
+def _python_docstring(body) -> tuple[object | None, str]:
+    """The docstring node of a function body and its cleaned text (inspect.cleandoc), or (None, "")."""
+    stmts = [c for c in body.named_children if c.type != "comment"]
+    if not stmts or stmts[0].type != "expression_statement" or stmts[0].named_child_count != 1:
+        return None, ""
+    node = stmts[0].named_children[0]
+    if node.type != "string":
+        return None, ""
+    try:
+        value = ast.literal_eval(node.text.decode("utf-8"))
+    except (ValueError, SyntaxError):  # f-string: not a docstring Python would keep
+        return None, ""
+    return (node, inspect.cleandoc(value)) if isinstance(value, str) else (None, "")
+
+
+def _python_trivial(stmts: list) -> bool:
+    """True when the statements after the docstring are only `pass`, `...` or `raise NotImplementedError`."""
+    for s in stmts:
+        if s.type == "pass_statement":
+            continue
+        if s.type == "expression_statement" and [c.type for c in s.named_children] == ["ellipsis"]:
+            continue
+        if s.type == "raise_statement" and re.fullmatch(rb"raise\s+NotImplementedError(\(.*\))?", s.text, re.DOTALL):
+            continue
+        return False
+    return True
+
+
+def _python_functions(src: bytes, root, skipped: Counter) -> list[dict]:
+    out: list[dict] = []
+
+    def visit(node, prefix: str) -> None:
+        for child in node.children:
+            fn = child
+            if child.type == "decorated_definition":
+                fn = child.child_by_field_name("definition")
+            if fn is not None and fn.type == "function_definition":
+                item = python_function(child, fn, prefix)
+                if item:
+                    out.append(item)
+                continue  # nested functions are not mined
+            if child.type == "class_definition":
+                name = child.child_by_field_name("name")
+                visit(child, f"{prefix}{name.text.decode('utf-8')}." if name else prefix)
+            elif child.named_child_count:
+                visit(child, prefix)  # blocks of classes, if/try at module level
+
+    def python_function(outer, fn, prefix: str) -> dict | None:
+        name_node, body = fn.child_by_field_name("name"), fn.child_by_field_name("body")
+        if outer.has_error or name_node is None or body is None:
+            skipped["syntax_error"] += 1
+            return None
+        name = prefix + name_node.text.decode("utf-8")
+        doc_node, doc = _python_docstring(body)
+        if doc_node is None:
+            skipped["no_doc"] += 1
+            return None
+        if len(doc) < MIN_DOC_CHARS:
+            skipped["short_doc"] += 1
+            return None
+        stmts = [c for c in body.named_children if c.type != "comment"]
+        if _python_trivial(stmts[1:]):
+            skipped["trivial_body"] += 1
+            return None
+        start = _line_start(src, outer.start_byte)
+        indent = src[start:outer.start_byte].decode("utf-8")
+        colon = [c for c in fn.children if c.type == ":" and c.end_byte <= body.start_byte][-1]
+
+        def text(a: int, b: int) -> str:
+            return _dedent(src[a:b].decode("utf-8"), indent)
+
+        return {"name": name, "signature": text(_line_start(src, fn.start_byte), colon.end_byte), "doc": doc,
+                "code": text(start, outer.end_byte), "stub": text(start, doc_node.end_byte)}
+
+    visit(root, "")
+    return out
+
+
+def _go_doc(node) -> list[str]:
+    """The `//` comment lines directly above a declaration, each on its own line, top to bottom."""
+    lines, row, prev = [], node.start_point[0], node.prev_sibling
+    while prev is not None and prev.type == "comment" and prev.end_point[0] == row - 1:
+        text = prev.text.decode("utf-8")
+        before = prev.prev_sibling
+        if not text.startswith("//") or before is not None and before.end_point[0] == prev.start_point[0]:
+            break  # a /* block */ or a trailing comment of the line above
+        lines.append(text)
+        row, prev = prev.start_point[0], before
+    return lines[::-1]
+
+
+def _go_functions(src: bytes, root, skipped: Counter) -> list[dict]:
+    out = []
+    for node in root.children:
+        if node.type not in ("function_declaration", "method_declaration"):
+            continue
+        if node.has_error or node.child_by_field_name("name") is None:
+            skipped["syntax_error"] += 1
+            continue
+        name = node.child_by_field_name("name").text.decode("utf-8")
+        if node.type == "method_declaration":  # Recv.Name, the receiver's type without * or [T]
+            recv = node.child_by_field_name("receiver")
+            types = [n for n in _descendants(recv) if n.type == "type_identifier"]
+            name = f"{types[0].text.decode('utf-8')}.{name}" if types else name
+        body = node.child_by_field_name("body")
+        if body is None:
+            skipped["no_body"] += 1
+            continue
+        comments = [c for c in _go_doc(node) if not GO_DIRECTIVE.match(c)]
+        doc = "\n".join(c[3:] if c.startswith("// ") else c[2:] for c in comments).strip()
+        if not comments:
+            skipped["no_doc"] += 1
+            continue
+        if len(doc) < MIN_DOC_CHARS:
+            skipped["short_doc"] += 1
+            continue
+        if all(c.type == "comment" for c in body.named_children):
+            skipped["trivial_body"] += 1
+            continue
+        signature = src[node.start_byte:body.start_byte].decode("utf-8").rstrip()
+        out.append({"name": name, "signature": signature, "doc": doc,
+                    "code": src[node.start_byte:node.end_byte].decode("utf-8"),
+                    "stub": "\n".join(comments) + "\n" + signature})
+    return out
+
+
+def _descendants(node):
+    for c in node.children:
+        yield c
+        yield from _descendants(c)
+
+
+def mine_functions(text: str, language: str, skipped: Counter | None = None) -> list[dict]:
+    """The documented, non-trivial functions of one source file, in file order.
+
+    Each is {"name", "signature", "doc", "code", "stub"}: `name` is qualified for methods (`Class.method`,
+    Go `Recv.Method`), `doc` is the documentation text without comment markers or quotes, `code` is the
+    answer and `stub` the part shown in the request (see the module docstring). Functions left out are
+    counted in `skipped` by reason, when given.
+    """
+    if language not in LANG_NAME:
+        raise MineError(f"cannot mine functions of language {language!r}: only {sorted(LANG_NAME)}")
+    from ..evaluate import _parser  # tree-sitter is imported only when mining
+    skipped = Counter() if skipped is None else skipped
+    src = text.encode("utf-8")
+    root = _parser(language).parse(src).root_node
+    return (_python_functions if language == "python" else _go_functions)(src, root, skipped)
+
+
+# -- conversations ---------------------------------------------------------------------------------------
+
+def conversation(fn: dict, language: str, source: str, digest: bytes, seed: int = 0) -> dict:
+    """One chat example: a request phrased by a Random seeded from (seed, digest), answered by the code."""
+    rng = random.Random(f"{seed}:{digest.hex()}")
+    block = f"```{language}\n{fn['stub']}\n```"
+    request = rng.choice(PHRASINGS).format(Lang=LANG_NAME[language], doc=DOC_NAME[language],
+                                           name=fn["name"].rsplit(".", 1)[-1], block=block)
+    return {"messages": [{"role": "user", "content": request}, {"role": "assistant", "content": fn["code"]}],
+            "meta": {"source": source, "language": language, "name": fn["name"]}}
+
+
+def mine_sft(sources: list[str], languages: list[str] | None = None, max_examples: int = 0,
+             heldout_fraction: float = 0.05, seed: int = 0, max_chars: int = 4000,
+             exclude_tests: bool = True) -> tuple[list[dict], list[dict], dict]:
+    """(train, heldout, stats) conversations mined from `sources` (paths as `codeforge.corpus` reads them).
+
+    Files are read in the corpus's deterministic order, with exact file dedup and, by default, test files
+    left out; a file's language comes from its extension (.go, .py), other files are counted as
+    `unsupported_file`. `max_examples` (0: no limit) caps train + heldout; reading stops there. stats is
+    {"files", "functions", "examples", "train", "heldout", "skipped": {reason: n}, "corpus_skipped"}.
+    """
+    for lang in languages or []:
+        if lang not in LANG_NAME:
+            raise MineError(f"--languages {lang!r}: only {', '.join(sorted(LANG_NAME))} can be mined")
+    if not 0.0 <= heldout_fraction < 1.0:
+        raise MineError(f"heldout_fraction {heldout_fraction} must be in [0, 1)")
+    if max_examples < 0 or max_chars <= 0:
+        raise MineError(f"max_examples {max_examples} must be >= 0 and max_chars {max_chars} > 0")
+    opts = CorpusOptions(languages=languages or ["go", "python"], exclude_tests=exclude_tests, dedup="exact",
+                         val_fraction=0.0)
+    cstats = CorpusStats()
+    skipped: Counter = Counter()
+    seen: set[bytes] = set()
+    train: list[dict] = []
+    heldout: list[dict] = []
+    files = functions = 0
+    for doc in iter_documents(sources, opts, cstats):
+        language = MINED_LANGUAGES.get(os.path.splitext(doc.source)[1])
+        if language is None:
+            skipped["unsupported_file"] += 1
+            continue
+        files += 1
+        before = sum(skipped.values())
+        found = mine_functions(doc.text, language, skipped)
+        functions += len(found) + sum(skipped.values()) - before
+        for fn in found:
+            if len(fn["code"]) > max_chars:
+                skipped["too_long"] += 1
+                continue
+            digest = content_hash(fn["code"])
+            if digest in seen:
+                skipped["duplicate"] += 1
+                continue
+            seen.add(digest)
+            split = heldout if split_of(digest, heldout_fraction) == "val" else train
+            split.append(conversation(fn, language, doc.source, digest, seed))
+            if max_examples and len(train) + len(heldout) >= max_examples:
+                break
+        if max_examples and len(train) + len(heldout) >= max_examples:
+            break
+    stats = {"files": files, "functions": functions, "examples": len(train) + len(heldout),
+             "train": len(train), "heldout": len(heldout), "skipped": dict(sorted(skipped.items())),
+             "corpus_skipped": dict(sorted(cstats.skipped.items()))}
+    return train, heldout, stats
+
+
+def write_sft(sources: list[str], out_dir: str | Path, overwrite: bool = False, **options) -> dict:
+    """Mine `sources` (options as in `mine_sft`) into out_dir/{train,heldout}.jsonl and meta.json.
+
+    The directory is written aside and renamed into place (codeforge.atomic), so a crash never leaves a
+    half-written one. Returns the stats.
+    """
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise MineError(f"--out {str(out)!r} is a file: pass a directory path")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise MineError(f"--out {str(out)!r} exists and is not empty: choose a new directory or pass --overwrite")
+    bound = inspect.signature(mine_sft).bind(sources, **options)  # a bad option fails here, before mining
+    bound.apply_defaults()
+    train, heldout, stats = mine_sft(sources, **options)
+    if not stats["examples"]:
+        raise MineError(f"no instruction pairs found in {sources}: {stats['files']} .go/.py files, "
+                        f"{stats['functions']} functions, skipped {stats['skipped']}; check the paths hold "
+                        f"documented Go or Python functions, or pass --languages go,python "
+                        f"(now {','.join(bound.arguments['languages'] or ['go', 'python'])})")
+    tmp = staging_dir(out)
+    try:
+        for name, rows in (("train.jsonl", train), ("heldout.jsonl", heldout)):
+            with open(tmp / name, "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        meta = {"sources": list(sources), "options": {k: v for k, v in bound.arguments.items() if k != "sources"},
+                "stats": stats}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return stats
