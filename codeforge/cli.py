@@ -80,7 +80,8 @@ def cmd_prepare(a: argparse.Namespace) -> int:
         # Rust's thread pool reads this once, before the first parallel encode.
         os.environ["RAYON_NUM_THREADS"] = str(a.workers)
     opts = _corpus_opts(a, dedup=a.dedup, val_fraction=a.val_fraction)
-    meta = prepare(a.input, a.tokenizer, a.out, opts, overwrite=a.overwrite, shard_tokens=a.shard_tokens)
+    meta = prepare(a.input, a.tokenizer, a.out, opts, overwrite=a.overwrite, shard_tokens=a.shard_tokens,
+                   chat=a.chat)
     _print_data_info(meta, a.out, sample=False)
     return 0
 
@@ -100,6 +101,28 @@ def _print_data_info(meta: dict, path: str, sample: bool = True) -> None:
         tok = CodeTokenizer.load(os.path.join(path, "tokenizer"))
         print("  sample of the first document:\n" + "\n".join(
             "    | " + line for line in tok.decode(ss.arrays[0][:64].tolist()).splitlines()))
+
+
+def cmd_make_sft(a: argparse.Namespace) -> int:
+    from .tasks.sft_mine import write_sft
+    st = write_sft(a.input, a.out, overwrite=a.overwrite, languages=a.languages, max_examples=a.max_examples,
+                   heldout_fraction=a.heldout_fraction, seed=a.seed, max_chars=a.max_chars,
+                   exclude_tests=not a.include_tests)
+    print(f"mined {st['examples']} pairs from {st['functions']} documented functions in {st['files']} files "
+          f"(train {st['train']}, held out {st['heldout']}) -> {a.out}")
+    if st.get("skipped"):
+        print("  skipped functions: " + ", ".join(f"{k} {v}" for k, v in st["skipped"].items()))
+    print(f"next: codeforge prepare --chat --input {a.out}/train.jsonl --tokenizer TOK --out DATA")
+    return 0
+
+
+def cmd_make_tools(a: argparse.Namespace) -> int:
+    from .tasks.tool_data import write_tool_data
+    meta = write_tool_data(a.out, a.count, a.heldout, seed=a.seed, overwrite=a.overwrite)
+    print(f"wrote {a.count} training and {a.heldout} held-out tool-calling conversations -> {a.out}")
+    if meta.get("kinds"):
+        print(f"  kinds: {meta['kinds']}")
+    return 0
 
 
 def cmd_data_info(a: argparse.Namespace) -> int:
@@ -138,7 +161,31 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--workers", type=int, default=0, help="encoding threads (default: all cores)")
     pr.add_argument("--shard-tokens", type=int, default=100_000_000)
     pr.add_argument("--overwrite", action="store_true", help="replace an existing, different dataset")
+    pr.add_argument("--chat", action="store_true", help="inputs are chat JSONL ({\"messages\": [...], \"tools\": "
+                    "[...]}); render with ChatML and write a loss mask (assistant turns only) for --stage sft/tools")
     pr.set_defaults(func=cmd_prepare)
+
+    ms = sub.add_parser("make-sft", help="mine chat instruction pairs (signature + doc -> the real function) from "
+                                         "Go/Python code")
+    ms.add_argument("--input", nargs="+", required=True, metavar="PATH", help="directories or files of code")
+    ms.add_argument("--out", required=True, help="directory: train.jsonl, heldout.jsonl, meta.json")
+    ms.add_argument("--languages", nargs="+", default=None, choices=["go", "python"])
+    ms.add_argument("--max-examples", type=int, default=0, help="cap on pairs (0: all)")
+    ms.add_argument("--heldout-fraction", type=float, default=0.05)
+    ms.add_argument("--max-chars", type=int, default=4000, help="skip longer functions")
+    ms.add_argument("--include-tests", action="store_true", help="also mine test files")
+    ms.add_argument("--seed", type=int, default=0)
+    ms.add_argument("--overwrite", action="store_true")
+    ms.set_defaults(func=cmd_make_sft)
+
+    mt = sub.add_parser("make-tools", help="synthetic tool-calling conversations (code tools: run tests, read "
+                                           "files, search code, evaluate expressions)")
+    mt.add_argument("--out", required=True, help="directory: train.jsonl, heldout.jsonl, meta.json")
+    mt.add_argument("--count", type=int, default=2000, help="training conversations")
+    mt.add_argument("--heldout", type=int, default=200, help="held-out conversations")
+    mt.add_argument("--seed", type=int, default=0)
+    mt.add_argument("--overwrite", action="store_true")
+    mt.set_defaults(func=cmd_make_tools)
 
     d = sub.add_parser("data", help="inspect prepared data")
     ds = d.add_subparsers(dest="data_command", required=True)
@@ -150,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     _quickstart_parser(sub)
     _generate_parser(sub)
     _eval_parser(sub)
+    _chat_parser(sub)
     return p
 
 
@@ -237,17 +285,20 @@ def cmd_presets(a: argparse.Namespace) -> int:
 def _quickstart_parser(sub) -> None:
     q = sub.add_parser("quickstart", help="the whole pipeline on a built-in corpus: tokenizer, prepare, train, "
                                           "eval, sample")
-    q.add_argument("--out", default="runs/quickstart")
+    q.add_argument("--out", default=None, help="default runs/quickstart (runs/quickstart-chat with --chat)")
     q.add_argument("--corpus", default="python-stdlib", help="python-stdlib | go | PATH")
     q.add_argument("--max-iters", type=int, default=None, help="training steps (default: about 7 CPU minutes)")
     q.add_argument("--device", default="auto")
+    q.add_argument("--chat", action="store_true", help="then chat SFT on pairs mined from the corpus and tool "
+                   "calling (about 20 CPU minutes; default --out runs/quickstart-chat)")
     q.set_defaults(func=cmd_quickstart)
 
 
 def cmd_quickstart(a: argparse.Namespace) -> int:
     from .quickstart import run_quickstart
     try:
-        run_quickstart(a.out, a.corpus, a.max_iters, a.device)
+        run_quickstart(a.out or ("runs/quickstart-chat" if a.chat else "runs/quickstart"), a.corpus, a.max_iters,
+                       a.device, chat=a.chat)
     except FileNotFoundError as e:
         raise CLIError(str(e)) from e
     return 0
@@ -309,6 +360,97 @@ def cmd_generate(a: argparse.Namespace) -> int:
             sys.stdout.flush()
         sys.stdout.write("\n")
     return 0
+
+
+def _chat_parser(sub) -> None:
+    c = sub.add_parser("chat", help="chat with a chat run (after --stage sft/tools) at the terminal, or reply to "
+                                    "stdin when it is not a terminal")
+    c.add_argument("--run", required=True, help="run directory or checkpoint directory")
+    c.add_argument("--system", default=None, help="system message")
+    c.add_argument("--tools", default=None, help="JSON file with a list of tool schemas offered to the model")
+    c.add_argument("--max-new-tokens", type=int, default=256)
+    c.add_argument("--temperature", type=float, default=0.7)
+    c.add_argument("--top-k", type=int, default=50)
+    c.add_argument("--top-p", type=float, default=0.95)
+    c.add_argument("--seed", type=int, default=None)
+    c.add_argument("--checkpoint", default="auto", choices=["auto", "best", "latest", "final"])
+    c.add_argument("--device", default="auto")
+    c.set_defaults(func=cmd_chat)
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    """Interactive: each line is a user turn, the reply streams, history is kept; /reset clears it, /system
+    TEXT sets the system message, /quit (or Ctrl-D) leaves. Piped: stdin is one user message (or a JSON
+    object {"messages": [...], "tools": [...]}); the reply is printed and the command exits."""
+    from .engine import Engine, SamplingParams
+    tools = None
+    if a.tools:
+        try:
+            tools = json.loads(open(a.tools, encoding="utf-8").read())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CLIError(f"--tools {a.tools}: {e}") from e
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise CLIError(f"--tools {a.tools}: expected a JSON list of tool schema objects")
+    params = SamplingParams(a.max_new_tokens, a.temperature, a.top_k, a.top_p, seed=a.seed)
+    try:
+        params.validate()
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+    eng = Engine.from_run(a.run, a.device, a.checkpoint)
+    system = [{"role": "system", "content": a.system}] if a.system else []
+
+    def show_calls(r: dict) -> None:
+        for call in r["tool_calls"]:
+            print(f"[tool call] {json.dumps(call, ensure_ascii=False)}")
+        for err in r["errors"]:
+            print(f"[unparsed tool call] {err}")
+
+    if not sys.stdin.isatty():
+        text = sys.stdin.read()
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError:
+            obj = None
+        if isinstance(obj, dict) and "messages" in obj:
+            from .chat import ChatFormatError, validate
+            try:
+                messages, tools = validate({**obj, "messages": obj["messages"] + [{"role": "assistant"}]})
+            except ChatFormatError as e:
+                raise CLIError(f"stdin: {e}") from e
+            messages = messages[:-1]
+        else:
+            messages = system + [{"role": "user", "content": text.strip()}]
+        r = eng.chat(messages, tools, params)
+        print(r["content"])
+        show_calls(r)
+        return 0
+    history = list(system)
+    print("chat: /reset clears the history, /system TEXT sets the system message, /quit or Ctrl-D leaves",
+          file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return 0
+        if line.strip() in ("/quit", "/exit"):
+            return 0
+        if line.strip() == "/reset":
+            history = list(system)
+            continue
+        if line.startswith("/system"):
+            system = [{"role": "system", "content": line[len("/system"):].strip()}]
+            history = system + [m for m in history if m["role"] != "system"]
+            continue
+        history.append({"role": "user", "content": line})
+        r = eng.chat(history, tools, params, on_text=lambda piece: print(piece, end="", flush=True))
+        print()
+        show_calls(r)
+        msg: dict = {"role": "assistant", "content": r["content"]}
+        if r["tool_calls"]:
+            msg["tool_calls"] = [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                 for c in r["tool_calls"]]
+        history.append(msg)
 
 
 def _eval_parser(sub) -> None:

@@ -196,6 +196,11 @@ def resolve(presets: list[str] = (), file: str | None = None, sets: list[str] = 
     if base:
         for sec in SECTIONS:
             values[sec].update(base.get(sec, {}))
+    init_from = next((v for k, v in reversed(layers) if k == "train.init_from"), "")
+    if init_from and not base:  # staged training: the model is the one it starts from, unless flags change it
+        from .checkpoint import find_checkpoint, read_config
+        values["model"].update(read_config(find_checkpoint(str(init_from), "auto"))["model"])
+        layers = [(k, v) for k, v in layers if k != "model.vocab_size" or v != 0]
     stage = next((v for k, v in reversed(layers) if k == "train.stage"), values["train"]["stage"])
     if stage not in tables["stage"]:
         raise ConfigError(f"train.stage = {stage!r} is not one of {STAGES}; set --stage")

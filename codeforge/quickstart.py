@@ -29,6 +29,15 @@ MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 256, "block_size": 256, "embd_drop
 TRAIN = {"batch_size": 8, "grad_accum_steps": 1, "learning_rate": 2e-3, "warmup_steps": 50, "min_lr_ratio": 0.1,
          "eval_every": 100, "eval_iters": 10, "save_every": 200, "log_every": 10, "weight_decay": 0.1}
 VOCAB = 8192
+# --chat: a context that holds a tool-calling conversation (up to ~600 tokens with five tool schemas; at 512,
+# 347 of 1,500 were dropped), ~2,300 tokens per step. Then SFT and tools start from it at learning rates for a 5M model (the seeds' 5e-5
+# and 3e-6 are for 100M+ models; docs/LOG.md has the measurements).
+CHAT_MODEL = {"block_size": 768}
+CHAT_TRAIN = {"batch_size": 3}
+SFT = {"learning_rate": 1e-3, "warmup_steps": 10, "max_iters": 150, "eval_every": 50, "save_every": 50,
+       "batch_size": 3}
+TOOLS = {"learning_rate": 1e-3, "warmup_steps": 10, "max_iters": 200, "eval_every": 50, "save_every": 50,
+         "batch_size": 3}
 
 
 def corpus_path(corpus: str) -> tuple[str, list[str]]:
@@ -52,7 +61,8 @@ def corpus_path(corpus: str) -> tuple[str, list[str]]:
 
 
 def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | None = None,
-                   device: str = "auto") -> dict:
+                   device: str = "auto", chat: bool = False) -> dict:
+    """The pipeline; with chat, then chat SFT on pairs mined from the same corpus, then tool calling."""
     t_start = time.perf_counter()
     out_dir = Path(out)
     src, langs = corpus_path(corpus)
@@ -75,7 +85,9 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
           f"skipped {meta['skipped']} -> {data_dir}")
 
     run_dir = out_dir / "run"
-    flags = {**{f"model.{k}": v for k, v in MODEL.items()}, **{f"train.{k}": v for k, v in TRAIN.items()},
+    model = {**MODEL, **(CHAT_MODEL if chat else {})}
+    train = {**TRAIN, **(CHAT_TRAIN if chat else {})}
+    flags = {**{f"model.{k}": v for k, v in model.items()}, **{f"train.{k}": v for k, v in train.items()},
              "train.data": str(data_dir), "train.out": str(run_dir), "train.max_iters": max_iters or 600,
              "train.device": device}
     cfg = resolve([], None, [], flags, vocab_from_data=True)
@@ -86,6 +98,8 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
         print("interrupted; run the quickstart again to resume")
         return result
 
+    if chat:
+        return {**result, **chat_stages(out_dir, src, langs, run_dir, device, t_start)}
     print("[5/5] eval and sample")
     ev = run_eval(str(run_dir), eval_iters=20, batch_size=8, syntax_samples=8, humaneval=5, ks=[1, 5],
                   samples_per_problem=5, max_new_tokens=128, timeout=5.0, device=device)
@@ -103,3 +117,74 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     print(f"finished in {(time.perf_counter() - t_start) / 60:.1f} min. Next: codeforge generate --run {run_dir} "
           f"--prompt 'def '   |   codeforge eval --run {run_dir}   |   tensorboard --logdir {run_dir}/tensorboard")
     return {**result, **ev}
+
+
+def _stage(name: str, data: Path, out: Path, init_from: Path, device: str, over: dict) -> dict:
+    cfg = resolve([], None, [], {"train.stage": name, "train.data": str(data), "train.out": str(out),
+                                 "train.init_from": str(init_from), "train.device": device,
+                                 **{f"train.{k}": v for k, v in over.items()}}, vocab_from_data=True)
+    return run_stage(cfg, resume=(out / "checkpoints").exists())
+
+
+def chat_stages(out_dir: Path, src: str, langs, base_run: Path, device: str, t_start: float) -> dict:
+    """SFT on instruction pairs mined from the corpus, then tool calling on synthetic conversations; each
+    stage's run directory holds its tokenizer with the chat template. Prints what changed at each stage."""
+    import json
+
+    from .evaluate import chat_end_rate, tool_calling_eval
+    from .tasks.sft_mine import write_sft
+    from .tasks.tool_data import write_tool_data
+    tok_dir = out_dir / "tokenizer"
+    pairs = out_dir / "sft_pairs"
+    if not (pairs / "train.jsonl").exists():
+        st = write_sft([src], pairs, languages=langs, max_examples=4000, heldout_fraction=0.05)
+        print(f"[5/8] make-sft: {st['examples']} instruction pairs mined from {st['functions']} documented "
+              f"functions -> {pairs}")
+    sft_data = out_dir / "sft_data"
+    opts = CorpusOptions(val_fraction=0.05)
+    meta = prepare([str(pairs / "train.jsonl")], tok_dir, sft_data, opts, overwrite=True, log=lambda m: None, chat=True)
+    print(f"      prepare --chat: {meta['documents']} conversations, {meta['tokens']:,} tokens "
+          f"({sum(meta['loss_tokens'].values()):,} with loss) -> {sft_data}")
+    heldout = [json.loads(x) for x in (pairs / "heldout.jsonl").read_text().splitlines()]
+
+    def engine(run):
+        return Engine.from_run(str(run), device)
+
+    before = chat_end_rate(engine(base_run), heldout, n=20)
+    sft_run = out_dir / "sft"
+    print(f"[6/8] SFT from {base_run} -> {sft_run}")
+    r_sft = _stage("sft", sft_data, sft_run, base_run, device, SFT)
+    after = chat_end_rate(engine(sft_run), heldout, n=20)
+    print(f"      replies ending with <|im_end|> on held-out requests: {before['im_end_rate']:.0%} before SFT, "
+          f"{after['im_end_rate']:.0%} after ({after['im_end_cases']} requests)")
+
+    tools_pairs = out_dir / "tool_pairs"
+    if not (tools_pairs / "train.jsonl").exists():
+        write_tool_data(tools_pairs, 1500, 100, seed=0)
+    tool_data = out_dir / "tool_data"
+    meta = prepare([str(tools_pairs / "train.jsonl")], tok_dir, tool_data, opts, overwrite=True, log=lambda m: None,
+                   chat=True)
+    print(f"[7/8] make-tools + prepare --chat: {meta['documents']} conversations, {meta['tokens']:,} tokens -> "
+          f"{tool_data}")
+    tools_before = tool_calling_eval(engine(sft_run), 50)
+    tools_run = out_dir / "tools"
+    r_tools = _stage("tools", tool_data, tools_run, sft_run, device, TOOLS)
+    eng = engine(tools_run)
+    tools_after = tool_calling_eval(eng, 50)
+
+    def fmt(r):
+        def pct(v):
+            return "n/a" if v is None else f"{v:.0%}"
+        return (f"parse {pct(r['tool_parse_rate'])}, right tool {pct(r['tool_name_accuracy'])}, exact arguments "
+                f"{pct(r['tool_args_exact'])}, no call when none needed {pct(r['no_call_accuracy'])}")
+
+    print(f"[8/8] tool calling on {tools_after['tool_cases']} held-out cases:\n      before the tools stage: "
+          f"{fmt(tools_before)}\n      after:                  {fmt(tools_after)}")
+    ask = [{"role": "user", "content": "Please read the file src/parser.py"}]
+    from .tasks.tool_data import TOOLS as TOOL_SCHEMAS
+    reply = eng.chat(ask, TOOL_SCHEMAS, SamplingParams(max_new_tokens=96, temperature=0.0))
+    print(f"\nchat> {ask[0]['content']}\n{reply['text']}")
+    print(f"\nfinished in {(time.perf_counter() - t_start) / 60:.1f} min. Next: echo 'Write a function that adds "
+          f"two numbers' | codeforge chat --run {sft_run}   |   codeforge eval --run {tools_run} --json")
+    return {"sft": r_sft, "tools": r_tools, "im_end_before": before, "im_end_after": after,
+            "tools_before": tools_before, "tools_after": tools_after}
