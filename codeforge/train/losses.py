@@ -28,11 +28,11 @@ def lm_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_
     if reduction == "mean" and chunk_rows > 0 and torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
         return ChunkedLinearCrossEntropy.apply(h.reshape(-1, h.size(-1)), weight, targets.reshape(-1), chunk_rows)
     logits = F.linear(h, weight)  # (B, T, vocab)
-    per_tok = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1),
-                              ignore_index=IGNORE_INDEX, reduction="none")  # (B*T,), 0 where ignored
-    if reduction == "none":
-        return per_tok.view(targets.shape)
-    return per_tok.sum() / (targets != IGNORE_INDEX).sum().clamp(min=1)
+    flat = logits.view(-1, logits.size(-1)).float()
+    if reduction == "none":  # (B, T), 0 where ignored
+        return F.cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none").view(targets.shape)
+    total = F.cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+    return total / (targets != IGNORE_INDEX).sum().clamp(min=1)  # 0, not NaN, when every target is ignored
 
 
 def sequence_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
