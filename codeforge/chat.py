@@ -33,8 +33,10 @@ CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 RESP_OPEN, RESP_CLOSE = "<tool_response>", "</tool_response>"
 SPECIAL = (IM_START, IM_END, CALL_OPEN, CALL_CLOSE, RESP_OPEN, RESP_CLOSE)
 TOOLS_INTRO = ("\n\n# Tools\n\nYou can call these tools (JSON schemas, one per line):\n")
-TOOLS_OUTRO = ("\nTo call a tool, write <tool_call>{\"name\": <tool name>, \"arguments\": <JSON object>}"
-               "</tool_call>; the result comes back in a tool turn.")
+# No special-token text in here: it would be text to codeforge's encoder but a special token to a template
+# rendered by transformers, and the ids would differ.
+TOOLS_OUTRO = ("\nTo call a tool, write a tool call block holding {\"name\": <tool name>, \"arguments\": "
+               "<JSON object>}; the result comes back in a tool turn.")
 
 
 class ChatFormatError(CodeforgeError):
@@ -71,7 +73,8 @@ def validate(obj: Any) -> tuple[list[dict], list[dict]]:
     """(messages, tools) of one conversation, or ChatFormatError naming what is wrong."""
     if not isinstance(obj, dict) or not isinstance(obj.get("messages"), list) or not obj["messages"]:
         raise ChatFormatError("no_messages", "expected an object with a non-empty \"messages\" list")
-    tools = obj.get("tools") or []
+    tools = obj.get("tools")
+    tools = [] if tools is None else tools
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise ChatFormatError("tool_schema_not_object", "\"tools\" must be a list of JSON schema objects")
     has_assistant = False
