@@ -58,6 +58,7 @@ from . import CodeforgeError
 
 OUTPUT_CAP = 64 * 1024          # bytes of stdout and of stderr kept (the head of stdout, the tail of stderr)
 SCRATCH_MB = 64                 # size of the writable /tmp inside the box
+SHM_MB = 16                     # and of /dev/shm (POSIX semaphores for multiprocessing)
 MAX_PROCESSES = 32              # processes and threads the program may have at once
 MAX_OPEN_FILES = 256
 MAX_FILE_MB = 16
@@ -408,10 +409,11 @@ def _command(bwrap: str | None, files: dict[str, int], report_fd: int, memory_mb
     for d in extra:
         cmd += ["--ro-bind", d, d]
     cmd += ["--proc", "/proc", "--dev", "/dev", "--size", str(SCRATCH_MB * 2**20), "--tmpfs", "/tmp",
-            "--dir", "/sandbox"]
+            "--size", str(SHM_MB * 2**20), "--tmpfs", "/dev/shm", "--dir", "/sandbox"]
     for name, fd in files.items():
         cmd += ["--perms", "0444", "--ro-bind-data", str(fd), f"/sandbox/{name}"]
-    cmd += ["--chdir", "/tmp", "--", exe, "-I", "/sandbox/runner.py", "/sandbox/program.py"] + limits
+    # nothing writable but /tmp: the root and /dev are tmpfs that bwrap made, so make them read-only
+    cmd += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp", "--", exe, "-I", "/sandbox/runner.py", "/sandbox/program.py"] + limits
     if uid is not None:
         cmd = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"] + cmd
     if cg is not None and cg.paths:
