@@ -209,13 +209,16 @@ def _train_parser(sub) -> None:
     from .config import SECTIONS
     from .fields import describe, flag_name
     t = sub.add_parser("train", help="train a model on prepared shards (any stage)",
+                       usage="codeforge train --data DIR --out RUN [--stage S] [--preset NAME ...] [--resume] "
+                             "[options]",
                        description="Every config field is a flag (generated from its declaration in config.py "
                                    "and models/gpt.py); precedence, later wins: defaults < --stage defaults < "
                                    "--preset < --config < --set < flags.")
     t.add_argument("--preset", nargs="+", action="extend", default=[], metavar="NAME",
                    help="model and/or hardware presets, applied in order (see `codeforge presets`)")
     t.add_argument("--config", help="TOML or YAML file with [model] and [train] tables")
-    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config field")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="any config field, e.g. --set train.warmup_steps=50 (`codeforge config keys` lists them)")
     t.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
     t.add_argument("--dropout", type=float, default=None, help="sets embedding, attention and residual dropout")
     for section, cls in SECTIONS.items():
@@ -228,13 +231,30 @@ def _train_parser(sub) -> None:
                 kw["action"] = argparse.BooleanOptionalAction
             else:
                 kw["type"] = type(f.default)
-                kw["metavar"] = f.name.upper() if not f.metadata.get("choices") else None
+                kw["metavar"] = None if f.metadata.get("choices") else {int: "N", float: "X"}.get(type(f.default),
+                                                                                                      "TEXT")
                 if f.metadata.get("choices"):
                     kw["choices"] = f.metadata["choices"]
             g.add_argument(flag_name(f), **kw)
     t.set_defaults(func=cmd_train)
     p = sub.add_parser("presets", help="list model presets (with parameter counts) and hardware profiles")
     p.set_defaults(func=cmd_presets)
+    c = sub.add_parser("config", help="`config keys`: every settable key (--set KEY=VALUE, config files)")
+    c.add_argument("what", choices=["keys"])
+    c.set_defaults(func=cmd_config_keys)
+
+
+def cmd_config_keys(a: argparse.Namespace) -> int:
+    from dataclasses import fields
+
+    from .config import SECTIONS
+    from .fields import describe, flag_name
+    for section, cls in SECTIONS.items():
+        print(f"[{section}]")
+        for f in fields(cls):
+            flag = flag_name(f) if f.metadata.get("cli", True) else "(config file or --set only)"
+            print(f"  {section}.{f.name:22s} {type(f.default).__name__:5s} {flag:24s} {describe(f)}")
+    return 0
 
 
 def _train_config(a: argparse.Namespace):
@@ -492,8 +512,37 @@ def cmd_eval(a: argparse.Namespace) -> int:
     return 0
 
 
+def _chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)subcommand parser `args` came from, for its usage line in errors."""
+    current = parser
+    while True:
+        subs = [a for a in current._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs or getattr(args, subs[0].dest, None) is None:
+            return current
+        current = subs[0].choices[getattr(args, subs[0].dest)]
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """parse_args, but an unknown option is reported by the subcommand it was given to, with the nearest
+    known options ("did you mean --max-iters?")."""
+    import difflib
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        sub = _chosen_parser(parser, args)
+        known = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+        hints = []
+        for tok in extra:
+            if tok.startswith("--"):
+                near = difflib.get_close_matches(tok.split("=", 1)[0], known, n=3, cutoff=0.6)
+                if near:
+                    hints.append(f"{tok.split('=', 1)[0]}: did you mean {' or '.join(near)}?")
+        sub.error(f"unrecognized arguments: {' '.join(extra)}" + ("\n" + "\n".join(hints) if hints else "")
+                  + f"\n(`{sub.prog} --help` lists every option)")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = _parse(build_parser(), argv)
     t0 = time.perf_counter()
     try:
         return args.func(args)
