@@ -1,53 +1,137 @@
-"""Checkpoints: atomic save, keep-last-N plus best and final, exact resume, the compatibility check, and
-loading a model for inference. Model-agnostic: models are built through the registry by the saved `arch`.
+"""Checkpoints: atomic, verified save; keep-last-N plus best and final; exact resume; the compatibility checks;
+the run-directory lock; and loading a model for inference. Model-agnostic: models are built through the
+registry by the saved `arch`.
 
 RUN/checkpoints/step_NNNNNN/
-  model.safetensors   weights (tied tensors stored once)
-  config.json         the resolved run configuration (model + train) and the tokenizer hash
-  train_state.pt      optimizer, grad scaler, loader cursor, RNG states, step and token counters
-  tokenizer/          the tokenizer, so a checkpoint alone can generate
+  model.safetensors        weights (tied tensors stored once)
+  config.json              the resolved run configuration (model + train), the tokenizer hash and the
+                           training data's identity (`data_identity`: see data_identity())
+  train_state.safetensors  every tensor of the training state (optimizer moments, RNG states)
+  train_state.json         the rest of it (step and token counters, loader cursor, scaler, Python and NumPy
+                           RNG states), with {"__tensor__": key} where a tensor of the file above goes
+  tokenizer/               the tokenizer, so a checkpoint alone can generate
+  manifest.json            {"format", "step", "files": {relative path: {"bytes", "sha256"}}}: every file
+                           above, hashed after it was written; written last
 RUN/checkpoints/latest, best, final   one line each: the name of a step directory
+RUN/.train.lock            flock()ed by the training process for the whole run (its PID inside)
 
-A checkpoint is written to a hidden temporary directory and renamed into place, and `latest` is replaced
-atomically after that, so a crash (even kill -9) never leaves a half-written checkpoint behind `latest`.
+Safety. Loading a checkpoint runs no code from it: weights and state tensors are safetensors, the rest is
+JSON. Checkpoints of older codeforge versions (train_state.pt, no manifest) are read with
+torch.load(weights_only=True), which admits only tensors, plain values and NumPy arrays; one holding anything
+else is refused, never unpickled.
+
+Damage. A checkpoint is written to a hidden temporary directory and renamed into place, and `latest` is
+replaced atomically after that, so a crash (even kill -9) never leaves a half-written checkpoint behind
+`latest`; the manifest catches what the rename cannot (a truncated or changed file, a disk that lost
+unsynced data). find_checkpoint() checks it before trusting a checkpoint:
+  - `latest` (and `auto` when its `best` is damaged) falls back to the newest intact step and says which
+    one it skipped and why; --resume then trains the skipped steps again;
+  - a named checkpoint directory, `best` or `final` is refused with the reason (the caller asked for that one).
+A checkpoint without a manifest (older codeforge) is checked as far as it can be without one: on --resume
+its files must open (safetensors header, JSON, the zip CRCs of train_state.pt); elsewhere a file that does
+not load is reported by name when it is loaded.
+
+A failed write (a full disk, or any OSError) removes the unfinished checkpoint, leaves `latest` and the
+earlier checkpoints as they were, and raises CheckpointWriteError saying what happened and what to do.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import hashlib
 import json
 import os
+import pickle
 import random
+import re
 import shutil
+import socket
+import sys
+import time
+import zipfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file as st_load_file
 from safetensors.torch import load_model as st_load_model
+from safetensors.torch import save_file as st_save_file
 from safetensors.torch import save_model as st_save_model
 
 from . import CodeforgeError
 from .atomic import publish, staging_dir
+from .fields import ConfigError
 
 STEP_PREFIX = "step_"
+STEP_RE = re.compile(r"step_\d+")
+POINTERS = ("latest", "best", "final")
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "codeforge-checkpoint/2"
+STATE_TENSORS = "train_state.safetensors"
+STATE_JSON = "train_state.json"
+LEGACY_STATE = "train_state.pt"  # pickled by codeforge before the manifest; read only with weights_only=True
+LOCK_FILE = ".train.lock"
 
 
 class CheckpointError(CodeforgeError):
     pass
 
 
+class NoCheckpointError(CheckpointError):
+    """The run has no checkpoint at all (as opposed to only damaged ones)."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written; nothing earlier was lost."""
+
+
+class RunLockedError(CheckpointError):
+    """Another process is training in the run directory."""
+
+
+# -- pointers ---------------------------------------------------------------------------------------------
+
 def _write_pointer(ckpt_root: Path, name: str, target: str) -> None:
     tmp = ckpt_root / f".{name}.tmp"
-    tmp.write_text(target + "\n")
-    os.replace(tmp, ckpt_root / name)
+    try:
+        tmp.write_text(target + "\n")
+        os.replace(tmp, ckpt_root / name)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _pointer_target(ckpt_root: Path, name: str) -> Path | None:
+    """The step directory a pointer names (whether or not it exists), or None without a readable pointer."""
+    try:
+        text = (ckpt_root / name).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return ckpt_root / text if STEP_RE.fullmatch(text) else None
 
 
 def _read_pointer(ckpt_root: Path, name: str) -> Path | None:
-    f = ckpt_root / name
-    if not f.exists():
-        return None
-    p = ckpt_root / f.read_text().strip()
-    return p if (p / "model.safetensors").exists() else None
+    p = _pointer_target(ckpt_root, name)
+    return p if p is not None and (p / "model.safetensors").exists() else None
 
+
+def _step_of(p: Path) -> int:
+    """The step of a step_NNNNNN directory: numeric, so step_1000000 sorts after step_999500."""
+    return int(p.name[len(STEP_PREFIX):])
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    """step_NNNNNN directories under checkpoints/, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if STEP_RE.fullmatch(p.name) and p.is_dir()), key=_step_of)
+
+
+# -- RNG ----------------------------------------------------------------------------------------------------
 
 def rng_state() -> dict:
     s = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
@@ -64,97 +148,442 @@ def set_rng_state(s: dict) -> None:
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
+# -- the training state as safetensors + JSON ---------------------------------------------------------------
+# A nested structure of dicts, lists, tuples, str/int/float/bool/None, tensors, NumPy arrays and scalars is
+# stored as JSON with tagged objects where JSON has no type of its own; tensors go to the safetensors file by
+# key. Decoding builds only those types, so a tampered file can at worst give wrong numbers (which the
+# manifest catches), never run code. JSON floats round-trip exactly (repr), inf/nan included.
+
+_TAGS = ("__tensor__", "__ndarray__", "__npscalar__", "__tuple__", "__items__")
+
+
+def _encode(obj, path: str, tensors: dict[str, torch.Tensor], seen: set[int]):
+    if isinstance(obj, torch.Tensor):
+        key = path.lstrip("/") or "tensor"
+        while key in tensors:
+            key += "'"
+        t = obj.detach().to("cpu")
+        if not t.is_contiguous():
+            t = t.contiguous()
+        if t.numel() and t.untyped_storage().data_ptr() in seen:  # safetensors refuses shared storage
+            t = t.clone()
+        if t.numel():
+            seen.add(t.untyped_storage().data_ptr())
+        tensors[key] = t
+        return {"__tensor__": key}
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.kind not in "biuf":
+            raise CheckpointError(f"training state at {path or '/'}: a NumPy array of dtype {obj.dtype} cannot be "
+                                  f"stored safely (numbers and booleans only)")
+        return {"__ndarray__": {"dtype": obj.dtype.str, "shape": list(obj.shape), "data": obj.ravel().tolist()}}
+    if isinstance(obj, np.generic):
+        if obj.dtype.kind not in "biuf":
+            raise CheckpointError(f"training state at {path or '/'}: NumPy {obj.dtype} cannot be stored safely")
+        return {"__npscalar__": [obj.dtype.str, obj.item()]}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v, f"{path}/{i}", tensors, seen) for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [_encode(v, f"{path}/{i}", tensors, seen) for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj) and not any(k in _TAGS for k in obj):
+            return {k: _encode(v, f"{path}/{k}", tensors, seen) for k, v in obj.items()}
+        return {"__items__": [[_encode(k, f"{path}/key", tensors, seen), _encode(v, f"{path}/{k}", tensors, seen)]
+                              for k, v in obj.items()]}
+    raise CheckpointError(f"training state at {path or '/'}: a {type(obj).__name__} cannot be stored safely; "
+                          f"state_dict() must hold tensors, NumPy arrays and plain values only")
+
+
+def _decode(obj, tensors: dict[str, torch.Tensor]):
+    if isinstance(obj, list):
+        return [_decode(v, tensors) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if len(obj) == 1:
+        (tag, v), = obj.items()
+        if tag == "__tensor__":
+            return tensors[v]
+        if tag == "__ndarray__":
+            dt = np.dtype(v["dtype"])
+            if dt.kind not in "biuf":
+                raise ValueError(f"array dtype {dt}")
+            return np.array(v["data"], dtype=dt).reshape(v["shape"])
+        if tag == "__npscalar__":
+            dt = np.dtype(v[0])
+            if dt.kind not in "biuf":
+                raise ValueError(f"scalar dtype {dt}")
+            return dt.type(v[1])
+        if tag == "__tuple__":
+            return tuple(_decode(x, tensors) for x in v)
+        if tag == "__items__":
+            return {_decode(k, tensors): _decode(x, tensors) for k, x in v}
+    return {k: _decode(v, tensors) for k, v in obj.items()}
+
+
+def encode_state(state: dict) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(JSON-able skeleton, {key: tensor}) for a training state; see the comment above."""
+    tensors: dict[str, torch.Tensor] = {}
+    return _encode(state, "", tensors, set()), tensors
+
+
+def decode_state(skeleton, tensors: dict[str, torch.Tensor]) -> dict:
+    return _decode(skeleton, tensors)
+
+
+# -- manifest and verification --------------------------------------------------------------------------------
+
+def _sha256(f: Path) -> str:
+    with open(f, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def _write_manifest(d: Path, step: int) -> None:
+    files = {f.relative_to(d).as_posix(): {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+             for f in sorted(d.rglob("*")) if f.is_file()}
+    (d / MANIFEST).write_text(json.dumps({"format": MANIFEST_FORMAT, "step": step, "files": files}, indent=1) + "\n")
+
+
+_verified: dict[tuple, str | None] = {}  # (checkpoint, train_state, every file's (name, size, mtime)) -> result
+
+
+def verify_checkpoint(ck: str | Path, train_state: bool = True) -> str | None:
+    """None if checkpoint `ck` is intact, else why not (naming the file). train_state=False checks only what
+    inference needs (weights, config, tokenizer). Results are remembered while no file changes."""
+    ck = Path(ck)
+    try:
+        sig = tuple(sorted((str(f.relative_to(ck)), st.st_size, st.st_mtime_ns)
+                           for f in ck.rglob("*") if f.is_file() for st in [f.stat()]))
+    except OSError as e:
+        return f"it cannot be read ({e})"
+    key = (str(ck.resolve()), train_state, sig)
+    if key not in _verified:
+        if len(_verified) > 64:
+            _verified.clear()
+        _verified[key] = _verify(ck, train_state)
+    return _verified[key]
+
+
+def _verify(ck: Path, train_state: bool) -> str | None:
+    if not (ck / MANIFEST).exists():
+        return _verify_legacy(ck, train_state)
+    try:
+        man = json.loads((ck / MANIFEST).read_text())
+        files = {str(k): (int(v["bytes"]), str(v["sha256"])) for k, v in man["files"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{MANIFEST} is unreadable ({type(e).__name__}: {e})"
+    needed = {"model.safetensors", "config.json"} | ({STATE_TENSORS, STATE_JSON} if train_state else set())
+    unlisted = sorted(needed - set(files))
+    if unlisted:
+        return f"{unlisted[0]} is not in {MANIFEST}"
+    no_tokenizer = not (ck / "tokenizer").exists()  # removed as a whole: load_model says what to do
+    for rel, (size, sha) in files.items():
+        if (not train_state and rel.startswith("train_state")) or (no_tokenizer and rel.startswith("tokenizer/")):
+            continue
+        if rel.startswith("/") or ".." in Path(rel).parts:
+            return f"{MANIFEST} names a file outside the checkpoint ({rel})"
+        f = ck / rel
+        if not f.is_file():
+            return f"{rel} is missing"
+        have = f.stat().st_size
+        if have != size:
+            return f"{rel} is {have:,} bytes but was saved with {size:,} (truncated or overwritten)"
+        if _sha256(f) != sha:
+            return f"{rel} does not match the sha256 recorded when it was saved (damaged or changed on disk)"
+    return None
+
+
+def _verify_legacy(ck: Path, train_state: bool) -> str | None:
+    """A checkpoint without a manifest. For inference only its weights' presence (load_weights reports a file
+    that does not load); for --resume, that every file opens, without unpickling anything."""
+    if not (ck / "model.safetensors").is_file():
+        return "model.safetensors is missing"
+    if not train_state:
+        return None
+    try:
+        json.loads((ck / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"config.json is unreadable ({type(e).__name__}: {e})"
+    try:
+        with safe_open(str(ck / "model.safetensors"), "pt") as f:
+            list(f.keys())
+    except (OSError, SafetensorError, ValueError, RuntimeError) as e:
+        return f"model.safetensors is unreadable ({e})"
+    if (ck / STATE_JSON).exists():  # the new state without its manifest: written by hand, or the manifest lost
+        try:
+            json.loads((ck / STATE_JSON).read_text())
+            with safe_open(str(ck / STATE_TENSORS), "pt") as f:
+                list(f.keys())
+        except (OSError, SafetensorError, ValueError, RuntimeError) as e:
+            return f"the training state is unreadable ({e})"
+        return None
+    if not (ck / LEGACY_STATE).is_file():
+        return f"it has no training state ({STATE_JSON} or {LEGACY_STATE})"
+    try:
+        with zipfile.ZipFile(ck / LEGACY_STATE) as z:
+            bad = z.testzip()  # CRC of every member: reads the bytes, unpickles nothing
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError) as e:
+        return f"{LEGACY_STATE} is unreadable ({e})"
+    if bad is not None:
+        return f"{LEGACY_STATE} is damaged (checksum error in {bad})"
+    return None
+
+
+# -- save ---------------------------------------------------------------------------------------------------
+
+def _nbytes(tensors) -> int:
+    seen, n = set(), 0
+    for t in tensors:
+        key = (t.untyped_storage().data_ptr(), t.dtype, t.shape) if t.numel() else None
+        if key not in seen:
+            seen.add(key)
+            n += t.numel() * t.element_size()
+    return n
+
+
+def _dir_bytes(p: Path) -> int:
+    return sum(f.stat().st_size for f in Path(p).rglob("*") if f.is_file())
+
+
+def _disk_full(e: BaseException) -> bool:
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    s = str(e)  # safetensors' writer reports the OS error in its message
+    return "os error 28" in s or "No space left" in s or "os error 122" in s or "quota exceeded" in s.lower()
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def _write_failure(e: BaseException, root: Path, name: str, need: int, before: str | None) -> str:
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        free = None
+    kept = (f"`latest` still names {before} and the earlier checkpoints are intact" if before
+            else "there was no earlier checkpoint")
+    lost = f"Nothing earlier was lost: the unfinished {name} was removed, {kept}."
+    if _disk_full(e):
+        room = f" and {_mb(free)} are free there" if free is not None else ""
+        return (f"could not write checkpoint {name} in {root}: the disk is full ({e}). A checkpoint of this run "
+                f"needs about {_mb(need)}{room}. {lost} Free space on that disk (delete old runs, lower "
+                f"--keep-last) or move the run directory to a larger disk, then continue with --resume.")
+    return (f"could not write checkpoint {name} in {root}: {type(e).__name__}: {e}. {lost} Fix the cause, then "
+            f"continue with --resume.")
+
+
 def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, config: dict, train_state: dict,
                     assets: dict[str, Path] | None, keep_last: int, best: bool = False,
                     final: bool = False) -> Path:
-    """Write step_NNNNNN aside and rename it into place; `assets` are directories copied in by name
-    (the tokenizer). Then move the pointers and prune to keep_last plus the pointed-to steps."""
+    """Write step_NNNNNN aside (files, then the manifest over them) and rename it into place; `assets` are
+    directories copied in by name (the tokenizer). Then move the pointers and prune to keep_last plus the
+    pointed-to steps. A failed write raises CheckpointWriteError and changes nothing that was there."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     name = f"{STEP_PREFIX}{step:06d}"
     final_dir = root / name
-    tmp = staging_dir(final_dir)
-    st_save_model(model, str(tmp / "model.safetensors"))
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    torch.save(train_state, tmp / "train_state.pt")
-    for asset, src in (assets or {}).items():
-        shutil.copytree(src, tmp / asset)
-    publish(tmp, final_dir)  # replaces the same step saved earlier (e.g. on SIGTERM right after a periodic save)
-    _write_pointer(root, "latest", name)
-    if best:
-        _write_pointer(root, "best", name)
-    if final:
-        _write_pointer(root, "final", name)
+    before = _pointer_target(root, "latest")
+    before = before.name if before is not None else None
+    skeleton, tensors = encode_state(train_state)
+    need = (_nbytes(model.state_dict().values()) + _nbytes(tensors.values())
+            + sum(_dir_bytes(src) for src in (assets or {}).values()))
+    tmp = None
+    try:
+        tmp = staging_dir(final_dir)
+        st_save_model(model, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        st_save_file(tensors, str(tmp / STATE_TENSORS))
+        (tmp / STATE_JSON).write_text(json.dumps(skeleton))
+        for asset, src in (assets or {}).items():
+            shutil.copytree(src, tmp / asset)
+        _write_manifest(tmp, step)
+        publish(tmp, final_dir)  # replaces the same step saved earlier (e.g. on SIGTERM right after a periodic save)
+    except BaseException as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, (OSError, SafetensorError)):
+            raise CheckpointWriteError(_write_failure(e, root, name, need, before)) from e
+        raise
+    try:
+        _write_pointer(root, "latest", name)
+        if best:
+            _write_pointer(root, "best", name)
+        if final:
+            _write_pointer(root, "final", name)
+    except OSError as e:
+        now = _pointer_target(root, "latest")
+        raise CheckpointWriteError(
+            f"checkpoint {final_dir} was written completely, but a pointer beside it could not be updated "
+            f"({e}); `latest` names {now.name if now else 'nothing'}. Free space on that disk, then continue with "
+            f"--resume (it continues from the checkpoint `latest` names).") from e
     _prune(root, keep_last)
     return final_dir
 
 
-def _step_of(p: Path) -> int:
-    """The step of a step_NNNNNN directory: numeric, so step_1000000 sorts after step_999500."""
-    return int(p.name[len(STEP_PREFIX):])
-
-
 def _prune(root: Path, keep_last: int) -> None:
-    steps = sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX)), key=_step_of)
+    steps = _step_dirs(root)
     keep = set(steps[-keep_last:])
-    for ptr in ("latest", "best", "final"):
+    for ptr in POINTERS:
         p = _read_pointer(root, ptr)
         if p is not None:
             keep.add(p)
     for p in steps:
         if p not in keep:
             shutil.rmtree(p, ignore_errors=True)
-    for p in root.iterdir():  # leftovers of a crashed save
-        if p.name.startswith(f".{STEP_PREFIX}") and not p.name.endswith(f"-{os.getpid()}"):
+    for p in root.iterdir():  # unfinished saves of a crashed process (atomic.py restores a lone `.old-` copy)
+        if p.name.startswith(f".{STEP_PREFIX}") and ".tmp-" in p.name and not p.name.endswith(f"-{os.getpid()}"):
             shutil.rmtree(p, ignore_errors=True)
 
 
-POINTERS = ("latest", "best", "final")
+# -- find and load ----------------------------------------------------------------------------------------------
+
+def _warn(msg: str) -> None:
+    print(f"warning: {msg}", file=sys.stderr)
 
 
-def find_checkpoint(path: str | Path, which: str = "latest") -> Path:
-    """A checkpoint directory from a checkpoint path, or from a run directory by pointer: "latest", "best",
-    "final", or "auto" (best if the run has one, else latest). Asking for best or final when the run has
-    none says so by name; only a missing `latest` pointer (a crash between save and pointer) falls back to
-    the newest complete step."""
+def _is_checkpoint_dir(p: Path) -> bool:
+    return (p / "model.safetensors").exists() or (p / MANIFEST).exists()
+
+
+def find_checkpoint(path: str | Path, which: str = "latest", *, train_state: bool = False,
+                    log: Callable[[str], None] | None = None) -> Path:
+    """An intact checkpoint directory from a checkpoint path, or from a run directory by pointer: "latest",
+    "best", "final", or "auto" (best if the run has one, else latest). train_state: it will be resumed, so
+    its training state must be intact too.
+
+    `latest` that is missing or damaged falls back to the newest intact step before it, and so does `auto`
+    whose best is damaged; `log` (default: stderr) says which was skipped and why. A checkpoint directory
+    given by path, `best` and `final` are never swapped for another: damaged, they are refused. Asking for
+    best or final when the run has none says so by name. NoCheckpointError: the run has no checkpoint."""
     if which not in (*POINTERS, "auto"):
         raise CheckpointError(f"checkpoint {which!r} is not one of {POINTERS + ('auto',)}")
+    say = log or _warn
     p = Path(path)
-    if (p / "model.safetensors").exists():
+    if _is_checkpoint_dir(p):
+        why = verify_checkpoint(p, train_state)
+        if why:
+            run = f" ({p.parent.parent})" if p.parent.name == "checkpoints" else ""
+            raise CheckpointError(f"checkpoint {p} is damaged: {why}. Use another checkpoint, or pass the run "
+                                  f"directory{run} to take its newest intact one")
         return p
-    root = p / "checkpoints"
     if not p.exists():
         raise CheckpointError(f"{p} does not exist: pass a run directory (from `codeforge train --out`) or a "
                               f"checkpoint directory")
+    root = p / "checkpoints"
+    steps = _step_dirs(root)
+    if not steps:
+        raise NoCheckpointError(f"no checkpoint in {p}: train first (`codeforge train --out {p}`) or pass a "
+                                f"checkpoint directory")
     if which == "auto":
-        which = "best" if root.exists() and _read_pointer(root, "best") is not None else "latest"
-    found = _read_pointer(root, which) if root.exists() else None
-    if found is None and which in ("best", "final") and root.exists() and any(root.iterdir()):
-        why = ("no evaluated step was saved (no validation split, or --eval-every 0)" if which == "best"
-               else "the run has not finished")
-        raise CheckpointError(f"{p} has no '{which}' checkpoint: {why}; use --checkpoint latest")
-    if found is None and root.exists():  # latest pointer missing: the newest complete step
-        steps = sorted((q for q in root.iterdir() if q.name.startswith(STEP_PREFIX)
-                        and (q / "model.safetensors").exists()), key=_step_of)
-        found = steps[-1] if steps else None
-    if found is None:
-        raise CheckpointError(f"no checkpoint in {p}: train first (`codeforge train --out {p}`) or pass a "
-                              f"checkpoint directory")
-    return found
+        best = _pointer_target(root, "best")
+        if best is None:
+            which = "latest"
+        else:
+            why = verify_checkpoint(best, train_state) if best.is_dir() else "it is missing"
+            if why is None:
+                return best
+            say(f"the best checkpoint {best} is damaged: {why}; taking the newest intact one instead")
+            which = "latest"
+    if which in ("best", "final"):
+        target = _pointer_target(root, which)
+        if target is None:
+            why = ("no evaluated step was saved (no validation split, or --eval-every 0)" if which == "best"
+                   else "the run has not finished")
+            raise CheckpointError(f"{p} has no '{which}' checkpoint: {why}; use --checkpoint latest")
+        why = verify_checkpoint(target, train_state) if target.is_dir() else "it is missing"
+        if why:
+            raise CheckpointError(f"the '{which}' checkpoint {target} is damaged: {why}. Use --checkpoint latest "
+                                  f"for the newest intact one, or pass another step directory")
+        return target
+    target = _pointer_target(root, "latest")  # None after a crash between save and pointer: the newest step
+    candidates = steps[::-1] if target is None else [target] + [s for s in steps[::-1] if _step_of(s) < _step_of(target)]
+    bad: list[tuple[Path, str]] = []
+    for c in candidates:
+        why = verify_checkpoint(c, train_state) if c.is_dir() else "it is missing"
+        if why is None:
+            if bad:
+                skipped = "; ".join(f"{b} is damaged: {w}" for b, w in bad)
+                say(f"{skipped}; using {c.name}, the newest intact checkpoint")
+            return c
+        bad.append((c, why))
+    listing = "; ".join(f"{b.name}: {w}" for b, w in bad)
+    raise CheckpointError(f"no intact checkpoint in {root} ({listing}). Start again with another --out (or remove "
+                          f"{root} to train from scratch here)")
 
 
 def read_config(ckpt: Path) -> dict:
-    return json.loads((ckpt / "config.json").read_text())
+    try:
+        return json.loads((Path(ckpt) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{ckpt}/config.json is unreadable ({type(e).__name__}: {e}); the checkpoint is "
+                              f"damaged: use another one") from e
 
 
 def load_weights(model: torch.nn.Module, ckpt: Path) -> None:
-    missing, unexpected = st_load_model(model, str(ckpt / "model.safetensors"), strict=False)
+    f = Path(ckpt) / "model.safetensors"
+    try:
+        missing, unexpected = st_load_model(model, str(f), strict=False)
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"{f} cannot be read ({e}); the checkpoint is damaged: use another one") from e
+    except RuntimeError as e:  # a tensor of another shape
+        raise CheckpointError(f"{f}: weights do not fit the model ({e})") from e
     if missing or unexpected:
         raise CheckpointError(f"{ckpt}: weights do not fit the model (missing {missing[:5]}, unexpected {unexpected[:5]})")
 
 
 def load_train_state(ckpt: Path) -> dict:
-    return torch.load(ckpt / "train_state.pt", map_location="cpu", weights_only=False)
+    """The training state saved with a checkpoint, loaded without running any code from it."""
+    ckpt = Path(ckpt)
+    if (ckpt / STATE_JSON).exists():
+        try:
+            skeleton = json.loads((ckpt / STATE_JSON).read_text())
+            return decode_state(skeleton, st_load_file(str(ckpt / STATE_TENSORS), device="cpu"))
+        except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError,
+                SafetensorError) as e:
+            raise CheckpointError(f"the training state in {ckpt} is unreadable ({type(e).__name__}: {e}); the "
+                                  f"checkpoint is damaged: use another one") from e
+    if (ckpt / LEGACY_STATE).exists():
+        return _load_legacy_state(ckpt)
+    raise CheckpointError(f"{ckpt} holds no training state ({STATE_JSON}), so it cannot be resumed; start a new "
+                          f"run from its weights with --init-from {ckpt}")
+
+
+def _numpy_safe_globals() -> list:
+    """What NumPy arrays of numbers need to unpickle (older checkpoints held NumPy's RNG state): the array
+    rebuilder and the numeric dtype classes. Nothing here can call out to other code."""
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # NumPy 1.x
+        from numpy.core.multiarray import _reconstruct
+    dtypes = [getattr(np.dtypes, n) for n in dir(np.dtypes) if n.endswith("DType")
+              and n not in ("ObjectDType", "VoidDType", "StringDType")]
+    return [_reconstruct, np.ndarray, np.dtype, *dtypes]
+
+
+def _load_legacy_state(ckpt: Path) -> dict:
+    f = ckpt / LEGACY_STATE
+    allowed = _numpy_safe_globals()
+    try:
+        with torch.serialization.safe_globals(allowed):
+            st = torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 (a damaged file fails in many ways)
+        if not (isinstance(e, pickle.UnpicklingError) and "Weights only load failed" in str(e)):
+            raise CheckpointError(f"{f} is unreadable ({type(e).__name__}: {str(e)[:300]}); the checkpoint is "
+                                  f"damaged: use another one") from e
+        names = {f"{g.__module__}.{g.__qualname__}" for g in allowed}
+        try:
+            others = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(f)) - names)
+        except Exception:  # noqa: BLE001 (only for the message)
+            others = []
+        holds = f" (it names {', '.join(others[:8])})" if others else ""
+        raise CheckpointError(
+            f"{f}, written by an older codeforge, holds more than tensors and plain values{holds}: loading it "
+            f"would run code from the file, so it was not loaded. If you trust this run, start a new one from "
+            f"its weights, which load safely: codeforge train --init-from {ckpt} --out NEW_RUN ...") from e
+    if not isinstance(st, dict) or "step" not in st:
+        raise CheckpointError(f"{f} is not a codeforge training state")
+    return st
 
 
 def shape_diff(saved: dict, current: dict) -> dict:
@@ -176,11 +605,138 @@ def check_compatible(ck: Path, model_cfg: dict, tokenizer_hash: str, what: str, 
                               f"{data} uses {tokenizer_hash}; prepare the data with that tokenizer")
 
 
-def load_model(path: str | Path, device: torch.device, which: str = "auto"):
-    """(model in eval mode, tokenizer, checkpoint dir, saved config) from a run or checkpoint directory."""
+# -- resume: what must not change ----------------------------------------------------------------------------
+
+# The saved optimizer state and data cursor mean something only with these unchanged: the cursor counts
+# batches of this size in this seed's order of this data; the optimizer's saved param groups carry its
+# betas and weight decay (they would silently override new ones).
+RESUME_FIXED = ("stage", "batch_size", "grad_accum_steps", "seed", "optimizer", "weight_decay", "beta1", "beta2")
+# Applied step by step from the configuration, so a change takes effect from the resumed step on; the run is
+# then no longer the one a straight run would give, which --resume says.
+RESUME_NOTED = ("learning_rate", "min_lr_ratio", "schedule", "warmup_steps", "decay_fraction", "grad_clip",
+                "precision")
+# The budget: extending a run is what --resume is for; only the schedule's shape follows it.
+RESUME_BUDGET = ("max_iters", "max_tokens", "epochs")
+
+
+def data_identity(data_dir: str | Path, sample: int = 1 << 16) -> dict:
+    """What the training split of a prepared data directory is, cheaply enough to take at every start: the
+    tokenizer, the kind of data, its token and document counts, and for every train_* file its size and the
+    sha256 of three `sample`-byte pieces (start, middle, end): a changed, added or removed shard shows."""
+    d = Path(data_dir)
+    meta = json.loads((d / "meta.json").read_text())
+    files = {}
+    for f in sorted(d.glob("train_*")):
+        n = f.stat().st_size
+        h = hashlib.sha256()
+        with open(f, "rb") as fh:
+            for off in sorted({0, max(0, n // 2 - sample // 2), max(0, n - sample)}):
+                fh.seek(off)
+                h.update(fh.read(sample))
+        files[f.name] = f"{n} bytes, sha256 of samples {h.hexdigest()[:16]}"
+    tr = meta["splits"]["train"]
+    return {"tokenizer_hash": meta.get("tokenizer_hash"), "chat": bool(meta.get("chat")), "tokens": tr["tokens"],
+            "documents": tr["documents"], "files": files}
+
+
+def _data_diff(saved: dict, now: dict) -> list[str]:
+    out = [f"data {k} {saved.get(k)!r} -> {now.get(k)!r}" for k in ("tokenizer_hash", "chat", "tokens", "documents")
+           if saved.get(k) != now.get(k)]
+    a, b = saved.get("files", {}), now.get("files", {})
+    for name in sorted(set(a) | set(b)):
+        if name not in b:
+            out.append(f"data file {name} is gone")
+        elif name not in a:
+            out.append(f"data file {name} is new")
+        elif a[name] != b[name]:
+            out.append(f"data file {name} changed ({a[name]} -> {b[name]})")
+    return out
+
+
+def check_resume(ck: Path, run_config: dict) -> list[str]:
+    """Compare the run about to resume with the one saved in checkpoint `ck`. Raises ConfigError listing every
+    difference that breaks the saved state (RESUME_FIXED, the training data); returns notes for the settings
+    that take effect from here on (RESUME_NOTED, dropout)."""
+    saved = read_config(ck)
+    st, nt = saved.get("train", {}), run_config["train"]
+    fixed = [f"train.{k} {st[k]!r} -> {nt[k]!r}" for k in RESUME_FIXED if k in st and st[k] != nt[k]]
+    notes = []
+    sd, nd = saved.get("data_identity"), run_config.get("data_identity")
+    if sd is None:
+        notes.append(f"{ck} records no identity of its training data (older codeforge): not checked that "
+                     f"{nt['data']} is the same data")
+    elif nd is not None:
+        fixed += _data_diff(sd, nd)
+    if fixed:
+        fix = ["drop the options that change them (the saved settings are in RUN/config.toml)"]
+        if any(x.startswith("data") for x in fixed):
+            fix.append(f"point --data at the data the run was trained on (it was {st.get('data')})")
+        raise ConfigError(
+            f"--resume from {ck}: this run differs from the saved one where its optimizer state and data cursor "
+            f"depend on it (checkpoint -> now): {'; '.join(fixed)}. To continue that run exactly, "
+            f"{' and '.join(fix)}; or start a new run from its weights with these settings: "
+            f"--init-from {ck} --out NEW_RUN")
+    changed = [f"train.{k} {st[k]!r} -> {nt[k]!r}" for k in RESUME_NOTED if k in st and st[k] != nt[k]]
+    sm, nm = saved.get("model", {}), run_config["model"]
+    changed += [f"model.{k} {sm[k]!r} -> {nm[k]!r}" for k in sm if k.endswith("dropout") and sm[k] != nm.get(k)]
+    if changed:
+        notes.append(f"resuming with changed settings, in effect from the resumed step on (so the run is no "
+                     f"longer what an uninterrupted one would give): {'; '.join(changed)}")
+    budget = [f"train.{k} {st[k]!r} -> {nt[k]!r}" for k in RESUME_BUDGET if k in st and st[k] != nt[k]]
+    if budget and not st.get("schedule") == nt["schedule"] == "constant":
+        notes.append(f"the budget changed ({'; '.join(budget)}): the {nt['schedule']} learning-rate schedule runs "
+                     f"over the new budget from the resumed step on")
+    return notes
+
+
+# -- the run-directory lock -----------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def run_lock(run_dir: str | Path) -> Iterator[Path]:
+    """Hold an exclusive flock() on RUN/.train.lock while training: a second trainer on the same run directory
+    is refused (naming the holder's PID) instead of overwriting its checkpoints. The kernel frees the lock
+    when the holding process ends in any way (kill -9 included); the file stays, harmless."""
+    run_dir = Path(run_dir)
+    path = run_dir / LOCK_FILE
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise CheckpointError(f"cannot create the run directory's lock {path}: {e}") from e
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise CheckpointError(f"cannot lock {path}: {e}") from e
+            try:
+                holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+            except ValueError:
+                holder = {}
+            holder = holder if isinstance(holder, dict) else {}
+            who = (f"PID {holder.get('pid')} on {holder.get('host')}, training since {holder.get('started')}"
+                   if holder.get("pid") else "PID unknown")
+            raise RunLockedError(
+                f"{run_dir} is in use by another training process ({who}); two trainers in one run directory "
+                f"would overwrite each other's checkpoints. Wait for it to finish (or stop it), or train into "
+                f"another --out. (The lock is {path}; it is released when that process ends.)") from None
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(info).encode(), 0)
+        yield path
+    finally:
+        os.close(fd)  # releases the lock
+
+
+# -- inference ---------------------------------------------------------------------------------------------------
+
+def load_model(path: str | Path, device: torch.device, which: str = "auto",
+               log: Callable[[str], None] | None = None):
+    """(model in eval mode, tokenizer, checkpoint dir, saved config) from a run or checkpoint directory; a
+    damaged checkpoint is skipped or refused as find_checkpoint() says."""
     from .models import build_model
     from .tokenizer import CodeTokenizer, TokenizerError
-    ck = find_checkpoint(path, which)
+    ck = find_checkpoint(path, which, log=log)
     cfg = read_config(ck)
     if not (ck / "tokenizer" / "tokenizer.json").exists():
         raise CheckpointError(f"{ck} has no tokenizer/ directory; copy the tokenizer the run was trained with "

@@ -1,9 +1,11 @@
 """Language-model stages (pretrain, code; and, through sft.py, the chat stages): prepared shards -> model ->
-Trainer. Owns the process group, device and precision choice, the vocabulary from the data's tokenizer,
---resume and --init-from with their compatibility checks, the budget, and the eval/sample callbacks."""
+Trainer. Owns the process group, device and precision choice, the vocabulary from the data's tokenizer, the
+run-directory lock, --resume and --init-from with their checks (an intact checkpoint, the same model shape,
+tokenizer, batch, seed and data: checkpoint.py), the budget, and the eval/sample callbacks."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import replace
@@ -40,13 +42,14 @@ def run(cfg: RunConfig, resume: bool = False, log=print,
     try:
         say = log if rank == 0 else (lambda m: None)
         say(f"device: {device} ({why_dev}); precision: {precision} ({why_prec})")
-        return _train(cfg, resume, say, device, precision, rank, world, sampler or plain_sample)
+        with contextlib.ExitStack() as held:  # the run-directory lock, taken in _train, lives as long as this
+            return _train(cfg, resume, say, device, precision, rank, world, sampler or plain_sample, held)
     finally:
         teardown_distributed()
 
 
 def _train(cfg: RunConfig, resume: bool, say, device: torch.device, precision: str, rank: int, world: int,
-           sampler) -> dict:
+           sampler, held: contextlib.ExitStack) -> dict:
     t = cfg.train
     run_dir = Path(t.out)
     # -- data and tokenizer -------------------------------------------------------------------------------
@@ -68,12 +71,17 @@ def _train(cfg: RunConfig, resume: bool, say, device: torch.device, precision: s
                           f"({tok.vocab_size}); drop --vocab-size to take it from the data")
     cfg.validate()
 
+    # -- the run directory: one trainer at a time (rank 0 holds it for all ranks) ---------------------------
+    if rank == 0:
+        held.enter_context(ckpt_io.run_lock(run_dir))
+    run_config = {**cfg.to_dict(), "tokenizer_hash": tok.hash, "data_identity": ckpt_io.data_identity(t.data)}
+
     # -- resume or init_from --------------------------------------------------------------------------------
     start_ckpt = None
     if resume:
-        try:
-            start_ckpt = ckpt_io.find_checkpoint(run_dir)
-        except ckpt_io.CheckpointError:
+        try:  # the newest intact checkpoint (a damaged newer one is named and skipped)
+            start_ckpt = ckpt_io.find_checkpoint(run_dir, "latest", train_state=True, log=say)
+        except ckpt_io.NoCheckpointError:
             say(f"--resume: no checkpoint in {run_dir} yet; starting fresh")
     elif (run_dir / "checkpoints").exists() and any((run_dir / "checkpoints").iterdir()):
         raise ConfigError(f"{run_dir} already holds a training run; pass --resume to continue it, or "
@@ -81,6 +89,8 @@ def _train(cfg: RunConfig, resume: bool, say, device: torch.device, precision: s
     model_dict = m.to_dict()
     if start_ckpt is not None:
         ckpt_io.check_compatible(start_ckpt, model_dict, tok.hash, "--resume", t.data)
+        for note in ckpt_io.check_resume(start_ckpt, run_config):
+            say(f"--resume: {note}")
 
     # -- model ----------------------------------------------------------------------------------------------
     torch.manual_seed(t.seed)
@@ -88,7 +98,7 @@ def _train(cfg: RunConfig, resume: bool, say, device: torch.device, precision: s
     model.grad_checkpointing = t.grad_checkpointing
     model.loss_chunk_rows = t.loss_chunk_rows
     if t.init_from and start_ckpt is None:
-        ck = ckpt_io.find_checkpoint(t.init_from, "auto")
+        ck = ckpt_io.find_checkpoint(t.init_from, "auto", log=say)
         ckpt_io.check_compatible(ck, model_dict, tok.hash, "--init-from", t.data)
         ckpt_io.load_weights(model, ck)
         say(f"initialised weights from {ck}")
@@ -132,7 +142,7 @@ def _train(cfg: RunConfig, resume: bool, say, device: torch.device, precision: s
 
     trainer = Trainer(model, batches, lm_loss_fn, t, run_dir, device=device, precision=precision,
                       total_steps=total, tokens_per_step=tokens_per_step,
-                      run_config={**cfg.to_dict(), "tokenizer_hash": tok.hash}, assets={"tokenizer": tok.path},
+                      run_config=run_config, assets={"tokenizer": tok.path},
                       evaluate=evaluate, sample=lambda mdl, step: sampler(mdl, tok, device, precision, step, t.sample_tokens),
                       start_checkpoint=start_ckpt, rank=rank, world=world, log=say)
     return trainer.run()

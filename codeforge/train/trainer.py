@@ -19,7 +19,7 @@ import torch
 
 from .. import CodeforgeError
 from .. import checkpoint as ckpt_io
-from ..config import TrainConfig, dumps_toml
+from ..config import SECTIONS, TrainConfig, dumps_toml
 from ..device import autocast, memory_gib, peak_flops
 from . import parallel
 from .logging import RunLogger
@@ -40,7 +40,8 @@ class Trainer:
                  rank: int = 0, world: int = 1, log=print):
         """model: on `device`, initialised (or loaded by the stage). batches: the training batch source.
         run_config: the resolved configuration saved with every checkpoint (it must let the checkpoint module
-        rebuild the model). assets: directories copied into every checkpoint (e.g. {"tokenizer": path}).
+        rebuild the model; its model and train sections are also written to RUN/config.toml). assets:
+        directories copied into every checkpoint (e.g. {"tokenizer": path}).
         evaluate(model) -> {"val_loss", ...} or None; sample(model, step) -> text. start_checkpoint: resume
         from it (weights, optimizer, batch-source cursor, RNG, counters)."""
         self.model, self.batches, self.loss_fn, self.cfg = model, batches, loss_fn, cfg
@@ -92,8 +93,11 @@ class Trainer:
                  "loader": self.batches.state_dict(), "rng": ckpt_io.rng_state(), "step": self.step,
                  "tokens": self.tokens, "best_val": self.best_val, "skipped": self.skipped, "last_val": self.last_val,
                  "last_val_step": self.last_val_step}
-        path = ckpt_io.save_checkpoint(self.run_dir, self.step, self.model, self.run_config, state, self.assets,
-                                       self.cfg.keep_last, best=best, final=final)
+        try:
+            path = ckpt_io.save_checkpoint(self.run_dir, self.step, self.model, self.run_config, state, self.assets,
+                                           self.cfg.keep_last, best=best, final=final)
+        except ckpt_io.CheckpointWriteError as e:  # a full disk: stop here rather than train on unsaved
+            raise TrainingError(f"training stopped at step {self.step}: {e}") from e
         self.logger.message(f"saved {path}{' (best)' if best else ''}")
 
     def _evaluate(self) -> None:
@@ -125,7 +129,7 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.master:
             (self.run_dir / "config.toml").write_text(dumps_toml({k: v for k, v in self.run_config.items()
-                                                                  if isinstance(v, dict)}))
+                                                                  if k in SECTIONS}))
         self.logger = RunLogger(self.run_dir, total, self.step, t.tensorboard, t.wandb, t.wandb_project,
                                 self.run_config, t.progress, enabled=self.master)
         self.say(f"training {total} steps of {self.tokens_per_step:,} tokens "
