@@ -4,17 +4,34 @@ A *source* is a path: a directory walked recursively (files picked by extension)
 file, a `.jsonl` (optionally `.gz` / `.zst`) with one JSON object per line, a `.parquet` file, or
 `hf:NAME[:SPLIT]` for a Hugging Face dataset streamed through the optional `datasets` extra.
 Every input that does not become a document is counted under a reason in `CorpusStats.skipped`.
+
+Hostile inputs are skipped and counted, never read blindly (or refused under `--strict`):
+  not_regular_file     a FIFO, socket or device (or a symlink to one): never opened, so nothing hangs or
+                       reads forever; only regular files are read, checked again on the open descriptor
+  broken_symlink       a symlink whose target is missing, or a symlink loop
+  unreadable           open() or read() failed (permission denied, I/O error), or a directory could not be listed
+  corrupt_compressed   a .gz / .zst that is not in that format, is truncated or is damaged; the records read
+                       before the damage are kept (the file is streamed), and the file is counted once
+  corrupt_parquet      a .parquet file pyarrow cannot read
+  symlinked_dir        a symlink to a directory inside a walked tree: not followed (as os.walk does by
+                       default, so a link loop cannot recurse forever); pass its target as another input.
+                       Warned, but not refused under --strict: it is a policy, not damage.
+A source named directly (not found in a walk) that is not a regular file or directory, a broken symlink or
+unreadable is refused before any work, with its path.
 """
 
 from __future__ import annotations
 
+import errno
 import gzip
 import hashlib
 import io
 import json
 import os
 import re
+import stat
 import sys
+import zlib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -43,6 +60,15 @@ FILTER_REASONS = frozenset({"binary", "non_utf8", "empty", "too_large", "minifie
 
 class CorpusError(CodeforgeError):
     """Bad corpus input; the message names the input and the fix."""
+
+
+class UnusableInput(CorpusError):
+    """A file that cannot be read as data. `reason` is its CorpusStats key; readers here count it, a caller
+    that does not (chat.read_conversations) still gets a clear error naming the path instead of a hang."""
+
+    def __init__(self, path: str, reason: str, detail: str):
+        self.path, self.reason, self.detail = path, reason, detail
+        super().__init__(f"{path}: {reason}: {detail}")
 
 
 @dataclass
@@ -104,16 +130,39 @@ class CorpusStats:
             print(f"warning: skipping {where}: {reason}{': ' + detail if detail else ''}", file=sys.stderr)
 
 
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
 def check_sources(paths: list[str]) -> None:
-    """Fail before any work if a source does not exist."""
+    """Fail before any work if a source does not exist, or is not a regular file or directory one can read
+    (a FIFO would block forever, /dev/zero never ends)."""
     if not paths:
         raise CorpusError("no --input given: pass one or more directories or files")
     for p in paths:
         if p.startswith("hf:"):
             continue
-        if not os.path.exists(p):
+        try:
+            st = os.stat(p)
+        except FileNotFoundError:
+            if os.path.islink(p):
+                raise CorpusError(f"input {p!r} is a broken symlink (its target {os.readlink(p)!r} does not "
+                                  f"exist)") from None
             raise CorpusError(f"input {p!r} does not exist: check the path (directories, .txt, .jsonl[.gz|.zst], "
-                              f".parquet, or hf:NAME for a Hugging Face dataset)")
+                              f".parquet, or hf:NAME for a Hugging Face dataset)") from None
+        except OSError as e:
+            what = "is a symlink loop" if e.errno == errno.ELOOP else f"cannot be read ({e.strerror})"
+            raise CorpusError(f"input {p!r} {what}") from None
+        is_dir = stat.S_ISDIR(st.st_mode)
+        if not (is_dir or stat.S_ISREG(st.st_mode)):
+            raise CorpusError(f"input {p!r} is {_file_kind(st.st_mode)}: only regular files and directories are "
+                              f"read (a pipe or device may block or never end); write the data to a file first")
+        if not os.access(p, os.R_OK | (os.X_OK if is_dir else 0)):
+            raise CorpusError(f"input {p!r} is not readable (permission denied)")
 
 
 # -- filters ---------------------------------------------------------------------------------------------
@@ -148,16 +197,105 @@ def _is_test_path(parts: tuple[str, ...]) -> bool:
 
 # -- readers ---------------------------------------------------------------------------------------------
 
+def _open_regular(path: str) -> tuple[io.BufferedReader, os.stat_result]:
+    """Open `path` for reading only if it is (or a symlink resolves to) a regular file; else UnusableInput.
+    A FIFO, socket or device is never opened (opening a device can have effects of its own). The open uses
+    O_NONBLOCK and the descriptor is checked again, so a file swapped for a FIFO in between cannot block."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        if os.path.islink(path):
+            raise UnusableInput(path, "broken_symlink", "symlink to a missing target") from None
+        raise UnusableInput(path, "vanished", "file disappeared while reading") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnusableInput(path, "broken_symlink", "symlink loop") from None
+        raise UnusableInput(path, "unreadable", e.strerror or str(e)) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise UnusableInput(path, "not_regular_file", f"{_file_kind(st.st_mode)}; only regular files are read")
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+    except FileNotFoundError:
+        raise UnusableInput(path, "vanished", "file disappeared while reading") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnusableInput(path, "broken_symlink", "symlink loop") from None
+        raise UnusableInput(path, "unreadable", e.strerror or str(e)) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise UnusableInput(path, "not_regular_file", f"{_file_kind(st.st_mode)} (replaced while reading)")
+    return os.fdopen(fd, "rb"), st
+
+
+class _Decompressed(io.RawIOBase):
+    """The decompressed bytes of a .gz (all members) or .zst (all frames) file. Damage raises UnusableInput
+    (corrupt_compressed) at the point it is met, instead of gzip's EOFError / BadGzipFile / zlib.error, and
+    instead of zstandard's silent early end on a truncated frame."""
+
+    def __init__(self, f: io.BufferedReader, path: str):
+        self._f, self.path = f, path
+        self._zst = path.endswith(".zst")
+        if self._zst:
+            import zstandard
+            self._zmod = zstandard
+            self._d = None  # decompressor of the current frame
+            self._pending = b""  # compressed bytes after the end of a frame: the next frame's start
+            self._buf, self._pos = b"", 0
+        else:
+            self._gz = gzip.GzipFile(fileobj=f, mode="rb")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        try:
+            data = self._read_zst(len(b)) if self._zst else self._gz.read(len(b))
+        except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+            raise UnusableInput(self.path, "corrupt_compressed", str(e) or type(e).__name__) from None
+        except Exception as e:
+            if self._zst and isinstance(e, self._zmod.ZstdError):
+                raise UnusableInput(self.path, "corrupt_compressed", str(e)) from None
+            raise
+        b[:len(data)] = data
+        return len(data)
+
+    def _read_zst(self, n: int) -> bytes:
+        while self._pos >= len(self._buf):
+            chunk, self._pending = self._pending or self._f.read(1 << 16), b""
+            if not chunk:
+                if self._d is not None and not self._d.eof:
+                    raise EOFError("zstd file ended inside a frame (truncated)")
+                return b""
+            if self._d is None or self._d.eof:
+                self._d = self._zmod.ZstdDecompressor().decompressobj()
+            self._buf, self._pos = self._d.decompress(chunk), 0
+            if self._d.eof:
+                self._pending = self._d.unused_data
+        out = self._buf[self._pos:self._pos + n]
+        self._pos += len(out)
+        return out
+
+    def close(self) -> None:
+        if not self.closed:
+            if not self._zst:
+                self._gz.close()  # does not close the file object it was given
+            self._f.close()
+        super().close()
+
+
 def _open_text(path: str) -> io.TextIOBase:
-    if path.endswith(".gz"):
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8", errors="strict")
-    if path.endswith(".zst"):
-        import zstandard
-        return io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(open(path, "rb")), encoding="utf-8")
-    return open(path, encoding="utf-8")
+    """UTF-8 text of a regular file, decompressed by extension (.gz, .zst). Raises UnusableInput for a file
+    that is not regular, a broken symlink, unreadable, or (while reading) damaged compressed data."""
+    f, _ = _open_regular(path)
+    raw = io.BufferedReader(_Decompressed(f, path), 1 << 16) if path.endswith((".gz", ".zst")) else f
+    return io.TextIOWrapper(raw, encoding="utf-8", errors="strict")
 
 
 def _read_jsonl(path: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[Document]:
+    """Documents of a JSONL file, streamed. A damaged compressed file keeps the records read before the
+    damage and is counted once under corrupt_compressed (refused under --strict)."""
+    kept = 0
     try:
         with _open_text(path) as f:
             for lineno, line in enumerate(f, 1):
@@ -174,25 +312,42 @@ def _read_jsonl(path: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[
                     stats.skip("missing_field", where, opts.strict, f"no string field {opts.text_field!r} "
                                f"(set --text-field)")
                     continue
+                kept += 1
                 yield Document(text, where)
     except UnicodeDecodeError:
         stats.skip("non_utf8", path, opts.strict)
+    except UnusableInput as e:
+        stats.skip(e.reason, path, opts.strict, e.detail + (f" (kept the {kept} records before it)" if kept else ""))
+    except OSError as e:
+        stats.skip("unreadable", path, opts.strict, e.strerror or str(e))
 
 
 def _read_parquet(path: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[Document]:
+    """Rows of a parquet file; one pyarrow cannot read is counted under corrupt_parquet (rows read before
+    the damage are kept)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
-    pf = pq.ParquetFile(path)
-    if opts.text_field not in pf.schema_arrow.names:
-        raise CorpusError(f"{path} has no column {opts.text_field!r} (columns: {pf.schema_arrow.names}); "
-                          f"set --text-field")
+    try:
+        f, _ = _open_regular(path)
+    except UnusableInput as e:
+        stats.skip(e.reason, path, opts.strict, e.detail)
+        return
     row = 0
-    for batch in pf.iter_batches(columns=[opts.text_field], batch_size=1024):
-        for text in batch.column(0).to_pylist():
-            row += 1
-            if isinstance(text, str):
-                yield Document(text, f"{path}#{row}")
-            else:
-                stats.skip("missing_field", f"{path}#{row}", opts.strict, "null or non-string value")
+    with f:
+        try:
+            pf = pq.ParquetFile(f)
+            if opts.text_field not in pf.schema_arrow.names:
+                raise CorpusError(f"{path} has no column {opts.text_field!r} (columns: {pf.schema_arrow.names}); "
+                                  f"set --text-field")
+            for batch in pf.iter_batches(columns=[opts.text_field], batch_size=1024):
+                for text in batch.column(0).to_pylist():
+                    row += 1
+                    if isinstance(text, str):
+                        yield Document(text, f"{path}#{row}")
+                    else:
+                        stats.skip("missing_field", f"{path}#{row}", opts.strict, "null or non-string value")
+        except (pa.ArrowException, OSError) as e:
+            stats.skip("corrupt_parquet", path, opts.strict, str(e) + (f" (kept the {row} rows before it)" if row else ""))
 
 
 def _read_hf(spec: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[Document]:
@@ -218,13 +373,21 @@ def _read_hf(spec: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[Doc
 
 def _read_file(path: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[Document]:
     try:
-        if os.path.getsize(path) > opts.max_file_bytes:
+        f, st = _open_regular(path)
+    except UnusableInput as e:
+        stats.skip(e.reason, path, opts.strict, e.detail)
+        return
+    with f:
+        if st.st_size > opts.max_file_bytes:
             stats.skip("too_large", path)
             return
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        stats.skip("vanished", path, opts.strict, "file disappeared while reading")
+        try:
+            raw = f.read(opts.max_file_bytes + 1)  # bounded even if the file grows while it is read
+        except OSError as e:
+            stats.skip("unreadable", path, opts.strict, e.strerror or str(e))
+            return
+    if len(raw) > opts.max_file_bytes:
+        stats.skip("too_large", path)
         return
     text, reason = _decode(raw)
     if reason:
@@ -234,8 +397,14 @@ def _read_file(path: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[D
 
 
 def _walk(root: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[Document]:
+    """Files under `root` with a wanted extension. Symlinks to directories are not followed (counted as
+    symlinked_dir), so a link loop cannot recurse; a directory that cannot be listed is counted as unreadable."""
     exts = opts.extensions()
-    for dirpath, dirnames, filenames in os.walk(root):
+
+    def unlistable(e: OSError) -> None:
+        stats.skip("unreadable", e.filename or root, opts.strict, f"directory not listed: {e.strerror or e}")
+
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unlistable):
         dirnames.sort()  # deterministic order
         rel = os.path.relpath(dirpath, root)
         parts = () if rel == "." else tuple(Path(rel).parts)
@@ -244,6 +413,11 @@ def _walk(root: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[Docume
             if n:
                 stats.skipped["vendored"] += n
             continue
+        for d in [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            dirnames.remove(d)
+            if d not in VENDORED_DIRS:
+                stats.skip("symlinked_dir", os.path.join(dirpath, d), False,
+                           "directory symlinks are not followed; pass the target as another input")
         for name in sorted(filenames):
             if os.path.splitext(name)[1] not in exts:
                 continue
