@@ -253,7 +253,7 @@ def read_conversations(paths: list[str], stats, strict: bool = False):
     with file and line, or refused under strict."""
     import os
 
-    from .corpus import _open_text, check_sources
+    from .corpus import UnusableInput, _open_text, check_sources
     check_sources(paths)
     files: list[str] = []
     for p in paths:
@@ -283,3 +283,5 @@ def read_conversations(paths: list[str], stats, strict: bool = False):
                     yield messages, tools, where
         except UnicodeDecodeError:
             stats.skip("non_utf8", path, strict)
+        except UnusableInput as e:  # a FIFO, a device, a damaged .gz: counted; lines read before damage kept
+            stats.skip(e.reason, e.path, strict, e.detail)

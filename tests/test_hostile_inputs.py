@@ -377,3 +377,20 @@ def test_prepare_cleans_a_killed_prepare(tmp_path, pids, code_corpus, tokenizer_
     prepare([str(code_corpus / "pkg0")], tokenizer_dir, tmp_path / "shards", CorpusOptions(languages=["go"]),
             log=lambda *a: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == [f".shards.tmp-{live}", "shards"]
+
+
+def test_chat_reader_counts_hostile_files_and_keeps_the_rest(tmp_path):
+    from codeforge.chat import read_conversations
+    from codeforge.corpus import CorpusStats
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    d = tmp_path / "chats"
+    d.mkdir()
+    (d / "a.jsonl").write_text(json.dumps(good) + "\n")
+    (d / "b.jsonl.gz").write_bytes(b"this is not gzip\n")
+    os.mkfifo(d / "c.jsonl")
+    stats = CorpusStats()
+    got = list(read_conversations([str(d)], stats))
+    assert [m for m, _, _ in got] == [good["messages"]]
+    assert stats.skipped["corrupt_compressed"] == 1 and stats.skipped["not_regular_file"] == 1
+    with pytest.raises(CorpusError, match="b.jsonl.gz"):
+        list(read_conversations([str(d)], CorpusStats(), strict=True))
