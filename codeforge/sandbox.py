@@ -196,6 +196,29 @@ def _root_entries() -> list[str]:
     return args
 
 
+_DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
+
+
+def _dev_entries() -> list[str]:
+    """A minimal /dev: bwrap's own (`--dev`) when the host has every node it binds, else a tmpfs with the
+    character devices the host does have (a container may lack /dev/full, and `--dev` would then fail)."""
+    import stat
+    present = []
+    for n in _DEV_NODES:
+        try:
+            if stat.S_ISCHR(os.stat("/dev/" + n).st_mode):
+                present.append(n)
+        except OSError:
+            pass
+    if len(present) == len(_DEV_NODES):
+        return ["--dev", "/dev"]
+    args = ["--tmpfs", "/dev"]
+    for n in present:
+        if n != "tty":
+            args += ["--dev-bind", "/dev/" + n, "/dev/" + n]
+    return args
+
+
 # -- cgroups: memory and process count for the whole tree, and a kill switch ------------------------------
 
 class _Cgroups:
@@ -408,7 +431,7 @@ def _command(bwrap: str | None, files: dict[str, int], report_fd: int, memory_mb
     cmd += _root_entries()
     for d in extra:
         cmd += ["--ro-bind", d, d]
-    cmd += ["--proc", "/proc", "--dev", "/dev", "--size", str(SCRATCH_MB * 2**20), "--tmpfs", "/tmp",
+    cmd += ["--proc", "/proc"] + _dev_entries() + ["--size", str(SCRATCH_MB * 2**20), "--tmpfs", "/tmp",
             "--size", str(SHM_MB * 2**20), "--tmpfs", "/dev/shm", "--dir", "/sandbox"]
     for name, fd in files.items():
         cmd += ["--perms", "0444", "--ro-bind-data", str(fd), f"/sandbox/{name}"]
