@@ -231,8 +231,8 @@ def _train_parser(sub) -> None:
                 kw["action"] = argparse.BooleanOptionalAction
             else:
                 kw["type"] = type(f.default)
-                kw["metavar"] = None if f.metadata.get("choices") else {int: "N", float: "X"}.get(type(f.default),
-                                                                                                      "TEXT")
+                kw["metavar"] = None if f.metadata.get("choices") else (
+                    f.metadata.get("metavar") or {int: "N", float: "X"}.get(type(f.default), "TEXT"))
                 if f.metadata.get("choices"):
                     kw["choices"] = f.metadata["choices"]
             g.add_argument(flag_name(f), **kw)
@@ -477,8 +477,9 @@ def _eval_parser(sub) -> None:
     e = sub.add_parser("eval", help="loss, perplexity, bits per byte, syntax validity and pass@k of a run")
     e.add_argument("--run", required=True)
     e.add_argument("--data", default=None, help="prepared directory (default: the run's training data)")
-    e.add_argument("--eval-iters", type=int, default=50)
-    e.add_argument("--batch-size", type=int, default=8)
+    e.add_argument("--eval-tokens", type=int, default=None, metavar="N",
+                   help="validation targets to score, the first N of the split in order (0: the whole split; "
+                        "default: the run's own train.eval_tokens, so the number equals training's)")
     e.add_argument("--syntax-samples", type=int, default=16, help="completions checked for syntax (0: skip)")
     e.add_argument("--language", default=None, help="go | python (default: the data's majority language)")
     e.add_argument("--humaneval", type=int, default=0, metavar="N", help="run pass@k on the first N HumanEval problems")
@@ -499,7 +500,7 @@ def _eval_parser(sub) -> None:
 
 def cmd_eval(a: argparse.Namespace) -> int:
     from .evaluate import run_eval
-    r = run_eval(a.run, data=a.data, eval_iters=a.eval_iters, batch_size=a.batch_size,
+    r = run_eval(a.run, data=a.data, eval_tokens=a.eval_tokens,
                  syntax_samples=a.syntax_samples, language=a.language, humaneval=a.humaneval, ks=a.k,
                  samples_per_problem=a.samples_per_problem, max_new_tokens=a.max_new_tokens,
                  timeout=a.timeout, which=a.checkpoint, device=a.device, tool_cases=a.tool_cases,

@@ -26,8 +26,8 @@ class TrainConfig:
     stage: str = setting("pretrain", "training stage: packed text (pretrain, code) or chat conversations with "
                          "a loss mask (sft, tools); each stage has its seed's defaults (presets/stages.toml)",
                          choices=STAGES)
-    data: str = setting("", "prepared data directory (from `codeforge prepare`)")
-    out: str = setting("", "run directory")
+    data: str = setting("", "prepared data directory (from `codeforge prepare`)", required=True, metavar="DIR")
+    out: str = setting("", "run directory (checkpoints, metrics, config)", required=True, metavar="RUN")
     batch_size: int = setting(8, "micro-batch size", range=(1, 4096))
     grad_accum_steps: int = setting(1, "micro-batches per optimizer step", range=(1, 4096))
     learning_rate: float = setting(3e-4, "peak learning rate", range=(0.0, 0.1), open_low=True)
@@ -44,7 +44,9 @@ class TrainConfig:
     grad_clip: float = setting(1.0, "clip the gradient norm to this", range=(0.0, 1e6), zero_means="no clipping")
     optimizer: str = setting("adamw", "optimizer (adamw8bit: bitsandbytes, CUDA only)", choices=("adamw", "adamw8bit"))
     eval_every: int = setting(250, "evaluate every N steps", range=(0, 10**9), zero_means="only at the end")
-    eval_iters: int = setting(20, "validation batches per evaluation", range=(1, 10**6))
+    eval_tokens: int = setting(262_144, "validation targets per evaluation: the first N of the validation split, "
+                               "in order, the same set in training, the quickstart and `codeforge eval`",
+                               range=(1, 10**12), zero_means="the whole split")
     sample_every: int = setting(0, "write a sample every N steps", range=(0, 10**9), zero_means="never")
     sample_tokens: int = setting(64, "tokens per sample", range=(1, 10**6))
     save_every: int = setting(500, "checkpoint every N steps", range=(0, 10**9), zero_means="only at the end")
@@ -60,7 +62,8 @@ class TrainConfig:
     # and not yet measured on a GPU; it saves the (B*T, vocab) logits' memory.
     loss_chunk_rows: int = setting(0, "fused chunked LM loss, rows per chunk", range=(0, 10**7), zero_means="off")
     max_bad_steps: int = setting(5, "stop after this many non-finite losses in a row", range=(1, 10**6))
-    init_from: str = setting("", "start from another run's weights (staged training); a run or checkpoint dir")
+    init_from: str = setting("", "start from another run's weights (staged training); a run or checkpoint dir",
+                             metavar="RUN")
     tensorboard: bool = setting(True, "write TensorBoard events")
     wandb: bool = setting(False, "log to Weights & Biases")
     wandb_project: str = setting("codeforge", "W&B project")
@@ -128,9 +131,15 @@ def _coerce(key: str, value: Any, current: Any) -> Any:
     return str(value)
 
 
+RETIRED = {"train.eval_iters": "train.eval_tokens (validation targets per evaluation; 0: the whole split)"}
+
+
 def _key(key: str) -> str:
     """`model.x`, `train.x`, or a bare `x` resolved to the section that has it."""
     section, _, name = key.rpartition(".")
+    for old, new in RETIRED.items():
+        if key in (old, old.split(".")[1]):
+            raise ConfigError(f"{key} was replaced by {new}")
     sections = [section] if section else [s for s in SECTIONS if name in _field_names(s)]
     if not sections or section not in ("", *SECTIONS) or name not in _field_names(sections[0]):
         raise ConfigError(f"unknown setting {key!r}; model keys: {sorted(_field_names('model'))}; "
@@ -193,9 +202,9 @@ def resolve(presets: list[str] = (), file: str | None = None, sets: list[str] = 
     layers = [(_key(k), v) for k, v in layers]
 
     values = {sec: {f.name: f.default for f in fields(cls)} for sec, cls in SECTIONS.items()}
-    if base:
+    if base:  # a saved config: keys this version retired are dropped (their replacement keeps its default)
         for sec in SECTIONS:
-            values[sec].update(base.get(sec, {}))
+            values[sec].update({k: v for k, v in base.get(sec, {}).items() if f"{sec}.{k}" not in RETIRED})
     init_from = next((v for k, v in reversed(layers) if k == "train.init_from"), "")
     if init_from and not base:  # staged training: the model is the one it starts from, unless flags change it
         from .checkpoint import find_checkpoint, read_config

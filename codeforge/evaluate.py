@@ -6,11 +6,16 @@ import math
 
 import torch
 
+from . import CodeforgeError
 from .device import autocast
 from .loader import batch_source
 from .shards import ShardSet
 from .tokenizer import CodeTokenizer
 from .train.losses import IGNORE_INDEX
+
+
+class EvalError(CodeforgeError):
+    """Evaluation cannot run on what it was given; the message says why."""
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -71,6 +76,23 @@ def evaluate_loss(model: torch.nn.Module, batches, iters: int, device: torch.dev
     nbytes = int(n_bytes.item())
     return {"val_loss": val_loss, "perplexity": math.exp(min(val_loss, 700.0)),
             "bits_per_byte": bits_loss.item() / math.log(2) / max(nbytes, 1), "eval_tokens": n}
+
+
+def validation_loss(model: torch.nn.Module, val: ShardSet, block_size: int, special_ids: dict[str, int],
+                    eval_tokens: int, device: torch.device, precision: str, token_bytes: torch.Tensor) -> dict:
+    """The validation numbers of a run, the same wherever they are asked for (training, the quickstart,
+    `codeforge eval`): the split read in order in windows of the model's context, one window per row, as
+    many windows as cover `eval_tokens` targets (0: the whole split). The batch size plays no part.
+    `eval_tokens` in the result says how many targets were scored."""
+    try:
+        windows = batch_source(val, 1, block_size, special_ids, shuffle=False, device=device)
+    except ValueError:  # a split shorter than one context: score what there is
+        if val.tokens < 2:
+            raise ValueError(f"the {val.split} split of {val.dir} holds {val.tokens} token(s); nothing to "
+                             f"evaluate") from None
+        windows = batch_source(val, 1, val.tokens - 1, special_ids, shuffle=False, device=device)
+    n = windows.per_epoch if not eval_tokens else min(windows.per_epoch, math.ceil(eval_tokens / block_size))
+    return evaluate_loss(model, windows, n, device, precision, token_bytes)
 
 
 # -- syntax validity -------------------------------------------------------------------------------------
@@ -252,11 +274,13 @@ def chat_end_rate(engine, conversations: list[dict], n: int = 20, max_new_tokens
 
 # -- the eval command ------------------------------------------------------------------------------------
 
-def run_eval(run: str, data: str | None = None, eval_iters: int = 50, batch_size: int = 8, syntax_samples: int = 16,
+def run_eval(run: str, data: str | None = None, eval_tokens: int | None = None, syntax_samples: int = 16,
              language: str | None = None, humaneval: int = 0, ks: list[int] = (1, 10), samples_per_problem: int = 10,
              max_new_tokens: int = 256, timeout: float = 5.0, which: str = "auto", device: str = "auto",
              tool_cases: int = 100, unsafe_no_sandbox: bool = False) -> dict:
-    """Everything `codeforge eval` reports, appended to RUN/eval.jsonl and to TensorBoard."""
+    """Everything `codeforge eval` reports, appended to RUN/eval.jsonl and to TensorBoard. eval_tokens:
+    validation targets scored (default: the run's own train.eval_tokens, so the number equals the one
+    training printed for the same checkpoint)."""
     import json
     import time
     from pathlib import Path
@@ -279,11 +303,12 @@ def run_eval(run: str, data: str | None = None, eval_iters: int = 50, batch_size
     r: dict = {"run": str(run), "checkpoint": str(ck), "step": step, "data": str(data), "eval_split": val.split}
     T = cfg["model"]["block_size"]
     token_bytes = token_byte_lengths(tok, cfg["model"]["vocab_size"])
+    if eval_tokens is None:
+        eval_tokens = cfg["train"].get("eval_tokens", 262_144)
     try:
-        batches = batch_source(val, batch_size, T, tok.special_ids, shuffle=False, device=dev)
-    except ValueError:  # split shorter than one batch: evaluate with a smaller batch
-        batches = batch_source(val, 1, min(T, val.tokens - 1), tok.special_ids, shuffle=False, device=dev)
-    r.update(evaluate_loss(model, batches, eval_iters, dev, precision, token_bytes))
+        r.update(validation_loss(model, val, T, tok.special_ids, eval_tokens, dev, precision, token_bytes))
+    except ValueError as e:
+        raise EvalError(f"{e}; prepare more data (or a larger --val-fraction)") from e
     eng = Engine(model, tok, dev, precision)
     chat = val.chat or cfg["train"].get("stage") in ("sft", "tools")
     r["chat"] = chat

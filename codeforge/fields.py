@@ -18,12 +18,14 @@ class ConfigError(CodeforgeError):
 
 def setting(default: Any, help: str = "", range: tuple[float, float] | None = None, open_low: bool = False,
             choices: tuple[str, ...] | None = None, zero_means: str = "", flag: str | None = None,
-            cli: bool = True) -> Any:
+            cli: bool = True, required: bool = False, metavar: str | None = None) -> Any:
     """A dataclass field with its declaration in metadata. range: inclusive [lo, hi] (open at lo with
     open_low); zero_means: 0 is allowed outside the range and means this (e.g. "from the data"); flag: the
-    command-line name when it is not --field-name; cli=False keeps the field off the command line."""
+    command-line name when it is not --field-name; cli=False keeps the field off the command line;
+    required: the run cannot start without it (said in --help); metavar: the placeholder in --help."""
     return field(default=default, metadata={"help": help, "range": range, "open_low": open_low,
-                                            "choices": choices, "zero_means": zero_means, "flag": flag, "cli": cli})
+                                            "choices": choices, "zero_means": zero_means, "flag": flag, "cli": cli,
+                                            "required": required, "metavar": metavar})
 
 
 def flag_name(f: Field) -> str:
@@ -41,8 +43,10 @@ def describe(f: Field) -> str:
         parts.append(f"{'(' if m.get('open_low') else '['}{lo}, {hi}]")
     if m.get("zero_means"):
         parts.append(f"0: {m['zero_means']}")
-    if f.default is not MISSING and f.default != "":
-        parts.append(f"default {f.default}")
+    if m.get("required"):
+        parts.append("required")
+    elif f.default is not MISSING:
+        parts.append(f"default {f.default}" if f.default != "" else "default: none")
     return "; ".join(p for p in parts if p)
 
 

@@ -27,7 +27,7 @@ from .stages import run as run_stage
 MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 256, "block_size": 256, "embd_dropout": 0.0,
          "attn_dropout": 0.0, "resid_dropout": 0.0}
 TRAIN = {"batch_size": 8, "grad_accum_steps": 1, "learning_rate": 2e-3, "warmup_steps": 50, "min_lr_ratio": 0.1,
-         "eval_every": 100, "eval_iters": 10, "save_every": 200, "log_every": 10, "weight_decay": 0.1}
+         "eval_every": 100, "eval_tokens": 32_768, "save_every": 200, "log_every": 10, "weight_decay": 0.1}
 VOCAB = 8192
 # --chat: a context that holds a tool-calling conversation (up to ~600 tokens with five tool schemas; at 512,
 # 347 of 1,500 were dropped), ~2,300 tokens per step. Then SFT and tools start from it at learning rates for a 5M model (the seeds' 5e-5
@@ -101,7 +101,7 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     if chat:
         return {**result, **chat_stages(out_dir, src, langs, run_dir, device, t_start)}
     print("[5/5] eval and sample")
-    ev = run_eval(str(run_dir), eval_iters=20, batch_size=8, syntax_samples=8, humaneval=5, ks=[1, 5],
+    ev = run_eval(str(run_dir), syntax_samples=8, humaneval=5, ks=[1, 5],
                   samples_per_problem=5, max_new_tokens=128, timeout=5.0, device=device)
     eng = Engine.from_run(str(run_dir), device)
     prompt = "def fibonacci(n):\n" if (langs or ["python"])[0] == "python" else "func fibonacci(n int) int {\n"

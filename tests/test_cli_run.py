@@ -13,7 +13,7 @@ def run_dir(data_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "r"
     assert main(["train", "--data", str(data_dir), "--out", str(out), "--n-layer", "2", "--n-head", "2",
                  "--n-embd", "64", "--block-size", "64", "--batch-size", "4", "--max-iters", "8", "--eval-every", "4",
-                 "--eval-iters", "2", "--sample-every", "4", "--no-progress", "--device", "cpu"]) == 0
+                 "--eval-tokens", "128", "--sample-every", "4", "--no-progress", "--device", "cpu"]) == 0
     return out
 
 
@@ -33,7 +33,7 @@ def test_generate_from_stdin_and_empty_prompt(run_dir, capsys, monkeypatch):
 
 
 def test_eval_json_keys(run_dir, capsys):
-    assert main(["eval", "--run", str(run_dir), "--eval-iters", "2", "--batch-size", "2", "--syntax-samples", "2",
+    assert main(["eval", "--run", str(run_dir), "--eval-tokens", "128", "--syntax-samples", "2",
                  "--humaneval", "1", "--samples-per-problem", "2", "--k", "1", "2", "--max-new-tokens", "16",
                  "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
@@ -76,3 +76,52 @@ def test_too_little_data_for_batch(data_dir, tmp_path, capsys):
     assert main(["train", "--data", str(data_dir), "--out", str(tmp_path / "z"), "--batch-size", "4096",
                  "--block-size", "4096", "--n-layer", "1", "--device", "cpu"]) == 2
     assert "too few for one batch" in capsys.readouterr().err
+
+
+def test_one_validation_number_for_one_checkpoint(run_dir, capsys):
+    """The number training logged at its final step is the number `codeforge eval` prints for that
+    checkpoint, with the run's own eval_tokens, and both say how many tokens they scored."""
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in recs if "val_loss" in r][-1]
+    assert last["step"] == 8 and last["val_tokens"] == 128
+    assert main(["eval", "--run", str(run_dir), "--checkpoint", "final", "--syntax-samples", "0",
+                 "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["eval_tokens"] == 128
+    assert r["val_loss"] == pytest.approx(last["val_loss"], abs=1e-6)
+    assert r["bits_per_byte"] == pytest.approx(last["val_bpb"], abs=1e-6)
+    assert main(["eval", "--run", str(run_dir), "--checkpoint", "final", "--syntax-samples", "0",
+                 "--eval-tokens", "0", "--json"]) == 0  # the whole split
+    whole = json.loads(capsys.readouterr().out)
+    assert whole["eval_tokens"] > 128
+
+
+def test_unknown_option_suggests_the_right_one(data_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--data", str(data_dir), "--out", str(tmp_path / "r"), "--max-itres", "10"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: codeforge train" in err and "did you mean --max-iters" in err
+    with pytest.raises(SystemExit):
+        main(["generate", "--run", "x", "--tempreature", "1"])
+    err = capsys.readouterr().err
+    assert "usage: codeforge generate" in err and "did you mean --temperature" in err
+
+
+def test_train_help_describes_every_flag(capsys):
+    import argparse
+
+    from codeforge.cli import build_parser
+    train = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["train"]
+    settings = [a for g in train._action_groups if g.title.endswith("settings") for a in g._group_actions]
+    assert len(settings) > 40
+    for a in settings:  # a one-line description, and the default
+        assert a.help and ("default" in a.help or "required" in a.help), a.option_strings
+    assert all(a.help for a in train._actions), [a.option_strings for a in train._actions if not a.help]
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert "--warmup-steps N" in out and "TRAIN." not in out
+    assert main(["config", "keys"]) == 0
+    keys = capsys.readouterr().out
+    assert "train.warmup_steps" in keys and "model.n_layer" in keys and "train.eval_tokens" in keys

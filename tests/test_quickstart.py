@@ -21,7 +21,7 @@ def test_quickstart_pipeline_end_to_end(tmp_path, capsys):
     r2 = run_quickstart(str(out), corpus=str(STDLIB / "email"), max_iters=12)
     assert "reusing" in capsys.readouterr().out and r2["step"] == 12
     # The run directory is one the other commands accept.
-    assert main(["eval", "--run", str(out / "run"), "--eval-iters", "1", "--batch-size", "1",
+    assert main(["eval", "--run", str(out / "run"), "--eval-tokens", "64",
                  "--syntax-samples", "0", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["syntax_valid_rate"] is None
 

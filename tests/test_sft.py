@@ -80,7 +80,7 @@ def test_chat_shards_and_masked_loader(chat_data, tokenizer_dir):
 def cfg_for(data, out, **over):
     flags = {"model.n_layer": 2, "model.n_head": 2, "model.n_embd": 64, "model.block_size": 64,
              "train.batch_size": 4, "train.learning_rate": 3e-3, "train.warmup_steps": 2, "train.eval_every": 4,
-             "train.eval_iters": 2, "train.save_every": 4, "train.log_every": 1, "train.progress": False,
+             "train.eval_tokens": 128, "train.save_every": 4, "train.log_every": 1, "train.progress": False,
              "train.device": "cpu", "train.data": str(data), "train.out": str(out)}
     flags.update({k.replace("__", "."): v for k, v in over.items()})
     return resolve([], None, [], flags, vocab_from_data=True)
@@ -157,20 +157,19 @@ def test_cli_chat_pipeline(tmp_path, tokenizer_dir, data_dir, capsys, monkeypatc
                  str(tmp_path / "cd"), "--val-fraction", "0.1"]) == 0
     capsys.readouterr()
     small = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "256", "--batch-size", "2",
-             "--no-progress", "--device", "cpu", "--eval-iters", "2"]
+             "--no-progress", "--device", "cpu", "--eval-tokens", "128"]
     assert main(["train", "--data", str(data_dir), "--out", str(tmp_path / "base"), "--max-iters", "2", *small]) == 0
     # --init-from takes the model shape from the checkpoint: no model flags needed for the next stage
     assert main(["train", "--stage", "sft", "--data", str(tmp_path / "cd"), "--out", str(tmp_path / "sft"),
                  "--init-from", str(tmp_path / "base"), "--max-iters", "3", "--learning-rate", "1e-3",
-                 "--no-progress", "--device", "cpu", "--eval-iters", "2", "--batch-size", "2"]) == 0
+                 "--no-progress", "--device", "cpu", "--eval-tokens", "128"]) == 0
     capsys.readouterr()
     monkeypatch.setattr("sys.stdin", io.StringIO("Write a function that adds two numbers."))
     assert main(["chat", "--run", str(tmp_path / "sft"), "--max-new-tokens", "8", "--seed", "0"]) == 0
     monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps({"messages": [{"role": "robot", "content": "x"}]})))
     assert main(["chat", "--run", str(tmp_path / "sft")]) == 2
     assert "unknown_role" in capsys.readouterr().err
-    assert main(["eval", "--run", str(tmp_path / "sft"), "--json", "--tool-cases", "4", "--eval-iters", "2",
-                 "--batch-size", "2"]) == 0
+    assert main(["eval", "--run", str(tmp_path / "sft"), "--json", "--tool-cases", "4", "--eval-tokens", "128"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["chat"] is True and r["tool_cases"] == 4 and r["val_loss"] > 0
     for k in ("tool_parse_rate", "tool_name_accuracy", "tool_args_exact", "no_call_accuracy", "tool_im_end_rate"):

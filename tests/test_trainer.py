@@ -17,7 +17,7 @@ from codeforge.train.trainer import Trainer, TrainingError
 
 TINY = {"model.n_layer": 2, "model.n_head": 2, "model.n_embd": 64, "model.block_size": 32,
         "train.batch_size": 4, "train.learning_rate": 3e-3, "train.warmup_steps": 2, "train.eval_every": 5,
-        "train.eval_iters": 2, "train.save_every": 4, "train.log_every": 1, "train.progress": False,
+        "train.eval_tokens": 128, "train.save_every": 4, "train.log_every": 1, "train.progress": False,
         "train.device": "cpu", "train.loss_chunk_rows": 0}
 
 

@@ -16,7 +16,7 @@ import torch
 from .. import checkpoint as ckpt_io
 from ..config import CHAT_STAGES, ConfigError, RunConfig
 from ..device import choose_device, choose_precision, distributed_env, setup_distributed, teardown_distributed
-from ..evaluate import evaluate_loss, token_byte_lengths
+from ..evaluate import token_byte_lengths, validation_loss
 from ..loader import batch_source
 from ..models import build_model
 from ..shards import ShardSet
@@ -132,13 +132,13 @@ def _train(cfg: RunConfig, resume: bool, say, device: torch.device, precision: s
         if val_set is None:
             return None
         try:
-            vb = batch_source(val_set, t.batch_size, m.block_size, tok.special_ids, shuffle=False, device=device)
-        except ValueError as e:  # validation split smaller than one batch
+            return validation_loss(mdl, val_set, m.block_size, tok.special_ids, t.eval_tokens, device, precision,
+                                   token_bytes)
+        except ValueError as e:  # a validation split too small to score
             if not warned:
                 say(f"no evaluation (so no 'best' checkpoint): {e}")
                 warned.append(1)
             return None
-        return evaluate_loss(mdl, vb, t.eval_iters, device, precision, token_bytes)
 
     trainer = Trainer(model, batches, lm_loss_fn, t, run_dir, device=device, precision=precision,
                       total_steps=total, tokens_per_step=tokens_per_step,

@@ -109,10 +109,10 @@ class Trainer:
             return
         self.last_val, self.last_val_step = r["val_loss"], self.step
         rec = {"step": self.step, "val_loss": r["val_loss"], "val_perplexity": r["perplexity"],
-               "val_bpb": r["bits_per_byte"], "tokens": self.tokens}
+               "val_bpb": r["bits_per_byte"], "val_tokens": r.get("eval_tokens"), "tokens": self.tokens}
         self.logger.log(rec)
         self.logger.message(f"step {self.step}: val loss {r['val_loss']:.4f}, perplexity {r['perplexity']:.2f}, "
-                            f"{r['bits_per_byte']:.3f} bits/byte")
+                            f"{r['bits_per_byte']:.3f} bits/byte ({r.get('eval_tokens', 0):,} validation tokens)")
 
     def _sample(self) -> None:
         if self.sample_fn is None or not self.master:
