@@ -277,9 +277,10 @@ def cmd_train(a: argparse.Namespace) -> int:
     r = run(cfg, resume=a.resume)
     if os.environ.get("RANK", "0") != "0":
         return 0
-    msg = f"done: step {r['step']}, {r['tokens']:,} tokens"
+    msg = f"{'stopped' if r.get('interrupted') else 'done'}: step {r['step']}, {r['tokens']:,} tokens"
     if r["val_loss"] is not None:
-        msg += f", val loss {r['val_loss']:.4f}"
+        when = "" if r.get("val_step") == r["step"] else f" (evaluated at step {r['val_step']})"
+        msg += f", val loss {r['val_loss']:.4f}{when}"
     print(msg + f"; run directory {r['run_dir']}")
     return 0
 

@@ -67,7 +67,8 @@ class TrainConfig:
     tensorboard: bool = setting(True, "write TensorBoard events")
     wandb: bool = setting(False, "log to Weights & Biases")
     wandb_project: str = setting("codeforge", "W&B project")
-    progress: bool = setting(True, "progress bar on a terminal")
+    progress: bool = setting(True, "a progress bar on a terminal; off (or output not a terminal): a progress "
+                                       "line every log_every steps, at least once a minute")
 
 
 FLAG_OF = {"learning_rate": "--learning-rate", "batch_size": "--batch-size", "vocab_size": "--vocab-size"}

@@ -264,3 +264,65 @@ def test_best_only_for_evaluated_steps(data_dir, tmp_path):
     train_run(cfg_for(data_dir, tmp_path / "r", train__max_iters=8, train__eval_every=4, train__save_every=2))
     best = (tmp_path / "r" / "checkpoints" / "best").read_text().strip()
     assert best in ("step_000004", "step_000008")  # steps 2 and 6 were saved but never evaluated
+
+
+def test_progress_lines_without_a_terminal(data_dir, tmp_path, capsys):
+    """Output redirected (pytest's capture is not a tty): no bar, but compact progress lines with loss,
+    tokens/s and ETA, and a measured pace with the estimate for the rest of the run."""
+    from codeforge.cli import main
+    assert main(["train", "--data", str(data_dir), "--out", str(tmp_path / "r"), "--n-layer", "1", "--n-head", "2",
+                 "--n-embd", "32", "--block-size", "32", "--batch-size", "2", "--max-iters", "12", "--log-every",
+                 "1", "--eval-every", "0", "--eval-tokens", "64", "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("step ") and "/12 |" in x]
+    assert lines and lines[0].startswith("step 1/12 | loss ") and lines[-1].startswith("step 12/12")
+    assert "tok/s" in lines[-1] and "ETA" in lines[-1]
+    assert "pace: " in err and "measured over" in err and "remaining" in err
+
+
+def test_pace_warns_when_far_beyond_the_device(monkeypatch):
+    from codeforge.train import trainer as tr
+    now = [100.0]
+    monkeypatch.setattr(tr.time, "perf_counter", lambda: now[0])
+    p = tr.Pace(0, 5000, torch.device("cpu"))
+    assert p.step(1) is None  # the first step (warm-up) is not timed
+    msgs = []
+    for s in range(2, 10):
+        now[0] += 22.0  # 22 s a step, as fragment-midrange at vocab 32000 on this 2-core CPU
+        msgs.append(p.step(s))
+    said = [m for m in msgs if m]
+    assert len(said) == 1
+    assert "22.0 s/step" in said[0] and "warning" in said[0] and "--max-iters" in said[0] and "30h" in said[0]
+    fast = tr.Pace(0, 100, torch.device("cpu"))
+    fast.step(1)
+    said = []
+    for s in range(2, 10):
+        now[0] += 0.1
+        said.append(fast.step(s))
+    said = [m for m in said if m]
+    assert len(said) == 1 and "10.00 steps/s" in said[0] and "warning" not in said[0]
+
+
+def test_interrupted_run_says_where_it_stopped(data_dir, tmp_path, capsys, monkeypatch):
+    """Ctrl-C at step 3: the closing line says stopped and that the loss shown is step 0's; resuming with
+    --max-iters 5 says 2 steps are left."""
+    from codeforge.cli import main
+    orig = Trainer._optimisation_step
+
+    def step_then_interrupt(self):
+        out = orig(self)
+        if self.step == 2:  # the step being taken is the third
+            os.kill(os.getpid(), signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(Trainer, "_optimisation_step", step_then_interrupt)
+    args = ["train", "--data", str(data_dir), "--out", str(tmp_path / "r"), "--n-layer", "1", "--n-head", "2",
+            "--n-embd", "32", "--block-size", "32", "--batch-size", "2", "--max-iters", "100", "--eval-every", "50",
+            "--eval-tokens", "64", "--device", "cpu", "--no-progress"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "stopped: step 3" in out and "(evaluated at step 0)" in out
+    monkeypatch.setattr(Trainer, "_optimisation_step", orig)
+    args[args.index("100")] = "5"
+    assert main(args + ["--resume"]) == 0
+    assert "training steps 4-5 (2 left)" in capsys.readouterr().out

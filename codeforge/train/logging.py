@@ -5,12 +5,25 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 from tqdm import tqdm
 
 
+def duration(s: float) -> str:
+    """4s, 12m05s, 3h20m."""
+    s = max(int(round(s)), 0)
+    if s < 90:
+        return f"{s}s"
+    if s < 5400:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
 class RunLogger:
+    LINE_SECONDS = 60.0       # without a bar: a progress line at least this often
+    MIN_LINE_SECONDS = 5.0    # and at most this often
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, tensorboard: bool = True,
                  wandb: bool = False, wandb_project: str = "codeforge", config: dict | None = None,
                  progress: bool = True, enabled: bool = True):
@@ -36,6 +49,10 @@ class RunLogger:
         if progress:
             self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True, file=sys.stderr,
                             disable=None, unit="step")
+            if self.bar.disable:  # not a terminal: plain progress lines instead
+                self.bar = None
+        self.total = total_steps
+        self.last_line = time.monotonic()
 
     def _truncate_after(self, step: int) -> None:
         """On resume, drop records of steps after the checkpoint (they will be produced again) and a last line
@@ -64,11 +81,29 @@ class RunLogger:
         if self.wb:
             self.wb.log(rec, step=step)
 
-    def progress(self, step: int, postfix: dict) -> None:
+    def line_due(self) -> bool:
+        """Without a progress bar, whether a progress line is due because LINE_SECONDS passed (so a slow run
+        whose log_every is many minutes away still says how it goes)."""
+        return self.enabled and self.bar is None and time.monotonic() - self.last_line >= self.LINE_SECONDS
+
+    def progress(self, step: int, postfix: dict, eta: float | None = None) -> None:
+        """The progress bar on a terminal; otherwise (output redirected, or --no-progress) a compact line
+        every log_every steps, at most one per MIN_LINE_SECONDS, and at least one per LINE_SECONDS."""
+        if not self.enabled:
+            return
         if self.bar is not None:
             self.bar.n = step
             self.bar.set_postfix(postfix, refresh=False)
             self.bar.refresh()
+            return
+        now = time.monotonic()
+        if now - self.last_line < self.MIN_LINE_SECONDS and step != self.total and step != 1:
+            return
+        self.last_line = now
+        parts = [f"step {step}/{self.total}"] + [f"{k} {v}" for k, v in postfix.items()]
+        if eta is not None:
+            parts.append(f"ETA {duration(eta)}")
+        print(" | ".join(parts), file=sys.stderr, flush=True)
 
     def message(self, text: str) -> None:
         if not self.enabled:

@@ -22,7 +22,7 @@ from .. import checkpoint as ckpt_io
 from ..config import SECTIONS, TrainConfig, dumps_toml
 from ..device import autocast, memory_gib, peak_flops
 from . import parallel
-from .logging import RunLogger
+from .logging import RunLogger, duration
 from .optim import build_optimizer, lr_at
 
 LossFn = Callable[[torch.nn.Module, object], tuple[torch.Tensor, dict]]
@@ -132,7 +132,9 @@ class Trainer:
                                                                   if k in SECTIONS}))
         self.logger = RunLogger(self.run_dir, total, self.step, t.tensorboard, t.wandb, t.wandb_project,
                                 self.run_config, t.progress, enabled=self.master)
-        self.say(f"training {total} steps of {self.tokens_per_step:,} tokens "
+        left = max(total - self.step, 0)
+        where = f"steps {self.step + 1}-{total} ({left} left)" if self.step else f"{total} steps"
+        self.say(f"training {where} of {self.tokens_per_step:,} tokens "
                  f"(batch {t.batch_size} x accumulation {t.grad_accum_steps} x {self.world} rank(s)); "
                  f"run directory {self.run_dir}")
         stop = {"signal": None}
@@ -144,6 +146,7 @@ class Trainer:
         start_step = self.step
         self.model.train()
         t_last, tokens_last = time.perf_counter(), self.tokens
+        pace = Pace(start_step, total, self.device)
         try:
             while True:
                 if self.ddp:  # every rank must agree to stop at the same step, or the others hang in all-reduce
@@ -162,11 +165,17 @@ class Trainer:
                     self._save(final=last)
                 if last or stop["signal"]:
                     break
-                t_last += time.perf_counter() - t_aside
+                aside = time.perf_counter() - t_aside
+                t_last += aside
+                pace.pause(aside)
                 loss, norm = self._optimisation_step()
                 self.step += 1
                 self.tokens += self.tokens_per_step
-                if self.step % t.log_every == 0 or self.step == 1 or self.step == total:
+                note = pace.step(self.step)
+                if note:
+                    self.logger.message(note)
+                if (self.step % t.log_every == 0 or self.step == 1 or self.step == total
+                        or self.logger.line_due()):
                     now = time.perf_counter()
                     tps = (self.tokens - tokens_last) / max(now - t_last, 1e-9)
                     t_last, tokens_last = now, self.tokens
@@ -182,7 +191,7 @@ class Trainer:
                         post["mfu"] = f"{rec['mfu']:.1%}"
                     if "memory_gib" in rec:
                         post["mem"] = f"{rec['memory_gib']:.1f}G"
-                    self.logger.progress(self.step, post)
+                    self.logger.progress(self.step, post, pace.eta(self.step))
             if self.ddp:  # normal end only (after an error a barrier would hang): rank 0 may still be saving
                 torch.distributed.barrier()
         finally:
@@ -191,7 +200,8 @@ class Trainer:
             self.logger.close()
         if stop["signal"]:
             self.say(f"{stop['signal']}: saved a checkpoint at step {self.step}; continue with --resume")
-        return {"step": self.step, "tokens": self.tokens, "val_loss": self.last_val, "interrupted": stop["signal"],
+        return {"step": self.step, "tokens": self.tokens, "val_loss": self.last_val, "val_step": self.last_val_step,
+                "interrupted": stop["signal"],
                 "skipped_steps": self.skipped, "run_dir": str(self.run_dir)}
 
     def _optimisation_step(self) -> tuple[float, float]:
@@ -216,6 +226,60 @@ class Trainer:
                     f"NaN weights. Lower --learning-rate, check the data, or use --precision bf16/fp32; the last "
                     f"good checkpoint is in {self.run_dir / 'checkpoints'}")
         return loss_v, norm_v
+
+
+class Pace:
+    """Measures seconds per step on this machine (training only: evaluation and saves are paused out) and
+    says, once the first steps are timed, how long the run will take, with a warning and what to change
+    when that is far beyond what this device does in reasonable time."""
+
+    MEASURE_STEPS, MEASURE_SECONDS = 5, 5.0
+    WARN_SECONDS = {"cpu": 2 * 3600}   # beyond this, a run on this device gets the warning
+    WARN_ANY = 48 * 3600
+
+    def __init__(self, start_step: int, total: int, device: torch.device):
+        self.start, self.total, self.device = start_step, total, device
+        self.t0 = time.perf_counter()
+        self.t_first = None   # after the first step (compilation and warm-up excluded from the pace)
+        self.first_step = None
+        self.said = False
+
+    def pause(self, seconds: float) -> None:
+        self.t0 += seconds
+        if self.t_first is not None:
+            self.t_first += seconds
+
+    def seconds_per_step(self, step: int) -> float | None:
+        if self.t_first is None or step <= self.first_step:
+            return None
+        return (time.perf_counter() - self.t_first) / (step - self.first_step)
+
+    def eta(self, step: int) -> float | None:
+        sps = self.seconds_per_step(step)
+        return None if sps is None else sps * (self.total - step)
+
+    def step(self, step: int) -> str | None:
+        if self.t_first is None:
+            self.t_first, self.first_step = time.perf_counter(), step
+            return None
+        if self.said or step >= self.total:
+            return None
+        measured = step - self.first_step
+        if measured < self.MEASURE_STEPS and time.perf_counter() - self.t_first < self.MEASURE_SECONDS:
+            return None
+        self.said = True
+        sps = self.seconds_per_step(step)
+        need = sps * (self.total - step)
+        rate = f"{1 / sps:.2f} steps/s" if sps < 1 else f"{sps:.1f} s/step"
+        msg = (f"pace: {rate} measured over {measured} steps on {self.device.type}; the remaining "
+               f"{self.total - step} steps need ~{duration(need)}")
+        limit = self.WARN_SECONDS.get(self.device.type, self.WARN_ANY)
+        if need > limit:
+            msg += (f"\nwarning: that is far beyond what {self.device.type} does in reasonable time. To finish "
+                    f"sooner: a smaller model (--preset tiny or fewer --n-layer/--n-embd), a shorter context "
+                    f"(--block-size), fewer steps (--max-iters), or a GPU. Ctrl-C saves a checkpoint; "
+                    f"--resume continues it.")
+        return msg
 
 
 def train_step(fwd, model, opt, scaler, batches, loss_fn: LossFn, accum: int, clip: float, device: torch.device,
