@@ -472,6 +472,9 @@ def find_checkpoint(path: str | Path, which: str = "latest", *, train_state: boo
                               f"checkpoint directory")
     root = p / "checkpoints"
     steps = _step_dirs(root)
+    if not steps and _step_dirs(p):  # RUN/checkpoints itself was given
+        raise CheckpointError(f"{p} is the checkpoints folder of a run: pass the run directory {p.parent} "
+                              f"(or one checkpoint, e.g. {_step_dirs(p)[-1]})")
     if not steps:
         raise NoCheckpointError(f"no checkpoint in {p}: train first (`codeforge train --out {p}`) or pass a "
                                 f"checkpoint directory")

@@ -208,8 +208,11 @@ def resolve(presets: list[str] = (), file: str | None = None, sets: list[str] = 
             values[sec].update({k: v for k, v in base.get(sec, {}).items() if f"{sec}.{k}" not in RETIRED})
     init_from = next((v for k, v in reversed(layers) if k == "train.init_from"), "")
     if init_from and not base:  # staged training: the model is the one it starts from, unless flags change it
-        from .checkpoint import find_checkpoint, read_config
-        values["model"].update(read_config(find_checkpoint(str(init_from), "auto"))["model"])
+        from .checkpoint import CheckpointError, find_checkpoint, read_config
+        try:
+            values["model"].update(read_config(find_checkpoint(str(init_from), "auto"))["model"])
+        except (CheckpointError, OSError, KeyError, ValueError) as e:
+            raise ConfigError(f"--init-from {init_from}: {e}") from e
         layers = [(k, v) for k, v in layers if k != "model.vocab_size" or v != 0]
     stage = next((v for k, v in reversed(layers) if k == "train.stage"), values["train"]["stage"])
     if stage not in tables["stage"]:

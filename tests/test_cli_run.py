@@ -48,6 +48,11 @@ def test_eval_json_keys(run_dir, capsys):
 def test_bad_runs_and_configs(run_dir, data_dir, tmp_path, capsys):
     assert main(["generate", "--run", str(tmp_path / "nope"), "--prompt", "x"]) == 2
     assert "does not exist" in capsys.readouterr().err
+    assert main(["generate", "--run", str(run_dir / "checkpoints"), "--prompt", "x"]) == 2
+    assert f"pass the run directory {run_dir}" in capsys.readouterr().err
+    assert main(["train", "--data", str(tmp_path / "no-data"), "--out", str(tmp_path / "y")]) == 2
+    cap = capsys.readouterr()
+    assert "not a prepared data directory" in cap.err and "device:" not in cap.out + cap.err
     broken = tmp_path / "broken"
     shutil.copytree(run_dir, broken)
     for ck in (broken / "checkpoints").iterdir():

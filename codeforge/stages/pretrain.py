@@ -35,6 +35,10 @@ def run(cfg: RunConfig, resume: bool = False, log=print,
     t = cfg.train
     if not t.data or not t.out:
         raise ConfigError("train needs --data DIR (from `codeforge prepare`) and --out RUN")
+    ShardSet(t.data, "train")  # inputs first: a missing or unprepared --data is said before anything else
+    if t.init_from and not Path(t.init_from).exists():
+        raise ConfigError(f"--init-from {t.init_from} does not exist: pass a run directory (from `codeforge "
+                          f"train --out`) or one of its checkpoints")
     device, why_dev = choose_device(t.device)
     precision, why_prec = choose_precision(device, t.precision)
     rank, world = distributed_env()
