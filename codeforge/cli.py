@@ -53,7 +53,8 @@ def cmd_tokenizer_train(a: argparse.Namespace) -> int:
     print(f"trained tokenizer: vocab {meta['vocab_size']} on {meta['train_documents']} documents "
           f"({meta['train_bytes'] / 1e6:.1f} MB) in {meta['train_seconds']:.1f}s -> {a.out} (hash {meta['hash']})")
     if stats.skipped:
-        print(f"skipped: {dict(stats.skipped)}")
+        from .corpus import describe_skipped
+        print(f"skipped: {describe_skipped(stats.skipped)}")
     return 0
 
 
@@ -92,7 +93,8 @@ def _print_data_info(meta: dict, path: str, sample: bool = True) -> None:
     for s, v in meta["splits"].items():
         print(f"  {s:5s}: {v['documents']} documents, {v['tokens']:,} tokens in {len(v['shards'])} shard(s)")
     if meta.get("skipped"):
-        print("  skipped: " + ", ".join(f"{k} {v}" for k, v in meta["skipped"].items()))
+        from .corpus import describe_skipped
+        print("  skipped: " + describe_skipped(meta["skipped"]))
     print(f"  prepared in {meta['seconds']}s ({meta['mb_per_s']} MB/s, {meta['tokens_per_s']:,} tokens/s)")
     if sample:
         from .shards import ShardSet
@@ -509,9 +511,34 @@ def cmd_eval(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps(r))
     else:
-        for k, v in r.items():
-            print(f"{k:20s} {v:.4f}" if isinstance(v, float) else f"{k:20s} {v}")
+        print(format_report(r))
     return 0
+
+
+def format_report(r: dict) -> str:
+    """key/value lines aligned in one column; numbers to 4 decimals (counts with thousands separators);
+    dicts flattened (pass@k 10: 0.1234); what was not measured listed once at the end instead of None."""
+    rows, skipped = [], []
+    for k, v in r.items():
+        if v is None or v == {}:
+            skipped.append(k)
+        elif isinstance(v, dict):
+            rows += [(f"{k} {kk}", vv) for kk, vv in v.items()]
+        else:
+            rows.append((k, v))
+    width = max((len(k) for k, _ in rows), default=0)
+    lines = []
+    for k, v in rows:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            text = str(v)
+        elif isinstance(v, int):
+            text = f"{v:,}"
+        else:
+            text = f"{v:.4f}"
+        lines.append(f"{k:{width}s}  {text}")
+    if skipped:
+        lines.append(f"{'not measured':{width}s}  {', '.join(skipped)} (see `codeforge eval --help`)")
+    return "\n".join(lines)
 
 
 def _chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from .config import resolve
-from .corpus import CorpusOptions, CorpusStats, iter_documents
+from .corpus import CorpusOptions, CorpusStats, describe_skipped, iter_documents
 from .engine import Engine, SamplingParams
 from .evaluate import run_eval
 from .shards import prepare
@@ -82,7 +82,7 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     meta = prepare([src], tok_dir, data_dir, opts, overwrite=True, log=lambda m: None)  # no-op when unchanged
     print(f"[3/5] prepare: {meta['documents']} files -> {meta['tokens']:,} tokens "
           f"(train {meta['splits']['train']['tokens']:,}, val {meta['splits']['val']['tokens']:,}); "
-          f"skipped {meta['skipped']} -> {data_dir}")
+          f"-> {data_dir}\n      skipped: {describe_skipped(meta['skipped'])}")
 
     run_dir = out_dir / "run"
     model = {**MODEL, **(CHAT_MODEL if chat else {})}
@@ -101,7 +101,14 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     if chat:
         return {**result, **chat_stages(out_dir, src, langs, run_dir, device, t_start)}
     print("[5/5] eval and sample")
-    ev = run_eval(str(run_dir), syntax_samples=8, humaneval=5, ks=[1, 5],
+    from .sandbox import SandboxUnavailable, check_available
+    try:
+        check_available()
+        he = 5
+    except SandboxUnavailable as e:
+        he = 0
+        print(f"      HumanEval skipped: {e}")
+    ev = run_eval(str(run_dir), syntax_samples=8, humaneval=he, ks=[1, 5],
                   samples_per_problem=5, max_new_tokens=128, timeout=5.0, device=device)
     eng = Engine.from_run(str(run_dir), device)
     prompt = "def fibonacci(n):\n" if (langs or ["python"])[0] == "python" else "func fibonacci(n int) int {\n"
@@ -110,12 +117,14 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
           f"{ev['bits_per_byte']:.3f} bits per byte")
     sv = ev["syntax_valid_rate"]
     sv_text = "n/a" if sv is None else f"{sv:.0%} of {ev['syntax_samples']}"
-    print(f"syntax-valid completions: {sv_text}; "
-          f"HumanEval pass@1 {ev['pass_at_1']:.3f}, pass@5 {ev['pass_at_k'].get('5', 0.0):.3f} "
-          f"on {ev['humaneval_problems']} problems (a model this small is not expected to pass any)")
+    he_text = ("HumanEval not run (no sandbox)" if ev["pass_at_1"] is None else
+               f"HumanEval pass@1 {ev['pass_at_1']:.3f}, pass@5 {ev['pass_at_k'].get('5', 0.0):.3f} "
+               f"on {ev['humaneval_problems']} problems (a model this small is not expected to pass any)")
+    print(f"syntax-valid completions: {sv_text}; {he_text}")
     print(f"sample:\n{prompt}{sample}\n")
+    hint = "def " if (langs or ["python"])[0] == "python" else "func "
     print(f"finished in {(time.perf_counter() - t_start) / 60:.1f} min. Next: codeforge generate --run {run_dir} "
-          f"--prompt 'def '   |   codeforge eval --run {run_dir}   |   tensorboard --logdir {run_dir}/tensorboard")
+          f"--prompt {hint!r}   |   codeforge eval --run {run_dir}   |   tensorboard --logdir {run_dir}/tensorboard")
     return {**result, **ev}
 
 

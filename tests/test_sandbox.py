@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import selectors
 import shutil
 import signal
 import socket
@@ -466,25 +467,28 @@ class _Listener:
         self.unix.bind("\0" + self.abstract)
         self.unix.listen(16)
         for s in (self.tcp, self.udp, self.unix):
-            s.settimeout(0.1)
+            s.setblocking(False)
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._loop, daemon=True)
         self._t.start()
 
     def _loop(self):
+        sel = selectors.DefaultSelector()
+        for kind, s in (("tcp", self.tcp), ("unix", self.unix), ("udp", self.udp)):
+            sel.register(s, selectors.EVENT_READ, kind)
         while not self._stop.is_set():
-            for kind, s in (("tcp", self.tcp), ("unix", self.unix)):
+            for key, _ in sel.select(timeout=0.02):
                 try:
-                    c, peer = s.accept()
-                    self.hits.append(f"{kind} {peer}")
-                    c.close()
+                    if key.data == "udp":
+                        data, peer = self.udp.recvfrom(100)
+                        self.hits.append(f"udp {peer} {data!r}")
+                    else:
+                        c, peer = key.fileobj.accept()
+                        self.hits.append(f"{key.data} {peer}")
+                        c.close()
                 except OSError:
                     pass
-            try:
-                data, peer = self.udp.recvfrom(100)
-                self.hits.append(f"udp {peer} {data!r}")
-            except OSError:
-                pass
+        sel.close()
 
     def close(self):
         self._stop.set()
