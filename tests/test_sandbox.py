@@ -694,6 +694,14 @@ def test_memory_limit_covers_the_whole_process_tree():
     assert _gone(marker) == []
     assert s.seen
     peak_mb = s.peak_kb / 1024
+    # positive control: the same children under a limit of 8 x 128 MB all hold their memory at once, and
+    # the sampler sees it (so a small peak above is the limit at work, not a blind sampler)
+    control_marker = _marker()
+    with _Sampler(control_marker, period=0.01) as c:
+        rc = run_python(code.replace(marker, control_marker), timeout=15, memory_mb=memory_mb * n)
+    assert rc.status == "failed" and rc.detail == f"Exception: HELD {n}", rc
+    assert c.peak_kb / 1024 > n * memory_mb * 0.8 * 0.75, c.peak_kb
+    assert _gone(control_marker) == []
     if sandbox._Cgroups.base():
         assert r.status == "memory", r
         assert peak_mb < memory_mb * 1.25, f"the box's processes held {peak_mb:.0f} MB at once"
