@@ -377,6 +377,35 @@ raise Exception('TRIED ' + repr(out))
     assert r2.status != "passed" and r2.seconds < 10, r2
 
 
+def test_parallel_boxes_cannot_see_or_kill_each_other():
+    """run_many runs boxes side by side: one must not read the other's scratch nor signal its processes."""
+    secret = "boxsecret-" + secrets.token_hex(8)
+    victim = f"import time\nopen('/tmp/s.txt', 'w').write({secret!r})\ntime.sleep(2)\nassert open('/tmp/s.txt').read()\n"
+    attacker = """
+import os, signal, time
+time.sleep(0.5)
+found, killed = [], []
+for root in ['/tmp'] + [f'/proc/{p}/root/tmp' for p in os.listdir('/proc') if p.isdigit()]:
+    try:
+        for n in os.listdir(root):
+            found.append(open(os.path.join(root, n)).read())
+    except OSError:
+        pass
+for pid in range(2, 1 << 16):
+    if pid != os.getpid():
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except OSError:
+            pass
+raise Exception('FOUND ' + repr(found) + ' KILLED ' + repr(killed))
+"""
+    v, a = run_many([victim, attacker], timeout=10, workers=2)
+    assert v.status == "passed", v
+    assert a.status == "failed" and a.detail.startswith("Exception: FOUND"), a
+    assert secret not in a.detail
+
+
 def _daemon_program(marker: str, tail: str) -> str:
     return f"""
 import os, sys, time
@@ -688,6 +717,7 @@ def test_memory_limit_covers_the_whole_process_tree():
             f"procs = [subprocess.Popen([sys.executable, '-c', {child!r}, {marker!r}, str({int(memory_mb * 0.8)} * 2**20)],"
             f" stdout=subprocess.PIPE) for _ in range({n})]\n"
             f"held = sum(p.stdout.readline() == b'ok\\n' for p in procs)\n"
+            f"import time\ntime.sleep(1)\n"  # all still holding their memory, for the sampler to see
             f"raise Exception(f'HELD {{held}}')\n")
     with _Sampler(marker, period=0.01) as s:
         r = run_python(code, timeout=15, memory_mb=memory_mb)
