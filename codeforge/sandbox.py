@@ -25,10 +25,13 @@ the box is enforced by the kernel.
   * Output: stdout and stderr are read as they come and capped; the rest is read and thrown away, so a
     flood costs the evaluator nothing and the timeout holds.
   * Environment: built from nothing (PATH, HOME, TMPDIR, LANG).
-  * "Passed" means the program ran to its end: the runner writes a per-run nonce to a private pipe only
-    after the program's last statement returned, so `sys.exit(0)`, `exit()`, `raise SystemExit`, `os._exit`
-    or a signal before the tests finish are failures, as in the reference HumanEval harness. (A program
-    that deliberately reads the runner's memory for the nonce could forge a pass; it could not get out.)
+  * "Passed" means the program ran to its end: the runner copies a per-run nonce from its stdin pipe to a
+    report pipe only after the program's last statement returned, so `sys.exit(0)`, `exit()`, `raise
+    SystemExit`, `os._exit` or a signal before the tests finish are failures, as in the reference HumanEval
+    harness. The runner binds the os functions it needs before the program runs (replacing `os._exit` or
+    `os.write` does not help) and the nonce sits in no Python object while the program runs. Known limit:
+    the runner shares the program's process, so a program written against the runner (walking up to its
+    frame and copying the pipe itself) can forge a pass; it still cannot get out of the box.
 
 Where bubblewrap is missing, run_python refuses with the command to install it, unless the caller passes
 `unsafe_no_sandbox=True` (`--unsafe-no-sandbox` on the command line): the same limits and runner, no
@@ -91,15 +94,14 @@ import os, resource, sys
 def _limits(mem, cpu, nproc, nofile, fsize):
     for what, v in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_CPU, cpu), (resource.RLIMIT_NPROC, nproc),
                     (resource.RLIMIT_NOFILE, nofile), (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_CORE, 0)):
-        if v is not None:
-            resource.setrlimit(what, (v, v))
-def _run():
-    token = os.read(0, 64)
+        resource.setrlimit(what, (v, v))
+def _run(report, _exit=os._exit, _read=os.read, _write=os.write, _dup=os.dup, _dup2=os.dup2):
+    # os functions bound here, before the program can replace them; the nonce stays in the stdin pipe
+    # (moved off fd 0) until the program has returned, so it is in no Python object while the program runs
+    held = _dup(0)
     devnull = os.open("/dev/null", os.O_RDONLY)
-    os.dup2(devnull, 0)
+    _dup2(devnull, 0)
     os.close(devnull)
-    report = int(sys.argv[2])
-    os.set_inheritable(report, False)
     _limits(*[int(a) for a in sys.argv[3:8]])
     path = sys.argv[1]
     with open(path, encoding="utf-8") as f:
@@ -111,22 +113,27 @@ def _run():
     try:
         exec(compile(source, path, "exec"), main.__dict__)
     except SystemExit as e:
-        sys.stderr.write(f"sandbox: the program exited (SystemExit({e.code!r})) before its end\n")
-        sys.stderr.flush()
-        os._exit(3)
+        try:
+            sys.stderr.write(f"sandbox: the program exited (SystemExit({e.code!r})) before its end\n")
+            sys.stderr.flush()
+        finally:
+            _exit(3)
     except BaseException as e:
-        import traceback
-        traceback.print_exception(type(e), e, e.__traceback__.tb_next)
-        sys.stderr.flush()
-        os._exit(1)
+        try:
+            import traceback
+            traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+            sys.stderr.flush()
+        finally:
+            _exit(1)
     try:
         sys.stdout.flush()
         sys.stderr.flush()
-    except Exception:
+    except BaseException:
         pass
-    os.write(report, token)
-    os._exit(0)
-_run()
+    _write(report, _read(held, 64))
+    _exit(0)
+os.set_inheritable(int(sys.argv[2]), False)
+_run(int(sys.argv[2]))
 '''
 
 
@@ -441,7 +448,7 @@ def _command(bwrap: str | None, files: dict[str, int], report_fd: int, memory_mb
         cmd = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"] + cmd
     if cg is not None and cg.paths:
         # join the run's cgroups before anything else starts, then become the box (no race, no preexec_fn)
-        cmd = ["/bin/sh", "-c", 'for f in $CODEFORGE_CGROUPS; do echo $$ > "$f" || exit 125; done; exec "$@"',
+        cmd = ["/bin/sh", "-c", 'for f in $CODEFORGE_CGROUPS; do echo $$ > "$f" || exit 125; done; unset CODEFORGE_CGROUPS; exec "$@"',
                "sh"] + cmd
     return cmd
 
@@ -544,7 +551,7 @@ def run_python(code: str, timeout: float = 5.0, memory_mb: int = 1024, isolate_n
     if rc == 0:
         return SandboxResult("failed", last or "the program exited (status 0) before its end", seconds)
     if rc in (-signal.SIGKILL, 128 + signal.SIGKILL) and not last:
-        return SandboxResult("memory", "killed (memory limit)", seconds)
+        return SandboxResult("failed", "killed by SIGKILL", seconds)
     return SandboxResult("failed", last or f"exit code {rc}", seconds)
 
 
