@@ -159,10 +159,24 @@ class Engine:
             return self.model(idx, kv_cache=cache, pos=pos, attn_mask=mask, last_only=True)
 
     def generate(self, prompts: list[str], p: SamplingParams, warn=None) -> list[str]:
-        """Completions (text after each prompt), cut at end-of-text and at the first stop sequence."""
-        ids = [self.tok.encode(x) for x in prompts]
-        outs: list[list[int]] = [[] for _ in prompts]
-        stopped = [False] * len(prompts)
+        """Completions (text after each prompt), cut at end-of-text and at the first stop sequence. FIM
+        tokens written in a prompt (`<fim_prefix>...`) are read as the tokens, as editor plugins send them."""
+        return self.complete_ids([self._encode_prompt(x) for x in prompts], p, warn)
+
+    def infill(self, prefixes: list[str], suffixes: list[str], p: SamplingParams, warn=None) -> list[str]:
+        """The middle between each prefix and suffix (fill-in-the-middle, fim.py's PSM prompt); a model
+        trained without FIM writes something, but rarely what fits."""
+        from .fim import infill_ids
+        return self.complete_ids([infill_ids(self.tok, a, b) for a, b in zip(prefixes, suffixes)], p, warn)
+
+    def _encode_prompt(self, text: str) -> list[int]:
+        from .fim import FIM_PREFIX
+        return self.tok.encode(text, allow_special=FIM_PREFIX in text)
+
+    def complete_ids(self, ids: list[list[int]], p: SamplingParams, warn=None) -> list[str]:
+        """generate() over token-id prompts."""
+        outs: list[list[int]] = [[] for _ in ids]
+        stopped = [False] * len(ids)
         stop_tokens = max((len(x) for x in p.stop), default=0) + 4
         for step in self.generate_ids(ids, p, warn):
             for i, t in enumerate(step):
@@ -186,7 +200,7 @@ class Engine:
         out: list[int] = []
         sent = 0
         hold = max((len(s) for s in p.stop), default=1) - 1
-        for step in self.generate_ids([self.tok.encode(prompt)], p, warn):
+        for step in self.generate_ids([self._encode_prompt(prompt)], p, warn):
             t = step[0]
             if t is None or (t == self.tok.eot_id and p.stop_at_eot):
                 break
