@@ -335,6 +335,10 @@ def _generate_parser(sub) -> None:
     src = g.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text ('-' reads stdin)")
     src.add_argument("--prompt-file", help="one prompt per file; with --prompts-jsonl, one JSON string per line")
+    suf = g.add_mutually_exclusive_group()
+    suf.add_argument("--suffix", help="fill in the middle: the text after the gap (the prompt is the text before "
+                                      "it); prints the whole filled text")
+    suf.add_argument("--suffix-file", help="--suffix read from a file")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.8)
     g.add_argument("--top-k", type=int, default=50)
@@ -363,6 +367,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
         prompt = open(a.prompt_file, encoding="utf-8").read()
     else:
         prompt = a.prompt
+    suffix = a.suffix
+    if a.suffix_file:
+        if not os.path.isfile(a.suffix_file):
+            raise CLIError(f"--suffix-file {a.suffix_file} is not a file")
+        suffix = open(a.suffix_file, encoding="utf-8").read()
     eng = Engine.from_run(a.run, a.device, a.checkpoint)
     try:
         stops = [x.replace("\\n", "\n").replace("\\t", "\t") for x in a.stop]
@@ -378,10 +387,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
         if a.seed is not None:
             params.seed = a.seed + i
         sys.stdout.write(prompt)
-        for piece in eng.stream(prompt, params):
+        for piece in eng.stream(prompt, params, suffix=suffix):
             sys.stdout.write(piece)
             sys.stdout.flush()
-        sys.stdout.write("\n")
+        sys.stdout.write((suffix or "") + "\n")
     return 0
 
 

@@ -60,6 +60,10 @@ class TrainConfig:
                                        flag="--gradient-checkpointing")
     # > 0: fused chunked lm_head + cross-entropy (train/losses.py). Off by default: neutral on CPU (docs/LOG.md)
     # and not yet measured on a GPU; it saves the (B*T, vocab) logits' memory.
+    fim_rate: float = setting(0.0, "share of training documents reordered for fill-in-the-middle (prefix-suffix-"
+                              "middle or suffix-prefix-middle; 0.5 in the pretrain and code stages)",
+                              range=(0.0, 1.0))
+    fim_spm_rate: float = setting(0.5, "of those, the share in suffix-prefix-middle order", range=(0.0, 1.0))
     loss_chunk_rows: int = setting(0, "fused chunked LM loss, rows per chunk", range=(0, 10**7), zero_means="off")
     max_bad_steps: int = setting(5, "stop after this many non-finite losses in a row", range=(1, 10**6))
     init_from: str = setting("", "start from another run's weights (staged training); a run or checkpoint dir",

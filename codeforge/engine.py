@@ -194,13 +194,19 @@ class Engine:
                 break
         return [_cut(self.tok.decode(o), p.stop) for o in outs]
 
-    def stream(self, prompt: str, p: SamplingParams, warn=None) -> Iterator[str]:
+    def stream(self, prompt: str, p: SamplingParams, warn=None, suffix: str | None = None) -> Iterator[str]:
         """New text as it is generated (one prompt). Holds back an incomplete UTF-8 character or a
-        possible start of a stop sequence until it is settled."""
+        possible start of a stop sequence until it is settled. With `suffix`, the middle between the prompt
+        and the suffix (fill-in-the-middle)."""
         out: list[int] = []
         sent = 0
         hold = max((len(s) for s in p.stop), default=1) - 1
-        for step in self.generate_ids([self._encode_prompt(prompt)], p, warn):
+        if suffix is not None:
+            from .fim import infill_ids
+            ids = infill_ids(self.tok, prompt, suffix)
+        else:
+            ids = self._encode_prompt(prompt)
+        for step in self.generate_ids([ids], p, warn):
             t = step[0]
             if t is None or (t == self.tok.eot_id and p.stop_at_eot):
                 break

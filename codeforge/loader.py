@@ -20,7 +20,10 @@ from .shards import ShardSet
 
 class BatchLoader:
     def __init__(self, shards: ShardSet, batch_size: int, block_size: int, seed: int = 1337,
-                 shuffle: bool = True, rank: int = 0, world_size: int = 1, device: str | torch.device = "cpu"):
+                 shuffle: bool = True, rank: int = 0, world_size: int = 1, device: str | torch.device = "cpu",
+                 fim_rate: float = 0.0, fim_spm_rate: float = 0.5, special_ids: dict[str, int] | None = None):
+        """fim_rate: share of documents reordered for fill-in-the-middle (fim.py), as a function of (seed,
+        epoch, chunk), so a resumed run sees the same ones; needs special_ids (the FIM and EOT tokens)."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} must be in [0, world_size={world_size})")
         self.shards, self.B, self.T = shards, batch_size, block_size
@@ -38,6 +41,13 @@ class BatchLoader:
         self.epoch = 0
         self.pos = 0  # batches already read in this epoch
         self._order: np.ndarray | None = None
+        self.fim_rate, self.fim_spm_rate = fim_rate, fim_spm_rate
+        if fim_rate > 0:
+            from .fim import fim_ids
+            if not special_ids:
+                raise ValueError("fim_rate > 0 needs the tokenizer's special ids")
+            self._fim = fim_ids(special_ids)
+            self._eot = special_ids["<|endoftext|>"]
 
     def _epoch_order(self) -> np.ndarray:
         if self._order is None:
@@ -50,7 +60,12 @@ class BatchLoader:
     def _chunk(self, cid: int) -> np.ndarray:
         s = int(np.searchsorted(self._bounds, cid, side="right") - 1)
         off = (cid - self._bounds[s]) * self.T
-        return self.shards.arrays[s][off:off + self.T + 1]
+        window = self.shards.arrays[s][off:off + self.T + 1]
+        if self.fim_rate > 0:
+            from .fim import permute_window
+            rng = np.random.default_rng([self.seed, self.epoch, cid, 0x46494D])
+            window = permute_window(np.asarray(window), self._eot, self._fim, self.fim_rate, self.fim_spm_rate, rng)
+        return window
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y), each (B, T) int64, on the loader's device."""
@@ -80,10 +95,12 @@ class BatchLoader:
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "pos": self.pos, "seed": self.seed, "shuffle": self.shuffle,
-                "rank": self.rank, "world_size": self.world_size, "B": self.B, "T": self.T}
+                "rank": self.rank, "world_size": self.world_size, "B": self.B, "T": self.T,
+                "fim_rate": self.fim_rate, "fim_spm_rate": self.fim_spm_rate}
 
     def load_state_dict(self, state: dict) -> None:
-        for k in ("seed", "shuffle", "world_size", "B", "T"):
+        state = {"fim_rate": 0.0, "fim_spm_rate": 0.5, **state}  # saved before FIM existed: none
+        for k in ("seed", "shuffle", "world_size", "B", "T", "fim_rate", "fim_spm_rate"):
             if state[k] != getattr(self, k):
                 raise ValueError(f"loader state was saved with {k}={state[k]!r} but this run has "
                                  f"{getattr(self, k)!r}; resume with the same setting")
@@ -206,11 +223,12 @@ class ChatBatchLoader:
 
 def batch_source(shards: ShardSet, batch_size: int, block_size: int, special_ids: dict[str, int], *,
                  seed: int = 1337, shuffle: bool = True, rank: int = 0, world_size: int = 1,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", fim_rate: float = 0.0, fim_spm_rate: float = 0.5):
     """The loader the data calls for: conversation rows with masked targets for chat shards, packed chunks
     otherwise. Both yield (x, y) and save/restore their cursor."""
     if shards.chat:
         return ChatBatchLoader(shards, batch_size, block_size, special_ids["<|im_start|>"], special_ids["<pad>"],
                                seed=seed, shuffle=shuffle, rank=rank, world_size=world_size, device=device)
     return BatchLoader(shards, batch_size, block_size, seed=seed, shuffle=shuffle, rank=rank,
-                       world_size=world_size, device=device)
+                       world_size=world_size, device=device, fim_rate=fim_rate, fim_spm_rate=fim_spm_rate,
+                       special_ids=special_ids)

@@ -116,7 +116,8 @@ def _train(cfg: RunConfig, resume: bool, say, device: torch.device, precision: s
     # -- batches and budget ---------------------------------------------------------------------------------
     try:
         batches = batch_source(train_set, t.batch_size, m.block_size, tok.special_ids, seed=t.seed, rank=rank,
-                               world_size=world, device=device)
+                               world_size=world, device=device, fim_rate=0.0 if chat_stage else t.fim_rate,
+                               fim_spm_rate=t.fim_spm_rate)
     except ValueError as e:  # too little data for one batch
         raise ConfigError(str(e)) from e
     if getattr(batches, "split", 0) or getattr(batches, "dropped", 0):
