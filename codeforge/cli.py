@@ -499,6 +499,9 @@ def _eval_parser(sub) -> None:
     e.add_argument("--samples-per-problem", type=int, default=10)
     e.add_argument("--max-new-tokens", type=int, default=256)
     e.add_argument("--timeout", type=float, default=5.0, help="seconds per sandboxed program")
+    e.add_argument("--infill", type=int, default=0, metavar="N",
+                   help="fill-in-the-middle on N held-out files: one masked line and one masked 2-4 line span "
+                        "each; exact match and syntax validity of the filled file")
     e.add_argument("--unsafe-no-sandbox", action="store_true",
                    help="run model-written programs WITHOUT the bubblewrap sandbox (limits only, no isolation): "
                         "only where bubblewrap cannot be installed and you trust what runs")
@@ -516,7 +519,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
                  syntax_samples=a.syntax_samples, language=a.language, humaneval=a.humaneval, ks=a.k,
                  samples_per_problem=a.samples_per_problem, max_new_tokens=a.max_new_tokens,
                  timeout=a.timeout, which=a.checkpoint, device=a.device, tool_cases=a.tool_cases,
-                 unsafe_no_sandbox=a.unsafe_no_sandbox)
+                 unsafe_no_sandbox=a.unsafe_no_sandbox, infill=a.infill)
     if a.json:
         print(json.dumps(r))
     else:

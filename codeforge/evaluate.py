@@ -237,6 +237,60 @@ def humaneval_pass_at_k(engine, n_problems: int, samples: int, ks: list[int], ma
             "humaneval_problems": len(problems), "humaneval_samples": samples, "sandbox_outcomes": outcomes}
 
 
+# -- fill-in-the-middle ---------------------------------------------------------------------------------
+
+def infill_cases(documents: list[str], n: int, seed: int = 0, max_doc_chars: int = 6000) -> list[dict]:
+    """Infilling cases cut from held-out files: for each file that parses, one masked line ("line") and one
+    masked span of 2-4 lines ("span"), chosen by a seeded generator among lines with code on them, never
+    the first or last line. Each case: {"kind", "prefix", "middle", "suffix", "language"}."""
+    import random
+    rng = random.Random(seed)
+    cases: list[dict] = []
+    for doc in documents:
+        if len(cases) >= 2 * n:
+            break
+        lang = guess_language(doc)
+        if len(doc) > max_doc_chars or not is_valid_syntax(doc, lang):
+            continue
+        lines = doc.splitlines(keepends=True)
+        code = [i for i in range(1, len(lines) - 1) if lines[i].strip() and not lines[i].lstrip().startswith(("#", "//"))]
+        if len(code) < 4:
+            continue
+        for kind, width in (("line", 1), ("span", rng.randint(2, 4))):
+            i = rng.choice(code[:max(1, len(code) - width)])
+            j = min(i + width, len(lines) - 1)
+            cases.append({"kind": kind, "prefix": "".join(lines[:i]), "middle": "".join(lines[i:j]),
+                          "suffix": "".join(lines[j:]), "language": lang})
+    return cases[:2 * n]
+
+
+def infill_eval(engine, documents: list[str], n: int, max_new_tokens: int = 64, seed: int = 0) -> dict:
+    """Fill-in-the-middle on held-out files (infill_cases), greedy: exact match of the filled middle
+    (ignoring whitespace at its ends) and syntax validity of the whole filled file, for single lines and
+    for multi-line spans. A single line's fill is cut at its first newline."""
+    from .engine import SamplingParams
+    cases = infill_cases(documents, n, seed)
+    if not cases:
+        return {"infill_cases": 0}
+    stats: dict[str, list[int]] = {}
+    for c in cases:
+        p = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+        mid = engine.infill([c["prefix"]], [c["suffix"]], p, warn=lambda m: None)[0]
+        if c["kind"] == "line":
+            mid = mid.split("\n", 1)[0] + "\n"
+        exact = mid.strip() == c["middle"].strip()
+        valid = is_valid_syntax(c["prefix"] + mid + c["suffix"], c["language"])
+        s = stats.setdefault(c["kind"], [0, 0, 0])
+        s[0] += exact
+        s[1] += valid
+        s[2] += 1
+    r: dict = {"infill_cases": len(cases)}
+    for kind, (e, v, k) in stats.items():
+        r[f"infill_{kind}_exact"] = e / k
+        r[f"infill_{kind}_syntax"] = v / k
+    return r
+
+
 # -- tool calling ---------------------------------------------------------------------------------------
 
 def tool_calling_eval(engine, n_cases: int = 100, seed: int = 0, max_new_tokens: int = 96) -> dict:
@@ -277,7 +331,7 @@ def chat_end_rate(engine, conversations: list[dict], n: int = 20, max_new_tokens
 def run_eval(run: str, data: str | None = None, eval_tokens: int | None = None, syntax_samples: int = 16,
              language: str | None = None, humaneval: int = 0, ks: list[int] = (1, 10), samples_per_problem: int = 10,
              max_new_tokens: int = 256, timeout: float = 5.0, which: str = "auto", device: str = "auto",
-             tool_cases: int = 100, unsafe_no_sandbox: bool = False) -> dict:
+             tool_cases: int = 100, unsafe_no_sandbox: bool = False, infill: int = 0) -> dict:
     """Everything `codeforge eval` reports, appended to RUN/eval.jsonl and to TensorBoard. eval_tokens:
     validation targets scored (default: the run's own train.eval_tokens, so the number equals the one
     training printed for the same checkpoint)."""
@@ -321,6 +375,9 @@ def run_eval(run: str, data: str | None = None, eval_tokens: int | None = None, 
         r.update(syntax_validity(eng, docs, syntax_samples, max_new_tokens=min(max_new_tokens, 128)))
     else:
         r["syntax_valid_rate"] = None
+    if infill and not val.chat:
+        docs = [tok.decode(val.document(i).tolist()) for i in range(min(400, val.documents))]
+        r.update(infill_eval(eng, docs, infill))
     if humaneval and not val.chat:
         r.update(humaneval_pass_at_k(eng, humaneval, samples_per_problem, list(ks), max_new_tokens, timeout,
                                      unsafe_no_sandbox=unsafe_no_sandbox))

@@ -1,0 +1,105 @@
+"""Fill-in-the-middle: the training permutation, its determinism and resume, generate --suffix, eval --infill."""
+
+import json
+
+import numpy as np
+import pytest
+
+from codeforge.cli import main
+from codeforge.fim import infill_ids, permute_window
+from codeforge.loader import BatchLoader
+from codeforge.shards import ShardSet
+from codeforge.tokenizer import CodeTokenizer
+
+EOT, PRE, MID, SUF = 0, 900, 901, 902
+
+
+def test_permutation_psm_and_spm_keep_every_token_in_place_of_order():
+    doc = np.arange(10, 30, dtype=np.int64)
+    for spm, expect_head in ((0.0, [PRE]), (1.0, [PRE, SUF])):
+        found = set()
+        for seed in range(50):
+            w = np.concatenate([doc, [EOT] * 4])  # room for the 3 FIM tokens: nothing of the document is cut
+            out = permute_window(w, EOT, (PRE, MID, SUF), 1.0, spm, np.random.default_rng(seed))
+            assert len(out) == len(w) and out.dtype == w.dtype
+            assert list(out[:len(expect_head)]) == expect_head
+            assert sorted(t for t in out if t not in (PRE, MID, SUF, EOT)) == doc.tolist()
+            i_mid = list(out).index(MID)
+            if spm == 0.0:  # PSM: prefix <suf> suffix <mid> middle; prefix + middle + suffix is the document
+                i_suf = list(out).index(SUF)
+                p, s, m = list(out[1:i_suf]), list(out[i_suf + 1:i_mid]), list(out[i_mid + 1:len(doc) + 3])
+                assert p + m + s == doc.tolist()
+            else:  # SPM: <pre> <suf> suffix <mid> prefix middle
+                s, pm = list(out[2:i_mid]), list(out[i_mid + 1:len(doc) + 3])
+                assert pm + s == doc.tolist()
+            found.add(i_mid)
+        assert len(found) > 5  # the cut points vary with the generator
+
+
+def test_rate_zero_and_short_pieces_are_untouched():
+    w = np.array([5, 6, 7, EOT, 8, EOT, 9], dtype=np.uint16)
+    rng = np.random.default_rng(0)
+    assert permute_window(w, EOT, (PRE, MID, SUF), 0.0, 0.5, rng) is w
+    out = permute_window(np.array([EOT, 4, EOT], dtype=np.int64), EOT, (PRE, MID, SUF), 1.0, 0.5, rng)
+    assert out.tolist() == [EOT, 4, EOT]  # a one-token piece is left as it is
+
+
+def test_loader_fim_is_deterministic_and_resumes_exactly(data_dir, tokenizer_dir):
+    tok = CodeTokenizer.load(tokenizer_dir)
+    ss = ShardSet(data_dir, "train")
+    fim = {tok.special_ids[t] for t in ("<fim_prefix>", "<fim_middle>", "<fim_suffix>")}
+
+    def loader(rate=0.5):
+        return BatchLoader(ss, 4, 64, seed=3, fim_rate=rate, special_ids=tok.special_ids)
+
+    a, b = loader(), loader()
+    xs = [a.next_batch()[0] for _ in range(6)]
+    assert all((x == b.next_batch()[0]).all() for x in xs)
+    assert any(bool(np.isin(x.numpy(), list(fim)).any()) for x in xs)
+    plain = [BatchLoader(ss, 4, 64, seed=3).next_batch()[0]]
+    assert not np.isin(plain[0].numpy(), list(fim)).any()
+    state = a.state_dict()
+    want = a.next_batch()
+    c = loader()
+    c.load_state_dict(json.loads(json.dumps(state)))
+    got = c.next_batch()
+    assert (want[0] == got[0]).all() and (want[1] == got[1]).all()
+    with pytest.raises(ValueError, match="fim_rate"):
+        loader(0.0).load_state_dict(state)
+
+
+def test_infill_prompt_is_psm(tokenizer_dir):
+    tok = CodeTokenizer.load(tokenizer_dir)
+    ids = infill_ids(tok, "def f(x):\n", "\n    return y\n")
+    s = tok.special_ids
+    assert ids[0] == s["<fim_prefix>"] and ids[-1] == s["<fim_middle>"] and s["<fim_suffix>"] in ids
+    assert tok.decode(ids) == "<fim_prefix>def f(x):\n<fim_suffix>\n    return y\n<fim_middle>"
+
+
+@pytest.fixture(scope="module")
+def fim_run(data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("fim") / "r"
+    assert main(["train", "--data", str(data_dir), "--out", str(out), "--n-layer", "1", "--n-head", "2",
+                 "--n-embd", "32", "--block-size", "64", "--batch-size", "4", "--max-iters", "6",
+                 "--eval-every", "0", "--eval-tokens", "64", "--device", "cpu", "--no-progress"]) == 0
+    return out
+
+
+def test_training_defaults_to_fim_and_generate_fills_the_middle(fim_run, capsys):
+    cfg = (fim_run / "config.toml").read_text()
+    assert "fim_rate = 0.5" in cfg
+    capsys.readouterr()
+    assert main(["generate", "--run", str(fim_run), "--prompt", "def f(x):\n", "--suffix", "\n    return y\n",
+                 "--max-new-tokens", "8", "--seed", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("def f(x):\n") and out.endswith("\n    return y\n\n")
+    assert "<fim_" not in out
+
+
+def test_eval_infill_reports_exact_and_syntax(fim_run, capsys):
+    capsys.readouterr()
+    assert main(["eval", "--run", str(fim_run), "--syntax-samples", "0", "--infill", "3", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["infill_cases"] >= 2
+    for k in ("infill_line_exact", "infill_line_syntax", "infill_span_exact", "infill_span_syntax"):
+        assert 0.0 <= r[k] <= 1.0
