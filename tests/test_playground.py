@@ -26,7 +26,6 @@ CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "
 CHROMEDRIVER = shutil.which("chromedriver")
 
 
-
 def _has_server() -> bool:
     """codeforge.serve as a real package: its directory alone (static/ holds the page) is only a namespace."""
     spec = importlib.util.find_spec("codeforge.serve")
