@@ -200,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     _generate_parser(sub)
     _eval_parser(sub)
     _chat_parser(sub)
+    _export_parser(sub)
     return p
 
 
@@ -328,6 +329,60 @@ def cmd_quickstart(a: argparse.Namespace) -> int:
 
 
 # -- generation and evaluation --------------------------------------------------------------------------
+
+def _export_parser(sub) -> None:
+    e = sub.add_parser("export", help="write a run as a Hugging Face model directory or a GGUF file (llama.cpp)",
+                       description="Hugging Face: GPT2LMHeadModel, LlamaForCausalLM, Qwen2/Qwen3ForCausalLM or "
+                                   "ArceeForCausalLM, whichever computes exactly this model (else refused with what "
+                                   "does not map); the logits are checked against transformers when it is installed. "
+                                   "GGUF: llama.cpp's gpt2/llama/qwen2/qwen3/arcee architectures.")
+    e.add_argument("--run", required=True, metavar="RUN", help="run directory or checkpoint directory")
+    e.add_argument("--format", required=True, choices=["hf", "gguf"])
+    e.add_argument("--out", required=True, metavar="PATH", help="hf: a directory; gguf: a file (.gguf)")
+    e.add_argument("--checkpoint", default="auto", choices=["auto", "best", "latest", "final"],
+                   help="auto: best if the run has one, else latest")
+    e.add_argument("--dtype", default="f32", choices=["f32", "f16", "q8_0"], help="gguf: tensor type of the matrices")
+    e.add_argument("--allow-tokenizer-mismatch", action="store_true",
+                   help="gguf: write the file even though llama.cpp would split text differently from codeforge's "
+                        "tokenizer (the model then sees other tokens than it was trained on); see the README")
+    e.add_argument("--overwrite", action="store_true", help="replace what --out holds")
+    e.add_argument("--no-verify", action="store_true", help="hf: skip the logits check against transformers")
+    e.set_defaults(func=cmd_export)
+    i = sub.add_parser("import", help="a codeforge run from a local Hugging Face model directory (GPT-2, Llama, "
+                                      "Qwen2, Qwen3, Arcee), to train from with --init-from RUN")
+    i.add_argument("--hf", required=True, metavar="DIR", help="directory with config.json, *.safetensors, tokenizer.json")
+    i.add_argument("--out", required=True, metavar="RUN")
+    i.add_argument("--overwrite", action="store_true", help="replace what --out holds")
+    i.add_argument("--no-verify", action="store_true", help="skip the logits check against transformers")
+    i.set_defaults(func=cmd_import)
+
+
+def cmd_export(a: argparse.Namespace) -> int:
+    if a.format == "hf":
+        from .export.hf import export_hf
+        r = export_hf(a.run, a.out, a.checkpoint, overwrite=a.overwrite, verify=not a.no_verify)
+        print(f"exported {r['checkpoint']} as {r['family']} -> {r['out']}")
+    else:
+        from .export.gguf import export_gguf
+        r = export_gguf(a.run, a.out, a.checkpoint, dtype=a.dtype, overwrite=a.overwrite,
+                        allow_tokenizer_mismatch=a.allow_tokenizer_mismatch)
+        print(f"exported {r['checkpoint']} as GGUF ({r['arch']}, {a.dtype}, pre-tokenizer {r['pre']}, "
+              f"{r['bytes'] / 2**20:,.1f} MiB) -> {r['out']}")
+    if r.get("max_abs_diff") is not None:
+        print(f"parity: transformers' logits equal codeforge's to {r['max_abs_diff']:.2e} (max abs) on a code sample")
+    return 0
+
+
+def cmd_import(a: argparse.Namespace) -> int:
+    from .export.hf import import_hf
+    r = import_hf(a.hf, a.out, overwrite=a.overwrite, verify=not a.no_verify)
+    print(f"imported {a.hf} ({r['family']}, {r['params']:,} parameters) -> {r['checkpoint']}")
+    if r["max_abs_diff"] is not None:
+        print(f"parity: codeforge's logits equal transformers' to {r['max_abs_diff']:.2e} (max abs) on a code sample")
+    print(f"next: codeforge train --init-from {r['out']} --data DATA --out NEW_RUN ... (prepare DATA with "
+          f"--tokenizer {r['checkpoint']}/tokenizer)")
+    return 0
+
 
 def _generate_parser(sub) -> None:
     g = sub.add_parser("generate", help="generate text from a trained run")
