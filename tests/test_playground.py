@@ -176,8 +176,9 @@ def test_page_shows_model_name_and_context_length(server, browser):
     _open(browser, server)
     assert _by_id(browser, "model").text == models[0]["id"]
     m = models[0]
-    ctx = m.get("context_length", (m.get("meta") or {}).get("context_length"))
-    assert _by_id(browser, "context-length").text == ("?" if ctx is None else str(ctx))
+    ctx = m.get("context_length") or (m.get("meta") or {}).get("context_length") or m.get("max_model_len")
+    assert ctx == 64, f"the server does not say the run's context length (64): {m}"
+    assert _by_id(browser, "context-length").text == "64"
     assert _by_id(browser, "error").text == ""
     assert _severe_console(browser) == []
 
