@@ -49,7 +49,8 @@ def cmd_tokenizer_train(a: argparse.Namespace) -> int:
             if budget and seen >= budget:
                 return
 
-    tok, meta = train_tokenizer(texts(), a.vocab_size, a.out, show_progress=sys.stderr.isatty(), overwrite=a.overwrite)
+    tok, meta = train_tokenizer(texts(), a.vocab_size, a.out, show_progress=sys.stderr.isatty(), overwrite=a.overwrite,
+                                split=a.split)
     print(f"trained tokenizer: vocab {meta['vocab_size']} on {meta['train_documents']} documents "
           f"({meta['train_bytes'] / 1e6:.1f} MB) in {meta['train_seconds']:.1f}s -> {a.out} (hash {meta['hash']})")
     if stats.skipped:
@@ -147,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", required=True)
     t.add_argument("--max-train-bytes", type=float, default=None, help="stop reading after this many characters")
     t.add_argument("--overwrite", action="store_true", help="replace what --out already holds")
+    t.add_argument("--split", choices=["code", "llama3"], default="code",
+                   help="pre-tokenizer rule: code (identifiers with _ and digits whole, indentation after "
+                        "punctuation) or llama3 (what llama.cpp implements: needed for `export --format gguf`)")
     t.set_defaults(func=cmd_tokenizer_train)
     e = tks.add_parser("eval", help="bytes per token and round-trip check on a corpus")
     _corpus_args(e)

@@ -41,6 +41,14 @@ CODE_SPLIT_PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}_]?[\p{L}_][\p{L}\p{N}_]*|\p{N}{1,3}"""
     r"""| ?[^\s\p{L}\p{N}_]+[\r\n]*[ \t]*|\s*[\r\n]+[ \t]*|\s+(?!\S)|\s+"""
 )
+# Llama 3's split, which llama.cpp implements under the pre-tokenizer name "llama-bpe" (llama-vocab.cpp): the
+# choice for a model that will run in llama.cpp, which refuses pre-tokenizers it does not know and has no
+# code-aware one. It costs some compression on code (identifiers split at `_` and digits; docs/LOG.md).
+LLAMA3_SPLIT_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
+    r"""|\s+(?!\S)|\s+"""
+)
+SPLITS = {"code": CODE_SPLIT_PATTERN, "llama3": LLAMA3_SPLIT_PATTERN}
 MIN_VOCAB, MAX_VOCAB = 256, 200_000
 TOKENIZER_FILE = "tokenizer.json"
 META_FILE = "codeforge_tokenizer.json"
@@ -50,10 +58,10 @@ class TokenizerError(CodeforgeError):
     """A tokenizer could not be trained or loaded; the message says what to do."""
 
 
-def _build_empty() -> Tokenizer:
+def _build_empty(split: str = "code") -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(CODE_SPLIT_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.Split(Regex(SPLITS[split]), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
@@ -130,10 +138,13 @@ def write_hf_config(tok_dir: str | os.PathLike) -> None:
 
 def train_tokenizer(texts: Iterator[str], vocab_size: int, out_dir: str | os.PathLike,
                     min_frequency: int = 2, show_progress: bool = False,
-                    overwrite: bool = False) -> tuple[CodeTokenizer, dict]:
+                    overwrite: bool = False, split: str = "code") -> tuple[CodeTokenizer, dict]:
     """Train byte-level BPE from an iterator of texts (streamed: memory grows with distinct pre-tokens,
     not with the corpus) and write tokenizer.json, the HF wrapper files and codeforge's metadata.
-    A non-empty `out_dir` is replaced only with overwrite (shards and runs made with it would no longer match)."""
+    A non-empty `out_dir` is replaced only with overwrite (shards and runs made with it would no longer match).
+    split: the pre-tokenizer rule, "code" (CODE_SPLIT_PATTERN) or "llama3" (llama.cpp-compatible: GGUF export)."""
+    if split not in SPLITS:
+        raise TokenizerError(f"--split {split!r} is not one of {sorted(SPLITS)}")
     if not (MIN_VOCAB <= vocab_size <= MAX_VOCAB):
         raise TokenizerError(
             f"--vocab-size {vocab_size} is out of range [{MIN_VOCAB}, {MAX_VOCAB}]: "
@@ -154,7 +165,7 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int, out_dir: str | os.Pat
             stats["bytes"] += len(t.encode("utf-8"))
             yield t
 
-    tok = _build_empty()
+    tok = _build_empty(split)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=show_progress)
@@ -172,7 +183,7 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int, out_dir: str | os.Pat
         "format": "codeforge-tokenizer-v1", "vocab_size": tok.get_vocab_size(),
         "requested_vocab_size": vocab_size, "hash": file_hash(tmp / TOKENIZER_FILE),
         "special_tokens": {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}, "eot": EOT,
-        "pre_tokenizer_pattern": CODE_SPLIT_PATTERN, "train_documents": stats["documents"],
+        "split": split, "pre_tokenizer_pattern": SPLITS[split], "train_documents": stats["documents"],
         "train_bytes": stats["bytes"], "train_seconds": round(seconds, 2),
     }
     (tmp / META_FILE).write_text(json.dumps(meta, indent=2))

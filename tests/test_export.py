@@ -9,6 +9,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -285,3 +286,161 @@ def test_import_refuses_what_codeforge_does_not_compute(tmp_path, tokenizer_dir,
     assert main(["import", "--hf", str(src), "--out", str(tmp_path / "run")]) == 2
     assert "rope scaling 'linear'" in capsys.readouterr().err
     shutil.rmtree(src)
+
+
+# -- GGUF --------------------------------------------------------------------------------------------------------------
+
+gguf = pytest.importorskip("gguf")
+
+
+@pytest.fixture(scope="module")
+def llama3_tok_dir(tmp_path_factory, code_corpus) -> Path:
+    """A tokenizer trained with the llama.cpp-compatible split (tokenizer train --split llama3)."""
+    from codeforge.corpus import CorpusOptions, CorpusStats, iter_documents
+    from codeforge.tokenizer import train_tokenizer
+    out = tmp_path_factory.mktemp("tok3") / "tokenizer"
+    from conftest import STDLIB
+    texts = (d.text for d in iter_documents([str(code_corpus), str(STDLIB / "json")],
+                                            CorpusOptions(languages=["go", "python"]), CorpusStats()))
+    train_tokenizer(texts, 1024, out, split="llama3")
+    return out
+
+
+def read_gguf(path: Path) -> tuple[dict, dict]:
+    r = gguf.GGUFReader(str(path))
+    fields = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
+    return fields, {t.name: t for t in r.tensors}
+
+
+def gguf_values(t) -> torch.Tensor:
+    """A GGUF tensor's values as float32 in PyTorch's (out, in) shape."""
+    data = gguf.quants.dequantize(t.data, t.tensor_type) if t.tensor_type.name not in ("F32", "F16") else t.data
+    return torch.from_numpy(np.asarray(data, dtype=np.float32).copy()).reshape(tuple(reversed(t.shape.tolist())))
+
+
+
+@pytest.mark.parametrize("family,arch", [("gpt2", "gpt2"), ("llama-gqa", "llama"), ("qwen2", "qwen2"),
+                                         ("qwen3", "qwen3"), ("arcee-relu2", "arcee")])
+def test_gguf_names_shapes_and_metadata(family, arch, tmp_path, llama3_tok_dir):
+    from codeforge.export.gguf import permute_rows
+    _, kw = FAMILIES[family]
+    run = make_run(tmp_path / "run", llama3_tok_dir, **kw)
+    out = tmp_path / "m.gguf"
+    assert main(["export", "--run", str(run), "--format", "gguf", "--out", str(out)]) == 0
+    model, tok, _, _ = load_model(run, torch.device("cpu"))
+    m = model.cfg
+    fields, tensors = read_gguf(out)
+    assert fields["general.architecture"] == arch
+    assert fields[f"{arch}.block_count"] == m.n_layer and fields[f"{arch}.embedding_length"] == m.n_embd
+    assert fields[f"{arch}.attention.head_count"] == m.n_head
+    assert fields[f"{arch}.attention.head_count_kv"] == m.n_kv_head
+    assert fields[f"{arch}.context_length"] == m.block_size and fields[f"{arch}.feed_forward_length"] == m.ffn_hidden
+    if m.pos == "rope":
+        assert fields[f"{arch}.rope.freq_base"] == m.rope_base
+        assert fields[f"{arch}.attention.layer_norm_rms_epsilon"] == pytest.approx(m.norm_eps)
+    else:
+        assert fields[f"{arch}.attention.layer_norm_epsilon"] == pytest.approx(m.norm_eps)
+    # tokenizer: tokens in id order, padded to the model's vocab, merges, special ids, template
+    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "llama-bpe"
+    toks = fields["tokenizer.ggml.tokens"]
+    assert len(toks) == m.vocab_size and toks[tok.eot_id] == "<|endoftext|>"
+    assert toks[tok.vocab_size:] == [f"[PAD{i}]" for i in range(tok.vocab_size, m.vocab_size)]
+    types = fields["tokenizer.ggml.token_type"]
+    assert types[tok.special_ids["<fim_prefix>"]] == gguf.TokenType.CONTROL and types[300] == gguf.TokenType.NORMAL
+    assert len(fields["tokenizer.ggml.merges"]) == tok.vocab_size - 256 - 24
+    sid = tok.special_ids
+    assert fields["tokenizer.ggml.eos_token_id"] == tok.eot_id
+    assert fields["tokenizer.ggml.eot_token_id"] == sid["<|im_end|>"]
+    assert fields["tokenizer.ggml.padding_token_id"] == sid["<pad>"]
+    assert [fields[f"tokenizer.ggml.fim_{k}_token_id"] for k in ("pre", "suf", "mid")] == \
+        [sid["<fim_prefix>"], sid["<fim_suffix>"], sid["<fim_middle>"]]
+    assert fields["tokenizer.ggml.add_bos_token"] is False and "<|im_start|>" in fields["tokenizer.chat_template"]
+    # tensors: llama.cpp's names, our values (Q/K rows permuted for llama/arcee only)
+    sd = model.state_dict()
+    hd, L = m.head_dim, m.n_layer
+    expect = {"token_embd.weight": sd["wte.weight"], "output_norm.weight": sd["ln_f.weight"]}
+    if not m.tie_embeddings:
+        expect["output.weight"] = sd["lm_head.weight"]
+    for i in range(L):
+        q, k, v = sd[f"blocks.{i}.attn.c_attn.weight"].split([m.n_head * hd, m.n_kv_head * hd, m.n_kv_head * hd])
+        if arch == "gpt2":
+            expect[f"blk.{i}.attn_qkv.weight"] = sd[f"blocks.{i}.attn.c_attn.weight"]
+            expect[f"blk.{i}.attn_norm.bias"] = sd[f"blocks.{i}.ln_1.bias"]
+        else:
+            permuted = arch in ("llama", "arcee")
+            expect[f"blk.{i}.attn_q.weight"] = permute_rows(q, m.n_head) if permuted else q
+            expect[f"blk.{i}.attn_k.weight"] = permute_rows(k, m.n_kv_head) if permuted else k
+            expect[f"blk.{i}.attn_v.weight"] = v
+        if arch == "qwen2":
+            expect[f"blk.{i}.attn_q.bias"] = sd[f"blocks.{i}.attn.c_attn.bias"][: m.n_head * hd]
+            assert f"blk.{i}.attn_output.bias" not in tensors  # zero, and llama.cpp's qwen2 has none
+        if arch == "qwen3":
+            expect[f"blk.{i}.attn_k_norm.weight"] = sd[f"blocks.{i}.attn.k_norm.weight"]
+        if m.mlp == "swiglu":
+            gate, up = sd[f"blocks.{i}.mlp.c_fc.weight"].chunk(2)
+            expect[f"blk.{i}.ffn_gate.weight"], expect[f"blk.{i}.ffn_up.weight"] = gate, up
+        else:
+            expect[f"blk.{i}.ffn_up.weight"] = sd[f"blocks.{i}.mlp.c_fc.weight"]
+        expect[f"blk.{i}.ffn_down.weight"] = sd[f"blocks.{i}.mlp.c_proj.weight"]
+    for name, want in expect.items():
+        assert name in tensors, (name, sorted(tensors))
+        assert torch.equal(gguf_values(tensors[name]), want), name
+    assert all(t.tensor_type.name == "F32" for t in tensors.values())
+    assert ("position_embd.weight" in tensors) == (arch == "gpt2")
+
+
+def test_permuted_rows_are_llama_cpp_rotary_pairs():
+    """Why llama/arcee Q/K rows are permuted: llama.cpp's rope type NORM rotates adjacent pairs (2i, 2i+1);
+    ours (and transformers') rotates (i, i + hd/2). Rotating the permuted rows the NORM way gives the
+    permuted result of rotating ours, so the attention scores (dot products over all rows) are equal."""
+    from codeforge.export.gguf import permute_rows
+    from codeforge.models.gpt import apply_rope, rope_tables
+    n_head, hd, T = 3, 8, 5
+    w = torch.randn(n_head * hd, 7)
+    x = torch.randn(T, 7)
+    cos, sin = rope_tables(hd, T, 10000.0)
+    ours = apply_rope((x @ w.t()).view(T, n_head, hd).transpose(0, 1), cos, sin)  # (n_head, T, hd)
+    y = (x @ permute_rows(w, n_head).t()).view(T, n_head, hd).transpose(0, 1)
+    a, b = y[..., 0::2], y[..., 1::2]  # adjacent pairs
+    norm = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
+    perm = permute_rows(torch.arange(hd).float().unsqueeze(1), 1).squeeze(1).long()
+    assert torch.allclose(norm, ours[..., perm], atol=1e-6)
+
+
+def test_gguf_f16_and_q8_0(tmp_path, llama3_tok_dir):
+    _, kw = FAMILIES["llama-gqa"]
+    run = make_run(tmp_path / "run", llama3_tok_dir, **kw)
+    model, _, _, _ = load_model(run, torch.device("cpu"))
+    down = model.state_dict()["blocks.1.mlp.c_proj.weight"]
+    sizes = {}
+    for dtype, mat, tol in (("f16", "F16", 1e-3), ("q8_0", "Q8_0", 2e-3)):
+        out = tmp_path / f"m-{dtype}.gguf"
+        assert main(["export", "--run", str(run), "--format", "gguf", "--out", str(out), "--dtype", dtype]) == 0
+        fields, tensors = read_gguf(out)
+        assert tensors["blk.1.ffn_down.weight"].tensor_type.name == mat
+        assert tensors["blk.1.ffn_norm.weight"].tensor_type.name == "F32"  # vectors stay float32
+        assert (gguf_values(tensors["blk.1.ffn_down.weight"]) - down).abs().max() <= tol
+        sizes[dtype] = out.stat().st_size
+    assert sizes["q8_0"] < sizes["f16"]
+    assert main(["export", "--run", str(run), "--format", "gguf", "--out", str(tmp_path / "m-f16.gguf")]) == 2
+
+
+def test_gguf_code_split_is_refused_loudly_unless_allowed(tmp_path, tokenizer_dir, capsys):
+    run = make_run(tmp_path / "run", tokenizer_dir, **FAMILIES["llama-gqa"][1])
+    out = tmp_path / "m.gguf"
+    assert main(["export", "--run", str(run), "--format", "gguf", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "llama.cpp would tokenize differently" in err and "--split llama3" in err and not out.exists()
+    assert main(["export", "--run", str(run), "--format", "gguf", "--out", str(out),
+                 "--allow-tokenizer-mismatch"]) == 0
+    said = capsys.readouterr().out
+    assert "WARNING" in said and "token positions" in said
+    fields, _ = read_gguf(out)
+    assert fields["codeforge.tokenizer_mismatch"] is True and fields["tokenizer.ggml.pre"] == "llama-bpe"
+
+
+def test_gguf_refuses_what_llama_cpp_cannot_compute(tmp_path, llama3_tok_dir, capsys):
+    run = make_run(tmp_path / "run", llama3_tok_dir, **FAMILIES["arcee-gelu"][1])  # the seed-003 presets
+    assert main(["export", "--run", str(run), "--format", "gguf", "--out", str(tmp_path / "m.gguf")]) == 2
+    err = capsys.readouterr().err
+    assert "llama.cpp has no architecture for this model" in err and "--format hf" in err

@@ -1,0 +1,325 @@
+"""GGUF for llama.cpp (and Ollama, LM Studio and the editor plugins built on it), written with the `gguf` package.
+
+Architectures, as llama.cpp's convert_hf_to_gguf.py writes them for the same transformers class (hf.py picks
+the class):
+  GPT2LMHeadModel          -> gpt2    fused attn_qkv kept (same q | k | v rows); biases required (zeros if none)
+  LlamaForCausalLM         -> llama   Q and K rows permuted: llama.cpp's "normal" rotary pairs dimensions
+                                      (2i, 2i+1) where codeforge and transformers pair (i, i + hd/2)
+  Qwen2ForCausalLM         -> qwen2   NEOX rotary (rotate-half, as ours): no permutation; q/k/v biases
+  Qwen3ForCausalLM         -> qwen3   NEOX rotary; attn_q_norm / attn_k_norm
+  ArceeForCausalLM (relu2) -> arcee   permuted like llama; llama.cpp's arcee computes ReLU^2 only, so the
+                                      GELU variant (the seed-003 presets) has no llama.cpp architecture and is
+                                      refused (its Hugging Face export works)
+Tensor names are llama.cpp's (token_embd, blk.N.attn_q, ...; gguf.TENSOR_NAMES); shapes are PyTorch's
+(out, in), which GGUF stores reversed as ggml expects. f32 writes every tensor as float32; f16 and q8_0
+convert the matrices (2-D) and keep vectors (norms, biases) in float32, as convert_hf_to_gguf does; a matrix
+whose rows do not divide into q8_0 blocks of 32 is written f16.
+
+Tokenizer. model "gpt2" (byte-level BPE): every token string in id order (a model vocabulary padded past the
+tokenizer's gets [PADn] tokens of type UNUSED), types (special tokens CONTROL), the merges, BOS/EOS/EOT/pad/unk,
+the FIM ids, no BOS added, and the chat template. llama.cpp splits text with one of the pre-tokenizers it knows
+by name (llama-vocab.cpp) and refuses any other, so the name must be the rule the tokenizer was trained with:
+  --split llama3 (tokenizer train)  -> "llama-bpe"  (the same regex)
+  a Qwen2 / GPT-2 tokenizer (import) -> "qwen2" / "gpt2"
+  --split code (the default)        -> no llama.cpp pre-tokenizer is this rule: refused, unless
+                                        --allow-tokenizer-mismatch, which writes "llama-bpe", says loudly how
+                                        many tokens of a code sample come out differently, and records it in
+                                        the file (codeforge.tokenizer_mismatch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..models.gpt import GPTConfig
+from . import ExportError, check_out
+from .hf import SAMPLE, choose_family
+
+ARCH_OF = {"gpt2": "gpt2", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "arcee": "arcee"}
+PERMUTED = ("llama", "arcee")  # llama.cpp rope type NORM: Q/K rows re-ordered (convert_hf_to_gguf undo_permute)
+
+# -- the literal tensor maps: codeforge name -> llama.cpp name ("{i}": layer). Tuples: split along dim 0 -------
+GPT2_TENSORS = {
+    "wte.weight": "token_embd.weight",
+    "wpe.weight": "position_embd.weight",
+    "blocks.{i}.ln_1.weight": "blk.{i}.attn_norm.weight",
+    "blocks.{i}.ln_1.bias": "blk.{i}.attn_norm.bias",
+    "blocks.{i}.attn.c_attn.weight": "blk.{i}.attn_qkv.weight",
+    "blocks.{i}.attn.c_attn.bias": "blk.{i}.attn_qkv.bias",
+    "blocks.{i}.attn.c_proj.weight": "blk.{i}.attn_output.weight",
+    "blocks.{i}.attn.c_proj.bias": "blk.{i}.attn_output.bias",
+    "blocks.{i}.ln_2.weight": "blk.{i}.ffn_norm.weight",
+    "blocks.{i}.ln_2.bias": "blk.{i}.ffn_norm.bias",
+    "blocks.{i}.mlp.c_fc.weight": "blk.{i}.ffn_up.weight",
+    "blocks.{i}.mlp.c_fc.bias": "blk.{i}.ffn_up.bias",
+    "blocks.{i}.mlp.c_proj.weight": "blk.{i}.ffn_down.weight",
+    "blocks.{i}.mlp.c_proj.bias": "blk.{i}.ffn_down.bias",
+    "ln_f.weight": "output_norm.weight",
+    "ln_f.bias": "output_norm.bias",
+    "lm_head.weight": "output.weight",
+}
+LLAMA_TENSORS = {  # llama, qwen2, qwen3 (arcee: ARCEE_TENSORS)
+    "wte.weight": "token_embd.weight",
+    "blocks.{i}.ln_1.weight": "blk.{i}.attn_norm.weight",
+    "blocks.{i}.attn.c_attn.weight": ("blk.{i}.attn_q.weight", "blk.{i}.attn_k.weight", "blk.{i}.attn_v.weight"),
+    "blocks.{i}.attn.c_attn.bias": ("blk.{i}.attn_q.bias", "blk.{i}.attn_k.bias", "blk.{i}.attn_v.bias"),
+    "blocks.{i}.attn.c_proj.weight": "blk.{i}.attn_output.weight",
+    "blocks.{i}.attn.c_proj.bias": "blk.{i}.attn_output.bias",
+    "blocks.{i}.attn.q_norm.weight": "blk.{i}.attn_q_norm.weight",
+    "blocks.{i}.attn.k_norm.weight": "blk.{i}.attn_k_norm.weight",
+    "blocks.{i}.ln_2.weight": "blk.{i}.ffn_norm.weight",
+    "blocks.{i}.mlp.c_fc.weight": ("blk.{i}.ffn_gate.weight", "blk.{i}.ffn_up.weight"),  # swiglu: gate | up
+    "blocks.{i}.mlp.c_fc.bias": ("blk.{i}.ffn_gate.bias", "blk.{i}.ffn_up.bias"),
+    "blocks.{i}.mlp.c_proj.weight": "blk.{i}.ffn_down.weight",
+    "blocks.{i}.mlp.c_proj.bias": "blk.{i}.ffn_down.bias",
+    "ln_f.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+ARCEE_TENSORS = {**LLAMA_TENSORS, "blocks.{i}.mlp.c_fc.weight": "blk.{i}.ffn_up.weight",
+                 "blocks.{i}.mlp.c_fc.bias": "blk.{i}.ffn_up.bias"}
+# Biases llama.cpp does not load for an architecture (it would silently ignore them): refused unless zero.
+NOT_LOADED = {"qwen2": ("attn_output.bias", "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias"),
+              "qwen3": ("attn_output.bias", "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias")}
+
+
+def permute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """convert_hf_to_gguf's LlamaModel.permute: within each head, rows (i, i + hd/2) of the rotate-half
+    layout become rows (2i, 2i+1), the interleaved pairs llama.cpp's rope type NORM rotates.
+    w: (n_head * hd, ...) -> same shape."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+
+
+def gguf_tensors(sd: dict[str, torch.Tensor], m: GPTConfig, model_type: str) -> dict[str, torch.Tensor]:
+    """Our state dict -> llama.cpp's tensors (float32), by the literal map of the architecture."""
+    from .hf import _expand, _splits
+    table = {"gpt2": GPT2_TENSORS, "arcee": ARCEE_TENSORS}.get(model_type, LLAMA_TENSORS)
+    sd = {k: v.detach().to("cpu", torch.float32) for k, v in sd.items()}
+    if m.tie_embeddings:
+        sd.pop("lm_head.weight", None)  # llama.cpp falls back to token_embd
+    splits = _splits(m)
+    out: dict[str, torch.Tensor] = {}
+    used = set()
+    for ours, theirs in _expand(table, m.n_layer):
+        if ours not in sd:
+            continue
+        used.add(ours)
+        t = sd[ours]
+        if isinstance(theirs, tuple):
+            kind = next(k for k in splits if f".{k}." in f".{ours}")
+            parts = t.split(splits[kind][:len(theirs)], dim=0)
+            for name, p in zip(theirs, parts):
+                if model_type in PERMUTED and ".attn_q." in name:
+                    p = permute_rows(p, m.n_head)
+                elif model_type in PERMUTED and ".attn_k." in name:
+                    p = permute_rows(p, m.n_kv_head)
+                out[name] = p.contiguous()
+        else:
+            out[theirs] = t.contiguous()
+    left = sorted(set(sd) - used)
+    if left:
+        raise ExportError(f"GGUF {model_type}: no tensor map entry for {left[:6]}")
+    if model_type == "gpt2" and not m.bias:  # llama.cpp's gpt2 requires every bias: zeros compute the same
+        for ours, theirs in _expand(GPT2_TENSORS, m.n_layer):
+            w = ours[:-4] + "weight"
+            if ours.endswith(".bias") and theirs not in out and w in sd:
+                out[theirs] = torch.zeros(sd[w].shape[0])
+    for name in [n for n in out if n.endswith(NOT_LOADED.get(model_type, ()))]:
+        if bool(out[name].abs().max() > 0):
+            raise ExportError(f"GGUF {model_type}: llama.cpp does not load {name}, and it is not zero")
+        del out[name]
+    return out
+
+
+# -- the tokenizer ------------------------------------------------------------------------------------------------
+
+KNOWN_SPLITS = {  # a split regex (as in tokenizer.json) -> the llama.cpp pre-tokenizer with the same rule
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""":
+        "llama-bpe",
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""":
+        "qwen2",
+}
+
+
+def pre_tokenizer_name(tok_json: dict) -> tuple[str | None, str]:
+    """(llama.cpp pre-tokenizer name or None, a description of the rule) for a tokenizer.json."""
+    pt = tok_json.get("pre_tokenizer") or {}
+    steps = pt.get("pretokenizers", [pt]) if pt.get("type") == "Sequence" else [pt]
+    kinds = [s.get("type") for s in steps]
+    if kinds == ["ByteLevel"] and steps[0].get("use_regex", True) and not steps[0].get("add_prefix_space"):
+        return "gpt2", "GPT-2's byte-level rule"
+    if kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True):
+        pattern = (steps[0].get("pattern") or {}).get("Regex")
+        if steps[0].get("behavior") == "Isolated" and not steps[0].get("invert") and pattern in KNOWN_SPLITS:
+            return KNOWN_SPLITS[pattern], f"the split regex {pattern!r}"
+        return None, f"the split regex {pattern!r}"
+    return None, f"the pre-tokenizer {json.dumps(pt)[:200]}"
+
+
+def mismatch_rate(tok, texts: list[str], pattern: str) -> tuple[int, int]:
+    """(tokens that differ, tokens) when `tok`'s BPE runs after `pattern`'s split instead of its own, counted
+    position by position over `texts`: what llama.cpp would feed the model instead."""
+    from tokenizers import Regex, Tokenizer, pre_tokenizers
+    other = Tokenizer.from_str(tok.tok.to_str())
+    other.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    other.encode_special_tokens = True
+    diff = total = 0
+    for t in texts:
+        a, b = tok.encode(t), other.encode(t, add_special_tokens=False).ids
+        total += len(a)
+        diff += sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
+    return diff, total
+
+
+def write_tokenizer(w, tok, vocab_size: int, pre: str) -> None:
+    import gguf
+
+    from ..chat import CHAT_TEMPLATE
+    tj = json.loads(tok.tok.to_str())
+    vocab = tok.tok.get_vocab(with_added_tokens=True)
+    by_id = {i: s for s, i in vocab.items()}
+    special = {a["id"] for a in tj.get("added_tokens", []) if a.get("special")}
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i not in by_id:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        else:
+            tokens.append(by_id[i])
+            types.append(gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"].get("merges", [])]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    sid = tok.special_ids
+    w.add_bos_token_id(tok.eot_id)  # documents start after <|endoftext|>; never added (add_bos false)
+    w.add_eos_token_id(tok.eot_id)
+    w.add_add_bos_token(False)
+    w.add_add_eos_token(False)
+    for key, name in ((gguf.Keys.Tokenizer.EOT_ID, "<|im_end|>"), (gguf.Keys.Tokenizer.PAD_ID, "<pad>"),
+                      (gguf.Keys.Tokenizer.UNK_ID, "<unk>"), (gguf.Keys.Tokenizer.FIM_PRE_ID, "<fim_prefix>"),
+                      (gguf.Keys.Tokenizer.FIM_SUF_ID, "<fim_suffix>"), (gguf.Keys.Tokenizer.FIM_MID_ID, "<fim_middle>")):
+        if sid.get(name) is not None:
+            w.add_uint32(key, sid[name])
+    tc = tok.path / "tokenizer_config.json" if tok.path is not None else None
+    template = CHAT_TEMPLATE
+    if tc is not None and tc.exists() and not (tok.path / "codeforge_tokenizer.json").exists():
+        template = json.loads(tc.read_text()).get("chat_template") or CHAT_TEMPLATE  # an imported tokenizer's own
+    if isinstance(template, str):
+        w.add_chat_template(template)
+
+
+# -- export ----------------------------------------------------------------------------------------------------------
+
+def _qtype(name: str, t: np.ndarray, dtype: str):
+    import gguf
+    Q = gguf.GGMLQuantizationType
+    if dtype == "f32" or t.ndim < 2:
+        return Q.F32
+    if dtype == "q8_0" and t.shape[-1] % 32 == 0:
+        return Q.Q8_0
+    return Q.F16
+
+
+def export_gguf(run: str | Path, out: str | Path, which: str = "auto", dtype: str = "f32", overwrite: bool = False,
+                allow_tokenizer_mismatch: bool = False, log: Callable[[str], None] = print) -> dict:
+    """Write run `run`'s checkpoint as a GGUF file. Returns {"arch", "pre", "checkpoint", "out", "bytes",
+    "tokenizer_mismatch"}."""
+    import gguf
+
+    from ..checkpoint import load_model
+    if dtype not in ("f32", "f16", "q8_0"):
+        raise ExportError(f"--dtype {dtype!r} is not one of f32, f16, q8_0")
+    out = check_out(out, overwrite)
+    if out.is_dir():
+        raise ExportError(f"--out {out} is a directory; GGUF is one file (e.g. {out / 'model.gguf'})")
+    model, tok, ck, cfg = load_model(run, torch.device("cpu"), which, log=log)
+    m: GPTConfig = model.cfg
+    sd = model.state_dict()
+    fam = choose_family(m, sd)
+    if fam.model_type == "arcee" and m.mlp != "relu2":
+        raise ExportError(
+            f"llama.cpp has no architecture for this model: RoPE + RMSNorm + a non-gated {m.mlp.upper()} MLP "
+            f"(its arcee computes ReLU^2, gpt2/starcoder2 use LayerNorm). `codeforge export --format hf` writes it "
+            f"as {fam.name}; for llama.cpp train with --set model.mlp=swiglu (Llama) or relu2 (Arcee)")
+    arch = ARCH_OF[fam.model_type]
+    tensors = gguf_tensors(sd, m, fam.model_type)
+
+    tj = json.loads(tok.tok.to_str())
+    pre, rule = pre_tokenizer_name(tj)
+    mismatch = None
+    if pre is None:
+        from ..tokenizer import LLAMA3_SPLIT_PATTERN
+        texts = [SAMPLE] + [p.read_text(errors="replace") for p in sorted(Path(__file__).parent.glob("*.py"))]
+        diff, total = mismatch_rate(tok, texts, LLAMA3_SPLIT_PATTERN)
+        mismatch = {"tokens_differing": diff, "tokens": total, "rule": rule}
+        what = (f"this tokenizer splits text with {rule}, which no llama.cpp pre-tokenizer implements; llama.cpp "
+                f"would tokenize differently from codeforge: on a code sample {diff:,} of {total:,} token positions "
+                f"({100 * diff / max(total, 1):.1f}%) differ under its nearest rule (llama-bpe), so the model would "
+                f"see tokens it was not trained on")
+        if not allow_tokenizer_mismatch:
+            raise ExportError(
+                f"{what}. Train the tokenizer with `codeforge tokenizer train --split llama3 ...` (the rule "
+                f"llama.cpp calls llama-bpe; docs/LOG.md has its compression cost) and the model on it, or pass "
+                f"--allow-tokenizer-mismatch to write the file anyway")
+        pre = "llama-bpe"
+        bar = "!" * 100
+        log(f"{bar}\nWARNING: {what}.\nWritten anyway (--allow-tokenizer-mismatch) with pre-tokenizer {pre}; the file "
+            f"records codeforge.tokenizer_mismatch = true. Expect worse output in llama.cpp than in codeforge.\n{bar}")
+
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        w = gguf.GGUFWriter(str(tmp), arch)
+        w.add_name(Path(run).resolve().name)
+        w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                         "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype])
+        w.add_context_length(m.block_size)
+        w.add_embedding_length(m.n_embd)
+        w.add_block_count(m.n_layer)
+        w.add_feed_forward_length(m.ffn_hidden)
+        w.add_head_count(m.n_head)
+        w.add_head_count_kv(m.n_kv_head)
+        if m.norm == "layernorm":
+            w.add_layer_norm_eps(m.norm_eps)
+        else:
+            w.add_layer_norm_rms_eps(m.norm_eps)
+        if m.pos == "rope":
+            w.add_rope_freq_base(m.rope_base)
+            w.add_rope_dimension_count(m.head_dim)
+            w.add_key_length(m.head_dim)
+            w.add_value_length(m.head_dim)
+        w.add_vocab_size(m.vocab_size)
+        write_tokenizer(w, tok, m.vocab_size, pre)
+        w.add_string("codeforge.checkpoint", str(ck))
+        w.add_string("codeforge.model", json.dumps(m.to_dict()))
+        w.add_string("codeforge.tokenizer_hash", tok.hash)
+        w.add_bool("codeforge.tokenizer_mismatch", mismatch is not None)
+        for name, t in tensors.items():
+            a = t.numpy().astype(np.float32)
+            q = _qtype(name, a, dtype)
+            if q == gguf.GGMLQuantizationType.F32:
+                w.add_tensor(name, a)
+            elif q == gguf.GGMLQuantizationType.F16:
+                w.add_tensor(name, a.astype(np.float16))
+            else:
+                w.add_tensor(name, gguf.quants.quantize(a, q), raw_dtype=q)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return {"arch": arch, "pre": pre, "checkpoint": str(ck), "out": str(out), "bytes": out.stat().st_size,
+            "tokenizer_mismatch": mismatch}
