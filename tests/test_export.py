@@ -450,7 +450,7 @@ def test_gguf_refuses_what_llama_cpp_cannot_compute(tmp_path, llama3_tok_dir, ca
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama-gqa", "qwen2", "qwen3", "gpt2", "arcee-relu2"])
-def test_llama_cpp_parity(family, tmp_path, llama3_tok_dir):
+def test_llama_cpp_parity(family, tmp_path, llama3_tok_dir, monkeypatch):
     """llama.cpp loads the exported f32 GGUF and agrees with codeforge: the same token ids on code, logits
     within 1e-3 (max abs), the same 32-token greedy continuation."""
     llama_cpp = pytest.importorskip("llama_cpp", reason="pip install llama-cpp-python (builds llama.cpp; see README)")
@@ -459,7 +459,9 @@ def test_llama_cpp_parity(family, tmp_path, llama3_tok_dir):
     out = tmp_path / "m.gguf"
     assert main(["export", "--run", str(run), "--format", "gguf", "--out", str(out)]) == 0
     model, tok, _, _ = load_model(run, torch.device("cpu"))
-    llm = llama_cpp.Llama(model_path=str(out), n_ctx=512, n_batch=512, n_threads=2, logits_all=True, verbose=False)
+    f32 = 0  # GGML_TYPE_F32: llama.cpp keeps keys and values in f16 by default
+    llm = llama_cpp.Llama(model_path=str(out), n_ctx=512, n_batch=512, n_threads=2, logits_all=True, verbose=False,
+                          type_k=f32, type_v=f32)
 
     texts = CODE + [(STDLIB / "json" / "decoder.py").read_text()[:6000], "  x\t=  'é日本🚀'  \r\n\n\n  # done"]
     n_ids = 0
@@ -477,8 +479,17 @@ def test_llama_cpp_parity(family, tmp_path, llama3_tok_dir):
         ours = model(torch.tensor([ids]))[0]
     diff = (ours - theirs).abs().max().item()
     print(f"\n{family}: {n_ids} token ids equal on {len(texts)} code samples; logits max abs diff {diff:.2e} "
-          f"over {len(ids)} positions x {ours.shape[-1]} vocab")
-    assert diff <= 1e-3, diff
+          f"over {len(ids)} positions x {ours.shape[-1]} vocab (max |logit| {ours.abs().max().item():.1f})")
+    if model.cfg.mlp == "gelu":
+        # llama.cpp's CPU GELU reads an f16 table at the input rounded to f16 (ggml-cpu/vec.h, GGML_GELU_FP16):
+        # with that GELU emulated the difference drops from 1.3e-3 to 3.6e-4; the tensors are exact (GGUF tests).
+        with monkeypatch.context() as mp:
+            mp.setattr(torch.nn.functional, "gelu", ggml_gelu_f16)
+            with torch.no_grad():
+                emulated = (model(torch.tensor([ids]))[0] - theirs).abs().max().item()
+        print(f"{family}: with llama.cpp's f16 GELU table emulated: max abs diff {emulated:.2e}")
+        assert emulated <= 1e-3, emulated  # the rest: not pinned down (see docs/LOG.md)
+    assert diff <= (2e-3 if model.cfg.mlp == "gelu" else 1e-3), diff
 
     prompt = ids[:40]
     llm.reset()
@@ -489,5 +500,14 @@ def test_llama_cpp_parity(family, tmp_path, llama3_tok_dir):
         cont.append(nxt)
         llm.eval([nxt])
     ours_cont = greedy_ours(model, tok, prompt, 32)
-    print(f"{family}: greedy 32 tokens: llama.cpp {cont[:8]}... codeforge {ours_cont[:8]}...")
+    print(f"{family}: greedy 32 tokens equal: {cont == ours_cont} (llama.cpp {cont[:6]}..., codeforge "
+          f"{ours_cont[:6]}...)")
     assert cont == ours_cont
+
+
+def ggml_gelu_f16(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """GELU as llama.cpp's CPU backend computes it: tanh approximation at the input rounded to f16, the result
+    stored as f16; x <= -10 gives 0 and x >= 10 gives x."""
+    xh = x.half().float()
+    y = (0.5 * xh * (1 + torch.tanh(0.7978845608028654 * xh * (1 + 0.044715 * xh * xh)))).half().float()
+    return torch.where(x <= -10, torch.zeros_like(x), torch.where(x >= 10, x, y))
