@@ -618,7 +618,7 @@ RESUME_FIXED = ("stage", "batch_size", "grad_accum_steps", "seed", "optimizer", 
 # Applied step by step from the configuration, so a change takes effect from the resumed step on; the run is
 # then no longer the one a straight run would give, which --resume says.
 RESUME_NOTED = ("learning_rate", "min_lr_ratio", "schedule", "warmup_steps", "decay_fraction", "grad_clip",
-                "precision")
+                "precision", "eval_tokens")
 # The budget: extending a run is what --resume is for; only the schedule's shape follows it.
 RESUME_BUDGET = ("max_iters", "max_tokens", "epochs")
 

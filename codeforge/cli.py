@@ -136,8 +136,16 @@ def cmd_data_info(a: argparse.Namespace) -> int:
 
 # -- parser ----------------------------------------------------------------------------------------------
 
+class _Parser(argparse.ArgumentParser):
+    """No silent abbreviations (--max-iter must not pass for --max-iters); subcommands inherit this class."""
+
+    def __init__(self, *a, **k):
+        k.setdefault("allow_abbrev", False)
+        super().__init__(*a, **k)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="codeforge", description="Train code language models from scratch.")
+    p = _Parser(prog="codeforge", description="Train code language models from scratch.")
     sub = p.add_subparsers(dest="command", required=True)
 
     tk = sub.add_parser("tokenizer", help="train or evaluate a byte-level BPE code tokenizer")

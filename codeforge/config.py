@@ -44,8 +44,10 @@ class TrainConfig:
     grad_clip: float = setting(1.0, "clip the gradient norm to this", range=(0.0, 1e6), zero_means="no clipping")
     optimizer: str = setting("adamw", "optimizer (adamw8bit: bitsandbytes, CUDA only)", choices=("adamw", "adamw8bit"))
     eval_every: int = setting(250, "evaluate every N steps", range=(0, 10**9), zero_means="only at the end")
-    eval_tokens: int = setting(262_144, "validation targets per evaluation: the first N of the validation split, "
-                               "in order, the same set in training, the quickstart and `codeforge eval`",
+    eval_tokens: int = setting(262_144, "validation tokens per evaluation: the validation split in order, in "
+                               "whole context windows until N tokens are covered (chat rows count their masked "
+                               "and padding tokens); the same set in training, the quickstart and `codeforge "
+                               "eval`",
                                range=(1, 10**12), zero_means="the whole split")
     sample_every: int = setting(0, "write a sample every N steps", range=(0, 10**9), zero_means="never")
     sample_tokens: int = setting(64, "tokens per sample", range=(1, 10**6))

@@ -84,15 +84,24 @@ def validation_loss(model: torch.nn.Module, val: ShardSet, block_size: int, spec
     `codeforge eval`): the split read in order in windows of the model's context, one window per row, as
     many windows as cover `eval_tokens` targets (0: the whole split). The batch size plays no part.
     `eval_tokens` in the result says how many targets were scored."""
+    if eval_tokens < 0:
+        raise ValueError(f"eval_tokens = {eval_tokens} must be 0 (the whole split) or positive")
     try:
         windows = batch_source(val, 1, block_size, special_ids, shuffle=False, device=device)
-    except ValueError:  # a split shorter than one context: score what there is
+    except ValueError as e:  # a split shorter than one context: score what there is
+        if val.chat:
+            raise ValueError(f"no conversation of the {val.split} split of {val.dir} fits a context of "
+                             f"{block_size} tokens ({e})") from None
         if val.tokens < 2:
             raise ValueError(f"the {val.split} split of {val.dir} holds {val.tokens} token(s); nothing to "
                              f"evaluate") from None
         windows = batch_source(val, 1, val.tokens - 1, special_ids, shuffle=False, device=device)
     n = windows.per_epoch if not eval_tokens else min(windows.per_epoch, math.ceil(eval_tokens / block_size))
-    return evaluate_loss(model, windows, n, device, precision, token_bytes)
+    r = evaluate_loss(model, windows, n, device, precision, token_bytes)
+    if r["eval_tokens"] == 0:
+        raise ValueError(f"the first {n} validation window(s) hold no scored targets (chat rows with no "
+                         f"assistant text?); raise --eval-tokens")
+    return r
 
 
 # -- syntax validity -------------------------------------------------------------------------------------
@@ -343,8 +352,8 @@ def run_eval(run: str, data: str | None = None, eval_tokens: int | None = None, 
     from .engine import Engine
     from .checkpoint import load_model
     dev, _ = choose_device(device)
-    precision, _ = choose_precision(dev, "auto")
     model, tok, ck, cfg = load_model(run, dev, which)
+    precision, _ = choose_precision(dev, cfg.get("train", {}).get("precision", "auto"))  # as training evaluated
     data = data or cfg["train"]["data"]
     val = ShardSet(data, "val")
     if val.tokens == 0:

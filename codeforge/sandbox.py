@@ -467,6 +467,10 @@ def run_python(code: str, timeout: float = 5.0, memory_mb: int = 1024, isolate_n
     wall time or of CPU time; memory: past `memory_mb` (one process's address space, or the whole tree's
     memory where cgroups are available). isolate_net=False leaves the host network reachable."""
     global _warned_unsafe
+    if not (isinstance(timeout, (int, float)) and 0 < timeout <= 86400):
+        raise ValueError(f"timeout = {timeout!r} seconds must be in (0, 86400]")
+    if not (isinstance(memory_mb, int) and 16 <= memory_mb <= 1 << 20):
+        raise ValueError(f"memory_mb = {memory_mb!r} must be an integer in [16, 1048576]")
     bwrap = None
     if unsafe_no_sandbox:
         if not _warned_unsafe:

@@ -130,3 +130,17 @@ def test_train_help_describes_every_flag(capsys):
     assert main(["config", "keys"]) == 0
     keys = capsys.readouterr().out
     assert "train.warmup_steps" in keys and "model.n_layer" in keys and "train.eval_tokens" in keys
+
+
+def test_review_findings_bad_values_are_refused(run_dir, data_dir, tmp_path, capsys):
+    """Found by review: a negative --eval-tokens scored nothing and reported a perfect 0.0; abbreviated
+    options were taken silently; a sandbox timeout of inf crashed the evaluator."""
+    assert main(["eval", "--run", str(run_dir), "--syntax-samples", "0", "--eval-tokens", "-5"]) == 2
+    assert "must be 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--data", str(data_dir), "--out", str(tmp_path / "a"), "--max-iter", "2"])
+    assert "did you mean --max-iters" in capsys.readouterr().err
+    from codeforge.sandbox import run_python
+    for bad in (float("inf"), 0, -1, 1e19):
+        with pytest.raises(ValueError, match="timeout"):
+            run_python("pass", timeout=bad)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from codeforge import atomic
-from codeforge.corpus import CorpusError, CorpusOptions, CorpusStats, check_sources, iter_documents
+from codeforge.corpus import REASON_WORDS, CorpusError, CorpusOptions, CorpusStats, check_sources, iter_documents
 from conftest import make_go_file, make_py_file
 
 TIMEOUT = 60
@@ -193,7 +193,7 @@ def test_cli_tokenizer_train_and_prepare_skip_hostile_entries(tmp_path, hostile,
     assert r.returncode == 0, r.stderr
     assert "trained tokenizer" in r.stdout
     for reason, n in hostile["counts"].items():
-        assert f"'{reason}': {n}" in r.stdout
+        assert f"{n} {REASON_WORDS[reason]}" in r.stdout
     assert str(hostile["root"] / "pkg0" / "pipe.py") in r.stderr  # warned with the path
 
     data = tmp_path / "data"
@@ -203,7 +203,7 @@ def test_cli_tokenizer_train_and_prepare_skip_hostile_entries(tmp_path, hostile,
     meta = json.loads((data / "meta.json").read_text())
     for reason, n in hostile["counts"].items():
         assert meta["skipped"][reason] == n
-        assert f"{reason} {n}" in r.stdout
+        assert f"{n} {REASON_WORDS[reason]}" in r.stdout
     assert meta["skipped_examples"]["broken_symlink"].startswith(str(hostile["root"]))
     tok, ss = CodeTokenizer.load(data / "tokenizer"), ShardSet(data, "train")
     texts = [tok.decode(ss.document(i)) for i in range(ss.documents)]

@@ -65,6 +65,9 @@ def _train(cfg: RunConfig, resume: bool, say, device: torch.device, precision: s
     if train_set.chat and not chat_stage:
         raise ConfigError(f"{t.data} holds chat data; train it with --stage sft (or tools), not {t.stage}")
     val_set = ShardSet(t.data, "val") if train_set.meta["splits"]["val"]["tokens"] else None
+    if val_set is None:
+        say(f"note: {t.data} has no validation split: no evaluation and no 'best' checkpoint (prepare with "
+            f"--val-fraction > 0 for them)")
     tok = CodeTokenizer.load(Path(t.data) / "tokenizer")
     train_set.check_tokenizer(tok.hash, "the tokenizer copied beside it")
     m = cfg.model

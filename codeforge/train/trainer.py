@@ -134,6 +134,8 @@ class Trainer:
                                 self.run_config, t.progress, enabled=self.master)
         left = max(total - self.step, 0)
         where = f"steps {self.step + 1}-{total} ({left} left)" if self.step else f"{total} steps"
+        if self.step and not left:
+            where = f"nothing: the run is at step {self.step} and --max-iters asks for {total}; raise it to go on,"
         self.say(f"training {where} of {self.tokens_per_step:,} tokens "
                  f"(batch {t.batch_size} x accumulation {t.grad_accum_steps} x {self.world} rank(s)); "
                  f"run directory {self.run_dir}")
@@ -146,7 +148,7 @@ class Trainer:
         start_step = self.step
         self.model.train()
         t_last, tokens_last = time.perf_counter(), self.tokens
-        pace = Pace(start_step, total, self.device)
+        pace = Pace(start_step, total, self.device, t.eval_every if self.evaluate_fn else -1)
         try:
             while True:
                 if self.ddp:  # every rank must agree to stop at the same step, or the others hang in all-reduce
@@ -158,7 +160,9 @@ class Trainer:
                 fresh = self.step != start_step or start_step == 0
                 t_aside = time.perf_counter()  # evaluation, samples and saves are not training throughput
                 if fresh and ((t.eval_every and self.step % t.eval_every == 0) or last):
+                    t_eval = time.perf_counter()
                     self._evaluate()
+                    pace.note_eval(time.perf_counter() - t_eval)
                 if fresh and t.sample_every and self.step % t.sample_every == 0 and self.step > 0:
                     self._sample()
                 if last or stop["signal"] or (t.save_every and self.step % t.save_every == 0 and self.step > start_step):
@@ -237,8 +241,11 @@ class Pace:
     WARN_SECONDS = {"cpu": 2 * 3600}   # beyond this, a run on this device gets the warning
     WARN_ANY = 48 * 3600
 
-    def __init__(self, start_step: int, total: int, device: torch.device):
-        self.start, self.total, self.device = start_step, total, device
+    def __init__(self, start_step: int, total: int, device: torch.device, eval_every: int = -1):
+        """eval_every: the run's (0: only at the end; -1: no evaluation); the time of the last evaluation
+        counts once for every evaluation still to come."""
+        self.start, self.total, self.device, self.eval_every = start_step, total, device, eval_every
+        self.eval_s = 0.0
         self.t0 = time.perf_counter()
         self.t_first = None   # after the first step (compilation and warm-up excluded from the pace)
         self.first_step = None
@@ -254,9 +261,20 @@ class Pace:
             return None
         return (time.perf_counter() - self.t_first) / (step - self.first_step)
 
+    def note_eval(self, seconds: float) -> None:
+        self.eval_s = seconds
+
+    def evals_left(self, step: int) -> int:
+        if self.eval_every < 0 or step >= self.total:
+            return 0
+        if self.eval_every == 0:
+            return 1
+        e = self.eval_every
+        return self.total // e - step // e + (1 if self.total % e else 0)
+
     def eta(self, step: int) -> float | None:
         sps = self.seconds_per_step(step)
-        return None if sps is None else sps * (self.total - step)
+        return None if sps is None else sps * (self.total - step) + self.eval_s * self.evals_left(step)
 
     def step(self, step: int) -> str | None:
         if self.t_first is None:
@@ -269,10 +287,12 @@ class Pace:
             return None
         self.said = True
         sps = self.seconds_per_step(step)
-        need = sps * (self.total - step)
+        need = self.eta(step)
         rate = f"{1 / sps:.2f} steps/s" if sps < 1 else f"{sps:.1f} s/step"
+        evals = self.evals_left(step)
+        with_evals = f" with {evals} evaluation(s) of ~{duration(self.eval_s)}" if evals and self.eval_s else ""
         msg = (f"pace: {rate} measured over {measured} steps on {self.device.type}; the remaining "
-               f"{self.total - step} steps need ~{duration(need)}")
+               f"{self.total - step} steps{with_evals} need ~{duration(need)}")
         limit = self.WARN_SECONDS.get(self.device.type, self.WARN_ANY)
         if need > limit:
             msg += (f"\nwarning: that is far beyond what {self.device.type} does in reasonable time. To finish "
