@@ -213,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     _eval_parser(sub)
     _chat_parser(sub)
     _export_parser(sub)
+    _serve_parser(sub)
     return p
 
 
@@ -475,6 +476,42 @@ def _chat_parser(sub) -> None:
     c.add_argument("--checkpoint", default="auto", choices=["auto", "best", "latest", "final"])
     c.add_argument("--device", default="auto")
     c.set_defaults(func=cmd_chat)
+
+
+def _serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="serve a run over HTTP: OpenAI-compatible completions, chat and tool calls, "
+                                     "/infill, a playground page; continuous batching",
+                       usage="codeforge serve --run RUN [--host 127.0.0.1] [--port 8000] [--api-key KEY] [options]")
+    s.add_argument("--run", required=True, metavar="RUN", help="run directory or checkpoint directory (required)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
+                                                       "only; 0.0.0.0 for every interface)")
+    s.add_argument("--port", type=int, default=8000, metavar="N", help="TCP port (default 8000; 0 picks a free one)")
+    s.add_argument("--checkpoint", default="auto", choices=["auto", "best", "latest", "final"],
+                   help="auto (default): best if the run has one, else latest")
+    s.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N or mps")
+    s.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health and / (default: none)")
+    s.add_argument("--max-batch", type=int, default=8, metavar="N", help="rows decoded together (default 8)")
+    s.add_argument("--max-queue", type=int, default=64, metavar="N",
+                   help="rows waiting for a batch slot before requests get 429 (default 64)")
+    s.add_argument("--max-prompt-tokens", type=int, default=0, metavar="N",
+                   help="longest prompt accepted (default 0: the model's context minus one)")
+    s.add_argument("--max-tokens-cap", type=int, default=0, metavar="N",
+                   help="largest max_tokens accepted (default 0: the model's context)")
+    s.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
+                   help="seconds from arrival to the last token before a request is stopped with 504 (default 600; "
+                        "0: none)")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N",
+                   help="largest request body (default 1048576); larger ones get 413")
+    s.add_argument("--model-name", default=None, metavar="NAME",
+                   help="the model's id in the API (default: the run directory's name)")
+    s.add_argument("--access-log", action="store_true", help="log every request (default: warnings only)")
+
+    def cmd_serve(a: argparse.Namespace) -> int:
+        from .serve import serve_command
+        return serve_command(a)
+
+    s.set_defaults(func=cmd_serve)
 
 
 def cmd_chat(a: argparse.Namespace) -> int:

@@ -1,0 +1,632 @@
+"""The HTTP app: OpenAI-compatible completions and chat (with tool calls), llama.cpp-style /infill, models,
+health and Prometheus metrics, over one continuous-batching generation loop (batcher.py).
+
+Request flow: the guard (a plain ASGI middleware) checks the API key and the body size and records every
+response in the metrics; a handler validates the body (protocol.py), encodes the prompt (in a worker thread,
+under the tokenizer lock: the tokenizer's special-token switch is shared state), turns the request into rows
+(one per prompt and choice) and queues them; the generation thread reports events that come back to the
+handler's asyncio queue, which answers in one JSON body or streams them as server-sent events. A client
+that disconnects cancels its rows, which leave the batch at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import sys
+import threading
+import time
+import traceback
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import StreamingResponse
+
+from ..chat import CALL_OPEN, IM_END, encode_conversation
+from ..fim import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX
+from .batcher import Event, QueueFull, Row, RowParams, Scheduler
+from .metrics import Metrics
+from .protocol import (SSE_DONE, ApiError, ChatRequest, CompletionRequest, InfillRequest, NamedToolChoice,
+                       chat_message, chat_response, completion_response, held_back, new_id, parse_body, sse,
+                       usage)
+
+PLAYGROUND = Path(__file__).parent / "static" / "playground.html"
+OPEN_PATHS = ("/health", "/", "/favicon.ico")  # reachable without the API key
+PLACEHOLDER = ("<!doctype html><html><head><meta charset='utf-8'><title>codeforge</title></head><body>"
+               "<h1>codeforge</h1><p>playground not built: codeforge/serve/static/playground.html is missing. "
+               "The API is at <code>/v1</code> (OpenAI-compatible).</p></body></html>")
+
+
+@dataclass
+class ServeOptions:
+    model_name: str
+    api_key: str | None = None
+    max_batch: int = 8
+    max_queue: int = 64
+    max_prompt_tokens: int = 0  # 0: the model's context minus one
+    max_tokens_cap: int = 0  # 0: the model's context
+    request_timeout: float = 600.0  # seconds from arrival to the last token; 0: none
+    max_body_bytes: int = 1 << 20
+    stage: str = "pretrain"
+    checkpoint: str = ""
+
+
+class ClientGone(Exception):
+    pass
+
+
+class ServerState:
+    """What the handlers share: engine, scheduler, metrics, limits."""
+
+    def __init__(self, engine, opts: ServeOptions):
+        self.engine, self.opts, self.tok = engine, opts, engine.tok
+        self.block_size = engine.block_size
+        self.tok_lock = threading.Lock()
+        self.metrics = Metrics()
+        self.sched = Scheduler(engine, opts.max_batch, opts.max_queue, self.tok_lock,
+                               on_first_token=self.metrics.observe_ttft)
+        self.max_prompt = min(opts.max_prompt_tokens or self.block_size - 1, self.block_size - 1)
+        self.max_tokens_cap = opts.max_tokens_cap or self.block_size
+        self.created = int(time.time())
+
+    # -- checks -------------------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model and model != self.opts.model_name:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                                f"{self.opts.model_name!r} (GET /v1/models)", param="model", code="model_not_found")
+
+    def check_prompt(self, ids: list[int], param: str = "prompt") -> list[int]:
+        if not ids:
+            ids = [self.tok.eot_id]  # an empty prompt starts a new document (as Engine does)
+        if len(ids) > self.max_prompt:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens; this server takes at most {self.max_prompt} "
+                                f"(model context {self.block_size}, --max-prompt-tokens)", param=param,
+                           code="context_length_exceeded")
+        bad = next((t for t in ids if not 0 <= t < self.tok.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {self.tok.vocab_size})", param=param,
+                           code="invalid_token")
+        return ids
+
+    def budget(self, requested: int | None, param: str, default: int | None = None) -> int:
+        """max_tokens as asked (the context still cuts a row short: finish_reason "length")."""
+        if requested is not None and requested > self.max_tokens_cap:
+            raise ApiError(400, f"{param} {requested} exceeds this server's cap of {self.max_tokens_cap} "
+                                f"(--max-tokens-cap; model context {self.block_size})", param=param,
+                           code="max_tokens_exceeded")
+        return requested if requested is not None else min(default or self.max_tokens_cap, self.max_tokens_cap)
+
+    def check_rows(self, n: int) -> None:
+        if n > self.opts.max_queue:
+            raise ApiError(400, f"the request asks for {n} completions (prompts x n); this server queues at most "
+                                f"{self.opts.max_queue} (--max-queue)", param="n", code="too_many_choices")
+
+    def row_params(self, b, max_new: int, choice: int, stop_ids: set[int]) -> RowParams:
+        seed = None if b.seed is None else (b.seed + choice) % 2**63  # choice i of a seeded request: seed + i
+        return RowParams(max_new_tokens=max_new, temperature=1.0 if b.temperature is None else b.temperature,
+                         top_p=1.0 if b.top_p is None else b.top_p, top_k=max(0, b.top_k or 0), seed=seed,
+                         presence_penalty=b.presence_penalty or 0.0, frequency_penalty=b.frequency_penalty or 0.0,
+                         repetition_penalty=b.repetition_penalty or 1.0, stop=b.stops(),
+                         stop_ids=frozenset(stop_ids))
+
+    async def encode(self, fn):
+        """Tokenizer work off the event loop and under the tokenizer lock."""
+        def locked():
+            with self.tok_lock:
+                return fn()
+        return await run_in_threadpool(locked)
+
+
+class Generation:
+    """The rows of one request and the asyncio queue their events come back on."""
+
+    def __init__(self, srv: ServerState, specs: list[tuple[int, list[int], RowParams]]):
+        self.srv = srv
+        loop = asyncio.get_running_loop()
+        self.q: asyncio.Queue = asyncio.Queue()
+        t = srv.opts.request_timeout
+        deadline = time.monotonic() + t if t else None
+
+        def emitter(tag: int):
+            return lambda ev: self.q.put_nowait((tag, ev))  # runs in this event loop (Row.loop)
+
+        self.rows = [Row(ids, p, emitter(tag), deadline, tag, loop=loop) for tag, ids, p in specs]
+        self.pending = {r.tag for r in self.rows}
+        try:
+            srv.sched.submit(self.rows)
+        except QueueFull as e:
+            raise ApiError(429, f"the server is busy: {srv.sched.queue_length()} requests are waiting "
+                                f"(--max-queue {srv.opts.max_queue}); retry after {e.retry_after}s",
+                           code="queue_full", headers={"Retry-After": str(e.retry_after)}) from None
+        except RuntimeError as e:
+            raise ApiError(503, str(e), code="unavailable") from None
+
+    def _cancel(self) -> None:
+        if self.pending:
+            self.srv.sched.cancel([r for r in self.rows if r.tag in self.pending])
+
+    async def _watch(self, request: Request) -> None:
+        """Cancel the rows when the client disconnects (also when nobody reads the events any more)."""
+        while True:
+            msg = await request.receive()
+            if msg["type"] == "http.disconnect":
+                self._cancel()
+                self.q.put_nowait((None, None))
+                return
+
+    async def events(self, request: Request) -> AsyncIterator[list[tuple[int, Event]]]:
+        """Batches of (tag, event): everything that arrived since the last batch, so a slow reader gets
+        fewer, larger chunks. Ends when every row is done; closing it early cancels the rest."""
+        watcher = asyncio.create_task(self._watch(request))
+        try:
+            while self.pending:
+                got = [await self.q.get()]
+                while not self.q.empty():
+                    got.append(self.q.get_nowait())
+                if any(tag is None for tag, _ in got):
+                    raise ClientGone()
+                for tag, ev in got:
+                    if ev.kind in ("done", "error"):
+                        self.pending.discard(tag)
+                yield got
+        finally:
+            watcher.cancel()
+            self._cancel()
+
+    async def collect(self, request: Request) -> dict[int, Event]:
+        """The done event of every row (an error event raises it as an ApiError)."""
+        out: dict[int, Event] = {}
+        async with contextlib.aclosing(self.events(request)) as evs:
+            async for got in evs:
+                for tag, ev in got:
+                    if ev.kind == "error":
+                        raise ApiError(ev.status, ev.text, code="timeout" if ev.status == 504 else None)
+                    if ev.kind == "done":
+                        out[tag] = ev
+        return out
+
+
+def merged(got: list[tuple[int, Event]]) -> list[tuple[int, Event]]:
+    """Consecutive text events of one row joined into one."""
+    out: list[tuple[int, Event]] = []
+    for tag, ev in got:
+        if ev.kind == "text" and out and out[-1][0] == tag and out[-1][1].kind == "text":
+            prev = out[-1][1]
+            out[-1] = (tag, Event("text", prev.text + ev.text, completion_tokens=ev.completion_tokens))
+        else:
+            out.append((tag, ev))
+    return out
+
+
+def error_event(ev: Event) -> bytes:
+    return sse(ApiError(ev.status, ev.text).body())
+
+
+def streaming(gen: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(gen, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+# -- handlers ------------------------------------------------------------------------------------------------
+
+async def completions(srv: ServerState, request: Request):
+    b = parse_body(CompletionRequest, await request.body())
+    srv.check_model(b.model)
+    b.check_unsupported()
+    prompts = b.prompt
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    elif not prompts:
+        prompts = [""]
+    elif isinstance(prompts[0], int):
+        prompts = [prompts]
+    if b.suffix is not None and not all(isinstance(p, str) for p in prompts):
+        raise ApiError(400, "suffix (fill in the middle) needs a text prompt", param="suffix")
+    n = b.n or 1
+    srv.check_rows(len(prompts) * n)
+    max_new = srv.budget(b.max_tokens, "max_tokens", default=16)  # OpenAI's default for completions
+
+    def encode():
+        from ..fim import infill_ids
+        tok, out = srv.tok, []
+        for p in prompts:
+            if not isinstance(p, str):
+                out.append((list(p), tok.decode(p) if b.echo else ""))
+            elif b.suffix is not None:
+                out.append((infill_ids(tok, p, b.suffix), p))
+            else:
+                out.append((srv.engine._encode_prompt(p), p))
+        return out
+
+    encoded = await srv.encode(encode)
+    ids = [srv.check_prompt(x) for x, _ in encoded]
+    stop_ids = {srv.tok.eot_id}
+    specs = [(i * n + j, x, srv.row_params(b, max_new, j, stop_ids)) for i, x in enumerate(ids) for j in range(n)]
+    echo = {i * n + j: (t if b.echo else "") for i, (_, t) in enumerate(encoded) for j in range(n)}
+    prompt_tokens = sum(len(x) for x in ids)
+    gen = Generation(srv, specs)
+    rid, model = new_id("cmpl"), srv.opts.model_name
+    if b.stream:
+        include_usage = bool(b.stream_options and b.stream_options.include_usage)
+        return streaming(stream_completions(gen, request, rid, model, echo, prompt_tokens, include_usage))
+    done = await gen.collect(request)
+    choices = [{"index": t, "text": echo[t] + done[t].text, "logprobs": None, "finish_reason": done[t].finish_reason}
+               for t in sorted(done)]
+    return completion_response(rid, model, choices, usage(prompt_tokens, sum(e.completion_tokens for e in done.values())))
+
+
+async def stream_completions(gen: Generation, request: Request, rid: str, model: str, echo: dict[int, str],
+                             prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
+    created = int(time.time())
+
+    def chunk(choices: list[dict], use: dict | None = None) -> bytes:
+        d = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
+        if include_usage:
+            d["usage"] = use
+        return sse(d)
+
+    def choice(tag: int, text: str, finish: str | None = None) -> dict:
+        return {"index": tag, "text": text, "logprobs": None, "finish_reason": finish}
+
+    for tag, text in echo.items():
+        if text:
+            yield chunk([choice(tag, text)])
+    completion_tokens = 0
+    try:
+        async with contextlib.aclosing(gen.events(request)) as evs:
+            async for got in evs:
+                for tag, ev in merged(got):
+                    if ev.kind == "error":
+                        yield error_event(ev)
+                        yield SSE_DONE
+                        return
+                    if ev.kind == "text" and ev.text:
+                        yield chunk([choice(tag, ev.text)])
+                    elif ev.kind == "done":
+                        completion_tokens += ev.completion_tokens
+                        yield chunk([choice(tag, "", ev.finish_reason)])
+    except ClientGone:
+        return
+    if include_usage:
+        yield chunk([], usage(prompt_tokens, completion_tokens))
+    yield SSE_DONE
+
+
+async def chat_completions(srv: ServerState, request: Request):
+    b = parse_body(ChatRequest, await request.body())
+    srv.check_model(b.model)
+    b.check_unsupported()
+    msgs = b.rendered_messages()
+    tools = [t.model_dump(exclude_none=True) for t in b.tools] if b.tools else None
+    choice = b.tool_choice
+    forced = ""  # text the reply is made to start with (tool_choice required or named)
+    if choice not in (None, "none", "auto") and not tools:
+        raise ApiError(400, "tool_choice requires tools", param="tool_choice")
+    if choice == "none":
+        tools = None  # the model is not told about the tools, and nothing is parsed as a call
+    elif choice == "required":
+        forced = CALL_OPEN
+    elif isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        if name not in {t["function"]["name"] for t in tools}:
+            raise ApiError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+        # cut after `"arguments":`, a pre-token boundary, so the ids are those the model saw in training
+        forced = CALL_OPEN + f'{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments":'
+    tools_active = bool(tools)
+    n = b.n or 1
+    srv.check_rows(n)
+    max_new = srv.budget(b.max_completion_tokens or b.max_tokens,
+                         "max_completion_tokens" if b.max_completion_tokens else "max_tokens")
+
+    def encode():
+        ids, _ = encode_conversation(srv.tok, msgs, tools, add_generation_prompt=True)
+        if forced:
+            ids += [srv.tok.special_ids[CALL_OPEN]] + srv.tok.encode(forced[len(CALL_OPEN):])
+        return ids
+
+    try:
+        ids = await srv.encode(encode)
+    except ValueError as e:  # chat.ChatFormatError: a tool call in the history that cannot be rendered
+        raise ApiError(400, str(e), param="messages") from None
+    ids = srv.check_prompt(ids, "messages")
+    stop_ids = {srv.tok.eot_id, srv.tok.special_ids[IM_END]}
+    specs = [(j, ids, srv.row_params(b, max_new, j, stop_ids)) for j in range(n)]
+    gen = Generation(srv, specs)
+    rid, model = new_id("chatcmpl"), srv.opts.model_name
+    if b.stream:
+        include_usage = bool(b.stream_options and b.stream_options.include_usage)
+        return streaming(stream_chat(gen, request, rid, model, n, forced, tools_active, len(ids), include_usage))
+    done = await gen.collect(request)
+    choices = []
+    for t in sorted(done):
+        msg, finish = chat_message(forced + done[t].text, done[t].finish_reason, tools_active)
+        choices.append({"index": t, "message": msg, "logprobs": None, "finish_reason": finish})
+    return chat_response(rid, model, choices, usage(len(ids), sum(e.completion_tokens for e in done.values())))
+
+
+async def stream_chat(gen: Generation, request: Request, rid: str, model: str, n: int, forced: str,
+                      tools_active: bool, prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
+    created = int(time.time())
+
+    def chunk(choices: list[dict], use: dict | None = None) -> bytes:
+        d = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+             "system_fingerprint": None, "choices": choices}
+        if include_usage:
+            d["usage"] = use
+        return sse(d)
+
+    def delta(tag: int, d: dict, finish: str | None = None) -> dict:
+        return {"index": tag, "delta": d, "logprobs": None, "finish_reason": finish}
+
+    raw = {t: forced for t in range(n)}  # what each choice generated (with the forced start)
+    shown = {t: 0 for t in range(n)}  # characters of raw already sent as content
+    for t in range(n):
+        yield chunk([delta(t, {"role": "assistant", "content": ""})])
+    completion_tokens = 0
+    try:
+        async with contextlib.aclosing(gen.events(request)) as evs:
+            async for got in evs:
+                for tag, ev in merged(got):
+                    if ev.kind == "error":
+                        yield error_event(ev)
+                        yield SSE_DONE
+                        return
+                    if ev.kind == "text":
+                        raw[tag] += ev.text
+                        upto = held_back(raw[tag]) if tools_active else len(raw[tag])
+                        if upto > shown[tag]:
+                            yield chunk([delta(tag, {"content": raw[tag][shown[tag]:upto]})])
+                            shown[tag] = upto
+                    elif ev.kind == "done":
+                        completion_tokens += ev.completion_tokens
+                        msg, finish = chat_message(forced + ev.text, ev.finish_reason, tools_active)
+                        if msg.get("tool_calls"):
+                            calls = [{"index": k, **c} for k, c in enumerate(msg["tool_calls"])]
+                            yield chunk([delta(tag, {"tool_calls": calls})])
+                        elif len(msg["content"]) > shown[tag]:
+                            yield chunk([delta(tag, {"content": msg["content"][shown[tag]:]})])
+                        yield chunk([delta(tag, {}, finish)])
+    except ClientGone:
+        return
+    if include_usage:
+        yield chunk([], usage(prompt_tokens, completion_tokens))
+    yield SSE_DONE
+
+
+def _extra_context(chunks) -> str:
+    """input_extra as text before the prefix: each file under a comment line naming it."""
+    out = []
+    for c in chunks:
+        mark = "#" if c.filename.endswith((".py", ".sh", ".rb", ".toml", ".yaml", ".yml", ".r")) else "//"
+        out.append((f"{mark} {c.filename}\n" if c.filename else "") + c.text.rstrip("\n") + "\n\n")
+    return "".join(out)
+
+
+async def infill(srv: ServerState, request: Request):
+    """llama.cpp's /infill: the middle between input_prefix (+ prompt) and input_suffix, files of
+    input_extra as context before the prefix. Too long a prompt is cut (extra context first, then the start
+    of the prefix and the end of the suffix), as an editor plugin expects, and "truncated" says so."""
+    b = parse_body(InfillRequest, await request.body())
+    srv.check_model(b.model)
+    room = srv.max_prompt - 3  # the three FIM tokens
+
+    def encode():
+        tok = srv.tok
+        pre, suf = tok.encode(b.input_prefix + b.prompt), tok.encode(b.input_suffix)
+        extra = _extra_context(b.input_extra)
+        cut = False
+        if extra:
+            with_extra = tok.encode(extra + b.input_prefix + b.prompt)
+            if len(with_extra) + len(suf) <= room:
+                pre = with_extra
+            else:
+                cut = True
+        if len(pre) + len(suf) > room:
+            cut = True
+            suf = suf[:max(room // 4, room - len(pre))]
+            pre = pre[len(pre) - (room - len(suf)):]
+        sp = tok.special_ids
+        return [sp[FIM_PREFIX]] + pre + [sp[FIM_SUFFIX]] + suf + [sp[FIM_MIDDLE]], cut
+
+    ids, truncated = await srv.encode(encode)
+    ids = srv.check_prompt(ids)
+    max_new = srv.max_tokens_cap if b.n_predict < 0 else min(b.n_predict, srv.max_tokens_cap)
+    model = srv.opts.model_name
+    final = {"stop": True, "model": model, "tokens_evaluated": len(ids), "truncated": truncated}
+    if max_new == 0:
+        return {"content": "", **final, "tokens_predicted": 0, "stop_type": "limit"}
+    p = RowParams(max_new_tokens=max_new, temperature=b.temperature, top_p=b.top_p, top_k=max(0, b.top_k),
+                  seed=None if b.seed == -1 else b.seed % 2**63, stop=[s for s in b.stop if s],
+                  stop_ids=frozenset({srv.tok.eot_id}))
+    gen = Generation(srv, [(0, ids, p)])
+    if b.stream:
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                async with contextlib.aclosing(gen.events(request)) as evs:
+                    async for got in evs:
+                        for _, ev in merged(got):
+                            if ev.kind == "error":
+                                yield error_event(ev)
+                                return
+                            if ev.kind == "text" and ev.text:
+                                yield sse({"content": ev.text, "stop": False, "index": 0})
+                            elif ev.kind == "done":
+                                yield sse({"content": "", "index": 0, **final,
+                                           "tokens_predicted": ev.completion_tokens, "stop_type": ev.stop_type})
+            except ClientGone:
+                return
+        return streaming(events())
+    ev = (await gen.collect(request))[0]
+    return {"content": ev.text, "index": 0, **final, "tokens_predicted": ev.completion_tokens,
+            "stop_type": ev.stop_type}
+
+
+# -- the app -------------------------------------------------------------------------------------------------
+
+def error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+class Guard:
+    """Plain ASGI middleware around every request: API key, body size, metrics, and a last-resort 500 in
+    the OpenAI shape (the server never answers with a traceback or dies on a request)."""
+
+    def __init__(self, app, srv: ServerState):
+        self.app, self.srv = app, srv
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        status, started = [500], [False]
+
+        async def send_w(msg):
+            if msg["type"] == "http.response.start":
+                status[0], started[0] = msg["status"], True
+            await send(msg)
+
+        limit, seen = self.srv.opts.max_body_bytes, [0]
+
+        async def receive_w():
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen[0] += len(msg.get("body", b""))
+                if seen[0] > limit:
+                    raise ApiError(413, f"the request body is larger than {limit} bytes (--max-body-bytes)",
+                                   code="body_too_large")
+            return msg
+
+        try:
+            err = self._precheck(scope)
+            if err is not None:
+                if err.status == 413:
+                    await _drain(receive, 64 << 20)  # read it, so the client gets to read the answer
+                await error_response(err)(scope, receive, send_w)
+            else:
+                await self.app(scope, receive_w, send_w)
+        except Exception as e:  # noqa: BLE001 - a request must never take the server down
+            if isinstance(e, (OSError, ClientDisconnect)):
+                return  # the client went away mid-response
+            if not isinstance(e, ApiError):
+                traceback.print_exc(file=sys.stderr)
+                e = ApiError(500, f"internal error: {type(e).__name__}: {e}")
+            if not started[0]:
+                with contextlib.suppress(Exception):
+                    await error_response(e)(scope, receive, send_w)
+        finally:
+            self.srv.metrics.observe_request(scope["path"], status[0], time.perf_counter() - t0)
+
+    def _precheck(self, scope) -> ApiError | None:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        key = self.srv.opts.api_key
+        if key and scope["path"] not in OPEN_PATHS:
+            given = headers.get("authorization", "")
+            token = given[7:].strip() if given[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(token.encode(), key.encode()):
+                return ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY' "
+                                     "with the key the server was started with (--api-key)",
+                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.srv.opts.max_body_bytes:
+            return ApiError(413, f"the request body ({length} bytes) is larger than {self.srv.opts.max_body_bytes} "
+                                 f"bytes (--max-body-bytes)", code="body_too_large")
+        return None
+
+
+async def _drain(receive, cap: int) -> None:
+    got = 0
+    while got <= cap:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            return
+        got += len(msg.get("body", b""))
+        if not msg.get("more_body"):
+            return
+
+
+def create_app(engine, opts: ServeOptions) -> FastAPI:
+    """The FastAPI app over an Engine; the generation thread starts and stops with the app (lifespan)."""
+    srv = ServerState(engine, opts)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        srv.sched.start()
+        yield
+        srv.sched.stop()
+        st = srv.sched.stats
+        print(f"server stopped after {time.time() - srv.created:.0f}s: {st['rows_finished']} completions, "
+              f"{st['generated_tokens']:,} tokens generated", file=sys.stderr, flush=True)
+
+    app = FastAPI(title="codeforge", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.srv = srv
+    app.add_middleware(Guard, srv=srv)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        return error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        if e.status_code == 404:
+            return error_response(ApiError(404, f"no such endpoint: {request.method} {request.url.path}",
+                                           code="unknown_url"))
+        if e.status_code == 405:
+            return error_response(ApiError(405, f"{request.method} is not allowed on {request.url.path}",
+                                           code="method_not_allowed"))
+        return error_response(ApiError(e.status_code, str(e.detail)))
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, e: ClientGone):
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+    def model_card() -> dict:
+        return {"id": opts.model_name, "object": "model", "created": srv.created, "owned_by": "codeforge",
+                "max_model_len": srv.block_size, "stage": opts.stage, "checkpoint": opts.checkpoint}
+
+    @app.get("/health")
+    async def health():
+        if not srv.sched.thread.is_alive():
+            raise ApiError(503, "the generation loop is not running", code="unavailable")
+        return {"status": "ok", "model": opts.model_name, "queue_length": srv.sched.queue_length(),
+                "active_rows": srv.sched.active_rows()}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(srv.metrics.render(srv.sched), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        srv.check_model(model_id)
+        return model_card()
+
+    @app.post("/v1/completions")
+    async def _completions(request: Request):
+        return await completions(srv, request)
+
+    @app.post("/v1/chat/completions")
+    async def _chat(request: Request):
+        return await chat_completions(srv, request)
+
+    @app.post("/infill")
+    async def _infill(request: Request):
+        return await infill(srv, request)
+
+    @app.get("/")
+    async def playground():
+        if PLAYGROUND.is_file():
+            return FileResponse(PLAYGROUND, media_type="text/html")
+        return HTMLResponse(PLACEHOLDER)
+
+    return app

@@ -1,0 +1,487 @@
+"""Continuous batching: one thread owns the model and decodes every active request one token per step.
+
+Requests arrive as rows (one prompt, one choice). Between two decode steps the loop admits waiting rows: it
+prefills each newcomer alone into a one-row cache, copies its keys and values into a free slot of the shared
+slot cache, and samples its first token from the prefill's last logits. Then every active row advances one
+token in a single forward pass, and a row that finished (end token, stop sequence, budget), was cancelled
+(client gone) or ran past its deadline leaves at the step boundary and frees its slot. So a request never
+waits for the whole batch to finish, and the model's cost per step is shared by up to `max_batch` rows
+(on a CPU a step of a small model costs about the same for 1 or 8 rows: the work is dominated by per-layer
+overhead and weight reads, not by the rows).
+
+The slot cache: the model's own KV cache with `slots` rows and 2 x block_size columns, and one write column
+shared by every row (the model writes column `len` for all rows at once). Row i owns the columns
+[start_i, len): its prompt was copied to end at the write column when it joined, and each step appends one
+column. Positions are per row (a row that joined late starts at position 0 in a later column) and a boolean
+mask per row hides the columns before start_i, so each row computes exactly what it would alone. Each step
+attends over [min start, len] only (a view of the cache), and when the write column reaches the end, all rows
+shift left by the oldest row's start; since a row never holds more than block_size tokens that happens at
+most once per block_size steps. Slots stay packed at the front: a leaving row's slot is filled by the last
+row, so the forward pass runs on the first n rows, a view, never a gather.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..device import autocast
+from ..engine import apply_repetition_penalty, filter_logits
+
+
+@dataclass
+class RowParams:
+    """Sampling for one row. temperature 0 is greedy; top_k 0 and top_p 1 are off; penalties as OpenAI's
+    (presence/frequency: subtracted from the logits of tokens already generated) and CTRL's repetition
+    penalty (tokens of the prompt and the output)."""
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)  # stop sequences, cut from the text
+    stop_ids: frozenset[int] = frozenset()  # tokens that end the row (end of text, <|im_end|>), not in the text
+
+
+@dataclass
+class Event:
+    """What the loop reports for a row: "text" (a new piece, safe to show: no partial character, no
+    possible start of a stop sequence), "done" (finish_reason "stop" or "length"; text is the whole output),
+    or "error" (status and message)."""
+    kind: str
+    text: str = ""
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    status: int = 0
+    stop_type: str = ""  # done: "eos" (an end token), "word" (a stop sequence) or "limit" (the budget)
+
+
+class Row:
+    """One prompt being completed. `emit(event)` is called from the loop thread, or, when `loop` (an asyncio
+    event loop) is given, in that loop's thread: the events of a step for every row of one loop travel in
+    one call_soon_threadsafe, so the HTTP side wakes once per step, not once per row."""
+
+    def __init__(self, prompt: list[int], params: RowParams, emit: Callable[[Event], None],
+                 deadline: float | None = None, tag: int = 0, loop=None):
+        self.prompt, self.p, self.emit, self.deadline, self.tag = prompt, params, emit, deadline, tag
+        self.loop = loop
+        self.cancelled = False
+        self.out: list[int] = []
+        self.text = ""  # decoded so far (settled characters only)
+        self.sent = 0  # characters of text already emitted
+        self._prefix_off = self._read_off = 0  # incremental detokenization (offsets into out)
+        self.fed = 0  # tokens of this row in the cache
+        self.last = -1  # token to feed at the next step
+        self.done = False
+        self.t_submit = time.monotonic()
+        self.t_first: float | None = None
+        self.gen: torch.Generator | None = None
+        self.counts: torch.Tensor | None = None  # (vocab,) output token counts, for penalties
+        self.seen: torch.Tensor | None = None  # (vocab,) bool, prompt and output, for repetition_penalty
+
+
+class QueueFull(Exception):
+    def __init__(self, retry_after: int):
+        super().__init__(f"queue full; retry after {retry_after}s")
+        self.retry_after = retry_after
+
+
+class _CacheView:
+    """The model's cache surface (k, v lists of (B, n_kv_head, L, head_dim), len) over part of a cache."""
+
+    def __init__(self, k, v, length: int):
+        self.k, self.v, self.len, self.max_len = k, v, length, k[0].size(2)
+
+
+class SlotCache:
+    """A KV cache of `slots` rows whose rows join and leave independently (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, slots: int, block_size: int, device, dtype):
+        self.width = 2 * block_size
+        self.cache = model.new_kv_cache(slots, self.width, device, dtype)
+        if not all(hasattr(self.cache, a) for a in ("k", "v", "len")):
+            raise TypeError(f"{type(model).__name__}.new_kv_cache() has no k/v/len lists; the server's slot "
+                            f"cache needs them")
+        self.device = device
+        self.len = 0  # the next column to write (shared by every row)
+        self.starts: list[int] = []  # first column of each occupied slot (slots 0..n-1)
+
+    @property
+    def n(self) -> int:
+        return len(self.starts)
+
+    def _shift(self, d: int) -> None:
+        """Move every occupied row's columns by d (right if d > 0, left if d < 0)."""
+        n, lo = self.n, min(self.starts, default=0)
+        for t in self.cache.k + self.cache.v:
+            t[:n, :, lo + d:self.len + d] = t[:n, :, lo:self.len].clone()
+        self.starts = [s + d for s in self.starts]
+        self.len += d
+
+    def add(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> int:
+        """Put a prefilled row (per layer (n_kv_head, P, head_dim)) into the next free slot, ending at the
+        write column; returns the slot."""
+        P = k[0].size(1)
+        if not self.starts:
+            self.len = 0
+        if self.len < P:
+            self._shift(P - self.len)
+        s = self.n
+        for dst, src in zip(self.cache.k + self.cache.v, k + v):
+            dst[s, :, self.len - P:self.len] = src
+        self.starts.append(self.len - P)
+        return s
+
+    def remove(self, i: int) -> None:
+        """Free slot i; the last occupied slot moves into it (callers reorder their rows the same way)."""
+        last = self.n - 1
+        if i != last:
+            lo = self.starts[last]
+            for t in self.cache.k + self.cache.v:
+                t[i, :, lo:self.len] = t[last, :, lo:self.len]
+            self.starts[i] = self.starts[last]
+        self.starts.pop()
+
+    def step_view(self) -> tuple[_CacheView, torch.Tensor | None]:
+        """The cache view and mask for one decode step of every occupied row: (n, 1, 1, L + 1) bool, True
+        where a row may attend, or None when every row owns every column of the view."""
+        if self.len >= self.width:
+            self._shift(-min(self.starts))
+        base, n = min(self.starts), self.n
+        view = _CacheView([t[:n, :, base:] for t in self.cache.k], [t[:n, :, base:] for t in self.cache.v],
+                          self.len - base)
+        if all(s == base for s in self.starts):
+            return view, None
+        cols = torch.arange(self.len - base + 1, device=self.device)
+        first = torch.tensor(self.starts, device=self.device) - base
+        return view, (cols.unsqueeze(0) >= first.unsqueeze(1))[:, None, None, :]
+
+    def advance(self) -> None:
+        self.len += 1
+
+
+class Scheduler:
+    """The generation loop. `submit(rows)` queues rows (QueueFull past max_queue), `cancel(rows)` drops them
+    at the next step boundary; events come back through each row's emit callback."""
+
+    def __init__(self, engine, max_batch: int = 8, max_queue: int = 64, tok_lock: threading.Lock | None = None,
+                 on_first_token: Callable[[float], None] | None = None):
+        self.engine = engine
+        self.model, self.tok, self.device = engine.model, engine.tok, engine.device
+        self.block_size = engine.block_size
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.tok_lock = tok_lock or threading.Lock()
+        self.on_first_token = on_first_token
+        self.waiting: collections.deque[Row] = collections.deque()
+        self.active: list[Row] = []
+        self.logits: torch.Tensor | None = None  # (len(active), vocab): next-token logits per active row
+        self.cv = threading.Condition()
+        self.cache: SlotCache | None = None
+        self._stop = False
+        self._held = 0  # > 0: admit nobody (tests use hold() to line up arrivals)
+        self.step_delay = 0.0  # seconds slept per step (tests use it to catch rows mid-generation)
+        # counters read by /metrics
+        self.stats = {"generated_tokens": 0, "prompt_tokens": 0, "steps": 0, "step_rows": 0, "rows_admitted": 0,
+                      "rows_finished": 0, "rows_cancelled": 0, "rows_timed_out": 0, "rows_failed": 0,
+                      "max_active": 0, "loop_errors": 0}
+        self._outbox: dict = {}  # event loop -> [(row, event)] of the current step
+        self.mean_row_seconds = 1.0  # moving average of a row's time in the server (for Retry-After)
+        self.thread = threading.Thread(target=self._loop, name="codeforge-generate", daemon=True)
+
+    # -- called from request handlers ---------------------------------------------------------------------
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        with self.cv:
+            self._stop = True
+            self.cv.notify_all()
+        if self.thread.is_alive():
+            self.thread.join(timeout=10)
+
+    def submit(self, rows: list[Row]) -> None:
+        with self.cv:
+            if self._stop or not self.thread.is_alive():
+                raise RuntimeError("the generation loop is not running")
+            if len(self.waiting) + len(rows) > self.max_queue:
+                per_wave = self.mean_row_seconds
+                waves = (len(self.waiting) + len(rows)) / self.max_batch
+                raise QueueFull(max(1, min(60, math.ceil(per_wave * waves))))
+            self.waiting.extend(rows)
+            self.cv.notify()
+
+    def cancel(self, rows: list[Row]) -> None:
+        for r in rows:
+            r.cancelled = True
+        with self.cv:
+            self.cv.notify()
+
+    def queue_length(self) -> int:
+        return len(self.waiting)
+
+    def active_rows(self) -> int:
+        return len(self.active)
+
+    def hold(self):
+        """Context manager: nobody is admitted while held (rows queue up), so tests can make rows arrive at
+        the same step boundary."""
+        sched = self
+
+        class _Hold:
+            def __enter__(self):
+                with sched.cv:
+                    sched._held += 1
+
+            def __exit__(self, *exc):
+                with sched.cv:
+                    sched._held -= 1
+                    sched.cv.notify()
+
+        return _Hold()
+
+    # -- the loop -----------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self.cv:
+                    while not self._stop and not self.active and (not self.waiting or self._held):
+                        self.cv.wait(timeout=1.0)
+                        self._expire_waiting()
+                        self._flush()
+                    if self._stop:
+                        break
+                    self._expire_waiting()
+                    newcomers = []
+                    while not self._held and self.waiting and len(self.active) + len(newcomers) < self.max_batch:
+                        r = self.waiting.popleft()
+                        if r.cancelled:
+                            self._finish(r, None, cancelled=True)
+                        else:
+                            newcomers.append(r)
+                try:
+                    self._step(newcomers)
+                except Exception as e:  # a failed step fails its rows, never the server
+                    self.stats["loop_errors"] += 1
+                    traceback.print_exc(file=sys.stderr)
+                    for r in {id(r): r for r in self.active + newcomers}.values():
+                        if not r.done:
+                            self._fail(r, 500, f"generation failed: {type(e).__name__}: {e}")
+                    self.active, self.logits, self.cache = [], None, None
+                self._flush()
+                if self.step_delay:
+                    time.sleep(self.step_delay)
+            for r in self.active + list(self.waiting):
+                self._fail(r, 503, "the server is shutting down")
+            self._flush()
+
+    def _expire_waiting(self) -> None:
+        now = time.monotonic()
+        for r in [r for r in self.waiting if r.cancelled or (r.deadline is not None and now > r.deadline)]:
+            self.waiting.remove(r)
+            if r.cancelled:
+                self._finish(r, None, cancelled=True)
+            else:
+                self.stats["rows_timed_out"] += 1
+                self._fail(r, 504, "the request timed out waiting for a free batch slot")
+
+    def _step(self, newcomers: list[Row]) -> None:
+        for r in newcomers:
+            self._admit(r)
+        if not self.active:
+            return
+        self.stats["max_active"] = max(self.stats["max_active"], len(self.active))
+        for r, t in zip(list(self.active), self._sample()):
+            self._accept(r, t)
+        now = time.monotonic()
+        for i in reversed(range(len(self.active))):
+            r = self.active[i]
+            if not r.done and r.deadline is not None and now > r.deadline:
+                self.stats["rows_timed_out"] += 1
+                self._fail(r, 504, "the request timed out")
+            if r.done or r.cancelled:
+                if not r.done:
+                    self._finish(r, None, cancelled=True)
+                self.cache.remove(i)
+                self.active[i] = self.active[-1]
+                self.active.pop()
+        if self.active:
+            self._decode()
+        else:
+            self.logits = None
+
+    def _admit(self, r: Row) -> None:
+        """Prefill a newcomer alone, move its cache into a slot and keep its next-token logits."""
+        if self.cache is None:
+            self.cache = SlotCache(self.model, self.max_batch, self.block_size, self.device, self.engine.cache_dtype)
+        P = len(r.prompt)
+        if not 0 < P < self.block_size:
+            self._fail(r, 400, f"prompt of {P} tokens does not fit the context of {self.block_size}")
+            return
+        r.p.max_new_tokens = min(r.p.max_new_tokens, self.block_size - P)
+        tmp = self.model.new_kv_cache(1, P, self.device, self.engine.cache_dtype)
+        idx = torch.tensor([r.prompt], device=self.device)
+        with autocast(self.device, self.engine.precision):
+            logits = self.model(idx, kv_cache=tmp, last_only=True)[:, -1, :]  # (1, model vocab)
+        self.cache.add([t[0] for t in tmp.k], [t[0] for t in tmp.v])
+        r.fed = P
+        r.gen = torch.Generator(device=self.device)
+        r.gen.manual_seed(r.p.seed if r.p.seed is not None else int.from_bytes(os.urandom(8), "little") % 2**63)
+        V = logits.size(-1)
+        if r.p.presence_penalty or r.p.frequency_penalty:
+            r.counts = torch.zeros(V, device=self.device)
+        if r.p.repetition_penalty != 1.0:
+            r.seen = torch.zeros(V, dtype=torch.bool, device=self.device)
+            r.seen[idx[0]] = True
+        self.active.append(r)
+        self.logits = logits if self.logits is None else torch.cat([self.logits, logits.to(self.logits.dtype)])
+        self.stats["rows_admitted"] += 1
+        self.stats["prompt_tokens"] += P
+
+    def _sample(self) -> list[int]:
+        """One token per active row, each with its own settings and generator (a row samples exactly as
+        Engine.generate_ids would for it alone)."""
+        V = self.tok.vocab_size
+        logits = self.logits.float()[:, :V]  # padded vocab rows are never sampled
+        rows = self.active
+        out: list[int | None] = [None] * len(rows)
+        if all(r.p.temperature == 0 and r.counts is None and r.seen is None for r in rows):
+            return logits.argmax(-1).tolist()
+        for i, r in enumerate(rows):
+            x = logits[i:i + 1]
+            if r.seen is not None:
+                x = apply_repetition_penalty(x, r.seen[:V].unsqueeze(0), r.p.repetition_penalty)
+            if r.counts is not None:
+                c = r.counts[:V]
+                x = x - r.p.frequency_penalty * c - r.p.presence_penalty * (c > 0).float()
+            if r.p.temperature == 0:
+                out[i] = int(x.argmax(-1))
+            else:
+                probs = filter_logits(x / r.p.temperature, r.p.top_k, r.p.top_p).softmax(-1)
+                out[i] = int(torch.multinomial(probs, 1, generator=r.gen))
+        return out
+
+    def _accept(self, r: Row, t: int) -> None:
+        """Append a sampled token to a row: decode, check stops and budget, emit the settled text."""
+        if r.cancelled:
+            return
+        now = time.monotonic()
+        if r.t_first is None:
+            r.t_first = now
+            if self.on_first_token is not None:
+                self.on_first_token(now - r.t_submit)
+        self.stats["generated_tokens"] += 1
+        if t in r.p.stop_ids:
+            r.out.append(t)  # counted as generated, never shown
+            self._finish(r, "stop", drop_last=True, stop_type="eos")
+            return
+        r.out.append(t)
+        r.last = t
+        if r.counts is not None:
+            r.counts[t] += 1
+        if r.seen is not None:
+            r.seen[t] = True
+        with self.tok_lock:
+            prev = self.tok.decode(r.out[r._prefix_off:r._read_off])
+            new = self.tok.decode(r.out[r._prefix_off:])
+        if len(new) > len(prev) and not new.endswith("\ufffd"):
+            before = len(r.text)
+            r.text += new[len(prev):]
+            r._prefix_off, r._read_off = r._read_off, len(r.out)
+            if r.p.stop:
+                longest = max(len(s) for s in r.p.stop)
+                hit = _first_stop(r.text, r.p.stop, max(0, before - longest + 1))
+                if hit is not None:
+                    r.text = r.text[:hit]
+                    self._finish(r, "stop", decoded=True, stop_type="word")
+                    return
+        if len(r.out) >= r.p.max_new_tokens:
+            self._finish(r, "length", stop_type="limit")
+            return
+        hold = max((len(s) for s in r.p.stop), default=1) - 1
+        safe = len(r.text) - hold
+        if safe > r.sent:
+            piece, r.sent = r.text[r.sent:safe], safe
+            self._emit(r, Event("text", piece, completion_tokens=len(r.out)))
+
+    def _finish(self, r: Row, reason: str | None, cancelled: bool = False, drop_last: bool = False,
+                decoded: bool = False, stop_type: str = "") -> None:
+        r.done = True
+        if cancelled:
+            self.stats["rows_cancelled"] += 1
+            return
+        if not decoded:
+            with self.tok_lock:
+                text = self.tok.decode(r.out[:-1] if drop_last else r.out)
+            cut = _first_stop(text, r.p.stop, 0) if r.p.stop else None
+            if cut is not None:
+                text, reason, stop_type = text[:cut], "stop", "word"
+            r.text = text if text.startswith(r.text[:r.sent]) else r.text
+        self.stats["rows_finished"] += 1
+        self.mean_row_seconds = 0.9 * self.mean_row_seconds + 0.1 * (time.monotonic() - r.t_submit)
+        if len(r.text) > r.sent:
+            self._emit(r, Event("text", r.text[r.sent:], completion_tokens=len(r.out)))
+            r.sent = len(r.text)
+        self._emit(r, Event("done", r.text, reason, completion_tokens=len(r.out), stop_type=stop_type))
+
+    def _fail(self, r: Row, status: int, message: str) -> None:
+        r.done = True
+        self.stats["rows_failed"] += 1
+        self._emit(r, Event("error", message, status=status))
+
+    def _emit(self, r: Row, ev: Event) -> None:
+        if r.loop is not None:
+            self._outbox.setdefault(r.loop, []).append((r, ev))
+            return
+        try:
+            r.emit(ev)
+        except Exception:  # nobody is listening any more
+            r.cancelled = True
+
+    def _flush(self) -> None:
+        """Hand the step's events to their event loops, one call per loop."""
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the event loop is closed: nobody is listening any more
+                for r, _ in items:
+                    r.cancelled = True
+
+    def _decode(self) -> None:
+        """Feed each active row's last token at its own position; one forward pass for all of them."""
+        rows = self.active
+        idx = torch.tensor([[r.last] for r in rows], device=self.device)  # (n, 1)
+        pos = torch.tensor([[r.fed] for r in rows], device=self.device)  # (n, 1)
+        view, mask = self.cache.step_view()
+        with autocast(self.device, self.engine.precision):
+            self.logits = self.model(idx, kv_cache=view, pos=pos, attn_mask=mask, last_only=True)[:, -1, :]
+        self.cache.advance()
+        for r in rows:
+            r.fed += 1
+        self.stats["steps"] += 1
+        self.stats["step_rows"] += len(rows)
+
+
+def _deliver(items: list[tuple[Row, Event]]) -> None:
+    for r, ev in items:
+        try:
+            r.emit(ev)
+        except Exception:  # noqa: BLE001 - one broken consumer must not starve the others
+            r.cancelled = True
+
+
+def _first_stop(text: str, stops: list[str], start: int) -> int | None:
+    hits = [i for i in (text.find(s, start) for s in stops if s) if i >= 0]
+    return min(hits) if hits else None

@@ -1,0 +1,287 @@
+"""The wire format: request bodies (pydantic, strict types: "0.5" is not a number), OpenAI's error shape, and
+the builders that turn generated text into OpenAI (and llama.cpp /infill) responses and stream chunks.
+
+Errors are always {"error": {"message", "type", "param", "code"}}: 400 a request that is well-formed but
+cannot be served (prompt too long, unsupported option), 401 no or wrong API key, 404 unknown model or path,
+413 body too large, 422 a field of the wrong type or out of range, 429 queue full (Retry-After), 500 a
+failure inside the server, 504 a request that ran past --request-timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..chat import CALL_OPEN, IM_END, parse_assistant
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+               422: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error",
+               504: "timeout_error"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None, type_: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+        self.type = type_ or ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _loc(loc: tuple) -> str:
+    """A pydantic error location as the request's own path (messages.0.content), without union member tags
+    (list[str], NamedToolChoice, literal[...])."""
+    keep = [str(x) for x in loc if isinstance(x, int) or (
+        isinstance(x, str) and x.replace("_", "").isalnum() and x.islower()
+        and x not in ("str", "int", "float", "bool", "list", "dict", "none"))]
+    return ".".join(keep)
+
+
+def parse_body(cls: type[BaseModel], raw: bytes) -> BaseModel:
+    """Validate a JSON body: malformed JSON -> 400, a wrong type or out-of-range value -> 422."""
+    try:
+        return cls.model_validate_json(raw or b"{}")
+    except ValidationError as e:
+        errs = e.errors(include_url=False)
+        if errs and errs[0]["type"] == "json_invalid":
+            raise ApiError(400, f"the request body is not valid JSON: {errs[0]['msg']}", code="invalid_json") from None
+        if errs and errs[0]["type"] == "model_type":
+            raise ApiError(400, "the request body must be a JSON object", code="invalid_json") from None
+        first = errs[0]
+        param = _loc(first["loc"])
+        same = [x for x in errs if _loc(x["loc"]) == param]
+        msg = first["msg"] if len(same) == 1 else "; or ".join(dict.fromkeys(x["msg"] for x in same))
+        got = first.get("input")
+        shown = json.dumps(got)[:80] if isinstance(got, (str, int, float, bool, type(None))) else type(got).__name__
+        raise ApiError(422, f"{param or 'body'}: {msg} (got {shown})", param=param or None,
+                       code="invalid_value") from None
+
+
+# -- request bodies ----------------------------------------------------------------------------------------
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = False
+
+
+class _Sampling(_Body):
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="extension (vLLM): -1 or 0 is off")
+    n: int | None = Field(None, ge=1, le=128)
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=10, description="extension (vLLM, CTRL)")
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def stops(self) -> list[str]:
+        s = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return [x for x in s if x]
+
+    def check_unsupported(self) -> None:
+        if self.logit_bias:
+            raise ApiError(400, "logit_bias is not supported by this server", param="logit_bias",
+                           code="unsupported_parameter")
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]] = ""
+    suffix: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    echo: bool | None = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+    best_of: int | None = Field(None, ge=1, le=128)
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.logprobs:
+            raise ApiError(400, "logprobs are not supported by this server", param="logprobs",
+                           code="unsupported_parameter")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise ApiError(400, "best_of other than n is not supported by this server", param="best_of",
+                           code="unsupported_parameter")
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(_Body):
+    name: str = Field(min_length=1)
+    arguments: str | dict = "{}"
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    def text(self, i: int) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise ApiError(400, f"messages.{i}.content: only text parts are supported (got a {part.type!r} "
+                                    f"part)", param=f"messages.{i}.content", code="unsupported_content")
+        return "".join(p.text for p in self.content)
+
+
+class FunctionSpec(_Body):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict | None = None
+
+
+class ToolSpec(_Body):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Body):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: dict | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.logprobs:
+            raise ApiError(400, "logprobs are not supported by this server", param="logprobs",
+                           code="unsupported_parameter")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise ApiError(400, f"response_format {self.response_format.get('type')!r} is not supported (only "
+                                f"text)", param="response_format", code="unsupported_parameter")
+
+    def rendered_messages(self) -> list[dict]:
+        """The messages as chat.py renders them (developer is system; content parts joined)."""
+        out = []
+        for i, m in enumerate(self.messages):
+            d: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+            if m.tool_calls:
+                if m.role != "assistant":
+                    raise ApiError(400, f"messages.{i}: only assistant messages carry tool_calls",
+                                   param=f"messages.{i}.tool_calls")
+                d["tool_calls"] = [{"type": "function", "function": c.function.model_dump()} for c in m.tool_calls]
+            out.append(d)
+        return out
+
+
+class ExtraChunk(_Body):
+    filename: str = ""
+    text: str = ""
+
+
+class InfillRequest(_Body):
+    """llama.cpp server's /infill body (the fields codeforge uses; others are ignored)."""
+    model: str | None = None
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[ExtraChunk] = Field(default_factory=list, max_length=256)
+    prompt: str = ""  # appended to input_prefix (llama.cpp: the text of the current line)
+    n_predict: int = Field(-1, ge=-1)
+    temperature: float = Field(0.8, ge=0, le=5)
+    top_k: int = Field(40, ge=-1)
+    top_p: float = Field(0.95, gt=0, le=1)
+    seed: int = Field(-1, ge=-1, le=2**64 - 1)
+    stop: list[str] = Field(default_factory=list, max_length=16)
+    stream: bool = False
+
+
+# -- responses ---------------------------------------------------------------------------------------------
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def tool_call_json(name: str, arguments: dict) -> dict:
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+def chat_message(text: str, finish_reason: str, tools_active: bool) -> tuple[dict, str]:
+    """(assistant message, finish_reason) for generated text. With tools on, complete <tool_call>{"name":
+    ..., "arguments": {...}}</tool_call> blocks become message.tool_calls (finish_reason "tool_calls") and
+    the text outside them the content (None when empty); when no block parses, the whole text is the
+    content, so nothing the model wrote is lost."""
+    text = text.split(IM_END, 1)[0]
+    if tools_active and CALL_OPEN in text:
+        parsed = parse_assistant(text)
+        if parsed["tool_calls"]:
+            calls = [tool_call_json(c["name"], c["arguments"]) for c in parsed["tool_calls"]]
+            return {"role": "assistant", "content": parsed["content"] or None, "tool_calls": calls}, "tool_calls"
+    return {"role": "assistant", "content": text}, finish_reason
+
+
+def held_back(text: str, marker: str = CALL_OPEN) -> int:
+    """How many characters of text may be streamed as content: up to a tool-call block, and not a possible
+    start of one at the end."""
+    i = text.find(marker)
+    if i >= 0:
+        return i
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return len(text) - k
+    return len(text)
+
+
+def completion_response(rid: str, model: str, choices: list[dict], use: dict) -> dict:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": use}
+
+
+def chat_response(rid: str, model: str, choices: list[dict], use: dict) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "system_fingerprint": None, "choices": choices, "usage": use}
+
+
+def sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"

@@ -1,0 +1,583 @@
+"""The HTTP server, run for real (uvicorn on a free 127.0.0.1 port, in a thread; `codeforge serve` in a
+subprocess once) over tiny trained runs: the openai client for completions, chat, tools and streaming;
+llama.cpp's /infill; limits and a fuzz pass over the error shapes; continuous batching shown by rows joining
+a running batch and giving exactly what they give alone (temperature 0 and fixed seeds)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from codeforge.chat import CALL_OPEN, encode_conversation
+from codeforge.cli import main
+from codeforge.engine import Engine, SamplingParams
+from codeforge.fim import infill_text
+from codeforge.serve import ServeOptions, create_app
+from codeforge.serve.app import PLAYGROUND, stream_chat
+from codeforge.serve.batcher import Event, Row, RowParams, Scheduler
+from codeforge.serve.protocol import chat_message, chat_response, usage
+from codeforge.serve.server import bind
+
+TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file.", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
+TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--max-iters", "2", "--device", "cpu",
+        "--no-progress", "--eval-tokens", "128", "--batch-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory, data_dir):
+    out = tmp_path_factory.mktemp("serve") / "base"
+    assert main(["train", "--data", str(data_dir), "--out", str(out), "--block-size", "64", *TINY]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def chat_run(tmp_path_factory, data_dir, tokenizer_dir):
+    d = tmp_path_factory.mktemp("serve_chat")
+    rows = [{"messages": [{"role": "user", "content": f"Write f{i}."},
+                          {"role": "assistant", "content": f"def f{i}():\n    return {i}\n"}]} for i in range(30)]
+    rows += [{"messages": [{"role": "user", "content": f"Read the file m{i}.py"},
+                           {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
+                               "name": "read_file", "arguments": json.dumps({"path": f"m{i}.py"})}}]},
+                           {"role": "tool", "content": f"x = {i}"},
+                           {"role": "assistant", "content": f"It sets x to {i}."}], "tools": TOOLS} for i in range(20)]
+    (d / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["prepare", "--chat", "--input", str(d / "chat.jsonl"), "--tokenizer", str(tokenizer_dir),
+                 "--out", str(d / "data"), "--val-fraction", "0.1"]) == 0
+    assert main(["train", "--data", str(data_dir), "--out", str(d / "base"), "--block-size", "512", *TINY]) == 0
+    assert main(["train", "--stage", "tools", "--data", str(d / "data"), "--out", str(d / "tools"), "--init-from",
+                 str(d / "base"), "--max-iters", "1", "--device", "cpu", "--no-progress", "--eval-tokens", "128",
+                 "--batch-size", "2"]) == 0
+    return d / "tools"
+
+
+class Live:
+    """A running server: base URL, its state (scheduler, metrics) and clients."""
+
+    def __init__(self, url: str, srv, engine: Engine):
+        self.url, self.srv, self.engine = url, srv, engine
+        self.http = httpx.Client(base_url=url, timeout=30)
+        self.client = openai.OpenAI(base_url=url + "/v1", api_key=srv.opts.api_key or "none", max_retries=0,
+                                    timeout=30)
+
+    def metric(self, name: str) -> float:
+        text = self.http.get("/metrics", headers=self.auth()).text
+        m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+        assert m, f"{name} not in /metrics"
+        return float(m.group(1))
+
+    def auth(self) -> dict:
+        return {"Authorization": f"Bearer {self.srv.opts.api_key}"} if self.srv.opts.api_key else {}
+
+
+@contextlib.contextmanager
+def serving(run, **kw):
+    engine = Engine.from_run(str(run), "cpu")
+    app = create_app(engine, ServeOptions(model_name="tiny", **kw))
+    sock = bind("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    for _ in range(200):
+        if server.started:
+            break
+        time.sleep(0.02)
+    live = Live(f"http://127.0.0.1:{port}", app.state.srv, engine)
+    try:
+        yield live
+    finally:
+        live.http.close()
+        server.should_exit = True
+        th.join(10)
+
+
+@pytest.fixture(scope="module")
+def base(base_run):
+    with serving(base_run, max_body_bytes=8192) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def chat(chat_run):
+    with serving(chat_run) as live:
+        yield live
+
+
+def wait_for(cond, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.01)
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0.0, **kw)
+
+
+def assert_error(r: httpx.Response, status: int, code: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if code:
+        assert err["code"] == code, err
+    return err
+
+
+# -- the generation loop alone -------------------------------------------------------------------------------
+
+def test_scheduler_rows_equal_engine_alone(base_run):
+    """Rows of different lengths joining a running batch at different steps, more rows than slots (so rows
+    leave and slots are reused), long enough for the cache to shift both ways: each row's text equals
+    Engine.generate for that prompt alone, greedy and seeded sampling both."""
+    eng = Engine.from_run(str(base_run), "cpu")
+    tok = eng.tok
+    prompts = ["def", "func Add(a, b int) int {\n\treturn", "import json\n\nclass Decoder:\n    def decode(self, s",
+               "x = 1", "package main\n", "for i in range(10):\n    print(", "# comment\n", "return a +"]
+    specs = [(p, dict(temperature=0.0) if i % 2 else dict(temperature=0.9, top_p=0.9, seed=i), 15 + 4 * i)
+             for i, p in enumerate(prompts)]
+    sched = Scheduler(eng, max_batch=3, max_queue=16)
+    sched.step_delay = 0.01  # rows surely overlap, however loaded the machine
+    sched.start()
+    results: dict[int, list] = {}
+    done = threading.Event()
+
+    def emit(i):
+        def f(ev):
+            results.setdefault(i, []).append(ev)
+            if ev.kind != "text" and len([k for k, v in results.items() if v[-1].kind != "text"]) == len(specs):
+                done.set()
+        return f
+
+    rows = [Row(tok.encode(p), RowParams(max_new_tokens=n, stop_ids=frozenset({tok.eot_id}), **kw), emit(i))
+            for i, (p, kw, n) in enumerate(specs)]
+    try:
+        with sched.hold():
+            sched.submit(rows[:2])  # two arrive together (the second prefill shifts the first row's columns)
+            wait_for(lambda: sched.queue_length() == 2)
+        time.sleep(0.05)
+        for r in rows[2:]:  # the rest join while others decode
+            sched.submit([r])
+            time.sleep(0.01)
+        assert done.wait(60)
+    finally:
+        sched.stop()
+    for i, (p, kw, n) in enumerate(specs):
+        evs = results[i]
+        assert evs[-1].kind == "done", evs[-1]
+        alone = eng.generate([p], SamplingParams(max_new_tokens=n, **kw), warn=lambda m: None)[0]
+        assert evs[-1].text == alone, (i, p)
+        assert "".join(e.text for e in evs[:-1]) == alone  # the streamed pieces add up to the text
+    st = sched.stats
+    assert st["max_active"] == 3 and st["rows_finished"] == len(specs) and st["step_rows"] > st["steps"]
+
+
+def test_scheduler_stop_sequences_and_deadline(base_run):
+    eng = Engine.from_run(str(base_run), "cpu")
+    alone = eng.generate(["def"], greedy(30))[0]
+    stop = alone[5:8] if len(alone) > 8 else None
+    sched = Scheduler(eng, max_batch=2, max_queue=4)
+    sched.start()
+    got: list[Event] = []
+    try:
+        if stop:
+            evt = threading.Event()
+            sched.submit([Row(eng.tok.encode("def"), RowParams(max_new_tokens=30, temperature=0.0, stop=[stop],
+                                                               stop_ids=frozenset({eng.tok.eot_id})),
+                              lambda ev: (got.append(ev), ev.kind != "text" and evt.set()))])
+            assert evt.wait(30)
+            assert got[-1].text == alone[:alone.find(stop)] and got[-1].stop_type == "word"
+            assert "".join(e.text for e in got[:-1]) == got[-1].text  # a partial stop was never streamed
+        late: list[Event] = []
+        evt2 = threading.Event()
+        with sched.hold():
+            sched.submit([Row(eng.tok.encode("x"), RowParams(max_new_tokens=5), lambda ev: (late.append(ev), evt2.set()),
+                              deadline=time.monotonic() + 0.1)])
+            assert evt2.wait(5)
+        assert late[0].kind == "error" and late[0].status == 504
+    finally:
+        sched.stop()
+
+
+# -- completions --------------------------------------------------------------------------------------------
+
+def test_completions_openai_client(base):
+    eng, c = base.engine, base.client
+    r = c.completions.create(model="tiny", prompt="def add(a, b):", max_tokens=8, temperature=0)
+    assert r.object == "text_completion" and r.model == "tiny" and len(r.choices) == 1
+    assert r.choices[0].text == eng.generate(["def add(a, b):"], greedy(8))[0]
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens == len(eng.tok.encode("def add(a, b):"))
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    # seeded sampling is reproducible and equals the engine's with the same seed
+    kw = dict(prompt="import ", max_tokens=10, temperature=0.9, top_p=0.95, seed=7)
+    a, b = c.completions.create(model="tiny", **kw), c.completions.create(model="tiny", **kw)
+    assert a.choices[0].text == b.choices[0].text
+    assert a.choices[0].text == eng.generate(["import "], SamplingParams(10, 0.9, 0, 0.95, seed=7))[0]
+    # several prompts x n: OpenAI's choice order, choice j seeded with seed + j
+    r = c.completions.create(model="tiny", prompt=["a", "b"], n=2, max_tokens=4, temperature=0.9, seed=3)
+    assert [x.index for x in r.choices] == [0, 1, 2, 3]
+    assert r.choices[1].text == eng.generate(["a"], SamplingParams(4, 0.9, seed=4))[0]
+    # echo, stop, token-id prompts
+    r = c.completions.create(model="tiny", prompt="x = ", max_tokens=5, temperature=0, echo=True)
+    assert r.choices[0].text.startswith("x = ")
+    r = c.completions.create(model="tiny", prompt="def", max_tokens=30, temperature=0, stop=["\n", "("])
+    assert "\n" not in r.choices[0].text and "(" not in r.choices[0].text
+    ids = eng.tok.encode("return ")
+    r = c.completions.create(model="tiny", prompt=ids, max_tokens=5, temperature=0)
+    assert r.choices[0].text == eng.generate(["return "], greedy(5))[0] and r.usage.prompt_tokens == len(ids)
+    # the context is the limit: a long max_tokens stops at block_size with finish_reason "length"
+    r = c.completions.create(model="tiny", prompt="def", max_tokens=64, temperature=0, extra_body={"top_k": 0})
+    assert r.usage.prompt_tokens + r.usage.completion_tokens <= 64
+
+
+def test_completions_fim(base):
+    eng, c = base.engine, base.client
+    r = c.completions.create(model="tiny", prompt="def f(x):\n    return ", suffix="\n\nprint(f(2))\n", max_tokens=6, temperature=0)
+    assert r.choices[0].text == eng.infill(["def f(x):\n    return "], ["\n\nprint(f(2))\n"], greedy(6))[0]
+    # a raw FIM prompt (as editor plugins send it) reads the FIM markers as the special tokens
+    raw = infill_text("def f(x):\n    return ", "\n\nprint(f(2))\n")
+    r2 = c.completions.create(model="tiny", prompt=raw, max_tokens=6, temperature=0)
+    assert r2.choices[0].text == r.choices[0].text and r2.usage.prompt_tokens == r.usage.prompt_tokens
+
+
+def test_completions_streaming(base):
+    c = base.client
+    full = c.completions.create(model="tiny", prompt="class A:", max_tokens=12, temperature=0).choices[0]
+    chunks = list(c.completions.create(model="tiny", prompt="class A:", max_tokens=12, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}))
+    assert all(ch.object == "text_completion" for ch in chunks)
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == full.text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == full.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    # the wire format itself: data: lines, blank-line separated, closed by [DONE]
+    with base.http.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        body = r.read().decode()
+    events = body.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    assert all(e.startswith("data: {") for e in events[:-2])
+    assert json.loads(events[-3][6:])["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_infill_llamacpp_shape(base):
+    eng, h = base.engine, base.http
+    r = h.post("/infill", json={"input_prefix": "def f(x):\n    return ", "input_suffix": "\n", "n_predict": 6,
+                                "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["content"] == eng.infill(["def f(x):\n    return "], ["\n"], greedy(6))[0] and body["stop"] is True
+    extra = h.post("/infill", json={"input_prefix": "x", "input_extra": [{"filename": "a.py", "text": "y = 2"}],
+                                    "n_predict": 2}).json()
+    assert extra["tokens_evaluated"] > body["tokens_evaluated"] - 8 and not extra["truncated"]
+    big = h.post("/infill", json={"input_prefix": "a = 1\n" * 100, "input_suffix": "b\n" * 100, "n_predict": 2})
+    assert big.status_code == 200 and big.json()["truncated"] is True  # cut to fit, as editors expect
+    with h.stream("POST", "/infill", json={"input_prefix": "def", "n_predict": 5, "stream": True}) as s:
+        events = [json.loads(x[6:]) for x in s.read().decode().split("\n\n") if x]
+    assert events[-1]["stop"] is True and all("content" in e for e in events)
+
+
+# -- chat and tools -----------------------------------------------------------------------------------------
+
+def test_chat_openai_client(chat):
+    eng, c = chat.engine, chat.client
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Write a function."}]
+    r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0)
+    m = r.choices[0].message
+    assert r.object == "chat.completion" and m.role == "assistant" and isinstance(m.content, str)
+    assert m.content == eng.chat(msgs, None, greedy(12))["text"]
+    assert r.usage.prompt_tokens == len(encode_conversation(eng.tok, msgs, None, add_generation_prompt=True)[0])
+    # streaming adds up to the same reply; the usage chunk comes last
+    chunks = list(c.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == m.content
+    assert chunks[-1].usage.total_tokens == r.usage.total_tokens
+    r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, n=2, temperature=1.0, seed=1)
+    assert [x.index for x in r.choices] == [0, 1]
+
+
+def test_chat_tool_choice(chat):
+    eng, c = chat.engine, chat.client
+    msgs = [{"role": "user", "content": "Read the file a.py"}]
+    with_tools = len(encode_conversation(eng.tok, msgs, TOOLS, add_generation_prompt=True)[0])
+    without = len(encode_conversation(eng.tok, msgs, None, add_generation_prompt=True)[0])
+    r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=8, temperature=0)
+    assert r.usage.prompt_tokens == with_tools
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice="none", max_tokens=4, temperature=0)
+    assert r.usage.prompt_tokens == without  # "none" hides the tools from the model
+    # "required": the reply is made to start with <tool_call>; the tiny model's call does not parse, so the
+    # raw text comes back as content (nothing the model wrote is dropped)
+    r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice="required", max_tokens=8, temperature=0)
+    assert r.usage.prompt_tokens == with_tools + 1
+    msg = r.choices[0].message
+    assert msg.tool_calls or msg.content.startswith(CALL_OPEN)
+    named = {"type": "function", "function": {"name": "read_file"}}
+    r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice=named, max_tokens=8, temperature=0)
+    assert r.choices[0].message.tool_calls or r.choices[0].message.content.startswith(CALL_OPEN + '{"name": "read_file"')
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice={"type": "function", "function": {
+            "name": "nope"}})
+    # a conversation with an earlier tool call and its result renders and is served
+    hist = msgs + [{"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                    "function": {"name": "read_file", "arguments": '{"path": "a.py"}'}}]},
+                   {"role": "tool", "tool_call_id": "call_1", "content": "x = 1"}]
+    r = c.chat.completions.create(model="tiny", messages=hist, tools=TOOLS, max_tokens=4, temperature=0)
+    assert r.choices[0].message.role == "assistant"
+
+
+GENERATED = 'Let me look.\n<tool_call>{"name": "read_file", "arguments": {"path": "src/a.py"}}</tool_call>'
+
+
+def test_tool_call_response_builder():
+    msg, finish = chat_message(GENERATED, "stop", tools_active=True)
+    assert finish == "tool_calls" and msg["content"] == "Let me look."
+    (call,) = msg["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "read_file" and json.loads(call["function"]["arguments"]) == {"path": "src/a.py"}
+    two = GENERATED + '\n<tool_call>{"name": "b", "arguments": {}}</tool_call><|im_end|>'
+    msg, finish = chat_message(two, "stop", True)
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == ["read_file", "b"]
+    assert chat_message(GENERATED, "stop", tools_active=False) == ({"role": "assistant", "content": GENERATED}, "stop")
+    broken = '<tool_call>{"name": "read_file", "arguments": {"pa'
+    assert chat_message(broken, "length", True) == ({"role": "assistant", "content": broken}, "length")
+    # the real openai client reads the built response
+    body = chat_response("chatcmpl-1", "tiny", [{"index": 0, "message": chat_message(GENERATED, "stop", True)[0],
+                                                 "logprobs": None, "finish_reason": "tool_calls"}], usage(5, 20))
+    client = openai.OpenAI(base_url="http://test/v1", api_key="x", max_retries=0, http_client=httpx.Client(
+        transport=httpx.MockTransport(lambda req: httpx.Response(200, json=body))))
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    assert r.choices[0].message.tool_calls[0].function.name == "read_file"
+
+
+def test_tool_call_streaming_builder():
+    """The stream for a reply holding a tool call: content up to the block (never a piece of the tag), then
+    the call as a tool_calls delta and finish_reason tool_calls; the openai client's stream accumulates it."""
+    pieces = ["Let me ", "look.\n<tool", '_call>{"name": "read_file", ', '"arguments": {"path": "src/a.py"}}',
+              "</tool_call>"]
+
+    class FakeGen:
+        async def events(self, request):
+            for p in pieces:
+                yield [(0, Event("text", p))]
+            yield [(0, Event("done", "".join(pieces), "stop", completion_tokens=20))]
+
+    async def run() -> bytes:
+        return b"".join([x async for x in stream_chat(FakeGen(), None, "chatcmpl-1", "tiny", 1, "", True, 5, True)])
+
+    body = asyncio.run(run())
+    chunks = [json.loads(x[6:]) for x in body.decode().split("\n\n") if x and x != "data: [DONE]"]
+    content = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch["choices"])
+    assert content == "Let me look.\n" and "<" not in content
+    assert chunks[-2]["choices"][0]["finish_reason"] == "tool_calls" and chunks[-1]["usage"]["total_tokens"] == 25
+    client = openai.OpenAI(base_url="http://test/v1", api_key="x", max_retries=0, http_client=httpx.Client(
+        transport=httpx.MockTransport(lambda req: httpx.Response(
+            200, content=body, headers={"content-type": "text/event-stream"}))))
+    calls = [tc for ch in client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                                         stream=True) if ch.choices
+             for tc in ch.choices[0].delta.tool_calls or []]
+    assert len(calls) == 1 and calls[0].function.name == "read_file" and calls[0].index == 0
+    assert json.loads(calls[0].function.arguments) == {"path": "src/a.py"}
+
+
+# -- continuous batching over HTTP ---------------------------------------------------------------------------
+
+def test_requests_join_a_running_batch(base):
+    """A request arriving while another decodes joins its batch (it finishes while the first is still
+    running, and steps decode both) and both give exactly what they give alone; four requests lined up at
+    one step boundary decode as one batch."""
+    c, sched = base.client, base.srv.sched
+    prompts = ["def f", "import os", "class B", "x = ["]
+    alone = [c.completions.create(model="tiny", prompt=p, max_tokens=20, temperature=0).choices[0].text for p in prompts]
+    long_alone = c.completions.create(model="tiny", prompt="for", max_tokens=50, temperature=0).choices[0].text
+    st = sched.stats
+    steps, rows = st["steps"], st["step_rows"]
+    sched.step_delay = 0.02  # slow steps, so the second request surely arrives mid-generation
+    try:
+        it = iter(c.completions.create(model="tiny", prompt="for", max_tokens=50, temperature=0, stream=True))
+        first = next(it)  # the long request is decoding now
+        joined = c.completions.create(model="tiny", prompt=prompts[0], max_tokens=20, temperature=0)
+        assert sched.active_rows() == 1  # done while the long one still runs: it did not wait for it
+        rest = "".join(ch.choices[0].text for ch in it if ch.choices)
+    finally:
+        sched.step_delay = 0.0
+    assert first.choices[0].text + rest == long_alone and joined.choices[0].text == alone[0]
+    assert st["step_rows"] - rows > st["steps"] - steps  # some steps decoded both rows
+    steps, rows = st["steps"], st["step_rows"]
+    with ThreadPoolExecutor(4) as pool:
+        with sched.hold():
+            futs = [pool.submit(c.completions.create, model="tiny", prompt=p, max_tokens=20, temperature=0)
+                    for p in prompts]
+            wait_for(lambda: sched.queue_length() == 4)
+        assert [f.result().choices[0].text for f in futs] == alone
+    assert (st["step_rows"] - rows) / (st["steps"] - steps) >= 2  # the mean batch of those steps
+    assert base.metric("codeforge_active_rows_max") >= 4
+
+
+# -- limits, errors, fuzz -----------------------------------------------------------------------------------
+
+def test_fuzz_statuses_and_error_shape(base):
+    h = base.http
+    post = lambda path, **kw: h.post(path, **kw)  # noqa: E731
+    assert_error(post("/v1/completions", content=b"{not json"), 400, "invalid_json")
+    assert_error(post("/v1/completions", content=b"[1, 2]"), 400)
+    assert_error(post("/v1/completions", content=b"\xff\xfe garbage"), 400)
+    assert_error(post("/v1/completions", content=b"[" * 4000), 400)
+    for body, param in [({"prompt": "x", "temperature": "hot"}, "temperature"), ({"prompt": 5}, "prompt"),
+                        ({"prompt": "x", "n": 0}, "n"), ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+                        ({"prompt": "x", "top_p": 0}, "top_p"), ({"prompt": "x", "stream": "yes"}, "stream"),
+                        ({"prompt": "x", "stop": [1]}, "stop"), ({"prompt": "x", "temperature": 5}, "temperature"),
+                        ({"prompt": [1, "a"]}, "prompt"), ({"prompt": "x", "seed": 2**70}, "seed")]:
+        assert assert_error(post("/v1/completions", json=body), 422)["param"] == param, body
+    for body in [{"messages": "hi"}, {"messages": []}, {"messages": [{"role": "robot", "content": "x"}]},
+                 {"messages": [{"role": "user", "content": 3}]}, {"messages": [{"role": "user"}], "tools": [{}]},
+                 {"messages": [{"role": "user"}], "tool_choice": "sometimes"}]:
+        assert_error(post("/v1/chat/completions", json=body), 422)
+    assert_error(post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}), 400, "unsupported_content")
+    assert_error(post("/v1/completions", json={"prompt": "x", "max_tokens": 10_000}), 400, "max_tokens_exceeded")
+    assert_error(post("/v1/completions", json={"prompt": "word " * 200}), 400, "context_length_exceeded")
+    assert_error(post("/v1/completions", json={"prompt": [999_999]}), 400, "invalid_token")
+    assert_error(post("/v1/completions", json={"prompt": "x", "logprobs": 2}), 400, "unsupported_parameter")
+    assert_error(post("/v1/completions", json={"prompt": "x", "logit_bias": {"1": 5}}), 400)
+    assert_error(post("/v1/completions", json={"prompt": ["x"] * 10, "n": 10}), 400, "too_many_choices")
+    assert_error(post("/v1/completions", json={"model": "gpt-4", "prompt": "x"}), 404, "model_not_found")
+    assert_error(h.get("/v1/models/gpt-4"), 404, "model_not_found")
+    assert_error(h.get("/v2/nothing"), 404, "unknown_url")
+    assert_error(h.get("/v1/completions"), 405)
+    assert_error(post("/infill", json={"input_prefix": 3}), 422)
+    assert_error(post("/infill", json={"n_predict": -5}), 422)
+    # bodies over --max-body-bytes: with a Content-Length, and chunked without one
+    assert_error(post("/v1/completions", content=b'{"prompt": "' + b"x" * 100_000 + b'"}'), 413, "body_too_large")
+    assert_error(post("/v1/completions", content=iter([b'{"prompt": "'] + [b"x" * 1000] * 20 + [b'"}'])), 413)
+    # still serving
+    assert h.get("/health").json()["status"] == "ok"
+    assert base.client.completions.create(model="tiny", prompt="ok", max_tokens=2).choices[0].text is not None
+    text = h.get("/metrics").text
+    assert 'codeforge_requests_total{endpoint="/v1/completions",status="422"}' in text
+    assert 'codeforge_requests_total{endpoint="other",status="404"}' in text
+
+
+def test_dropped_connections_free_their_rows(base):
+    sched = base.srv.sched
+    port = int(base.url.rsplit(":", 1)[1])
+    cancelled = base.metric('codeforge_rows_total{outcome="cancelled"}')
+
+    def raw_request(body: dict) -> socket.socket:
+        data = json.dumps(body).encode()
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+        return s
+
+    sched.step_delay = 0.05
+    try:
+        s = raw_request({"prompt": "def", "max_tokens": 60, "temperature": 0, "stream": True})
+        got = b""
+        while b"data: " not in got:  # streaming has begun
+            got += s.recv(4096)
+        s.close()  # the client goes away mid-stream
+        s2 = raw_request({"prompt": "def", "max_tokens": 60, "temperature": 0})
+        time.sleep(0.3)
+        s2.close()  # and one that waits for a whole (non-streamed) answer
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (sched.active_rows() or sched.queue_length()):
+            time.sleep(0.05)
+        assert sched.active_rows() == 0 and sched.queue_length() == 0  # long before 60 slow steps
+        assert base.metric('codeforge_rows_total{outcome="cancelled"}') == cancelled + 2
+    finally:
+        sched.step_delay = 0.0
+    assert base.client.completions.create(model="tiny", prompt="x", max_tokens=3).choices
+
+
+def test_queue_full_timeout_and_api_key(base_run):
+    with serving(base_run, max_batch=1, max_queue=1, request_timeout=1.0, api_key="sekrit") as live:
+        h, sched = live.http, live.srv.sched
+        assert h.get("/health").status_code == 200  # open without the key
+        assert h.get("/").status_code == 200
+        err = assert_error(h.get("/v1/models"), 401, "invalid_api_key")
+        assert err["type"] == "authentication_error"
+        assert_error(h.get("/metrics", headers={"Authorization": "Bearer wrong"}), 401)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=live.url + "/v1", api_key="wrong", max_retries=0).models.list()
+        assert live.client.models.list().data[0].id == "tiny"
+        with sched.hold(), ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(h.post, "/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                                  headers=live.auth())
+            wait_for(lambda: sched.queue_length() == 1)
+            full = h.post("/v1/completions", json={"prompt": "y", "max_tokens": 2}, headers=live.auth())
+            assert_error(full, 429, "queue_full")
+            assert int(full.headers["retry-after"]) >= 1
+            with pytest.raises(openai.RateLimitError):
+                live.client.completions.create(model="tiny", prompt="z", max_tokens=2)
+            assert_error(waiting.result(), 504, "timeout")  # held past --request-timeout in the queue
+        assert live.client.completions.create(model="tiny", prompt="x", max_tokens=2).choices  # serving again
+
+
+def test_models_health_metrics_page(base):
+    h = base.http
+    models = base.client.models.list()
+    assert [m.id for m in models.data] == ["tiny"] and models.data[0].owned_by == "codeforge"
+    assert h.get("/v1/models/tiny").json()["max_model_len"] == 64
+    health = h.get("/health").json()
+    assert health["status"] == "ok" and health["model"] == "tiny"
+    base.client.completions.create(model="tiny", prompt="x", max_tokens=2)
+    text = h.get("/metrics").text
+    assert h.get("/metrics").headers["content-type"].startswith("text/plain")
+    for line in text.splitlines():  # every line is a comment or `name{labels} value`
+        assert line.startswith("# ") or re.fullmatch(r'[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? [0-9.e+-]+',
+                                                     line), line
+    for name in ("codeforge_generated_tokens_total", "codeforge_queue_length", "codeforge_active_rows",
+                 "codeforge_request_duration_seconds_bucket", "codeforge_time_to_first_token_seconds_count",
+                 "process_resident_memory_bytes"):
+        assert name in text
+    assert base.metric("codeforge_generated_tokens_total") > 0
+    page = h.get("/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    if PLAYGROUND.is_file():
+        assert page.content == PLAYGROUND.read_bytes()
+    else:
+        assert "playground not built" in page.text
+
+
+def test_cli_serve_subprocess(base_run, tmp_path):
+    """`codeforge serve` itself: bad options refused with `error:`, then a real start on a free port, a
+    request, and a clean stop on SIGTERM."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    bad = subprocess.run([sys.executable, "-m", "codeforge", "serve", "--run", str(base_run), "--max-batch", "0"],
+                         capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "error: --max-batch 0 must be at least 1" in bad.stderr
+    p = subprocess.Popen([sys.executable, "-m", "codeforge", "serve", "--run", str(base_run), "--port", "0",
+                          "--device", "cpu", "--api-key", "k"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env)
+    try:
+        url = None
+        for line in p.stdout:
+            m = re.search(r"listening on (http://127\.0\.0\.1:\d+)/", line)
+            if m:
+                url = m.group(1)
+                break
+        assert url, p.stderr.read()
+        c = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
+        assert c.models.list().data[0].id == "base"
+        assert c.completions.create(model="base", prompt="def", max_tokens=3).usage.completion_tokens >= 1
+    finally:
+        p.terminate()  # uvicorn shuts down gracefully, then ends by the signal it caught
+        assert p.wait(20) in (0, -15)
+        assert "server stopped after" in p.stderr.read()
