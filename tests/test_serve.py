@@ -21,6 +21,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from codeforge.chat import CALL_OPEN, encode_conversation
 from codeforge.cli import main
@@ -540,13 +541,13 @@ def test_models_health_metrics_page(base):
     base.client.completions.create(model="tiny", prompt="x", max_tokens=2)
     text = h.get("/metrics").text
     assert h.get("/metrics").headers["content-type"].startswith("text/plain")
-    for line in text.splitlines():  # every line is a comment or `name{labels} value`
-        assert line.startswith("# ") or re.fullmatch(r'[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? [0-9.e+-]+',
-                                                     line), line
-    for name in ("codeforge_generated_tokens_total", "codeforge_queue_length", "codeforge_active_rows",
-                 "codeforge_request_duration_seconds_bucket", "codeforge_time_to_first_token_seconds_count",
-                 "process_resident_memory_bytes"):
-        assert name in text
+    families = {f.name: f for f in text_string_to_metric_families(text)}  # Prometheus' own parser reads it
+    assert families["codeforge_generated_tokens"].type == "counter"
+    assert families["codeforge_request_duration_seconds"].type == "histogram"
+    for name in ("codeforge_queue_length", "codeforge_active_rows", "codeforge_time_to_first_token_seconds",
+                 "codeforge_requests", "codeforge_rows", "process_resident_memory_bytes"):
+        assert name in families, name
+    assert families["process_resident_memory_bytes"].samples[0].value > 10e6
     assert base.metric("codeforge_generated_tokens_total") > 0
     page = h.get("/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")

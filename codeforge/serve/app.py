@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -33,6 +33,7 @@ from starlette.responses import StreamingResponse
 from ..chat import CALL_OPEN, IM_END, encode_conversation
 from ..fim import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX
 from .batcher import Event, QueueFull, Row, RowParams, Scheduler
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
 from .protocol import (SSE_DONE, ApiError, ChatRequest, CompletionRequest, InfillRequest, NamedToolChoice,
                        chat_message, chat_response, completion_response, held_back, new_id, parse_body, sse,
@@ -73,6 +74,7 @@ class ServerState:
         self.metrics = Metrics()
         self.sched = Scheduler(engine, opts.max_batch, opts.max_queue, self.tok_lock,
                                on_first_token=self.metrics.observe_ttft)
+        self.metrics.attach(self.sched)
         self.max_prompt = min(opts.max_prompt_tokens or self.block_size - 1, self.block_size - 1)
         self.max_tokens_cap = opts.max_tokens_cap or self.block_size
         self.created = int(time.time())
@@ -600,7 +602,7 @@ def create_app(engine, opts: ServeOptions) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(srv.metrics.render(srv.sched), media_type="text/plain; version=0.0.4")
+        return Response(srv.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models():
