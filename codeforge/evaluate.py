@@ -249,39 +249,74 @@ def humaneval_pass_at_k(engine, n_problems: int, samples: int, ks: list[int], ma
 # -- fill-in-the-middle ---------------------------------------------------------------------------------
 
 def infill_cases(documents: list[str], n: int, seed: int = 0, max_doc_chars: int = 6000) -> list[dict]:
-    """Infilling cases cut from held-out files: for each file that parses, one masked line ("line") and one
-    masked span of 2-4 lines ("span"), chosen by a seeded generator among lines with code on them, never
-    the first or last line. Each case: {"kind", "prefix", "middle", "suffix", "language"}."""
+    """Infilling cases cut from held-out files: n masked lines ("line") and n masked spans of 2-4 lines
+    ("span"), chosen by a seeded generator among lines with code on them, never the first or last line.
+    Files that parse are visited in turn, several times when there are fewer than n, each time at another
+    line. Each case: {"kind", "prefix", "middle", "suffix", "language"}."""
     import random
     rng = random.Random(seed)
-    cases: list[dict] = []
+    usable = []
     for doc in documents:
-        if len(cases) >= 2 * n:
-            break
         lang = guess_language(doc)
         if len(doc) > max_doc_chars or not is_valid_syntax(doc, lang):
             continue
         lines = doc.splitlines(keepends=True)
         code = [i for i in range(1, len(lines) - 1) if lines[i].strip() and not lines[i].lstrip().startswith(("#", "//"))]
-        if len(code) < 4:
-            continue
-        for kind, width in (("line", 1), ("span", rng.randint(2, 4))):
-            i = rng.choice(code[:max(1, len(code) - width)])
-            j = min(i + width, len(lines) - 1)
-            cases.append({"kind": kind, "prefix": "".join(lines[:i]), "middle": "".join(lines[i:j]),
-                          "suffix": "".join(lines[j:]), "language": lang})
+        if len(code) >= 4:
+            usable.append((lines, code, lang))
+        if len(usable) >= n:
+            break
+    cases: list[dict] = []
+    seen: set = set()
+    for _ in range(4 * n):  # bounded: a small file may run out of distinct lines
+        if not usable or len(cases) >= 2 * n:
+            break
+        for d, (lines, code, lang) in enumerate(usable):
+            if len(cases) >= 2 * n:
+                break
+            for kind, width in (("line", 1), ("span", rng.randint(2, 4))):
+                i = rng.choice(code[:max(1, len(code) - width)])
+                j = min(i + width, len(lines) - 1)
+                if (d, kind, i) in seen:
+                    continue
+                seen.add((d, kind, i))
+                cases.append({"kind": kind, "prefix": "".join(lines[:i]), "middle": "".join(lines[i:j]),
+                              "suffix": "".join(lines[j:]), "language": lang})
     return cases[:2 * n]
+
+
+def _middle_bits(engine, context: list[int], middle: list[int]) -> float:
+    """Bits the model spends on `middle` after `context` (the context cut from the left to fit)."""
+    import torch
+    room = engine.block_size - len(middle)
+    if room < 1:
+        middle = middle[:engine.block_size - 1]
+        room = 1
+    ids = context[-room:] + middle
+    x = torch.tensor([ids[:-1]], device=engine.device)
+    with torch.no_grad():
+        logits = engine.model(x).float()
+    logp = torch.log_softmax(logits[0, -len(middle):], dim=-1)
+    tgt = torch.tensor(middle, device=engine.device)
+    return float(-logp.gather(1, tgt[:, None]).sum()) / math.log(2)
 
 
 def infill_eval(engine, documents: list[str], n: int, max_new_tokens: int = 64, seed: int = 0) -> dict:
     """Fill-in-the-middle on held-out files (infill_cases), greedy: exact match of the filled middle
     (ignoring whitespace at its ends) and syntax validity of the whole filled file, for single lines and
-    for multi-line spans. A single line's fill is cut at its first newline."""
+    for multi-line spans. A single line's fill is cut at its first newline.
+
+    Beside those, a score small models move on: bits per byte of the true middle (all cases) given the FIM
+    prompt (prefix and suffix; infill_middle_bpb) and given the prefix alone, left to right
+    (infill_middle_bpb_prefix_only). A model that uses the suffix scores lower with it."""
     from .engine import SamplingParams
+    from .fim import infill_ids
     cases = infill_cases(documents, n, seed)
     if not cases:
         return {"infill_cases": 0}
     stats: dict[str, list[int]] = {}
+    bits_fim = bits_prefix = 0.0
+    nbytes = 0
     for c in cases:
         p = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
         mid = engine.infill([c["prefix"]], [c["suffix"]], p, warn=lambda m: None)[0]
@@ -293,10 +328,25 @@ def infill_eval(engine, documents: list[str], n: int, max_new_tokens: int = 64, 
         s[0] += exact
         s[1] += valid
         s[2] += 1
+        middle = engine.tok.encode(c["middle"])
+        suffix_room = max(0, engine.block_size // 2 - len(middle))  # keep some prefix beside a long suffix
+        suffix = c["suffix"]
+        fim_ctx = infill_ids(engine.tok, c["prefix"], suffix)
+        if len(fim_ctx) + len(middle) > engine.block_size:  # too long: cut the suffix's far end, the prefix's start
+            suf_ids = engine.tok.encode(suffix)[:suffix_room]
+            fim_ctx = infill_ids(engine.tok, "", "")  # [pre, suf, mid]
+            pre_room = engine.block_size - len(middle) - len(suf_ids) - 3
+            pre_ids = engine.tok.encode(c["prefix"])[-pre_room:] if pre_room > 0 else []
+            fim_ctx = [fim_ctx[0]] + pre_ids + [fim_ctx[1]] + suf_ids + [fim_ctx[2]]
+        bits_fim += _middle_bits(engine, fim_ctx, middle)
+        bits_prefix += _middle_bits(engine, [engine.tok.eot_id] + engine.tok.encode(c["prefix"]), middle)
+        nbytes += len(c["middle"].encode())
     r: dict = {"infill_cases": len(cases)}
     for kind, (e, v, k) in stats.items():
         r[f"infill_{kind}_exact"] = e / k
         r[f"infill_{kind}_syntax"] = v / k
+    r["infill_middle_bpb"] = bits_fim / max(1, nbytes)
+    r["infill_middle_bpb_prefix_only"] = bits_prefix / max(1, nbytes)
     return r
 
 

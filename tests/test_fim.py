@@ -103,3 +103,15 @@ def test_eval_infill_reports_exact_and_syntax(fim_run, capsys):
     assert r["infill_cases"] >= 2
     for k in ("infill_line_exact", "infill_line_syntax", "infill_span_exact", "infill_span_syntax"):
         assert 0.0 <= r[k] <= 1.0
+    assert r["infill_middle_bpb"] > 0 and r["infill_middle_bpb_prefix_only"] > 0
+
+
+def test_infill_cases_cut_files_at_several_lines():
+    from codeforge.evaluate import infill_cases
+    doc = "".join(f"def f{i}(x):\n    y = x + {i}\n    return y\n\n\n" for i in range(8))
+    cases = infill_cases([doc], 4, seed=1)
+    assert [c["kind"] for c in cases].count("line") == 4 and [c["kind"] for c in cases].count("span") == 4
+    for c in cases:
+        assert c["prefix"] + c["middle"] + c["suffix"] == doc and c["middle"].strip()
+    assert len({(c["kind"], len(c["prefix"])) for c in cases}) == len(cases)  # each at another place
+    assert infill_cases(["def broken(:\n"] * 3, 4) == []  # files that do not parse are never used
