@@ -214,7 +214,39 @@ def build_parser() -> argparse.ArgumentParser:
     _chat_parser(sub)
     _export_parser(sub)
     _serve_parser(sub)
+    _plans_parser(sub)
     return p
+
+
+def _plans_parser(sub) -> None:
+    mp = sub.add_parser("make-plans", help="mine (prompt, plan, body) records from Go/Python functions for the "
+                                           "hierarchical model: the plan is the body's statement skeleton")
+    mp.add_argument("--input", nargs="+", required=True, metavar="PATH", help="directories or files of code")
+    mp.add_argument("--out", required=True, help="directory: train.jsonl, val.jsonl, meta.json")
+    mp.add_argument("--languages", nargs="+", default=None, choices=["go", "python"])
+    mp.add_argument("--max-examples", type=int, default=0, help="cap on records (0: all)")
+    mp.add_argument("--val-fraction", type=float, default=0.05)
+    mp.add_argument("--max-chars", type=int, default=4000, help="skip longer functions")
+    mp.add_argument("--max-plan-words", type=int, default=128, help="cut longer plans (ending them with ...)")
+    mp.add_argument("--exclude-tests", action="store_true", help="skip test files (_test.go, test_*.py, tests/)")
+    mp.add_argument("--seed", type=int, default=0, help="0: the split make-sft uses; another value salts it")
+    mp.add_argument("--overwrite", action="store_true")
+
+    def cmd_make_plans(a: argparse.Namespace) -> int:
+        from .tasks.plan_mine import write_plans
+        st = write_plans(a.input, a.out, overwrite=a.overwrite, languages=a.languages, max_examples=a.max_examples,
+                         val_fraction=a.val_fraction, max_chars=a.max_chars, max_plan_words=a.max_plan_words,
+                         exclude_tests=a.exclude_tests, seed=a.seed)
+        print(f"mined {st['examples']} plan records from {st['functions']} functions in {st['files']} files "
+              f"(train {st['train']}, val {st['val']}, plans cut {st['truncated_plans']}) -> {a.out}")
+        if st.get("skipped"):
+            print("  skipped functions: " + ", ".join(f"{k} {v}" for k, v in st["skipped"].items()))
+        if st.get("corpus_skipped"):
+            print("  skipped files: " + ", ".join(f"{k} {v}" for k, v in st["corpus_skipped"].items()))
+        print("  example record:\n" + json.dumps(st["example"], indent=2, ensure_ascii=False))
+        return 0
+
+    mp.set_defaults(func=cmd_make_plans)
 
 
 # -- training --------------------------------------------------------------------------------------------
