@@ -23,7 +23,7 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from codeforge.chat import CALL_OPEN, encode_conversation
+from codeforge.chat import encode_conversation
 from codeforge.cli import main
 from codeforge.engine import Engine, SamplingParams
 from codeforge.fim import infill_text
@@ -288,6 +288,10 @@ def test_infill_llamacpp_shape(base):
     assert extra["tokens_evaluated"] > body["tokens_evaluated"] - 8 and not extra["truncated"]
     big = h.post("/infill", json={"input_prefix": "a = 1\n" * 100, "input_suffix": "b\n" * 100, "n_predict": 2})
     assert big.status_code == 200 and big.json()["truncated"] is True  # cut to fit, as editors expect
+    # the cut leaves room for the reply: n_predict tokens come back (unless the model ends the text first)
+    big = h.post("/infill", json={"input_prefix": "a = 1\n" * 100, "input_suffix": "b\n" * 100, "n_predict": 8,
+                                  "temperature": 0}).json()
+    assert big["tokens_evaluated"] + 8 <= 64 and (big["tokens_predicted"] == 8 or big["stop_type"] == "eos")
     with h.stream("POST", "/infill", json={"input_prefix": "def", "n_predict": 5, "stream": True}) as s:
         events = [json.loads(x[6:]) for x in s.read().decode().split("\n\n") if x]
     assert events[-1]["stop"] is True and all("content" in e for e in events)
@@ -323,15 +327,21 @@ def test_chat_tool_choice(chat):
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
     r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice="none", max_tokens=4, temperature=0)
     assert r.usage.prompt_tokens == without  # "none" hides the tools from the model
-    # "required": the reply is made to start with <tool_call>; the tiny model's call does not parse, so the
-    # raw text comes back as content (nothing the model wrote is dropped)
-    r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice="required", max_tokens=8, temperature=0)
-    assert r.usage.prompt_tokens == with_tools + 1
-    msg = r.choices[0].message
-    assert msg.tool_calls or msg.content.startswith(CALL_OPEN)
-    named = {"type": "function", "function": {"name": "read_file"}}
-    r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice=named, max_tokens=8, temperature=0)
-    assert r.choices[0].message.tool_calls or r.choices[0].message.content.startswith(CALL_OPEN + '{"name": "read_file"')
+    # "required": the reply is made to start with <tool_call>. A call that does not parse (the tiny model's,
+    # cut at 8 tokens) is an error naming what happened, never raw markup passed off as the reply
+    def forced(choice):
+        try:
+            r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice=choice, max_tokens=8,
+                                          temperature=0)
+        except openai.InternalServerError as e:
+            assert e.body["code"] == "tool_call_failed" and "did not write a valid one" in e.body["message"]
+            return None
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls
+        return r
+    forced("required")
+    r = forced({"type": "function", "function": {"name": "read_file"}})
+    if r is not None:
+        assert r.choices[0].message.tool_calls[0].function.name == "read_file"
     with pytest.raises(openai.BadRequestError, match="not among the tools"):
         c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice={"type": "function", "function": {
             "name": "nope"}})
@@ -358,6 +368,15 @@ def test_tool_call_response_builder():
     assert chat_message(GENERATED, "stop", tools_active=False) == ({"role": "assistant", "content": GENERATED}, "stop")
     broken = '<tool_call>{"name": "read_file", "arguments": {"pa'
     assert chat_message(broken, "length", True) == ({"role": "assistant", "content": broken}, "length")
+    # only declared tools become calls; parallel_tool_calls false keeps the first
+    msg, finish = chat_message(two, "stop", True, names={"read_file"})
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == ["read_file"] and finish == "tool_calls"
+    rogue = '<tool_call>{"name": "rm_rf", "arguments": {"path": "/"}}</tool_call>'
+    assert chat_message(rogue, "stop", True, names={"read_file"}) == ({"role": "assistant", "content": rogue}, "stop")
+    msg, _ = chat_message(two, "stop", True, parallel=False)
+    assert len(msg["tool_calls"]) == 1
+    deep = '<tool_call>{"name": "b", "arguments": ' + "[" * 5000 + "]" * 5000 + "}</tool_call>"
+    assert chat_message(deep, "stop", True)[1] == "stop"  # too deep to read: content, not a crash
     # the real openai client reads the built response
     body = chat_response("chatcmpl-1", "tiny", [{"index": 0, "message": chat_message(GENERATED, "stop", True)[0],
                                                  "logprobs": None, "finish_reason": "tool_calls"}], usage(5, 20))
@@ -464,9 +483,34 @@ def test_fuzz_statuses_and_error_shape(base):
     assert_error(h.get("/v1/completions"), 405)
     assert_error(post("/infill", json={"input_prefix": 3}), 422)
     assert_error(post("/infill", json={"n_predict": -5}), 422)
+    # found by the hostile review: ids checked before echo decodes them; a history with arguments nested past
+    # the JSON parser's recursion limit; a long prompt refused before it is tokenized; penalties near zero
+    assert_error(post("/v1/completions", json={"prompt": [-1], "echo": True}), 400, "invalid_token")
+    deep = "[" * 3000 + "]" * 3000
+    hist = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": deep}}]}, {"role": "user", "content": "y"}]
+    # (here the length check refuses it first; with a longer context the parser's RecursionError is caught)
+    assert assert_error(post("/v1/chat/completions", json={"messages": hist, "max_tokens": 2}), 400)["param"] == "messages"
+    engine, calls = base.srv.engine, []
+    real = engine._encode_prompt
+    engine._encode_prompt = lambda text: calls.append(len(text)) or real(text)
+    try:
+        assert_error(post("/v1/completions", json={"prompt": "def f(x): return x  # z\n" * 300}), 400,
+                     "context_length_exceeded")
+        assert calls == []  # refused on its length in characters, never tokenized
+    finally:
+        engine._encode_prompt = real
+    assert_error(post("/v1/completions", json={"prompt": "x", "repetition_penalty": 1e-300}), 422)
+    assert_error(post("/v1/completions", json={"prompt": "x", "logprobs": 0}), 400, "unsupported_parameter")
+    assert_error(post("/v1/completions", json={"prompt": "x", "stream_options": {"include_usage": True}}), 400)
     # bodies over --max-body-bytes: with a Content-Length, and chunked without one
     assert_error(post("/v1/completions", content=b'{"prompt": "' + b"x" * 100_000 + b'"}'), 413, "body_too_large")
     assert_error(post("/v1/completions", content=iter([b'{"prompt": "'] + [b"x" * 1000] * 20 + [b'"}'])), 413)
+    # a temperature that overflows x / temperature samples greedily, and never fails the rows beside it
+    with ThreadPoolExecutor(2) as pool:
+        victim = pool.submit(post, "/v1/completions", json={"prompt": "def", "max_tokens": 20, "temperature": 0.7})
+        tiny = post("/v1/completions", json={"prompt": "def", "max_tokens": 5, "temperature": 1e-50})
+        assert tiny.status_code == 200 and victim.result().status_code == 200
     # still serving
     assert h.get("/health").json()["status"] == "ok"
     assert base.client.completions.create(model="tiny", prompt="ok", max_tokens=2).choices[0].text is not None

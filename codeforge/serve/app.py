@@ -78,12 +78,22 @@ class ServerState:
         self.max_prompt = min(opts.max_prompt_tokens or self.block_size - 1, self.block_size - 1)
         self.max_tokens_cap = opts.max_tokens_cap or self.block_size
         self.created = int(time.time())
+        self.max_token_chars = max(len(self.tok.decode([i])) for i in range(self.tok.vocab_size))
 
     # -- checks -------------------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
         if model and model != self.opts.model_name:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves "
                                 f"{self.opts.model_name!r} (GET /v1/models)", param="model", code="model_not_found")
+
+    def check_chars(self, text: str, param: str = "prompt") -> None:
+        """Refuse, before tokenizing it, a text too long to fit whatever it encodes to: no token covers
+        more than max_token_chars characters. (Encoding a megabyte holds the tokenizer lock the generation
+        loop needs for every token, so it must not happen for a request that will be refused anyway.)"""
+        if len(text) > (self.max_prompt + 1) * self.max_token_chars:
+            raise ApiError(400, f"{param}: {len(text):,} characters, more than the {self.max_prompt} "
+                                f"tokens this server takes could hold (model context {self.block_size}, "
+                                f"--max-prompt-tokens)", param=param, code="context_length_exceeded")
 
     def check_prompt(self, ids: list[int], param: str = "prompt") -> list[int]:
         if not ids:
@@ -209,7 +219,7 @@ def merged(got: list[tuple[int, Event]]) -> list[tuple[int, Event]]:
 
 
 def error_event(ev: Event) -> bytes:
-    return sse(ApiError(ev.status, ev.text).body())
+    return sse(ApiError(ev.status, ev.text, code="timeout" if ev.status == 504 else None).body())
 
 
 def streaming(gen: AsyncIterator[bytes]) -> StreamingResponse:
@@ -235,6 +245,11 @@ async def completions(srv: ServerState, request: Request):
     n = b.n or 1
     srv.check_rows(len(prompts) * n)
     max_new = srv.budget(b.max_tokens, "max_tokens", default=16)  # OpenAI's default for completions
+    for p in prompts:
+        if isinstance(p, str):
+            srv.check_chars(p + (b.suffix or ""))
+        else:
+            srv.check_prompt(list(p))  # ids checked before echo decodes them
 
     def encode():
         from ..fim import infill_ids
@@ -323,6 +338,8 @@ async def chat_completions(srv: ServerState, request: Request):
         # cut after `"arguments":`, a pre-token boundary, so the ids are those the model saw in training
         forced = CALL_OPEN + f'{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments":'
     tools_active = bool(tools)
+    names = {t["function"]["name"] for t in tools} if tools else set()
+    parallel = b.parallel_tool_calls is not False
     n = b.n or 1
     srv.check_rows(n)
     max_new = srv.budget(b.max_completion_tokens or b.max_tokens,
@@ -334,10 +351,15 @@ async def chat_completions(srv: ServerState, request: Request):
             ids += [srv.tok.special_ids[CALL_OPEN]] + srv.tok.encode(forced[len(CALL_OPEN):])
         return ids
 
+    srv.check_chars("".join(str(m.get("content") or "") + json.dumps(m.get("tool_calls") or "") for m in msgs)
+                    + json.dumps(tools or ""), "messages")
     try:
         ids = await srv.encode(encode)
     except ValueError as e:  # chat.ChatFormatError: a tool call in the history that cannot be rendered
         raise ApiError(400, str(e), param="messages") from None
+    except RecursionError:  # tool-call arguments nested past the JSON parser's recursion limit
+        raise ApiError(400, "a tool call's arguments in messages are nested too deeply to read",
+                       param="messages", code="tool_call_not_json") from None
     ids = srv.check_prompt(ids, "messages")
     stop_ids = {srv.tok.eot_id, srv.tok.special_ids[IM_END]}
     specs = [(j, ids, srv.row_params(b, max_new, j, stop_ids)) for j in range(n)]
@@ -345,17 +367,34 @@ async def chat_completions(srv: ServerState, request: Request):
     rid, model = new_id("chatcmpl"), srv.opts.model_name
     if b.stream:
         include_usage = bool(b.stream_options and b.stream_options.include_usage)
-        return streaming(stream_chat(gen, request, rid, model, n, forced, tools_active, len(ids), include_usage))
+        return streaming(stream_chat(gen, request, rid, model, n, forced, tools_active, len(ids), include_usage,
+                                     names, parallel))
     done = await gen.collect(request)
     choices = []
     for t in sorted(done):
-        msg, finish = chat_message(forced + done[t].text, done[t].finish_reason, tools_active)
+        msg, finish = chat_message(forced + done[t].text, done[t].finish_reason, tools_active, names, parallel)
+        if forced and not msg.get("tool_calls"):
+            raise ApiError(500, forced_failure(b, done[t].finish_reason), code="tool_call_failed")
         choices.append({"index": t, "message": msg, "logprobs": None, "finish_reason": finish})
     return chat_response(rid, model, choices, usage(len(ids), sum(e.completion_tokens for e in done.values())))
 
 
+def forced_failure(b, finish_reason: str) -> str:
+    """The message when tool_choice required a call and the model wrote none that parses."""
+    return forced_failure_text(CALL_OPEN + "{" if isinstance(b.tool_choice, NamedToolChoice) else CALL_OPEN,
+                               finish_reason)
+
+
+def forced_failure_text(forced: str, finish_reason: str) -> str:
+    what = "the named tool" if forced != CALL_OPEN else "a declared tool"
+    why = " before max_tokens ran out" if finish_reason == "length" else ""
+    return (f"tool_choice required a call to {what}, and the model did not write a valid one{why}; "
+            f"raise max_tokens, or use tool_choice \"auto\" to get whatever it writes")
+
+
 async def stream_chat(gen: Generation, request: Request, rid: str, model: str, n: int, forced: str,
-                      tools_active: bool, prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
+                      tools_active: bool, prompt_tokens: int, include_usage: bool, names: set[str] | None = None,
+                      parallel: bool = True) -> AsyncIterator[bytes]:
     created = int(time.time())
 
     def chunk(choices: list[dict], use: dict | None = None) -> bytes:
@@ -389,12 +428,23 @@ async def stream_chat(gen: Generation, request: Request, rid: str, model: str, n
                             shown[tag] = upto
                     elif ev.kind == "done":
                         completion_tokens += ev.completion_tokens
-                        msg, finish = chat_message(forced + ev.text, ev.finish_reason, tools_active)
+                        msg, finish = chat_message(forced + ev.text, ev.finish_reason, tools_active, names,
+                                                   parallel)
+                        if forced and not msg.get("tool_calls"):
+                            yield error_event(Event("error", forced_failure_text(forced, ev.finish_reason),
+                                                    status=500))
+                            yield SSE_DONE
+                            return
+                        content = msg.get("content") or ""
+                        sent = raw[tag][:shown[tag]]
                         if msg.get("tool_calls"):
+                            # the text outside the blocks that was not streamed yet (after a block, say)
+                            if content.startswith(sent.strip()) and len(content) > len(sent.strip()):
+                                yield chunk([delta(tag, {"content": content[len(sent.strip()):]})])
                             calls = [{"index": k, **c} for k, c in enumerate(msg["tool_calls"])]
                             yield chunk([delta(tag, {"tool_calls": calls})])
-                        elif len(msg["content"]) > shown[tag]:
-                            yield chunk([delta(tag, {"content": msg["content"][shown[tag]:]})])
+                        elif content.startswith(sent) and len(content) > len(sent):
+                            yield chunk([delta(tag, {"content": content[len(sent):]})])
                         yield chunk([delta(tag, {}, finish)])
     except ClientGone:
         return
@@ -418,15 +468,22 @@ async def infill(srv: ServerState, request: Request):
     of the prefix and the end of the suffix), as an editor plugin expects, and "truncated" says so."""
     b = parse_body(InfillRequest, await request.body())
     srv.check_model(b.model)
-    room = srv.max_prompt - 3  # the three FIM tokens
+    max_new = srv.max_tokens_cap if b.n_predict < 0 else min(b.n_predict, srv.max_tokens_cap)
+    # keep room for the reply (n_predict, or a quarter of the context when unbounded), as llama.cpp does
+    want = max_new if b.n_predict >= 0 else srv.block_size // 4
+    room = max(8, min(srv.max_prompt, srv.block_size - want)) - 3  # the three FIM tokens
+    chars = (room + 1) * srv.max_token_chars  # more characters than `room` tokens can hold: never encoded
+    prefix_text = (b.input_prefix + b.prompt)[-chars:]
+    suffix_text = b.input_suffix[:chars]
+    clipped = len(prefix_text) < len(b.input_prefix + b.prompt) or len(suffix_text) < len(b.input_suffix)
 
     def encode():
         tok = srv.tok
-        pre, suf = tok.encode(b.input_prefix + b.prompt), tok.encode(b.input_suffix)
-        extra = _extra_context(b.input_extra)
+        pre, suf = tok.encode(prefix_text), tok.encode(suffix_text)
+        extra = _extra_context(b.input_extra)[-chars:]
         cut = False
         if extra:
-            with_extra = tok.encode(extra + b.input_prefix + b.prompt)
+            with_extra = tok.encode(extra + prefix_text)
             if len(with_extra) + len(suf) <= room:
                 pre = with_extra
             else:
@@ -436,11 +493,10 @@ async def infill(srv: ServerState, request: Request):
             suf = suf[:max(room // 4, room - len(pre))]
             pre = pre[len(pre) - (room - len(suf)):]
         sp = tok.special_ids
-        return [sp[FIM_PREFIX]] + pre + [sp[FIM_SUFFIX]] + suf + [sp[FIM_MIDDLE]], cut
+        return [sp[FIM_PREFIX]] + pre + [sp[FIM_SUFFIX]] + suf + [sp[FIM_MIDDLE]], cut or clipped
 
     ids, truncated = await srv.encode(encode)
     ids = srv.check_prompt(ids)
-    max_new = srv.max_tokens_cap if b.n_predict < 0 else min(b.n_predict, srv.max_tokens_cap)
     model = srv.opts.model_name
     final = {"stop": True, "model": model, "tokens_evaluated": len(ids), "truncated": truncated}
     if max_new == 0:

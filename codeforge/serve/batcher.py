@@ -37,6 +37,10 @@ import torch
 from ..device import autocast
 from ..engine import apply_repetition_penalty, filter_logits
 
+# Temperatures below this sample greedily: dividing by a near-zero temperature overflows the logits (vLLM
+# draws the same line).
+SAMPLING_EPS = 1e-5
+
 
 @dataclass
 class RowParams:
@@ -303,7 +307,8 @@ class Scheduler:
             return
         self.stats["max_active"] = max(self.stats["max_active"], len(self.active))
         for r, t in zip(list(self.active), self._sample()):
-            self._accept(r, t)
+            if t is not None and not r.done:
+                self._accept(r, t)
         now = time.monotonic()
         for i in reversed(range(len(self.active))):
             r = self.active[i]
@@ -359,18 +364,24 @@ class Scheduler:
         if all(r.p.temperature == 0 and r.counts is None and r.seen is None for r in rows):
             return logits.argmax(-1).tolist()
         for i, r in enumerate(rows):
-            x = logits[i:i + 1]
-            if r.seen is not None:
-                x = apply_repetition_penalty(x, r.seen[:V].unsqueeze(0), r.p.repetition_penalty)
-            if r.counts is not None:
-                c = r.counts[:V]
-                x = x - r.p.frequency_penalty * c - r.p.presence_penalty * (c > 0).float()
-            if r.p.temperature == 0:
-                out[i] = int(x.argmax(-1))
-            else:
-                probs = filter_logits(x / r.p.temperature, r.p.top_k, r.p.top_p).softmax(-1)
-                out[i] = int(torch.multinomial(probs, 1, generator=r.gen))
+            try:
+                out[i] = self._sample_row(r, logits[i:i + 1], V)
+            except Exception as e:  # this row's settings failed it; the batch goes on without it
+                self._fail(r, 400, f"sampling failed with these settings: {type(e).__name__}: {e}")
         return out
+
+    @staticmethod
+    def _sample_row(r: Row, x: torch.Tensor, V: int) -> int:
+        if r.seen is not None:
+            x = apply_repetition_penalty(x, r.seen[:V].unsqueeze(0), r.p.repetition_penalty)
+        if r.counts is not None:
+            c = r.counts[:V]
+            x = x - r.p.frequency_penalty * c - r.p.presence_penalty * (c > 0).float()
+        if r.p.temperature < SAMPLING_EPS:  # 0, or so small that x / temperature overflows: greedy
+            return int(x.argmax(-1))
+        x = torch.nan_to_num(x / r.p.temperature, nan=-float("inf"), posinf=torch.finfo(x.dtype).max)
+        probs = filter_logits(x, r.p.top_k, r.p.top_p).softmax(-1)
+        return int(torch.multinomial(probs, 1, generator=r.gen))
 
     def _accept(self, r: Row, t: int) -> None:
         """Append a sampled token to a row: decode, check stops and budget, emit the settled text."""

@@ -87,7 +87,7 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0, le=10, description="extension (vLLM, CTRL)")
+    repetition_penalty: float | None = Field(None, ge=0.01, le=10, description="extension (vLLM, CTRL)")
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
@@ -99,6 +99,8 @@ class _Sampling(_Body):
         if self.logit_bias:
             raise ApiError(400, "logit_bias is not supported by this server", param="logit_bias",
                            code="unsupported_parameter")
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
 
 
 class CompletionRequest(_Sampling):
@@ -111,7 +113,7 @@ class CompletionRequest(_Sampling):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.logprobs:
+        if self.logprobs is not None:
             raise ApiError(400, "logprobs are not supported by this server", param="logprobs",
                            code="unsupported_parameter")
         if self.best_of is not None and self.best_of != (self.n or 1):
@@ -244,16 +246,22 @@ def tool_call_json(name: str, arguments: dict) -> dict:
             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
-def chat_message(text: str, finish_reason: str, tools_active: bool) -> tuple[dict, str]:
+def chat_message(text: str, finish_reason: str, tools_active: bool, names: set[str] | None = None,
+                 parallel: bool = True) -> tuple[dict, str]:
     """(assistant message, finish_reason) for generated text. With tools on, complete <tool_call>{"name":
-    ..., "arguments": {...}}</tool_call> blocks become message.tool_calls (finish_reason "tool_calls") and
-    the text outside them the content (None when empty); when no block parses, the whole text is the
-    content, so nothing the model wrote is lost."""
+    ..., "arguments": {...}}</tool_call> blocks naming a declared tool (`names`; all when None) become
+    message.tool_calls (finish_reason "tool_calls"; only the first unless `parallel`) and the text outside
+    them the content (None when empty); when no such block parses, the whole text is the content, so
+    nothing the model wrote is lost."""
     text = text.split(IM_END, 1)[0]
     if tools_active and CALL_OPEN in text:
-        parsed = parse_assistant(text)
-        if parsed["tool_calls"]:
-            calls = [tool_call_json(c["name"], c["arguments"]) for c in parsed["tool_calls"]]
+        try:
+            parsed = parse_assistant(text)
+        except RecursionError:  # JSON nested past Python's recursion limit: not a call
+            parsed = {"tool_calls": []}
+        calls = [c for c in parsed["tool_calls"] if names is None or c["name"] in names]
+        if calls:
+            calls = [tool_call_json(c["name"], c["arguments"]) for c in calls[:None if parallel else 1]]
             return {"role": "assistant", "content": parsed["content"] or None, "tool_calls": calls}, "tool_calls"
     return {"role": "assistant", "content": text}, finish_reason
 
