@@ -170,8 +170,10 @@ class Engine:
         return self.complete_ids([infill_ids(self.tok, a, b) for a, b in zip(prefixes, suffixes)], p, warn)
 
     def _encode_prompt(self, text: str) -> list[int]:
-        from .fim import FIM_PREFIX
-        return self.tok.encode(text, allow_special=FIM_PREFIX in text)
+        """A prompt that starts with a FIM token (PSM or SPM, as editor plugins send them) is read with its
+        special tokens; any other text is plain text, whatever it mentions."""
+        from .fim import FIM_PREFIX, FIM_SUFFIX
+        return self.tok.encode(text, allow_special=text.lstrip().startswith((FIM_PREFIX, FIM_SUFFIX)))
 
     def complete_ids(self, ids: list[list[int]], p: SamplingParams, warn=None) -> list[str]:
         """generate() over token-id prompts."""

@@ -255,6 +255,9 @@ def test_completions_fim(base):
     raw = infill_text("def f(x):\n    return ", "\n\nprint(f(2))\n")
     r2 = c.completions.create(model="tiny", prompt=raw, max_tokens=6, temperature=0)
     assert r2.choices[0].text == r.choices[0].text and r2.usage.prompt_tokens == r.usage.prompt_tokens
+    # text that only mentions a FIM marker (or another special token) is plain text
+    mention = "# the <fim_prefix> token and <|endoftext|> in a comment\n"
+    assert eng._encode_prompt(mention) == eng.tok.encode(mention)
 
 
 def test_completions_streaming(base):
