@@ -6,6 +6,7 @@ Precedence, later wins: defaults < presets (in the order given) < config file < 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import tomllib
@@ -15,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from .fields import ConfigError, check_fields, setting
+from .models import ARCHS, config_class
 from .models.gpt import GPTConfig
 
-STAGES = ("pretrain", "code", "sft", "tools")
+STAGES = ("pretrain", "code", "sft", "tools", "hrm")
 CHAT_STAGES = ("sft", "tools")
 
 
@@ -26,7 +28,10 @@ class TrainConfig:
     stage: str = setting("pretrain", "training stage: packed text (pretrain, code) or chat conversations with "
                          "a loss mask (sft, tools); each stage has its seed's defaults (presets/stages.toml)",
                          choices=STAGES)
-    data: str = setting("", "prepared data directory (from `codeforge prepare`)", required=True, metavar="DIR")
+    data: str = setting("", "prepared data directory (from `codeforge prepare`; --stage hrm: mined plans from "
+                        "`codeforge make-plans`)", required=True, metavar="DIR")
+    tokenizer: str = setting("", "tokenizer directory, for stages that train on raw JSONL (hrm); the prepared "
+                             "stages take the one beside their shards", metavar="DIR")
     out: str = setting("", "run directory (checkpoints, metrics, config)", required=True, metavar="RUN")
     batch_size: int = setting(8, "micro-batch size", range=(1, 4096))
     grad_accum_steps: int = setting(1, "micro-batches per optimizer step", range=(1, 4096))
@@ -77,8 +82,27 @@ class TrainConfig:
                                        "line every log_every steps, at least once a minute")
 
 
+def _model_fields() -> type:
+    """The model section as the command line and `config keys` see it: every architecture's fields, each
+    declared once in its own config class (models/), merged in registry order; `arch` chooses among them and
+    resolve() builds that architecture's class, refusing keys it does not have."""
+    merged, seen = [], set()
+    for arch, (cls, _) in ARCHS.items():
+        for f in fields(cls):
+            if f.name in seen:
+                continue
+            seen.add(f.name)
+            meta = dict(f.metadata)
+            if f.name == "arch":
+                meta["choices"] = tuple(ARCHS)
+            elif arch != "gpt":
+                meta["help"] = f"({arch}) {meta.get('help', '')}"
+            merged.append((f.name, f.type, dataclasses.field(default=f.default, metadata=meta)))
+    return dataclasses.make_dataclass("ModelFields", merged)
+
+
 FLAG_OF = {"learning_rate": "--learning-rate", "batch_size": "--batch-size", "vocab_size": "--vocab-size"}
-SECTIONS = {"model": GPTConfig, "train": TrainConfig}
+SECTIONS = {"model": _model_fields(), "train": TrainConfig}
 
 
 @dataclass
@@ -208,18 +232,32 @@ def resolve(presets: list[str] = (), file: str | None = None, sets: list[str] = 
     layers += [(k, v) for k, v in (flags or {}).items() if v is not None]
     layers = [(_key(k), v) for k, v in layers]
 
-    values = {sec: {f.name: f.default for f in fields(cls)} for sec, cls in SECTIONS.items()}
-    if base:  # a saved config: keys this version retired are dropped (their replacement keeps its default)
-        for sec in SECTIONS:
-            values[sec].update({k: v for k, v in base.get(sec, {}).items() if f"{sec}.{k}" not in RETIRED})
     init_from = next((v for k, v in reversed(layers) if k == "train.init_from"), "")
+    start_model: dict = {}
     if init_from and not base:  # staged training: the model is the one it starts from, unless flags change it
         from .checkpoint import CheckpointError, find_checkpoint, read_config
         try:
-            values["model"].update(read_config(find_checkpoint(str(init_from), "auto"))["model"])
+            start_model = read_config(find_checkpoint(str(init_from), "auto"))["model"]
         except (CheckpointError, OSError, KeyError, ValueError) as e:
             raise ConfigError(f"--init-from {init_from}: {e}") from e
         layers = [(k, v) for k, v in layers if k != "model.vocab_size" or v != 0]
+    # the architecture, later wins: a saved run's, the --init-from checkpoint's, presets, file, --set, flags
+    arch = next((str(v) for k, v in reversed(layers) if k == "model.arch"),
+                (base or {}).get("model", {}).get("arch") or start_model.get("arch") or "gpt")
+    model_cls = config_class(arch) if arch in ARCHS else None
+    if model_cls is None:
+        raise ConfigError(f"model.arch = {arch!r} is not one of {tuple(ARCHS)}; set --arch or a preset")
+    own = {f.name for f in fields(model_cls)}
+    sections = {"model": model_cls, "train": TrainConfig}
+    values = {sec: {f.name: f.default for f in fields(cls)} for sec, cls in sections.items()}
+    if base:  # a saved config: keys this version retired are dropped (their replacement keeps its default)
+        for sec in SECTIONS:
+            values[sec].update({k: v for k, v in base.get(sec, {}).items() if f"{sec}.{k}" not in RETIRED})
+    values["model"].update(start_model)
+    foreign = sorted({k for k, _ in layers if k.startswith("model.") and k.split(".", 1)[1] not in own})
+    if foreign:
+        raise ConfigError(f"{', '.join(foreign)}: not settings of model.arch = {arch!r} (its keys: {sorted(own)}); "
+                          f"drop them, or choose the architecture that has them (--arch, or a preset of it)")
     stage = next((v for k, v in reversed(layers) if k == "train.stage"), values["train"]["stage"])
     if stage not in tables["stage"]:
         raise ConfigError(f"train.stage = {stage!r} is not one of {STAGES}; set --stage")
@@ -227,10 +265,10 @@ def resolve(presets: list[str] = (), file: str | None = None, sets: list[str] = 
         layers = [(f"train.{k}", v) for k, v in tables["stage"][stage].items()] + layers
     for key, v in layers:
         sec, name = key.split(".")
-        default = next(f.default for f in fields(SECTIONS[sec]) if f.name == name)
+        default = next(f.default for f in fields(sections[sec]) if f.name == name)
         values[sec][name] = _coerce(key, v, default)
     try:
-        cfg = RunConfig(GPTConfig.from_dict(values["model"]), TrainConfig(**values["train"]))
+        cfg = RunConfig(model_cls.from_dict(values["model"]), TrainConfig(**values["train"]))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"saved or given config: {e}") from e
     return cfg.validate()

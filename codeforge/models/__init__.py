@@ -12,8 +12,9 @@ import torch
 
 from .. import CodeforgeError
 from .gpt import GPT, GPTConfig
+from .hrm import HRM, HRMConfig
 
-ARCHS: dict[str, tuple[type, type]] = {"gpt": (GPTConfig, GPT)}
+ARCHS: dict[str, tuple[type, type]] = {"gpt": (GPTConfig, GPT), "hrm": (HRMConfig, HRM)}
 
 
 class ModelConfigError(CodeforgeError):

@@ -8,6 +8,9 @@ from ..config import CHAT_STAGES, RunConfig
 
 
 def run(cfg: RunConfig, resume: bool = False, log=print) -> dict:
+    if cfg.train.stage == "hrm":
+        from . import hrm
+        return hrm.run(cfg, resume, log)
     if cfg.train.stage in CHAT_STAGES:
         from . import sft
         return sft.run(cfg, resume, log)

@@ -36,6 +36,13 @@ def lr_at(step: int, *, base_lr: float, warmup: int, total: int, schedule: str =
     raise ValueError(f"unknown schedule {schedule!r}")
 
 
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    """Every group's lr is the schedule's `lr` times the group's "lr_scale" (1 when absent): a model with
+    per-module rates (models/hrm.py) keeps their ratios through warm-up and decay."""
+    for g in opt.param_groups:
+        g["lr"] = lr * g.get("lr_scale", 1.0)
+
+
 def build_optimizer(model, name: str, lr: float, weight_decay: float, betas: tuple[float, float],
                     device: torch.device) -> torch.optim.Optimizer:
     """AdamW over the model's decay/no-decay groups; fused kernel on CUDA and CPU (one launch per step instead

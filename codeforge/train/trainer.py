@@ -23,7 +23,7 @@ from ..config import SECTIONS, TrainConfig, dumps_toml
 from ..device import autocast, memory_gib, peak_flops
 from . import parallel
 from .logging import RunLogger, duration
-from .optim import build_optimizer, lr_at
+from .optim import build_optimizer, lr_at, set_lr
 
 LossFn = Callable[[torch.nn.Module, object], tuple[torch.Tensor, dict]]
 
@@ -110,6 +110,7 @@ class Trainer:
         self.last_val, self.last_val_step = r["val_loss"], self.step
         rec = {"step": self.step, "val_loss": r["val_loss"], "val_perplexity": r["perplexity"],
                "val_bpb": r["bits_per_byte"], "val_tokens": r.get("eval_tokens"), "tokens": self.tokens}
+        rec.update({f"val_{k}": v for k, v in r.get("extra", {}).items()})  # a stage's own metrics (hrm)
         self.logger.log(rec)
         self.logger.message(f"step {self.step}: val loss {r['val_loss']:.4f}, perplexity {r['perplexity']:.2f}, "
                             f"{r['bits_per_byte']:.3f} bits/byte ({r.get('eval_tokens', 0):,} validation tokens)")
@@ -214,8 +215,7 @@ class Trainer:
         t = self.cfg
         lr = lr_at(self.step, base_lr=t.learning_rate, warmup=t.warmup_steps, total=self.total_steps,
                    schedule=t.schedule, min_ratio=t.min_lr_ratio, decay_fraction=t.decay_fraction)
-        for g in self.opt.param_groups:
-            g["lr"] = lr
+        set_lr(self.opt, lr)
         loss_v, norm_v, applied = train_step(self.fwd, self.model, self.opt, self.scaler, self.batches, self.loss_fn,
                                              t.grad_accum_steps, t.grad_clip, self.device, self.precision, self.ddp)
         if applied:
