@@ -439,6 +439,9 @@ def _generate_parser(sub) -> None:
     suf.add_argument("--suffix", help="fill in the middle: the text after the gap (the prompt is the text before "
                                       "it); prints the whole filled text")
     suf.add_argument("--suffix-file", help="--suffix read from a file")
+    g.add_argument("--show-plan", action="store_true",
+                   help="hrm runs: print the plan and each refinement round (the decision head's p_done) before "
+                        "the code")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.8)
     g.add_argument("--top-k", type=int, default=50)
@@ -472,7 +475,13 @@ def cmd_generate(a: argparse.Namespace) -> int:
         if not os.path.isfile(a.suffix_file):
             raise CLIError(f"--suffix-file {a.suffix_file} is not a file")
         suffix = open(a.suffix_file, encoding="utf-8").read()
-    eng = Engine.from_run(a.run, a.device, a.checkpoint)
+    from .checkpoint import load_model
+    from .device import choose_device, choose_precision
+    dev, _ = choose_device(a.device)
+    model, tok, _, _ = load_model(a.run, dev, a.checkpoint)
+    if getattr(model.cfg, "arch", "gpt") == "hrm":
+        return _generate_hrm(a, model, tok, prompt)
+    eng = Engine(model, tok, dev, choose_precision(dev, "auto")[0])
     try:
         stops = [x.replace("\\n", "\n").replace("\\t", "\t") for x in a.stop]
         params = SamplingParams(a.max_new_tokens, a.temperature, a.top_k, a.top_p, a.repetition_penalty, a.seed, stops)
@@ -491,6 +500,31 @@ def cmd_generate(a: argparse.Namespace) -> int:
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write((suffix or "") + "\n")
+    return 0
+
+
+def _generate_hrm(a: argparse.Namespace, model, tok, prompt: str) -> int:
+    """Plan, write, refine (models/hrm.py generate): the final code after the prompt; with --show-plan, the
+    plan and every refinement round first. Sampling: temperature and top-k (the hierarchical decoder has no
+    top-p, stop sequences or fill-in-the-middle)."""
+    if a.suffix is not None or a.suffix_file:
+        raise CLIError("--suffix: an hrm run does not fill in the middle; pass the function's signature and doc as "
+                       "--prompt")
+    if not prompt:
+        raise CLIError("an hrm run plans from a prompt: pass a function's signature and doc comment as --prompt")
+    for i in range(a.num_samples):
+        if a.num_samples > 1:
+            print(f"--- sample {i + 1} ---")
+        seed = None if a.seed is None else a.seed + i
+        r = model.generate(tok.encode(prompt), max_plan_tokens=min(128, a.max_new_tokens),
+                           max_code_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, seed=seed)
+        if a.show_plan:
+            print(f"# plan: {tok.decode(r['plan'])}")
+            print(f"# draft:\n{prompt}{tok.decode(r['draft'])}")
+            for it in r["iterations"]:
+                print(f"# refinement {it['iteration'] + 1}: {it['decision']} (p_done {it['p_done']:.2f})")
+            print("# final:")
+        sys.stdout.write(prompt + tok.decode(r["code"]) + "\n")
     return 0
 
 
@@ -636,8 +670,11 @@ def _eval_parser(sub) -> None:
     e.add_argument("--max-new-tokens", type=int, default=256)
     e.add_argument("--timeout", type=float, default=5.0, help="seconds per sandboxed program")
     e.add_argument("--infill", type=int, default=0, metavar="N",
-                   help="fill-in-the-middle on N held-out files: one masked line and one masked 2-4 line span "
-                        "each; exact match and syntax validity of the filled file")
+                   help="fill-in-the-middle: N masked lines and N masked 2-4 line spans from held-out files; exact "
+                        "match, syntax validity of the filled file, bits per byte of the middle (default 0: off)")
+    e.add_argument("--hrm-cases", type=int, default=32, metavar="N",
+                   help="hrm runs: held-out functions planned, written and refined for the decoded metrics (plan "
+                        "and code exact match, AST F1, syntax validity, avg_iterations; default 32, 0: off)")
     e.add_argument("--unsafe-no-sandbox", action="store_true",
                    help="run model-written programs WITHOUT the bubblewrap sandbox (limits only, no isolation): "
                         "only where bubblewrap cannot be installed and you trust what runs")
@@ -655,7 +692,8 @@ def cmd_eval(a: argparse.Namespace) -> int:
                  syntax_samples=a.syntax_samples, language=a.language, humaneval=a.humaneval, ks=a.k,
                  samples_per_problem=a.samples_per_problem, max_new_tokens=a.max_new_tokens,
                  timeout=a.timeout, which=a.checkpoint, device=a.device, tool_cases=a.tool_cases,
-                 unsafe_no_sandbox=a.unsafe_no_sandbox, infill=a.infill)
+                 unsafe_no_sandbox=a.unsafe_no_sandbox, infill=a.infill,
+                 hrm_cases=a.hrm_cases)
     if a.json:
         print(json.dumps(r))
     else:

@@ -18,6 +18,11 @@ import torch
 
 from .device import autocast
 from .tokenizer import CodeTokenizer
+from . import CodeforgeError
+
+
+class EngineError(CodeforgeError):
+    """The engine cannot run this model (the message says what can)."""
 
 
 @dataclass
@@ -69,6 +74,10 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
 class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer: CodeTokenizer, device: torch.device | str = "cpu",
                  precision: str = "fp32"):
+        arch = getattr(getattr(model, "cfg", None), "arch", "gpt")
+        if arch != "gpt":
+            raise EngineError(f"this is an {arch} model; the engine (chat, serve, export) runs GPT models. "
+                              f"`codeforge generate` and `codeforge eval` take {arch} runs")
         self.model = model.eval()
         self.tok = tokenizer
         self.device = torch.device(device)

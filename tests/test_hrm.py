@@ -230,3 +230,44 @@ def test_config_by_arch(tmp_path):
     with pytest.raises(ConfigError, match="plan_len"):
         resolve([], None, ["model.plan_len=64"])
     assert resolve(["tiny"]).model.arch == "gpt"
+
+
+def test_eval_generate_and_engine_on_an_hrm_run(plans_dir, tokenizer_dir, tmp_path, capsys):
+    """codeforge eval reports the seed's metrics beside the usual keys; generate shows plan and refinement;
+    the GPT engine refuses the model with a message saying what takes it."""
+    from codeforge.cli import main
+    from codeforge.engine import Engine, EngineError
+    run_stage(_cfg(plans_dir, tokenizer_dir, tmp_path / "r", **{"train.max_iters": 2}), log=lambda m: None)
+    capsys.readouterr()
+    assert main(["eval", "--run", str(tmp_path / "r"), "--hrm-cases", "2", "--device", "cpu", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    for k in ("val_loss", "bits_per_byte", "plan_accuracy", "code_accuracy", "decision_accuracy", "avg_iterations",
+              "plan_exact", "code_exact", "code_ast_f1", "syntax_valid_rate"):
+        assert k in r and 0 <= r[k] < 100, k
+    assert r["hrm_cases"] == 2 and 0 <= r["avg_iterations"] <= 5
+    assert json.loads((tmp_path / "r" / "eval.jsonl").read_text().splitlines()[-1])["plan_accuracy"] == r["plan_accuracy"]
+    assert main(["generate", "--run", str(tmp_path / "r"), "--prompt", "def f(x):\n", "--show-plan",
+                 "--max-new-tokens", "8", "--seed", "0", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# plan:") and "# final:\ndef f(x):\n" in out and "# refinement 1:" in out
+    model, tok, _, _ = load_model(tmp_path / "r", torch.device("cpu"))
+    with pytest.raises(EngineError, match="hrm model.*generate"):
+        Engine(model, tok)
+
+
+def test_decoded_scores():
+    from codeforge.evaluate import ast_node_f1, plan_and_code_scores
+    a = "def f(x):\n    if x:\n        return 1\n    return 2\n"
+    assert ast_node_f1(a, a, "python") == 1.0
+    assert 0 < ast_node_f1(a, "def f(x):\n    return 2\n", "python", base="def f(x):\n") < 1
+    assert ast_node_f1("def f(x):\n    pass\n", "def f(x):\n    for i in x:\n        g(i)\n", "python",
+                       base="def f(x):\n") == 0.0
+    gold = {"language": "python", "prompt": "def f(x):\n", "plan": ["if", "{", "return", "}", "return"],
+            "body": "    if x:\n        return 1\n    return 2\n"}
+    same = plan_and_code_scores([{**gold, "gen_plan": gold["plan"], "gen_body": gold["body"]}])
+    assert same == {"plan_exact": 1.0, "plan_word_accuracy": 1.0, "code_exact": 1.0, "code_ast_f1": 1.0,
+                    "syntax_valid_rate": 1.0, "plan_followed": 1.0}
+    empty = plan_and_code_scores([{**gold, "gen_plan": ["return"], "gen_body": ""}])
+    assert empty["syntax_valid_rate"] == 0.0 and empty["plan_followed"] == 0.0 and empty["plan_word_accuracy"] == 0.0
+    broken = plan_and_code_scores([{**gold, "gen_plan": ["if", "{"], "gen_body": "    if x\n"}])
+    assert broken["syntax_valid_rate"] == 0.0 and broken["plan_word_accuracy"] == 2 / 5
