@@ -360,14 +360,19 @@ def _quickstart_parser(sub) -> None:
     q.add_argument("--device", default="auto")
     q.add_argument("--chat", action="store_true", help="then chat SFT on pairs mined from the corpus and tool "
                    "calling (about 20 CPU minutes; default --out runs/quickstart-chat)")
+    q.add_argument("--hrm", action="store_true", help="seed 001's hierarchical planner/generator model instead: "
+                   "mine plans from the corpus, train it, print the seed's metrics (about 12 CPU minutes; default "
+                   "--out runs/quickstart-hrm)")
     q.set_defaults(func=cmd_quickstart)
 
 
 def cmd_quickstart(a: argparse.Namespace) -> int:
     from .quickstart import run_quickstart
     try:
-        run_quickstart(a.out or ("runs/quickstart-chat" if a.chat else "runs/quickstart"), a.corpus, a.max_iters,
-                       a.device, chat=a.chat)
+        if a.chat and a.hrm:
+            raise CLIError("--chat and --hrm are two different quickstarts: pick one")
+        default = "runs/quickstart-chat" if a.chat else "runs/quickstart-hrm" if a.hrm else "runs/quickstart"
+        run_quickstart(a.out or default, a.corpus, a.max_iters, a.device, chat=a.chat, hrm=a.hrm)
     except FileNotFoundError as e:
         raise CLIError(str(e)) from e
     return 0

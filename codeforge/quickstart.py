@@ -61,22 +61,17 @@ def corpus_path(corpus: str) -> tuple[str, list[str]]:
 
 
 def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | None = None,
-                   device: str = "auto", chat: bool = False) -> dict:
-    """The pipeline; with chat, then chat SFT on pairs mined from the same corpus, then tool calling."""
+                   device: str = "auto", chat: bool = False, hrm: bool = False) -> dict:
+    """The pipeline; with chat, then chat SFT on pairs mined from the same corpus, then tool calling; with
+    hrm, the hierarchical planner/generator model on plans mined from the corpus instead."""
     t_start = time.perf_counter()
     out_dir = Path(out)
     src, langs = corpus_path(corpus)
     opts = CorpusOptions(languages=langs, exclude_tests=True, val_fraction=0.02)
     print(f"[1/5] corpus: {src} ({', '.join(langs or ['all known languages'])}, test files excluded)")
-
-    tok_dir = out_dir / "tokenizer"
-    if (tok_dir / "tokenizer.json").exists():
-        print(f"[2/5] tokenizer: reusing {tok_dir}")
-    else:
-        stats = CorpusStats()
-        _, meta = train_tokenizer((d.text for d in iter_documents([src], opts, stats)), VOCAB, tok_dir)
-        print(f"[2/5] tokenizer: vocab {meta['vocab_size']} trained on {meta['train_documents']} files "
-              f"({meta['train_bytes'] / 1e6:.1f} MB) in {meta['train_seconds']:.1f}s -> {tok_dir}")
+    tok_dir = _tokenizer(out_dir, src, opts)
+    if hrm:
+        return hrm_quickstart(out_dir, src, langs, tok_dir, max_iters, device, t_start)
 
     data_dir = out_dir / "data"
     meta = prepare([src], tok_dir, data_dir, opts, overwrite=True, log=lambda m: None)  # no-op when unchanged
@@ -125,6 +120,78 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     hint = "def " if (langs or ["python"])[0] == "python" else "func "
     print(f"finished in {(time.perf_counter() - t_start) / 60:.1f} min. Next: codeforge generate --run {run_dir} "
           f"--prompt {hint!r}   |   codeforge eval --run {run_dir}   |   tensorboard --logdir {run_dir}/tensorboard")
+    return {**result, **ev}
+
+
+def _tokenizer(out_dir: Path, src: str, opts: CorpusOptions) -> Path:
+    tok_dir = out_dir / "tokenizer"
+    if (tok_dir / "tokenizer.json").exists():
+        print(f"[2/5] tokenizer: reusing {tok_dir}")
+    else:
+        stats = CorpusStats()
+        _, meta = train_tokenizer((d.text for d in iter_documents([src], opts, stats)), VOCAB, tok_dir)
+        print(f"[2/5] tokenizer: vocab {meta['vocab_size']} trained on {meta['train_documents']} files "
+              f"({meta['train_bytes'] / 1e6:.1f} MB) in {meta['train_seconds']:.1f}s -> {tok_dir}")
+    return tok_dir
+
+
+# --hrm: seed 001's hierarchical model at a CPU's size (hrm-tiny's shape at this tokenizer's 8k vocabulary);
+# ~1.3 steps/s on 2 cores, so 500 steps and the evaluation fit in about 10 minutes.
+HRM_TRAIN = {"batch_size": 8, "learning_rate": 2e-3, "warmup_steps": 50, "min_lr_ratio": 0.1, "eval_every": 250,
+             "eval_tokens": 16_384, "save_every": 250, "log_every": 25, "weight_decay": 0.1}
+HRM_CASES = 16
+
+
+def hrm_quickstart(out_dir: Path, src: str, langs, tok_dir: Path, max_iters: int | None, device: str,
+                   t_start: float) -> dict:
+    """make-plans -> train --stage hrm -> eval: the seed's metrics table, and one function planned, written
+    and refined."""
+    from .tasks.plan_mine import write_plans
+    plans = out_dir / "plans"
+    if (plans / "train.jsonl").exists():
+        print(f"[3/5] make-plans: reusing {plans}")
+    else:
+        st = write_plans([src], plans, overwrite=False, languages=langs, exclude_tests=True)
+        print(f"[3/5] make-plans: {st['examples']:,} functions (train {st['train']:,}, val {st['val']:,}) -> {plans}"
+              f"\n      skipped: {describe_skipped(st['skipped'])}")
+    run_dir = out_dir / "run"
+    flags = {"train.stage": "hrm", "train.data": str(plans), "train.tokenizer": str(tok_dir),
+             "train.out": str(run_dir), "train.max_iters": max_iters or 500, "train.device": device,
+             **{f"train.{k}": v for k, v in HRM_TRAIN.items()}}
+    cfg = resolve(["hrm-tiny"], None, [], flags, vocab_from_data=True)
+    print(f"[4/5] train --stage hrm: {cfg.train.max_iters} steps -> {run_dir}")
+    result = run_stage(cfg, resume=(run_dir / "checkpoints").exists())
+    if result["interrupted"]:
+        print("interrupted; run the quickstart again to resume")
+        return result
+    print(f"[5/5] eval: teacher-forced on the held-out functions, then {HRM_CASES} of them planned, written and "
+          f"refined")
+    ev = run_eval(str(run_dir), device=device, hrm_cases=HRM_CASES)
+    rows = [("body bits per byte (given the gold plan)", ev["bits_per_byte"]),
+            ("plan accuracy (next plan word, teacher-forced)", ev.get("plan_accuracy")),
+            ("code accuracy (next body token, teacher-forced)", ev.get("code_accuracy")),
+            ("refinement decision accuracy", ev.get("decision_accuracy")),
+            ("plan exact match (generated)", ev.get("plan_exact")),
+            ("code exact match (generated)", ev.get("code_exact")),
+            ("code AST node F1 (generated)", ev.get("code_ast_f1")),
+            ("syntax-valid rate (generated)", ev.get("syntax_valid_rate")),
+            ("average refinement iterations", ev.get("avg_iterations"))]
+    print("\nseed 001's metrics, measured:")
+    for name, v in rows:
+        print(f"  {name:48s} {'n/a' if v is None else f'{v:.3f}'}")
+    from .checkpoint import load_model
+    from .device import choose_device
+    from .hrm_data import PlanData
+    dev, _ = choose_device(device)
+    model, tok, _, _ = load_model(str(run_dir), dev)
+    val = PlanData(plans, "val", tok)
+    rec = val.records[0] if len(val) else {"prompt": "def fibonacci(n):\n"}
+    g = model.generate(tok.encode(rec["prompt"]), max_plan_tokens=48, max_code_tokens=128)
+    steps = ", ".join(f"{i['decision']} (p_done {i['p_done']:.2f})" for i in g["iterations"]) or "none"
+    print(f"\nheld-out prompt:\n{rec['prompt']}\n# plan: {tok.decode(g['plan'])}\n# refinement: {steps}\n"
+          f"{tok.decode(g['code'])}\n")
+    print(f"finished in {(time.perf_counter() - t_start) / 60:.1f} min. Next: codeforge generate --run {run_dir} "
+          f"--show-plan --prompt 'def f(x):'   |   codeforge eval --run {run_dir}")
     return {**result, **ev}
 
 
