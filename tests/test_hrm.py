@@ -205,6 +205,7 @@ def test_resume_exact_and_checkpoint(plans_dir, tokenizer_dir, tmp_path):
     loss = lambda recs: {x["step"]: x["loss"] for x in recs if "loss" in x}  # noqa: E731
     assert loss(la) == loss(lb)
     assert any("val_decision_accuracy" in x for x in la)
+    assert all("train_plan" in x and "train_decision_accuracy" in x for x in la if "loss" in x)  # the parts logged
     # the checkpoints hold the same weights; they load by arch through checkpoint.py
     ma, tok, ck, cfg = load_model(tmp_path / "a", torch.device("cpu"))
     mb, *_ = load_model(tmp_path / "b", torch.device("cpu"))

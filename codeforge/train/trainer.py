@@ -57,6 +57,8 @@ class Trainer:
         self.flops_per_token = model.flops_per_token()
         self.peak = peak_flops(device)
         self.step, self.tokens, self.best_val, self.bad_in_row, self.skipped = 0, 0, math.inf, 0, 0
+        self.parts: dict = {}  # the loss_fn's own metrics since the last log line (train_step adds to it)
+        self.parts_steps = 0
         self.last_val: float | None = None
         self.last_val_step = -1
         if start_checkpoint is not None:
@@ -190,6 +192,10 @@ class Trainer:
                         rec["mfu"] = tps * self.flops_per_token / (self.peak * self.world)
                     if self.device.type == "cuda":
                         rec["memory_gib"] = memory_gib(self.device)
+                    # a loss_fn's own terms (e.g. the hierarchical model's plan/code/refine), mean since last line
+                    rec.update({f"train_{k}": float(v) / self.parts_steps for k, v in self.parts.items()})
+                    self.parts.clear()
+                    self.parts_steps = 0
                     self.logger.log(rec)
                     post = {"loss": f"{loss:.4f}", "lr": f"{rec['lr']:.2e}", "tok/s": f"{tps:,.0f}"}
                     if "mfu" in rec:
@@ -217,7 +223,9 @@ class Trainer:
                    schedule=t.schedule, min_ratio=t.min_lr_ratio, decay_fraction=t.decay_fraction)
         set_lr(self.opt, lr)
         loss_v, norm_v, applied = train_step(self.fwd, self.model, self.opt, self.scaler, self.batches, self.loss_fn,
-                                             t.grad_accum_steps, t.grad_clip, self.device, self.precision, self.ddp)
+                                             t.grad_accum_steps, t.grad_clip, self.device, self.precision, self.ddp,
+                                             parts=self.parts)
+        self.parts_steps += 1
         if applied:
             self.bad_in_row = 0
         else:
@@ -303,18 +311,24 @@ class Pace:
 
 
 def train_step(fwd, model, opt, scaler, batches, loss_fn: LossFn, accum: int, clip: float, device: torch.device,
-               precision: str, ddp: bool = False) -> tuple[float, float, bool]:
+               precision: str, ddp: bool = False, parts: dict | None = None) -> tuple[float, float, bool]:
     """Forward/backward over `accum` micro-batches from `batches`, unscale, clip, and step unless the loss or
     the gradient is non-finite (then the weights stay as they were). Returns (mean loss, grad norm, applied).
-    The single host sync per optimizer step is the read of loss and norm together. The benchmarks time this."""
+    The single host sync per optimizer step is the read of loss and norm together. The benchmarks time this.
+    `parts`, when given, gathers the metrics loss_fn returns beside the loss (a model's loss terms), each
+    averaged over the micro-batches and added to what the dict holds, as tensors (no sync)."""
     loss_acc = torch.zeros((), device=device)
     for micro in range(accum):
         batch = next(batches)
         ctx = fwd.no_sync() if ddp and micro < accum - 1 else contextlib.nullcontext()
         with ctx:
             with autocast(device, precision):
-                loss, _ = loss_fn(fwd, batch)
+                loss, metrics = loss_fn(fwd, batch)
                 loss = loss / accum
+            if parts is not None:
+                for k, v in metrics.items():
+                    v = v.detach().float() if torch.is_tensor(v) else float(v)
+                    parts[k] = parts.get(k, 0.0) + v / accum
             scaler.scale(loss).backward()
         loss_acc += loss.detach()
     scaler.unscale_(opt)
