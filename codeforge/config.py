@@ -56,6 +56,9 @@ class TrainConfig:
                                range=(1, 10**12), zero_means="the whole split")
     sample_every: int = setting(0, "write a sample every N steps", range=(0, 10**9), zero_means="never")
     sample_tokens: int = setting(64, "tokens per sample", range=(1, 10**6))
+    syntax_cases: int = setting(8, "hrm stage: held-out functions planned, written and parsed at each evaluation "
+                                "(syntax-valid rate, avg iterations in metrics.jsonl)", range=(0, 10**6),
+                                zero_means="off")
     save_every: int = setting(500, "checkpoint every N steps", range=(0, 10**9), zero_means="only at the end")
     keep_last: int = setting(3, "periodic checkpoints kept (plus best and final)", range=(1, 10**6))
     log_every: int = setting(10, "log a training line every N steps", range=(1, 10**9))

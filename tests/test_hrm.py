@@ -206,6 +206,8 @@ def test_resume_exact_and_checkpoint(plans_dir, tokenizer_dir, tmp_path):
     assert loss(la) == loss(lb)
     assert any("val_decision_accuracy" in x for x in la)
     assert all("train_plan" in x and "train_decision_accuracy" in x for x in la if "loss" in x)  # the parts logged
+    final = [x for x in la if "val_loss" in x][-1]  # generated bodies parsed at each evaluation (syntax_cases)
+    assert 0 <= final["val_syntax_valid_rate"] <= 1 and 0 <= final["val_avg_iterations"] <= 3
     # the checkpoints hold the same weights; they load by arch through checkpoint.py
     ma, tok, ck, cfg = load_model(tmp_path / "a", torch.device("cpu"))
     mb, *_ = load_model(tmp_path / "b", torch.device("cpu"))

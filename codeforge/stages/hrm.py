@@ -149,7 +149,14 @@ def _train(cfg: RunConfig, resume: bool, say, device, precision: str, rank: int,
     def evaluate(mdl):
         if val_batches is None:
             return None
-        return evaluate_hrm(mdl, val_batches, t.eval_tokens, device, precision, token_bytes)
+        r = evaluate_hrm(mdl, val_batches, t.eval_tokens, device, precision, token_bytes)
+        if t.syntax_cases:  # the seed's syntax validation during training: generated bodies parsed
+            from ..evaluate import hrm_generation_eval
+            g = hrm_generation_eval(mdl, tok, val_data, t.syntax_cases, max_plan_tokens=min(64, m.plan_len // 2),
+                                    max_code_tokens=min(128, m.code_len // 2))
+            r["extra"].update({k: g[k] for k in ("syntax_valid_rate", "avg_iterations", "plan_exact", "code_ast_f1")
+                               if k in g})
+        return r
 
     def sample(mdl, step):
         return sample_hrm(mdl, tok, val_data or train_data, step, t.sample_tokens)
