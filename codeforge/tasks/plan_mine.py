@@ -72,6 +72,7 @@ from .sft_mine import (
     _line_start,
     _python_docstring,
     _python_trivial,
+    python_function_nodes,
 )
 
 PLAN_OPEN = "<plan>"
@@ -288,22 +289,6 @@ def plan_text(record: dict) -> str:
 
 def _python_units(src: bytes, root, skipped: Counter) -> list[dict]:
     """Every function (methods too; not those nested in functions) as {name, prompt, body, plan, key}."""
-    out: list[dict] = []
-
-    def visit(node, prefix: str) -> None:
-        for child in node.children:
-            fn = child.child_by_field_name("definition") if child.type == "decorated_definition" else child
-            if fn is not None and fn.type == "function_definition":
-                item = unit(child, fn, prefix)
-                if item:
-                    out.append(item)
-                continue  # nested functions are not mined
-            if child.type == "class_definition":
-                name = child.child_by_field_name("name")
-                visit(child, f"{prefix}{name.text.decode('utf-8')}." if name else prefix)
-            elif child.named_child_count:
-                visit(child, prefix)  # blocks of classes, if/try at module level
-
     def unit(outer, fn, prefix: str) -> dict | None:
         name_node, body = fn.child_by_field_name("name"), fn.child_by_field_name("body")
         if outer.has_error or name_node is None or body is None:
@@ -324,8 +309,7 @@ def _python_units(src: bytes, root, skipped: Counter) -> list[dict]:
         return {"name": prefix + name_node.text.decode("utf-8"), "prompt": prompt, "body": code[len(prompt):],
                 "plan": _python_body_plan(fn), "key": code}
 
-    visit(root, "")
-    return out
+    return [item for item in (unit(*node) for node in python_function_nodes(root)) if item]
 
 
 def _go_units(src: bytes, root, skipped: Counter) -> list[dict]:

@@ -106,18 +106,17 @@ def _python_trivial(stmts: list) -> bool:
     return True
 
 
-def _python_functions(src: bytes, root, skipped: Counter) -> list[dict]:
-    out: list[dict] = []
+def python_function_nodes(root) -> list[tuple]:
+    """Every Python function below `root` as (node with its decorators, function_definition, class prefix
+    "A.B."): methods of classes at any depth and functions in module-level blocks, not functions nested in
+    functions (they lean on the enclosing scope). Shared by the miners here."""
+    out: list[tuple] = []
 
     def visit(node, prefix: str) -> None:
         for child in node.children:
-            fn = child
-            if child.type == "decorated_definition":
-                fn = child.child_by_field_name("definition")
+            fn = child.child_by_field_name("definition") if child.type == "decorated_definition" else child
             if fn is not None and fn.type == "function_definition":
-                item = python_function(child, fn, prefix)
-                if item:
-                    out.append(item)
+                out.append((child, fn, prefix))
                 continue  # nested functions are not mined
             if child.type == "class_definition":
                 name = child.child_by_field_name("name")
@@ -125,6 +124,11 @@ def _python_functions(src: bytes, root, skipped: Counter) -> list[dict]:
             elif child.named_child_count:
                 visit(child, prefix)  # blocks of classes, if/try at module level
 
+    visit(root, "")
+    return out
+
+
+def _python_functions(src: bytes, root, skipped: Counter) -> list[dict]:
     def python_function(outer, fn, prefix: str) -> dict | None:
         name_node, body = fn.child_by_field_name("name"), fn.child_by_field_name("body")
         if outer.has_error or name_node is None or body is None:
@@ -152,8 +156,7 @@ def _python_functions(src: bytes, root, skipped: Counter) -> list[dict]:
         return {"name": name, "signature": text(_line_start(src, fn.start_byte), colon.end_byte), "doc": doc,
                 "code": text(start, outer.end_byte), "stub": text(start, doc_node.end_byte)}
 
-    visit(root, "")
-    return out
+    return [item for item in (python_function(*node) for node in python_function_nodes(root)) if item]
 
 
 def _go_doc(node) -> list[str]:
