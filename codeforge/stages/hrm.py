@@ -22,7 +22,7 @@ from ..hrm_data import HRMBatches, LabelCache, PlanData
 from ..models import build_model
 from ..tokenizer import CodeTokenizer
 from ..train.trainer import Trainer
-from .pretrain import round_up
+from .pretrain import resume_point, round_up
 
 PARTS = ("plan", "code", "refine", "decision", "plan_accuracy", "code_accuracy", "decision_accuracy")
 
@@ -98,20 +98,8 @@ def _train(cfg: RunConfig, resume: bool, say, device, precision: str, rank: int,
     if rank == 0:
         held.enter_context(ckpt_io.run_lock(run_dir))
     run_config = {**cfg.to_dict(), "tokenizer_hash": tok.hash, "data_identity": data_identity(t.data, tok.hash)}
-    start_ckpt = None
-    if resume:
-        try:
-            start_ckpt = ckpt_io.find_checkpoint(run_dir, "latest", train_state=True, log=say)
-        except ckpt_io.NoCheckpointError:
-            say(f"--resume: no checkpoint in {run_dir} yet; starting fresh")
-    elif (run_dir / "checkpoints").exists() and any((run_dir / "checkpoints").iterdir()):
-        raise ConfigError(f"{run_dir} already holds a training run; pass --resume to continue it, or "
-                          f"choose another --out (nothing was changed)")
     model_dict = m.to_dict()
-    if start_ckpt is not None:
-        ckpt_io.check_compatible(start_ckpt, model_dict, tok.hash, "--resume", t.data)
-        for note in ckpt_io.check_resume(start_ckpt, run_config):
-            say(f"--resume: {note}")
+    start_ckpt = resume_point(run_dir, resume, model_dict, tok.hash, t.data, run_config, say)
 
     torch.manual_seed(t.seed)
     model = build_model(m).to(device)

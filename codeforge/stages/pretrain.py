@@ -29,6 +29,26 @@ def round_up(n: int, k: int) -> int:
     return (n + k - 1) // k * k
 
 
+def resume_point(run_dir: Path, resume: bool, model_dict: dict, tok_hash: str, data, run_config: dict, say):
+    """The checkpoint a --resume continues from (None: start fresh), checked against this run's model shape,
+    tokenizer, data and fixed settings; without --resume, a run directory that already holds checkpoints is
+    refused (nothing is overwritten). Every stage starts this way."""
+    start = None
+    if resume:
+        try:  # the newest intact checkpoint (a damaged newer one is named and skipped)
+            start = ckpt_io.find_checkpoint(run_dir, "latest", train_state=True, log=say)
+        except ckpt_io.NoCheckpointError:
+            say(f"--resume: no checkpoint in {run_dir} yet; starting fresh")
+    elif (run_dir / "checkpoints").exists() and any((run_dir / "checkpoints").iterdir()):
+        raise ConfigError(f"{run_dir} already holds a training run; pass --resume to continue it, or "
+                          f"choose another --out (nothing was changed)")
+    if start is not None:
+        ckpt_io.check_compatible(start, model_dict, tok_hash, "--resume", data)
+        for note in ckpt_io.check_resume(start, run_config):
+            say(f"--resume: {note}")
+    return start
+
+
 def run(cfg: RunConfig, resume: bool = False, log=print,
         sampler: Callable[..., str] | None = None) -> dict:
     """Train (or resume) the run `cfg` describes; the process group lives exactly as long as this call."""
@@ -84,20 +104,8 @@ def _train(cfg: RunConfig, resume: bool, say, device: torch.device, precision: s
     run_config = {**cfg.to_dict(), "tokenizer_hash": tok.hash, "data_identity": ckpt_io.data_identity(t.data)}
 
     # -- resume or init_from --------------------------------------------------------------------------------
-    start_ckpt = None
-    if resume:
-        try:  # the newest intact checkpoint (a damaged newer one is named and skipped)
-            start_ckpt = ckpt_io.find_checkpoint(run_dir, "latest", train_state=True, log=say)
-        except ckpt_io.NoCheckpointError:
-            say(f"--resume: no checkpoint in {run_dir} yet; starting fresh")
-    elif (run_dir / "checkpoints").exists() and any((run_dir / "checkpoints").iterdir()):
-        raise ConfigError(f"{run_dir} already holds a training run; pass --resume to continue it, or "
-                          f"choose another --out (nothing was changed)")
     model_dict = m.to_dict()
-    if start_ckpt is not None:
-        ckpt_io.check_compatible(start_ckpt, model_dict, tok.hash, "--resume", t.data)
-        for note in ckpt_io.check_resume(start_ckpt, run_config):
-            say(f"--resume: {note}")
+    start_ckpt = resume_point(run_dir, resume, model_dict, tok.hash, t.data, run_config, say)
 
     # -- model ----------------------------------------------------------------------------------------------
     torch.manual_seed(t.seed)
