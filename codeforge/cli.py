@@ -361,7 +361,7 @@ def _quickstart_parser(sub) -> None:
     q.add_argument("--chat", action="store_true", help="then chat SFT on pairs mined from the corpus and tool "
                    "calling (about 20 CPU minutes; default --out runs/quickstart-chat)")
     q.add_argument("--hrm", action="store_true", help="seed 001's hierarchical planner/generator model instead: "
-                   "mine plans from the corpus, train it, print the seed's metrics (about 12 CPU minutes; default "
+                   "mine plans from the corpus, train it, print the seed's metrics (about 7 CPU minutes; default "
                    "--out runs/quickstart-hrm)")
     q.set_defaults(func=cmd_quickstart)
 

@@ -136,7 +136,7 @@ def _tokenizer(out_dir: Path, src: str, opts: CorpusOptions) -> Path:
 
 
 # --hrm: seed 001's hierarchical model at a CPU's size (hrm-tiny's shape at this tokenizer's 8k vocabulary);
-# ~1.3 steps/s on 2 cores, so 500 steps and the evaluation fit in about 10 minutes.
+# ~2.5 steps/s on 2 idle cores: the whole quickstart took 7.2 minutes (docs/LOG.md).
 HRM_TRAIN = {"batch_size": 8, "learning_rate": 2e-3, "warmup_steps": 50, "min_lr_ratio": 0.1, "eval_every": 250,
              "eval_tokens": 16_384, "save_every": 250, "log_every": 25, "weight_decay": 0.1}
 HRM_CASES = 16
