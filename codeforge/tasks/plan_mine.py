@@ -54,13 +54,10 @@ NotImplementedError` or the docstring; an empty Go body), `too_long` (more than 
 from __future__ import annotations
 
 import inspect
-import json
 import os
-import shutil
 from collections import Counter
 from pathlib import Path
 
-from ..atomic import publish, staging_dir
 from ..corpus import CorpusOptions, CorpusStats, content_hash, iter_documents, split_of
 from .sft_mine import (
     LANG_NAME,
@@ -73,6 +70,7 @@ from .sft_mine import (
     _python_docstring,
     _python_trivial,
     python_function_nodes,
+    write_splits,
 )
 
 PLAN_OPEN = "<plan>"
@@ -442,16 +440,7 @@ def write_plans(sources: list[str], out_dir: str | Path, overwrite: bool = False
         raise PlanMineError(f"no functions to plan found in {sources}: {stats['files']} .go/.py files, "
                             f"{stats['functions']} functions, skipped {stats['skipped']}, corpus skipped "
                             f"{stats['corpus_skipped']}; check the paths hold Go or Python code")
-    tmp = staging_dir(out)
-    try:
-        for name, rows in (("train.jsonl", train), ("val.jsonl", val)):
-            with open(tmp / name, "w", encoding="utf-8") as f:
-                f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-        meta = {"sources": list(sources), "options": {k: v for k, v in bound.arguments.items() if k != "sources"},
-                "plan_words": list(PLAN_WORDS), "plan_open": PLAN_OPEN, "code_open": CODE_OPEN, "stats": stats}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    write_splits(out, {"train.jsonl": train, "val.jsonl": val},
+                 {"sources": list(sources), "options": {k: v for k, v in bound.arguments.items() if k != "sources"},
+                  "plan_words": list(PLAN_WORDS), "plan_open": PLAN_OPEN, "code_open": CODE_OPEN, "stats": stats})
     return {**stats, "example": (train or val)[0]}

@@ -316,16 +316,22 @@ def write_sft(sources: list[str], out_dir: str | Path, overwrite: bool = False, 
                         f"{stats['functions']} functions, skipped {stats['skipped']}; check the paths hold "
                         f"documented Go or Python functions, or pass --languages go,python "
                         f"(now {','.join(bound.arguments['languages'] or ['go', 'python'])})")
+    write_splits(out, {"train.jsonl": train, "heldout.jsonl": heldout},
+                 {"sources": list(sources), "options": {k: v for k, v in bound.arguments.items() if k != "sources"},
+                  "stats": stats})
+    return stats
+
+
+def write_splits(out: Path, files: dict[str, list[dict]], meta: dict) -> None:
+    """Each named JSONL file (one record per line) and meta.json, written aside and renamed into place
+    (codeforge.atomic), so a crash never leaves a half-written directory. Shared by the miners."""
     tmp = staging_dir(out)
     try:
-        for name, rows in (("train.jsonl", train), ("heldout.jsonl", heldout)):
+        for name, rows in files.items():
             with open(tmp / name, "w", encoding="utf-8") as f:
                 f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-        meta = {"sources": list(sources), "options": {k: v for k, v in bound.arguments.items() if k != "sources"},
-                "stats": stats}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return stats
