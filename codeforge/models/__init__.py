@@ -13,8 +13,10 @@ import torch
 from .. import CodeforgeError
 from .gpt import GPT, GPTConfig
 from .hrm import HRM, HRMConfig
+from .reward import RewardConfig, RewardModel
 
-ARCHS: dict[str, tuple[type, type]] = {"gpt": (GPTConfig, GPT), "hrm": (HRMConfig, HRM)}
+ARCHS: dict[str, tuple[type, type]] = {"gpt": (GPTConfig, GPT), "hrm": (HRMConfig, HRM),
+                                       "reward": (RewardConfig, RewardModel)}
 
 
 class ModelConfigError(CodeforgeError):

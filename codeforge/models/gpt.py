@@ -8,7 +8,8 @@ kernels where the device has them).
 
 The surface every model in codeforge shares:
   forward(idx, targets=None, kv_cache=None, pos=None, attn_mask=None, loss_reduction="mean") -> logits
-  (B, T, vocab), or the cross-entropy loss when targets are given (targets == -1 are ignored; train/losses.py);
+  (B, T, vocab), or the cross-entropy loss when targets are given (targets == -1 are ignored; train/losses.py),
+  or (GPT; return_hidden=True) the final hidden states;
   num_params(); flops_per_token(); optim_groups(weight_decay); new_kv_cache(...); context_length.
 """
 
@@ -281,12 +282,14 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: KVCache | None = None,
                 pos: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None, last_only: bool = False,
-                loss_reduction: str = "mean"):
+                loss_reduction: str = "mean", return_hidden: bool = False):
         """idx (B, T) token ids. pos (B, T) positions, default 0..T-1 after what the cache holds.
         attn_mask (B, 1, T, L) bool, True where a query may attend (for left-padded batches).
         last_only: logits of the last position only, (B, 1, vocab) (generation needs no more).
         With targets: the mean loss over targets != -1, or (B, T) per-token losses with loss_reduction="none"
-        (evaluation uses that, so it shares this one loss path)."""
+        (evaluation uses that, so it shares this one loss path).
+        return_hidden: the final normalised hidden states (B, T, n_embd) instead of logits, for a head of
+        one's own (the reward model's score, PPO's value head); the logits are F.linear(h, lm_head.weight)."""
         B, T = idx.shape
         start = kv_cache.len if kv_cache is not None else 0
         if start + T > self.cfg.block_size:
@@ -307,6 +310,8 @@ class GPT(nn.Module):
                 x = block(x, rope, kv_cache, attn_mask)
         if kv_cache is not None:
             kv_cache.len += T
+        if return_hidden:
+            return self.ln_f(x)
         if targets is None:
             return self.lm_head(self.ln_f(x[:, -1:] if last_only else x))
         x = self.ln_f(x)

@@ -16,13 +16,13 @@ import torch
 
 from .. import checkpoint as ckpt_io
 from ..config import ConfigError, RunConfig
-from ..device import autocast, choose_device, choose_precision, distributed_env, setup_distributed, teardown_distributed
+from ..device import autocast
 from ..evaluate import token_byte_lengths
 from ..hrm_data import HRMBatches, LabelCache, PlanData
 from ..models import build_model
 from ..tokenizer import CodeTokenizer
 from ..train.trainer import Trainer
-from .pretrain import resume_point, round_up
+from .pretrain import launch, resume_point, round_up
 
 PARTS = ("plan", "code", "refine", "decision", "plan_accuracy", "code_accuracy", "decision_accuracy")
 
@@ -60,17 +60,8 @@ def run(cfg: RunConfig, resume: bool = False, log=print) -> dict:
     if not (Path(t.data) / "train.jsonl").exists():
         raise ConfigError(f"{t.data} has no train.jsonl; mine plans first: codeforge make-plans --input SRC "
                           f"--out {t.data}")
-    device, why_dev = choose_device(t.device)
-    precision, why_prec = choose_precision(device, t.precision)
-    rank, world = distributed_env()
-    setup_distributed(device)
-    try:
-        say = log if rank == 0 else (lambda m: None)
-        say(f"device: {device} ({why_dev}); precision: {precision} ({why_prec})")
-        with contextlib.ExitStack() as held:
-            return _train(cfg, resume, say, device, precision, rank, world, held)
-    finally:
-        teardown_distributed()
+    return launch(cfg, log, lambda say, device, precision, rank, world, held: _train(
+        cfg, resume, say, device, precision, rank, world, held))
 
 
 def _train(cfg: RunConfig, resume: bool, say, device, precision: str, rank: int, world: int,

@@ -49,16 +49,11 @@ def resume_point(run_dir: Path, resume: bool, model_dict: dict, tok_hash: str, d
     return start
 
 
-def run(cfg: RunConfig, resume: bool = False, log=print,
-        sampler: Callable[..., str] | None = None) -> dict:
-    """Train (or resume) the run `cfg` describes; the process group lives exactly as long as this call."""
+def launch(cfg: RunConfig, log, train) -> dict:
+    """The preamble every stage shares: the device and precision (said once), the process group under
+    torchrun (alive exactly as long as this call), a `say` that only rank 0 speaks through, and an ExitStack
+    for what the run holds (the run-directory lock). Calls train(say, device, precision, rank, world, held)."""
     t = cfg.train
-    if not t.data or not t.out:
-        raise ConfigError("train needs --data DIR (from `codeforge prepare`) and --out RUN")
-    ShardSet(t.data, "train")  # inputs first: a missing or unprepared --data is said before anything else
-    if t.init_from and not Path(t.init_from).exists():
-        raise ConfigError(f"--init-from {t.init_from} does not exist: pass a run directory (from `codeforge "
-                          f"train --out`) or one of its checkpoints")
     device, why_dev = choose_device(t.device)
     precision, why_prec = choose_precision(device, t.precision)
     rank, world = distributed_env()
@@ -66,10 +61,28 @@ def run(cfg: RunConfig, resume: bool = False, log=print,
     try:
         say = log if rank == 0 else (lambda m: None)
         say(f"device: {device} ({why_dev}); precision: {precision} ({why_prec})")
-        with contextlib.ExitStack() as held:  # the run-directory lock, taken in _train, lives as long as this
-            return _train(cfg, resume, say, device, precision, rank, world, sampler or plain_sample, held)
+        with contextlib.ExitStack() as held:
+            return train(say, device, precision, rank, world, held)
     finally:
         teardown_distributed()
+
+
+def run(cfg: RunConfig, resume: bool = False, log=print,
+        sampler: Callable[..., str] | None = None) -> dict:
+    """Train (or resume) the run `cfg` describes."""
+    t = cfg.train
+    if not t.data or not t.out:
+        raise ConfigError("train needs --data DIR (from `codeforge prepare`) and --out RUN")
+    ShardSet(t.data, "train")  # inputs first: a missing or unprepared --data is said before anything else
+    check_init_from(t.init_from)
+    return launch(cfg, log, lambda say, device, precision, rank, world, held: _train(
+        cfg, resume, say, device, precision, rank, world, sampler or plain_sample, held))
+
+
+def check_init_from(init_from: str) -> None:
+    if init_from and not Path(init_from).exists():
+        raise ConfigError(f"--init-from {init_from} does not exist: pass a run directory (from `codeforge "
+                          f"train --out`) or one of its checkpoints")
 
 
 def _train(cfg: RunConfig, resume: bool, say, device: torch.device, precision: str, rank: int, world: int,

@@ -37,13 +37,17 @@ class Trainer:
                  device: torch.device, precision: str, total_steps: int, tokens_per_step: int, run_config: dict,
                  assets: dict[str, Path] | None = None, evaluate: Callable[[torch.nn.Module], dict | None] | None = None,
                  sample: Callable[[torch.nn.Module, int], str] | None = None, start_checkpoint: Path | None = None,
-                 rank: int = 0, world: int = 1, log=print):
+                 rank: int = 0, world: int = 1, log=print, aux: torch.nn.Module | None = None):
         """model: on `device`, initialised (or loaded by the stage). batches: the training batch source.
         run_config: the resolved configuration saved with every checkpoint (it must let the checkpoint module
         rebuild the model; its model and train sections are also written to RUN/config.toml). assets:
         directories copied into every checkpoint (e.g. {"tokenizer": path}).
-        evaluate(model) -> {"val_loss", ...} or None; sample(model, step) -> text. start_checkpoint: resume
-        from it (weights, optimizer, batch-source cursor, RNG, counters)."""
+        evaluate(model) -> {"val_loss", ...} or None: every number in it is logged as val_KEY, its "extra" dict
+        too; "objective" (default val_loss; lower is better) picks the "best" checkpoint. sample(model, step) ->
+        text. start_checkpoint: resume from it (weights, optimizer, batch-source cursor, RNG, counters).
+        aux: a module trained beside the model whose weights are not the model's (PPO's value head): its
+        parameters join the optimizer (no weight decay) and gradient clipping, and its weights are saved in
+        the training state, so checkpoints stay the bare model the engine, eval and export read."""
         self.model, self.batches, self.loss_fn, self.cfg = model, batches, loss_fn, cfg
         self.run_dir, self.device, self.precision = Path(run_dir), device, precision
         self.total_steps, self.tokens_per_step, self.run_config = total_steps, tokens_per_step, run_config
@@ -51,8 +55,12 @@ class Trainer:
         self.rank, self.world, self.master, self.ddp = rank, world, rank == 0, world > 1
         self.print = log
         self.fwd = parallel.wrap(model, device, compile=cfg.compile, ddp=self.ddp)
+        self.aux = aux
         self.opt = build_optimizer(model, cfg.optimizer, cfg.learning_rate, cfg.weight_decay,
                                    (cfg.beta1, cfg.beta2), device)
+        if aux is not None:
+            self.opt.add_param_group({"params": list(aux.parameters()), "weight_decay": 0.0})
+        self.params = [p for g in self.opt.param_groups for p in g["params"]]
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
         self.flops_per_token = model.flops_per_token()
         self.peak = peak_flops(device)
@@ -72,6 +80,11 @@ class Trainer:
     def _restore(self, ck: Path) -> None:
         ckpt_io.load_weights(self.model, ck)
         st = ckpt_io.load_train_state(ck)
+        if self.aux is not None:
+            if "aux" not in st:
+                raise TrainingError(f"--resume {ck}: the checkpoint holds no weights for this stage's "
+                                    f"{type(self.aux).__name__}; it was written by another stage")
+            self.aux.load_state_dict(st["aux"])
         self.opt.load_state_dict(st["optimizer"])
         self.scaler.load_state_dict(st["scaler"])
         try:
@@ -95,6 +108,8 @@ class Trainer:
                  "loader": self.batches.state_dict(), "rng": ckpt_io.rng_state(), "step": self.step,
                  "tokens": self.tokens, "best_val": self.best_val, "skipped": self.skipped, "last_val": self.last_val,
                  "last_val_step": self.last_val_step}
+        if self.aux is not None:
+            state["aux"] = {k: v.detach().clone() for k, v in self.aux.state_dict().items()}
         try:
             path = ckpt_io.save_checkpoint(self.run_dir, self.step, self.model, self.run_config, state, self.assets,
                                            self.cfg.keep_last, best=best, final=final)
@@ -109,13 +124,18 @@ class Trainer:
         self.model.train()
         if r is None:
             return
-        self.last_val, self.last_val_step = r["val_loss"], self.step
-        rec = {"step": self.step, "val_loss": r["val_loss"], "val_perplexity": r["perplexity"],
-               "val_bpb": r["bits_per_byte"], "val_tokens": r.get("eval_tokens"), "tokens": self.tokens}
+        self.last_val, self.last_val_step = r.get("objective", r.get("val_loss")), self.step
+        names = {"perplexity": "val_perplexity", "bits_per_byte": "val_bpb", "eval_tokens": "val_tokens"}
+        rec = {"step": self.step, "tokens": self.tokens}
+        rec.update({names.get(k, k if k.startswith("val_") else f"val_{k}"): v for k, v in r.items()
+                    if k not in ("extra", "objective", "message")})
         rec.update({f"val_{k}": v for k, v in r.get("extra", {}).items()})  # a stage's own metrics (hrm)
         self.logger.log(rec)
-        self.logger.message(f"step {self.step}: val loss {r['val_loss']:.4f}, perplexity {r['perplexity']:.2f}, "
-                            f"{r['bits_per_byte']:.3f} bits/byte ({r.get('eval_tokens', 0):,} validation tokens)")
+        if "message" in r:  # a stage that scores otherwise (pair accuracy, pass rate) words its own line
+            self.logger.message(f"step {self.step}: {r['message']}")
+        else:
+            self.logger.message(f"step {self.step}: val loss {r['val_loss']:.4f}, perplexity {r['perplexity']:.2f}, "
+                                f"{r['bits_per_byte']:.3f} bits/byte ({r.get('eval_tokens', 0):,} validation tokens)")
 
     def _sample(self) -> None:
         if self.sample_fn is None or not self.master:
@@ -224,7 +244,7 @@ class Trainer:
         set_lr(self.opt, lr)
         loss_v, norm_v, applied = train_step(self.fwd, self.model, self.opt, self.scaler, self.batches, self.loss_fn,
                                              t.grad_accum_steps, t.grad_clip, self.device, self.precision, self.ddp,
-                                             parts=self.parts)
+                                             parts=self.parts, params=self.params)
         self.parts_steps += 1
         if applied:
             self.bad_in_row = 0
@@ -311,12 +331,14 @@ class Pace:
 
 
 def train_step(fwd, model, opt, scaler, batches, loss_fn: LossFn, accum: int, clip: float, device: torch.device,
-               precision: str, ddp: bool = False, parts: dict | None = None) -> tuple[float, float, bool]:
+               precision: str, ddp: bool = False, parts: dict | None = None,
+               params: list | None = None) -> tuple[float, float, bool]:
     """Forward/backward over `accum` micro-batches from `batches`, unscale, clip, and step unless the loss or
     the gradient is non-finite (then the weights stay as they were). Returns (mean loss, grad norm, applied).
     The single host sync per optimizer step is the read of loss and norm together. The benchmarks time this.
     `parts`, when given, gathers the metrics loss_fn returns beside the loss (a model's loss terms), each
-    averaged over the micro-batches and added to what the dict holds, as tensors (no sync)."""
+    averaged over the micro-batches and added to what the dict holds, as tensors (no sync). `params`: what
+    the gradient norm is clipped over (default: the model's)."""
     loss_acc = torch.zeros((), device=device)
     for micro in range(accum):
         batch = next(batches)
@@ -332,7 +354,8 @@ def train_step(fwd, model, opt, scaler, batches, loss_fn: LossFn, accum: int, cl
             scaler.scale(loss).backward()
         loss_acc += loss.detach()
     scaler.unscale_(opt)
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else math.inf)
+    norm = torch.nn.utils.clip_grad_norm_(params if params is not None else model.parameters(),
+                                          clip if clip > 0 else math.inf)
     loss_v, norm_v = torch.stack([loss_acc.float(), norm.float()]).tolist()
     fp16_overflow = precision == "fp16" and math.isfinite(loss_v) and not math.isfinite(norm_v)
     applied = math.isfinite(loss_v) and (math.isfinite(norm_v) or fp16_overflow)
