@@ -523,7 +523,9 @@ def read_config(ckpt: Path) -> dict:
                               f"damaged: use another one") from e
 
 
-def load_weights(model: torch.nn.Module, ckpt: Path) -> None:
+def load_weights(model: torch.nn.Module, ckpt: Path, new_ok: tuple[str, ...] = ()) -> None:
+    """The checkpoint's weights into `model`, every key matched; `new_ok`: prefixes of parameters the model
+    may have that the checkpoint lacks (a head added on a trained trunk keeps its initialisation)."""
     f = Path(ckpt) / "model.safetensors"
     try:
         missing, unexpected = st_load_model(model, str(f), strict=False)
@@ -531,6 +533,7 @@ def load_weights(model: torch.nn.Module, ckpt: Path) -> None:
         raise CheckpointError(f"{f} cannot be read ({e}); the checkpoint is damaged: use another one") from e
     except RuntimeError as e:  # a tensor of another shape
         raise CheckpointError(f"{f}: weights do not fit the model ({e})") from e
+    missing = [k for k in missing if not k.startswith(new_ok)] if new_ok else missing
     if missing or unexpected:
         raise CheckpointError(f"{ckpt}: weights do not fit the model (missing {missing[:5]}, unexpected {unexpected[:5]})")
 
@@ -641,6 +644,16 @@ def data_identity(data_dir: str | Path, sample: int = 1 << 16) -> dict:
     tr = meta["splits"]["train"]
     return {"tokenizer_hash": meta.get("tokenizer_hash"), "chat": bool(meta.get("chat")), "tokens": tr["tokens"],
             "documents": tr["documents"], "files": files}
+
+
+def jsonl_identity(path: str | Path, tok_hash: str, names: tuple[str, ...] = ("train.jsonl",)) -> dict:
+    """data_identity for stages that read JSONL (hrm, reward, dpo, ppo, grpo): the size and sha256 of the
+    file, or of the named files in a directory, so --resume refuses other data."""
+    p = Path(path)
+    files = [p] if p.is_file() else [p / n for n in names if (p / n).is_file()]
+    return {"tokenizer_hash": tok_hash, "chat": False, "tokens": None, "documents": None,
+            "files": {f.name: f"{f.stat().st_size} bytes, sha256 {hashlib.sha256(f.read_bytes()).hexdigest()[:16]}"
+                      for f in files}}
 
 
 def _data_diff(saved: dict, now: dict) -> list[str]:

@@ -119,6 +119,41 @@ def cmd_make_sft(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_make_pairs(a: argparse.Namespace) -> int:
+    from .tasks.pref_mine import write_pairs, write_task_pairs
+    if bool(a.input) == bool(a.tasks):
+        raise CodeforgeError("make-pairs takes code (--input PATH ...) or tasks with solutions (--tasks TASKS), "
+                             "one of the two")
+    if a.tasks:
+        st = write_task_pairs(a.tasks, a.out, overwrite=a.overwrite, seed=a.seed, per_task=a.per_function,
+                              max_pairs=a.max_pairs, heldout_fraction=a.heldout_fraction)
+        print(f"{st['pairs']} pairs (train {st['train']}, held out {st['heldout']}) from {sum(st['tasks'].values())} "
+              f"tasks; every rejected side fails the task's tests -> {a.out}")
+        print(f"  kinds: {st['kinds']}; dropped: {st['dropped'] or 'none'}")
+    else:
+        st = write_pairs(a.input, a.out, overwrite=a.overwrite, languages=a.languages, max_pairs=a.max_pairs,
+                         heldout_fraction=a.heldout_fraction, seed=a.seed, per_function=a.per_function)
+        print(f"{st['pairs']} pairs (train {st['train']}, held out {st['heldout']}) from {st['functions']} "
+              f"functions in {st['files']} files -> {a.out}")
+        print(f"  kinds: {st['kinds']}")
+        if st.get("skipped"):
+            print("  functions without a pair: " + ", ".join(f"{k} {v}" for k, v in st["skipped"].items()))
+    print(f"next: codeforge train --stage dpo (or reward) --init-from SFT_RUN --data {a.out} --out RUN")
+    return 0
+
+
+def cmd_make_tasks(a: argparse.Namespace) -> int:
+    from .tasks.code_tasks import write_tasks
+    st = write_tasks(a.out, n=a.count, seed=a.seed, overwrite=a.overwrite, validate=not a.no_validate)
+    print(f"{st['kept']} tasks from {st['families']} families (train {st['train']}, held out {st['test']}; "
+          f"{st['skipped']} skipped: their reference solution failed its tests) -> {a.out}")
+    for sk in st["skipped_tasks"][:5]:
+        print(f"  skipped {sk['id']}: {sk['reason']}")
+    print(f"next: SFT on {a.out}/train.jsonl (`codeforge prepare --chat`), then codeforge train --stage grpo "
+          f"--init-from SFT_RUN --data {a.out} --out RUN; codeforge eval --run RUN --tasks {a.out}")
+    return 0
+
+
 def cmd_make_tools(a: argparse.Namespace) -> int:
     from .tasks.tool_data import write_tool_data
     meta = write_tool_data(a.out, a.count, a.heldout, seed=a.seed, overwrite=a.overwrite)
@@ -191,6 +226,31 @@ def build_parser() -> argparse.ArgumentParser:
     ms.add_argument("--seed", type=int, default=0)
     ms.add_argument("--overwrite", action="store_true")
     ms.set_defaults(func=cmd_make_sft)
+
+    mpp = sub.add_parser("make-pairs", help="preference pairs from Go/Python code: the real function (chosen) "
+                                            "against a broken variant (rejected), for --stage reward and dpo")
+    mpp.add_argument("--input", nargs="+", default=None, metavar="PATH", help="directories or files of code")
+    mpp.add_argument("--tasks", default=None, metavar="TASKS",
+                     help="instead of code: tasks with reference solutions (a `codeforge make-tasks` directory's "
+                          "train split, or JSONL); every rejected variant is run and must fail the tests")
+    mpp.add_argument("--out", required=True, help="directory: train.jsonl, heldout.jsonl, meta.json")
+    mpp.add_argument("--languages", nargs="+", default=None, choices=["go", "python"])
+    mpp.add_argument("--max-pairs", type=int, default=0, help="cap on pairs (0: all)")
+    mpp.add_argument("--per-function", type=int, default=1, help="broken variants per function")
+    mpp.add_argument("--heldout-fraction", type=float, default=0.05)
+    mpp.add_argument("--seed", type=int, default=0)
+    mpp.add_argument("--overwrite", action="store_true")
+    mpp.set_defaults(func=cmd_make_pairs)
+
+    mk = sub.add_parser("make-tasks", help="small programming tasks with hidden tests (string, list, arithmetic, "
+                                           "dict; 3 levels), for --stage ppo and grpo and `eval --tasks`")
+    mk.add_argument("--out", required=True, help="directory: train.jsonl, test.jsonl (held out), meta.json")
+    mk.add_argument("--count", type=int, default=2000, help="tasks in all (about a fifth are held out)")
+    mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--no-validate", action="store_true",
+                    help="skip running every reference solution against its tests in the sandbox")
+    mk.add_argument("--overwrite", action="store_true")
+    mk.set_defaults(func=cmd_make_tasks)
 
     mt = sub.add_parser("make-tools", help="synthetic tool-calling conversations (code tools: run tests, read "
                                            "files, search code, evaluate expressions)")
@@ -686,6 +746,12 @@ def _eval_parser(sub) -> None:
     e.add_argument("--checkpoint", default="auto", choices=["auto", "best", "latest", "final"],
                    help="auto: best if the run has one, else latest")
     e.add_argument("--tool-cases", type=int, default=100, help="held-out tool-calling cases for chat runs (0: skip)")
+    e.add_argument("--tasks", default=None, metavar="TASKS",
+                   help="pass rate on programming tasks with hidden tests: a `codeforge make-tasks` directory (its "
+                        "held-out split) or a JSONL of prompt/tests; the programs run in the sandbox")
+    e.add_argument("--task-samples", type=int, default=1, help="samples per task (with --task-temperature > 0)")
+    e.add_argument("--task-temperature", type=float, default=0.0, help="0: greedy, one sample per task")
+    e.add_argument("--task-limit", type=int, default=0, metavar="N", help="only the first N tasks (0: all)")
     e.add_argument("--device", default="auto")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_eval)
@@ -698,7 +764,8 @@ def cmd_eval(a: argparse.Namespace) -> int:
                  samples_per_problem=a.samples_per_problem, max_new_tokens=a.max_new_tokens,
                  timeout=a.timeout, which=a.checkpoint, device=a.device, tool_cases=a.tool_cases,
                  unsafe_no_sandbox=a.unsafe_no_sandbox, infill=a.infill,
-                 hrm_cases=a.hrm_cases)
+                 hrm_cases=a.hrm_cases, tasks=a.tasks, task_samples=a.task_samples,
+                 task_temperature=a.task_temperature, task_limit=a.task_limit)
     if a.json:
         print(json.dumps(r))
     else:

@@ -19,8 +19,16 @@ from .fields import ConfigError, check_fields, setting
 from .models import ARCHS, config_class
 from .models.gpt import GPTConfig
 
-STAGES = ("pretrain", "code", "sft", "tools", "hrm")
+STAGES = ("pretrain", "code", "sft", "tools", "hrm", "reward", "dpo", "ppo", "grpo")
 CHAT_STAGES = ("sft", "tools")
+PAIR_STAGES = ("reward", "dpo")  # train on preference pairs (JSONL from `codeforge make-pairs` or your own)
+RL_STAGES = ("ppo", "grpo")  # train on programming tasks with hidden tests (`codeforge make-tasks` or your own)
+
+
+def speaks_chat(saved: dict) -> bool:
+    """Whether a saved run config is a chat model's: trained by a chat stage, or by one that continues a chat
+    run (preference and RL stages start from SFT runs)."""
+    return saved.get("train", {}).get("stage") in CHAT_STAGES + PAIR_STAGES + RL_STAGES
 
 
 @dataclass
@@ -29,7 +37,9 @@ class TrainConfig:
                          "a loss mask (sft, tools); each stage has its seed's defaults (presets/stages.toml)",
                          choices=STAGES)
     data: str = setting("", "prepared data directory (from `codeforge prepare`; --stage hrm: mined plans from "
-                        "`codeforge make-plans`)", required=True, metavar="DIR")
+                        "`codeforge make-plans`; reward, dpo: preference pairs, a JSONL file or a `codeforge "
+                        "make-pairs` directory; ppo, grpo: tasks, a JSONL file or a `codeforge make-tasks` "
+                        "directory)", required=True, metavar="DIR")
     tokenizer: str = setting("", "tokenizer directory, for stages that train on raw JSONL (hrm); the prepared "
                              "stages take the one beside their shards", metavar="DIR")
     out: str = setting("", "run directory (checkpoints, metrics, config)", required=True, metavar="RUN")
@@ -76,6 +86,33 @@ class TrainConfig:
     fim_spm_rate: float = setting(0.5, "of those, the share in suffix-prefix-middle order", range=(0.0, 1.0))
     loss_chunk_rows: int = setting(0, "fused chunked LM loss, rows per chunk", range=(0, 10**7), zero_means="off")
     max_bad_steps: int = setting(5, "stop after this many non-finite losses in a row", range=(1, 10**6))
+    beta: float = setting(0.1, "dpo: strength of the implicit KL to the reference model (Rafailov et al. 2023)",
+                          range=(0.0, 100.0), open_low=True)
+    dpo_sft: float = setting(0.0, "dpo: weight of the chosen answers' own language-model loss added to DPO's (RPO, "
+                             "Pang et al. 2024; keeps their likelihood from sinking with the rejected)",
+                             range=(0.0, 100.0))
+    kl_coef: float = setting(0.0, "ppo, grpo: weight of the KL penalty to the frozen reference (0.05 in ppo; "
+                             "grpo leaves it off)", range=(0.0, 100.0))
+    rewards: str = setting("auto", "ppo, grpo: where rewards come from: running the sample's code against the "
+                           "task's tests, the reward model (--reward-model), or their sum; auto: the reward model "
+                           "when one is given, else execution", choices=("auto", "execution", "model", "both"))
+    reward_model: str = setting("", "ppo: a reward-model run (from --stage reward) that scores samples",
+                                metavar="RUN")
+    group_size: int = setting(4, "ppo, grpo: samples per task in a rollout (GRPO's G)", range=(1, 1024))
+    rollout_tasks: int = setting(8, "ppo, grpo: tasks per rollout (each sampled group_size times)",
+                                 range=(1, 100_000))
+    rollout_tokens: int = setting(128, "ppo, grpo: most tokens a sample may write", range=(1, 100_000))
+    rollout_temperature: float = setting(1.0, "ppo, grpo: sampling temperature of rollouts", range=(0.0, 10.0),
+                                         open_low=True)
+    ppo_epochs: int = setting(1, "ppo, grpo: passes over each rollout (in micro-batches of batch_size samples)",
+                              range=(1, 1000))
+    clip_eps: float = setting(0.2, "ppo, grpo: clip range of the probability ratio", range=(0.0, 10.0),
+                              open_low=True)
+    gae_gamma: float = setting(1.0, "ppo: discount", range=(0.0, 1.0))
+    gae_lambda: float = setting(0.95, "ppo: GAE lambda", range=(0.0, 1.0))
+    vf_coef: float = setting(0.5, "ppo: weight of the value head's loss", range=(0.0, 100.0))
+    eval_tasks: int = setting(64, "ppo, grpo: held-out tasks solved (greedy) at each evaluation",
+                              range=(0, 10**6), zero_means="all of them")
     init_from: str = setting("", "start from another run's weights (staged training); a run or checkpoint dir",
                              metavar="RUN")
     tensorboard: bool = setting(True, "write TensorBoard events")

@@ -35,6 +35,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)  # stop sequences (not included in the output)
     stop_at_eot: bool = True
+    stop_ids: list[int] = field(default_factory=list)  # more token ids that end a row (e.g. <|im_end|>); yielded
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
@@ -136,6 +137,8 @@ class Engine:
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         budget = torch.tensor(budgets, device=self.device)
         vocab = self.tok.vocab_size
+        ends = list(p.stop_ids) + ([self.tok.eot_id] if p.stop_at_eot else [])
+        end_t = torch.tensor(ends, device=self.device, dtype=torch.long)
         next_pos = pos[:, -1] + 1
         logits = self._forward(idx, cache, pos, mask)[:, -1, :]
         seen = torch.zeros(B, logits.size(-1), dtype=torch.bool, device=self.device)  # (B, model vocab)
@@ -151,8 +154,8 @@ class Engine:
             finished_now = done | (budget <= t)
             ids, fin = nxt.tolist(), finished_now.tolist()  # one host transfer per step
             yield [None if f else i for i, f in zip(ids, fin)]
-            done = finished_now | ((nxt == self.tok.eot_id) if p.stop_at_eot else done)
-            if t == steps - 1 or all(f or (p.stop_at_eot and i == self.tok.eot_id) for i, f in zip(ids, fin)):
+            done = finished_now | torch.isin(nxt, end_t)
+            if t == steps - 1 or all(f or i in ends for i, f in zip(ids, fin)):
                 return
             if p.repetition_penalty != 1.0:
                 seen[torch.arange(B), nxt] = True

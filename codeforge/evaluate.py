@@ -246,6 +246,66 @@ def humaneval_pass_at_k(engine, n_problems: int, samples: int, ks: list[int], ma
             "humaneval_problems": len(problems), "humaneval_samples": samples, "sandbox_outcomes": outcomes}
 
 
+# -- programming tasks with hidden tests (tasks/code_tasks.py) ---------------------------------------------
+
+def task_prompt_ids(tok: CodeTokenizer, task: dict, chat: bool) -> list[int]:
+    """The prompt a policy sees for a task: the request as a user turn with the chat template (a chat run), or
+    the request as plain text and a newline (a pretrained run)."""
+    if chat:
+        from .chat import encode_conversation
+        return encode_conversation(tok, [{"role": "user", "content": task["prompt"]}], add_generation_prompt=True)[0]
+    return tok.encode(task["prompt"] + "\n")
+
+
+def end_id(tok: CodeTokenizer, chat: bool) -> int:
+    return tok.special_ids["<|im_end|>"] if chat else tok.eot_id
+
+
+@torch.no_grad()
+def sample_tasks(model, tok: CodeTokenizer, device, precision: str, tasks: list[dict], chat: bool, n: int,
+                 max_new_tokens: int, temperature: float, seed: int) -> list[tuple[list[int], list[int], str]]:
+    """n samples for each task (task-major: the n of task 0 first): (prompt ids, response ids including the
+    end token when one was written, response text without it). One batched generation; the model is left
+    in eval mode."""
+    from .engine import Engine, SamplingParams
+    prompts = [task_prompt_ids(tok, t, chat) for t in tasks for _ in range(n)]
+    end = end_id(tok, chat)
+    eng = Engine(model, tok, device, precision)
+    p = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, stop_ids=[end])
+    outs: list[list[int]] = [[] for _ in prompts]
+    for step in eng.generate_ids(prompts, p, warn=lambda m: None):
+        for i, t in enumerate(step):
+            if t is not None:
+                outs[i].append(t)
+    return [(pr, o, tok.decode([t for t in o if t not in (end, tok.eot_id)])) for pr, o in zip(prompts, outs)]
+
+
+def task_eval(model, tok: CodeTokenizer, device, precision: str, tasks: list[dict], chat: bool,
+              max_new_tokens: int = 192, samples: int = 1, temperature: float = 0.0, seed: int = 0,
+              timeout: float = 5.0, unsafe_no_sandbox: bool = False) -> dict:
+    """Pass rate on tasks with hidden tests: greedy by default (pass@1 of one sample), else `samples` per task
+    at `temperature` with the unbiased pass@1. Each program runs once in the sandbox. Also the share of
+    samples that parse, the mean execution reward, and the outcomes (passed, wrong, runtime_error, no_parse,
+    early_exit: a program that exited before its tests ran)."""
+    from .tasks.code_tasks import execution_rewards
+    if not tasks:
+        raise EvalError("no tasks to evaluate")
+    n = samples if temperature > 0 else 1
+    out = sample_tasks(model, tok, device, precision, tasks, chat, n, max_new_tokens, temperature, seed)
+    res = execution_rewards([t for t in tasks for _ in range(n)], [o[2] for o in out], timeout=timeout,
+                            unsafe_no_sandbox=unsafe_no_sandbox)
+    outcomes: dict[str, int] = {}
+    for r in res:
+        outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
+    passed = [r["outcome"] == "passed" for r in res]
+    per_task = [sum(passed[i * n:(i + 1) * n]) for i in range(len(tasks))]
+    return {"task_pass_at_1": sum(pass_at_k(n, c, 1) for c in per_task) / len(tasks),
+            "task_solved": sum(c > 0 for c in per_task), "tasks": len(tasks), "task_samples": n,
+            "task_syntax_valid": 1 - outcomes.get("no_parse", 0) / len(res),
+            "task_mean_reward": sum(r["reward"] for r in res) / len(res),
+            "task_mean_tokens": sum(len(o[1]) for o in out) / len(out), "task_outcomes": outcomes}
+
+
 # -- fill-in-the-middle ---------------------------------------------------------------------------------
 
 def infill_cases(documents: list[str], n: int, seed: int = 0, max_doc_chars: int = 6000) -> list[dict]:
@@ -507,10 +567,13 @@ def chat_end_rate(engine, conversations: list[dict], n: int = 20, max_new_tokens
 def run_eval(run: str, data: str | None = None, eval_tokens: int | None = None, syntax_samples: int = 16,
              language: str | None = None, humaneval: int = 0, ks: list[int] = (1, 10), samples_per_problem: int = 10,
              max_new_tokens: int = 256, timeout: float = 5.0, which: str = "auto", device: str = "auto",
-             tool_cases: int = 100, unsafe_no_sandbox: bool = False, infill: int = 0, hrm_cases: int = 32) -> dict:
+             tool_cases: int = 100, unsafe_no_sandbox: bool = False, infill: int = 0, hrm_cases: int = 32,
+             tasks: str | None = None, task_samples: int = 1, task_temperature: float = 0.0,
+             task_limit: int = 0) -> dict:
     """Everything `codeforge eval` reports, appended to RUN/eval.jsonl and to TensorBoard. eval_tokens:
     validation targets scored (default: the run's own train.eval_tokens, so the number equals the one
-    training printed for the same checkpoint)."""
+    training printed for the same checkpoint). tasks: a JSONL of tasks with hidden tests or a `codeforge
+    make-tasks` directory (its held-out test split): pass rates of any GPT run (task_limit: the first N)."""
 
     from .device import choose_device, choose_precision
     from .engine import Engine
@@ -523,7 +586,27 @@ def run_eval(run: str, data: str | None = None, eval_tokens: int | None = None, 
         r = {"run": str(run), "checkpoint": str(ck), "step": step, "data": str(data or cfg["train"]["data"])}
         r.update(run_hrm_eval(run, model, tok, ck, cfg, dev, precision, data, eval_tokens, hrm_cases))
         return _record_eval(run, ck, step, r)
+    from pathlib import Path
+
+    from .config import speaks_chat
+    r: dict = {"run": str(run), "checkpoint": str(ck), "step": step}
+    if tasks:
+        from .tasks.code_tasks import TaskError, load_tasks
+        try:
+            todo = load_tasks(tasks, split="test") if Path(tasks).is_dir() else load_tasks(tasks)
+        except TaskError as e:
+            raise EvalError(str(e)) from e
+        todo = todo[:task_limit] if task_limit else todo
+        r["task_file"] = str(tasks)
+        r.update(task_eval(model, tok, dev, precision, todo, speaks_chat(cfg), max_new_tokens, task_samples,
+                           task_temperature, timeout=timeout, unsafe_no_sandbox=unsafe_no_sandbox))
     data = data or cfg["train"]["data"]
+    if not (Path(data) / "meta.json").exists():  # a preference or RL run's data is JSONL, not prepared shards
+        if tasks:
+            return _record_eval(run, ck, step, r)
+        raise EvalError(f"{data} is not a prepared data directory (the run trained on pairs or tasks?): pass "
+                        f"--data DIR (from `codeforge prepare`) for loss and syntax metrics, or --tasks TASKS for "
+                        f"pass rates")
     val = ShardSet(data, "val")
     if val.tokens == 0:
         import sys
@@ -531,7 +614,7 @@ def run_eval(run: str, data: str | None = None, eval_tokens: int | None = None, 
               file=sys.stderr)
         val = ShardSet(data, "train")
     val.check_tokenizer(tok.hash, f"the checkpoint's tokenizer ({ck})")
-    r: dict = {"run": str(run), "checkpoint": str(ck), "step": step, "data": str(data), "eval_split": val.split}
+    r.update({"data": str(data), "eval_split": val.split})
     T = cfg["model"]["block_size"]
     token_bytes = token_byte_lengths(tok, cfg["model"]["vocab_size"])
     if eval_tokens is None:
@@ -541,7 +624,7 @@ def run_eval(run: str, data: str | None = None, eval_tokens: int | None = None, 
     except ValueError as e:
         raise EvalError(f"{e}; prepare more data (or a larger --val-fraction)") from e
     eng = Engine(model, tok, dev, precision)
-    chat = val.chat or cfg["train"].get("stage") in ("sft", "tools")
+    chat = val.chat or speaks_chat(cfg)
     r["chat"] = chat
     if chat and tool_cases:
         r.update(tool_calling_eval(eng, tool_cases))

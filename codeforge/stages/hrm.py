@@ -7,7 +7,6 @@ Device, precision, the run lock, --resume and --init-from checks are pretrain.py
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -41,13 +40,6 @@ def tokenizer_dir(cfg: RunConfig) -> Path:
         return Path(t.data) / "tokenizer"
     raise ConfigError(f"--stage hrm needs --tokenizer DIR (a trained tokenizer: `codeforge tokenizer train`); "
                       f"{t.data} holds none")
-
-
-def data_identity(data_dir: str | Path, tok_hash: str) -> dict:
-    """What the mined training split is (resume refuses other data): size and sha256 of train.jsonl."""
-    f = Path(data_dir) / "train.jsonl"
-    return {"tokenizer_hash": tok_hash, "chat": False, "tokens": None, "documents": None,
-            "files": {f.name: f"{f.stat().st_size} bytes, sha256 {hashlib.sha256(f.read_bytes()).hexdigest()[:16]}"}}
 
 
 def run(cfg: RunConfig, resume: bool = False, log=print) -> dict:
@@ -88,7 +80,7 @@ def _train(cfg: RunConfig, resume: bool, say, device, precision: str, rank: int,
 
     if rank == 0:
         held.enter_context(ckpt_io.run_lock(run_dir))
-    run_config = {**cfg.to_dict(), "tokenizer_hash": tok.hash, "data_identity": data_identity(t.data, tok.hash)}
+    run_config = {**cfg.to_dict(), "tokenizer_hash": tok.hash, "data_identity": ckpt_io.jsonl_identity(t.data, tok.hash)}
     model_dict = m.to_dict()
     start_ckpt = resume_point(run_dir, resume, model_dict, tok.hash, t.data, run_config, say)
 

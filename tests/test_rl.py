@@ -1,0 +1,211 @@
+"""Preference and RL stages end to end on the CPU (stages/prefs.py, stages/rl.py): each of reward, DPO, PPO
+and GRPO raises the reward on a task a tiny model learns in seconds; resume is exact (the rollout in
+progress and PPO's value head included); bad pairs and broken tasks are reported, not trained on.
+
+The task: `pick()` must return 'a'. The starting model is SFT'd on answers that return 'a' and 'b' in equal
+numbers, so about half its samples pass; every method should move that towards 'a'.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+
+import pytest
+import torch
+
+from codeforge import CodeforgeError
+from codeforge.checkpoint import load_model
+from codeforge.config import resolve
+from codeforge.evaluate import task_eval
+from codeforge.stages import run as run_stage
+
+PROMPT = "Write a Python function `pick()` that returns the letter a.\n\n```python\ndef pick():\n```"
+GOOD = "def pick():\n    return 'a'\n"
+BAD = "def pick():\n    return 'b'\n"
+TESTS = "assert pick() == 'a'\n"
+
+if shutil.which("bwrap") is None:
+    pytest.skip("bubblewrap (bwrap) is not installed: `apt-get install bubblewrap`; execution rewards need it",
+                allow_module_level=True)
+
+
+def conv(answer: str) -> dict:
+    return {"messages": [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": answer}]}
+
+
+def cfg_for(data, out, **over):
+    flags = {"model.n_layer": 2, "model.n_head": 2, "model.n_embd": 64, "model.block_size": 96,
+             "train.batch_size": 8, "train.learning_rate": 3e-3, "train.warmup_steps": 0, "train.eval_every": 0,
+             "train.save_every": 0, "train.log_every": 1, "train.progress": False, "train.device": "cpu",
+             "train.tensorboard": False, "train.data": str(data), "train.out": str(out)}
+    flags.update({k.replace("__", "."): v for k, v in over.items()})
+    return resolve([], None, [], flags, vocab_from_data=True)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, tokenizer_dir):
+    """An SFT run that answers 'a' about half the time, the task file, and a pair file."""
+    from codeforge.corpus import CorpusOptions
+    from codeforge.shards import prepare
+    d = tmp_path_factory.mktemp("rl")
+    (d / "chat.jsonl").write_text("".join(json.dumps(conv(GOOD if i % 2 else BAD)) + "\n" for i in range(80)))
+    prepare([str(d / "chat.jsonl")], tokenizer_dir, d / "data", CorpusOptions(val_fraction=0.0, dedup="none"), log=lambda *a: None,
+            chat=True)
+    run_stage(cfg_for(d / "data", d / "sft", train__stage="sft", train__max_iters=150, train__batch_size=2),
+              log=lambda m: None)
+    tasks = [{"id": f"pick-{i}", "prompt": PROMPT, "tests": TESTS, "solution": GOOD, "entry_point": "pick"}
+             for i in range(20)]
+    (d / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    pairs = [{"prompt": [{"role": "user", "content": PROMPT}], "chosen": [{"role": "assistant", "content": GOOD}],
+              "rejected": [{"role": "assistant", "content": BAD}]} for _ in range(40)]
+    (d / "pairs").mkdir()  # a make-pairs directory: the held-out pairs are the same task's (there is one)
+    for name in ("train.jsonl", "heldout.jsonl"):
+        (d / "pairs" / name).write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    return d
+
+
+def pass_rate(run, n: int = 48) -> float:
+    """Sampled at temperature 1 (greedy would be all or nothing), seeded."""
+    model, tok, _, _ = load_model(run, torch.device("cpu"))
+    task = {"id": "pick", "prompt": PROMPT, "tests": TESTS}
+    return task_eval(model, tok, torch.device("cpu"), "fp32", [task], True, max_new_tokens=24, samples=n,
+                     temperature=1.0, seed=5)["task_pass_at_1"]
+
+
+def metrics(run) -> list[dict]:
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def before(world):
+    p = pass_rate(world / "sft")
+    assert 0.2 <= p <= 0.8, p  # the starting point really is undecided
+    return p
+
+
+RL = dict(train__rollout_tasks=2, train__group_size=8, train__rollout_tokens=24, train__batch_size=8,
+          train__learning_rate=1e-3, train__eval_tasks=1)
+
+
+def test_grpo_raises_the_pass_rate(world, before, tmp_path):
+    run = tmp_path / "grpo"
+    r = run_stage(cfg_for(world / "tasks.jsonl", run, train__stage="grpo", train__init_from=str(world / "sft"),
+                          train__max_iters=30, **RL), log=lambda m: None)
+    assert r["step"] == 30
+    after = pass_rate(run)
+    assert after >= before + 0.2, (before, after)
+    rows = metrics(run)
+    assert any("train_pass_rate" in x for x in rows) and any("val_task_pass_at_1" in x for x in rows)
+    rolls = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
+    assert rolls and all({"reward", "pass_rate", "early_exit", "outcomes"} <= set(x) for x in rolls)
+    assert rolls[-1]["reward"] > rolls[0]["reward"]
+
+
+def test_dpo_raises_the_pass_rate(world, before, tmp_path):
+    """DPO with the chosen side's LM loss beside it (RPO) raises the pass rate; plain DPO raises its implicit
+    reward margin, but here (as in docs/LOG.md) it also lowers the likelihood of both sides, and the
+    sampled answers degrade: the test records that rather than hiding it."""
+    run = tmp_path / "dpo"
+    run_stage(cfg_for(world / "pairs", run, train__stage="dpo", train__init_from=str(world / "sft"),
+                      train__max_iters=15, train__learning_rate=1e-3, train__eval_every=15, train__dpo_sft=1.0),
+              log=lambda m: None)
+    after = pass_rate(run)
+    assert after >= before + 0.2, (before, after)
+    val = [x for x in metrics(run) if "val_loss" in x][-1]
+    assert val["val_pair_accuracy"] == 1.0 and val["val_margin"] > 0.1
+    plain = tmp_path / "plain"
+    run_stage(cfg_for(world / "pairs", plain, train__stage="dpo", train__init_from=str(world / "sft"),
+                      train__max_iters=15, train__learning_rate=1e-3, train__eval_every=15), log=lambda m: None)
+    val = [x for x in metrics(plain) if "val_loss" in x]
+    assert val[-1]["val_loss"] < 0.65 < 0.69 < val[0]["val_loss"] + 0.01  # from log 2 down: it prefers the chosen
+    assert val[-1]["val_margin"] > 0.1 and val[-1]["val_reward_rejected"] < 0
+
+
+@pytest.fixture(scope="module")
+def reward_run(world, tmp_path_factory):
+    run = tmp_path_factory.mktemp("rm") / "rm"
+    run_stage(cfg_for(world / "pairs", run, train__stage="reward", train__init_from=str(world / "sft"),
+                      train__max_iters=30, train__learning_rate=3e-3, train__eval_every=30), log=lambda m: None)
+    return run
+
+
+def test_reward_model_learns_the_preference(reward_run):
+    val = [x for x in metrics(reward_run) if "val_loss" in x]
+    assert val[-1]["val_pair_accuracy"] == 1.0 and val[-1]["val_loss"] < 0.3
+    model, _, _, cfg = load_model(reward_run, torch.device("cpu"))
+    assert cfg["model"]["arch"] == "reward" and hasattr(model, "score")
+
+
+def test_ppo_with_the_reward_model_raises_the_pass_rate(world, before, reward_run, tmp_path):
+    run = tmp_path / "ppo"
+    run_stage(cfg_for(world / "tasks.jsonl", run, train__stage="ppo", train__init_from=str(world / "sft"),
+                      train__reward_model=str(reward_run), train__max_iters=30, **RL), log=lambda m: None)
+    after = pass_rate(run)
+    assert after >= before + 0.2, (before, after)
+    rows = [x for x in metrics(run) if "train_rm_score" in x]
+    assert rows and "train_kl" in rows[0] and "train_value_loss" in rows[0]
+    assert "train_pass_rate" not in rows[0]  # rewards came from the model only
+    # the checkpoint is a plain GPT (the value head lives in the training state): the engine loads it
+    model, _, _, cfg = load_model(run, torch.device("cpu"))
+    assert cfg["model"]["arch"] == "gpt" and not any("value" in k for k in model.state_dict())
+
+
+def losses_of(run) -> dict:
+    return {x["step"]: x["loss"] for x in metrics(run) if "loss" in x}
+
+
+@pytest.mark.parametrize("stage", ["dpo", "grpo", "ppo"])
+def test_resume_equals_straight(stage, world, tmp_path, monkeypatch):
+    data = world / ("pairs" if stage == "dpo" else "tasks.jsonl")
+    over = dict(train__stage=stage, train__init_from=str(world / "sft"), train__max_iters=6,
+                train__kl_coef=0.05, train__save_every=0)
+    if stage != "dpo":
+        over.update(RL, train__rollout_tasks=1, train__group_size=4, train__batch_size=2, train__ppo_epochs=2)
+    run_stage(cfg_for(data, tmp_path / "a", **over), log=lambda m: None)
+    straight = losses_of(tmp_path / "a")
+    import codeforge.train.trainer as tr
+    real = tr.Trainer._optimisation_step
+
+    def step_then_signal(self):
+        r = real(self)
+        if self.step == 2:  # mid-rollout for the RL stages (4 micro-batches a rollout)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return r
+
+    monkeypatch.setattr(tr.Trainer, "_optimisation_step", step_then_signal)
+    r = run_stage(cfg_for(data, tmp_path / "b", **over), log=lambda m: None)
+    assert r["interrupted"] == "SIGTERM" and r["step"] == 3
+    monkeypatch.setattr(tr.Trainer, "_optimisation_step", real)
+    run_stage(cfg_for(data, tmp_path / "b", **over), resume=True, log=lambda m: None)
+    resumed = losses_of(tmp_path / "b")
+    assert sorted(resumed) == sorted(straight) == list(range(1, 7))
+    assert all(resumed[s] == straight[s] for s in straight), (straight, resumed)
+
+
+def test_bad_pairs_and_broken_tasks(world, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "p", "chosen": "x", "rejected": "y"}) + "\n"
+                   + json.dumps({"prompt": "p", "chosen": "x"}) + "\n")
+    with pytest.raises(CodeforgeError, match=r"line 2.*rejected"):
+        run_stage(cfg_for(bad, tmp_path / "r1", train__stage="dpo", train__init_from=str(world / "sft"),
+                          train__max_iters=1), log=lambda m: None)
+    assert not (tmp_path / "r1" / "checkpoints").exists()
+    tasks = [{"id": f"ok-{i}", "prompt": PROMPT, "tests": TESTS, "solution": GOOD} for i in range(10)]
+    tasks += [{"id": "wrong-ref", "prompt": PROMPT, "tests": TESTS, "solution": BAD},
+              {"id": "bad-tests", "prompt": PROMPT, "tests": "assert pick( ==", "solution": GOOD}]
+    f = tmp_path / "tasks.jsonl"
+    f.write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    said = []
+    run_stage(cfg_for(f, tmp_path / "r2", train__stage="grpo", train__init_from=str(world / "sft"),
+                      train__max_iters=1, **RL), log=said.append)
+    text = "\n".join(said)
+    assert "wrong-ref" in text and "bad-tests" in text and "skipped" in text
+    with pytest.raises(CodeforgeError, match="--init-from"):
+        run_stage(cfg_for(f, tmp_path / "r3", train__stage="grpo", **RL), log=lambda m: None)
+    with pytest.raises(CodeforgeError, match="--reward-model"):
+        run_stage(cfg_for(f, tmp_path / "r4", train__stage="ppo", train__rewards="model",
+                          train__init_from=str(world / "sft"), **RL), log=lambda m: None)
