@@ -601,7 +601,7 @@ def run_eval(run: str, data: str | None = None, eval_tokens: int | None = None, 
         r.update(task_eval(model, tok, dev, precision, todo, speaks_chat(cfg), max_new_tokens, task_samples,
                            task_temperature, timeout=timeout, unsafe_no_sandbox=unsafe_no_sandbox))
     data = data or cfg["train"]["data"]
-    if not (Path(data) / "meta.json").exists():  # a preference or RL run's data is JSONL, not prepared shards
+    if not _is_prepared(data):  # a preference or RL run's data is JSONL, not prepared shards
         if tasks:
             return _record_eval(run, ck, step, r)
         raise EvalError(f"{data} is not a prepared data directory (the run trained on pairs or tasks?): pass "
@@ -644,6 +644,16 @@ def run_eval(run: str, data: str | None = None, eval_tokens: int | None = None, 
     else:
         r.update({"pass_at_1": None, "pass_at_k": {}})
     return _record_eval(run, ck, step, r)
+
+
+def _is_prepared(data: str) -> bool:
+    """Whether `data` is a `codeforge prepare` directory (the miners' directories hold a meta.json too)."""
+    import json
+    from pathlib import Path
+    try:
+        return json.loads((Path(data) / "meta.json").read_text()).get("format", "").startswith("codeforge-shards")
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _record_eval(run: str, ck, step: int, r: dict) -> dict:
