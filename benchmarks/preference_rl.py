@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--tasks", type=int, default=1500)
     ap.add_argument("--sft-steps", type=int, default=300)
     ap.add_argument("--steps", type=int, default=60, help="optimizer steps of every method from the SFT run")
+    ap.add_argument("--lr", default="1e-4", help="learning rate of every method from the SFT run")
     ap.add_argument("--eval-limit", type=int, default=150, help="held-out tasks scored")
     ap.add_argument("--methods", nargs="+", default=["sft-more", "dpo", "dpo-rpo", "ppo", "grpo"])
     ap.add_argument("--out", default=None, help="JSON results (default WORK/results.json)")
@@ -98,15 +99,15 @@ def main() -> None:
     rl = ["--set", "train.rollout_tasks=8", "--set", "train.group_size=4", "--set", "train.rollout_tokens=160",
           "--batch-size", "16", "--set", "train.eval_every=0", "--set", "train.eval_tasks=16"]
     stages = {
-        "sft-more": ["--stage", "sft", "--data", str(w / "data"), "--batch-size", "16", "--learning-rate", "3e-4",
+        "sft-more": ["--stage", "sft", "--data", str(w / "data"), "--batch-size", "16", "--learning-rate", a.lr,
                      "--set", "train.eval_every=0"],
-        "dpo": ["--stage", "dpo", "--data", str(w / "pairs"), "--batch-size", "8", "--learning-rate", "1e-4",
+        "dpo": ["--stage", "dpo", "--data", str(w / "pairs"), "--batch-size", "8", "--learning-rate", a.lr,
                 "--set", "train.eval_every=0"],
-        "dpo-rpo": ["--stage", "dpo", "--data", str(w / "pairs"), "--batch-size", "8", "--learning-rate", "1e-4",
+        "dpo-rpo": ["--stage", "dpo", "--data", str(w / "pairs"), "--batch-size", "8", "--learning-rate", a.lr,
                     "--set", "train.dpo_sft=1.0", "--set", "train.eval_every=0"],
         "ppo": ["--stage", "ppo", "--data", str(w / "tasks"), "--reward-model", str(w / "reward"),
-                "--learning-rate", "1e-4", *rl],
-        "grpo": ["--stage", "grpo", "--data", str(w / "tasks"), "--learning-rate", "1e-4", *rl],
+                "--learning-rate", a.lr, *rl],
+        "grpo": ["--stage", "grpo", "--data", str(w / "tasks"), "--learning-rate", a.lr, *rl],
     }
     results = {"sft": evaluate(w / "sft", w / "tasks", a.eval_limit, log)}
     for name in a.methods:
@@ -118,7 +119,7 @@ def main() -> None:
             if (w / "reward").exists():
                 shutil.rmtree(w / "reward")
             extra = cf("train", "--stage", "reward", "--data", str(w / "pairs"), "--out", str(w / "reward"), *sft,
-                       *common, "--batch-size", "8", "--learning-rate", "1e-4", "--max-iters", str(a.steps),
+                       *common, "--batch-size", "8", "--learning-rate", a.lr, "--max-iters", str(a.steps),
                        "--set", "train.eval_every=0", log=log)
             rm = [json.loads(x) for x in (w / "reward" / "metrics.jsonl").read_text().splitlines()]
             results["reward_model"] = {k: v for k, v in rm[-1].items() if k.startswith("val_")}
@@ -134,7 +135,7 @@ def main() -> None:
             results[name]["last_rollout_reward"] = rolls[-1]["reward"]
         print(f"{name}: {seconds[name]:.0f} s", flush=True)
     print(f"\nheld-out tasks: first {a.eval_limit} of {w / 'tasks'}/test.jsonl, greedy; {a.steps} steps each "
-          f"from the SFT run ({a.sft_steps} steps)\n")
+          f"at learning rate {a.lr} from the SFT run ({a.sft_steps} steps)\n")
     print("| model | pass@1 | solved | syntax-valid | mean reward | outcomes | train seconds |")
     print("|---|---|---|---|---|---|---|")
     for name, r in results.items():

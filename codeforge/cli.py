@@ -386,8 +386,10 @@ def cmd_train(a: argparse.Namespace) -> int:
     if os.environ.get("RANK", "0") != "0":
         return 0
     msg = f"{'stopped' if r.get('interrupted') else 'done'}: step {r['step']}, {r['tokens']:,} tokens"
-    if r["val_loss"] is not None:
-        when = "" if r.get("val_step") == r["step"] else f" (evaluated at step {r['val_step']})"
+    when = "" if r.get("val_step") == r["step"] else f" (evaluated at step {r['val_step']})"
+    if r.get("evaluation"):  # preference and RL stages say what they measured
+        msg += f"; {r['evaluation']}{when}"
+    elif r["val_loss"] is not None:
         msg += f", val loss {r['val_loss']:.4f}{when}"
     print(msg + f"; run directory {r['run_dir']}")
     return 0

@@ -26,8 +26,10 @@ RL_STAGES = ("ppo", "grpo")  # train on programming tasks with hidden tests (`co
 
 
 def speaks_chat(saved: dict) -> bool:
-    """Whether a saved run config is a chat model's: trained by a chat stage, or by one that continues a chat
-    run (preference and RL stages start from SFT runs)."""
+    """Whether a saved run config is a chat model's: trained by a chat stage, or by a preference or RL stage
+    that continued one (they record it as "chat"; older runs of theirs are taken as chat)."""
+    if "chat" in saved:
+        return bool(saved["chat"])
     return saved.get("train", {}).get("stage") in CHAT_STAGES + PAIR_STAGES + RL_STAGES
 
 

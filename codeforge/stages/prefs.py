@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .. import checkpoint as ckpt_io
-from ..config import ConfigError, RunConfig
+from ..config import ConfigError, RunConfig, speaks_chat
 from ..models import build_model
 from ..models.reward import RewardConfig
 from ..tokenizer import CodeTokenizer
@@ -72,24 +72,28 @@ class PairData:
     """Encoded pairs: per pair (chosen ids, chosen targets, rejected ids, rejected targets), each at most
     block_size + 1 tokens."""
 
-    def __init__(self, rows: list[dict], tok: CodeTokenizer, block_size: int):
-        self.pairs, self.dropped, self.cut = [], 0, 0
-        limit = block_size + 1
+    def __init__(self, rows: list[dict], tok: CodeTokenizer, limit: int):
+        """limit: tokens a side may keep (block_size + 1 for DPO, which shifts; block_size for the reward
+        model, which reads the whole sequence)."""
+        self.pairs, self.dropped, self.cut, self.same = [], 0, 0, 0
         for row in rows:
             sides = [encode_side(tok, row, s) for s in ("chosen", "rejected")]
             if any(next((i for i, y in enumerate(tg) if y >= 0), len(tg)) >= limit - 4 for _, tg in sides):
                 self.dropped += 1  # the prompt alone (nearly) fills the context: nothing to compare
                 continue
-            if any(len(ids) > limit for ids, _ in sides):
-                self.cut += 1
-            self.pairs.append(tuple(x[:limit] for side in sides for x in side))
+            cut = tuple(x[:limit] for side in sides for x in side)
+            if cut[0] == cut[2]:
+                self.same += 1  # the sides differ only past the context: no signal
+                continue
+            self.cut += any(len(ids) > limit for ids, _ in sides)
+            self.pairs.append(cut)
 
     def __len__(self) -> int:
         return len(self.pairs)
 
     def collate(self, idx: list[int], pad_id: int, device: torch.device) -> dict:
         """{"ids", "targets": (2B, T) with the B chosen rows first, then the B rejected, right-padded; "last":
-        (2B,) index of each row's final real token}."""
+        (2B,) index of each row's last response token}."""
         seqs = [self.pairs[i][0:2] for i in idx] + [self.pairs[i][2:4] for i in idx]
         T = max(len(ids) for ids, _ in seqs)
         ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
@@ -97,7 +101,8 @@ class PairData:
         for r, (a, b) in enumerate(seqs):
             ids[r, :len(a)] = torch.tensor(a)
             tg[r, :len(b)] = torch.tensor(b)
-        last = torch.tensor([len(a) - 1 for a, _ in seqs])
+        # the last response token (<|im_end|> or end-of-text), where the reward model is read, as PPO reads it
+        last = torch.tensor([max(i for i, y in enumerate(b) if y >= 0) for _, b in seqs])
         return {"ids": ids.to(device), "targets": tg.to(device), "last": last.to(device)}
 
 
@@ -240,15 +245,16 @@ def _train(cfg: RunConfig, resume: bool, say, device, precision: str, rank: int,
     m = cfg.model
     cfg.validate()
     train_rows, held_rows = load_pair_rows(t.data, say)
-    train = PairData(train_rows, tok, m.block_size)
-    val = PairData(held_rows, tok, m.block_size) if held_rows else None
+    limit = m.block_size + (t.stage == "dpo")
+    train = PairData(train_rows, tok, limit)
+    val = PairData(held_rows, tok, limit) if held_rows else None
     for name, d in (("training", train), ("held-out", val)):
-        if d is not None and (d.dropped or d.cut):
-            say(f"{name} pairs: {d.dropped} dropped (the prompt fills the context of {m.block_size}), "
-                f"{d.cut} cut at it")
+        if d is not None and (d.dropped or d.cut or d.same):
+            say(f"{name} pairs: {d.dropped} dropped (the prompt fills the context of {m.block_size}), {d.same} "
+                f"dropped (the sides differ only past it), {d.cut} cut at it")
     if rank == 0:
         held.enter_context(ckpt_io.run_lock(run_dir))
-    run_config = {**cfg.to_dict(), "tokenizer_hash": tok.hash,
+    run_config = {**cfg.to_dict(), "tokenizer_hash": tok.hash, "chat": speaks_chat(saved),
                   "data_identity": ckpt_io.jsonl_identity(t.data, tok.hash)}
     model_dict = m.to_dict()
     start_ckpt = resume_point(run_dir, resume, model_dict, tok.hash, t.data, run_config, say)

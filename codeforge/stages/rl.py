@@ -9,7 +9,9 @@
 
 Execution rewards run each sample once, all in parallel, in the sandbox (sandbox.py), with partial credit
 (tasks/code_tasks.py: does not parse < runtime error < fails tests < passes). A program that exits before
-its tests ran earns nothing and is counted (`early_exit`, the reward hack the sandbox's rule stops).
+its tests ran earns nothing and is counted (`early_exit`, the reward hack the sandbox's rule stops); so does
+one that reaches for the report pipes, frames, its own file or an always-equal object (`tampering`, refused
+unrun: the forged passes a review found in the sandbox's in-process runner).
 
 The trainer sees an ordinary batch source: `Rollouts.__next__` samples a rollout with the current policy
 when the previous one is used up, then hands out its micro-batches, ppo_epochs passes in a seeded order.
@@ -30,13 +32,16 @@ import torch.nn.functional as F
 from .. import checkpoint as ckpt_io
 from ..config import ConfigError, RunConfig, speaks_chat
 from ..device import autocast
-from ..evaluate import sample_tasks, task_eval
+from ..evaluate import end_id, sample_tasks, task_eval
 from ..models import build_model
 from ..tasks.code_tasks import TaskError, execution_rewards, load_tasks, validate_tasks
 from ..train import losses
 from ..train.trainer import Trainer
 from .prefs import frozen_copy, start_point
 from .pretrain import launch, resume_point
+
+
+MISSING_END_PENALTY = 1.0  # the reward-model score of a sample that never wrote its end token
 
 
 def load_task_splits(path: str, say) -> tuple[list[dict], list[dict]]:
@@ -92,7 +97,9 @@ class Rollouts:
         self.ref, self.rm, self.value = ref, reward_model, value_head
         self.log_file = run_dir / "rollouts.jsonl" if run_dir is not None and rank == 0 else None
         self.rank, self.world = rank, world
-        self.per_round = max(1, t.rollout_tasks // world)
+        self.per_round = min(max(1, t.rollout_tasks // world), len(tasks) // world)
+        if self.per_round < 1:
+            raise ConfigError(f"{len(tasks)} training task(s) for {world} rank(s): every rank needs at least one")
         self.rows = self.per_round * t.group_size
         self.chunks = t.ppo_epochs * math.ceil(self.rows / t.batch_size)
         self.rounds_per_epoch = max(1, len(tasks) // (self.per_round * world))
@@ -144,6 +151,12 @@ class Rollouts:
         if self.use_rm:
             last = torch.tensor([len(pr) + len(resp) - 1 for pr, resp, _ in samples], device=self.device)
             rm_scores = self.rm.scores(ids, last)
+            # A sample cut at the token budget never reached the end token the reward model was trained to
+            # read at: its score there is out of distribution and the policy learns to ramble for it (seen in
+            # the tests). Such samples get the penalty instead (TRL's missing-EOS penalty, the same idea).
+            end = end_id(self.tok, self.chat)
+            ended = torch.tensor([bool(resp) and resp[-1] == end for _, resp, _ in samples], device=self.device)
+            rm_scores = torch.where(ended, rm_scores, torch.full_like(rm_scores, -MISSING_END_PENALTY))
             score += rm_scores
         with autocast(self.device, self.precision):  # as in training, so the first ratio is 1
             h = self.policy(x, return_hidden=True)
@@ -174,7 +187,8 @@ class Rollouts:
         if exec_res is not None:
             stats.update(pass_rate=outcomes.get("passed", 0) / len(exec_res),
                          syntax_valid=1 - outcomes.get("no_parse", 0) / len(exec_res),
-                         early_exit=outcomes.get("early_exit", 0) / len(exec_res))
+                         early_exit=outcomes.get("early_exit", 0) / len(exec_res),
+                         tampering=outcomes.get("tampering", 0) / len(exec_res))
         if rm_scores is not None:
             stats["rm_score"] = rm_scores.mean().item()
         if ref_logp is not None:
@@ -268,7 +282,16 @@ def _train(cfg: RunConfig, resume: bool, say, device, precision: str, rank: int,
         held_tasks = held_tasks[:t.eval_tasks]
     if rank == 0:
         held.enter_context(ckpt_io.run_lock(run_dir))
-    run_config = {**cfg.to_dict(), "tokenizer_hash": tok.hash,
+    from ..evaluate import task_prompt_ids
+    room = m.block_size - min(t.rollout_tokens, m.block_size // 2)
+    fits = [[tk for tk in ts if len(task_prompt_ids(tok, tk, chat)) <= room] for ts in (train_tasks, held_tasks)]
+    if sum(map(len, fits)) < len(train_tasks) + len(held_tasks):
+        say(f"skipped {len(train_tasks) - len(fits[0])} training and {len(held_tasks) - len(fits[1])} held-out "
+            f"task(s) whose prompt leaves no room for an answer in the context of {m.block_size}")
+    train_tasks, held_tasks = fits
+    if not train_tasks:
+        raise ConfigError(f"no training task fits the context of {m.block_size} tokens with room for an answer")
+    run_config = {**cfg.to_dict(), "tokenizer_hash": tok.hash, "chat": chat,
                   "data_identity": ckpt_io.jsonl_identity(t.data, tok.hash, ("train.jsonl", "test.jsonl"))}
     start_ckpt = resume_point(run_dir, resume, m.to_dict(), tok.hash, t.data, run_config, say)
 

@@ -67,7 +67,16 @@ from ..corpus import content_hash, split_of
 KINDS = ("string", "list", "arithmetic", "dict")
 LEVELS = (1, 2, 3)
 HELDOUT_FRACTION = 0.2
-REWARDS = {"no_parse": 0.0, "early_exit": 0.0, "runtime_error": 0.25, "wrong": 0.5, "passed": 1.0}
+REWARDS = {"no_parse": 0.0, "early_exit": 0.0, "tampering": 0.0, "runtime_error": 0.25, "wrong": 0.5,
+           "passed": 1.0}
+# What a solution of a small function never needs, and what the forged passes found in review use: reading
+# the program's own file or the report pipes, walking frames, reaching into the interpreter, and objects
+# that compare equal to anything. A completion that touches one is not run; it scores 0 as "tampering".
+SUSPECT_NAMES = {"__file__", "_getframe", "f_locals", "f_globals", "f_back", "gc", "ctypes", "inspect",
+                 "builtins", "__builtins__", "__import__", "sys.modules", "os.read", "os.write", "os.open",
+                 "os.fdopen", "os.dup", "os.dup2", "os.pipe", "os.readlink", "os.kill", "signal", "__eq__",
+                 "__ne__", "__class__", "__subclasses__", "__globals__", "__code__", "exec", "eval", "compile",
+                 "open"}
 N_TESTS = 6          # assert lines per generated task (edge cases first, then random inputs)
 MAX_MISSES = 30      # draws in a row that give no new instance before a family counts as used up
 NUM = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
@@ -982,12 +991,48 @@ def _syntax_error(code: str) -> str | None:
     return None
 
 
-def _outcome(res) -> str:
+def _dotted(node) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return f"{base}.{node.attr}" if base else node.attr
+    return None
+
+
+def tampering(code: str) -> str | None:
+    """Why a completion is refused unrun (SUSPECT_NAMES, a "/proc" or "/sandbox" path), or None."""
+    for node in ast.walk(ast.parse(code)):
+        names = []
+        if isinstance(node, (ast.Name, ast.Attribute)):
+            names = [_dotted(node), node.attr if isinstance(node, ast.Attribute) else None]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names = [node.name]
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] + [getattr(node, "module", None)]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and (
+                "/proc" in node.value or "/sandbox" in node.value):
+            return f"touches {node.value[:40]!r}"
+        hit = next((n for n in names if n and (n in SUSPECT_NAMES or n.split(".")[0] in ("gc", "ctypes", "inspect"))),
+                   None)
+        if hit:
+            return f"uses {hit}"
+    return None
+
+
+def _asserts(code: str) -> bool:
+    """Whether the completion raises AssertionError itself (an `assert` or the name), so a failing run could
+    be its own doing rather than a failed test."""
+    return any(isinstance(n, ast.Assert) or (isinstance(n, ast.Name) and n.id == "AssertionError")
+               for n in ast.walk(ast.parse(code)))
+
+
+def _outcome(res, own_asserts: bool = False) -> str:
     if res.passed:
         return "passed"
     if "before its end" in res.detail:  # the sandbox's words for sys.exit()/os._exit() before the last line
         return "early_exit"
-    if res.status == "failed" and res.detail.startswith("AssertionError"):
+    if res.status == "failed" and res.detail.startswith("AssertionError") and not own_asserts:
         return "wrong"
     return "runtime_error"
 
@@ -1005,6 +1050,8 @@ def execution_rewards(tasks: list[dict], completions: list[str], timeout: float 
         err = _syntax_error(code)
         if err:
             out[i] = {"reward": REWARDS["no_parse"], "outcome": "no_parse", "detail": err}
+        elif (why := tampering(code)):
+            out[i] = {"reward": REWARDS["tampering"], "outcome": "tampering", "detail": why}
         else:
             runs.append((i, code + "\n\n" + task["tests"]))
     if runs:
@@ -1012,7 +1059,7 @@ def execution_rewards(tasks: list[dict], completions: list[str], timeout: float 
         results = run_many([prog for _, prog in runs], timeout=timeout, memory_mb=memory_mb, workers=workers,
                            unsafe_no_sandbox=unsafe_no_sandbox)
         for (i, _), res in zip(runs, results):
-            outcome = _outcome(res)
+            outcome = _outcome(res, _asserts(extract_code(completions[i])))
             out[i] = {"reward": REWARDS[outcome], "outcome": outcome, "detail": res.detail}
     return out  # type: ignore[return-value]
 

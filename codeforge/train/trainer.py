@@ -68,6 +68,7 @@ class Trainer:
         self.parts: dict = {}  # the loss_fn's own metrics since the last log line (train_step adds to it)
         self.parts_steps = 0
         self.last_val: float | None = None
+        self.last_said: str | None = None  # a stage's own wording of its last evaluation
         self.last_val_step = -1
         if start_checkpoint is not None:
             self._restore(start_checkpoint)
@@ -125,6 +126,7 @@ class Trainer:
         if r is None:
             return
         self.last_val, self.last_val_step = r.get("objective", r.get("val_loss")), self.step
+        self.last_said = r.get("message")
         names = {"perplexity": "val_perplexity", "bits_per_byte": "val_bpb", "eval_tokens": "val_tokens"}
         rec = {"step": self.step, "tokens": self.tokens}
         rec.update({names.get(k, k if k.startswith("val_") else f"val_{k}"): v for k, v in r.items()
@@ -231,7 +233,8 @@ class Trainer:
             self.logger.close()
         if stop["signal"]:
             self.say(f"{stop['signal']}: saved a checkpoint at step {self.step}; continue with --resume")
-        return {"step": self.step, "tokens": self.tokens, "val_loss": self.last_val, "val_step": self.last_val_step,
+        return {"step": self.step, "tokens": self.tokens, "val_loss": None if self.last_said else self.last_val,
+                "val_step": self.last_val_step, "evaluation": self.last_said,
                 "interrupted": stop["signal"],
                 "skipped_steps": self.skipped, "run_dir": str(self.run_dir)}
 
