@@ -247,7 +247,9 @@ class Trainer:
         set_lr(self.opt, lr)
         loss_v, norm_v, applied = train_step(self.fwd, self.model, self.opt, self.scaler, self.batches, self.loss_fn,
                                              t.grad_accum_steps, t.grad_clip, self.device, self.precision, self.ddp,
-                                             parts=self.parts, params=self.params)
+                                             parts=self.parts, params=self.params,
+                                             sync=list(self.aux.parameters()) if self.aux is not None and self.ddp
+                                             else None)
         self.parts_steps += 1
         if applied:
             self.bad_in_row = 0
@@ -335,13 +337,14 @@ class Pace:
 
 def train_step(fwd, model, opt, scaler, batches, loss_fn: LossFn, accum: int, clip: float, device: torch.device,
                precision: str, ddp: bool = False, parts: dict | None = None,
-               params: list | None = None) -> tuple[float, float, bool]:
+               params: list | None = None, sync: list | None = None) -> tuple[float, float, bool]:
     """Forward/backward over `accum` micro-batches from `batches`, unscale, clip, and step unless the loss or
     the gradient is non-finite (then the weights stay as they were). Returns (mean loss, grad norm, applied).
     The single host sync per optimizer step is the read of loss and norm together. The benchmarks time this.
     `parts`, when given, gathers the metrics loss_fn returns beside the loss (a model's loss terms), each
     averaged over the micro-batches and added to what the dict holds, as tensors (no sync). `params`: what
-    the gradient norm is clipped over (default: the model's)."""
+    the gradient norm is clipped over (default: the model's). `sync`: parameters DDP does not cover (the
+    trainer's aux module) whose gradients are all-reduced here."""
     loss_acc = torch.zeros((), device=device)
     for micro in range(accum):
         batch = next(batches)
@@ -356,6 +359,10 @@ def train_step(fwd, model, opt, scaler, batches, loss_fn: LossFn, accum: int, cl
                     parts[k] = parts.get(k, 0.0) + v / accum
             scaler.scale(loss).backward()
         loss_acc += loss.detach()
+    for p in sync or ():  # parameters outside DDP (an aux head): average their gradients across ranks by hand
+        if p.grad is not None:
+            torch.distributed.all_reduce(p.grad)
+            p.grad /= torch.distributed.get_world_size()
     scaler.unscale_(opt)
     norm = torch.nn.utils.clip_grad_norm_(params if params is not None else model.parameters(),
                                           clip if clip > 0 else math.inf)
