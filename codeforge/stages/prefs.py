@@ -11,7 +11,6 @@ targets. A pair whose prompt alone fills the context is dropped (counted); a res
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -119,11 +118,14 @@ class PairBatches:
         self.rank, self.world = rank, world
         self.per_epoch = len(data) // (batch_size * world)
         self.epoch, self.cursor = 0, 0
+        self._shuffled: tuple[int, list[int]] | None = None  # (epoch, order): drawn once an epoch
 
     def _order(self) -> list[int]:
-        order = list(range(len(self.data)))
-        random.Random(f"{self.seed}:{self.epoch}").shuffle(order)
-        return order
+        if self._shuffled is None or self._shuffled[0] != self.epoch:
+            order = list(range(len(self.data)))
+            random.Random(f"{self.seed}:{self.epoch}").shuffle(order)
+            self._shuffled = (self.epoch, order)
+        return self._shuffled[1]
 
     def __iter__(self):
         return self
@@ -272,13 +274,11 @@ def _train(cfg: RunConfig, resume: bool, say, device, precision: str, rank: int,
     if t.stage == "reward":
         def loss_fn(fwd, b):
             return reward_loss(fwd, model, b)
-        eval_loss = loss_fn
     else:
-        ref = frozen_copy(replace(m), init_ck, device)
+        ref = frozen_copy(m, init_ck, device)
 
         def loss_fn(fwd, b):
             return dpo_loss(fwd, ref, t.beta, t.dpo_sft, b)
-        eval_loss = loss_fn
     total = t.max_iters or max(1, round((t.epochs or 1.0) * batches.per_epoch / t.grad_accum_steps))
     say(f"{t.stage}: {len(train)} training pairs ({batches.per_epoch} batches an epoch), "
         f"{len(val) if val else 0} held out; {total} steps"
@@ -286,6 +286,6 @@ def _train(cfg: RunConfig, resume: bool, say, device, precision: str, rank: int,
     trainer = Trainer(model, batches, loss_fn, t, run_dir, device=device, precision=precision, total_steps=total,
                       tokens_per_step=2 * t.batch_size * m.block_size * t.grad_accum_steps * world,
                       run_config=run_config, assets={"tokenizer": tok.path},
-                      evaluate=lambda mdl: pair_eval(eval_loss, mdl, val, t.batch_size, pad, device, precision),
+                      evaluate=lambda mdl: pair_eval(loss_fn, mdl, val, t.batch_size, pad, device, precision),
                       start_checkpoint=start_ckpt, rank=rank, world=world, log=say)
     return trainer.run()

@@ -1109,12 +1109,8 @@ def write_tasks(out_dir: str | Path, n: int = 2000, seed: int = 0, overwrite: bo
     """Generate n tasks, check them in the sandbox (unless validate=False; skipped ones are counted), and
     write out_dir/train.jsonl (rows carry "messages" for `prepare --chat`), out_dir/test.jsonl and meta.json,
     atomically. Returns the stats also stored in meta.json."""
-    from .sft_mine import write_splits
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise TaskError(f"--out {str(out)!r} is a file: pass a directory path")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise TaskError(f"--out {str(out)!r} exists and is not empty: choose a new directory or pass --overwrite")
+    from .sft_mine import output_dir, write_splits
+    out = output_dir(out_dir, overwrite, TaskError)
     tasks = generate_tasks(n, seed, levels)
     skipped: list[dict] = []
     if validate:

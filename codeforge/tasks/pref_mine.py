@@ -51,7 +51,8 @@ from pathlib import Path
 from .. import CodeforgeError
 from ..chat import ROLES
 from ..corpus import CorpusOptions, CorpusStats, content_hash, iter_documents, split_of
-from .sft_mine import LANG_NAME, MINED_LANGUAGES, MineError, conversation, mine_functions, write_splits
+from .sft_mine import (LANG_NAME, MINED_LANGUAGES, MineError, conversation, mine_functions, output_dir,
+                       write_splits)
 
 KINDS = ("syntax", "operator", "off_by_one", "dropped_branch")
 SEMANTIC_KINDS = KINDS[1:]
@@ -501,11 +502,7 @@ def mine_pairs(sources: list[str], languages: list[str] | None = None, max_pairs
 def write_pairs(sources: list[str], out_dir: str | Path, overwrite: bool = False, **options) -> dict:
     """Mine `sources` (options as in `mine_pairs`) into out_dir/{train,heldout}.jsonl and meta.json, written
     aside and renamed into place (codeforge.atomic). Returns the stats."""
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise MineError(f"--out {str(out)!r} is a file: pass a directory path")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise MineError(f"--out {str(out)!r} exists and is not empty: choose a new directory or pass --overwrite")
+    out = output_dir(out_dir, overwrite)
     try:
         bound = inspect.signature(mine_pairs).bind(sources, **options)  # a bad option fails before mining
     except TypeError as e:
@@ -572,11 +569,7 @@ def write_task_pairs(tasks_path: str | Path, out_dir: str | Path, overwrite: boo
     pairs, its test split the held-out ones; a JSONL file: split by a hash of the task id), each rejected
     side run against the tests and kept only when it fails them. Written like write_pairs."""
     from .code_tasks import load_tasks
-    out, p = Path(out_dir), Path(tasks_path)
-    if out.exists() and not out.is_dir():
-        raise MineError(f"--out {str(out)!r} is a file: pass a directory path")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise MineError(f"--out {str(out)!r} exists and is not empty: choose a new directory or pass --overwrite")
+    out, p = output_dir(out_dir, overwrite), Path(tasks_path)
     if p.is_dir():
         splits = {"train": load_tasks(p, split="train"), "heldout": load_tasks(p, split="test")}
     else:

@@ -303,11 +303,7 @@ def write_sft(sources: list[str], out_dir: str | Path, overwrite: bool = False, 
     The directory is written aside and renamed into place (codeforge.atomic), so a crash never leaves a
     half-written one. Returns the stats.
     """
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise MineError(f"--out {str(out)!r} is a file: pass a directory path")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise MineError(f"--out {str(out)!r} exists and is not empty: choose a new directory or pass --overwrite")
+    out = output_dir(out_dir, overwrite)
     bound = inspect.signature(mine_sft).bind(sources, **options)  # a bad option fails here, before mining
     bound.apply_defaults()
     train, heldout, stats = mine_sft(sources, **options)
@@ -320,6 +316,16 @@ def write_sft(sources: list[str], out_dir: str | Path, overwrite: bool = False, 
                  {"sources": list(sources), "options": {k: v for k, v in bound.arguments.items() if k != "sources"},
                   "stats": stats})
     return stats
+
+
+def output_dir(out_dir: str | Path, overwrite: bool, error: type[Exception] = MineError) -> Path:
+    """The miners' --out, checked before any work: a directory, new or empty unless `overwrite`."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise error(f"--out {str(out)!r} is a file: pass a directory path")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise error(f"--out {str(out)!r} exists and is not empty: choose a new directory or pass --overwrite")
+    return out
 
 
 def write_splits(out: Path, files: dict[str, list[dict]], meta: dict) -> None:
