@@ -59,7 +59,14 @@ class TrainConfig:
     beta1: float = setting(0.9, "AdamW beta1", range=(0.0, 0.999999))
     beta2: float = setting(0.95, "AdamW beta2", range=(0.0, 0.999999))
     grad_clip: float = setting(1.0, "clip the gradient norm to this", range=(0.0, 1e6), zero_means="no clipping")
-    optimizer: str = setting("adamw", "optimizer (adamw8bit: bitsandbytes, CUDA only)", choices=("adamw", "adamw8bit"))
+    optimizer: str = setting("adamw", "optimizer (adamw8bit: bitsandbytes, CUDA only; muon: Muon for the hidden "
+                             "weight matrices, AdamW for embeddings, head and gains; GPT models)",
+                             choices=("adamw", "adamw8bit", "muon"))
+    muon_lr: float = setting(0.02, "muon: peak learning rate of the hidden matrices (the schedule scales it as it "
+                             "scales learning_rate)", range=(0.0, 10.0), open_low=True)
+    muon_momentum: float = setting(0.95, "muon: momentum (Nesterov)", range=(0.0, 0.999999))
+    muon_weight_decay: float = setting(0.0, "muon: decoupled weight decay of the hidden matrices",
+                                       range=(0.0, 10.0))
     eval_every: int = setting(250, "evaluate every N steps", range=(0, 10**9), zero_means="only at the end")
     eval_tokens: int = setting(262_144, "validation tokens per evaluation: the validation split in order, in "
                                "whole context windows until N tokens are covered (chat rows count their masked "

@@ -116,3 +116,36 @@ def test_schedules():
 def test_adamw8bit_refused_on_cpu():
     with pytest.raises(ValueError, match="adamw8bit needs a CUDA device"):
         build_optimizer(small(), "adamw8bit", 1e-3, 0.1, (0.9, 0.95), torch.device("cpu"))
+
+
+def test_muon_takes_the_hidden_matrices_and_trains():
+    """optimizer muon: the blocks' 2-D weights go to torch.optim.Muon at muon_lr, embeddings and gains stay with
+    AdamW at the base rate; both follow the schedule, and the loss falls."""
+    from codeforge.train.optim import set_lr
+    m = small()
+    opt = build_optimizer(m, "muon", 1e-3, 0.1, (0.9, 0.95), torch.device("cpu"), muon_lr=0.02)
+    hidden = {id(p) for p in m.blocks.parameters() if p.dim() == 2}
+    muon_ids = {id(p) for g in opt.muon.param_groups for p in g["params"]}
+    adam_ids = {id(p) for g in opt.adamw.param_groups for p in g["params"]}
+    assert muon_ids == hidden and id(m.wte.weight) in adam_ids and not muon_ids & adam_ids
+    assert len(muon_ids) + len(adam_ids) == len(list(m.parameters()))
+    set_lr(opt, 5e-4)
+    assert [g["lr"] for g in opt.muon.param_groups] == [pytest.approx(0.01)]
+    assert opt.param_groups[0]["lr"] == 5e-4
+    x = torch.randint(0, 300, (4, 33), generator=torch.Generator().manual_seed(0))
+    first = None
+    for _ in range(25):
+        set_lr(opt, 1e-3)
+        loss = m(x[:, :-1], x[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        first = first or loss.item()
+    assert loss.item() < first - 1.0
+
+
+def test_muon_refused_for_models_with_their_own_groups():
+    from codeforge.models.hrm import HRM, HRMConfig
+    with pytest.raises(ValueError, match="optimizer muon is for GPT models"):
+        build_optimizer(HRM(HRMConfig(vocab_size=300, n_embd=32, n_head=2)), "muon", 1e-3, 0.1,
+                        (0.9, 0.95), torch.device("cpu"))

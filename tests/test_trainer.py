@@ -56,8 +56,10 @@ def test_loss_falls_and_files_written(data_dir, tmp_path):
     assert (tmp_path / "run" / "config.toml").exists()
 
 
-def test_stop_and_resume_equals_straight(data_dir, tmp_path, monkeypatch):
-    over = dict(train__max_iters=12, model__resid_dropout=0.1, model__attn_dropout=0.1, train__grad_accum_steps=2)
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_stop_and_resume_equals_straight(data_dir, tmp_path, monkeypatch, optimizer):
+    over = dict(train__max_iters=12, model__resid_dropout=0.1, model__attn_dropout=0.1, train__grad_accum_steps=2,
+                train__optimizer=optimizer)
     train_run(cfg_for(data_dir, tmp_path / "a", **over))
     straight = losses(tmp_path / "a")
 

@@ -271,14 +271,18 @@ class GPT(nn.Module):
             n -= self.wte.weight.numel()  # the input lookup is free; lm_head is the matmul counted
         return 6 * n + 12 * self.cfg.n_layer * self.cfg.n_embd * T
 
-    def optim_groups(self, weight_decay: float) -> list[dict]:
-        """Matrices (dim >= 2: linear weights, embeddings) decay; biases and norm gains do not. Every
-        parameter is in exactly one group (asserted)."""
+    def optim_groups(self, weight_decay: float, muon: bool = False) -> list[dict]:
+        """Matrices (dim >= 2: linear weights, embeddings) decay; biases and norm gains do not. muon: the
+        blocks' weight matrices form a third group marked "muon" (embeddings, the output head and any head a
+        subclass adds stay with AdamW). Every parameter is in exactly one group (asserted)."""
         params = {n: p for n, p in self.named_parameters() if p.requires_grad}
-        decay = [p for p in params.values() if p.dim() >= 2]
+        hidden = {id(p) for p in self.blocks.parameters() if p.dim() == 2} if muon else set()
+        matrices = [p for p in params.values() if p.dim() == 2 and id(p) in hidden]
+        decay = [p for p in params.values() if p.dim() >= 2 and id(p) not in hidden]
         no_decay = [p for p in params.values() if p.dim() < 2]
-        assert len(decay) + len(no_decay) == len(params), "a parameter is in no optimizer group"
-        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        assert len(matrices) + len(decay) + len(no_decay) == len(params), "a parameter is in no optimizer group"
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return groups + ([{"params": matrices, "weight_decay": weight_decay, "muon": True}] if muon else [])
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: KVCache | None = None,
                 pos: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None, last_only: bool = False,

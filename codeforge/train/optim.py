@@ -43,10 +43,67 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
         g["lr"] = lr * g.get("lr_scale", 1.0)
 
 
+class MuonAdamW:
+    """Muon (Jordan et al. 2024; torch.optim.Muon) for the hidden weight matrices, AdamW for everything else
+    (embeddings, the output head, gains, biases), stepped together as one optimizer, as nanochat and the
+    modded-nanogpt speedrun do. Muon orthogonalises each matrix's momentum with a few Newton-Schulz
+    iterations, so every direction of the update moves at the same rate; its learning rate is scaled by
+    sqrt(max(1, rows/cols)) per matrix ("original"). Groups keep their "lr_scale" (set_lr), so the one
+    schedule drives both at their own peaks. The surface the trainer and GradScaler use: param_groups, step,
+    zero_grad, add_param_group (to AdamW), state_dict/load_state_dict."""
+
+    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], momentum: float, fused: bool):
+        muon = [{k: v for k, v in g.items() if k != "muon"} for g in groups if g.get("muon")]
+        rest = [{k: v for k, v in g.items() if k != "muon"} for g in groups if not g.get("muon")]
+        if not muon:
+            raise ValueError("optimizer muon: the model has no hidden weight matrices for Muon")
+        self.adamw = torch.optim.AdamW(rest, lr=lr, betas=betas, fused=fused)
+        self.muon = torch.optim.Muon(muon, lr=lr, momentum=momentum, nesterov=True, adjust_lr_fn="original")
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.adamw.param_groups + self.muon.param_groups  # AdamW's first: the trainer logs group 0's lr
+
+    def add_param_group(self, group: dict) -> None:
+        self.adamw.add_param_group(group)
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        self.adamw.step()
+        self.muon.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.adamw.zero_grad(set_to_none=set_to_none)
+        self.muon.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"adamw": self.adamw.state_dict(), "muon": self.muon.state_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if set(sd) != {"adamw", "muon"}:
+            raise ValueError("the checkpoint's optimizer state is not Muon+AdamW's; resume with the optimizer "
+                             "the run was started with (--set optimizer=...)")
+        self.adamw.load_state_dict(sd["adamw"])
+        self.muon.load_state_dict(sd["muon"])
+
+
 def build_optimizer(model, name: str, lr: float, weight_decay: float, betas: tuple[float, float],
-                    device: torch.device) -> torch.optim.Optimizer:
+                    device: torch.device, muon_lr: float = 0.02, muon_momentum: float = 0.95,
+                    muon_weight_decay: float = 0.0):
     """AdamW over the model's decay/no-decay groups; fused kernel on CUDA and CPU (one launch per step instead
-    of one per tensor). adamw8bit: bitsandbytes' 8-bit AdamW, CUDA only (Dettmers et al. 2022)."""
+    of one per tensor). adamw8bit: bitsandbytes' 8-bit AdamW, CUDA only (Dettmers et al. 2022).
+    muon: Muon at peak muon_lr for the hidden matrices, AdamW at lr for the rest (MuonAdamW)."""
+    fused = device.type in ("cuda", "cpu")
+    if name == "muon":
+        try:
+            groups = model.optim_groups(weight_decay, muon=True)
+        except TypeError:
+            raise ValueError(f"optimizer muon is for GPT models; {type(model).__name__} has per-module groups of "
+                             f"its own: use --set optimizer=adamw") from None
+        for g in groups:
+            if g.get("muon"):
+                g.update(lr_scale=muon_lr / lr, weight_decay=muon_weight_decay)
+        return MuonAdamW(groups, lr, betas, muon_momentum, fused)
     groups = model.optim_groups(weight_decay)
     if name == "adamw8bit":
         if device.type != "cuda":
@@ -56,5 +113,4 @@ def build_optimizer(model, name: str, lr: float, weight_decay: float, betas: tup
         except ImportError as e:
             raise ValueError("optimizer adamw8bit needs bitsandbytes: pip install bitsandbytes") from e
         return bnb.optim.AdamW8bit(groups, lr=lr, betas=betas)
-    fused = device.type in ("cuda", "cpu")
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)

@@ -57,7 +57,8 @@ class Trainer:
         self.fwd = parallel.wrap(model, device, compile=cfg.compile, ddp=self.ddp)
         self.aux = aux
         self.opt = build_optimizer(model, cfg.optimizer, cfg.learning_rate, cfg.weight_decay,
-                                   (cfg.beta1, cfg.beta2), device)
+                                   (cfg.beta1, cfg.beta2), device, cfg.muon_lr, cfg.muon_momentum,
+                                   cfg.muon_weight_decay)
         if aux is not None:
             self.opt.add_param_group({"params": list(aux.parameters()), "weight_decay": 0.0})
         self.params = [p for g in self.opt.param_groups for p in g["params"]]
