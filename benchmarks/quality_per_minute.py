@@ -6,7 +6,8 @@ The baseline is the CPU recipe in the README of a well-known minimal GPT trainer
 codeforge's own model and trainer: GPT-2 blocks (LayerNorm, learned positions, GELU, tied embeddings, no
 bias), 4 layers, 4 heads, width 128, context 64, batch 12, AdamW lr 1e-3 (betas 0.9/0.99, weight decay 0.1,
 clip 1.0), 100 warm-up steps and cosine decay to 1e-4 at the last step, no dropout, on a 32k byte-level BPE
-with the GPT-4-style split (`--split llama3`). "Default" is codeforge.quickstart's MODEL/TRAIN/VOCAB.
+with the GPT-4-style split (`--split llama3`). "Default" is what the quickstart trains: its presets
+(`cpu-small` + `lowend-cpu`), its 8k tokenizer, and bf16 autocast where the CPU has native bfloat16.
 
 Same seconds: each recipe is first timed for a few dozen steps on this machine, then trained for
 seconds x measured steps/s steps (the schedule decays to its end in that budget). The training seconds each
@@ -20,7 +21,7 @@ Held-out code (nothing of it is in the training corpus):
 
     python benchmarks/quality_per_minute.py --lang go python --seconds 442
     python benchmarks/quality_per_minute.py --lang go --seconds 200 --recipe default \
-        --variant wide:model.n_embd=192,model.n_head=3
+        --variant wide:model.n_embd=256,model.n_head=4
 """
 
 from __future__ import annotations
@@ -63,9 +64,9 @@ BASELINE = {
 
 
 def default_recipe() -> dict:
-    return {"vocab": quickstart.VOCAB, "split": "code", "model": dict(quickstart.MODEL),
-            "train": {k: v for k, v in quickstart.TRAIN.items()
-                      if k not in ("eval_every", "eval_tokens", "save_every", "log_every")}}
+    """What `codeforge quickstart` trains: its presets, plus bf16 where this CPU has it natively."""
+    return {"vocab": quickstart.VOCAB, "split": "code", "presets": list(quickstart.PRESETS), "model": {},
+            "train": {"precision": quickstart.cpu_precision("cpu")}}
 
 
 def heldout_sources(lang: str) -> list[str]:
@@ -97,12 +98,13 @@ def data_for(work: Path, lang: str, vocab: int, split: str) -> tuple[Path, Path,
     return tok, data, held
 
 
-def flags(recipe: dict, data: Path, out: Path, iters: int, seed: int) -> dict:
-    return {**{f"model.{k}": v for k, v in recipe["model"].items()},
+def config(recipe: dict, data: Path, out: Path, iters: int, seed: int):
+    return resolve(recipe.get("presets", []), None, [], {**{f"model.{k}": v for k, v in recipe["model"].items()},
             **{f"train.{k}": v for k, v in recipe["train"].items()},
             "train.data": str(data), "train.out": str(out), "train.max_iters": iters, "train.device": "cpu",
             "train.eval_every": 0, "train.eval_tokens": 4096, "train.save_every": 0, "train.log_every": 5,
-            "train.tensorboard": False, "train.progress": False, "train.seed": seed}
+            "train.tensorboard": False, "train.progress": False, "train.seed": seed},
+                   vocab_from_data=True)
 
 
 def train_seconds(run: Path) -> tuple[float, int]:
@@ -121,15 +123,15 @@ def train(recipe: dict, data: Path, out: Path, seconds: float, seed: int) -> dic
     probe = out.with_name(out.name + "-probe")
     shutil.rmtree(probe, ignore_errors=True)
     shutil.rmtree(out, ignore_errors=True)
-    run_stage(resolve([], None, [], flags(recipe, data, probe, 40, seed), vocab_from_data=True))
+    run_stage(config(recipe, data, probe, 40, seed))
     rows = [json.loads(x) for x in (probe / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "tokens_per_s" in r and r["step"] > 10]  # after the first steps' warm-up
     sps = sum(r["tokens_per_s"] for r in rows) / len(rows)
-    cfg = resolve([], None, [], flags(recipe, data, out, 1, seed), vocab_from_data=True)
+    cfg = config(recipe, data, out, 1, seed)
     tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum_steps * cfg.model.block_size
     iters = max(1, round(seconds * sps / tokens_per_step))
     shutil.rmtree(probe, ignore_errors=True)
-    run_stage(resolve([], None, [], flags(recipe, data, out, iters, seed), vocab_from_data=True))
+    run_stage(config(recipe, data, out, iters, seed))
     secs, steps = train_seconds(out)
     return {"iters": steps, "train_seconds": secs, "tokens": steps * tokens_per_step,
             "probe_tokens_per_s": sps}
@@ -150,7 +152,7 @@ def score(run: Path, data: Path, held: Path, val_tokens: int) -> dict:
 def parse_variant(text: str, base: dict) -> tuple[str, dict]:
     """NAME:section.key=value,...  (section: model, train, or tok for vocab/split) on top of `base`."""
     name, _, body = text.partition(":")
-    r = {"vocab": base["vocab"], "split": base["split"], "model": dict(base["model"]), "train": dict(base["train"])}
+    r = {**base, "model": dict(base["model"]), "train": dict(base["train"])}
     for item in filter(None, body.split(",")):
         key, _, value = item.partition("=")
         section, _, field = key.partition(".")
@@ -169,7 +171,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lang", nargs="+", default=["go", "python"], choices=["go", "python"])
     ap.add_argument("--seconds", type=float, default=442.0, help="training seconds per recipe")
-    ap.add_argument("--recipe", nargs="+", default=["baseline", "default"], choices=["baseline", "default"])
+    ap.add_argument("--recipe", nargs="*", default=["baseline", "default"], choices=["baseline", "default"])
     ap.add_argument("--variant", action="append", default=[],
                     help="NAME:model.k=v,train.k=v,tok.vocab=N on top of the default recipe (repeatable)")
     ap.add_argument("--work", default="/tmp/cf-quality")

@@ -40,7 +40,9 @@ def measure(a, batch_size: int) -> dict:
     model.grad_checkpointing = a.gradient_checkpointing
     model.loss_chunk_rows = a.loss_chunk_rows
     fwd = torch.compile(model) if a.compile else model
-    opt = build_optimizer(model, "adamw", 3e-4, 0.1, (0.9, 0.95), device)
+    t = cfg.train  # --set train.optimizer=muon etc.
+    opt = build_optimizer(model, t.optimizer, t.learning_rate, t.weight_decay, (t.beta1, t.beta2), device,
+                          t.muon_lr, t.muon_momentum, t.muon_weight_decay)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     T = m.block_size
     gen = torch.Generator().manual_seed(0)

@@ -59,6 +59,15 @@ def choose_precision(device: torch.device, requested: str = "auto") -> tuple[str
     return "fp32", "CPU: fp32 is the fastest exact choice on most CPUs"
 
 
+def cpu_native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX): there bf16 autocast trains ~30%
+    faster than fp32 (docs/LOG.md, 2026-11-23); elsewhere it is emulated and slower."""
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # private helpers of torch.cpu; absent: assume no
+        return False
+
+
 def autocast(device: torch.device, precision: str):
     if precision == "fp32":
         return contextlib.nullcontext()

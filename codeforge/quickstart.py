@@ -22,12 +22,12 @@ from .shards import prepare
 from .tokenizer import train_tokenizer
 from .stages import run as run_stage
 
-# Sized for a 2-core laptop CPU: ~3,000 tokens/s for this model, so 600 steps of 2,048 tokens take about
-# 7 minutes (docs/LOG.md has the measured run).
-MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 256, "block_size": 256, "embd_dropout": 0.0,
-         "attn_dropout": 0.0, "resid_dropout": 0.0}
-TRAIN = {"batch_size": 8, "grad_accum_steps": 1, "learning_rate": 2e-3, "warmup_steps": 50, "min_lr_ratio": 0.1,
-         "eval_every": 100, "eval_tokens": 32_768, "save_every": 200, "log_every": 10, "weight_decay": 0.1}
+# The recipe is two presets: the `cpu-small` model (3.4M parameters at this vocabulary) and the `lowend-cpu`
+# training profile (Muon, batch 16 x 256 tokens, learning rates for a run this short), chosen for held-out
+# bits per byte at equal CPU seconds (benchmarks/quality_per_minute.py; docs/LOG.md, 2026-11-23). On 2 cores
+# with native bfloat16, 600 steps take about 7 minutes.
+PRESETS = ["cpu-small", "lowend-cpu"]
+RUN = {"eval_every": 100, "eval_tokens": 32_768, "save_every": 200, "log_every": 10}
 VOCAB = 8192
 # --chat: a context that holds a tool-calling conversation (up to ~600 tokens with five tool schemas; at 512,
 # 347 of 1,500 were dropped), ~2,300 tokens per step. Then SFT and tools start from it at learning rates for a 5M model (the seeds' 5e-5
@@ -38,6 +38,13 @@ SFT = {"learning_rate": 1e-3, "warmup_steps": 10, "max_iters": 150, "eval_every"
        "batch_size": 3}
 TOOLS = {"learning_rate": 1e-3, "warmup_steps": 10, "max_iters": 200, "eval_every": 50, "save_every": 50,
          "batch_size": 3}
+
+
+def cpu_precision(device: str) -> str:
+    """bf16 when training runs on a CPU that multiplies bfloat16 in hardware (~30% more tokens/s, no loss per
+    token measured), else the usual auto choice."""
+    from .device import choose_device, cpu_native_bf16
+    return "bf16" if choose_device(device)[0].type == "cpu" and cpu_native_bf16() else "auto"
 
 
 def corpus_path(corpus: str) -> tuple[str, list[str]]:
@@ -80,12 +87,12 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
           f"-> {data_dir}\n      skipped: {describe_skipped(meta['skipped'])}")
 
     run_dir = out_dir / "run"
-    model = {**MODEL, **(CHAT_MODEL if chat else {})}
-    train = {**TRAIN, **(CHAT_TRAIN if chat else {})}
-    flags = {**{f"model.{k}": v for k, v in model.items()}, **{f"train.{k}": v for k, v in train.items()},
+    train = {**RUN, **(CHAT_TRAIN if chat else {}), "precision": cpu_precision(device)}
+    flags = {**{f"model.{k}": v for k, v in (CHAT_MODEL if chat else {}).items()},
+             **{f"train.{k}": v for k, v in train.items()},
              "train.data": str(data_dir), "train.out": str(run_dir), "train.max_iters": max_iters or 600,
              "train.device": device}
-    cfg = resolve([], None, [], flags, vocab_from_data=True)
+    cfg = resolve(PRESETS, None, [], flags, vocab_from_data=True)
     print(f"[4/5] train: {cfg.train.max_iters} steps -> {run_dir}")
     resume = (run_dir / "checkpoints").exists()
     result = run_stage(cfg, resume=resume)

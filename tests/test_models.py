@@ -11,7 +11,7 @@ COUNTS = {
     "gpt2-tiny": 51_500_032, "gpt2-small": 124_475_904, "gpt2-medium": 254_101_504,
     "fragment-lowend": 5_785_088, "fragment-midrange": 14_684_160, "fragment-highend": 93_522_432,
     "tiny": 11_340_032, "medium": 109_529_856, "large": 1_034_344_000, "xlarge": 2_078_967_808,
-    "qwen-small": 128_404_224,
+    "qwen-small": 128_404_224, "cpu-small": 3_401_856,
 }
 
 
