@@ -118,19 +118,23 @@ def train_seconds(run: Path) -> tuple[float, int]:
     return secs, step
 
 
-def train(recipe: dict, data: Path, out: Path, seconds: float, seed: int) -> dict:
+def train(recipe: dict, data: Path, out: Path, seconds: float, seed: int, steps: int | None = None) -> dict:
+    """Time the recipe for 40 steps, then train seconds x that rate; `steps` pins the count instead (to re-run
+    one whose probe misjudged the rate: the printed train seconds tell)."""
     import shutil
     probe = out.with_name(out.name + "-probe")
     shutil.rmtree(probe, ignore_errors=True)
     shutil.rmtree(out, ignore_errors=True)
-    run_stage(config(recipe, data, probe, 40, seed))
-    rows = [json.loads(x) for x in (probe / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "tokens_per_s" in r and r["step"] > 10]  # after the first steps' warm-up
-    sps = sum(r["tokens_per_s"] for r in rows) / len(rows)
     cfg = config(recipe, data, out, 1, seed)
     tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum_steps * cfg.model.block_size
-    iters = max(1, round(seconds * sps / tokens_per_step))
-    shutil.rmtree(probe, ignore_errors=True)
+    sps = None
+    if not steps:
+        run_stage(config(recipe, data, probe, 40, seed))
+        rows = [json.loads(x) for x in (probe / "metrics.jsonl").read_text().splitlines()]
+        rows = [r for r in rows if "tokens_per_s" in r and r["step"] > 10]  # after the first steps' warm-up
+        sps = sum(r["tokens_per_s"] for r in rows) / len(rows)
+        shutil.rmtree(probe, ignore_errors=True)
+    iters = steps or max(1, round(seconds * sps / tokens_per_step))
     run_stage(config(recipe, data, out, iters, seed))
     secs, steps = train_seconds(out)
     return {"iters": steps, "train_seconds": secs, "tokens": steps * tokens_per_step,
@@ -177,7 +181,10 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/cf-quality")
     ap.add_argument("--val-tokens", type=int, default=65_536, help="own-validation targets scored")
     ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--steps", action="append", default=[], metavar="LANG:RECIPE=N",
+                    help="pin a recipe's step count instead of timing it (repeatable)")
     a = ap.parse_args()
+    pins = {k: int(v) for k, _, v in (x.partition("=") for x in a.steps)}
     torch.set_num_threads(torch.get_num_threads())
     work = Path(a.work)
     recipes = {"baseline": BASELINE, "default": default_recipe()}
@@ -188,7 +195,7 @@ def main() -> None:
             t0 = time.perf_counter()
             tok, data, held = data_for(work, lang, recipe["vocab"], recipe["split"])
             out = work / "runs" / f"{lang}-{name}"
-            tr = train(recipe, data, out, a.seconds, a.seed)
+            tr = train(recipe, data, out, a.seconds, a.seed, pins.get(f"{lang}:{name}"))
             sc = score(out, data, held, a.val_tokens)
             row = {"lang": lang, "recipe": name, **tr, **sc, "wall_s": time.perf_counter() - t0,
                    "config": recipe}
