@@ -616,8 +616,9 @@ def check_compatible(ck: Path, model_cfg: dict, tokenizer_hash: str, what: str, 
 # The saved optimizer state and data cursor mean something only with these unchanged: the cursor counts
 # batches of this size in this seed's order of this data; the optimizer's saved param groups carry its
 # betas and weight decay (they would silently override new ones).
+# muon_*: the optimizer state restores its groups' rate ratio, momentum and decay, so a change would not apply
 RESUME_FIXED = ("stage", "batch_size", "grad_accum_steps", "seed", "optimizer", "weight_decay", "beta1", "beta2",
-                "fim_rate", "fim_spm_rate")
+                "fim_rate", "fim_spm_rate", "muon_lr", "muon_momentum", "muon_weight_decay")
 # Applied step by step from the configuration, so a change takes effect from the resumed step on; the run is
 # then no longer the one a straight run would give, which --resume says.
 RESUME_NOTED = ("learning_rate", "min_lr_ratio", "schedule", "warmup_steps", "decay_fraction", "grad_clip",

@@ -180,7 +180,7 @@ def test_config_precedence_and_file(tmp_path):
     y = tmp_path / "c.yaml"
     y.write_text("model:\n  n_layer: 7\n")
     c = resolve(["fragment-lowend", "lowend-cpu"], str(f), ["train.batch_size=6"], {"model.n_head": 2})
-    assert (c.model.n_layer, c.model.n_embd, c.model.n_head, c.train.batch_size, c.train.grad_accum_steps) == (3, 256, 2, 6, 16)
+    assert (c.model.n_layer, c.model.n_embd, c.model.n_head, c.train.batch_size, c.train.grad_accum_steps) == (3, 256, 2, 6, 1)
     assert c.model.ffn_hidden == 1024 and c.model.n_kv_head == 2  # derived after overrides
     assert resolve([], str(y)).model.n_layer == 7
 
