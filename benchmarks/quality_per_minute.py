@@ -131,8 +131,10 @@ def train(recipe: dict, data: Path, out: Path, seconds: float, seed: int, steps:
     if not steps:
         run_stage(config(recipe, data, probe, 40, seed))
         rows = [json.loads(x) for x in (probe / "metrics.jsonl").read_text().splitlines()]
-        rows = [r for r in rows if "tokens_per_s" in r and r["step"] > 10]  # after the first steps' warm-up
-        sps = sum(r["tokens_per_s"] for r in rows) / len(rows)
+        rows = [r for r in rows if "tokens_per_s" in r]
+        # tokens over seconds after the first 10 steps (warm-up); a mean of the per-line rates would run high
+        pairs = [(b["tokens"] - a["tokens"], b["tokens_per_s"]) for a, b in zip(rows, rows[1:]) if a["step"] >= 10]
+        sps = sum(n for n, _ in pairs) / sum(n / r for n, r in pairs)
         shutil.rmtree(probe, ignore_errors=True)
     iters = steps or max(1, round(seconds * sps / tokens_per_step))
     run_stage(config(recipe, data, out, iters, seed))
