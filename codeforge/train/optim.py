@@ -6,6 +6,12 @@ import math
 
 import torch
 
+from .. import CodeforgeError
+
+
+class OptimizerError(CodeforgeError, ValueError):
+    """An optimizer that cannot serve this model or device; the message says what to use instead."""
+
 
 def lr_at(step: int, *, base_lr: float, warmup: int, total: int, schedule: str = "cosine",
           min_ratio: float = 0.1, decay_fraction: float = 0.2) -> float:
@@ -56,7 +62,7 @@ class MuonAdamW:
         muon = [{k: v for k, v in g.items() if k != "muon"} for g in groups if g.get("muon")]
         rest = [{k: v for k, v in g.items() if k != "muon"} for g in groups if not g.get("muon")]
         if not muon:
-            raise ValueError("optimizer muon: the model has no hidden weight matrices for Muon")
+            raise OptimizerError("optimizer muon: the model has no hidden weight matrices for Muon")
         self.adamw = torch.optim.AdamW(rest, lr=lr, betas=betas, fused=fused)
         self.muon = torch.optim.Muon(muon, lr=lr, momentum=momentum, nesterov=True, adjust_lr_fn="original")
 
@@ -98,7 +104,7 @@ def build_optimizer(model, name: str, lr: float, weight_decay: float, betas: tup
         try:
             groups = model.optim_groups(weight_decay, muon=True)
         except TypeError:
-            raise ValueError(f"optimizer muon is for GPT models; {type(model).__name__} has per-module groups of "
+            raise OptimizerError(f"optimizer muon is for GPT models; {type(model).__name__} has per-module groups of "
                              f"its own: use --set optimizer=adamw") from None
         for g in groups:
             if g.get("muon"):
@@ -107,10 +113,10 @@ def build_optimizer(model, name: str, lr: float, weight_decay: float, betas: tup
     groups = model.optim_groups(weight_decay)
     if name == "adamw8bit":
         if device.type != "cuda":
-            raise ValueError("optimizer adamw8bit needs a CUDA device and bitsandbytes; use --set optimizer=adamw")
+            raise OptimizerError("optimizer adamw8bit needs a CUDA device and bitsandbytes; use --set optimizer=adamw")
         try:
             import bitsandbytes as bnb
         except ImportError as e:
-            raise ValueError("optimizer adamw8bit needs bitsandbytes: pip install bitsandbytes") from e
+            raise OptimizerError("optimizer adamw8bit needs bitsandbytes: pip install bitsandbytes") from e
         return bnb.optim.AdamW8bit(groups, lr=lr, betas=betas)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)
