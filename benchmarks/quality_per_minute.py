@@ -187,7 +187,6 @@ def main() -> None:
                     help="pin a recipe's step count instead of timing it (repeatable)")
     a = ap.parse_args()
     pins = {k: int(v) for k, _, v in (x.partition("=") for x in a.steps)}
-    torch.set_num_threads(torch.get_num_threads())
     work = Path(a.work)
     recipes = {"baseline": BASELINE, "default": default_recipe()}
     todo = [(n, recipes[n]) for n in a.recipe] + [parse_variant(v, default_recipe()) for v in a.variant]

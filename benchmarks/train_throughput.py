@@ -1,5 +1,6 @@
 """Training throughput of codeforge's real training step (trainer.train_step: autocast, accumulation,
-clipping, AdamW, non-finite check) for a preset on the current device, on random tokens.
+clipping, the preset's optimizer (AdamW, or Muon with lowend-cpu), non-finite check) for a preset on the
+current device, on random tokens.
 
 Prints a table (or one JSON object with --json): tokens/s, ms/step, peak memory, MFU (GPU devices in the
 peak table only). --fit GIB searches the largest micro-batch whose peak memory fits the budget.
