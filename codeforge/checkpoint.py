@@ -12,6 +12,12 @@ RUN/checkpoints/step_NNNNNN/
   tokenizer/               the tokenizer, so a checkpoint alone can generate
   manifest.json            {"format", "step", "files": {relative path: {"bytes", "sha256"}}}: every file
                            above, hashed after it was written; written last
+  sharded/                 instead of model.safetensors and the optimizer moments, in runs with --parallel
+                           fsdp: a torch.distributed.checkpoint (DCP) directory, `.metadata` plus one
+                           `__R_0.distcp` per rank, written by every rank in parallel. It holds the weights
+                           ("model.*") and the optimizer state ("optim.*") by parameter name, so it loads on
+                           any number of ranks (DCP reshards), on one process (resume, generate, export), and
+                           into DDP. For several nodes, RUN must be on a filesystem all of them see.
 RUN/checkpoints/latest, best, final   one line each: the name of a step directory
 RUN/.train.lock            flock()ed by the training process for the whole run (its PID inside)
 
@@ -75,6 +81,7 @@ STATE_TENSORS = "train_state.safetensors"
 STATE_JSON = "train_state.json"
 LEGACY_STATE = "train_state.pt"  # pickled by codeforge before the manifest; read only with weights_only=True
 LOCK_FILE = ".train.lock"
+SHARDED = "sharded"  # the DCP directory of an FSDP run's checkpoint
 
 
 class CheckpointError(CodeforgeError):
@@ -272,7 +279,8 @@ def _verify(ck: Path, train_state: bool) -> str | None:
         files = {str(k): (int(v["bytes"]), str(v["sha256"])) for k, v in man["files"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return f"{MANIFEST} is unreadable ({type(e).__name__}: {e})"
-    needed = {"model.safetensors", "config.json"} | ({STATE_TENSORS, STATE_JSON} if train_state else set())
+    weights = f"{SHARDED}/.metadata" if any(k.startswith(f"{SHARDED}/") for k in files) else "model.safetensors"
+    needed = {weights, "config.json"} | ({STATE_TENSORS, STATE_JSON} if train_state else set())
     unlisted = sorted(needed - set(files))
     if unlisted:
         return f"{unlisted[0]} is not in {MANIFEST}"
@@ -379,32 +387,91 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, conf
     """Write step_NNNNNN aside (files, then the manifest over them) and rename it into place; `assets` are
     directories copied in by name (the tokenizer). Then move the pointers and prune to keep_last plus the
     pointed-to steps. A failed write raises CheckpointWriteError and changes nothing that was there."""
-    root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    name = f"{STEP_PREFIX}{step:06d}"
-    final_dir = root / name
-    before = _pointer_target(root, "latest")
-    before = before.name if before is not None else None
+    root, name, before = _begin(run_dir, step)
     skeleton, tensors = encode_state(train_state)
     need = (_nbytes(model.state_dict().values()) + _nbytes(tensors.values())
             + sum(_dir_bytes(src) for src in (assets or {}).values()))
     tmp = None
     try:
-        tmp = staging_dir(final_dir)
+        tmp = staging_dir(root / name)
         st_save_model(model, str(tmp / "model.safetensors"))
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        st_save_file(tensors, str(tmp / STATE_TENSORS))
-        (tmp / STATE_JSON).write_text(json.dumps(skeleton))
-        for asset, src in (assets or {}).items():
-            shutil.copytree(src, tmp / asset)
-        _write_manifest(tmp, step)
-        publish(tmp, final_dir)  # replaces the same step saved earlier (e.g. on SIGTERM right after a periodic save)
+        _write_rest(tmp, step, config, skeleton, tensors, assets)
+        publish(tmp, root / name)  # replaces the same step saved earlier (e.g. on SIGTERM right after a periodic save)
     except BaseException as e:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, (OSError, SafetensorError)):
             raise CheckpointWriteError(_write_failure(e, root, name, need, before)) from e
         raise
+    return _point_and_prune(root, name, keep_last, best, final)
+
+
+def _begin(run_dir: str | Path, step: int) -> tuple[Path, str, str | None]:
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    before = _pointer_target(root, "latest")
+    return root, f"{STEP_PREFIX}{step:06d}", before.name if before is not None else None
+
+
+def _write_rest(tmp: Path, step: int, config: dict, skeleton, tensors: dict, assets: dict | None) -> None:
+    """Everything of a checkpoint but its weights, then the manifest over all of it."""
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    st_save_file(tensors, str(tmp / STATE_TENSORS))
+    (tmp / STATE_JSON).write_text(json.dumps(skeleton))
+    for asset, src in (assets or {}).items():
+        shutil.copytree(src, tmp / asset)
+    _write_manifest(tmp, step)
+
+
+def save_sharded_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, optimizer, config: dict,
+                            train_state: dict, assets: dict[str, Path] | None, keep_last: int, best: bool = False,
+                            final: bool = False) -> Path:
+    """save_checkpoint for an FSDP run, called by every rank together: rank 0 makes the staging directory,
+    every rank writes its shards of the weights and optimizer state into it with DCP (in parallel), then
+    rank 0 writes the rest (`train_state` without the optimizer, which is in the shards), the manifest,
+    renames it into place and moves the pointers, and tells the others how it went. The same atomicity:
+    a failure on any rank removes the unfinished directory, and every rank raises CheckpointWriteError."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    rank = dist.get_rank()
+    root, name, before = _begin(run_dir, step)
+    need = 3 * sum(p.numel() * p.element_size() for p in model.parameters())  # weights + two AdamW moments
+    msg: list = [None, None]  # (staging dir or None, error or None), from rank 0
+    if rank == 0:
+        try:
+            msg[0] = str(staging_dir(root / name))
+        except OSError as e:
+            msg[1] = _write_failure(e, root, name, need, before)
+    dist.broadcast_object_list(msg, src=0)
+    if msg[1]:
+        raise CheckpointWriteError(msg[1])
+    tmp = Path(msg[0])
+    msd, osd = get_state_dict(model, optimizer)
+    try:
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp / SHARDED))
+    except Exception as e:  # DCP gathers every rank's failure and raises it on all of them
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(_write_failure(OSError(str(e)), root, name, need, before)) from e
+    result: list = [None]
+    if rank == 0:
+        try:
+            skeleton, tensors = encode_state(train_state)
+            _write_rest(tmp, step, config, skeleton, tensors, assets)
+            publish(tmp, root / name)
+            _point_and_prune(root, name, keep_last, best, final)
+        except (OSError, SafetensorError, CheckpointWriteError) as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            result[0] = str(e) if isinstance(e, CheckpointWriteError) else _write_failure(e, root, name, need, before)
+    dist.broadcast_object_list(result, src=0)
+    if result[0]:
+        raise CheckpointWriteError(result[0])
+    return root / name
+
+
+def _point_and_prune(root: Path, name: str, keep_last: int, best: bool, final: bool) -> Path:
+    final_dir = root / name
     try:
         _write_pointer(root, "latest", name)
         if best:
@@ -443,7 +510,38 @@ def _warn(msg: str) -> None:
 
 
 def _is_checkpoint_dir(p: Path) -> bool:
-    return (p / "model.safetensors").exists() or (p / MANIFEST).exists()
+    return (p / "model.safetensors").exists() or (p / MANIFEST).exists() or (p / SHARDED).is_dir()
+
+
+def is_sharded(ck: str | Path) -> bool:
+    """True for a checkpoint written by an FSDP run (weights and optimizer state in DCP shards)."""
+    return (Path(ck) / SHARDED).is_dir()
+
+
+def _dcp_load(state: dict, ck: Path) -> None:
+    """Load the tensors of `state` in place from the checkpoint's DCP shards, resharding to however `state`
+    is laid out (DTensor shards on any number of ranks, or whole tensors in one process)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    with warnings.catch_warnings():  # one process: DCP says it assumes so, which is what is meant
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        try:
+            dcp.load(state, checkpoint_id=str(ck / SHARDED))
+        except Exception as e:  # a missing key, another shape, an unreadable shard: all raised as one kind
+            raise CheckpointError(f"{ck / SHARDED}: the sharded checkpoint does not load into this model "
+                                  f"({type(e).__name__}: {str(e)[:600]}); the checkpoint is damaged or was "
+                                  f"written for another model") from e
+
+
+def load_sharded_state(model: torch.nn.Module, optimizer, ck: Path) -> None:
+    """Weights and optimizer state of a sharded checkpoint into `model` and `optimizer`, on this run's ranks
+    (FSDP on any world size, DDP, or one process): DCP reshards them by parameter name."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    msd, osd = get_state_dict(model, optimizer)
+    state = {"model": msd, "optim": osd}
+    _dcp_load(state, Path(ck))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def find_checkpoint(path: str | Path, which: str = "latest", *, train_state: bool = False,
@@ -526,6 +624,14 @@ def read_config(ckpt: Path) -> dict:
 def load_weights(model: torch.nn.Module, ckpt: Path, new_ok: tuple[str, ...] = ()) -> None:
     """The checkpoint's weights into `model`, every key matched; `new_ok`: prefixes of parameters the model
     may have that the checkpoint lacks (a head added on a trained trunk keeps its initialisation)."""
+    if is_sharded(ckpt):
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             set_model_state_dict)
+        sd = {k: v for k, v in get_model_state_dict(model).items() if not (new_ok and k.startswith(new_ok))}
+        state = {"model": sd}
+        _dcp_load(state, Path(ckpt))
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not new_ok))
+        return
     f = Path(ckpt) / "model.safetensors"
     try:
         missing, unexpected = st_load_model(model, str(f), strict=False)
@@ -677,8 +783,19 @@ def check_resume(ck: Path, run_config: dict) -> list[str]:
     that take effect from here on (RESUME_NOTED, dropout)."""
     saved = read_config(ck)
     st, nt = saved.get("train", {}), run_config["train"]
-    fixed = [f"train.{k} {st[k]!r} -> {nt[k]!r}" for k in RESUME_FIXED if k in st and st[k] != nt[k]]
     notes = []
+    keys = RESUME_FIXED
+    sw, nw = saved.get("world_size"), run_config.get("world_size")
+    if sw and nw and sw != nw and "batch_size" in st:
+        keys = tuple(k for k in RESUME_FIXED if k not in ("batch_size", "grad_accum_steps"))
+        notes += _world_change(st, nt, sw, nw)
+    fixed = [f"train.{k} {st[k]!r} -> {nt[k]!r}" for k in keys if k in st and st[k] != nt[k]]
+    if sw and nw and sw != nw and "batch_size" in st:
+        was, now = st["batch_size"] * st["grad_accum_steps"] * sw, nt["batch_size"] * nt["grad_accum_steps"] * nw
+        if was != now:
+            fixed.append(f"the global batch {st['batch_size']} x {st['grad_accum_steps']} x {sw} rank(s) = {was} "
+                         f"sequences -> {nt['batch_size']} x {nt['grad_accum_steps']} x {nw} = {now} (set "
+                         f"--batch-size and --grad-accum-steps so that their product times {nw} ranks is {was})")
     sd, nd = saved.get("data_identity"), run_config.get("data_identity")
     if sd is None:
         notes.append(f"{ck} records no identity of its training data (older codeforge): not checked that "
@@ -705,6 +822,22 @@ def check_resume(ck: Path, run_config: dict) -> list[str]:
         notes.append(f"the budget changed ({'; '.join(budget)}): the {nt['schedule']} learning-rate schedule runs "
                      f"over the new budget from the resumed step on")
     return notes
+
+
+def _world_change(st: dict, nt: dict, sw: int, nw: int) -> list[str]:
+    """A resume on another number of ranks keeps the global batch (sequences per optimizer step): with the
+    saved batch size and accumulation unchanged, the accumulation is scaled to make up for the ranks (it is
+    set in `nt`, the run's train section, which the stage then uses). Says what changes."""
+    was = st["batch_size"] * st["grad_accum_steps"] * sw
+    same = nt["batch_size"] == st["batch_size"] and nt["grad_accum_steps"] == st["grad_accum_steps"]
+    if same and was % (nt["batch_size"] * nw) == 0:
+        nt["grad_accum_steps"] = was // (nt["batch_size"] * nw)
+    if nt["batch_size"] * nt["grad_accum_steps"] * nw != was:
+        return []  # check_resume refuses it, saying what to set
+    return [f"resuming on {nw} rank(s), saved on {sw}: the global batch stays {was} sequences (batch "
+            f"{nt['batch_size']} x accumulation {nt['grad_accum_steps']} x {nw} ranks) and the data continues where "
+            f"it stopped; what changes is how it is split over ranks, so dropout masks and the order in which "
+            f"gradients are summed (float rounding) differ from a run that kept {sw} rank(s)"]
 
 
 # -- the run-directory lock -----------------------------------------------------------------------------------

@@ -87,6 +87,14 @@ class TrainConfig:
     compile: bool = setting(False, "torch.compile the model")
     grad_checkpointing: bool = setting(False, "recompute activations in backward (less memory)",
                                        flag="--gradient-checkpointing")
+    parallel: str = setting("auto", "data parallelism under torchrun: ddp (every rank holds the whole model, its "
+                            "gradients and optimizer state) or fsdp (PyTorch FSDP2: each rank holds 1/N of them; "
+                            "sharded checkpoints with DCP); auto: ddp, or fsdp on GPUs when `codeforge plan` says "
+                            "DDP does not fit", choices=("auto", "ddp", "fsdp"))
+    fsdp_offload: bool = setting(False, "fsdp: keep parameter shards, gradients and optimizer state in CPU memory "
+                                 "(PyTorch's CPUOffloadPolicy): slower, for shards that do not fit the GPU")
+    dist_timeout: int = setting(600, "seconds a rank waits in a collective for the others before failing (a killed "
+                                "or stuck rank then ends the job instead of hanging it)", range=(5, 86400))
     # > 0: fused chunked lm_head + cross-entropy (train/losses.py). Off by default: neutral on CPU (docs/LOG.md)
     # and not yet measured on a GPU; it saves the (B*T, vocab) logits' memory.
     fim_rate: float = setting(0.0, "share of training documents reordered for fill-in-the-middle (prefix-suffix-"

@@ -97,13 +97,16 @@ def distributed_env() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def setup_distributed(device: torch.device) -> bool:
+def setup_distributed(device: torch.device, timeout_s: int = 600) -> bool:
     """Join the process group when torchrun started several ranks (NCCL on GPUs, gloo on CPU); True if so.
-    Called at the entry point, paired with teardown_distributed in a finally."""
+    timeout_s: how long a collective waits for a rank that does not come (killed, stuck) before it fails,
+    so the job ends instead of hanging. Called at the entry point, paired with teardown_distributed."""
     _, world = distributed_env()
     if world <= 1:
         return False
-    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    from datetime import timedelta
+    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                         timeout=timedelta(seconds=timeout_s))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return True

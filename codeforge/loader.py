@@ -99,12 +99,23 @@ class BatchLoader:
                 "fim_rate": self.fim_rate, "fim_spm_rate": self.fim_spm_rate}
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue where `state` stopped. Another world size or batch size is taken when it reads on from
+        the same place: rank r reads every world_size-th chunk of one global order, so the first pos x B x
+        world_size chunks of the epoch are what all ranks together have read, whatever the split."""
         state = {"fim_rate": 0.0, "fim_spm_rate": 0.5, **state}  # saved before FIM existed: none
-        for k in ("seed", "shuffle", "world_size", "B", "T", "fim_rate", "fim_spm_rate"):
+        for k in ("seed", "shuffle", "T", "fim_rate", "fim_spm_rate"):
             if state[k] != getattr(self, k):
                 raise ValueError(f"loader state was saved with {k}={state[k]!r} but this run has "
                                  f"{getattr(self, k)!r}; resume with the same setting")
-        self.epoch, self.pos, self._order = state["epoch"], state["pos"], None
+        pos = state["pos"]
+        if (state["world_size"], state["B"]) != (self.world_size, self.B):
+            read, per = state["pos"] * state["B"] * state["world_size"], self.B * self.world_size
+            if read % per:
+                raise ValueError(f"loader state was saved after {read} sequences of this epoch (batch {state['B']} "
+                                 f"on {state['world_size']} rank(s)), which batch {self.B} on {self.world_size} "
+                                 f"rank(s) cannot continue from; keep batch x accumulation x ranks as it was")
+            pos = read // per
+        self.epoch, self.pos, self._order = state["epoch"], pos, None
 
 
 class ChatBatchLoader:

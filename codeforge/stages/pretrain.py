@@ -25,6 +25,9 @@ from ..train.losses import lm_loss_fn
 from ..train.trainer import Trainer
 
 
+FSDP_STAGES = ("pretrain", "code", "sft", "tools")  # one model, a loss on its outputs, nothing beside it
+
+
 def round_up(n: int, k: int) -> int:
     return (n + k - 1) // k * k
 
@@ -57,7 +60,11 @@ def launch(cfg: RunConfig, log, train) -> dict:
     device, why_dev = choose_device(t.device)
     precision, why_prec = choose_precision(device, t.precision)
     rank, world = distributed_env()
-    setup_distributed(device)
+    if world > 1 and t.parallel == "fsdp" and t.stage not in FSDP_STAGES:
+        raise ConfigError(f"--parallel fsdp is for the language-model stages ({', '.join(FSDP_STAGES)}); --stage "
+                          f"{t.stage} builds extra models (reference, reward, value) beside the trained one and "
+                          f"runs with --parallel ddp")
+    setup_distributed(device, t.dist_timeout)
     try:
         say = log if rank == 0 else (lambda m: None)
         say(f"device: {device} ({why_dev}); precision: {precision} ({why_prec})")
@@ -114,11 +121,14 @@ def _train(cfg: RunConfig, resume: bool, say, device: torch.device, precision: s
     # -- the run directory: one trainer at a time (rank 0 holds it for all ranks) ---------------------------
     if rank == 0:
         held.enter_context(ckpt_io.run_lock(run_dir))
-    run_config = {**cfg.to_dict(), "tokenizer_hash": tok.hash, "data_identity": ckpt_io.data_identity(t.data)}
+    run_config = {**cfg.to_dict(), "tokenizer_hash": tok.hash, "data_identity": ckpt_io.data_identity(t.data),
+                  "world_size": world}
 
     # -- resume or init_from --------------------------------------------------------------------------------
     model_dict = m.to_dict()
     start_ckpt = resume_point(run_dir, resume, model_dict, tok.hash, t.data, run_config, say)
+    if run_config["train"]["grad_accum_steps"] != t.grad_accum_steps:  # resumed on another number of ranks
+        cfg.train = t = replace(t, grad_accum_steps=run_config["train"]["grad_accum_steps"])
 
     # -- model ----------------------------------------------------------------------------------------------
     torch.manual_seed(t.seed)

@@ -1,19 +1,110 @@
 """Wrapping the model for speed and for data parallelism, in one place (torchtitan's `parallelize` idea).
 
-The trainer calls `wrap` once; what it returns is what the loss function runs (the wrapped model), while
-the optimizer, checkpoints and evaluation use the bare model.
+The trainer calls `wrap` once, before it builds the optimizer; what it returns is what the loss function
+runs. Three ways, all PyTorch's own and launched by torchrun:
+  - none: one process; `torch.compile` of the whole model if asked.
+  - ddp:  DistributedDataParallel. Every rank holds the whole model, its gradients and optimizer state;
+          gradients are averaged in backward. The returned wrapper is what runs; the bare model is what the
+          optimizer, checkpoints and evaluation use.
+  - fsdp: FSDP2 (`torch.distributed.fsdp.fully_shard`) per transformer block and then the root, over a 1-D
+          device mesh of all ranks: each rank keeps 1/N of every parameter, gradient and optimizer state and
+          gathers a block's weights only while it runs. The model is sharded in place (its parameters become
+          DTensors), so the model is also what runs; checkpoints are sharded with DCP (checkpoint.py).
+          On GPUs a mixed-precision policy computes in bf16 (or fp16) with fp32 gradient reduction; `offload`
+          keeps shards and optimizer state in CPU memory; `compile` compiles each block on its own (whole-
+          model compile does not trace through FSDP's hooks); activation checkpointing is the model's own
+          (`grad_checkpointing`: the recomputation re-gathers the block's weights, as FSDP2 expects).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .. import CodeforgeError
 
-def wrap(model: torch.nn.Module, device: torch.device, compile: bool = False, ddp: bool = False) -> torch.nn.Module:
-    """torch.compile (if asked), then DistributedDataParallel when running under torchrun with world > 1
-    (each rank reads disjoint batches; gradients are averaged in backward)."""
+MODES = ("none", "ddp", "fsdp")
+
+
+class ParallelError(CodeforgeError):
+    """A parallelism setting that cannot work for this run; the message says what to use instead."""
+
+
+def choose_mode(asked: str, world: int, device: torch.device, plan_bytes: tuple[int, int] | None = None,
+                device_bytes: int | None = None) -> tuple[str, str]:
+    """(mode, why) for a run of `world` ranks asking for --parallel `asked` (auto, ddp, fsdp).
+    plan_bytes: (DDP, FSDP) estimated bytes per rank (plan.py), device_bytes: the GPU's memory; auto picks
+    FSDP only when the DDP estimate does not fit and the FSDP one does."""
+    if world <= 1:
+        if asked == "fsdp":
+            return "none", "one process: nothing to shard; its checkpoints load on any number of ranks"
+        return "none", "one process"
+    if asked == "ddp":
+        return "ddp", f"--parallel ddp over {world} ranks"
+    if asked == "fsdp":
+        return "fsdp", f"--parallel fsdp over {world} ranks: parameters, gradients and optimizer state sharded"
+    if plan_bytes and device_bytes and plan_bytes[0] > 0.9 * device_bytes and plan_bytes[1] <= 0.9 * device_bytes:
+        return "fsdp", (f"auto: DDP would need ~{plan_bytes[0] / 2**30:.1f} GiB per rank on a "
+                        f"{device_bytes / 2**30:.0f} GiB device, FSDP ~{plan_bytes[1] / 2**30:.1f} GiB")
+    return "ddp", (f"auto over {world} ranks (each holds the whole model; --parallel fsdp shards it when it "
+                   f"does not fit)")
+
+
+def blocks_of(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated transformer blocks FSDP shards one by one (every model here keeps them in `blocks`)."""
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, torch.nn.ModuleList) or not len(blocks):
+        raise ParallelError(f"--parallel fsdp shards per transformer block, and {type(model).__name__} has no "
+                            f"`blocks` list; use --parallel ddp")
+    return list(blocks)
+
+
+def wrap(model: torch.nn.Module, device: torch.device, mode: str = "none", compile: bool = False,
+         precision: str = "fp32", offload: bool = False) -> torch.nn.Module:
+    """The module the loss function runs, wrapped as `mode` says (see the module docstring)."""
+    if mode == "fsdp":
+        return _fully_shard(model, device, compile, precision, offload)
     fwd = torch.compile(model) if compile else model
-    if ddp:
+    if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
         fwd = DDP(fwd, device_ids=[device.index] if device.type == "cuda" else None)
     return fwd
+
+
+def _fully_shard(model, device, compile, precision, offload):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    kw: dict = {"mesh": mesh}
+    if device.type == "cuda" and precision in ("bf16", "fp16"):
+        # compute in half precision, keep fp32 master shards and reduce gradients in fp32
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if precision == "bf16" else torch.float16,
+                                               reduce_dtype=torch.float32)
+    if offload:
+        kw["offload_policy"] = CPUOffloadPolicy()
+    blocks = blocks_of(model)
+    for i, block in enumerate(blocks):
+        if compile:
+            block.compile()  # in place: parameter names (and so checkpoints) stay the same
+        # the last block's weights are needed at once by backward: keeping them gathered saves one all-gather
+        fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """True when the model's parameters are FSDP2 shards (DTensors)."""
+    from torch.distributed.tensor import DTensor
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def set_grad_sync(fwd: torch.nn.Module, mode: str, sync: bool):
+    """A context for one micro-batch's backward: gradient reduction only on the last of an accumulation.
+    DDP: `no_sync()`; FSDP2: `set_requires_gradient_sync` (unsynced micro-batches keep unsharded gradients)."""
+    import contextlib
+    if mode == "ddp" and not sync:
+        return fwd.no_sync()
+    if mode == "fsdp":
+        fwd.set_requires_gradient_sync(sync)
+    return contextlib.nullcontext()

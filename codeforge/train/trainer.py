@@ -7,7 +7,6 @@ evaluate, sample, checkpoint, stop check, one optimisation step (accumulating mi
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import signal
@@ -37,7 +36,8 @@ class Trainer:
                  device: torch.device, precision: str, total_steps: int, tokens_per_step: int, run_config: dict,
                  assets: dict[str, Path] | None = None, evaluate: Callable[[torch.nn.Module], dict | None] | None = None,
                  sample: Callable[[torch.nn.Module, int], str] | None = None, start_checkpoint: Path | None = None,
-                 rank: int = 0, world: int = 1, log=print, aux: torch.nn.Module | None = None):
+                 rank: int = 0, world: int = 1, log=print, aux: torch.nn.Module | None = None,
+                 plan: tuple | None = None):
         """model: on `device`, initialised (or loaded by the stage). batches: the training batch source.
         run_config: the resolved configuration saved with every checkpoint (it must let the checkpoint module
         rebuild the model; its model and train sections are also written to RUN/config.toml). assets:
@@ -47,14 +47,29 @@ class Trainer:
         text. start_checkpoint: resume from it (weights, optimizer, batch-source cursor, RNG, counters).
         aux: a module trained beside the model whose weights are not the model's (PPO's value head): its
         parameters join the optimizer (no weight decay) and gradient clipping, and its weights are saved in
-        the training state, so checkpoints stay the bare model the engine, eval and export read."""
+        the training state, so checkpoints stay the bare model the engine, eval and export read.
+        rank, world: this process among torchrun's; cfg.parallel says how the model is spread over them
+        (parallel.py), plan: (DDP bytes, FSDP bytes, device bytes) per rank, for --parallel auto."""
         self.model, self.batches, self.loss_fn, self.cfg = model, batches, loss_fn, cfg
         self.run_dir, self.device, self.precision = Path(run_dir), device, precision
         self.total_steps, self.tokens_per_step, self.run_config = total_steps, tokens_per_step, run_config
         self.assets, self.evaluate_fn, self.sample_fn = assets or {}, evaluate, sample
-        self.rank, self.world, self.master, self.ddp = rank, world, rank == 0, world > 1
+        self.rank, self.world, self.master = rank, world, rank == 0
+        self.ddp = world > 1  # several ranks (DDP or FSDP): they agree on stopping and average the logged loss
         self.print = log
-        self.fwd = parallel.wrap(model, device, compile=cfg.compile, ddp=self.ddp)
+        self.mode, why = parallel.choose_mode(cfg.parallel, world, device, *(plan or ()))
+        self.sharded = self.mode == "fsdp"
+        if self.sharded and cfg.optimizer != "adamw":
+            raise TrainingError(f"--parallel fsdp trains with adamw, not {cfg.optimizer}: "
+                                + ("Muon orthogonalises whole weight matrices, and FSDP splits each across ranks"
+                                   if cfg.optimizer == "muon" else "bitsandbytes' 8-bit state is not shardable")
+                                + "; use --set optimizer=adamw, or --parallel ddp")
+        if self.sharded and aux is not None:
+            raise TrainingError("--parallel fsdp does not shard this stage's extra module (PPO's value head); "
+                                "use --parallel ddp")
+        if world > 1 or cfg.parallel == "fsdp":
+            self.say(f"parallel: {self.mode} ({why})")
+        self.fwd = parallel.wrap(model, device, self.mode, cfg.compile, precision, cfg.fsdp_offload)
         self.aux = aux
         self.opt = build_optimizer(model, cfg.optimizer, cfg.learning_rate, cfg.weight_decay,
                                    (cfg.beta1, cfg.beta2), device, cfg.muon_lr, cfg.muon_momentum,
@@ -80,14 +95,21 @@ class Trainer:
             self.print(msg)
 
     def _restore(self, ck: Path) -> None:
-        ckpt_io.load_weights(self.model, ck)
         st = ckpt_io.load_train_state(ck)
+        if ckpt_io.is_sharded(ck):  # an FSDP run's: DCP reshards it onto this run's ranks (or one process)
+            ckpt_io.load_sharded_state(self.model, self.opt, ck)
+        elif self.sharded:
+            raise TrainingError(f"--resume {ck}: that checkpoint was written by a single-process or DDP run, "
+                                f"and --parallel fsdp resumes only sharded ones; resume it with --parallel ddp, "
+                                f"or start an FSDP run from its weights with --init-from {ck} --out NEW_RUN")
+        else:
+            ckpt_io.load_weights(self.model, ck)
+            self.opt.load_state_dict(st["optimizer"])
         if self.aux is not None:
             if "aux" not in st:
                 raise TrainingError(f"--resume {ck}: the checkpoint holds no weights for this stage's "
                                     f"{type(self.aux).__name__}; it was written by another stage")
             self.aux.load_state_dict(st["aux"])
-        self.opt.load_state_dict(st["optimizer"])
         self.scaler.load_state_dict(st["scaler"])
         try:
             self.batches.load_state_dict(st["loader"])
@@ -100,34 +122,42 @@ class Trainer:
         self.say(f"resumed from {ck} at step {self.step} ({self.tokens:,} tokens)")
 
     def _save(self, final: bool = False) -> None:
-        if not self.master:
+        if not self.master and not self.sharded:
             return
         # "best" only for weights evaluated at this very step, and strictly better than any before
         best = self.last_val is not None and self.last_val_step == self.step and self.last_val < self.best_val
         if best:
             self.best_val = self.last_val
-        state = {"optimizer": self.opt.state_dict(), "scaler": self.scaler.state_dict(),
+        state = {"scaler": self.scaler.state_dict(),
                  "loader": self.batches.state_dict(), "rng": ckpt_io.rng_state(), "step": self.step,
                  "tokens": self.tokens, "best_val": self.best_val, "skipped": self.skipped, "last_val": self.last_val,
                  "last_val_step": self.last_val_step}
         if self.aux is not None:
             state["aux"] = {k: v.detach().clone() for k, v in self.aux.state_dict().items()}
         try:
-            path = ckpt_io.save_checkpoint(self.run_dir, self.step, self.model, self.run_config, state, self.assets,
-                                           self.cfg.keep_last, best=best, final=final)
+            if self.sharded:  # every rank writes its shards of weights and optimizer state
+                path = ckpt_io.save_sharded_checkpoint(self.run_dir, self.step, self.model, self.opt,
+                                                       self.run_config, state, self.assets, self.cfg.keep_last,
+                                                       best=best, final=final)
+            else:
+                state["optimizer"] = self.opt.state_dict()
+                path = ckpt_io.save_checkpoint(self.run_dir, self.step, self.model, self.run_config, state,
+                                               self.assets, self.cfg.keep_last, best=best, final=final)
         except ckpt_io.CheckpointWriteError as e:  # a full disk: stop here rather than train on unsaved
             raise TrainingError(f"training stopped at step {self.step}: {e}") from e
         self.logger.message(f"saved {path}{' (best)' if best else ''}")
 
     def _evaluate(self) -> None:
-        if self.evaluate_fn is None or not self.master:
+        if self.evaluate_fn is None or not (self.master or self.sharded):
             return
-        r = self.evaluate_fn(self.model)
+        r = self.evaluate_fn(self.model)  # under FSDP every rank runs it: each forward gathers the weights
         self.model.train()
         if r is None:
             return
         self.last_val, self.last_val_step = r.get("objective", r.get("val_loss")), self.step
         self.last_said = r.get("message")
+        if not self.master:
+            return
         names = {"perplexity": "val_perplexity", "bits_per_byte": "val_bpb", "eval_tokens": "val_tokens"}
         rec = {"step": self.step, "tokens": self.tokens}
         rec.update({names.get(k, k if k.startswith("val_") else f"val_{k}"): v for k, v in r.items()
@@ -141,10 +171,12 @@ class Trainer:
                                 f"{r['bits_per_byte']:.3f} bits/byte ({r.get('eval_tokens', 0):,} validation tokens)")
 
     def _sample(self) -> None:
-        if self.sample_fn is None or not self.master:
+        if self.sample_fn is None or not (self.master or self.sharded):
             return
-        text = self.sample_fn(self.model, self.step)
+        text = self.sample_fn(self.model, self.step)  # FSDP: every rank samples the same (same seed), rank 0 writes
         self.model.train()
+        if not self.master:
+            return
         with open(self.run_dir / "samples.jsonl", "a") as f:
             f.write(json.dumps({"step": self.step, "text": text}) + "\n")
         self.logger.message(f"sample at step {self.step}:\n{text[:400]}")
@@ -247,7 +279,7 @@ class Trainer:
                    schedule=t.schedule, min_ratio=t.min_lr_ratio, decay_fraction=t.decay_fraction)
         set_lr(self.opt, lr)
         loss_v, norm_v, applied = train_step(self.fwd, self.model, self.opt, self.scaler, self.batches, self.loss_fn,
-                                             t.grad_accum_steps, t.grad_clip, self.device, self.precision, self.ddp,
+                                             t.grad_accum_steps, t.grad_clip, self.device, self.precision, self.mode,
                                              parts=self.parts, params=self.params,
                                              sync=list(self.aux.parameters()) if self.aux is not None and self.ddp
                                              else None)
@@ -337,7 +369,7 @@ class Pace:
 
 
 def train_step(fwd, model, opt, scaler, batches, loss_fn: LossFn, accum: int, clip: float, device: torch.device,
-               precision: str, ddp: bool = False, parts: dict | None = None,
+               precision: str, mode: str = "none", parts: dict | None = None,
                params: list | None = None, sync: list | None = None) -> tuple[float, float, bool]:
     """Forward/backward over `accum` micro-batches from `batches`, unscale, clip, and step unless the loss or
     the gradient is non-finite (then the weights stay as they were). Returns (mean loss, grad norm, applied).
@@ -345,12 +377,13 @@ def train_step(fwd, model, opt, scaler, batches, loss_fn: LossFn, accum: int, cl
     `parts`, when given, gathers the metrics loss_fn returns beside the loss (a model's loss terms), each
     averaged over the micro-batches and added to what the dict holds, as tensors (no sync). `params`: what
     the gradient norm is clipped over (default: the model's). `sync`: parameters DDP does not cover (the
-    trainer's aux module) whose gradients are all-reduced here."""
+    trainer's aux module) whose gradients are all-reduced here. mode: parallel.py's none, ddp or fsdp; with
+    several ranks the loss returned is the mean over all of them (each rank's is a mean over an equal share
+    of the global batch) and the norm is the global one, so every rank takes the same decision."""
     loss_acc = torch.zeros((), device=device)
     for micro in range(accum):
         batch = next(batches)
-        ctx = fwd.no_sync() if ddp and micro < accum - 1 else contextlib.nullcontext()
-        with ctx:
+        with parallel.set_grad_sync(fwd, mode, micro == accum - 1):
             with autocast(device, precision):
                 loss, metrics = loss_fn(fwd, batch)
                 loss = loss / accum
@@ -367,6 +400,11 @@ def train_step(fwd, model, opt, scaler, batches, loss_fn: LossFn, accum: int, cl
     scaler.unscale_(opt)
     norm = torch.nn.utils.clip_grad_norm_(params if params is not None else model.parameters(),
                                           clip if clip > 0 else math.inf)
+    if hasattr(norm, "full_tensor"):  # FSDP: a DTensor, already reduced over the ranks' shards
+        norm = norm.full_tensor()
+    if mode != "none":
+        torch.distributed.all_reduce(loss_acc)
+        loss_acc /= torch.distributed.get_world_size()
     loss_v, norm_v = torch.stack([loss_acc.float(), norm.float()]).tolist()
     fp16_overflow = precision == "fp16" and math.isfinite(loss_v) and not math.isfinite(norm_v)
     applied = math.isfinite(loss_v) and (math.isfinite(norm_v) or fp16_overflow)
