@@ -453,6 +453,9 @@ def save_sharded_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Modu
     except Exception as e:  # DCP gathers every rank's failure and raises it on all of them
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        from .train.parallel import lost_peer
+        if lost_peer(e):  # not the disk: another rank is gone (the trainer says so)
+            raise
         raise CheckpointWriteError(_write_failure(OSError(str(e)), root, name, need, before)) from e
     result: list = [None]
     if rank == 0:
@@ -542,6 +545,11 @@ def load_sharded_state(model: torch.nn.Module, optimizer, ck: Path) -> None:
     state = {"model": msd, "optim": osd}
     _dcp_load(state, Path(ck))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def latest_step(run_dir: str | Path) -> Path | None:
+    """The step directory RUN/checkpoints/latest names (unverified), or None."""
+    return _pointer_target(Path(run_dir) / "checkpoints", "latest")
 
 
 def find_checkpoint(path: str | Path, which: str = "latest", *, train_state: bool = False,

@@ -18,6 +18,8 @@ runs. Three ways, all PyTorch's own and launched by torchrun:
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from .. import CodeforgeError
@@ -108,3 +110,18 @@ def set_grad_sync(fwd: torch.nn.Module, mode: str, sync: bool):
     if mode == "fsdp":
         fwd.set_requires_gradient_sync(sync)
     return contextlib.nullcontext()
+
+
+_LOST = re.compile(r"connection (reset|closed|refused)|broken pipe|timed out|timeout|socket|peer", re.I)
+
+
+def lost_peer(e: BaseException) -> bool:
+    """True when `e` comes from a collective whose other side went away (a rank killed, crashed, out of
+    memory) or did not answer within the process group's timeout (a stuck rank)."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, torch.distributed.DistError) or _LOST.search(str(e)):
+            return True
+        e = e.__cause__ or e.__context__
+    return False

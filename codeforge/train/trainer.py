@@ -260,6 +260,17 @@ class Trainer:
                     self.logger.progress(self.step, post, pace.eta(self.step))
             if self.ddp:  # normal end only (after an error a barrier would hang): rank 0 may still be saving
                 torch.distributed.barrier()
+        except Exception as e:
+            if not (self.ddp and parallel.lost_peer(e)):
+                raise
+            latest = ckpt_io.latest_step(self.run_dir)
+            raise TrainingError(
+                f"rank {self.rank}: lost contact with the other ranks at step {self.step} ({type(e).__name__}: "
+                f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else 'no detail'}). A rank was killed, "
+                f"crashed, ran out of memory or was stuck past --dist-timeout {self.cfg.dist_timeout}s; torchrun's "
+                f"summary names it. The job stops here; "
+                + (f"the last complete checkpoint is {latest}: continue with --resume" if latest else
+                   "no checkpoint was written yet") + ".") from e
         finally:
             for s, h in old.items():
                 signal.signal(s, h)

@@ -1,0 +1,242 @@
+"""Data parallelism on CPU ranks (gloo) through torchrun: FSDP2 against DDP and one process, sharded DCP
+checkpoints (exact resume, resharding 2 -> 1 and 4 -> 2, inference from them), a killed rank, two "nodes"
+on loopback, and the refusals."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from codeforge import checkpoint as ckpt_io
+from codeforge.config import ConfigError, resolve
+from codeforge.loader import BatchLoader
+from codeforge.shards import ShardSet
+
+GLOBAL_BATCH = 8
+COMMON = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--log-every", "1",
+          "--no-progress", "--device", "cpu", "--eval-every", "4", "--save-every", "4", "--eval-tokens", "2048",
+          "--schedule", "constant", "--warmup-steps", "2"]
+TOL = 2e-5  # float32 sums taken in another order (per rank, then all-reduced)
+
+
+def train(data_dir, out, ranks: int, *extra: str, steps: int = 8, check=True) -> subprocess.CompletedProcess:
+    """`codeforge train` on `ranks` CPU processes (torchrun; plain python for 1), global batch GLOBAL_BATCH."""
+    args = ["-m", "codeforge", "train", "--data", str(data_dir), "--out", str(out), *COMMON,
+            "--batch-size", str(GLOBAL_BATCH // ranks), "--max-iters", str(steps), *extra]
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+                if ranks > 1 else [sys.executable])
+    r = subprocess.run(launcher + args, capture_output=True, text=True, timeout=600)
+    if check:
+        assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    return r
+
+
+def records(run):
+    return [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
+
+
+def losses(run):
+    return {r["step"]: r["loss"] for r in records(run) if "loss" in r}
+
+
+def close(a: dict, b: dict, tol=TOL):
+    assert sorted(a) == sorted(b), (a, b)
+    return all(abs(a[k] - b[k]) <= tol * max(1.0, abs(b[k])) for k in a)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_fsdp_equals_ddp_and_one_process(data_dir, tmp_path, ranks):
+    """The same global batch split over N ranks: FSDP's and DDP's losses, gradient norms and validation
+    losses equal one process's within float32 tolerance."""
+    one = train(data_dir, tmp_path / "one", 1, steps=4)
+    fsdp = train(data_dir, tmp_path / "fsdp", ranks, "--parallel", "fsdp", steps=4)
+    train(data_dir, tmp_path / "ddp", ranks, "--parallel", "ddp", steps=4)
+    assert f"parallel: fsdp (--parallel fsdp over {ranks} ranks" in fsdp.stdout
+    assert "parallel:" not in one.stdout
+    ref = losses(tmp_path / "one")
+    assert close(losses(tmp_path / "fsdp"), ref), (losses(tmp_path / "fsdp"), ref)
+    assert close(losses(tmp_path / "ddp"), ref), (losses(tmp_path / "ddp"), ref)
+    norm = {r["step"]: r["grad_norm"] for r in records(tmp_path / "one") if "loss" in r}
+    assert close({r["step"]: r["grad_norm"] for r in records(tmp_path / "fsdp") if "loss" in r}, norm, 1e-4)
+    val = {r["step"]: r["val_loss"] for r in records(tmp_path / "one") if "val_loss" in r}
+    assert close({r["step"]: r["val_loss"] for r in records(tmp_path / "fsdp") if "val_loss" in r}, val)
+    # each rank wrote its own shard of the weights and optimizer state; no whole-model file
+    ck = ckpt_io.find_checkpoint(tmp_path / "fsdp", train_state=True)
+    assert sorted(p.name for p in (ck / "sharded").glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(ranks)]
+    assert not (ck / "model.safetensors").exists() and ckpt_io.verify_checkpoint(ck) is None
+
+
+def test_sharded_resume_exact_and_resharded(data_dir, tmp_path):
+    """Saved on 2 ranks at step 4: resumed on 2 ranks it equals the straight run exactly; resumed on 1
+    process (accumulation 2 keeps the global batch) it equals it within float32 tolerance; saved on 4 ranks
+    and resumed on 2, the same."""
+    straight = tmp_path / "straight"
+    train(data_dir, straight, 2, "--parallel", "fsdp")
+    ref = losses(straight)
+    part = tmp_path / "part"
+    train(data_dir, part, 2, "--parallel", "fsdp", steps=4)
+    shutil.copytree(part, tmp_path / "to1")
+    r = train(data_dir, part, 2, "--parallel", "fsdp", "--resume")
+    assert "resumed from" in r.stdout
+    assert losses(part) == ref  # bit for bit
+
+    r = train(data_dir, tmp_path / "to1", 1, "--batch-size", "4", "--resume")
+    assert "resuming on 1 rank(s), saved on 2: the global batch stays 8" in r.stdout, r.stdout
+    assert "batch 4 x accumulation 2 x 1 rank(s)" in r.stdout
+    assert close(losses(tmp_path / "to1"), ref)
+    # the one-process run goes on writing ordinary checkpoints
+    assert (ckpt_io.find_checkpoint(tmp_path / "to1") / "model.safetensors").exists()
+
+    four = tmp_path / "four"
+    train(data_dir, four, 4, "--parallel", "fsdp", steps=4)
+    r = train(data_dir, four, 2, "--parallel", "fsdp", "--batch-size", "2", "--resume")
+    assert "resuming on 2 rank(s), saved on 4" in r.stdout and "batch 2 x accumulation 2 x 2 rank(s)" in r.stdout
+    assert close(losses(four), ref)
+
+
+def test_sharded_checkpoint_serves_inference(data_dir, tmp_path):
+    """One process loads an FSDP run's checkpoint (DCP consolidates it): the weights score the validation
+    split as the training run did, and `generate` and the Hugging Face export work from it."""
+    from codeforge.evaluate import token_byte_lengths, validation_loss
+    run = tmp_path / "run"
+    train(data_dir, run, 2, "--parallel", "fsdp", steps=4)
+    model, tok, ck, cfg = ckpt_io.load_model(run, torch.device("cpu"), "final")
+    assert ckpt_io.is_sharded(ck)
+    r = validation_loss(model, ShardSet(data_dir, "val"), 32, tok.special_ids, 2048, torch.device("cpu"), "fp32",
+                        token_byte_lengths(tok, cfg["model"]["vocab_size"]))
+    saved = [x["val_loss"] for x in records(run) if x.get("step") == 4 and "val_loss" in x][0]
+    assert abs(r["val_loss"] - saved) < 1e-5, (r["val_loss"], saved)
+    g = subprocess.run([sys.executable, "-m", "codeforge", "generate", "--run", str(run), "--prompt", "def ",
+                        "--max-new-tokens", "8", "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert g.returncode == 0 and g.stdout.startswith("def "), g.stderr[-2000:]
+    e = subprocess.run([sys.executable, "-m", "codeforge", "export", "--run", str(run), "--format", "hf", "--out",
+                        str(tmp_path / "hf")], capture_output=True, text=True, timeout=300)
+    assert e.returncode == 0, e.stderr[-2000:]
+    from safetensors.torch import load_file
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert any(torch.equal(t, model.state_dict()["wte.weight"]) for t in exported.values())
+
+
+def test_killed_rank_ends_the_job_with_a_clear_message(data_dir, tmp_path):
+    """kill -9 of rank 1 mid-run: rank 0 says it lost the other ranks and where the last checkpoint is, and
+    the job ends (a hang would run into the subprocess timeout)."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             "-m", "codeforge", "train", "--data", str(data_dir), "--out", str(out), *COMMON,
+                             "--batch-size", "4", "--max-iters", "1000000", "--parallel", "fsdp",
+                             "--dist-timeout", "30"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        latest = out / "checkpoints" / "latest"
+        deadline = time.time() + 240
+        while time.time() < deadline and not latest.exists():
+            time.sleep(0.1)
+        assert latest.exists(), "no checkpoint within 240 s"
+        victim = None
+        for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+            try:
+                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+            except OSError:
+                continue
+            if b"RANK=1" in env and str(out).encode() in cmd:
+                victim = pid
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        text, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode != 0
+    assert "error: rank 0: lost contact with the other ranks at step" in text, text[-3000:]
+    assert "continue with --resume" in text
+    assert ckpt_io.verify_checkpoint(ckpt_io.find_checkpoint(out, train_state=True)) is None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_on_loopback(data_dir, tmp_path):
+    """Two torchrun groups (one rank each) meet through the c10d rendezvous, as two machines would: FSDP
+    over both trains the same losses as one process with the same global batch."""
+    port = free_port()
+    out = tmp_path / "run"
+    cmd = lambda: [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",  # noqa: E731
+                   "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "cf-test",
+                   "-m", "codeforge", "train", "--data", str(data_dir), "--out", str(out), *COMMON,
+                   "--batch-size", "4", "--max-iters", "4", "--parallel", "fsdp"]
+    nodes = [subprocess.Popen(cmd(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    texts = []
+    try:
+        for p in nodes:
+            texts.append(p.communicate(timeout=300)[0])
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in nodes] == [0, 0], texts
+    assert sum("parallel: fsdp (--parallel fsdp over 2 ranks" in t for t in texts) == 1  # rank 0 speaks
+    train(data_dir, tmp_path / "one", 1, steps=4)
+    assert close(losses(out), losses(tmp_path / "one"))
+
+
+def test_loader_continues_on_another_world_size(data_dir):
+    """What 2 ranks of batch 4 would read next is what 1 rank of batch 8 reads after loading their state."""
+    shards = ShardSet(data_dir, "train")
+    ranks = [BatchLoader(shards, 4, 32, rank=r, world_size=2) for r in range(2)]
+    for _ in range(3):
+        for lo in ranks:
+            next(lo)
+    one = BatchLoader(shards, 8, 32, world_size=1)
+    one.load_state_dict(ranks[0].state_dict())
+    x1, _ = next(one)
+    both = torch.cat([next(lo)[0] for lo in ranks])
+    assert sorted(map(tuple, x1.tolist())) == sorted(map(tuple, both.tolist()))
+    odd = BatchLoader(shards, 4, 32, rank=0, world_size=2)
+    odd.pos = 1  # 8 sequences read: batch 3 on 1 rank cannot go on from there
+    with pytest.raises(ValueError, match="keep batch x accumulation x ranks"):
+        BatchLoader(shards, 3, 32).load_state_dict(odd.state_dict())
+
+
+def test_resume_on_other_world_size_keeps_the_global_batch(tmp_path):
+    """check_resume: the accumulation is scaled to keep the global batch; where it cannot be, the refusal
+    says what to set."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    saved = resolve([], None, [], {"train.batch_size": 3, "train.grad_accum_steps": 1}).to_dict()
+    (ck / "config.json").write_text(json.dumps({**saved, "world_size": 4}))
+    now = {**saved, "train": dict(saved["train"]), "world_size": 2}
+    notes = ckpt_io.check_resume(ck, now)
+    assert now["train"]["grad_accum_steps"] == 2 and "global batch stays 12" in notes[0]
+    now = {**saved, "train": dict(saved["train"]), "world_size": 8}  # 12 sequences over 8 ranks of 3: no
+    with pytest.raises(ConfigError, match=r"global batch 3 x 1 x 4 rank\(s\) = 12 sequences -> 3 x 1 x 8 = 24"):
+        ckpt_io.check_resume(ck, now)
+
+
+def test_fsdp_refusals(tmp_path, monkeypatch):
+    from codeforge.models import build_model
+    from codeforge.stages import run as run_stage
+    from codeforge.train.trainer import Trainer, TrainingError
+    cfg = resolve([], None, [], {"model.n_layer": 2, "model.n_head": 2, "model.n_embd": 64, "model.block_size": 32,
+                                 "model.vocab_size": 256, "train.parallel": "fsdp", "train.optimizer": "muon"})
+    with pytest.raises(TrainingError, match="--parallel fsdp trains with adamw, not muon"):
+        Trainer(build_model(cfg.model), iter(()), None, cfg.train, tmp_path, device=torch.device("cpu"),
+                precision="fp32", total_steps=1, tokens_per_step=1, run_config={}, rank=0, world=2)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("")
+    dpo = resolve([], None, [], {"train.stage": "dpo", "train.parallel": "fsdp", "train.data": str(pairs),
+                                 "train.out": str(tmp_path / "dpo"), "train.device": "cpu"})
+    with pytest.raises(ConfigError, match="--parallel fsdp is for the language-model stages"):
+        run_stage(dpo, log=lambda m: None)
