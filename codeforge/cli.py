@@ -312,22 +312,45 @@ def _plans_parser(sub) -> None:
 # -- training --------------------------------------------------------------------------------------------
 
 def _train_parser(sub) -> None:
-    from dataclasses import fields
 
-    from .config import SECTIONS
-    from .fields import describe, flag_name
     t = sub.add_parser("train", help="train a model on prepared shards (any stage)",
                        usage="codeforge train --data DIR --out RUN [--stage S] [--preset NAME ...] [--resume] "
                              "[options]",
                        description="Every config field is a flag (generated from its declaration in config.py "
                                    "and models/gpt.py); precedence, later wins: defaults < --stage defaults < "
                                    "--preset < --config < --set < flags.")
+    t.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    _config_flags(t)
+    t.set_defaults(func=cmd_train)
+    pl = sub.add_parser("plan", help="memory per rank (parameters, gradients, optimizer state, activations) under "
+                                     "DDP and FSDP, before launching",
+                        usage="codeforge plan --preset NAME [--world-size N] [--gpu-memory GIB] [train options]",
+                        description="An estimate from the model's shapes and the training settings (the same "
+                                    "presets, --set and flags as `train`); benchmarks/fsdp_memory.py checks it "
+                                    "against measured peaks.")
+    pl.add_argument("--world-size", type=int, default=1, metavar="N", help="ranks (all nodes together)")
+    pl.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+                    help="memory of one device, to say what fits (default: this machine's GPU, if any)")
+    _config_flags(pl)
+    pl.set_defaults(func=cmd_plan)
+    p = sub.add_parser("presets", help="list model presets (with parameter counts) and hardware profiles")
+    p.set_defaults(func=cmd_presets)
+    c = sub.add_parser("config", help="`config keys`: every settable key (--set KEY=VALUE, config files)")
+    c.add_argument("what", choices=["keys"])
+    c.set_defaults(func=cmd_config_keys)
+
+
+def _config_flags(t) -> None:
+    """--preset, --config, --set, --dropout and a flag per config field."""
+    from dataclasses import fields
+
+    from .config import SECTIONS
+    from .fields import describe, flag_name
     t.add_argument("--preset", nargs="+", action="extend", default=[], metavar="NAME",
                    help="model and/or hardware presets, applied in order (see `codeforge presets`)")
     t.add_argument("--config", help="TOML or YAML file with [model] and [train] tables")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any config field, e.g. --set train.warmup_steps=50 (`codeforge config keys` lists them)")
-    t.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
     t.add_argument("--dropout", type=float, default=None, help="sets embedding, attention and residual dropout")
     for section, cls in SECTIONS.items():
         g = t.add_argument_group(f"{section} settings")
@@ -344,12 +367,6 @@ def _train_parser(sub) -> None:
                 if f.metadata.get("choices"):
                     kw["choices"] = f.metadata["choices"]
             g.add_argument(flag_name(f), **kw)
-    t.set_defaults(func=cmd_train)
-    p = sub.add_parser("presets", help="list model presets (with parameter counts) and hardware profiles")
-    p.set_defaults(func=cmd_presets)
-    c = sub.add_parser("config", help="`config keys`: every settable key (--set KEY=VALUE, config files)")
-    c.add_argument("what", choices=["keys"])
-    c.set_defaults(func=cmd_config_keys)
 
 
 def cmd_config_keys(a: argparse.Namespace) -> int:
@@ -377,6 +394,27 @@ def _train_config(a: argparse.Namespace):
     if a.resume and os.path.exists(os.path.join(out, "config.toml")):
         base = load_file(os.path.join(out, "config.toml"))  # the saved run, then this command's changes
     return resolve(a.preset, a.config, a.set, flags, base=base, vocab_from_data=True)
+
+
+def cmd_plan(a: argparse.Namespace) -> int:
+    import torch
+
+    from .config import resolve
+    from .plan import estimate, report
+    if a.world_size < 1:
+        raise CLIError(f"--world-size {a.world_size}: give the number of ranks, 1 or more")
+    if a.gpu_memory is not None and a.gpu_memory <= 0:
+        raise CLIError(f"--gpu-memory {a.gpu_memory}: give one device's memory in GiB, e.g. 24")
+    flags = {k: v for k, v in vars(a).items() if k.startswith(("model.", "train.")) and v is not None}
+    cfg = resolve(a.preset, a.config, a.set, flags)
+    gpu = a.gpu_memory * 2**30 if a.gpu_memory else (
+        torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None)
+    t = cfg.train
+    precision = t.precision if t.precision != "auto" else ("fp32" if t.device == "cpu" or not gpu else "bf16")
+    plan = estimate(cfg.model, t, a.world_size, precision, t.fsdp_offload)
+    names = [n for n in a.preset]
+    print(report(plan, cfg.model, t, precision, gpu, " + ".join(names)))
+    return 0
 
 
 def cmd_train(a: argparse.Namespace) -> int:

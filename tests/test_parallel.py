@@ -76,13 +76,14 @@ def test_fsdp_equals_ddp_and_one_process(data_dir, tmp_path, ranks):
 def test_sharded_resume_exact_and_resharded(data_dir, tmp_path):
     """Saved on 2 ranks at step 4: resumed on 2 ranks it equals the straight run exactly; resumed on 1
     process (accumulation 2 keeps the global batch) it equals it within float32 tolerance; saved on 4 ranks
-    and resumed on 2, the same."""
+    and resumed on 2, the same; resumed under DDP, the same."""
     straight = tmp_path / "straight"
     train(data_dir, straight, 2, "--parallel", "fsdp")
     ref = losses(straight)
     part = tmp_path / "part"
     train(data_dir, part, 2, "--parallel", "fsdp", steps=4)
     shutil.copytree(part, tmp_path / "to1")
+    shutil.copytree(part, tmp_path / "to_ddp")
     r = train(data_dir, part, 2, "--parallel", "fsdp", "--resume")
     assert "resumed from" in r.stdout
     assert losses(part) == ref  # bit for bit

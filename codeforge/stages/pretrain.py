@@ -132,7 +132,9 @@ def _train(cfg: RunConfig, resume: bool, say, device: torch.device, precision: s
 
     # -- model ----------------------------------------------------------------------------------------------
     torch.manual_seed(t.seed)
-    model = build_model(m).to(device)
+    model = build_model(m)
+    if not (world > 1 and t.parallel == "fsdp"):  # FSDP moves each block's shard to the device as it shards it,
+        model = model.to(device)                   # so the device never holds the whole model
     model.grad_checkpointing = t.grad_checkpointing
     model.loss_chunk_rows = t.loss_chunk_rows
     if t.init_from and start_ckpt is None:
@@ -179,7 +181,12 @@ def _train(cfg: RunConfig, resume: bool, say, device: torch.device, precision: s
                 warned.append(1)
             return None
 
-    trainer = Trainer(model, batches, lm_loss_fn, t, run_dir, device=device, precision=precision,
+    plan = None
+    if world > 1 and t.parallel == "auto" and device.type == "cuda":  # auto picks FSDP when DDP would not fit
+        from ..plan import estimate
+        p = estimate(m, t, world, precision, t.fsdp_offload)
+        plan = (p.total("ddp"), p.total("fsdp"), torch.cuda.get_device_properties(device).total_memory)
+    trainer = Trainer(model, batches, lm_loss_fn, t, run_dir, device=device, precision=precision, plan=plan,
                       total_steps=total, tokens_per_step=tokens_per_step,
                       run_config=run_config, assets={"tokenizer": tok.path},
                       evaluate=evaluate, sample=lambda mdl, step: sampler(mdl, tok, device, precision, step, t.sample_tokens),
