@@ -3,14 +3,14 @@
     python benchmarks/fsdp_memory.py                       # medium and large: 1 process, DDP and FSDP on 2 and 4
     python benchmarks/fsdp_memory.py --presets medium --worlds 2 --steps 3
 
-Each configuration is one torchrun job of this file. Every rank builds the model (in turn, so the host holds
-one whole copy at a time), wraps it with codeforge's own `parallel.wrap` (DDP, or FSDP2 per block and root)
+Each configuration is one torchrun job of this file. Every rank builds the whole model (in turn), wraps it with codeforge's own `parallel.wrap` (DDP, or FSDP2 per block and root)
 and builds the optimizer; then its peak-RSS mark is reset (Linux: /proc/self/clear_refs) and it trains
 `--steps` optimizer steps of random tokens through the trainer's own `train_step`. Measured per rank:
   - train peak: the highest resident memory during those steps, less the resident memory the process had
     before the model was built (Python, torch, the process group): what the training state, activations and
     communication buffers take. This is the number the planner estimates.
-  - build peak: the same before the steps (the whole model exists once per rank while it is sharded).
+  - build peak: the same before the steps (under FSDP the whole model exists on every rank until it is
+    sharded; all ranks share this host, so that is the moment that needs the most memory here).
 glibc's dynamic mmap threshold is fixed (MALLOC_MMAP_THRESHOLD_) so that freed large tensors return to the
 system and resident memory follows the live tensors. A configuration whose estimate does not fit this
 machine's memory (all ranks share it) is skipped and said so; `--force` runs it anyway.
@@ -67,7 +67,8 @@ def worker(a) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     if world > 1:
-        dist.init_process_group("gloo")
+        from datetime import timedelta
+        dist.init_process_group("gloo", timeout=timedelta(seconds=900))
     cfg = config(a)
     m, t = cfg.model, cfg.train
     device = torch.device("cpu")
@@ -76,17 +77,17 @@ def worker(a) -> None:
     libc.malloc_trim(0)
     base = status_kib("VmRSS") * 1024
     mode = a.mode if world > 1 else "none"
-    for r in range(world):  # one rank at a time holds the whole model while it is built and sharded
+    for r in range(world):  # one rank at a time builds (wrapping is collective: all ranks together, below)
         if r == rank:
             torch.manual_seed(0)
             model = build_model(m)
             model.grad_checkpointing = t.grad_checkpointing
-            fwd = parallel.wrap(model, device, mode)
-            opt = build_optimizer(model, "adamw", 1e-4, 0.1, (0.9, 0.95), device)
-            gc.collect()
-            libc.malloc_trim(0)
         if world > 1:
             dist.barrier()
+    fwd = parallel.wrap(model, device, mode)
+    opt = build_optimizer(model, "adamw", 1e-4, 0.1, (0.9, 0.95), device)
+    gc.collect()
+    libc.malloc_trim(0)
     build_peak = status_kib("VmHWM") * 1024 - base
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak-RSS mark to the current RSS
@@ -130,7 +131,10 @@ def launch(a, preset: str, mode: str, world: int) -> list[dict] | str:
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world)] + args
            if world > 1 else [sys.executable] + args)
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))}
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=a.timeout)
+    except subprocess.TimeoutExpired:
+        return f"timed out after {a.timeout} s"
     for line in r.stdout.splitlines():
         if line.startswith("FSDPMEM "):
             return json.loads(line[8:])
@@ -147,6 +151,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--grad-checkpointing", action="store_true")
+    ap.add_argument("--timeout", type=int, default=1800, help="seconds per configuration")
     ap.add_argument("--force", action="store_true", help="run configurations estimated not to fit")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--preset", help=argparse.SUPPRESS)

@@ -794,11 +794,15 @@ def check_resume(ck: Path, run_config: dict) -> list[str]:
     notes = []
     keys = RESUME_FIXED
     sw, nw = saved.get("world_size"), run_config.get("world_size")
-    if sw and nw and sw != nw and "batch_size" in st:
+    chat = bool((saved.get("data_identity") or {}).get("chat"))
+    if sw and nw and sw != nw and "batch_size" in st and not chat:
         keys = tuple(k for k in RESUME_FIXED if k not in ("batch_size", "grad_accum_steps"))
         notes += _world_change(st, nt, sw, nw)
     fixed = [f"train.{k} {st[k]!r} -> {nt[k]!r}" for k in keys if k in st and st[k] != nt[k]]
-    if sw and nw and sw != nw and "batch_size" in st:
+    if sw and nw and sw != nw and chat:
+        fixed.append(f"the number of ranks {sw} -> {nw} (chat batches are packed per rank from its own share of "
+                     f"the conversations, so a chat run resumes on as many ranks as it was saved with)")
+    elif sw and nw and sw != nw and "batch_size" in st:
         was, now = st["batch_size"] * st["grad_accum_steps"] * sw, nt["batch_size"] * nt["grad_accum_steps"] * nw
         if was != now:
             fixed.append(f"the global batch {st['batch_size']} x {st['grad_accum_steps']} x {sw} rank(s) = {was} "

@@ -223,6 +223,10 @@ def test_resume_on_other_world_size_keeps_the_global_batch(tmp_path):
     now = {**saved, "train": dict(saved["train"]), "world_size": 8}  # 12 sequences over 8 ranks of 3: no
     with pytest.raises(ConfigError, match=r"global batch 3 x 1 x 4 rank\(s\) = 12 sequences -> 3 x 1 x 8 = 24"):
         ckpt_io.check_resume(ck, now)
+    (ck / "config.json").write_text(json.dumps({**saved, "world_size": 4, "data_identity": {"chat": True}}))
+    now = {**saved, "train": dict(saved["train"]), "world_size": 2, "data_identity": {"chat": True}}
+    with pytest.raises(ConfigError, match=r"the number of ranks 4 -> 2 \(chat batches are packed per rank"):
+        ckpt_io.check_resume(ck, now)
 
 
 def test_fsdp_refusals(tmp_path, monkeypatch):
