@@ -425,12 +425,16 @@ def _write_rest(tmp: Path, step: int, config: dict, skeleton, tensors: dict, ass
 
 def save_sharded_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, optimizer, config: dict,
                             train_state: dict, assets: dict[str, Path] | None, keep_last: int, best: bool = False,
-                            final: bool = False) -> Path:
+                            final: bool = False, background_group=None) -> "ShardedSave":
     """save_checkpoint for an FSDP run, called by every rank together: rank 0 makes the staging directory,
     every rank writes its shards of the weights and optimizer state into it with DCP (in parallel), then
     rank 0 writes the rest (`train_state` without the optimizer, which is in the shards), the manifest,
     renames it into place and moves the pointers, and tells the others how it went. The same atomicity:
-    a failure on any rank removes the unfinished directory, and every rank raises CheckpointWriteError."""
+    a failure on any rank removes the unfinished directory, and every rank raises CheckpointWriteError.
+
+    Returns a ShardedSave; call `finish()` on every rank (together) to publish it. background_group: a
+    process group of its own (gloo) for DCP's `async_save`: the state is copied aside now and written by a
+    background thread while training goes on, and `finish()` waits for it; None: written before returning."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -446,31 +450,67 @@ def save_sharded_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Modu
     dist.broadcast_object_list(msg, src=0)
     if msg[1]:
         raise CheckpointWriteError(msg[1])
-    tmp = Path(msg[0])
+    job = ShardedSave(root, name, Path(msg[0]), step, need, before, config, assets, keep_last, best, final)
+    job.state = encode_state(train_state) if rank == 0 else None  # as it is now, not when finished
     msd, osd = get_state_dict(model, optimizer)
+    state = {"model": msd, "optim": osd}
+    if background_group is not None:
+        job.future = dcp.async_save(state, checkpoint_id=str(job.tmp / SHARDED), process_group=background_group)
+        return job
     try:
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp / SHARDED))
+        dcp.save(state, checkpoint_id=str(job.tmp / SHARDED))
     except Exception as e:  # DCP gathers every rank's failure and raises it on all of them
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+        job.failed(e)
+    return job
+
+
+class ShardedSave:
+    """A sharded checkpoint on its way: its shards written (or being written in the background), the rest
+    and the publishing left to `finish()`."""
+
+    def __init__(self, root, name, tmp, step, need, before, config, assets, keep_last, best, final):
+        self.root, self.name, self.tmp, self.step, self.need, self.before = root, name, tmp, step, need, before
+        self.config, self.assets, self.keep_last, self.best, self.final = config, assets, keep_last, best, final
+        self.future = None
+        self.state = None
+
+    def done(self) -> bool:
+        """This rank's part is written (a background write has ended, well or not)."""
+        return self.future is None or self.future.done()
+
+    def failed(self, e: Exception):
+        import torch.distributed as dist
+        if dist.get_rank() == 0:
+            shutil.rmtree(self.tmp, ignore_errors=True)
         from .train.parallel import lost_peer
         if lost_peer(e):  # not the disk: another rank is gone (the trainer says so)
-            raise
-        raise CheckpointWriteError(_write_failure(OSError(str(e)), root, name, need, before)) from e
-    result: list = [None]
-    if rank == 0:
-        try:
-            skeleton, tensors = encode_state(train_state)
-            _write_rest(tmp, step, config, skeleton, tensors, assets)
-            publish(tmp, root / name)
-            _point_and_prune(root, name, keep_last, best, final)
-        except (OSError, SafetensorError, CheckpointWriteError) as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            result[0] = str(e) if isinstance(e, CheckpointWriteError) else _write_failure(e, root, name, need, before)
-    dist.broadcast_object_list(result, src=0)
-    if result[0]:
-        raise CheckpointWriteError(result[0])
-    return root / name
+            raise e
+        raise CheckpointWriteError(_write_failure(OSError(str(e)), self.root, self.name, self.need,
+                                                  self.before)) from e
+
+    def finish(self) -> Path:
+        """Every rank together: wait for the shards, then rank 0 writes the rest, renames the directory into
+        place and moves the pointers; all ranks raise CheckpointWriteError if that failed."""
+        import torch.distributed as dist
+        if self.future is not None:
+            try:
+                self.future.result()
+            except Exception as e:
+                self.failed(e)
+        result: list = [None]
+        if dist.get_rank() == 0:
+            try:
+                _write_rest(self.tmp, self.step, self.config, *self.state, self.assets)
+                publish(self.tmp, self.root / self.name)
+                _point_and_prune(self.root, self.name, self.keep_last, self.best, self.final)
+            except (OSError, SafetensorError, CheckpointWriteError) as e:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                result[0] = str(e) if isinstance(e, CheckpointWriteError) else _write_failure(
+                    e, self.root, self.name, self.need, self.before)
+        dist.broadcast_object_list(result, src=0)
+        if result[0]:
+            raise CheckpointWriteError(result[0])
+        return self.root / self.name
 
 
 def _point_and_prune(root: Path, name: str, keep_last: int, best: bool, final: bool) -> Path:

@@ -93,6 +93,10 @@ class TrainConfig:
                             "DDP does not fit", choices=("auto", "ddp", "fsdp"))
     fsdp_offload: bool = setting(False, "fsdp: keep parameter shards, gradients and optimizer state in CPU memory "
                                  "(PyTorch's CPUOffloadPolicy): slower, for shards that do not fit the GPU")
+    async_checkpoint: str = setting("auto", "fsdp: write checkpoint shards in the background while training goes "
+                                    "on (DCP async_save; the state is copied to host memory first, and the "
+                                    "checkpoint is published once every rank's part is written); auto: on GPUs",
+                                    choices=("auto", "on", "off"))
     dist_timeout: int = setting(600, "seconds a rank waits in a collective for the others before failing (a killed "
                                 "or stuck rank then ends the job instead of hanging it)", range=(5, 86400))
     # > 0: fused chunked lm_head + cross-entropy (train/losses.py). Off by default: neutral on CPU (docs/LOG.md)

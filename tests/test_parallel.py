@@ -245,3 +245,27 @@ def test_fsdp_refusals(tmp_path, monkeypatch):
                                  "train.out": str(tmp_path / "dpo"), "train.device": "cpu"})
     with pytest.raises(ConfigError, match="--parallel fsdp is for the language-model stages"):
         run_stage(dpo, log=lambda m: None)
+
+
+def test_background_checkpoints_are_snapshots(data_dir, tmp_path):
+    """--async-checkpoint on: shards are written by DCP's async_save while training goes on. Training is
+    unchanged, and a checkpoint written in the background resumes exactly (it holds the state of its step,
+    not a later one)."""
+    straight = tmp_path / "sync"
+    train(data_dir, straight, 2, "--parallel", "fsdp")
+    run = tmp_path / "async"
+    train(data_dir, run, 2, "--parallel", "fsdp", "--async-checkpoint", "on", "--save-every", "2")
+    assert losses(run) == losses(straight)
+    root = run / "checkpoints"
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_000004", "step_000006", "step_000008"]
+    assert all(ckpt_io.verify_checkpoint(p) is None for p in root.glob("step_*"))
+    # go back to step 6 (written in the background while steps 7 and 8 trained) and train 7-8 again
+    shutil.rmtree(root / "step_000008")
+    (root / "final").unlink()
+    (root / "latest").write_text("step_000006\n")
+    (root / "best").write_text("step_000004\n")
+    with open(run / "metrics.jsonl") as f:
+        kept = [x for x in f if json.loads(x).get("step", 0) <= 6]
+    (run / "metrics.jsonl").write_text("".join(kept))
+    train(data_dir, run, 2, "--parallel", "fsdp", "--async-checkpoint", "on", "--save-every", "2", "--resume")
+    assert losses(run) == losses(straight)

@@ -70,6 +70,10 @@ class Trainer:
         if world > 1 or cfg.parallel == "fsdp":
             self.say(f"parallel: {self.mode} ({why})")
         self.fwd = parallel.wrap(model, device, self.mode, cfg.compile, precision, cfg.fsdp_offload)
+        background = cfg.async_checkpoint == "on" or (cfg.async_checkpoint == "auto" and device.type == "cuda")
+        # DCP's background writes talk over a group of their own, never interleaved with training's collectives
+        self.ckpt_group = torch.distributed.new_group(backend="gloo") if self.sharded and background else None
+        self.pending = None  # a sharded checkpoint still being written in the background
         self.aux = aux
         self.opt = build_optimizer(model, cfg.optimizer, cfg.learning_rate, cfg.weight_decay,
                                    (cfg.beta1, cfg.beta2), device, cfg.muon_lr, cfg.muon_momentum,
@@ -121,7 +125,19 @@ class Trainer:
         self.last_val, self.last_val_step = st.get("last_val"), st.get("last_val_step", -1)
         self.say(f"resumed from {ck} at step {self.step} ({self.tokens:,} tokens)")
 
-    def _save(self, final: bool = False) -> None:
+    def _finish_pending(self) -> None:
+        """Publish the checkpoint written in the background (every rank together)."""
+        job, self.pending = self.pending, None
+        try:
+            path = job.finish()
+        except ckpt_io.CheckpointWriteError as e:
+            raise TrainingError(f"training stopped at step {self.step}: {e}") from e
+        self.logger.message(f"saved {path}{' (best)' if job.best else ''}")
+
+    def _save(self, final: bool = False, now: bool = False) -> None:
+        """now: not in the background (the run ends here)."""
+        if self.pending is not None:
+            self._finish_pending()
         if not self.master and not self.sharded:
             return
         # "best" only for weights evaluated at this very step, and strictly better than any before
@@ -136,9 +152,14 @@ class Trainer:
             state["aux"] = {k: v.detach().clone() for k, v in self.aux.state_dict().items()}
         try:
             if self.sharded:  # every rank writes its shards of weights and optimizer state
-                path = ckpt_io.save_sharded_checkpoint(self.run_dir, self.step, self.model, self.opt,
-                                                       self.run_config, state, self.assets, self.cfg.keep_last,
-                                                       best=best, final=final)
+                job = ckpt_io.save_sharded_checkpoint(self.run_dir, self.step, self.model, self.opt,
+                                                      self.run_config, state, self.assets, self.cfg.keep_last,
+                                                      best=best, final=final,
+                                                      background_group=None if now else self.ckpt_group)
+                if job.future is not None:
+                    self.pending = job
+                    return
+                path = job.finish()
             else:
                 state["optimizer"] = self.opt.state_dict()
                 path = ckpt_io.save_checkpoint(self.run_dir, self.step, self.model, self.run_config, state,
@@ -210,10 +231,16 @@ class Trainer:
         try:
             while True:
                 if self.ddp:  # every rank must agree to stop at the same step, or the others hang in all-reduce
-                    flag = torch.tensor([1 if stop["signal"] else 0], device=self.device)
+                    # [stop asked anywhere, background save unfinished anywhere]
+                    flag = torch.tensor([1 if stop["signal"] else 0,
+                                         1 if self.pending is not None and not self.pending.done() else 0],
+                                        device=self.device)
                     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-                    if flag.item() and not stop["signal"]:
+                    stopping, writing = flag.tolist()
+                    if stopping and not stop["signal"]:
                         stop["signal"] = "SIGTERM"
+                    if self.pending is not None and not writing:  # every rank's shards are written: publish
+                        self._finish_pending()
                 last = self.step >= total
                 fresh = self.step != start_step or start_step == 0
                 t_aside = time.perf_counter()  # evaluation, samples and saves are not training throughput
@@ -224,7 +251,7 @@ class Trainer:
                 if fresh and t.sample_every and self.step % t.sample_every == 0 and self.step > 0:
                     self._sample()
                 if last or stop["signal"] or (t.save_every and self.step % t.save_every == 0 and self.step > start_step):
-                    self._save(final=last)
+                    self._save(final=last, now=last or bool(stop["signal"]))
                 if last or stop["signal"]:
                     break
                 aside = time.perf_counter() - t_aside
