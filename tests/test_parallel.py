@@ -269,3 +269,11 @@ def test_background_checkpoints_are_snapshots(data_dir, tmp_path):
     (run / "metrics.jsonl").write_text("".join(kept))
     train(data_dir, run, 2, "--parallel", "fsdp", "--async-checkpoint", "on", "--save-every", "2", "--resume")
     assert losses(run) == losses(straight)
+
+
+@pytest.mark.slow
+def test_fsdp_composes_with_compile_and_checkpointing(data_dir, tmp_path):
+    """torch.compile per block and activation checkpointing under FSDP: the same losses as plain FSDP."""
+    train(data_dir, tmp_path / "plain", 2, "--parallel", "fsdp", steps=4)
+    train(data_dir, tmp_path / "both", 2, "--parallel", "fsdp", "--compile", "--gradient-checkpointing", steps=4)
+    assert close(losses(tmp_path / "both"), losses(tmp_path / "plain"))
