@@ -122,8 +122,10 @@ def launch(a, preset: str, mode: str, world: int) -> list[dict] | str:
     from codeforge.plan import estimate
     cfg = config(argparse.Namespace(**{**vars(a), "preset": preset}))
     plan = estimate(cfg.model, cfg.train, world, "fp32")
-    need = world * (plan.total(mode) + 0.5 * GIB) + (4 * plan.params if mode == "fsdp" else 0)
-    if need > 0.9 * host_memory() and not a.force:
+    train_need = world * (plan.total(mode) + 0.3 * GIB)  # 0.3 GiB: Python, torch and gloo of one process
+    build_need = world * (4 * plan.params * (1 + 1 / world if mode == "fsdp" else 1) + 0.3 * GIB)
+    need = max(train_need, build_need)
+    if need > 0.95 * host_memory() and not a.force:
         return f"skipped: about {need / GIB:.1f} GiB for {world} rank(s) on this host, {host_memory() / GIB:.1f} available"
     args = [__file__, "--worker", "--preset", preset, "--mode", mode, "--steps", str(a.steps), "--block-size",
             str(a.block_size), "--batch-size", str(a.batch_size)] + (["--grad-checkpointing"] if a.grad_checkpointing

@@ -123,7 +123,7 @@ def _pointer_target(ckpt_root: Path, name: str) -> Path | None:
 
 def _read_pointer(ckpt_root: Path, name: str) -> Path | None:
     p = _pointer_target(ckpt_root, name)
-    return p if p is not None and (p / "model.safetensors").exists() else None
+    return p if p is not None and ((p / "model.safetensors").exists() or (p / SHARDED).is_dir()) else None
 
 
 def _step_of(p: Path) -> int:
@@ -485,8 +485,10 @@ class ShardedSave:
         from .train.parallel import lost_peer
         if lost_peer(e):  # not the disk: another rank is gone (the trainer says so)
             raise e
-        raise CheckpointWriteError(_write_failure(OSError(str(e)), self.root, self.name, self.need,
-                                                  self.before)) from e
+        # DCP wraps each rank's failure; the first OSError among them keeps its errno (a full disk says so)
+        inner = [x for x in [e, e.__cause__, *getattr(e, "failures", {}).values()] if isinstance(x, OSError)]
+        raise CheckpointWriteError(_write_failure(inner[0] if inner else OSError(str(e)), self.root, self.name,
+                                                  self.need, self.before)) from e
 
     def finish(self) -> Path:
         """Every rank together: wait for the shards, then rank 0 writes the rest, renames the directory into
@@ -575,6 +577,39 @@ def _dcp_load(state: dict, ck: Path) -> None:
             raise CheckpointError(f"{ck / SHARDED}: the sharded checkpoint does not load into this model "
                                   f"({type(e).__name__}: {str(e)[:600]}); the checkpoint is damaged or was "
                                   f"written for another model") from e
+
+
+def load_whole_into_sharded(model: torch.nn.Module, optimizer, ck: Path, optimizer_state: dict) -> None:
+    """A whole checkpoint (one process or DDP: model.safetensors, the optimizer's state by parameter index)
+    into an FSDP model and its optimizer: every rank reads it whole, keys the optimizer state by parameter
+    name (the order of the optimizer's groups, which the same model builds the same way), and PyTorch's
+    set_state_dict keeps this rank's shard of each."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    try:
+        weights = st_load_file(str(Path(ck) / "model.safetensors"), device="cpu")
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"{ck}/model.safetensors cannot be read ({e}); the checkpoint is damaged") from e
+    names = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    for ids in names.values():  # tied weights are stored once: give every name its tensor
+        have = [n for n in ids if n in weights]
+        for n in ids:
+            if have and n not in weights:
+                weights[n] = weights[have[0]]
+    flat = [p for g in optimizer.param_groups for p in g["params"]]
+    saved_groups = optimizer_state["param_groups"]
+    if sum(len(g["params"]) for g in saved_groups) != len(flat):
+        raise CheckpointError(f"{ck}: its optimizer state has {sum(len(g['params']) for g in saved_groups)} "
+                              f"parameters and this model's optimizer {len(flat)}; it was written for another model")
+    fqn = {}
+    for g in saved_groups:
+        for i in g["params"]:
+            fqn[i] = names[id(flat[len(fqn)])][0]
+    osd = {"state": {fqn[int(i)]: v for i, v in optimizer_state["state"].items()},
+           "param_groups": [{**g, "params": [fqn[i] for i in g["params"]]} for g in saved_groups]}
+    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=osd,
+                   options=StateDictOptions(full_state_dict=True))
 
 
 def load_sharded_state(model: torch.nn.Module, optimizer, ck: Path) -> None:
@@ -833,7 +868,7 @@ def check_resume(ck: Path, run_config: dict) -> list[str]:
     st, nt = saved.get("train", {}), run_config["train"]
     notes = []
     keys = RESUME_FIXED
-    sw, nw = saved.get("world_size"), run_config.get("world_size")
+    sw, nw = saved.get("world_size") or _saved_world(ck), run_config.get("world_size")
     chat = bool((saved.get("data_identity") or {}).get("chat"))
     if sw and nw and sw != nw and "batch_size" in st and not chat:
         keys = tuple(k for k in RESUME_FIXED if k not in ("batch_size", "grad_accum_steps"))
@@ -874,6 +909,16 @@ def check_resume(ck: Path, run_config: dict) -> list[str]:
         notes.append(f"the budget changed ({'; '.join(budget)}): the {nt['schedule']} learning-rate schedule runs "
                      f"over the new budget from the resumed step on")
     return notes
+
+
+def _saved_world(ck: Path) -> int | None:
+    """The number of ranks a checkpoint written before config.json recorded it was trained on, from its
+    loader cursor (None when unknown)."""
+    try:
+        w = json.loads((Path(ck) / STATE_JSON).read_text()).get("loader", {}).get("world_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return w if isinstance(w, int) and w > 0 else None
 
 
 def _world_change(st: dict, nt: dict, sw: int, nw: int) -> list[str]:

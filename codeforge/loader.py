@@ -39,7 +39,8 @@ class BatchLoader:
                 f"{batch_size} x {block_size + 1} tokens per rank over {world_size} rank(s); "
                 f"lower --batch-size or --block-size, or prepare more data")
         self.epoch = 0
-        self.pos = 0  # batches already read in this epoch
+        self.pos = 0  # batches already read in this epoch (since `start`)
+        self.start = 0  # sequences of this epoch's order read before `pos` counts (resumed on another split)
         self._order: np.ndarray | None = None
         self.fim_rate, self.fim_spm_rate = fim_rate, fim_spm_rate
         if fim_rate > 0:
@@ -54,8 +55,11 @@ class BatchLoader:
             ids = np.arange(self.n_chunks, dtype=np.int64)
             if self.shuffle:
                 ids = np.random.default_rng([self.seed, self.epoch]).permutation(ids)
-            self._order = ids[self.rank::self.world_size]
+            self._order = ids[self.start + self.rank::self.world_size]
         return self._order
+
+    def _batches_left_from_start(self) -> int:
+        return (self.n_chunks - self.start) // self.world_size // self.B
 
     def _chunk(self, cid: int) -> np.ndarray:
         s = int(np.searchsorted(self._bounds, cid, side="right") - 1)
@@ -69,9 +73,9 @@ class BatchLoader:
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y), each (B, T) int64, on the loader's device."""
-        if self.pos >= self.per_epoch:
+        if self.pos >= (self.per_epoch if not self.start else self._batches_left_from_start()):
             self.epoch += 1
-            self.pos = 0
+            self.pos = self.start = 0
             self._order = None
         ids = self._epoch_order()[self.pos * self.B:(self.pos + 1) * self.B]
         self.pos += 1
@@ -96,26 +100,22 @@ class BatchLoader:
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "pos": self.pos, "seed": self.seed, "shuffle": self.shuffle,
                 "rank": self.rank, "world_size": self.world_size, "B": self.B, "T": self.T,
-                "fim_rate": self.fim_rate, "fim_spm_rate": self.fim_spm_rate}
+                "fim_rate": self.fim_rate, "fim_spm_rate": self.fim_spm_rate, "start": self.start}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue where `state` stopped. Another world size or batch size is taken when it reads on from
-        the same place: rank r reads every world_size-th chunk of one global order, so the first pos x B x
-        world_size chunks of the epoch are what all ranks together have read, whatever the split."""
+        """Continue where `state` stopped, also with another world size or batch size: rank r reads every
+        world_size-th sequence of one global order (from `start`), so what all ranks together have read is
+        a prefix of it, start + pos x B x world_size sequences, whatever the split; the new split reads on
+        from there to the end of the epoch."""
         state = {"fim_rate": 0.0, "fim_spm_rate": 0.5, **state}  # saved before FIM existed: none
         for k in ("seed", "shuffle", "T", "fim_rate", "fim_spm_rate"):
             if state[k] != getattr(self, k):
                 raise ValueError(f"loader state was saved with {k}={state[k]!r} but this run has "
                                  f"{getattr(self, k)!r}; resume with the same setting")
-        pos = state["pos"]
+        start, pos = state.get("start", 0), state["pos"]
         if (state["world_size"], state["B"]) != (self.world_size, self.B):
-            read, per = state["pos"] * state["B"] * state["world_size"], self.B * self.world_size
-            if read % per:
-                raise ValueError(f"loader state was saved after {read} sequences of this epoch (batch {state['B']} "
-                                 f"on {state['world_size']} rank(s)), which batch {self.B} on {self.world_size} "
-                                 f"rank(s) cannot continue from; keep batch x accumulation x ranks as it was")
-            pos = read // per
-        self.epoch, self.pos, self._order = state["epoch"], pos, None
+            start, pos = start + pos * state["B"] * state["world_size"], 0
+        self.epoch, self.start, self.pos, self._order = state["epoch"], start, pos, None
 
 
 class ChatBatchLoader:

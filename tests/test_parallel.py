@@ -100,6 +100,15 @@ def test_sharded_resume_exact_and_resharded(data_dir, tmp_path):
     r = train(data_dir, four, 2, "--parallel", "fsdp", "--batch-size", "2", "--resume")
     assert "resuming on 2 rank(s), saved on 4" in r.stdout and "batch 2 x accumulation 2 x 2 rank(s)" in r.stdout
     assert close(losses(four), ref)
+    # a sharded checkpoint also resumes under DDP (each rank loads the whole model and optimizer from it)
+    train(data_dir, tmp_path / "to_ddp", 2, "--parallel", "ddp", "--resume")
+    assert close(losses(tmp_path / "to_ddp"), ref)
+    # and a whole checkpoint (one process) resumes under FSDP: each rank reads it and keeps its shard
+    whole = tmp_path / "whole"
+    train(data_dir, whole, 1, steps=4)
+    r = train(data_dir, whole, 2, "--parallel", "fsdp", "--batch-size", "4", "--resume")
+    assert "resuming on 2 rank(s), saved on 1" in r.stdout
+    assert close(losses(whole), ref)
 
 
 def test_sharded_checkpoint_serves_inference(data_dir, tmp_path):
@@ -204,10 +213,20 @@ def test_loader_continues_on_another_world_size(data_dir):
     x1, _ = next(one)
     both = torch.cat([next(lo)[0] for lo in ranks])
     assert sorted(map(tuple, x1.tolist())) == sorted(map(tuple, both.tolist()))
+    # any split reads on from the same sequence, e.g. 8 read by 2 ranks of 4, then 1 rank of batch 3, to
+    # the end of the epoch, then the next epoch from its start
+    single = BatchLoader(shards, 1, 32)
+    order = [next(single)[0] for _ in range(single.per_epoch + 3)]
     odd = BatchLoader(shards, 4, 32, rank=0, world_size=2)
-    odd.pos = 1  # 8 sequences read: batch 3 on 1 rank cannot go on from there
-    with pytest.raises(ValueError, match="keep batch x accumulation x ranks"):
-        BatchLoader(shards, 3, 32).load_state_dict(odd.state_dict())
+    odd.pos = 1
+    three = BatchLoader(shards, 3, 32)
+    three.load_state_dict(odd.state_dict())
+    got = []
+    while three.epoch == 0 or len(got) < (single.per_epoch - 8) // 3 * 3 + 3:
+        got.extend(next(three)[0])
+    rest = (single.per_epoch - 8) // 3 * 3  # whole batches of 3 left in the epoch
+    assert [x.tolist() for x in got[:rest]] == [x[0].tolist() for x in order[8:8 + rest]]
+    assert [x.tolist() for x in got[rest:rest + 3]] == [x[0].tolist() for x in order[single.per_epoch:]]
 
 
 def test_resume_on_other_world_size_keeps_the_global_batch(tmp_path):
@@ -277,3 +296,13 @@ def test_fsdp_composes_with_compile_and_checkpointing(data_dir, tmp_path):
     train(data_dir, tmp_path / "plain", 2, "--parallel", "fsdp", steps=4)
     train(data_dir, tmp_path / "both", 2, "--parallel", "fsdp", "--compile", "--gradient-checkpointing", steps=4)
     assert close(losses(tmp_path / "both"), losses(tmp_path / "plain"))
+
+
+def test_auto_chooses_fsdp_only_when_ddp_does_not_fit():
+    from codeforge.train.parallel import choose_mode
+    cpu, gib = torch.device("cpu"), 2**30
+    assert choose_mode("auto", 4, cpu, (30 * gib, 10 * gib, 24 * gib))[0] == "fsdp"
+    assert choose_mode("auto", 4, cpu, (10 * gib, 5 * gib, 24 * gib))[0] == "ddp"
+    assert choose_mode("auto", 4, cpu, (60 * gib, 30 * gib, 24 * gib))[0] == "ddp"  # neither fits: the default
+    assert choose_mode("auto", 4, cpu, None)[0] == "ddp"
+    assert choose_mode("fsdp", 1, cpu)[0] == "none" and choose_mode("ddp", 2, cpu)[0] == "ddp"

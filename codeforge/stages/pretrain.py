@@ -22,6 +22,7 @@ from ..models import build_model
 from ..shards import ShardSet
 from ..tokenizer import CodeTokenizer
 from ..train.losses import lm_loss_fn
+from ..train import parallel
 from ..train.trainer import Trainer
 
 
@@ -132,9 +133,17 @@ def _train(cfg: RunConfig, resume: bool, say, device: torch.device, precision: s
 
     # -- model ----------------------------------------------------------------------------------------------
     torch.manual_seed(t.seed)
+    plan = None
+    if world > 1 and t.parallel == "auto" and device.type == "cuda" and t.optimizer == "adamw":
+        # auto picks FSDP when DDP would not fit; every rank decides on the same numbers (the smallest device)
+        from ..plan import estimate
+        p = estimate(m, t, world, precision, t.fsdp_offload)
+        mem = torch.tensor([float(torch.cuda.get_device_properties(device).total_memory)], device=device)
+        torch.distributed.all_reduce(mem, op=torch.distributed.ReduceOp.MIN)
+        plan = (p.total("ddp"), p.total("fsdp"), mem.item())
     model = build_model(m)
-    if not (world > 1 and t.parallel == "fsdp"):  # FSDP moves each block's shard to the device as it shards it,
-        model = model.to(device)                   # so the device never holds the whole model
+    if parallel.choose_mode(t.parallel, world, device, plan)[0] != "fsdp":  # FSDP moves each block's shard to
+        model = model.to(device)                                # the device as it shards it: never the whole model
     model.grad_checkpointing = t.grad_checkpointing
     model.loss_chunk_rows = t.loss_chunk_rows
     if t.init_from and start_ckpt is None:
@@ -181,11 +190,6 @@ def _train(cfg: RunConfig, resume: bool, say, device: torch.device, precision: s
                 warned.append(1)
             return None
 
-    plan = None
-    if world > 1 and t.parallel == "auto" and device.type == "cuda":  # auto picks FSDP when DDP would not fit
-        from ..plan import estimate
-        p = estimate(m, t, world, precision, t.fsdp_offload)
-        plan = (p.total("ddp"), p.total("fsdp"), torch.cuda.get_device_properties(device).total_memory)
     trainer = Trainer(model, batches, lm_loss_fn, t, run_dir, device=device, precision=precision, plan=plan,
                       total_steps=total, tokens_per_step=tokens_per_step,
                       run_config=run_config, assets={"tokenizer": tok.path},

@@ -31,11 +31,11 @@ class ParallelError(CodeforgeError):
     """A parallelism setting that cannot work for this run; the message says what to use instead."""
 
 
-def choose_mode(asked: str, world: int, device: torch.device, plan_bytes: tuple[int, int] | None = None,
-                device_bytes: int | None = None) -> tuple[str, str]:
+def choose_mode(asked: str, world: int, device: torch.device, plan: tuple[float, float, float] | None = None,
+                ) -> tuple[str, str]:
     """(mode, why) for a run of `world` ranks asking for --parallel `asked` (auto, ddp, fsdp).
-    plan_bytes: (DDP, FSDP) estimated bytes per rank (plan.py), device_bytes: the GPU's memory; auto picks
-    FSDP only when the DDP estimate does not fit and the FSDP one does."""
+    plan: (DDP, FSDP) estimated bytes per rank (plan.py) and the smallest device's memory, given only where
+    FSDP could run (GPUs, AdamW); auto picks FSDP when the DDP estimate does not fit and the FSDP one does."""
     if world <= 1:
         if asked == "fsdp":
             return "none", "one process: nothing to shard; its checkpoints load on any number of ranks"
@@ -44,9 +44,9 @@ def choose_mode(asked: str, world: int, device: torch.device, plan_bytes: tuple[
         return "ddp", f"--parallel ddp over {world} ranks"
     if asked == "fsdp":
         return "fsdp", f"--parallel fsdp over {world} ranks: parameters, gradients and optimizer state sharded"
-    if plan_bytes and device_bytes and plan_bytes[0] > 0.9 * device_bytes and plan_bytes[1] <= 0.9 * device_bytes:
-        return "fsdp", (f"auto: DDP would need ~{plan_bytes[0] / 2**30:.1f} GiB per rank on a "
-                        f"{device_bytes / 2**30:.0f} GiB device, FSDP ~{plan_bytes[1] / 2**30:.1f} GiB")
+    if plan and plan[0] > 0.9 * plan[2] and plan[1] <= 0.9 * plan[2]:
+        return "fsdp", (f"auto: DDP would need ~{plan[0] / 2**30:.1f} GiB per rank on a {plan[2] / 2**30:.0f} GiB "
+                        f"device, FSDP ~{plan[1] / 2**30:.1f} GiB")
     return "ddp", (f"auto over {world} ranks (each holds the whole model; --parallel fsdp shards it when it "
                    f"does not fit)")
 
@@ -103,17 +103,19 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 
 def set_grad_sync(fwd: torch.nn.Module, mode: str, sync: bool):
-    """A context for one micro-batch's backward: gradient reduction only on the last of an accumulation.
-    DDP: `no_sync()`; FSDP2: `set_requires_gradient_sync` (unsynced micro-batches keep unsharded gradients)."""
+    """A context for one micro-batch's backward: under DDP gradient reduction only on the last micro-batch of
+    an accumulation (`no_sync()`); under FSDP on every one (gradients stay sharded)."""
     import contextlib
     if mode == "ddp" and not sync:
         return fwd.no_sync()
-    if mode == "fsdp":
-        fwd.set_requires_gradient_sync(sync)
+    # FSDP reduce-scatters after every micro-batch: skipping it would keep every parameter's whole gradient
+    # until the last one (4 bytes a parameter per rank), which is what FSDP is used to avoid
     return contextlib.nullcontext()
 
 
-_LOST = re.compile(r"connection (reset|closed|refused)|broken pipe|timed out|timeout|socket|peer", re.I)
+# what gloo and NCCL say when the other side of a collective is gone or late
+_LOST = re.compile(r"gloo/transport|Connection (reset|closed) by peer|Timed out waiting \d+ms|NCCL (error|"
+                   r"communicator was aborted)|ProcessGroup\w* (timeout|watchdog)")
 
 
 def lost_peer(e: BaseException) -> bool:
@@ -122,7 +124,7 @@ def lost_peer(e: BaseException) -> bool:
     seen: set[int] = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, torch.distributed.DistError) or _LOST.search(str(e)):
+        if isinstance(e, torch.distributed.DistError) or (isinstance(e, RuntimeError) and _LOST.search(str(e))):
             return True
         e = e.__cause__ or e.__context__
     return False

@@ -7,6 +7,7 @@ evaluate, sample, checkpoint, stop check, one optimisation step (accumulating mi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import signal
@@ -49,7 +50,8 @@ class Trainer:
         parameters join the optimizer (no weight decay) and gradient clipping, and its weights are saved in
         the training state, so checkpoints stay the bare model the engine, eval and export read.
         rank, world: this process among torchrun's; cfg.parallel says how the model is spread over them
-        (parallel.py), plan: (DDP bytes, FSDP bytes, device bytes) per rank, for --parallel auto."""
+        (parallel.py), plan: (DDP bytes, FSDP bytes, device bytes) per rank, for --parallel auto (the same on
+        every rank: the stage takes the smallest device)."""
         self.model, self.batches, self.loss_fn, self.cfg = model, batches, loss_fn, cfg
         self.run_dir, self.device, self.precision = Path(run_dir), device, precision
         self.total_steps, self.tokens_per_step, self.run_config = total_steps, tokens_per_step, run_config
@@ -57,7 +59,7 @@ class Trainer:
         self.rank, self.world, self.master = rank, world, rank == 0
         self.ddp = world > 1  # several ranks (DDP or FSDP): they agree on stopping and average the logged loss
         self.print = log
-        self.mode, why = parallel.choose_mode(cfg.parallel, world, device, *(plan or ()))
+        self.mode, why = parallel.choose_mode(cfg.parallel, world, device, plan)
         self.sharded = self.mode == "fsdp"
         if self.sharded and cfg.optimizer != "adamw":
             raise TrainingError(f"--parallel fsdp trains with adamw, not {cfg.optimizer}: "
@@ -102,10 +104,8 @@ class Trainer:
         st = ckpt_io.load_train_state(ck)
         if ckpt_io.is_sharded(ck):  # an FSDP run's: DCP reshards it onto this run's ranks (or one process)
             ckpt_io.load_sharded_state(self.model, self.opt, ck)
-        elif self.sharded:
-            raise TrainingError(f"--resume {ck}: that checkpoint was written by a single-process or DDP run, "
-                                f"and --parallel fsdp resumes only sharded ones; resume it with --parallel ddp, "
-                                f"or start an FSDP run from its weights with --init-from {ck} --out NEW_RUN")
+        elif self.sharded:  # written by one process or DDP: read whole on every rank, each keeps its shard
+            ckpt_io.load_whole_into_sharded(self.model, self.opt, ck, st["optimizer"])
         else:
             ckpt_io.load_weights(self.model, ck)
             self.opt.load_state_dict(st["optimizer"])
@@ -230,15 +230,16 @@ class Trainer:
         pace = Pace(start_step, total, self.device, t.eval_every if self.evaluate_fn else -1)
         try:
             while True:
+                stopping = bool(stop["signal"])  # what this step acts on: agreed by all ranks before anything
                 if self.ddp:  # every rank must agree to stop at the same step, or the others hang in all-reduce
                     # [stop asked anywhere, background save unfinished anywhere]
                     flag = torch.tensor([1 if stop["signal"] else 0,
                                          1 if self.pending is not None and not self.pending.done() else 0],
                                         device=self.device)
                     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-                    stopping, writing = flag.tolist()
+                    stopping, writing = (bool(v) for v in flag.tolist())
                     if stopping and not stop["signal"]:
-                        stop["signal"] = "SIGTERM"
+                        stop["signal"] = "SIGTERM"  # a signal that lands after this is acted on next step
                     if self.pending is not None and not writing:  # every rank's shards are written: publish
                         self._finish_pending()
                 last = self.step >= total
@@ -250,9 +251,9 @@ class Trainer:
                     pace.note_eval(time.perf_counter() - t_eval)
                 if fresh and t.sample_every and self.step % t.sample_every == 0 and self.step > 0:
                     self._sample()
-                if last or stop["signal"] or (t.save_every and self.step % t.save_every == 0 and self.step > start_step):
-                    self._save(final=last, now=last or bool(stop["signal"]))
-                if last or stop["signal"]:
+                if last or stopping or (t.save_every and self.step % t.save_every == 0 and self.step > start_step):
+                    self._save(final=last, now=last or stopping)
+                if last or stopping:
                     break
                 aside = time.perf_counter() - t_aside
                 t_last += aside
@@ -288,7 +289,13 @@ class Trainer:
             if self.ddp:  # normal end only (after an error a barrier would hang): rank 0 may still be saving
                 torch.distributed.barrier()
         except Exception as e:
-            if not (self.ddp and parallel.lost_peer(e)):
+            lost = self.ddp and parallel.lost_peer(e)
+            if not lost and self.pending is not None and self.pending.future is not None:
+                # let the background writer end before the process does; its unpublished directory is
+                # removed by a later save (publishing it would need the other ranks)
+                with contextlib.suppress(Exception):
+                    self.pending.future.result()
+            if not lost:
                 raise
             latest = ckpt_io.latest_step(self.run_dir)
             raise TrainingError(
