@@ -407,6 +407,16 @@ def cmd_plan(a: argparse.Namespace) -> int:
         raise CLIError(f"--gpu-memory {a.gpu_memory}: give one device's memory in GiB, e.g. 24")
     flags = {k: v for k, v in vars(a).items() if k.startswith(("model.", "train.")) and v is not None}
     cfg = resolve(a.preset, a.config, a.set, flags)
+    if cfg.model.vocab_size == 0:  # from the data's tokenizer, as train does
+        if not cfg.train.data:
+            raise CLIError("plan needs the vocabulary size: a model --preset, --vocab-size N, or --data DIR "
+                           "(prepared data; its tokenizer gives it)")
+        from dataclasses import replace
+
+        from .stages.pretrain import round_up
+        from .tokenizer import CodeTokenizer
+        tok = CodeTokenizer.load(os.path.join(cfg.train.data, "tokenizer"))
+        cfg.model = replace(cfg.model, vocab_size=round_up(tok.vocab_size, 64))
     gpu = a.gpu_memory * 2**30 if a.gpu_memory else (
         torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None)
     t = cfg.train

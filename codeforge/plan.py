@@ -34,6 +34,7 @@ class Plan:
     root_params: int
     world: int
     rows: dict[str, tuple[float, float]]  # term -> (DDP bytes, FSDP bytes) per rank
+    no_fsdp: str = ""  # why FSDP is not an option for this run ("" when it is)
 
     def total(self, mode: str) -> float:
         i = 0 if mode == "ddp" else 1
@@ -88,12 +89,15 @@ def estimate(model_cfg, train_cfg, world: int, precision: str = "fp32", offload:
         "autocast weight copies": (cdt * params if half else 0, 0),
         "activations": (acts, acts),
     }
-    return Plan(params, block_params, root_params, world, r)
+    no_fsdp = ("FSDP shards per transformer block and this model has none" if not len(blocks) or
+               getattr(model_cfg, "arch", "gpt") != "gpt" else
+               f"FSDP trains with AdamW, not {t.optimizer}" if t.optimizer != "adamw" else "")
+    return Plan(params, block_params, root_params, world, r, no_fsdp)
 
 
 def fits(plan: Plan, device_bytes: float) -> tuple[bool, bool]:
     """(DDP fits, FSDP fits) in 90% of `device_bytes` (the allocator, CUDA context and fragmentation)."""
-    return plan.total("ddp") <= 0.9 * device_bytes, plan.total("fsdp") <= 0.9 * device_bytes
+    return plan.total("ddp") <= 0.9 * device_bytes, not plan.no_fsdp and plan.total("fsdp") <= 0.9 * device_bytes
 
 
 def report(plan: Plan, model_cfg, train_cfg, precision: str, device_bytes: float | None, name: str = "") -> str:
@@ -113,6 +117,9 @@ def report(plan: Plan, model_cfg, train_cfg, precision: str, device_bytes: float
                      f"{'yes' if fsdp_ok else 'no':>12s}")
         if ddp_ok:
             advice = "--parallel ddp (the default): every rank holds the whole model and it fits"
+        elif plan.no_fsdp:
+            advice = (f"DDP does not fit and {plan.no_fsdp}: try --gradient-checkpointing, a smaller --batch-size "
+                      f"with more --grad-accum-steps, or a smaller model")
         elif fsdp_ok:
             advice = "--parallel fsdp: DDP does not fit, the sharded run does"
         else:
@@ -121,6 +128,9 @@ def report(plan: Plan, model_cfg, train_cfg, precision: str, device_bytes: float
                                     ("--fsdp-offload", not t.fsdp_offload), ("more ranks", True)) if on]
             advice = "neither fits: try " + ", ".join(tips)
         lines.append(f"  -> {advice}")
-    lines.append("  (an estimate from the shapes; the CUDA context and allocator add ~0.5-1 GiB. FSDP builds the "
-                 "model whole in host memory once, then shards it onto the devices)")
+    if plan.no_fsdp:
+        lines.append(f"  (FSDP column for comparison only: {plan.no_fsdp})")
+    lines.append("  (an estimate from the shapes; the CUDA context and allocator add ~0.5-1 GiB. Under FSDP every "
+                 "rank first builds the whole model in host memory (4 bytes a parameter), then shards it onto its "
+                 "device)")
     return "\n".join(lines)

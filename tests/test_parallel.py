@@ -306,3 +306,25 @@ def test_auto_chooses_fsdp_only_when_ddp_does_not_fit():
     assert choose_mode("auto", 4, cpu, (60 * gib, 30 * gib, 24 * gib))[0] == "ddp"  # neither fits: the default
     assert choose_mode("auto", 4, cpu, None)[0] == "ddp"
     assert choose_mode("fsdp", 1, cpu)[0] == "none" and choose_mode("ddp", 2, cpu)[0] == "ddp"
+
+
+def test_plan_command(capsys):
+    """`codeforge plan`: per-rank terms under DDP and FSDP from the shapes, and what fits."""
+    from codeforge.cli import main
+    from codeforge.plan import estimate
+    assert main(["plan", "--preset", "large", "--world-size", "8", "--gpu-memory", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "1,034,344,000 parameters" in out and "-> --parallel fsdp: DDP does not fit" in out
+    cfg = resolve(["large"])
+    p = estimate(cfg.model, cfg.train, 8, "bf16")
+    assert p.rows["parameters"] == (4 * 1_034_344_000, 4 * 1_034_344_000 / 8)
+    assert p.rows["optimizer state"][1] == 8 * 1_034_344_000 / 8
+    assert p.total("fsdp") < p.total("ddp")
+    ck = estimate(cfg.model, resolve(["large"], None, [], {"train.grad_checkpointing": True}).train, 8, "bf16")
+    assert ck.rows["activations"][0] < p.rows["activations"][0] / 3  # the logits stay
+    assert main(["plan", "--preset", "medium", "--world-size", "2", "--gpu-memory", "80"]) == 0
+    assert "-> --parallel ddp (the default)" in capsys.readouterr().out
+    assert main(["plan", "--preset", "medium", "--world-size", "2", "--gpu-memory", "1", "--optimizer", "muon"]) == 0
+    assert "FSDP trains with AdamW, not muon" in capsys.readouterr().out
+    assert main(["plan", "--preset", "medium", "--world-size", "0"]) != 0
+    assert "--world-size 0" in capsys.readouterr().err
