@@ -245,9 +245,16 @@ def _sha256(f: Path) -> str:
         return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
-def _write_manifest(d: Path, step: int) -> None:
-    files = {f.relative_to(d).as_posix(): {"bytes": f.stat().st_size, "sha256": _sha256(f)}
-             for f in sorted(d.rglob("*")) if f.is_file()}
+def _file_entries(d: Path, files) -> dict:
+    return {f.relative_to(d).as_posix(): {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in files}
+
+
+def _write_manifest(d: Path, step: int, known: dict | None = None) -> None:
+    """known: entries already hashed (by the ranks that wrote those files)."""
+    known = known or {}
+    files = {**_file_entries(d, (f for f in sorted(d.rglob("*"))
+                                 if f.is_file() and f.relative_to(d).as_posix() not in known)), **known}
+    files = dict(sorted(files.items()))
     (d / MANIFEST).write_text(json.dumps({"format": MANIFEST_FORMAT, "step": step, "files": files}, indent=1) + "\n")
 
 
@@ -413,14 +420,15 @@ def _begin(run_dir: str | Path, step: int) -> tuple[Path, str, str | None]:
     return root, f"{STEP_PREFIX}{step:06d}", before.name if before is not None else None
 
 
-def _write_rest(tmp: Path, step: int, config: dict, skeleton, tensors: dict, assets: dict | None) -> None:
+def _write_rest(tmp: Path, step: int, config: dict, skeleton, tensors: dict, assets: dict | None,
+                known: dict | None = None) -> None:
     """Everything of a checkpoint but its weights, then the manifest over all of it."""
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     st_save_file(tensors, str(tmp / STATE_TENSORS))
     (tmp / STATE_JSON).write_text(json.dumps(skeleton))
     for asset, src in (assets or {}).items():
         shutil.copytree(src, tmp / asset)
-    _write_manifest(tmp, step)
+    _write_manifest(tmp, step, known)
 
 
 def save_sharded_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, optimizer, config: dict,
@@ -499,10 +507,22 @@ class ShardedSave:
                 self.future.result()
             except Exception as e:
                 self.failed(e)
+        # every rank hashes the shard files it wrote (in parallel), rank 0 the rest
+        rank = dist.get_rank()
+        try:
+            mine = _file_entries(self.tmp, sorted((self.tmp / SHARDED).glob(f"__{rank}_*")))
+        except OSError as e:  # said on rank 0, not raised here: the others would wait for this rank
+            mine = {"": f"rank {rank} could not read back its shard: {e}"}
+        hashed: list = [None] * dist.get_world_size()
+        dist.all_gather_object(hashed, mine)
         result: list = [None]
-        if dist.get_rank() == 0:
+        if rank == 0:
             try:
-                _write_rest(self.tmp, self.step, self.config, *self.state, self.assets)
+                unread = [h[""] for h in hashed if "" in h]
+                if unread:
+                    raise OSError("; ".join(unread))
+                _write_rest(self.tmp, self.step, self.config, *self.state, self.assets,
+                            {k: v for h in hashed for k, v in h.items()})
                 publish(self.tmp, self.root / self.name)
                 _point_and_prune(self.root, self.name, self.keep_last, self.best, self.final)
             except (OSError, SafetensorError, CheckpointWriteError) as e:
