@@ -271,12 +271,16 @@ def resolve(presets: list[str] = (), file: str | None = None, sets: list[str] = 
     a flag sets one."""
     layers: list[tuple[str, Any]] = []  # (section.key, value), in order of precedence
     tables = _preset_tables()
+    pretrain_only: list[tuple[int, list]] = []  # (place in layers, a profile's [NAME.pretrain] recipe)
     for name in presets:
         kind = next((k for k in ("model", "train") if name in tables[k]), None)
         if kind is None:
             raise ConfigError(f"unknown preset {name!r}; models: {sorted(tables['model'])}; "
                               f"hardware: {sorted(tables['train'])}")
-        layers += [(f"{kind}.{k}", v) for k, v in tables[kind][name].items()]
+        table = tables[kind][name]
+        layers += [(f"{kind}.{k}", v) for k, v in table.items() if not isinstance(v, dict)]
+        if isinstance(table.get("pretrain"), dict):  # optimizer and rates for pretraining from scratch only:
+            pretrain_only.append((len(layers), [(f"train.{k}", v) for k, v in table["pretrain"].items()]))
     if vocab_from_data and not base:
         layers.append(("model.vocab_size", 0))
     if file:
@@ -292,6 +296,11 @@ def resolve(presets: list[str] = (), file: str | None = None, sets: list[str] = 
         layers.append((k.strip(), v.strip()))
     layers += [(k, v) for k, v in (flags or {}).items() if v is not None]
     layers = [(_key(k), v) for k, v in layers]
+    stage_asked = next((v for k, v in reversed(layers) if k == "train.stage"),
+                       (base or {}).get("train", {}).get("stage", "pretrain"))
+    if stage_asked == "pretrain":  # fine-tuning stages keep their own optimizer and rates (stages.toml)
+        for at, recipe in reversed(pretrain_only):
+            layers[at:at] = [(_key(k), v) for k, v in recipe]
 
     init_from = next((v for k, v in reversed(layers) if k == "train.init_from"), "")
     start_model: dict = {}

@@ -185,6 +185,17 @@ def test_config_precedence_and_file(tmp_path):
     assert resolve([], str(y)).model.n_layer == 7
 
 
+def test_profile_recipe_only_for_pretraining():
+    """lowend-cpu's optimizer recipe ([lowend-cpu.pretrain]) reaches --stage pretrain only; fine-tuning
+    stages keep their own optimizer and rates, and flags still win over the recipe."""
+    pre = resolve(["cpu-small", "lowend-cpu"])
+    assert (pre.train.optimizer, pre.train.learning_rate, pre.train.batch_size) == ("muon", 0.012, 16)
+    for stage, lr in (("sft", 5e-5), ("code", 5e-6)):
+        c = resolve(["cpu-small", "lowend-cpu"], None, [], {"train.stage": stage})
+        assert (c.train.optimizer, c.train.learning_rate, c.train.batch_size) == ("adamw", lr, 16)
+    assert resolve(["lowend-cpu"], None, ["train.learning_rate=0.001"]).train.learning_rate == 0.001
+
+
 def test_init_from_checks_shape_and_tokenizer(data_dir, tmp_path):
     train_run(cfg_for(data_dir, tmp_path / "a", train__max_iters=4))
     with pytest.raises(CodeforgeError, match="model shape differs.*n_layer"):
