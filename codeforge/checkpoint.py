@@ -123,7 +123,7 @@ def _pointer_target(ckpt_root: Path, name: str) -> Path | None:
 
 def _read_pointer(ckpt_root: Path, name: str) -> Path | None:
     p = _pointer_target(ckpt_root, name)
-    return p if p is not None and ((p / "model.safetensors").exists() or (p / SHARDED).is_dir()) else None
+    return p if p is not None and ((p / "model.safetensors").exists() or is_sharded(p)) else None
 
 
 def _step_of(p: Path) -> int:
@@ -575,7 +575,7 @@ def _warn(msg: str) -> None:
 
 
 def _is_checkpoint_dir(p: Path) -> bool:
-    return (p / "model.safetensors").exists() or (p / MANIFEST).exists() or (p / SHARDED).is_dir()
+    return (p / "model.safetensors").exists() or (p / MANIFEST).exists() or is_sharded(p)
 
 
 def is_sharded(ck: str | Path) -> bool:

@@ -422,8 +422,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
     t = cfg.train
     precision = t.precision if t.precision != "auto" else ("fp32" if t.device == "cpu" or not gpu else "bf16")
     plan = estimate(cfg.model, t, a.world_size, precision, t.fsdp_offload)
-    names = [n for n in a.preset]
-    print(report(plan, cfg.model, t, precision, gpu, " + ".join(names)))
+    print(report(plan, cfg.model, t, precision, gpu, " + ".join(a.preset)))
     return 0
 
 

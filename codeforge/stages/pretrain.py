@@ -22,7 +22,6 @@ from ..models import build_model
 from ..shards import ShardSet
 from ..tokenizer import CodeTokenizer
 from ..train.losses import lm_loss_fn
-from ..train import parallel
 from ..train.trainer import Trainer
 
 
@@ -141,9 +140,7 @@ def _train(cfg: RunConfig, resume: bool, say, device: torch.device, precision: s
         mem = torch.tensor([float(torch.cuda.get_device_properties(device).total_memory)], device=device)
         torch.distributed.all_reduce(mem, op=torch.distributed.ReduceOp.MIN)
         plan = (p.total("ddp"), p.total("fsdp"), mem.item())
-    model = build_model(m)
-    if parallel.choose_mode(t.parallel, world, device, plan)[0] != "fsdp":  # FSDP moves each block's shard to
-        model = model.to(device)                                # the device as it shards it: never the whole model
+    model = build_model(m)  # on the host: the trainer's parallel.wrap places it (FSDP: shard by shard)
     model.grad_checkpointing = t.grad_checkpointing
     model.loss_chunk_rows = t.loss_chunk_rows
     if t.init_from and start_ckpt is None:

@@ -24,9 +24,6 @@ import torch
 
 from .. import CodeforgeError
 
-MODES = ("none", "ddp", "fsdp")
-
-
 class ParallelError(CodeforgeError):
     """A parallelism setting that cannot work for this run; the message says what to use instead."""
 
@@ -62,9 +59,12 @@ def blocks_of(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def wrap(model: torch.nn.Module, device: torch.device, mode: str = "none", compile: bool = False,
          precision: str = "fp32", offload: bool = False) -> torch.nn.Module:
-    """The module the loss function runs, wrapped as `mode` says (see the module docstring)."""
+    """The module the loss function runs, wrapped as `mode` says (see the module docstring). The model may
+    come on the host: FSDP moves each block's shard to the device as it shards it (the device never holds
+    the whole model); the other modes move it whole."""
     if mode == "fsdp":
         return _fully_shard(model, device, compile, precision, offload)
+    model.to(device)
     fwd = torch.compile(model) if compile else model
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -94,12 +94,6 @@ def _fully_shard(model, device, compile, precision, offload):
         fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kw)
     fully_shard(model, **kw)
     return model
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    """True when the model's parameters are FSDP2 shards (DTensors)."""
-    from torch.distributed.tensor import DTensor
-    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def set_grad_sync(fwd: torch.nn.Module, mode: str, sync: bool):
