@@ -893,5 +893,21 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The `codeforge` command and `python -m codeforge`: main(), then the process ends (see exit_process)."""
+    from .device import exit_process
+    try:
+        code = main()
+    except SystemExit as e:  # argparse's --help and usage errors
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+        code = 1
+    exit_process(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entry()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 
 import torch
 
@@ -105,13 +106,41 @@ def setup_distributed(device: torch.device, timeout_s: int = 600) -> bool:
     if world <= 1:
         return False
     from datetime import timedelta
+
+    # imported before the group exists: some of their functions take `group.WORLD` as a default argument,
+    # which, evaluated after init, would keep the default group alive past destroy_process_group
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+    import torch.distributed.device_mesh  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
     torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                          timeout=timedelta(seconds=timeout_s))
+    global _JOINED
+    _JOINED = True
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return True
 
 
+_JOINED = False  # this process joined a process group (set once, never cleared)
+
+
 def teardown_distributed() -> None:
+    import gc
+    gc.collect()  # the run's models and their hooks first, while the group is still whole
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def exit_process(code: int) -> None:
+    """End the process with `code`. A torchrun rank that joined a process group skips the interpreter's
+    finalization (os._exit, after flushing stdout and stderr): FSDP2's parameter hooks keep the group, and
+    with it the backend's C++ threads, alive after destroy_process_group, and a backend thread that touches
+    Python while the interpreter is being torn down aborts the process (`terminate called without an active
+    exception`, SIGABRT), which torchrun reports as a failed job after a run that had finished. Every file
+    codeforge writes is closed before this point."""
+    if not _JOINED:
+        raise SystemExit(code)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

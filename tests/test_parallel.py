@@ -33,9 +33,10 @@ def train(data_dir, out, ranks: int, *extra: str, steps: int = 8, check=True) ->
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
                 if ranks > 1 else [sys.executable])
     r = subprocess.run(launcher + args, capture_output=True, text=True, timeout=600)
-    if check:  # a rank's own error lines first: torchrun's summary at the end hides them
+    if check and r.returncode != 0:  # a rank's own error lines first: torchrun's summary at the end hides them
         why = [x for x in r.stderr.splitlines() if any(w in x for w in ("rror", "terminate", "what()", "bort"))]
-        assert r.returncode == 0, (r.stdout[-1500:], why[-30:], r.stderr[-2000:])
+        pytest.fail(f"exit {r.returncode}\n--- the ranks' error lines:\n" + "\n".join(why[-30:])
+                    + f"\n--- stdout:\n{r.stdout[-1500:]}\n--- stderr:\n{r.stderr[-3000:]}", pytrace=False)
     return r
 
 
