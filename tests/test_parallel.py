@@ -330,3 +330,22 @@ def test_plan_command(capsys):
     assert "FSDP trains with AdamW, not muon" in capsys.readouterr().out
     assert main(["plan", "--preset", "medium", "--world-size", "0"]) != 0
     assert "--world-size 0" in capsys.readouterr().err
+
+
+def test_exit_codes_and_the_joined_rank_exit(tmp_path):
+    """The command's exit codes pass through `entry`; a process that joined a group leaves through os._exit
+    with its code and with what it printed flushed (the interpreter's finalization is skipped)."""
+    def run(*a):
+        return subprocess.run([sys.executable, *a], capture_output=True, text=True, timeout=120)
+    assert run("-m", "codeforge", "--help").returncode == 0
+    bad = run("-m", "codeforge", "no-such-command")
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr
+    missing = run("-m", "codeforge", "generate", "--run", str(tmp_path / "nothing"), "--prompt", "x")
+    assert missing.returncode == 2 and missing.stderr.startswith("error:")
+    script = tmp_path / "joined.py"
+    script.write_text("import atexit, sys\nfrom codeforge import device\n"
+                      "atexit.register(lambda: print('finalized'))\n"
+                      "device._JOINED = True\nprint('unflushed', end='')\nsys.stderr.write('err')\n"
+                      "device.exit_process(3)\n")
+    r = run(str(script))
+    assert (r.returncode, r.stdout, r.stderr) == (3, "unflushed", "err")
