@@ -124,9 +124,12 @@ def setup_distributed(device: torch.device, timeout_s: int = 600) -> bool:
 _JOINED = False  # this process joined a process group (set once, never cleared)
 
 
-def teardown_distributed() -> None:
+def teardown_distributed(collect: bool = True) -> None:
+    """Leave the process group. collect: free the run's models and their hooks first (after a normal end;
+    after an error the process is about to say why and end, and should not be kept)."""
     import gc
-    gc.collect()  # the run's models and their hooks first, while the group is still whole
+    if collect:
+        gc.collect()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

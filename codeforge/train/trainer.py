@@ -297,6 +297,9 @@ class Trainer:
                     self.pending.future.result()
             if not lost:
                 raise
+            # torchrun sends SIGTERM to the surviving ranks as soon as it sees one die: its default action
+            # would end this rank before it says why, so signals stay recorded-only until the process ends
+            old = {}
             latest = ckpt_io.latest_step(self.run_dir)
             raise TrainingError(
                 f"rank {self.rank}: lost contact with the other ranks at step {self.step} ({type(e).__name__}: "
