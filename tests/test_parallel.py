@@ -75,6 +75,23 @@ def test_fsdp_equals_ddp_and_one_process(data_dir, tmp_path, ranks):
     assert not (ck / "model.safetensors").exists() and ckpt_io.verify_checkpoint(ck) is None
 
 
+
+def test_fsdp_ranks_take_rank0s_weights(data_dir, tmp_path):
+    """Under FSDP only rank 0 materialises the model; the others build it on the meta device and get their
+    shards, the RoPE tables (buffers not in the state dict) and the random state from rank 0: a rotary model
+    fine-tuned from another run's weights (--init-from) on 2 ranks equals the same on one process."""
+    rope = ("--pos", "rope", "--norm", "rmsnorm")
+    base = tmp_path / "base"
+    train(data_dir, base, 1, *rope, steps=4)
+    one = train(data_dir, tmp_path / "one", 1, *rope, "--init-from", str(base), steps=4)
+    fsdp = train(data_dir, tmp_path / "fsdp", 2, *rope, "--init-from", str(base), "--parallel", "fsdp", steps=4)
+    assert "initialised weights from" in one.stdout and "initialised weights from" in fsdp.stdout
+    assert close(losses(tmp_path / "fsdp"), losses(tmp_path / "one"))
+    val = {r["step"]: r["val_loss"] for r in records(tmp_path / "one") if "val_loss" in r}
+    assert close({r["step"]: r["val_loss"] for r in records(tmp_path / "fsdp") if "val_loss" in r}, val)
+    # the fine-tuned run started from the base run's weights, not from a fresh initialisation
+    assert records(tmp_path / "fsdp")[0]["val_loss"] < records(base)[0]["val_loss"]
+
 def test_sharded_resume_exact_and_resharded(data_dir, tmp_path):
     """Saved on 2 ranks at step 4: resumed on 2 ranks it equals the straight run exactly; resumed on 1
     process (accumulation 2 keeps the global batch) it equals it within float32 tolerance; saved on 4 ranks

@@ -21,6 +21,7 @@ from ..loader import batch_source
 from ..models import build_model
 from ..shards import ShardSet
 from ..tokenizer import CodeTokenizer
+from ..train import parallel
 from ..train.losses import lm_loss_fn
 from ..train.trainer import Trainer
 
@@ -143,13 +144,17 @@ def _train(cfg: RunConfig, resume: bool, say, device: torch.device, precision: s
         mem = torch.tensor([float(torch.cuda.get_device_properties(device).total_memory)], device=device)
         torch.distributed.all_reduce(mem, op=torch.distributed.ReduceOp.MIN)
         plan = (p.total("ddp"), p.total("fsdp"), mem.item())
-    model = build_model(m)  # on the host: the trainer's parallel.wrap places it (FSDP: shard by shard)
+    mode = parallel.choose_mode(t.parallel, world, device, plan)
+    own = parallel.materialises(mode[0], rank)  # under FSDP only rank 0 holds the whole model (wrap fills the rest)
+    with contextlib.nullcontext() if own else torch.device("meta"):
+        model = build_model(m)  # on the host: the trainer's parallel.wrap places it (FSDP: shard by shard)
     model.grad_checkpointing = t.grad_checkpointing
     model.loss_chunk_rows = t.loss_chunk_rows
     if t.init_from and start_ckpt is None:
         ck = ckpt_io.find_checkpoint(t.init_from, "auto", log=say)
         ckpt_io.check_compatible(ck, model_dict, tok.hash, "--init-from", t.data)
-        ckpt_io.load_weights(model, ck)
+        if own:
+            ckpt_io.load_weights(model, ck)
         say(f"initialised weights from {ck}")
     elif chat_stage and start_ckpt is None:
         say(f"note: --stage {t.stage} without --init-from trains a chat model from random weights; pass "
@@ -190,11 +195,11 @@ def _train(cfg: RunConfig, resume: bool, say, device: torch.device, precision: s
                 warned.append(1)
             return None
 
-    trainer = Trainer(model, batches, lm_loss_fn, t, run_dir, device=device, precision=precision, plan=plan,
+    trainer = Trainer(model, batches, lm_loss_fn, t, run_dir, device=device, precision=precision,
                       total_steps=total, tokens_per_step=tokens_per_step,
                       run_config=run_config, assets={"tokenizer": tok.path},
                       evaluate=evaluate, sample=lambda mdl, step: sampler(mdl, tok, device, precision, step, t.sample_tokens),
-                      start_checkpoint=start_ckpt, rank=rank, world=world, log=say)
+                      start_checkpoint=start_ckpt, rank=rank, world=world, log=say, mode=mode)
     return trainer.run()
 
 

@@ -14,6 +14,10 @@ runs. Three ways, all PyTorch's own and launched by torchrun:
           keeps shards and optimizer state in CPU memory; `compile` compiles each block on its own (whole-
           model compile does not trace through FSDP's hooks); activation checkpointing is the model's own
           (`grad_checkpointing`: the recomputation re-gathers the block's weights, as FSDP2 expects).
+          Only rank 0 needs the whole model in memory (`materialises`): the other ranks may build it on the
+          meta device, and `wrap` fills every rank's shards from rank 0's weights (random initialisation or
+          loaded), so a host with N ranks holds one whole copy, not N, and the run starts from exactly the
+          weights one process would.
 """
 
 from __future__ import annotations
@@ -46,6 +50,12 @@ def choose_mode(asked: str, world: int, device: torch.device, plan: tuple[float,
                         f"device, FSDP ~{plan[1] / 2**30:.1f} GiB")
     return "ddp", (f"auto over {world} ranks (each holds the whole model; --parallel fsdp shards it when it "
                    f"does not fit)")
+
+
+def materialises(mode: str, rank: int) -> bool:
+    """Whether this rank builds the model's weights itself (initialises or loads them). Under FSDP only rank 0
+    does; the others build the model under `torch.device("meta")` (shapes, no memory) and `wrap` fills them."""
+    return mode != "fsdp" or rank == 0
 
 
 def blocks_of(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -87,13 +97,41 @@ def _fully_shard(model, device, compile, precision, offload):
     if offload:
         kw["offload_policy"] = CPUOffloadPolicy()
     blocks = blocks_of(model)
+    persistent = set(model.state_dict())  # names only (works on the meta device too)
+    whole = model.state_dict() if dist.get_rank() == 0 else {}  # rank 0's weights, kept until broadcast
     for i, block in enumerate(blocks):
         if compile:
             block.compile()  # in place: parameter names (and so checkpoints) stay the same
         # the last block's weights are needed at once by backward: keeping them gathered saves one all-gather
         fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kw)
     fully_shard(model, **kw)
+    _fill_from_rank0(model, whole, persistent, device, offload)
     return model
+
+
+def _fill_from_rank0(model, whole: dict, persistent: set, device: torch.device, offload: bool) -> None:
+    """Every rank's shards (and buffers, and the CPU random state) from rank 0's: the ranks that built the
+    model on the meta device get memory first. Run on all ranks together."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        model.to_empty(device="cpu" if offload else device)  # offloaded shards live in host memory
+        if offload:  # buffers are not offloaded: they belong where FSDP put rank 0's, on the device
+            for mod in model.modules():
+                for k, b in mod._buffers.items():
+                    if b is not None:
+                        mod._buffers[k] = b.to(device)
+    set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    whole.clear()
+    with torch.no_grad():
+        for name, buf in model.named_buffers():  # computed, not saved (RoPE tables): rank 0's as they are
+            if name not in persistent:
+                dist.broadcast(buf, src=0)
+    # rank 0 drew its initial weights from the CPU generator, the meta-built ranks did not: all continue
+    # from rank 0's state, as every rank did when each built the whole model
+    state = [torch.get_rng_state()]
+    dist.broadcast_object_list(state, src=0)
+    torch.set_rng_state(state[0])
 
 
 def set_grad_sync(fwd: torch.nn.Module, mode: str, sync: bool):

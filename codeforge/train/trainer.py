@@ -38,8 +38,9 @@ class Trainer:
                  assets: dict[str, Path] | None = None, evaluate: Callable[[torch.nn.Module], dict | None] | None = None,
                  sample: Callable[[torch.nn.Module, int], str] | None = None, start_checkpoint: Path | None = None,
                  rank: int = 0, world: int = 1, log=print, aux: torch.nn.Module | None = None,
-                 plan: tuple | None = None):
-        """model: on `device`, initialised (or loaded by the stage). batches: the training batch source.
+                 mode: tuple[str, str] | None = None):
+        """model: initialised (or loaded by the stage), on the host or `device` (wrap places it); under FSDP
+        the ranks other than 0 may hand it on the meta device (parallel.materialises). batches: the training batch source.
         run_config: the resolved configuration saved with every checkpoint (it must let the checkpoint module
         rebuild the model; its model and train sections are also written to RUN/config.toml). assets:
         directories copied into every checkpoint (e.g. {"tokenizer": path}).
@@ -49,9 +50,8 @@ class Trainer:
         aux: a module trained beside the model whose weights are not the model's (PPO's value head): its
         parameters join the optimizer (no weight decay) and gradient clipping, and its weights are saved in
         the training state, so checkpoints stay the bare model the engine, eval and export read.
-        rank, world: this process among torchrun's; cfg.parallel says how the model is spread over them
-        (parallel.py), plan: (DDP bytes, FSDP bytes, device bytes) per rank, for --parallel auto (the same on
-        every rank: the stage takes the smallest device)."""
+        rank, world: this process among torchrun's. mode: (mode, why) from parallel.choose_mode, when the
+        stage decided it (before building the model); otherwise decided here from cfg.parallel."""
         self.model, self.batches, self.loss_fn, self.cfg = model, batches, loss_fn, cfg
         self.run_dir, self.device, self.precision = Path(run_dir), device, precision
         self.total_steps, self.tokens_per_step, self.run_config = total_steps, tokens_per_step, run_config
@@ -59,7 +59,7 @@ class Trainer:
         self.rank, self.world, self.master = rank, world, rank == 0
         self.ddp = world > 1  # several ranks (DDP or FSDP): they agree on stopping and average the logged loss
         self.print = log
-        self.mode, why = parallel.choose_mode(cfg.parallel, world, device, plan)
+        self.mode, why = mode or parallel.choose_mode(cfg.parallel, world, device)
         self.sharded = self.mode == "fsdp"
         if self.sharded and cfg.optimizer != "adamw":
             raise TrainingError(f"--parallel fsdp trains with adamw, not {cfg.optimizer}: "
