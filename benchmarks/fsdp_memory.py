@@ -3,14 +3,17 @@
     python benchmarks/fsdp_memory.py                       # medium and large: 1 process, DDP and FSDP on 2 and 4
     python benchmarks/fsdp_memory.py --presets medium --worlds 2 --steps 3
 
-Each configuration is one torchrun job of this file. Every rank builds the whole model (in turn), wraps it with codeforge's own `parallel.wrap` (DDP, or FSDP2 per block and root)
-and builds the optimizer; then its peak-RSS mark is reset (Linux: /proc/self/clear_refs) and it trains
+Each configuration is one torchrun job of this file. The model is built as `codeforge train` builds it:
+under DDP every rank builds the whole model (in turn, so that their build peaks do not add up); under FSDP
+rank 0 builds it and the others on the meta device (parallel.materialises). It is wrapped with codeforge's
+own `parallel.wrap` (DDP, or FSDP2 per block and root; under FSDP it fills every rank's shards from rank 0)
+and the optimizer is built; then its peak-RSS mark is reset (Linux: /proc/self/clear_refs) and it trains
 `--steps` optimizer steps of random tokens through the trainer's own `train_step`. Measured per rank:
   - train peak: the highest resident memory during those steps, less the resident memory the process had
     before the model was built (Python, torch, the process group): what the training state, activations and
     communication buffers take. This is the number the planner estimates.
-  - build peak: the same before the steps (under FSDP the whole model exists on every rank until it is
-    sharded; all ranks share this host, so that is the moment that needs the most memory here).
+  - build peak: the same before the steps (under FSDP rank 0 holds the whole model until it is sharded and
+    broadcast; the other ranks only their shards).
 glibc's dynamic mmap threshold is fixed (MALLOC_MMAP_THRESHOLD_) so that freed large tensors return to the
 system and resident memory follows the live tensors. A configuration whose estimate does not fit this
 machine's memory (all ranks share it) is skipped and said so; `--force` runs it anyway.
@@ -19,6 +22,7 @@ machine's memory (all ranks share it) is skipped and said so; `--force` runs it 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import gc
 import json
@@ -80,7 +84,8 @@ def worker(a) -> None:
     for r in range(world):  # one rank at a time builds (wrapping is collective: all ranks together, below)
         if r == rank:
             torch.manual_seed(0)
-            model = build_model(m)
+            with contextlib.nullcontext() if parallel.materialises(mode, rank) else torch.device("meta"):
+                model = build_model(m)
             model.grad_checkpointing = t.grad_checkpointing
         if world > 1:
             dist.barrier()
@@ -123,7 +128,8 @@ def launch(a, preset: str, mode: str, world: int) -> list[dict] | str:
     cfg = config(argparse.Namespace(**{**vars(a), "preset": preset}))
     plan = estimate(cfg.model, cfg.train, world, "fp32")
     train_need = world * (plan.total(mode) + 0.3 * GIB)  # 0.3 GiB: Python, torch and gloo of one process
-    build_need = world * (4 * plan.params * (1 + 1 / world if mode == "fsdp" else 1) + 0.3 * GIB)
+    # FSDP: rank 0's whole model plus every rank's shard (of it, and of the broadcast); DDP: a whole model each
+    build_need = (4 * plan.params * 2 if mode == "fsdp" else world * 4 * plan.params) + world * 0.3 * GIB
     need = max(train_need, build_need)
     if need > 0.95 * host_memory() and not a.force:
         return f"skipped: about {need / GIB:.1f} GiB for {world} rank(s) on this host, {host_memory() / GIB:.1f} available"
@@ -165,7 +171,7 @@ def main() -> None:
     print(f"per-rank memory on CPU ranks (gloo, fp32, AdamW), micro-batch {a.batch_size} x {a.block_size} tokens, "
           f"{a.steps} steps{', gradient checkpointing' if a.grad_checkpointing else ''}; GiB")
     print(f"{'preset':8s} {'mode':5s} {'ranks':>5s} {'planned':>8s} {'train peak (min-max over ranks)':>32s} "
-          f"{'ratio':>6s} {'build peak':>10s} {'s/step':>7s}")
+          f"{'ratio':>6s} {'build peak':>12s} {'s/step':>7s}  (build peak: rank 0/the others' highest)")
     for preset in a.presets:
         for world in a.worlds:
             for mode in a.modes:
@@ -178,12 +184,13 @@ def main() -> None:
                     print(f"{preset:8s} {mode:5s} {world:5d} {planned / GIB:8.2f}  {r}", flush=True)
                     continue
                 peaks = [x["train_peak"] / GIB for x in r]
-                builds = max(x["build_peak"] for x in r) / GIB
+                others = [x["build_peak"] / GIB for x in r if x["rank"] != 0]
+                builds = f"{r[0]['build_peak'] / GIB:.2f}" + (f"/{max(others):.2f}" if others else "")
                 sps = max(x["seconds_per_step"] for x in r)
                 mean = sum(peaks) / len(peaks)
                 print(f"{preset:8s} {mode:5s} {world:5d} {planned / GIB:8.2f} "
                       f"{f'{mean:.2f} ({min(peaks):.2f}-{max(peaks):.2f})':>32s} {mean / (planned / GIB):6.2f} "
-                      f"{builds:10.2f} {sps:7.1f}", flush=True)
+                      f"{builds:>12s} {sps:7.1f}", flush=True)
 
 
 if __name__ == "__main__":

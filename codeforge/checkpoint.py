@@ -583,16 +583,18 @@ def is_sharded(ck: str | Path) -> bool:
     return (Path(ck) / SHARDED).is_dir()
 
 
-def _dcp_load(state: dict, ck: Path) -> None:
+def _dcp_load(state: dict, ck: Path, alone: bool = False) -> None:
     """Load the tensors of `state` in place from the checkpoint's DCP shards, resharding to however `state`
-    is laid out (DTensor shards on any number of ranks, or whole tensors in one process)."""
+    is laid out (DTensor shards on any number of ranks, or whole tensors in one process). alone: this
+    process reads whole tensors for itself, even inside a process group (no collective: the other ranks
+    need not be loading too)."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
     with warnings.catch_warnings():  # one process: DCP says it assumes so, which is what is meant
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         try:
-            dcp.load(state, checkpoint_id=str(ck / SHARDED))
+            dcp.load(state, checkpoint_id=str(ck / SHARDED), no_dist=alone)
         except Exception as e:  # a missing key, another shape, an unreadable shard: all raised as one kind
             raise CheckpointError(f"{ck / SHARDED}: the sharded checkpoint does not load into this model "
                                   f"({type(e).__name__}: {str(e)[:600]}); the checkpoint is damaged or was "
@@ -732,7 +734,7 @@ def load_weights(model: torch.nn.Module, ckpt: Path, new_ok: tuple[str, ...] = (
                                                              set_model_state_dict)
         sd = {k: v for k, v in get_model_state_dict(model).items() if not (new_ok and k.startswith(new_ok))}
         state = {"model": sd}
-        _dcp_load(state, Path(ckpt))
+        _dcp_load(state, Path(ckpt), alone=True)  # a whole model in this process, whatever other ranks do
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not new_ok))
         return
     f = Path(ckpt) / "model.safetensors"

@@ -130,6 +130,38 @@ def test_sharded_resume_exact_and_resharded(data_dir, tmp_path):
     assert close(losses(whole), ref)
 
 
+
+def test_ranks_agree_on_a_damaged_checkpoint(data_dir, tmp_path):
+    """Rank 0 alone verifies the checkpoint to resume from (or to start from) and tells the others: with the
+    newest one damaged, every rank falls back to the same older one and the run equals the straight run; a
+    damaged --init-from ends every rank with the error (no rank left waiting)."""
+    run = tmp_path / "run"
+    train(data_dir, run, 2, "--parallel", "fsdp")
+    ref = losses(run)
+    # an intact sharded checkpoint as --init-from: rank 0 reads it whole for itself (no collective), the
+    # others take its weights in their shards; the first evaluation scores the checkpoint's weights
+    good = train(data_dir, tmp_path / "ft_ok", 2, "--parallel", "fsdp", "--init-from",
+                 str(run / "checkpoints" / "step_000008"), "--dist-timeout", "60", steps=4)
+    assert "initialised weights from" in good.stdout
+    val = {r["step"]: r["val_loss"] for r in records(run) if "val_loss" in r}
+    assert abs(records(tmp_path / "ft_ok")[0]["val_loss"] - val[8]) < 1e-5
+    damaged = tmp_path / "damaged"
+    shutil.copytree(run, damaged)
+    newest = ckpt_io.find_checkpoint(damaged)
+    assert newest.name == "step_000008"
+    with open(newest / "sharded" / "__1_0.distcp", "r+b") as f:  # rank 1's shard: one byte changed
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    bad = train(data_dir, tmp_path / "ft", 2, "--parallel", "fsdp", "--init-from", str(newest),
+                "--dist-timeout", "60", check=False)
+    assert bad.returncode != 0
+    assert bad.stderr.count(f"checkpoint {newest} is damaged") >= 2, bad.stderr[-3000:]
+    r = train(data_dir, damaged, 2, "--parallel", "fsdp", "--resume", "--dist-timeout", "60")
+    assert "resumed from" in r.stdout and "step_000004" in r.stdout, r.stdout[-2000:]
+    assert losses(damaged) == ref
+
 def test_sharded_checkpoint_serves_inference(data_dir, tmp_path):
     """One process loads an FSDP run's checkpoint (DCP consolidates it): the weights score the validation
     split as the training run did, and `generate` and the Hugging Face export work from it."""

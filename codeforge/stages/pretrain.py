@@ -33,16 +33,40 @@ def round_up(n: int, k: int) -> int:
     return (n + k - 1) // k * k
 
 
+def found_by_rank0(find: Callable[[], Path | None]) -> Path | None:
+    """find() (which reads and hashes a checkpoint's files) on rank 0 only, its answer or its error passed to
+    the other ranks: N ranks sharing a filesystem verify a checkpoint once, not N times, and all take the
+    same one. One process: just find()."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return find()
+    msg: list = [None]
+    if torch.distributed.get_rank() == 0:
+        try:
+            msg[0] = ("found", find())
+        except Exception as e:
+            msg[0] = ("error", str(e))
+            torch.distributed.broadcast_object_list(msg, src=0)
+            raise
+    torch.distributed.broadcast_object_list(msg, src=0)
+    kind, value = msg[0]
+    if kind == "error":  # rank 0 raised it (and the CLI prints it there); the others end with it too
+        raise ConfigError(value)
+    return value
+
+
 def resume_point(run_dir: Path, resume: bool, model_dict: dict, tok_hash: str, data, run_config: dict, say):
     """The checkpoint a --resume continues from (None: start fresh), checked against this run's model shape,
     tokenizer, data and fixed settings; without --resume, a run directory that already holds checkpoints is
     refused (nothing is overwritten). Every stage starts this way."""
     start = None
     if resume:
-        try:  # the newest intact checkpoint (a damaged newer one is named and skipped)
-            start = ckpt_io.find_checkpoint(run_dir, "latest", train_state=True, log=say)
-        except ckpt_io.NoCheckpointError:
-            say(f"--resume: no checkpoint in {run_dir} yet; starting fresh")
+        def newest() -> Path | None:
+            try:  # the newest intact checkpoint (a damaged newer one is named and skipped)
+                return ckpt_io.find_checkpoint(run_dir, "latest", train_state=True, log=say)
+            except ckpt_io.NoCheckpointError:
+                say(f"--resume: no checkpoint in {run_dir} yet; starting fresh")
+                return None
+        start = found_by_rank0(newest)
     elif (run_dir / "checkpoints").exists() and any((run_dir / "checkpoints").iterdir()):
         raise ConfigError(f"{run_dir} already holds a training run; pass --resume to continue it, or "
                           f"choose another --out (nothing was changed)")
@@ -151,7 +175,7 @@ def _train(cfg: RunConfig, resume: bool, say, device: torch.device, precision: s
     model.grad_checkpointing = t.grad_checkpointing
     model.loss_chunk_rows = t.loss_chunk_rows
     if t.init_from and start_ckpt is None:
-        ck = ckpt_io.find_checkpoint(t.init_from, "auto", log=say)
+        ck = found_by_rank0(lambda: ckpt_io.find_checkpoint(t.init_from, "auto", log=say))
         ckpt_io.check_compatible(ck, model_dict, tok.hash, "--init-from", t.data)
         if own:
             ckpt_io.load_weights(model, ck)
