@@ -650,7 +650,7 @@ def latest_step(run_dir: str | Path) -> Path | None:
 
 
 def find_checkpoint(path: str | Path, which: str = "latest", *, train_state: bool = False,
-                    log: Callable[[str], None] | None = None) -> Path:
+                    log: Callable[[str], None] | None = None, verify: bool = True) -> Path:
     """An intact checkpoint directory from a checkpoint path, or from a run directory by pointer: "latest",
     "best", "final", or "auto" (best if the run has one, else latest). train_state: it will be resumed, so
     its training state must be intact too.
@@ -658,13 +658,16 @@ def find_checkpoint(path: str | Path, which: str = "latest", *, train_state: boo
     `latest` that is missing or damaged falls back to the newest intact step before it, and so does `auto`
     whose best is damaged; `log` (default: stderr) says which was skipped and why. A checkpoint directory
     given by path, `best` and `final` are never swapped for another: damaged, they are refused. Asking for
-    best or final when the run has none says so by name. NoCheckpointError: the run has no checkpoint."""
+    best or final when the run has none says so by name. NoCheckpointError: the run has no checkpoint.
+    verify=False: follow the pointers without hashing the files (to read a configuration; whatever loads the
+    weights verifies them)."""
+    check = verify_checkpoint if verify else (lambda c, state: None)
     if which not in (*POINTERS, "auto"):
         raise CheckpointError(f"checkpoint {which!r} is not one of {POINTERS + ('auto',)}")
     say = log or _warn
     p = Path(path)
     if _is_checkpoint_dir(p):
-        why = verify_checkpoint(p, train_state)
+        why = check(p, train_state)
         if why:
             run = f" ({p.parent.parent})" if p.parent.name == "checkpoints" else ""
             raise CheckpointError(f"checkpoint {p} is damaged: {why}. Use another checkpoint, or pass the run "
@@ -686,7 +689,7 @@ def find_checkpoint(path: str | Path, which: str = "latest", *, train_state: boo
         if best is None:
             which = "latest"
         else:
-            why = verify_checkpoint(best, train_state) if best.is_dir() else "it is missing"
+            why = check(best, train_state) if best.is_dir() else "it is missing"
             if why is None:
                 return best
             say(f"the best checkpoint {best} is damaged: {why}; taking the newest intact one instead")
@@ -697,7 +700,7 @@ def find_checkpoint(path: str | Path, which: str = "latest", *, train_state: boo
             why = ("no evaluated step was saved (no validation split, or --eval-every 0)" if which == "best"
                    else "the run has not finished")
             raise CheckpointError(f"{p} has no '{which}' checkpoint: {why}; use --checkpoint latest")
-        why = verify_checkpoint(target, train_state) if target.is_dir() else "it is missing"
+        why = check(target, train_state) if target.is_dir() else "it is missing"
         if why:
             raise CheckpointError(f"the '{which}' checkpoint {target} is damaged: {why}. Use --checkpoint latest "
                                   f"for the newest intact one, or pass another step directory")
@@ -706,7 +709,7 @@ def find_checkpoint(path: str | Path, which: str = "latest", *, train_state: boo
     candidates = steps[::-1] if target is None else [target] + [s for s in steps[::-1] if _step_of(s) < _step_of(target)]
     bad: list[tuple[Path, str]] = []
     for c in candidates:
-        why = verify_checkpoint(c, train_state) if c.is_dir() else "it is missing"
+        why = check(c, train_state) if c.is_dir() else "it is missing"
         if why is None:
             if bad:
                 skipped = "; ".join(f"{b} is damaged: {w}" for b, w in bad)
@@ -719,8 +722,11 @@ def find_checkpoint(path: str | Path, which: str = "latest", *, train_state: boo
 
 
 def read_config(ckpt: Path) -> dict:
+    f = Path(ckpt) / "config.json"
+    if f.exists() and not f.is_file():  # a FIFO or a device would block the read
+        raise CheckpointError(f"{f} is not a regular file; the checkpoint is damaged: use another one")
     try:
-        return json.loads((Path(ckpt) / "config.json").read_text())
+        return json.loads(f.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{ckpt}/config.json is unreadable ({type(e).__name__}: {e}); the checkpoint is "
                               f"damaged: use another one") from e

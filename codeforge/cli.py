@@ -902,6 +902,8 @@ def entry() -> None:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if e.code is not None and not isinstance(e.code, int):
             print(e.code, file=sys.stderr)
+    except KeyboardInterrupt:  # before main's own handler (while the parser is built)
+        code = 130
     except BaseException:
         import traceback
         traceback.print_exc()

@@ -307,7 +307,8 @@ def resolve(presets: list[str] = (), file: str | None = None, sets: list[str] = 
     if init_from and not base:  # staged training: the model is the one it starts from, unless flags change it
         from .checkpoint import CheckpointError, find_checkpoint, read_config
         try:
-            start_model = read_config(find_checkpoint(str(init_from), "auto"))["model"]
+            # its configuration only: the files are verified where the weights are loaded (once, on rank 0)
+            start_model = read_config(find_checkpoint(str(init_from), "auto", verify=False))["model"]
         except (CheckpointError, OSError, KeyError, ValueError) as e:
             raise ConfigError(f"--init-from {init_from}: {e}") from e
         layers = [(k, v) for k, v in layers if k != "model.vocab_size" or v != 0]

@@ -114,14 +114,24 @@ def setup_distributed(device: torch.device, timeout_s: int = 600) -> bool:
     import torch.distributed.fsdp  # noqa: F401
     torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                          timeout=timedelta(seconds=timeout_s))
-    global _JOINED
+    global _JOINED, _STARTUP
     _JOINED = True
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    _STARTUP = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=max(timeout_s, STARTUP_WAIT_S)))
     return True
 
 
 _JOINED = False  # this process joined a process group (set once, never cleared)
+_STARTUP = None
+STARTUP_WAIT_S = 3600  # how long ranks wait for rank 0's work alone at the start (verify, build, load)
+
+
+def startup_group():
+    """A gloo group whose collectives wait up to STARTUP_WAIT_S (or --dist-timeout when longer): for the
+    ranks that wait while rank 0 alone verifies a checkpoint or builds the whole model, work that takes
+    longer on a big model than a collective in training should ever wait. None outside torchrun."""
+    return _STARTUP
 
 
 def teardown_distributed(collect: bool = True) -> None:

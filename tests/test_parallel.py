@@ -398,3 +398,23 @@ def test_exit_codes_and_the_joined_rank_exit(tmp_path):
                       "device.exit_process(3)\n")
     r = run(str(script))
     assert (r.returncode, r.stdout, r.stderr) == (3, "unflushed", "err")
+
+
+def test_ranks_wait_for_rank0_longer_than_the_training_timeout(tmp_path):
+    """The other ranks wait on rank 0's work alone (verifying a checkpoint, building the model) in the startup
+    group, whose timeout is not --dist-timeout: rank 0 taking 8 s under a 5 s timeout is no failure."""
+    script = tmp_path / "wait.py"
+    script.write_text(
+        "import time, torch\nfrom pathlib import Path\n"
+        "from codeforge.device import setup_distributed, teardown_distributed\n"
+        "from codeforge.stages.pretrain import found_by_rank0\n"
+        "setup_distributed(torch.device('cpu'), 5)\n"
+        "got = found_by_rank0(lambda: time.sleep(8) or Path('/run/step_000008'))\n"
+        "torch.distributed.barrier()\n"
+        "print('rank', torch.distributed.get_rank(), 'got', got, flush=True)\n"
+        "teardown_distributed()\n")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(script)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(x for x in r.stdout.splitlines() if x.startswith("rank")) == [
+        "rank 0 got /run/step_000008", "rank 1 got /run/step_000008"]

@@ -15,7 +15,8 @@ import torch
 
 from .. import checkpoint as ckpt_io
 from ..config import CHAT_STAGES, ConfigError, RunConfig
-from ..device import choose_device, choose_precision, distributed_env, setup_distributed, teardown_distributed
+from ..device import (choose_device, choose_precision, distributed_env, setup_distributed, startup_group,
+                      teardown_distributed)
 from ..evaluate import token_byte_lengths, validation_loss
 from ..loader import batch_source
 from ..models import build_model
@@ -40,14 +41,15 @@ def found_by_rank0(find: Callable[[], Path | None]) -> Path | None:
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return find()
     msg: list = [None]
+    group = startup_group()  # hashing a big checkpoint can take longer than --dist-timeout
     if torch.distributed.get_rank() == 0:
         try:
             msg[0] = ("found", find())
         except Exception as e:
             msg[0] = ("error", str(e))
-            torch.distributed.broadcast_object_list(msg, src=0)
+            torch.distributed.broadcast_object_list(msg, src=0, group=group)
             raise
-    torch.distributed.broadcast_object_list(msg, src=0)
+    torch.distributed.broadcast_object_list(msg, src=0, group=group)
     kind, value = msg[0]
     if kind == "error":  # rank 0 raised it (and the CLI prints it there); the others end with it too
         raise ConfigError(value)

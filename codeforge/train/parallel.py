@@ -16,8 +16,8 @@ runs. Three ways, all PyTorch's own and launched by torchrun:
           (`grad_checkpointing`: the recomputation re-gathers the block's weights, as FSDP2 expects).
           Only rank 0 needs the whole model in memory (`materialises`): the other ranks may build it on the
           meta device, and `wrap` fills every rank's shards from rank 0's weights (random initialisation or
-          loaded), so a host with N ranks holds one whole copy, not N, and the run starts from exactly the
-          weights one process would.
+          loaded), so a job holds one whole copy (rank 0's, while it starts), not one per rank, and the run
+          starts from exactly the weights one process would.
 """
 
 from __future__ import annotations
@@ -114,6 +114,11 @@ def _fill_from_rank0(model, whole: dict, persistent: set, device: torch.device, 
     model on the meta device get memory first. Run on all ranks together."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from ..device import startup_group
+    # the others arrive first and wait here while rank 0 builds (or loads) the whole model: with the
+    # startup group's long timeout, not the training collectives' --dist-timeout
+    dist.barrier(group=startup_group())
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         model.to_empty(device="cpu" if offload else device)  # offloaded shards live in host memory
         if offload:  # buffers are not offloaded: they belong where FSDP put rank 0's, on the device
