@@ -88,6 +88,10 @@ def _fully_shard(model, device, compile, precision, offload):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+    from ..device import startup_group
+    # the other ranks arrive first and wait here while rank 0 builds (or loads) the whole model: in the
+    # startup group, whose timeout is long, not under the training collectives' --dist-timeout
+    dist.barrier(group=startup_group())
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     kw: dict = {"mesh": mesh}
     if device.type == "cuda" and precision in ("bf16", "fp16"):
@@ -115,10 +119,6 @@ def _fill_from_rank0(model, whole: dict, persistent: set, device: torch.device, 
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    from ..device import startup_group
-    # the others arrive first and wait here while rank 0 builds (or loads) the whole model: with the
-    # startup group's long timeout, not the training collectives' --dist-timeout
-    dist.barrier(group=startup_group())
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         model.to_empty(device="cpu" if offload else device)  # offloaded shards live in host memory
         if offload:  # buffers are not offloaded: they belong where FSDP put rank 0's, on the device
