@@ -106,12 +106,6 @@ def setup_distributed(device: torch.device, timeout_s: int = 600) -> bool:
     if world <= 1:
         return False
     from datetime import timedelta
-
-    # imported before the group exists: some of their functions take `group.WORLD` as a default argument,
-    # which, evaluated after init, would keep the default group alive past destroy_process_group
-    import torch.distributed.checkpoint.state_dict  # noqa: F401
-    import torch.distributed.device_mesh  # noqa: F401
-    import torch.distributed.fsdp  # noqa: F401
     torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                          timeout=timedelta(seconds=timeout_s))
     global _JOINED, _STARTUP
@@ -134,12 +128,7 @@ def startup_group():
     return _STARTUP
 
 
-def teardown_distributed(collect: bool = True) -> None:
-    """Leave the process group. collect: free the run's models and their hooks first (after a normal end;
-    after an error the process is about to say why and end, and should not be kept)."""
-    import gc
-    if collect:
-        gc.collect()
+def teardown_distributed() -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

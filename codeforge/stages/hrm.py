@@ -21,7 +21,7 @@ from ..hrm_data import HRMBatches, LabelCache, PlanData
 from ..models import build_model
 from ..tokenizer import CodeTokenizer
 from ..train.trainer import Trainer
-from .pretrain import launch, resume_point, round_up
+from .pretrain import found_by_rank0, launch, resume_point, round_up
 
 PARTS = ("plan", "code", "refine", "decision", "plan_accuracy", "code_accuracy", "decision_accuracy")
 
@@ -87,7 +87,7 @@ def _train(cfg: RunConfig, resume: bool, say, device, precision: str, rank: int,
     torch.manual_seed(t.seed)
     model = build_model(m).to(device)
     if t.init_from and start_ckpt is None:
-        ck = ckpt_io.find_checkpoint(t.init_from, "auto", log=say)
+        ck = found_by_rank0(lambda: ckpt_io.find_checkpoint(t.init_from, "auto", log=say))
         ckpt_io.check_compatible(ck, model_dict, tok.hash, "--init-from", t.data)
         ckpt_io.load_weights(model, ck)
         say(f"initialised weights from {ck}")

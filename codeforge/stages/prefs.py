@@ -22,7 +22,7 @@ from ..models.reward import RewardConfig
 from ..tokenizer import CodeTokenizer
 from ..train import losses
 from ..train.trainer import Trainer
-from .pretrain import check_init_from, launch, resume_point
+from .pretrain import check_init_from, found_by_rank0, launch, resume_point
 
 
 # -- the starting point ------------------------------------------------------------------------------------
@@ -34,7 +34,7 @@ def start_point(cfg: RunConfig, say) -> tuple[CodeTokenizer, Path, dict]:
         raise ConfigError(f"--stage {t.stage} continues a trained model: pass --init-from RUN (a chat run from "
                           f"--stage sft, or any GPT run)")
     check_init_from(t.init_from)
-    ck = ckpt_io.find_checkpoint(t.init_from, "auto", log=say)
+    ck = found_by_rank0(lambda: ckpt_io.find_checkpoint(t.init_from, "auto", log=say))
     saved = ckpt_io.read_config(ck)
     if saved["model"].get("arch", "gpt") != "gpt":
         raise ConfigError(f"--init-from {ck}: a {saved['model']['arch']} model; --stage {t.stage} trains a GPT "

@@ -92,16 +92,13 @@ def launch(cfg: RunConfig, log, train) -> dict:
                           f"{t.stage} builds extra models (reference, reward, value) beside the trained one and "
                           f"runs with --parallel ddp")
     setup_distributed(device, t.dist_timeout)
-    ended = False
     try:
         say = log if rank == 0 else (lambda m: None)
         say(f"device: {device} ({why_dev}); precision: {precision} ({why_prec})")
         with contextlib.ExitStack() as held:
-            result = train(say, device, precision, rank, world, held)
-        ended = True
-        return result
+            return train(say, device, precision, rank, world, held)
     finally:
-        teardown_distributed(collect=ended)
+        teardown_distributed()
 
 
 def run(cfg: RunConfig, resume: bool = False, log=print,

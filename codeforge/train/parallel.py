@@ -101,8 +101,10 @@ def _fully_shard(model, device, compile, precision, offload):
     if offload:
         kw["offload_policy"] = CPUOffloadPolicy()
     blocks = blocks_of(model)
-    persistent = set(model.state_dict())  # names only (works on the meta device too)
-    whole = model.state_dict() if dist.get_rank() == 0 else {}  # rank 0's weights, kept until broadcast
+    whole = model.state_dict()  # rank 0's weights, kept until broadcast (elsewhere meta: the names only)
+    persistent = set(whole)
+    if dist.get_rank() != 0:
+        whole = {}
     for i, block in enumerate(blocks):
         if compile:
             block.compile()  # in place: parameter names (and so checkpoints) stay the same
