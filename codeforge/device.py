@@ -60,9 +60,22 @@ def choose_precision(device: torch.device, requested: str = "auto") -> tuple[str
     return "fp32", "CPU: fp32 is the fastest exact choice on most CPUs"
 
 
+CPU_BF16_ENV = "CODEFORGE_CPU_BF16"  # 1: act as if the CPU had native bf16; 0: as if not; unset: ask the CPU
+
+
 def cpu_native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX): there bf16 autocast trains ~30%
-    faster than fp32 (docs/LOG.md, 2026-11-23); elsewhere it is emulated and slower."""
+    faster than fp32 (docs/LOG.md, 2026-11-23); elsewhere it is emulated and slower.
+
+    CODEFORGE_CPU_BF16=1 or 0 overrides the answer, so the choices that hang on it (the quickstart's
+    precision) can be run and tested both ways on any CPU; bf16 on a CPU without it is slow, not wrong."""
+    forced = os.environ.get(CPU_BF16_ENV, "").strip().lower()
+    if forced in ("1", "true", "on", "yes"):
+        return True
+    if forced in ("0", "false", "off", "no"):
+        return False
+    if forced:
+        raise DeviceError(f"{CPU_BF16_ENV}={forced!r}: use 1 (bf16 on), 0 (bf16 off) or leave it unset (ask the CPU)")
     try:
         return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
     except AttributeError:  # private helpers of torch.cpu; absent: assume no

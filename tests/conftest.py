@@ -78,7 +78,16 @@ def has_cuda() -> bool:
         return False
 
 
+# `pytest -m quick`: "did it install?" in about a minute: the modules that need no training run, no
+# subprocess and no browser (tokenizer, corpus, shards, loader, models, engine, chat format, FIM, losses).
+QUICK_MODULES = {"test_tokenizer", "test_corpus", "test_shards", "test_loader", "test_models", "test_engine",
+                 "test_chat", "test_fim", "test_pref_losses"}
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__.rsplit(".", 1)[-1] in QUICK_MODULES:
+            item.add_marker(pytest.mark.quick)
     if has_cuda():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

@@ -339,3 +339,34 @@ def test_interrupted_run_says_where_it_stopped(data_dir, tmp_path, capsys, monke
     args[args.index("100")] = "5"
     assert main(args + ["--resume"]) == 0
     assert "training steps 4-5 (2 left)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("native_bf16", ["1", "0"])
+def test_quickstart_recipe_on_both_kinds_of_cpu(data_dir, tmp_path, monkeypatch, native_bf16):
+    """The quickstart picks bf16 autocast on a CPU with native bfloat16 and the usual fp32 elsewhere; the choice
+    is forced both ways here (CODEFORGE_CPU_BF16), so each path is tested on every CPU, not only on the machine
+    that happens to have it. Its recipe (Muon, whose Newton-Schulz runs in bf16 either way) then trains."""
+    from codeforge.device import cpu_native_bf16
+    from codeforge.quickstart import PRESETS, cpu_precision
+    monkeypatch.setenv("CODEFORGE_CPU_BF16", native_bf16)
+    assert cpu_native_bf16() is (native_bf16 == "1")
+    precision = cpu_precision("cpu")
+    assert precision == ("bf16" if native_bf16 == "1" else "auto")
+    flags = {**TINY, "train.data": str(data_dir), "train.out": str(tmp_path / "run"), "train.max_iters": 30,
+             "train.precision": precision, "train.eval_every": 0, "train.save_every": 0}
+    cfg = resolve(PRESETS, None, [], flags, vocab_from_data=True)
+    assert cfg.train.optimizer == "muon"
+    r = train_run(cfg)
+    ls = losses(tmp_path / "run")
+    assert r["step"] == 30 and all(math.isfinite(v) for v in ls.values())
+    first, last = sum(ls[s] for s in range(1, 4)) / 3, sum(ls[s] for s in range(28, 31)) / 3
+    assert last < first - 1.0, (precision, first, last)
+    saved = (tmp_path / "run" / "config.toml").read_text()
+    assert f'precision = "{precision}"' in saved
+
+
+def test_cpu_bf16_switch_refuses_a_typo(monkeypatch):
+    from codeforge.device import DeviceError, cpu_native_bf16
+    monkeypatch.setenv("CODEFORGE_CPU_BF16", "maybe")
+    with pytest.raises(DeviceError, match="CODEFORGE_CPU_BF16='maybe'"):
+        cpu_native_bf16()
