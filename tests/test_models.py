@@ -3,7 +3,7 @@ import torch
 
 from codeforge.config import resolve
 from codeforge.models.gpt import GPT, GPTConfig
-from codeforge.train.losses import lm_loss
+from codeforge.models.lm_loss import lm_loss
 from codeforge.train.optim import build_optimizer, lr_at
 
 # The README's table: true parameter counts at each preset's listed vocabulary.

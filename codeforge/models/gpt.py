@@ -8,7 +8,7 @@ kernels where the device has them).
 
 The surface every model in codeforge shares:
   forward(idx, targets=None, kv_cache=None, pos=None, attn_mask=None, loss_reduction="mean") -> logits
-  (B, T, vocab), or the cross-entropy loss when targets are given (targets == -1 are ignored; train/losses.py),
+  (B, T, vocab), or the cross-entropy loss when targets are given (targets == -1 are ignored; models/lm_loss.py),
   or (GPT; return_hidden=True) the final hidden states;
   num_params(); flops_per_token(); optim_groups(weight_decay); new_kv_cache(...); context_length.
 """
@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..fields import setting
-from ..train import losses
+from .lm_loss import lm_loss
 
 
 
@@ -319,5 +319,5 @@ class GPT(nn.Module):
         if targets is None:
             return self.lm_head(self.ln_f(x[:, -1:] if last_only else x))
         x = self.ln_f(x)
-        return losses.lm_loss(x, self.lm_head.weight, targets, self.loss_chunk_rows if self.training else 0,
+        return lm_loss(x, self.lm_head.weight, targets, self.loss_chunk_rows if self.training else 0,
                               reduction=loss_reduction)

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from ..fields import setting
 from ..tokenizer import EOT, SPECIAL_TOKENS
-from ..train import losses
+from .lm_loss import IGNORE_INDEX
 from .gpt import Block, GPTConfig, KVCache, RMSNorm, make_norm, rope_tables
 
 EOT_ID = SPECIAL_TOKENS.index(EOT)
@@ -423,15 +423,15 @@ class HRM(nn.Module):
 
 
 def _ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token CE over targets != -1 (0 when none), float32 softmax: train/losses.py's convention."""
+    """Mean next-token CE over targets != -1 (0 when none), float32 softmax: models/lm_loss.py's convention."""
     flat = logits.reshape(-1, logits.size(-1)).float()
-    total = F.cross_entropy(flat, targets.reshape(-1), ignore_index=losses.IGNORE_INDEX, reduction="sum")
-    return total / (targets != losses.IGNORE_INDEX).sum().clamp(min=1)
+    total = F.cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+    return total / (targets != IGNORE_INDEX).sum().clamp(min=1)
 
 
 @torch.no_grad()
 def _acc(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    counted = targets != losses.IGNORE_INDEX
+    counted = targets != IGNORE_INDEX
     hit = (logits.argmax(-1) == targets) & counted
     return hit.sum().float() / counted.sum().clamp(min=1)
 
