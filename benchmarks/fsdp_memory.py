@@ -124,7 +124,7 @@ def worker(a) -> None:
 
 
 def launch(a, preset: str, mode: str, world: int) -> list[dict] | str:
-    from codeforge.plan import estimate
+    from codeforge.train.memory import estimate
     cfg = config(argparse.Namespace(**{**vars(a), "preset": preset}))
     plan = estimate(cfg.model, cfg.train, world, "fp32")
     train_need = world * (plan.total(mode) + 0.3 * GIB)  # 0.3 GiB: Python, torch and gloo of one process
@@ -167,7 +167,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.worker:
         return worker(a)
-    from codeforge.plan import estimate
+    from codeforge.train.memory import estimate
     print(f"per-rank memory on CPU ranks (gloo, fp32, AdamW), micro-batch {a.batch_size} x {a.block_size} tokens, "
           f"{a.steps} steps{', gradient checkpointing' if a.grad_checkpointing else ''}; GiB")
     print(f"{'preset':8s} {'mode':5s} {'ranks':>5s} {'planned':>8s} {'train peak (min-max over ranks)':>32s} "

@@ -1,6 +1,6 @@
 """Seed 001's hierarchical model (HRM) against GPT baselines on the same mined functions (issue 13).
 
-Every model trains on the same plan records (`codeforge make-plans`' library, tasks/plan_mine.py), with the
+Every model trains on the same plan records (`codeforge make-plans`' library, mining/plans.py), with the
 same tokenizer, the same seed and the same data order: a step reads the same B functions for every model
 (the permutation HRMBatches draws for the seed and epoch), so "data seen" means the same thing for all.
 
@@ -15,7 +15,7 @@ same tokenizer, the same seed and the same data order: a step reads the same B f
        iteration, so k generator-sized passes match it (the planner pass is not counted on either side).
   HRM  models/hrm.py through `codeforge train --stage hrm`'s library path (stages/hrm.py).
 
-Truncation is the HRM's (hrm_data.HRMBatches): the body to code_len - 2 tokens (<eot> only when whole), the
+Truncation is the HRM's (data/hrm_batches.HRMBatches): the body to code_len - 2 tokens (<eot> only when whole), the
 prompt to the tokens that fit plan_len beside the plan; the GPT rows reuse those cuts, so every model is
 scored on the same body tokens. Held-out body bits per byte: the loss of the body tokens and their <eot>
 over the body's bytes, for the GPTs given <eot> P (G0) or <eot> P + plan (G1, the gold plan) and for the HRM
@@ -84,9 +84,9 @@ class Rows:
     the first body token in ids). kind "g0": <eot> P' Y' [<eot>]; "g1": <eot> P' \\n<plan> ' S <code>' Y' [<eot>]."""
 
     def __init__(self, data, tok, kind: str, plan_len: int, code_len: int, block_size: int):
-        from codeforge.hrm_data import HRMBatches
+        from codeforge.data.hrm_batches import HRMBatches
         from codeforge.models.hrm import PLAN_ID
-        from codeforge.tasks.plan_mine import CODE_OPEN, PLAN_OPEN, plan_text
+        from codeforge.mining.plans import CODE_OPEN, PLAN_OPEN, plan_text
         cut = HRMBatches.__new__(HRMBatches)  # only its truncation rule (_fixed_rows), without the batch state
         cut.data, cut.plan_len, cut.code_len = data, plan_len, code_len
         from collections import Counter
@@ -200,7 +200,7 @@ def gpt_decode(engine, tok, prompts: list[list[int]], kind: str, max_new: int, t
     """(plan words, body) per prompt. g0: the body after P. g1: phase 1 writes the plan after `\\n<plan>` (up to
     PLAN_TOKENS, cut at `<code>`), phase 2 the body after the plan re-tokenized as in training."""
     from codeforge.engine import SamplingParams
-    from codeforge.tasks.plan_mine import CODE_OPEN
+    from codeforge.mining.plans import CODE_OPEN
 
     def run(ids: list[list[int]], n: int, stop: list[str]) -> list[str]:
         out = []
@@ -287,8 +287,9 @@ def worker(spec: dict) -> None:
     import torch
     torch.set_num_threads(spec["threads"])
     from codeforge.device import choose_device
-    from codeforge.evaluate import hrm_generation_eval, plan_and_code_scores, token_byte_lengths
-    from codeforge.hrm_data import HRMBatches, PlanData
+    from codeforge.evaluation.hrm import hrm_generation_eval, plan_and_code_scores
+    from codeforge.tokenizer import token_byte_lengths
+    from codeforge.data.hrm_batches import HRMBatches, PlanData
     from codeforge.tokenizer import CodeTokenizer
     dev, _ = choose_device("cpu")
     out = Path(spec["out"])
@@ -413,7 +414,7 @@ def worker(spec: dict) -> None:
         if problems:
             result["humaneval"] = humaneval_pass1(problems, [b for _, b in he])
         if kind == "g1" and spec.get("k"):  # G2: best-of-k by tree-sitter validity, from the same weights
-            from codeforge.evaluate import is_valid_syntax
+            from codeforge.syntax import is_valid_syntax
             k = spec["k"]
 
             def best_of(prompts, greedy, langs, base_prompts):
@@ -446,7 +447,7 @@ def worker(spec: dict) -> None:
 
 def prepare_data(a) -> tuple[Path, Path, dict]:
     from codeforge.corpus import CorpusOptions, CorpusStats, iter_documents
-    from codeforge.tasks.plan_mine import write_plans
+    from codeforge.mining.plans import write_plans
     from codeforge.tokenizer import train_tokenizer
     work = Path(a.work)
     sources = a.corpus or [os.path.join(sysconfig.get_paths()["stdlib"], p) for p in a.packages]
@@ -473,9 +474,9 @@ def prepare_data(a) -> tuple[Path, Path, dict]:
 def plan_budget(a, plans: Path, tok_dir: Path) -> dict:
     """Model shapes and, for --budget flops, each model's max_iters."""
     from codeforge.config import resolve
-    from codeforge.hrm_data import HRMBatches, PlanData
+    from codeforge.data.hrm_batches import HRMBatches, PlanData
     from codeforge.models import build_model
-    from codeforge.stages.pretrain import round_up
+    from codeforge.stages.lm import round_up
     from codeforge.tokenizer import CodeTokenizer
     tok = CodeTokenizer.load(tok_dir)
     cfg = resolve([a.preset], None, [], {"model.vocab_size": round_up(tok.vocab_size, 64)})

@@ -18,7 +18,7 @@ import tempfile
 import time
 
 from codeforge.corpus import CorpusOptions, CorpusStats, iter_documents
-from codeforge.shards import prepare
+from codeforge.data.shards import prepare
 from codeforge.tokenizer import CodeTokenizer, train_tokenizer
 
 

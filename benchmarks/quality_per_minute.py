@@ -39,8 +39,9 @@ from codeforge.checkpoint import load_model
 from codeforge.config import resolve
 from codeforge.corpus import CorpusOptions, CorpusStats, iter_documents
 from codeforge.device import choose_device
-from codeforge.evaluate import token_byte_lengths, validation_loss
-from codeforge.shards import ShardSet, prepare
+from codeforge.tokenizer import token_byte_lengths
+from codeforge.evaluation.lm import validation_loss
+from codeforge.data.shards import ShardSet, prepare
 from codeforge.stages import run as run_stage
 from codeforge.tokenizer import train_tokenizer
 

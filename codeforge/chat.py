@@ -253,7 +253,7 @@ def read_conversations(paths: list[str], stats, strict: bool = False):
     with file and line, or refused under strict."""
     import os
 
-    from .corpus import UnusableInput, _open_text, check_sources
+    from .corpus import UnusableInput, open_text, check_sources
     check_sources(paths)
     files: list[str] = []
     for p in paths:
@@ -265,7 +265,7 @@ def read_conversations(paths: list[str], stats, strict: bool = False):
             files.append(p)
     for path in files:
         try:
-            with _open_text(path) as f:
+            with open_text(path) as f:
                 for lineno, line in enumerate(f, 1):
                     if not line.strip():
                         continue

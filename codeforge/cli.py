@@ -9,6 +9,7 @@ import sys
 import time
 
 from . import CodeforgeError
+from . import rundir
 
 
 class CLIError(CodeforgeError):
@@ -77,7 +78,7 @@ def cmd_tokenizer_eval(a: argparse.Namespace) -> int:
 # -- data ------------------------------------------------------------------------------------------------
 
 def cmd_prepare(a: argparse.Namespace) -> int:
-    from .shards import prepare
+    from .data.shards import prepare
     if a.workers:
         # Rust's thread pool reads this once, before the first parallel encode.
         os.environ["RAYON_NUM_THREADS"] = str(a.workers)
@@ -98,7 +99,7 @@ def _print_data_info(meta: dict, path: str, sample: bool = True) -> None:
         print("  skipped: " + describe_skipped(meta["skipped"]))
     print(f"  prepared in {meta['seconds']}s ({meta['mb_per_s']} MB/s, {meta['tokens_per_s']:,} tokens/s)")
     if sample:
-        from .shards import ShardSet
+        from .data.shards import ShardSet
         from .tokenizer import CodeTokenizer
         ss = ShardSet(path, "train")
         tok = CodeTokenizer.load(os.path.join(path, "tokenizer"))
@@ -107,7 +108,7 @@ def _print_data_info(meta: dict, path: str, sample: bool = True) -> None:
 
 
 def cmd_make_sft(a: argparse.Namespace) -> int:
-    from .tasks.sft_mine import write_sft
+    from .mining.sft import write_sft
     st = write_sft(a.input, a.out, overwrite=a.overwrite, languages=a.languages, max_examples=a.max_examples,
                    heldout_fraction=a.heldout_fraction, seed=a.seed, max_chars=a.max_chars,
                    exclude_tests=not a.include_tests)
@@ -120,7 +121,7 @@ def cmd_make_sft(a: argparse.Namespace) -> int:
 
 
 def cmd_make_pairs(a: argparse.Namespace) -> int:
-    from .tasks.pref_mine import write_pairs, write_task_pairs
+    from .mining.pairs import write_pairs, write_task_pairs
     if bool(a.input) == bool(a.tasks):
         raise CodeforgeError("make-pairs takes code (--input PATH ...) or tasks with solutions (--tasks TASKS), "
                              "one of the two")
@@ -164,7 +165,7 @@ def cmd_make_tools(a: argparse.Namespace) -> int:
 
 
 def cmd_data_info(a: argparse.Namespace) -> int:
-    from .shards import ShardSet
+    from .data.shards import ShardSet
     _print_data_info(ShardSet(a.dir).meta, a.dir)
     return 0
 
@@ -293,7 +294,7 @@ def _plans_parser(sub) -> None:
     mp.add_argument("--overwrite", action="store_true")
 
     def cmd_make_plans(a: argparse.Namespace) -> int:
-        from .tasks.plan_mine import write_plans
+        from .mining.plans import write_plans
         st = write_plans(a.input, a.out, overwrite=a.overwrite, languages=a.languages, max_examples=a.max_examples,
                          val_fraction=a.val_fraction, max_chars=a.max_chars, max_plan_words=a.max_plan_words,
                          exclude_tests=a.exclude_tests, seed=a.seed)
@@ -391,8 +392,8 @@ def _train_config(a: argparse.Namespace):
     if not flags.get("train.data") or not out:
         raise CLIError("train needs --data DIR (from `codeforge prepare`) and --out RUN")
     base = None
-    if a.resume and os.path.exists(os.path.join(out, "config.toml")):
-        base = load_file(os.path.join(out, "config.toml"))  # the saved run, then this command's changes
+    if a.resume and os.path.exists(os.path.join(out, rundir.CONFIG)):
+        base = load_file(os.path.join(out, rundir.CONFIG))  # the saved run, then this command's changes
     return resolve(a.preset, a.config, a.set, flags, base=base, vocab_from_data=True)
 
 
@@ -400,7 +401,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
     import torch
 
     from .config import resolve
-    from .plan import estimate, report
+    from .train.memory import estimate, report
     if a.world_size < 1:
         raise CLIError(f"--world-size {a.world_size}: give the number of ranks, 1 or more")
     if a.gpu_memory is not None and a.gpu_memory <= 0:
@@ -413,7 +414,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
                            "(prepared data; its tokenizer gives it)")
         from dataclasses import replace
 
-        from .stages.pretrain import round_up
+        from .stages.lm import round_up
         from .tokenizer import CodeTokenizer
         tok = CodeTokenizer.load(os.path.join(cfg.train.data, "tokenizer"))
         cfg.model = replace(cfg.model, vocab_size=round_up(tok.vocab_size, 64))
@@ -807,7 +808,7 @@ def _eval_parser(sub) -> None:
 
 
 def cmd_eval(a: argparse.Namespace) -> int:
-    from .evaluate import run_eval
+    from .evaluation.run import run_eval
     r = run_eval(a.run, data=a.data, eval_tokens=a.eval_tokens,
                  syntax_samples=a.syntax_samples, language=a.language, humaneval=a.humaneval, ks=a.k,
                  samples_per_problem=a.samples_per_problem, max_new_tokens=a.max_new_tokens,
@@ -895,7 +896,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> None:
     """The `codeforge` command and `python -m codeforge`: main(), then the process ends (see exit_process)."""
-    from .device import exit_process
+    from .distributed import exit_process
     try:
         code = main()
     except SystemExit as e:  # argparse's --help and usage errors

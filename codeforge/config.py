@@ -19,10 +19,37 @@ from .fields import ConfigError, check_fields, setting
 from .models import ARCHS, config_class
 from .models.gpt import GPTConfig
 
-STAGES = ("pretrain", "code", "sft", "tools", "hrm", "reward", "dpo", "ppo", "grpo")
-CHAT_STAGES = ("sft", "tools")
-PAIR_STAGES = ("reward", "dpo")  # train on preference pairs (JSONL from `codeforge make-pairs` or your own)
-RL_STAGES = ("ppo", "grpo")  # train on programming tasks with hidden tests (`codeforge make-tasks` or your own)
+@dataclass(frozen=True)
+class Stage:
+    """What a training stage is, said once: every other place asks this table."""
+    name: str
+    kind: str  # the stage file that trains it: stages/lm.py, hrm.py, prefs.py or rl.py
+    chat: str  # "yes": trains on chat data; "no": plain text; "inherits": continues --init-from's format
+    fsdp: bool  # may run under --parallel fsdp: one model and a loss on its outputs, nothing beside it
+    data: str  # what --data holds: shards | chat shards | plans | pairs | tasks
+    # --resume on another number of ranks: "rescale" keeps the global batch by scaling the accumulation (the
+    # loader's cursor counts global batches of a fixed token stream); "refuse": the batches depend on the
+    # ranks (chat packed per rank, pairs/tasks/plans dealt per rank), so it resumes on as many as it saved
+    other_ranks: str
+
+
+STAGE_TABLE = (
+    Stage("pretrain", "lm", "no", True, "shards", "rescale"),
+    Stage("code", "lm", "no", True, "shards", "rescale"),
+    Stage("sft", "lm", "yes", True, "chat shards", "refuse"),
+    Stage("tools", "lm", "yes", True, "chat shards", "refuse"),
+    Stage("hrm", "hrm", "no", False, "plans", "refuse"),
+    Stage("reward", "prefs", "inherits", False, "pairs", "refuse"),  # JSONL from `codeforge make-pairs`
+    Stage("dpo", "prefs", "inherits", False, "pairs", "refuse"),
+    Stage("ppo", "rl", "inherits", False, "tasks", "refuse"),  # JSONL from `codeforge make-tasks`
+    Stage("grpo", "rl", "inherits", False, "tasks", "refuse"),
+)
+STAGE = {s.name: s for s in STAGE_TABLE}
+STAGES = tuple(STAGE)
+CHAT_STAGES = tuple(s.name for s in STAGE_TABLE if s.chat == "yes")
+PAIR_STAGES = tuple(s.name for s in STAGE_TABLE if s.kind == "prefs")
+RL_STAGES = tuple(s.name for s in STAGE_TABLE if s.kind == "rl")
+FSDP_STAGES = tuple(s.name for s in STAGE_TABLE if s.fsdp)
 
 
 def speaks_chat(saved: dict) -> bool:
@@ -30,7 +57,8 @@ def speaks_chat(saved: dict) -> bool:
     that continued one (they record it as "chat"; older runs of theirs are taken as chat)."""
     if "chat" in saved:
         return bool(saved["chat"])
-    return saved.get("train", {}).get("stage") in CHAT_STAGES + PAIR_STAGES + RL_STAGES
+    stage = STAGE.get(saved.get("train", {}).get("stage"))
+    return stage is not None and stage.chat != "no"
 
 
 @dataclass

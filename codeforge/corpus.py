@@ -304,7 +304,7 @@ class _Decompressed(io.RawIOBase):
         super().close()
 
 
-def _open_text(path: str) -> io.TextIOBase:
+def open_text(path: str) -> io.TextIOBase:
     """UTF-8 text of a regular file, decompressed by extension (.gz, .zst). Raises UnusableInput for a file
     that is not regular, a broken symlink, unreadable, or (while reading) damaged compressed data."""
     f, _ = _open_regular(path)
@@ -317,7 +317,7 @@ def _read_jsonl(path: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[
     damage and is counted once under corrupt_compressed (refused under --strict)."""
     kept = 0
     try:
-        with _open_text(path) as f:
+        with open_text(path) as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 
 import torch
 
@@ -104,58 +103,3 @@ def memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return 0.0
-
-
-def distributed_env() -> tuple[int, int]:
-    """(rank, world size) as torchrun sets them; (0, 1) for a plain process."""
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def setup_distributed(device: torch.device, timeout_s: int = 600) -> bool:
-    """Join the process group when torchrun started several ranks (NCCL on GPUs, gloo on CPU); True if so.
-    timeout_s: how long a collective waits for a rank that does not come (killed, stuck) before it fails,
-    so the job ends instead of hanging. Called at the entry point, paired with teardown_distributed."""
-    _, world = distributed_env()
-    if world <= 1:
-        return False
-    from datetime import timedelta
-    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                         timeout=timedelta(seconds=timeout_s))
-    global _JOINED, _STARTUP
-    _JOINED = True
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    _STARTUP = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=max(timeout_s, STARTUP_WAIT_S)))
-    return True
-
-
-_JOINED = False  # this process joined a process group (set once, never cleared)
-_STARTUP = None
-STARTUP_WAIT_S = 3600  # how long ranks wait for rank 0's work alone at the start (verify, build, load)
-
-
-def startup_group():
-    """A gloo group whose collectives wait up to STARTUP_WAIT_S (or --dist-timeout when longer): for the
-    ranks that wait while rank 0 alone verifies a checkpoint or builds the whole model, work that takes
-    longer on a big model than a collective in training should ever wait. None outside torchrun."""
-    return _STARTUP
-
-
-def teardown_distributed() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
-
-def exit_process(code: int) -> None:
-    """End the process with `code`. A torchrun rank that joined a process group skips the interpreter's
-    finalization (os._exit, after flushing stdout and stderr): FSDP2's parameter hooks keep the group, and
-    with it the backend's C++ threads, alive after destroy_process_group, and a backend thread that touches
-    Python while the interpreter is being torn down aborts the process (`terminate called without an active
-    exception`, SIGABRT), which torchrun reports as a failed job after a run that had finished. Every file
-    codeforge writes is closed before this point."""
-    if not _JOINED:
-        raise SystemExit(code)
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(code)

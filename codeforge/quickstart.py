@@ -17,10 +17,11 @@ from pathlib import Path
 from .config import resolve
 from .corpus import CorpusOptions, CorpusStats, describe_skipped, iter_documents
 from .engine import Engine, SamplingParams
-from .evaluate import run_eval
-from .shards import prepare
+from .evaluation.run import run_eval
+from .data.shards import prepare
 from .tokenizer import train_tokenizer
 from .stages import run as run_stage
+from . import rundir
 
 # The recipe is two presets: the `cpu-small` model (3.4M parameters at this vocabulary) and the `lowend-cpu`
 # training profile (Muon, batch 16 x 256 tokens, learning rates for a run this short), chosen for held-out
@@ -95,7 +96,7 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
              "train.device": device}
     cfg = resolve(PRESETS, None, [], flags, vocab_from_data=True)
     print(f"[4/5] train: {cfg.train.max_iters} steps -> {run_dir}")
-    resume = (run_dir / "checkpoints").exists()
+    resume = (run_dir / rundir.CHECKPOINTS).exists()
     result = run_stage(cfg, resume=resume)
     if result["interrupted"]:
         print("interrupted; run the quickstart again to resume")
@@ -154,7 +155,7 @@ def hrm_quickstart(out_dir: Path, src: str, langs, tok_dir: Path, max_iters: int
                    t_start: float) -> dict:
     """make-plans -> train --stage hrm -> eval: the seed's metrics table, and one function planned, written
     and refined."""
-    from .tasks.plan_mine import write_plans
+    from .mining.plans import write_plans
     plans = out_dir / "plans"
     if (plans / "train.jsonl").exists():
         print(f"[3/5] make-plans: reusing {plans}")
@@ -168,7 +169,7 @@ def hrm_quickstart(out_dir: Path, src: str, langs, tok_dir: Path, max_iters: int
              **{f"train.{k}": v for k, v in HRM_TRAIN.items()}}
     cfg = resolve(["hrm-tiny"], None, [], flags, vocab_from_data=True)
     print(f"[4/5] train --stage hrm: {cfg.train.max_iters} steps -> {run_dir}")
-    result = run_stage(cfg, resume=(run_dir / "checkpoints").exists())
+    result = run_stage(cfg, resume=(run_dir / rundir.CHECKPOINTS).exists())
     if result["interrupted"]:
         print("interrupted; run the quickstart again to resume")
         return result
@@ -189,7 +190,7 @@ def hrm_quickstart(out_dir: Path, src: str, langs, tok_dir: Path, max_iters: int
         print(f"  {name:48s} {'n/a' if v is None else f'{v:.3f}'}")
     from .checkpoint import load_model
     from .device import choose_device
-    from .hrm_data import PlanData
+    from .data.hrm_batches import PlanData
     dev, _ = choose_device(device)
     model, tok, _, _ = load_model(str(run_dir), dev)
     val = PlanData(plans, "val", tok)
@@ -207,7 +208,7 @@ def _stage(name: str, data: Path, out: Path, init_from: Path, device: str, over:
     cfg = resolve([], None, [], {"train.stage": name, "train.data": str(data), "train.out": str(out),
                                  "train.init_from": str(init_from), "train.device": device,
                                  **{f"train.{k}": v for k, v in over.items()}}, vocab_from_data=True)
-    return run_stage(cfg, resume=(out / "checkpoints").exists())
+    return run_stage(cfg, resume=(out / rundir.CHECKPOINTS).exists())
 
 
 def chat_stages(out_dir: Path, src: str, langs, base_run: Path, device: str, t_start: float) -> dict:
@@ -215,8 +216,8 @@ def chat_stages(out_dir: Path, src: str, langs, base_run: Path, device: str, t_s
     stage's run directory holds its tokenizer with the chat template. Prints what changed at each stage."""
     import json
 
-    from .evaluate import chat_end_rate, tool_calling_eval
-    from .tasks.sft_mine import write_sft
+    from .evaluation.tool_calls import chat_end_rate, tool_calling_eval
+    from .mining.sft import write_sft
     from .tasks.tool_data import write_tool_data
     tok_dir = out_dir / "tokenizer"
     pairs = out_dir / "sft_pairs"

@@ -21,11 +21,15 @@ import os
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from . import CodeforgeError
 from .atomic import publish, staging_dir
+
+if TYPE_CHECKING:
+    import torch
 
 EOT = "<|endoftext|>"
 SPECIAL_TOKENS = [
@@ -215,3 +219,30 @@ def evaluate_tokenizer(tok: CodeTokenizer, texts: Iterable[str]) -> dict:
     return {"documents": n_docs, "bytes": n_bytes, "tokens": n_tokens,
             "bytes_per_token": n_bytes / max(n_tokens, 1), "roundtrip_failures": len(failures),
             "roundtrip_ok": not failures}
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of the byte-level alphabet: printable bytes map to themselves, the other 68 byte values to
+    the code points 256, 257, ... in order (the GPT-2 byte-level convention that HF tokenizers uses)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+def token_byte_lengths(tok: CodeTokenizer, size: int | None = None) -> torch.Tensor:
+    """(size,) int64: how many bytes of text each token id stands for; 0 for special and unused ids."""
+    import torch  # here, not at the top: training a tokenizer never loads torch
+    dec = _byte_decoder()
+    lengths = torch.zeros(size or tok.vocab_size, dtype=torch.int64)
+    special = set(tok.special_ids.values())
+    for piece, i in tok.tok.get_vocab().items():
+        if i not in special and i < len(lengths):
+            lengths[i] = sum(1 for ch in piece if ch in dec)
+    return lengths

@@ -63,7 +63,7 @@ def tokenizer_dir(tmp_path_factory, code_corpus) -> Path:
 def data_dir(tmp_path_factory, code_corpus, tokenizer_dir) -> Path:
     """Prepared shards of the test corpus plus two stdlib packages (enough tokens for small batches)."""
     from codeforge.corpus import CorpusOptions
-    from codeforge.shards import prepare
+    from codeforge.data.shards import prepare
     out = tmp_path_factory.mktemp("data") / "shards"
     prepare([str(code_corpus), str(STDLIB / "json"), str(STDLIB / "asyncio"), str(STDLIB / "email")],
             tokenizer_dir, out, CorpusOptions(languages=["go", "python"], val_fraction=0.1), log=lambda *a: None)

@@ -20,8 +20,11 @@ import torch
 from safetensors import SafetensorError
 
 import codeforge.checkpoint as ckpt_io
-from codeforge.checkpoint import (CheckpointError, RunLockedError, decode_state, encode_state, find_checkpoint,
-                                  load_model, load_train_state, verify_checkpoint)
+import codeforge.checkpoint.save as ckpt_save
+from codeforge import rundir
+from codeforge.checkpoint import (CheckpointError, decode_state, encode_state, find_checkpoint, load_model,
+                                  load_train_state, verify_checkpoint)
+from codeforge.rundir import RunLockedError
 from codeforge.cli import main
 from codeforge.config import ConfigError
 from codeforge.stages import run as run_stage
@@ -106,7 +109,7 @@ def test_damaged_checkpoints_for_inference(data_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize("error", ["OSError", "SafetensorError"])
 def test_disk_full_during_save_loses_nothing(data_dir, tmp_path, monkeypatch, straight12, error):
-    real = ckpt_io.st_save_file
+    real = ckpt_save.st_save_file
     calls = []
 
     def disk_fills_up(tensors, filename, *a, **k):
@@ -119,7 +122,7 @@ def test_disk_full_during_save_loses_nothing(data_dir, tmp_path, monkeypatch, st
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
             raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    monkeypatch.setattr(ckpt_io, "st_save_file", disk_fills_up)
+    monkeypatch.setattr(ckpt_save, "st_save_file", disk_fills_up)
     run = tmp_path / "r"
     root = run / "checkpoints"
     with pytest.raises(TrainingError) as e:
@@ -132,7 +135,7 @@ def test_disk_full_during_save_loses_nothing(data_dir, tmp_path, monkeypatch, st
     assert "then continue with --resume" in msg
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000004"]  # no staging directory left
     assert verify_checkpoint(root / "step_000004") is None
-    monkeypatch.setattr(ckpt_io, "st_save_file", real)
+    monkeypatch.setattr(ckpt_save, "st_save_file", real)
     train_run(cfg_for(data_dir, run, train__max_iters=12, **CONST), resume=True)
     resumed = losses(run)
     assert sorted(resumed) == list(range(1, 13)) and all(resumed[s] == straight12[s] for s in straight12)
@@ -142,7 +145,7 @@ def test_disk_full_on_the_command_line_is_a_message(data_dir, tmp_path, monkeypa
     def full(tensors, filename, *a, **k):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
 
-    monkeypatch.setattr(ckpt_io, "st_save_file", full)
+    monkeypatch.setattr(ckpt_save, "st_save_file", full)
     out = tmp_path / "r"
     assert main(["train", "--data", str(data_dir), "--out", str(out), "--n-layer", "1", "--n-head", "2",
                  "--n-embd", "32", "--block-size", "32", "--batch-size", "2", "--max-iters", "2", "--eval-every", "0",
@@ -161,7 +164,7 @@ def test_second_trainer_on_a_run_is_refused(data_dir, tmp_path):
                               "--device", "cpu", "--no-progress", "--no-tensorboard"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        lock = run / ckpt_io.LOCK_FILE
+        lock = run / rundir.LOCK_FILE
         deadline = time.time() + 120
         while time.time() < deadline and first.poll() is None:
             try:
@@ -178,7 +181,7 @@ def test_second_trainer_on_a_run_is_refused(data_dir, tmp_path):
         first.wait()
     r = train_run(cfg_for(data_dir, run, train__max_iters=2), resume=True)
     assert r["step"] == 2
-    with ckpt_io.run_lock(run):  # released at the end of a run in this process too
+    with rundir.run_lock(run):  # released at the end of a run in this process too
         pass
 
 

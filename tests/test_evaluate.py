@@ -2,7 +2,9 @@ import math
 
 import pytest
 
-from codeforge.evaluate import function_prompts, is_valid_syntax, pass_at_k, token_byte_lengths
+from codeforge.evaluation.generation import function_prompts, pass_at_k
+from codeforge.syntax import is_valid_syntax
+from codeforge.tokenizer import token_byte_lengths
 from codeforge.tokenizer import CodeTokenizer
 
 

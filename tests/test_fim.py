@@ -7,8 +7,8 @@ import pytest
 
 from codeforge.cli import main
 from codeforge.fim import infill_ids, permute_window
-from codeforge.loader import BatchLoader
-from codeforge.shards import ShardSet
+from codeforge.data.loader import BatchLoader
+from codeforge.data.shards import ShardSet
 from codeforge.tokenizer import CodeTokenizer
 
 EOT, PRE, MID, SUF = 0, 900, 901, 902
@@ -107,7 +107,7 @@ def test_eval_infill_reports_exact_and_syntax(fim_run, capsys):
 
 
 def test_infill_cases_cut_files_at_several_lines():
-    from codeforge.evaluate import infill_cases
+    from codeforge.evaluation.generation import infill_cases
     doc = "".join(f"def f{i}(x):\n    y = x + {i}\n    return y\n\n\n" for i in range(8))
     cases = infill_cases([doc], 4, seed=1)
     assert [c["kind"] for c in cases].count("line") == 4 and [c["kind"] for c in cases].count("span") == 4

@@ -186,7 +186,7 @@ def hostile(tmp_path) -> dict:
 
 
 def test_cli_tokenizer_train_and_prepare_skip_hostile_entries(tmp_path, hostile, tokenizer_dir):
-    from codeforge.shards import ShardSet
+    from codeforge.data.shards import ShardSet
     from codeforge.tokenizer import CodeTokenizer
 
     r = cli("tokenizer", "train", "--input", *hostile["sources"], "--vocab-size", "300", "--out", str(tmp_path / "tok"))
@@ -369,7 +369,7 @@ def test_publish_kill_during_delete_leaves_only_garbage(tmp_path, monkeypatch):
 
 
 def test_prepare_cleans_a_killed_prepare(tmp_path, pids, code_corpus, tokenizer_dir):
-    from codeforge.shards import prepare
+    from codeforge.data.shards import prepare
     dead, live = pids
     (tmp_path / f".shards.tmp-{dead}").mkdir()
     (tmp_path / f".shards.tmp-{dead}" / "train_000000.bin").write_bytes(b"\0" * 1000)

@@ -1,4 +1,4 @@
-"""The hierarchical model (models/hrm.py), its batches (hrm_data.py) and stage (stages/hrm.py): shapes, no
+"""The hierarchical model (models/hrm.py), its batches (data/hrm_batches.py) and stage (stages/hrm.py): shapes, no
 position sees the future in any module, decision labels, learning, exact resume, checkpoints, generation."""
 
 import json
@@ -9,7 +9,7 @@ import torch
 
 from codeforge.checkpoint import find_checkpoint, load_model, load_weights
 from codeforge.config import ConfigError, resolve
-from codeforge.hrm_data import HRMBatches, LabelCache, PlanData, corrupt
+from codeforge.data.hrm_batches import HRMBatches, LabelCache, PlanData, corrupt
 from codeforge.models import build_model
 from codeforge.models.hrm import DONE, REFINE, HRMConfig
 from codeforge.stages import run as run_stage
@@ -161,7 +161,7 @@ def test_batch_labels_match_parser(plans_dir, tok):
         e = src.example(i, 0)
         draft = e["ref"][1:e["sep"]]
         full = data.prompts[i] + tok.decode(draft)
-        from codeforge.evaluate import is_valid_syntax
+        from codeforge.syntax import is_valid_syntax
         assert e["label"] == (DONE if is_valid_syntax(full, data.languages[i]) else REFINE)
 
 
@@ -259,7 +259,7 @@ def test_eval_generate_and_engine_on_an_hrm_run(plans_dir, tokenizer_dir, tmp_pa
 
 
 def test_decoded_scores():
-    from codeforge.evaluate import ast_node_f1, plan_and_code_scores
+    from codeforge.evaluation.hrm import ast_node_f1, plan_and_code_scores
     a = "def f(x):\n    if x:\n        return 1\n    return 2\n"
     assert ast_node_f1(a, a, "python") == 1.0
     assert 0 < ast_node_f1(a, "def f(x):\n    return 2\n", "python", base="def f(x):\n") < 1

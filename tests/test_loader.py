@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from codeforge.loader import BatchLoader
-from codeforge.shards import ShardSet
+from codeforge.data.loader import BatchLoader
+from codeforge.data.shards import ShardSet
 
 
 def test_batches_are_next_token_pairs(data_dir):

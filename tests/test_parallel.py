@@ -16,8 +16,9 @@ import torch
 
 from codeforge import checkpoint as ckpt_io
 from codeforge.config import ConfigError, resolve
-from codeforge.loader import BatchLoader
-from codeforge.shards import ShardSet
+from codeforge.data.loader import BatchLoader
+from codeforge.data.shards import ShardSet
+from codeforge.train.resume import check_resume
 
 GLOBAL_BATCH = 8
 COMMON = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--log-every", "1",
@@ -165,7 +166,8 @@ def test_ranks_agree_on_a_damaged_checkpoint(data_dir, tmp_path):
 def test_sharded_checkpoint_serves_inference(data_dir, tmp_path):
     """One process loads an FSDP run's checkpoint (DCP consolidates it): the weights score the validation
     split as the training run did, and `generate` and the Hugging Face export work from it."""
-    from codeforge.evaluate import token_byte_lengths, validation_loss
+    from codeforge.tokenizer import token_byte_lengths
+    from codeforge.evaluation.lm import validation_loss
     run = tmp_path / "run"
     train(data_dir, run, 2, "--parallel", "fsdp", steps=4)
     model, tok, ck, cfg = ckpt_io.load_model(run, torch.device("cpu"), "final")
@@ -288,15 +290,15 @@ def test_resume_on_other_world_size_keeps_the_global_batch(tmp_path):
     saved = resolve([], None, [], {"train.batch_size": 3, "train.grad_accum_steps": 1}).to_dict()
     (ck / "config.json").write_text(json.dumps({**saved, "world_size": 4}))
     now = {**saved, "train": dict(saved["train"]), "world_size": 2}
-    notes = ckpt_io.check_resume(ck, now)
-    assert now["train"]["grad_accum_steps"] == 2 and "global batch stays 12" in notes[0]
+    notes, accum = check_resume(ck, now)
+    assert accum == 2 and "global batch stays 12" in notes[0]
     now = {**saved, "train": dict(saved["train"]), "world_size": 8}  # 12 sequences over 8 ranks of 3: no
     with pytest.raises(ConfigError, match=r"global batch 3 x 1 x 4 rank\(s\) = 12 sequences -> 3 x 1 x 8 = 24"):
-        ckpt_io.check_resume(ck, now)
+        check_resume(ck, now)
     (ck / "config.json").write_text(json.dumps({**saved, "world_size": 4, "data_identity": {"chat": True}}))
     now = {**saved, "train": dict(saved["train"]), "world_size": 2, "data_identity": {"chat": True}}
     with pytest.raises(ConfigError, match=r"the number of ranks 4 -> 2 \(chat batches are packed per rank"):
-        ckpt_io.check_resume(ck, now)
+        check_resume(ck, now)
 
 
 def test_fsdp_refusals(tmp_path, monkeypatch):
@@ -362,7 +364,7 @@ def test_auto_chooses_fsdp_only_when_ddp_does_not_fit():
 def test_plan_command(capsys):
     """`codeforge plan`: per-rank terms under DDP and FSDP from the shapes, and what fits."""
     from codeforge.cli import main
-    from codeforge.plan import estimate
+    from codeforge.train.memory import estimate
     assert main(["plan", "--preset", "large", "--world-size", "8", "--gpu-memory", "24"]) == 0
     out = capsys.readouterr().out
     assert "1,034,344,000 parameters" in out and "-> --parallel fsdp: DDP does not fit" in out
@@ -392,7 +394,7 @@ def test_exit_codes_and_the_joined_rank_exit(tmp_path):
     missing = run("-m", "codeforge", "generate", "--run", str(tmp_path / "nothing"), "--prompt", "x")
     assert missing.returncode == 2 and missing.stderr.startswith("error:")
     script = tmp_path / "joined.py"
-    script.write_text("import atexit, sys\nfrom codeforge import device\n"
+    script.write_text("import atexit, sys\nfrom codeforge import distributed as device\n"
                       "atexit.register(lambda: print('finalized'))\n"
                       "device._JOINED = True\nprint('unflushed', end='')\nsys.stderr.write('err')\n"
                       "device.exit_process(3)\n")
@@ -406,8 +408,8 @@ def test_ranks_wait_for_rank0_longer_than_the_training_timeout(tmp_path):
     script = tmp_path / "wait.py"
     script.write_text(
         "import time, torch\nfrom pathlib import Path\n"
-        "from codeforge.device import setup_distributed, teardown_distributed\n"
-        "from codeforge.stages.pretrain import found_by_rank0\n"
+        "from codeforge.distributed import setup_distributed, teardown_distributed\n"
+        "from codeforge.distributed import found_by_rank0\n"
         "setup_distributed(torch.device('cpu'), 5)\n"
         "got = found_by_rank0(lambda: time.sleep(8) or Path('/run/step_000008'))\n"
         "torch.distributed.barrier()\n"

@@ -8,17 +8,9 @@ import pytest
 from codeforge import CodeforgeError
 from codeforge.cli import main
 from codeforge.corpus import content_hash, split_of
-from codeforge.tasks.plan_mine import (
-    CODE_OPEN,
-    PLAN_OPEN,
-    PLAN_WORDS,
-    PlanMineError,
-    mine_plans,
-    parse_plan,
-    plan_text,
-    write_plans,
-)
-from codeforge.tasks.sft_mine import mine_sft
+from codeforge.mining.plans import (CODE_OPEN, PLAN_OPEN, PLAN_WORDS, PlanMineError, mine_plans, parse_plan,
+                                    plan_text, write_plans)
+from codeforge.mining.sft import mine_sft
 
 A_PY = '''"""Module a."""
 import functools

@@ -9,10 +9,11 @@ from collections import Counter
 import pytest
 
 from codeforge.corpus import content_hash, split_of
-from codeforge.evaluate import _parser, is_valid_syntax
-from codeforge.tasks.pref_mine import (KINDS, PairError, check_pairs_by_tests, load_pairs, mine_pairs, mutate,
-                                       normalise_pair, pairs_from_tasks, write_pairs)
-from codeforge.tasks.sft_mine import MineError, mine_sft
+from codeforge.syntax import is_valid_syntax, parser
+from codeforge.mining.pairs import (KINDS, PairError, check_pairs_by_tests, load_pairs, mine_pairs, mutate,
+                                    normalise_pair, pairs_from_tasks, write_pairs)
+from codeforge.mining.functions import MineError
+from codeforge.mining.sft import mine_sft
 
 PY = '''def clamp_total(xs, limit=10):
     """Add up the non-negative xs, never going over limit."""
@@ -74,7 +75,7 @@ def structure(code: str, language: str):
     """What a semantic variant must change: Python's AST, Go's tree-sitter (type, leaf text) sequence."""
     if language == "python":
         return ast.dump(ast.parse(code))
-    out, stack = [], [_parser("go").parse(("package p\n\n" + code).encode()).root_node]
+    out, stack = [], [parser("go").parse(("package p\n\n" + code).encode()).root_node]
     while stack:
         n = stack.pop()
         if n.type != "comment":

@@ -20,7 +20,7 @@ import torch
 from codeforge import CodeforgeError
 from codeforge.checkpoint import load_model
 from codeforge.config import resolve
-from codeforge.evaluate import task_eval
+from codeforge.evaluation.tasks import task_eval
 from codeforge.stages import run as run_stage
 
 PROMPT = "Write a Python function `pick()` that returns the letter a.\n\n```python\ndef pick():\n```"
@@ -50,7 +50,7 @@ def cfg_for(data, out, **over):
 def world(tmp_path_factory, tokenizer_dir):
     """An SFT run that answers 'a' about half the time, the task file, and a pair file."""
     from codeforge.corpus import CorpusOptions
-    from codeforge.shards import prepare
+    from codeforge.data.shards import prepare
     d = tmp_path_factory.mktemp("rl")
     (d / "chat.jsonl").write_text("".join(json.dumps(conv(GOOD if i % 2 else BAD)) + "\n" for i in range(80)))
     prepare([str(d / "chat.jsonl")], tokenizer_dir, d / "data", CorpusOptions(val_fraction=0.0, dedup="none"), log=lambda *a: None,

@@ -13,8 +13,8 @@ import torch
 from codeforge import CodeforgeError
 from codeforge.cli import main
 from codeforge.config import resolve
-from codeforge.loader import ChatBatchLoader
-from codeforge.shards import ShardSet, prepare
+from codeforge.data.loader import ChatBatchLoader
+from codeforge.data.shards import ShardSet, prepare
 from codeforge.stages import run as run_stage
 from codeforge.tokenizer import CodeTokenizer
 

@@ -4,7 +4,8 @@ from collections import Counter
 import pytest
 
 from codeforge.corpus import content_hash, split_of
-from codeforge.tasks.sft_mine import MineError, mine_functions, mine_sft, write_sft
+from codeforge.mining.functions import MineError, mine_functions
+from codeforge.mining.sft import mine_sft, write_sft
 
 A_PY = '''"""Module a."""
 import functools

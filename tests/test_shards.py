@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from codeforge.corpus import CorpusOptions
-from codeforge.shards import ShardError, ShardSet, prepare
+from codeforge.data.shards import ShardError, ShardSet, prepare
 from codeforge.tokenizer import CodeTokenizer, train_tokenizer
 
 
@@ -75,7 +75,7 @@ def test_empty_corpus_refused_and_nothing_written(tmp_path, code_corpus, tokeniz
 
 
 def test_interrupted_run_leaves_no_complete_looking_dir(tmp_path, code_corpus, tokenizer_dir, monkeypatch):
-    import codeforge.shards as shards
+    import codeforge.data.shards as shards
     real = shards._SplitWriter.add
     calls = {"n": 0}
 

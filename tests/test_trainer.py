@@ -239,7 +239,7 @@ def test_torchrun_two_ranks_cpu(data_dir, tmp_path):
 
 def test_init_from_refuses_other_tokenizer(data_dir, tmp_path, code_corpus):
     from codeforge.corpus import CorpusOptions
-    from codeforge.shards import prepare
+    from codeforge.data.shards import prepare
     from codeforge.tokenizer import train_tokenizer
     train_run(cfg_for(data_dir, tmp_path / "a", train__max_iters=2))
     texts = [p.read_text() for p in sorted(code_corpus.glob("pkg*/*.go"))] * 3
@@ -263,7 +263,7 @@ def test_resume_after_crash_mid_metrics_line(data_dir, tmp_path):
 
 
 def test_checkpoints_sorted_by_step_number(tmp_path):
-    from codeforge.checkpoint import _prune
+    from codeforge.checkpoint.save import _prune
     root = tmp_path / "checkpoints"
     for s in (999000, 999500, 1000000, 1000500):
         (root / f"step_{s:06d}").mkdir(parents=True)

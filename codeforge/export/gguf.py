@@ -39,6 +39,7 @@ import torch
 
 from ..models.gpt import GPTConfig
 from . import ExportError, check_out
+from .families import expand, splits
 from .hf import SAMPLE, choose_family
 
 ARCH_OF = {"gpt2": "gpt2", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "arcee": "arcee"}
@@ -97,22 +98,21 @@ def permute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def gguf_tensors(sd: dict[str, torch.Tensor], m: GPTConfig, model_type: str) -> dict[str, torch.Tensor]:
     """Our state dict -> llama.cpp's tensors (float32), by the literal map of the architecture."""
-    from .hf import _expand, _splits
     table = {"gpt2": GPT2_TENSORS, "arcee": ARCEE_TENSORS}.get(model_type, LLAMA_TENSORS)
     sd = {k: v.detach().to("cpu", torch.float32) for k, v in sd.items()}
     if m.tie_embeddings:
         sd.pop("lm_head.weight", None)  # llama.cpp falls back to token_embd
-    splits = _splits(m)
+    rows = splits(m)
     out: dict[str, torch.Tensor] = {}
     used = set()
-    for ours, theirs in _expand(table, m.n_layer):
+    for ours, theirs in expand(table, m.n_layer):
         if ours not in sd:
             continue
         used.add(ours)
         t = sd[ours]
         if isinstance(theirs, tuple):
-            kind = next(k for k in splits if f".{k}." in f".{ours}")
-            parts = t.split(splits[kind][:len(theirs)], dim=0)
+            kind = next(k for k in rows if f".{k}." in f".{ours}")
+            parts = t.split(rows[kind][:len(theirs)], dim=0)
             for name, p in zip(theirs, parts):
                 if model_type in PERMUTED and ".attn_q." in name:
                     p = permute_rows(p, m.n_head)
@@ -125,7 +125,7 @@ def gguf_tensors(sd: dict[str, torch.Tensor], m: GPTConfig, model_type: str) -> 
     if left:
         raise ExportError(f"GGUF {model_type}: no tensor map entry for {left[:6]}")
     if model_type == "gpt2" and not m.bias:  # llama.cpp's gpt2 requires every bias: zeros compute the same
-        for ours, theirs in _expand(GPT2_TENSORS, m.n_layer):
+        for ours, theirs in expand(GPT2_TENSORS, m.n_layer):
             w = ours[:-4] + "weight"
             if ours.endswith(".bias") and theirs not in out and w in sd:
                 out[theirs] = torch.zeros(sd[w].shape[0])

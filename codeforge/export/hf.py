@@ -37,65 +37,7 @@ from safetensors.torch import load_file, save_file
 
 from ..models.gpt import GPTConfig
 from . import ExportError, check_out
-
-# -- the literal key maps --------------------------------------------------------------------------------------
-# "{i}" is the layer. A tuple value: the codeforge tensor is split along dim 0 into these parts (SPLITS says
-# how). None: the tensor exists only in some configurations (bias, qk_norm, untied lm_head, learned positions).
-
-GPT2_KEYS = {
-    "wte.weight": "transformer.wte.weight",
-    "wpe.weight": "transformer.wpe.weight",
-    "blocks.{i}.ln_1.weight": "transformer.h.{i}.ln_1.weight",
-    "blocks.{i}.ln_1.bias": "transformer.h.{i}.ln_1.bias",
-    "blocks.{i}.attn.c_attn.weight": "transformer.h.{i}.attn.c_attn.weight",  # Conv1D: transposed
-    "blocks.{i}.attn.c_attn.bias": "transformer.h.{i}.attn.c_attn.bias",
-    "blocks.{i}.attn.c_proj.weight": "transformer.h.{i}.attn.c_proj.weight",  # Conv1D: transposed
-    "blocks.{i}.attn.c_proj.bias": "transformer.h.{i}.attn.c_proj.bias",
-    "blocks.{i}.ln_2.weight": "transformer.h.{i}.ln_2.weight",
-    "blocks.{i}.ln_2.bias": "transformer.h.{i}.ln_2.bias",
-    "blocks.{i}.mlp.c_fc.weight": "transformer.h.{i}.mlp.c_fc.weight",  # Conv1D: transposed
-    "blocks.{i}.mlp.c_fc.bias": "transformer.h.{i}.mlp.c_fc.bias",
-    "blocks.{i}.mlp.c_proj.weight": "transformer.h.{i}.mlp.c_proj.weight",  # Conv1D: transposed
-    "blocks.{i}.mlp.c_proj.bias": "transformer.h.{i}.mlp.c_proj.bias",
-    "ln_f.weight": "transformer.ln_f.weight",
-    "ln_f.bias": "transformer.ln_f.bias",
-    "lm_head.weight": "lm_head.weight",
-}
-GPT2_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-
-LLAMA_KEYS = {  # Llama, Qwen2, Qwen3 and Arcee share the names; each class has a subset of them
-    "wte.weight": "model.embed_tokens.weight",
-    "blocks.{i}.ln_1.weight": "model.layers.{i}.input_layernorm.weight",
-    "blocks.{i}.attn.c_attn.weight": ("model.layers.{i}.self_attn.q_proj.weight",
-                                      "model.layers.{i}.self_attn.k_proj.weight",
-                                      "model.layers.{i}.self_attn.v_proj.weight"),
-    "blocks.{i}.attn.c_attn.bias": ("model.layers.{i}.self_attn.q_proj.bias",
-                                    "model.layers.{i}.self_attn.k_proj.bias",
-                                    "model.layers.{i}.self_attn.v_proj.bias"),
-    "blocks.{i}.attn.c_proj.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "blocks.{i}.attn.c_proj.bias": "model.layers.{i}.self_attn.o_proj.bias",
-    "blocks.{i}.attn.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
-    "blocks.{i}.attn.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
-    "blocks.{i}.ln_2.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    # swiglu: c_fc holds gate | up (models/gpt.py MLP: gate, up = h.chunk(2))
-    "blocks.{i}.mlp.c_fc.weight": ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
-    "blocks.{i}.mlp.c_fc.bias": ("model.layers.{i}.mlp.gate_proj.bias", "model.layers.{i}.mlp.up_proj.bias"),
-    "blocks.{i}.mlp.c_proj.weight": "model.layers.{i}.mlp.down_proj.weight",
-    "blocks.{i}.mlp.c_proj.bias": "model.layers.{i}.mlp.down_proj.bias",
-    "ln_f.weight": "model.norm.weight",
-    "lm_head.weight": "lm_head.weight",
-}
-ARCEE_KEYS = {**LLAMA_KEYS,  # a non-gated MLP: c_fc is up_proj alone
-              "blocks.{i}.mlp.c_fc.weight": "model.layers.{i}.mlp.up_proj.weight",
-              "blocks.{i}.mlp.c_fc.bias": "model.layers.{i}.mlp.up_proj.bias"}
-
-
-def _splits(m: GPTConfig) -> dict[str, list[int]]:
-    """Row counts of the fused tensors' parts, in the order of the tuples above."""
-    hd = m.head_dim
-    return {"attn.c_attn": [m.n_head * hd, m.n_kv_head * hd, m.n_kv_head * hd],
-            "mlp.c_fc": [m.ffn_hidden, m.ffn_hidden]}
-
+from .families import ARCEE_KEYS, GPT2_CONV1D, GPT2_KEYS, LLAMA_KEYS, expand, splits
 
 # -- families ----------------------------------------------------------------------------------------------------
 
@@ -190,34 +132,24 @@ def hf_config(m: GPTConfig, fam: Family, special: dict[str, int | None]) -> dict
 
 # -- state dicts -----------------------------------------------------------------------------------------------------
 
-def _expand(keys: dict, n_layer: int) -> list[tuple[str, str | tuple[str, ...]]]:
-    out = []
-    for ours, theirs in keys.items():
-        layers = range(n_layer) if "{i}" in ours else [None]
-        for i in layers:
-            f = (lambda s: s.format(i=i)) if i is not None else (lambda s: s)
-            out.append((f(ours), tuple(map(f, theirs)) if isinstance(theirs, tuple) else f(theirs)))
-    return out
-
-
 def to_hf(sd: dict[str, torch.Tensor], m: GPTConfig, fam: Family) -> dict[str, torch.Tensor]:
     """Our state dict -> the family's, by its key map. Every tensor of ours is used exactly once (asserted);
     a tied lm_head is left out (transformers ties it from the embedding)."""
     sd = dict(sd)
     if m.tie_embeddings:
         sd.pop("lm_head.weight", None)
-    splits = _splits(m)
+    rows = splits(m)
     out: dict[str, torch.Tensor] = {}
     used = set()
-    for ours, theirs in _expand(fam.keys, m.n_layer):
+    for ours, theirs in expand(fam.keys, m.n_layer):
         if ours not in sd:
             continue
         t = sd[ours].detach().to("cpu", torch.float32)
         used.add(ours)
         if isinstance(theirs, tuple):
-            kind = next(k for k in splits if f".{k}." in f".{ours}")
-            parts = t.split(splits[kind][:len(theirs)], dim=0)
-            assert sum(p.shape[0] for p in parts) == t.shape[0], f"{ours}: split {splits[kind]} of {tuple(t.shape)}"
+            kind = next(k for k in rows if f".{k}." in f".{ours}")
+            parts = t.split(rows[kind][:len(theirs)], dim=0)
+            assert sum(p.shape[0] for p in parts) == t.shape[0], f"{ours}: split {rows[kind]} of {tuple(t.shape)}"
             out.update({name: p.contiguous() for name, p in zip(theirs, parts)})
         else:
             if fam.model_type == "gpt2" and ours.endswith(GPT2_CONV1D):
@@ -227,7 +159,7 @@ def to_hf(sd: dict[str, torch.Tensor], m: GPTConfig, fam: Family) -> dict[str, t
     if left:
         raise ExportError(f"{fam}: no key map entry for {left[:6]}")
     if fam.model_type == "gpt2" and not m.bias:  # GPT-2 always has biases: zeros compute the same
-        for ours, theirs in _expand(GPT2_KEYS, m.n_layer):
+        for ours, theirs in expand(GPT2_KEYS, m.n_layer):
             if ours.endswith(".bias") and theirs not in out and ours[:-4] + "weight" in sd:
                 out[theirs] = torch.zeros(sd[ours[:-4] + "weight"].shape[0])  # out features (norm: width)
     # Biases the class does not have; choose_family checked they are zero.
@@ -242,7 +174,7 @@ def from_hf(hf: dict[str, torch.Tensor], m: GPTConfig, fam: Family) -> dict[str,
     hf = dict(hf)
     out: dict[str, torch.Tensor] = {}
     shapes = _our_shapes(m)
-    for ours, theirs in _expand(fam.keys, m.n_layer):
+    for ours, theirs in expand(fam.keys, m.n_layer):
         if ours not in shapes:
             continue
         names = theirs if isinstance(theirs, tuple) else (theirs,)

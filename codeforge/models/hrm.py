@@ -312,7 +312,7 @@ class HRM(nn.Module):
         return c.ss_max_prob * min(1.0, (step - c.ss_start_step + 1) / c.ss_ramp_steps)
 
     def forward(self, batch: dict, step: int | None = None) -> dict:
-        """Losses of one batch (codeforge/hrm_data.py's layout). step: the optimizer step (default batch["step"])
+        """Losses of one batch (codeforge/data/hrm_batches.py's layout). step: the optimizer step (default batch["step"])
         for the refinement warm-up and scheduled sampling; in eval mode neither applies (refinement on, gold
         plan). Returns {"loss": weighted total, "plan", "code", "refine", "decision": parts, and token/decision
         accuracies} (detached except "loss")."""

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .. import CodeforgeError
 from .app import ServeOptions, create_app
+from .. import rundir
 
 
 class ServeError(CodeforgeError):
@@ -19,7 +20,7 @@ class ServeError(CodeforgeError):
 def run_name(run: str) -> str:
     """The model's name in the API: the run directory's name (also when a checkpoint directory is given)."""
     p = Path(run).resolve()
-    if p.parent.name == "checkpoints":
+    if p.parent.name == rundir.CHECKPOINTS:
         p = p.parent.parent
     return p.name or "codeforge"
 

@@ -1,24 +1,21 @@
 """Training stages: wiring only. Each builds the parts (data, model, loss, callbacks) and hands them to the
-one Trainer. `run(cfg)` picks the stage named by `train.stage`, so the CLI and the quickstart call one
-function and "resume" means one thing everywhere."""
+one Trainer. `run(cfg)` picks the stage file by the stage table's `kind` (config.py), so the CLI and the
+quickstart call one function and "resume" means one thing everywhere.
+
+- common.py  the start of every run, once: launch, begin (lock, recorded config, resume), init_from, budget
+- lm.py      pretrain, code, sft, tools: the language-model stages on prepared shards
+- hrm.py     the hierarchical planner/generator on mined plans
+- prefs.py   reward and dpo on preference pairs
+- rl.py      ppo and grpo on programming tasks with hidden tests
+"""
 
 from __future__ import annotations
 
-from ..config import CHAT_STAGES, PAIR_STAGES, RL_STAGES, RunConfig
+from ..config import STAGE, RunConfig
+from . import hrm, lm, prefs, rl
+
+KINDS = {"lm": lm, "hrm": hrm, "prefs": prefs, "rl": rl}
 
 
 def run(cfg: RunConfig, resume: bool = False, log=print) -> dict:
-    if cfg.train.stage == "hrm":
-        from . import hrm
-        return hrm.run(cfg, resume, log)
-    if cfg.train.stage in PAIR_STAGES:
-        from . import prefs
-        return prefs.run(cfg, resume, log)
-    if cfg.train.stage in RL_STAGES:
-        from . import rl
-        return rl.run(cfg, resume, log)
-    if cfg.train.stage in CHAT_STAGES:
-        from . import sft
-        return sft.run(cfg, resume, log)
-    from . import pretrain
-    return pretrain.run(cfg, resume, log)
+    return KINDS[STAGE[cfg.train.stage].kind].run(cfg, resume, log)

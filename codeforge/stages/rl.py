@@ -30,15 +30,15 @@ import torch
 import torch.nn.functional as F
 
 from .. import checkpoint as ckpt_io
+from .. import rundir
 from ..config import ConfigError, RunConfig, speaks_chat
 from ..device import autocast
-from ..evaluate import end_id, sample_tasks, task_eval
-from ..models import build_model
-from ..tasks.code_tasks import TaskError, execution_rewards, load_tasks, validate_tasks
+from ..evaluation.tasks import sample_tasks, task_eval
+from ..tasks.code_tasks import TaskError, end_id, execution_rewards, load_tasks, task_prompt_ids, validate_tasks
 from ..train import losses
+from ..train.resume import jsonl_identity
 from ..train.trainer import Trainer
-from .prefs import frozen_copy, start_point
-from .pretrain import launch, resume_point
+from .common import Run, begin, budget, built, frozen_copy, init_from, launch, start_point
 
 
 MISSING_END_PENALTY = 1.0  # the reward-model score of a sample that never wrote its end token
@@ -95,7 +95,7 @@ class Rollouts:
         self.stage, self.policy, self.tok, self.tasks, self.t = stage, policy, tok, tasks, t
         self.device, self.precision, self.chat = device, precision, chat
         self.ref, self.rm, self.value = ref, reward_model, value_head
-        self.log_file = run_dir / "rollouts.jsonl" if run_dir is not None and rank == 0 else None
+        self.log_file = run_dir / rundir.ROLLOUTS if run_dir is not None and rank == 0 else None
         self.rank, self.world = rank, world
         self.per_round = min(max(1, t.rollout_tasks // world), len(tasks) // world)
         if self.per_round < 1:
@@ -266,13 +266,13 @@ def run(cfg: RunConfig, resume: bool = False, log=print) -> dict:
         raise ConfigError(f"--rewards {t.rewards} needs --reward-model RUN (from --stage reward)")
     if t.stage == "grpo" and t.group_size < 2:
         raise ConfigError("--stage grpo compares samples within a group: --group-size must be at least 2")
-    return launch(cfg, log, lambda say, device, precision, rank, world, held: _train(
-        cfg, resume, say, device, precision, rank, world, held))
+    return launch(cfg, log, lambda r: _train(r, resume))
 
 
-def _train(cfg: RunConfig, resume: bool, say, device, precision: str, rank: int, world: int, held) -> dict:
+def _train(run: Run, resume: bool) -> dict:
+    cfg, say, device, precision, rank, world = run.cfg, run.say, run.device, run.precision, run.rank, run.world
     t = cfg.train
-    run_dir = Path(t.out)
+    # -- the starting point and the tasks -------------------------------------------------------------------
     tok, init_ck, saved = start_point(cfg, say)
     m = cfg.model
     cfg.validate()
@@ -280,9 +280,6 @@ def _train(cfg: RunConfig, resume: bool, say, device, precision: str, rank: int,
     train_tasks, held_tasks = load_task_splits(t.data, say)
     if t.eval_tasks:
         held_tasks = held_tasks[:t.eval_tasks]
-    if rank == 0:
-        held.enter_context(ckpt_io.run_lock(run_dir))
-    from ..evaluate import task_prompt_ids
     room = m.block_size - min(t.rollout_tokens, m.block_size // 2)
     fits = [[tk for tk in ts if len(task_prompt_ids(tok, tk, chat)) <= room] for ts in (train_tasks, held_tasks)]
     if sum(map(len, fits)) < len(train_tasks) + len(held_tasks):
@@ -291,16 +288,16 @@ def _train(cfg: RunConfig, resume: bool, say, device, precision: str, rank: int,
     train_tasks, held_tasks = fits
     if not train_tasks:
         raise ConfigError(f"no training task fits the context of {m.block_size} tokens with room for an answer")
-    run_config = {**cfg.to_dict(), "tokenizer_hash": tok.hash, "chat": chat,
-                  "data_identity": ckpt_io.jsonl_identity(t.data, tok.hash, ("train.jsonl", "test.jsonl"))}
-    start_ckpt = resume_point(run_dir, resume, m.to_dict(), tok.hash, t.data, run_config, say)
 
-    torch.manual_seed(t.seed)
-    model = build_model(m).to(device)
+    # -- the start: lock, recorded config, resume point ------------------------------------------------------
+    run_config, start_ckpt = begin(run, resume, tok, jsonl_identity(t.data, tok.hash, ("train.jsonl", "test.jsonl")),
+                                   chat=chat)
+    t = cfg.train
+
+    # -- models: the policy, its reference, the reward model, the value head --------------------------------
+    model = built(cfg).to(device)
     if start_ckpt is None:
-        ckpt_io.check_compatible(init_ck, m.to_dict(), tok.hash, "--init-from", t.data)
-        ckpt_io.load_weights(model, init_ck)
-        say(f"initialised weights from {init_ck} ({'chat template' if chat else 'plain-text prompts'})")
+        init_from(run, model, tok, ck=init_ck, why=f" ({'chat template' if chat else 'plain-text prompts'})")
     ref = frozen_copy(m, init_ck, device) if t.kl_coef > 0 else None
     rm = None
     use_rm = t.reward_model and t.rewards in ("auto", "model", "both")
@@ -315,12 +312,13 @@ def _train(cfg: RunConfig, resume: bool, say, device, precision: str, rank: int,
         for p in rm.parameters():
             p.requires_grad_(False)
     value = ValueHead(m.n_embd).to(device) if t.stage == "ppo" else None
-    rollouts = Rollouts(t.stage, model, tok, train_tasks, t, device, precision, chat, ref, rm, value, run_dir,
+    rollouts = Rollouts(t.stage, model, tok, train_tasks, t, device, precision, chat, ref, rm, value, run.dir,
                         rank, world)
     src = ("reward model + execution" if rollouts.use_exec and rollouts.use_rm else
            "reward model" if rollouts.use_rm else "execution in the sandbox")
     steps_per_round = math.ceil(rollouts.chunks / t.grad_accum_steps)
-    total = t.max_iters or max(1, round((t.epochs or 1.0) * rollouts.rounds_per_epoch * steps_per_round))
+    tokens_per_step = t.batch_size * t.rollout_tokens * t.grad_accum_steps * world
+    total = budget(cfg, tokens_per_step, max(1, round((t.epochs or 1.0) * rollouts.rounds_per_epoch * steps_per_round)))
     say(f"{t.stage}: rewards from {src}; {rollouts.per_round * world} task(s) x {t.group_size} sample(s) a "
         f"rollout, {t.ppo_epochs} epoch(s) of {rollouts.chunks // t.ppo_epochs} micro-batch(es) each "
         f"({steps_per_round} step(s) a rollout); {total} steps; KL to the reference "
@@ -342,8 +340,9 @@ def _train(cfg: RunConfig, resume: bool, say, device, precision: str, rank: int,
                            f"syntax-valid {r['task_syntax_valid']:.1%}, mean reward {r['task_mean_reward']:.3f}, "
                            f"outcomes {r['task_outcomes']}"}
 
-    trainer = Trainer(model, rollouts, loss_fn, t, run_dir, device=device, precision=precision, total_steps=total,
-                      tokens_per_step=t.batch_size * t.rollout_tokens * t.grad_accum_steps * world,
+    # -- train ----------------------------------------------------------------------------------------------
+    trainer = Trainer(model, rollouts, loss_fn, t, run.dir, device=device, precision=precision, total_steps=total,
+                      tokens_per_step=tokens_per_step,
                       run_config=run_config, assets={"tokenizer": tok.path}, evaluate=evaluate,
                       start_checkpoint=start_ckpt, rank=rank, world=world, log=say, aux=value)
     return trainer.run()

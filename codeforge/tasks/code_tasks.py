@@ -59,10 +59,13 @@ import textwrap
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .. import CodeforgeError
 from ..corpus import content_hash, split_of
+
+if TYPE_CHECKING:
+    from ..tokenizer import CodeTokenizer
 
 KINDS = ("string", "list", "arithmetic", "dict")
 LEVELS = (1, 2, 3)
@@ -1109,7 +1112,7 @@ def write_tasks(out_dir: str | Path, n: int = 2000, seed: int = 0, overwrite: bo
     """Generate n tasks, check them in the sandbox (unless validate=False; skipped ones are counted), and
     write out_dir/train.jsonl (rows carry "messages" for `prepare --chat`), out_dir/test.jsonl and meta.json,
     atomically. Returns the stats also stored in meta.json."""
-    from .sft_mine import output_dir, write_splits
+    from ..mining.sft import output_dir, write_splits
     out = output_dir(out_dir, overwrite, TaskError)
     tasks = generate_tasks(n, seed, levels)
     skipped: list[dict] = []
@@ -1130,3 +1133,18 @@ def write_tasks(out_dir: str | Path, n: int = 2000, seed: int = 0, overwrite: bo
                  {"options": {"n": n, "seed": seed, "levels": list(levels), "validate": validate},
                   "heldout_fraction": HELDOUT_FRACTION, "rewards": REWARDS, "stats": stats})
     return stats
+
+
+# -- the prompt a policy sees -----------------------------------------------------------------------------
+
+def task_prompt_ids(tok: CodeTokenizer, task: dict, chat: bool) -> list[int]:
+    """The prompt a policy sees for a task: the request as a user turn with the chat template (a chat run), or
+    the request as plain text and a newline (a pretrained run)."""
+    if chat:
+        from ..chat import encode_conversation
+        return encode_conversation(tok, [{"role": "user", "content": task["prompt"]}], add_generation_prompt=True)[0]
+    return tok.encode(task["prompt"] + "\n")
+
+
+def end_id(tok: CodeTokenizer, chat: bool) -> int:
+    return tok.special_ids["<|im_end|>"] if chat else tok.eot_id

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from .. import rundir
+
 
 def duration(s: float) -> str:
     """4s, 12m05s, 3h20m."""
@@ -28,7 +30,7 @@ class RunLogger:
                  wandb: bool = False, wandb_project: str = "codeforge", config: dict | None = None,
                  progress: bool = True, enabled: bool = True):
         self.enabled = enabled
-        self.path = run_dir / "metrics.jsonl"
+        self.path = run_dir / rundir.METRICS
         self.tb = self.wb = self.bar = None
         if not enabled:
             return
@@ -37,7 +39,7 @@ class RunLogger:
         self.f = open(self.path, "a", buffering=1)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step or None)
+            self.tb = SummaryWriter(str(run_dir / rundir.TENSORBOARD), purge_step=start_step or None)
         if wandb:
             try:
                 import wandb as wb

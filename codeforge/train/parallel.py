@@ -22,7 +22,6 @@ runs. Three ways, all PyTorch's own and launched by torchrun:
 
 from __future__ import annotations
 
-import re
 
 import torch
 
@@ -88,7 +87,7 @@ def _fully_shard(model, device, compile, precision, offload):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    from ..device import startup_group
+    from ..distributed import startup_group
     # the other ranks arrive first and wait here while rank 0 builds (or loads) the whole model: in the
     # startup group, whose timeout is long, not under the training collectives' --dist-timeout
     dist.barrier(group=startup_group())
@@ -153,17 +152,3 @@ def set_grad_sync(fwd: torch.nn.Module, mode: str, sync: bool):
 
 
 # what gloo and NCCL say when the other side of a collective is gone or late
-_LOST = re.compile(r"gloo/transport|Connection (reset|closed) by peer|Timed out waiting \d+ms|NCCL (error|"
-                   r"communicator was aborted)|ProcessGroup\w* (timeout|watchdog)")
-
-
-def lost_peer(e: BaseException) -> bool:
-    """True when `e` comes from a collective whose other side went away (a rank killed, crashed, out of
-    memory) or did not answer within the process group's timeout (a stuck rank)."""
-    seen: set[int] = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, torch.distributed.DistError) or (isinstance(e, RuntimeError) and _LOST.search(str(e))):
-            return True
-        e = e.__cause__ or e.__context__
-    return False

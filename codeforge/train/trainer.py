@@ -24,6 +24,7 @@ from ..device import autocast, memory_gib, peak_flops
 from . import parallel
 from .logging import RunLogger, duration
 from .optim import build_optimizer, lr_at, set_lr
+from .. import rundir
 
 LossFn = Callable[[torch.nn.Module, object], tuple[torch.Tensor, dict]]
 
@@ -198,7 +199,7 @@ class Trainer:
         self.model.train()
         if not self.master:
             return
-        with open(self.run_dir / "samples.jsonl", "a") as f:
+        with open(self.run_dir / rundir.SAMPLES, "a") as f:
             f.write(json.dumps({"step": self.step, "text": text}) + "\n")
         self.logger.message(f"sample at step {self.step}:\n{text[:400]}")
 
@@ -207,7 +208,7 @@ class Trainer:
         t, total = self.cfg, self.total_steps
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.master:
-            (self.run_dir / "config.toml").write_text(dumps_toml({k: v for k, v in self.run_config.items()
+            (self.run_dir / rundir.CONFIG).write_text(dumps_toml({k: v for k, v in self.run_config.items()
                                                                   if k in SECTIONS}))
         self.logger = RunLogger(self.run_dir, total, self.step, t.tensorboard, t.wandb, t.wandb_project,
                                 self.run_config, t.progress, enabled=self.master)

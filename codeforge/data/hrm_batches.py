@@ -1,4 +1,4 @@
-"""Batches for the hierarchical model (models/hrm.py) from mined plans (tasks/plan_mine.py's JSONL records
+"""Batches for the hierarchical model (models/hrm.py) from mined plans (mining/plans.py's JSONL records
 {"prompt": P, "plan": [WORD, ...], "body": Y, "language", ...}, where P + Y is the function's source).
 
 Each record becomes three rows, right-padded per batch, targets -1 where nothing is scored:
@@ -34,10 +34,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import CodeforgeError
-from .evaluate import is_valid_syntax
-from .models.hrm import CODE_ID, DONE, DRAFT_ID, EOT_ID, PAD_ID, PLAN_ID, REFINE, REFINE_ID
-from .tokenizer import CodeTokenizer
+from .. import CodeforgeError
+from ..syntax import is_valid_syntax
+from ..models.hrm import CODE_ID, DONE, DRAFT_ID, EOT_ID, PAD_ID, PLAN_ID, REFINE, REFINE_ID
+from ..tokenizer import CodeTokenizer
 
 CLEAN_RATE = 0.25   # share of drafts that are the gold body (the head must learn to say done)
 DROP_MAX, SWAP_MAX, BRACKET_MAX = 0.15, 0.10, 0.5

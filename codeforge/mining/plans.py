@@ -41,8 +41,8 @@ A Go label is dropped (the labelled statement is kept). An if-statement's initia
 switch tag are expressions and are left out. `parse_plan` computes the same plan for any snippet (a whole
 function, a body as cut here, or loose statements), so generated code can be scored against S.
 
-Functions are found as in `sft_mine` (methods of classes, nested classes; functions nested inside
-functions are not mined). The split is `corpus.split_of` over the hash `sft_mine` uses for the same
+Functions are found as in `mining/sft.py` (methods of classes, nested classes; functions nested inside
+functions are not mined). The split is `corpus.split_of` over the hash `mining/sft.py` uses for the same
 function (the code without the Go doc comment), so with seed 0 and the same fraction a function held out
 from SFT is held out here too, and a function stays in its split when files are added; that hash also
 deduplicates. Functions left out are counted by reason: `syntax_error` (tree-sitter found an error inside
@@ -59,19 +59,9 @@ from collections import Counter
 from pathlib import Path
 
 from ..corpus import CorpusOptions, CorpusStats, content_hash, iter_documents, split_of
-from .sft_mine import (
-    LANG_NAME,
-    MINED_LANGUAGES,
-    MineError,
-    _dedent,
-    _descendants,
-    _go_doc,
-    _line_start,
-    _python_docstring,
-    _python_trivial,
-    python_function_nodes,
-    write_splits,
-)
+from .functions import (LANG_NAME, MINED_LANGUAGES, MineError, dedent, descendants, go_doc, line_start,
+                        python_docstring, python_function_nodes, python_trivial)
+from .sft import write_splits
 
 PLAN_OPEN = "<plan>"
 CODE_OPEN = "<code>"
@@ -200,7 +190,7 @@ def _cap(words: list[str], max_plan_words: int) -> list[str]:
 
 def _python_body_plan(fn) -> list[str]:
     body = fn.child_by_field_name("body")
-    doc_node, _ = _python_docstring(body) if body is not None else (None, "")
+    doc_node, _ = python_docstring(body) if body is not None else (None, "")
     stmts = _python_stmts(body)
     if doc_node is not None:
         stmts = stmts[1:]  # the docstring is in the prompt
@@ -241,11 +231,11 @@ def parse_plan(code: str, language: str, max_plan_words: int = 0) -> list[str] |
     """
     if language not in LANG_NAME:
         raise PlanMineError(f"cannot plan code of language {language!r}: only {sorted(LANG_NAME)}")
-    from ..evaluate import _parser  # tree-sitter is imported only when used
-    parser = _parser(language)
+    from ..syntax import parser
+    p = parser(language)
 
     def parse(text: str):
-        root = parser.parse(text.encode("utf-8")).root_node
+        root = p.parse(text.encode("utf-8")).root_node
         return None if root.has_error else root
 
     if language == "python":
@@ -292,17 +282,17 @@ def _python_units(src: bytes, root, skipped: Counter) -> list[dict]:
         if outer.has_error or name_node is None or body is None:
             skipped["syntax_error"] += 1
             return None
-        doc_node, _ = _python_docstring(body)
+        doc_node, _ = python_docstring(body)
         stmts = _python_stmts(body)
-        if _python_trivial(stmts[1:] if doc_node is not None else stmts):
+        if python_trivial(stmts[1:] if doc_node is not None else stmts):
             skipped["trivial_body"] += 1
             return None
-        start = _line_start(src, outer.start_byte)
+        start = line_start(src, outer.start_byte)
         indent = src[start:outer.start_byte].decode("utf-8")
         colon = [c for c in fn.children if c.type == ":" and c.end_byte <= body.start_byte][-1]
         cut = doc_node.end_byte if doc_node is not None else colon.end_byte
-        code = _dedent(src[start:outer.end_byte].decode("utf-8"), indent)
-        prompt = _dedent(src[start:cut].decode("utf-8"), indent)
+        code = dedent(src[start:outer.end_byte].decode("utf-8"), indent)
+        prompt = dedent(src[start:cut].decode("utf-8"), indent)
         assert code.startswith(prompt), (prompt, code)  # the cut is past the indentation of its line
         return {"name": prefix + name_node.text.decode("utf-8"), "prompt": prompt, "body": code[len(prompt):],
                 "plan": _python_body_plan(fn), "key": code}
@@ -321,7 +311,7 @@ def _go_units(src: bytes, root, skipped: Counter) -> list[dict]:
             continue
         name = node.child_by_field_name("name").text.decode("utf-8")
         if node.type == "method_declaration":  # Recv.Name, as sft_mine names it
-            types = [n for n in _descendants(node.child_by_field_name("receiver")) if n.type == "type_identifier"]
+            types = [n for n in descendants(node.child_by_field_name("receiver")) if n.type == "type_identifier"]
             name = f"{types[0].text.decode('utf-8')}.{name}" if types else name
         body = node.child_by_field_name("body")
         if body is None:
@@ -331,9 +321,9 @@ def _go_units(src: bytes, root, skipped: Counter) -> list[dict]:
             skipped["trivial_body"] += 1
             continue
         first = node
-        for _ in _go_doc(node):  # back to the first doc comment line
+        for _ in go_doc(node):  # back to the first doc comment line
             first = first.prev_sibling
-        start = _line_start(src, first.start_byte)
+        start = line_start(src, first.start_byte)
         out.append({"name": name, "prompt": src[start:body.start_byte + 1].decode("utf-8"),
                     "body": src[body.start_byte + 1:node.end_byte].decode("utf-8"), "plan": _go_body_plan(node),
                     "key": src[node.start_byte:node.end_byte].decode("utf-8")})
@@ -342,13 +332,13 @@ def _go_units(src: bytes, root, skipped: Counter) -> list[dict]:
 
 def mine_units(text: str, language: str, skipped: Counter | None = None) -> list[dict]:
     """The non-trivial functions of one source file, in file order, each {"name", "prompt", "body", "plan",
-    "key"} (plan uncapped; key: the code sft_mine hashes). Functions left out are counted in `skipped`."""
+    "key"} (plan uncapped; key: the code mining/sft.py hashes). Functions left out are counted in `skipped`."""
     if language not in LANG_NAME:
         raise PlanMineError(f"cannot mine functions of language {language!r}: only {sorted(LANG_NAME)}")
-    from ..evaluate import _parser
+    from ..syntax import parser
     skipped = Counter() if skipped is None else skipped
     src = text.encode("utf-8")
-    root = _parser(language).parse(src).root_node
+    root = parser(language).parse(src).root_node
     return (_python_units if language == "python" else _go_units)(src, root, skipped)
 
 
@@ -363,7 +353,7 @@ def mine_plans(sources: list[str], languages: list[str] | None = None, max_examp
     and counted), with exact file dedup and vendored directories left out; test files too when
     `exclude_tests`. A file's language comes from its extension (.go, .py). `max_chars` bounds
     `prompt + body`; plans longer than `max_plan_words` are cut (counted in stats["truncated_plans"]).
-    `seed` 0 splits by the function's hash as sft_mine does; another seed salts it (a different split,
+    `seed` 0 splits by the function's hash as mining/sft.py does; another seed salts it (a different split,
     as stable). `max_examples` (0: no limit) caps train + val; reading stops there. stats is {"files",
     "functions", "examples", "train", "val", "truncated_plans", "skipped": {reason: n}, "corpus_skipped"}.
     """

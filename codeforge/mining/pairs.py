@@ -2,7 +2,7 @@
 
 Pairs come from two places:
 
-* a code corpus (`mine_pairs`, `write_pairs`): the documented Go and Python functions `sft_mine` finds,
+* a code corpus (`mine_pairs`, `write_pairs`): the documented Go and Python functions `mining/sft.py` finds,
   each asked for by the same request the SFT miner writes, answered by the real function (chosen) and by a
   mutated copy (rejected);
 * code tasks with tests (`pairs_from_tasks`, `check_pairs_by_tests`): the reference solution against
@@ -51,8 +51,8 @@ from pathlib import Path
 from .. import CodeforgeError
 from ..chat import ROLES
 from ..corpus import CorpusOptions, CorpusStats, content_hash, iter_documents, split_of
-from .sft_mine import (LANG_NAME, MINED_LANGUAGES, MineError, conversation, mine_functions, output_dir,
-                       write_splits)
+from .functions import LANG_NAME, MINED_LANGUAGES, MineError, mine_functions
+from .sft import conversation, output_dir, write_splits
 
 KINDS = ("syntax", "operator", "off_by_one", "dropped_branch")
 SEMANTIC_KINDS = KINDS[1:]
@@ -95,8 +95,8 @@ _PARSERS: dict[str, object] = {}
 
 def _parse(src: bytes, language: str):
     if language not in _PARSERS:
-        from ..evaluate import _parser  # tree-sitter is imported only when mining
-        _PARSERS[language] = _parser(language)
+        from ..syntax import parser
+        _PARSERS[language] = parser(language)
     return _PARSERS[language].parse(src).root_node
 
 
@@ -427,7 +427,7 @@ def mine_pairs(sources: list[str], languages: list[str] | None = None, max_pairs
          "rejected": [{"role": "assistant", "content": BROKEN}],
          "meta": {"kind", "language", "source", "name"}}
 
-    Functions, requests, dedup and the split are the SFT miner's (`sft_mine.mine_sft`); each function gives
+    Functions, requests, dedup and the split are the SFT miner's (`mining/sft.mine_sft`); each function gives
     up to `per_function` pairs with different broken copies, spread over the mutation `kinds` (default all).
     `max_pairs` (0: no limit) caps train + heldout; reading stops there. stats is {"files", "functions",
     "pairs", "train", "heldout", "kinds": {kind: pairs}, "skipped": {reason: functions}, "corpus_skipped"};
@@ -568,7 +568,7 @@ def write_task_pairs(tasks_path: str | Path, out_dir: str | Path, overwrite: boo
     """Pairs from tasks with reference solutions (a `make-tasks` directory: its train split gives the training
     pairs, its test split the held-out ones; a JSONL file: split by a hash of the task id), each rejected
     side run against the tests and kept only when it fails them. Written like write_pairs."""
-    from .code_tasks import load_tasks
+    from ..tasks.code_tasks import load_tasks
     out, p = output_dir(out_dir, overwrite), Path(tasks_path)
     if p.is_dir():
         splits = {"train": load_tasks(p, split="train"), "heldout": load_tasks(p, split="test")}
@@ -771,7 +771,7 @@ def load_pairs(path: str | Path, split: str = "train", skipped: Counter | None =
     bad_type, bad_message, no_prompt) and left out. A file with no good pair is an error either way, except
     a directory's empty heldout.jsonl, which gives []: the miner writes one when no function fell in it.
     """
-    from ..corpus import _open_text
+    from ..corpus import open_text
     if split not in SPLITS:
         raise PairError(f"split {split!r} must be one of {', '.join(SPLITS)}")
     p = Path(path)
@@ -787,7 +787,7 @@ def load_pairs(path: str | Path, split: str = "train", skipped: Counter | None =
     rows: list[dict] = []
     bad: Counter = Counter()
     try:
-        with _open_text(str(p)) as f:
+        with open_text(str(p)) as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue

@@ -1,0 +1,122 @@
+"""`codeforge eval`: everything a run is scored on, appended to RUN/eval.jsonl and TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from ..checkpoint import load_model
+from ..config import speaks_chat
+from ..data.shards import ShardSet
+from ..device import choose_device, choose_precision
+from ..engine import Engine
+from ..tasks.code_tasks import TaskError, load_tasks
+from ..syntax import guess_language
+from ..tokenizer import token_byte_lengths
+from .generation import humaneval_pass_at_k, infill_eval, syntax_validity
+from .hrm import run_hrm_eval
+from .lm import EvalError, validation_loss
+from .tasks import task_eval
+from .tool_calls import tool_calling_eval
+from .. import rundir
+
+def run_eval(run: str, data: str | None = None, eval_tokens: int | None = None, syntax_samples: int = 16,
+             language: str | None = None, humaneval: int = 0, ks: list[int] = (1, 10), samples_per_problem: int = 10,
+             max_new_tokens: int = 256, timeout: float = 5.0, which: str = "auto", device: str = "auto",
+             tool_cases: int = 100, unsafe_no_sandbox: bool = False, infill: int = 0, hrm_cases: int = 32,
+             tasks: str | None = None, task_samples: int = 1, task_temperature: float = 0.0,
+             task_limit: int = 0) -> dict:
+    """Everything `codeforge eval` reports, appended to RUN/eval.jsonl and to TensorBoard. eval_tokens:
+    validation targets scored (default: the run's own train.eval_tokens, so the number equals the one
+    training printed for the same checkpoint). tasks: a JSONL of tasks with hidden tests or a `codeforge
+    make-tasks` directory (its held-out test split): pass rates of any GPT run (task_limit: the first N)."""
+
+    dev, _ = choose_device(device)
+    model, tok, ck, cfg = load_model(run, dev, which)
+    precision, _ = choose_precision(dev, cfg.get("train", {}).get("precision", "auto"))  # as training evaluated
+    step = int(ck.name.split("_")[-1]) if ck.name.startswith("step_") else 0
+    if cfg["model"].get("arch") == "hrm":
+        r = {"run": str(run), "checkpoint": str(ck), "step": step, "data": str(data or cfg["train"]["data"])}
+        r.update(run_hrm_eval(run, model, tok, ck, cfg, dev, precision, data, eval_tokens, hrm_cases))
+        return _record_eval(run, ck, step, r)
+
+    r: dict = {"run": str(run), "checkpoint": str(ck), "step": step}
+    if tasks:
+        try:
+            todo = load_tasks(tasks, split="test") if Path(tasks).is_dir() else load_tasks(tasks)
+        except TaskError as e:
+            raise EvalError(str(e)) from e
+        todo = todo[:task_limit] if task_limit else todo
+        r["task_file"] = str(tasks)
+        r.update(task_eval(model, tok, dev, precision, todo, speaks_chat(cfg), max_new_tokens, task_samples,
+                           task_temperature, timeout=timeout, unsafe_no_sandbox=unsafe_no_sandbox))
+    data = data or cfg["train"]["data"]
+    if not _is_prepared(data):  # a preference or RL run's data is JSONL, not prepared shards
+        if tasks:
+            return _record_eval(run, ck, step, r)
+        raise EvalError(f"{data} is not a prepared data directory (the run trained on pairs or tasks?): pass "
+                        f"--data DIR (from `codeforge prepare`) for loss and syntax metrics, or --tasks TASKS for "
+                        f"pass rates")
+    val = ShardSet(data, "val")
+    if val.tokens == 0:
+        print(f"warning: {data} has an empty validation split; evaluating on the training split (optimistic)",
+              file=sys.stderr)
+        val = ShardSet(data, "train")
+    val.check_tokenizer(tok.hash, f"the checkpoint's tokenizer ({ck})")
+    r.update({"data": str(data), "eval_split": val.split})
+    T = cfg["model"]["block_size"]
+    token_bytes = token_byte_lengths(tok, cfg["model"]["vocab_size"])
+    if eval_tokens is None:
+        eval_tokens = cfg["train"].get("eval_tokens", 262_144)
+    try:
+        r.update(validation_loss(model, val, T, tok.special_ids, eval_tokens, dev, precision, token_bytes))
+    except ValueError as e:
+        raise EvalError(f"{e}; prepare more data (or a larger --val-fraction)") from e
+    eng = Engine(model, tok, dev, precision)
+    chat = val.chat or speaks_chat(cfg)
+    r["chat"] = chat
+    if chat and tool_cases:
+        r.update(tool_calling_eval(eng, tool_cases))
+    if syntax_samples and not val.chat:
+        docs = [tok.decode(val.document(i).tolist()) for i in range(min(200, val.documents))]
+        if language:
+            docs = [d for d in docs if guess_language(d) == language]
+        r.update(syntax_validity(eng, docs, syntax_samples, max_new_tokens=min(max_new_tokens, 128)))
+    else:
+        r["syntax_valid_rate"] = None
+    if infill and not val.chat:
+        docs = [tok.decode(val.document(i).tolist()) for i in range(min(400, val.documents))]
+        r.update(infill_eval(eng, docs, infill))
+    if humaneval and not val.chat:
+        r.update(humaneval_pass_at_k(eng, humaneval, samples_per_problem, list(ks), max_new_tokens, timeout,
+                                     unsafe_no_sandbox=unsafe_no_sandbox))
+    else:
+        r.update({"pass_at_1": None, "pass_at_k": {}})
+    return _record_eval(run, ck, step, r)
+
+
+def _is_prepared(data: str) -> bool:
+    """Whether `data` is a `codeforge prepare` directory (the miners' directories hold a meta.json too)."""
+    try:
+        return json.loads((Path(data) / "meta.json").read_text()).get("format", "").startswith("codeforge-shards")
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _record_eval(run: str, ck, step: int, r: dict) -> dict:
+    """Stamp the result, append it to RUN/eval.jsonl and TensorBoard, return it."""
+    r["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    run_dir = Path(run) if (Path(run) / rundir.CHECKPOINTS).exists() else ck.parent.parent
+    with open(run_dir / rundir.EVAL, "a") as f:
+        f.write(json.dumps(r) + "\n")
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+        with SummaryWriter(str(run_dir / rundir.TENSORBOARD)) as w:
+            for k, v in r.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    w.add_scalar(f"eval/{k}", v, step)
+    except ImportError:
+        pass
+    return r

@@ -1,0 +1,54 @@
+"""Pass rates on programming tasks with hidden tests (tasks/code_tasks.py): samples per task, each run once
+in the sandbox, and the unbiased pass@1. The RL stages sample their rollouts with the same function."""
+
+from __future__ import annotations
+
+import torch
+
+from ..engine import Engine, SamplingParams
+from ..tasks.code_tasks import end_id, execution_rewards, task_prompt_ids
+from ..tokenizer import CodeTokenizer
+from .generation import pass_at_k
+from .lm import EvalError
+
+@torch.no_grad()
+def sample_tasks(model, tok: CodeTokenizer, device, precision: str, tasks: list[dict], chat: bool, n: int,
+                 max_new_tokens: int, temperature: float, seed: int) -> list[tuple[list[int], list[int], str]]:
+    """n samples for each task (task-major: the n of task 0 first): (prompt ids, response ids including the
+    end token when one was written, response text without it). One batched generation; the model is left
+    in eval mode."""
+    prompts = [task_prompt_ids(tok, t, chat) for t in tasks for _ in range(n)]
+    end = end_id(tok, chat)
+    eng = Engine(model, tok, device, precision)
+    p = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, stop_ids=[end])
+    outs: list[list[int]] = [[] for _ in prompts]
+    for step in eng.generate_ids(prompts, p, warn=lambda m: None):
+        for i, t in enumerate(step):
+            if t is not None:
+                outs[i].append(t)
+    return [(pr, o, tok.decode([t for t in o if t not in (end, tok.eot_id)])) for pr, o in zip(prompts, outs)]
+
+
+def task_eval(model, tok: CodeTokenizer, device, precision: str, tasks: list[dict], chat: bool,
+              max_new_tokens: int = 192, samples: int = 1, temperature: float = 0.0, seed: int = 0,
+              timeout: float = 5.0, unsafe_no_sandbox: bool = False) -> dict:
+    """Pass rate on tasks with hidden tests: greedy by default (pass@1 of one sample), else `samples` per task
+    at `temperature` with the unbiased pass@1. Each program runs once in the sandbox. Also the share of
+    samples that parse, the mean execution reward, and the outcomes (passed, wrong, runtime_error, no_parse,
+    early_exit: a program that exited before its tests ran)."""
+    if not tasks:
+        raise EvalError("no tasks to evaluate")
+    n = samples if temperature > 0 else 1
+    out = sample_tasks(model, tok, device, precision, tasks, chat, n, max_new_tokens, temperature, seed)
+    res = execution_rewards([t for t in tasks for _ in range(n)], [o[2] for o in out], timeout=timeout,
+                            unsafe_no_sandbox=unsafe_no_sandbox)
+    outcomes: dict[str, int] = {}
+    for r in res:
+        outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
+    passed = [r["outcome"] == "passed" for r in res]
+    per_task = [sum(passed[i * n:(i + 1) * n]) for i in range(len(tasks))]
+    return {"task_pass_at_1": sum(pass_at_k(n, c, 1) for c in per_task) / len(tasks),
+            "task_solved": sum(c > 0 for c in per_task), "tasks": len(tasks), "task_samples": n,
+            "task_syntax_valid": 1 - outcomes.get("no_parse", 0) / len(res),
+            "task_mean_reward": sum(r["reward"] for r in res) / len(res),
+            "task_mean_tokens": sum(len(o[1]) for o in out) / len(out), "task_outcomes": outcomes}

@@ -1,0 +1,70 @@
+"""The run directory: the names under RUN/ (one place for them) and the run lock."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from . import CodeforgeError
+
+# RUN/ (`codeforge train --out RUN`): every command that reads or writes a run names its files from here
+CHECKPOINTS = "checkpoints"  # step_NNNNNN/ directories and the latest/best/final pointers (checkpoint/)
+CONFIG = "config.toml"  # the fully resolved configuration of the run
+METRICS = "metrics.jsonl"  # one JSON object per logged step and per evaluation
+EVAL = "eval.jsonl"  # one JSON object per `codeforge eval`
+TENSORBOARD = "tensorboard"  # TensorBoard event files (training and `codeforge eval`)
+SAMPLES = "samples.jsonl"  # the samples training writes at each evaluation
+ROLLOUTS = "rollouts.jsonl"  # the RL stages' rollout statistics
+LOCK_FILE = ".train.lock"  # flock()ed by the training process (run_lock)
+
+
+class RunDirError(CodeforgeError):
+    """The run directory cannot be used: its lock cannot be made, or another process holds it."""
+
+
+class RunLockedError(RunDirError):
+    """Another process is training in the run directory."""
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: str | Path) -> Iterator[Path]:
+    """Hold an exclusive flock() on RUN/.train.lock while training: a second trainer on the same run directory
+    is refused (naming the holder's PID) instead of overwriting its checkpoints. The kernel frees the lock
+    when the holding process ends in any way (kill -9 included); the file stays, harmless."""
+    run_dir = Path(run_dir)
+    path = run_dir / LOCK_FILE
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise RunDirError(f"cannot create the run directory's lock {path}: {e}") from e
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise RunDirError(f"cannot lock {path}: {e}") from e
+            try:
+                holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+            except ValueError:
+                holder = {}
+            holder = holder if isinstance(holder, dict) else {}
+            who = (f"PID {holder.get('pid')} on {holder.get('host')}, training since {holder.get('started')}"
+                   if holder.get("pid") else "PID unknown")
+            raise RunLockedError(
+                f"{run_dir} is in use by another training process ({who}); two trainers in one run directory "
+                f"would overwrite each other's checkpoints. Wait for it to finish (or stop it), or train into "
+                f"another --out. (The lock is {path}; it is released when that process ends.)") from None
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(info).encode(), 0)
+        yield path
+    finally:
+        os.close(fd)  # releases the lock

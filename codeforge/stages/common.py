@@ -1,0 +1,201 @@
+"""The start of every training run, written once: each stage file calls these in order and then reads
+straight down (data -> model -> loss and evaluation -> Trainer).
+
+    launch(cfg, log, train)       device and precision (said once), the process group under torchrun, a `say`
+                                  only rank 0 speaks through, and what the run holds (the run lock)
+    begin(...)                    vocabulary from the tokenizer, validation, the run lock, the run's recorded
+                                  configuration, and the checkpoint a --resume continues (checked, and the
+                                  accumulation kept or refused on another number of ranks)
+    init_from(...)                --init-from: the starting weights, checked against this model
+    budget(...)                   the number of optimizer steps: max_iters, else max_tokens, else epochs
+
+What a stage is (chat or not, FSDP or not, its data, what a change of ranks does) is config.py's stage table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from .. import checkpoint as ckpt_io
+from .. import rundir
+from ..config import FSDP_STAGES, STAGE, ConfigError, RunConfig
+from ..device import choose_device, choose_precision
+from ..distributed import distributed_env, found_by_rank0, setup_distributed, teardown_distributed
+from ..models import build_model
+from ..tokenizer import CodeTokenizer
+from ..train.resume import check_resume
+
+
+def round_up(n: int, k: int) -> int:
+    return (n + k - 1) // k * k
+
+
+@dataclass
+class Run:
+    """What launch() hands a stage's body: who speaks, where it runs, this rank and how many there are, and
+    the stack the run holds things in for as long as it lasts."""
+    cfg: RunConfig
+    say: Callable[[str], None]
+    device: torch.device
+    precision: str
+    rank: int
+    world: int
+    held: contextlib.ExitStack
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.cfg.train.out)
+
+
+def launch(cfg: RunConfig, log, train: Callable[[Run], dict]) -> dict:
+    """The preamble every stage shares: the device and precision (said once), the process group under
+    torchrun (alive exactly as long as this call), a `say` that only rank 0 speaks through, and an ExitStack
+    for what the run holds (the run-directory lock). Calls train(run)."""
+    t = cfg.train
+    device, why_dev = choose_device(t.device)
+    precision, why_prec = choose_precision(device, t.precision)
+    rank, world = distributed_env()
+    if world > 1 and t.parallel == "fsdp" and not STAGE[t.stage].fsdp:
+        raise ConfigError(f"--parallel fsdp is for the language-model stages ({', '.join(FSDP_STAGES)}); --stage "
+                          f"{t.stage} builds extra models (reference, reward, value) beside the trained one and "
+                          f"runs with --parallel ddp")
+    setup_distributed(device, t.dist_timeout)
+    try:
+        say = log if rank == 0 else (lambda m: None)
+        say(f"device: {device} ({why_dev}); precision: {precision} ({why_prec})")
+        with contextlib.ExitStack() as held:
+            return train(Run(cfg, say, device, precision, rank, world, held))
+    finally:
+        teardown_distributed()
+
+
+def check_init_from(init_from: str) -> None:
+    if init_from and not Path(init_from).exists():
+        raise ConfigError(f"--init-from {init_from} does not exist: pass a run directory (from `codeforge "
+                          f"train --out`) or one of its checkpoints")
+
+
+def vocabulary(cfg: RunConfig, tok: CodeTokenizer, source: str) -> None:
+    """model.vocab_size from the tokenizer when it is 0 (padded to a multiple of 64 for fast matmuls); a
+    set one smaller than the tokenizer's vocabulary is refused. source: where the tokenizer came from."""
+    m = cfg.model
+    if m.vocab_size == 0:
+        cfg.model = replace(m, vocab_size=round_up(tok.vocab_size, 64))
+    elif m.vocab_size < tok.vocab_size:
+        raise ConfigError(f"model.vocab_size = {m.vocab_size} is smaller than the tokenizer's vocabulary "
+                          f"({tok.vocab_size}); drop --vocab-size to take it from the {source}")
+
+
+def resume_point(run_dir: Path, resume: bool, model_dict: dict, tok_hash: str, data, run_config: dict, say,
+                 other_ranks: str = "rescale") -> tuple[Path | None, int]:
+    """(the checkpoint a --resume continues from (None: start fresh), the gradient accumulation to train
+    with), checked against this run's model shape, tokenizer, data and fixed settings; without --resume, a
+    run directory that already holds checkpoints is refused (nothing is overwritten)."""
+    start = None
+    accum = run_config["train"]["grad_accum_steps"]
+    if resume:
+        def newest() -> Path | None:
+            try:  # the newest intact checkpoint (a damaged newer one is named and skipped)
+                return ckpt_io.find_checkpoint(run_dir, "latest", train_state=True, log=say)
+            except ckpt_io.NoCheckpointError:
+                say(f"--resume: no checkpoint in {run_dir} yet; starting fresh")
+                return None
+        start = found_by_rank0(newest)
+    elif (run_dir / rundir.CHECKPOINTS).exists() and any((run_dir / rundir.CHECKPOINTS).iterdir()):
+        raise ConfigError(f"{run_dir} already holds a training run; pass --resume to continue it, or "
+                          f"choose another --out (nothing was changed)")
+    if start is not None:
+        ckpt_io.check_compatible(start, model_dict, tok_hash, "--resume", data)
+        notes, accum = check_resume(start, run_config, other_ranks)
+        for note in notes:
+            say(f"--resume: {note}")
+    return start, accum
+
+
+def begin(run: Run, resume: bool, tok: CodeTokenizer, data_identity: dict, **record) -> tuple[dict, Path | None]:
+    """The run's start after its data is read: validate the configuration, take the run lock (rank 0 holds it
+    for all ranks), the configuration recorded with every checkpoint (plus `record`: "chat" for the stages
+    that continue a run), and the checkpoint --resume continues, if any. On a resume on another number of
+    ranks the accumulation the resume policy chose becomes the run's. Returns (run_config, checkpoint)."""
+    cfg = run.cfg
+    cfg.validate()
+    if run.rank == 0:
+        run.held.enter_context(rundir.run_lock(run.dir))
+    run_config = {**cfg.to_dict(), "tokenizer_hash": tok.hash, **record, "data_identity": data_identity,
+                  "world_size": run.world}
+    start, accum = resume_point(run.dir, resume, cfg.model.to_dict(), tok.hash, cfg.train.data, run_config, run.say,
+                                STAGE[cfg.train.stage].other_ranks)
+    if accum != cfg.train.grad_accum_steps:  # resumed on another number of ranks: the global batch is kept
+        cfg.train = replace(cfg.train, grad_accum_steps=accum)
+        run_config["train"]["grad_accum_steps"] = accum
+    return run_config, start
+
+
+def built(cfg: RunConfig, on_meta: bool = False) -> torch.nn.Module:
+    """The model, seeded by train.seed so every rank and every resume builds the same one (on the meta
+    device when another rank's weights will fill it: FSDP's ranks other than 0)."""
+    torch.manual_seed(cfg.train.seed)
+    with torch.device("meta") if on_meta else contextlib.nullcontext():
+        return build_model(cfg.model)
+
+
+def init_from(run: Run, model: torch.nn.Module, tok: CodeTokenizer, ck: Path | None = None, load: bool = True,
+              new_ok: tuple[str, ...] = (), arch: str | None = None, why: str = "") -> Path:
+    """--init-from: the checkpoint (found once, on rank 0; `ck` when the stage found it already) checked
+    against this model's shape and tokenizer, and its weights loaded (load=False: this rank's come from rank
+    0 later). new_ok: parameters the checkpoint may lack (a new head); arch: the saved model's arch when it
+    differs from this one's (a reward model starts from a GPT). Returns the checkpoint."""
+    t = run.cfg.train
+    ck = ck or found_by_rank0(lambda: ckpt_io.find_checkpoint(t.init_from, "auto", log=run.say))
+    model_dict = run.cfg.model.to_dict()
+    ckpt_io.check_compatible(ck, {**model_dict, "arch": arch} if arch else model_dict, tok.hash, "--init-from",
+                             t.data)
+    if load:
+        ckpt_io.load_weights(model, ck, new_ok=new_ok)
+    run.say(f"initialised weights from {ck}{why}")
+    return ck
+
+
+def budget(cfg: RunConfig, tokens_per_step: int, epoch_steps: int) -> int:
+    """Optimizer steps of the run: train.max_iters when set, else train.max_tokens over the tokens a step
+    reads, else `epoch_steps` (the stage's steps for train.epochs, 1 by default, of its data)."""
+    t = cfg.train
+    if t.max_iters:
+        return t.max_iters
+    if t.max_tokens:
+        return math.ceil(t.max_tokens / tokens_per_step)
+    return epoch_steps
+
+
+# -- the stages that continue a trained run (preference and RL) ---------------------------------------
+
+def start_point(cfg: RunConfig, say) -> tuple[CodeTokenizer, Path, dict]:
+    """(tokenizer, checkpoint, its saved config) of the run --init-from names: these stages continue one."""
+    t = cfg.train
+    if not t.init_from:
+        raise ConfigError(f"--stage {t.stage} continues a trained model: pass --init-from RUN (a chat run from "
+                          f"--stage sft, or any GPT run)")
+    check_init_from(t.init_from)
+    ck = found_by_rank0(lambda: ckpt_io.find_checkpoint(t.init_from, "auto", log=say))
+    saved = ckpt_io.read_config(ck)
+    if saved["model"].get("arch", "gpt") != "gpt":
+        raise ConfigError(f"--init-from {ck}: a {saved['model']['arch']} model; --stage {t.stage} trains a GPT "
+                          f"(an SFT run, usually)")
+    tok = CodeTokenizer.load(ck / "tokenizer")
+    return tok, ck, saved
+
+
+def frozen_copy(model_cfg, ck: Path, device: torch.device) -> torch.nn.Module:
+    """The reference model: the starting checkpoint, in eval mode, never trained."""
+    ref = build_model(model_cfg)
+    ckpt_io.load_weights(ref, ck)
+    ref.to(device).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
