@@ -1,4 +1,26 @@
-"""codeforge: train code language models from scratch."""
+"""codeforge: train code language models from scratch.
+
+The package is in layers; a module imports only from its own layer or a lower one (tests/test_layers.py
+checks the first five rules by parsing every import):
+
+  0  atomic device distributed fields rundir          (nothing of codeforge's above layer 0)
+  1  corpus tokenizer chat fim sandbox syntax          text and code
+  2  models/ tasks/ mining/
+  3  checkpoint/ data/ config engine
+  4  evaluation/ train/
+  5  stages/
+  6  quickstart serve/ export/
+  7  cli __main__
+
+1. A module imports only from its own layer or a lower one.
+2. evaluation/ never imports train/ or stages/; train/ never imports stages/ or evaluation/ (the Trainer is
+   handed its callbacks).
+3. models/ never imports train/, checkpoint/ or data/.
+4. mining/ and tasks/ never import data/, evaluation/, train/ or stages/.
+5. No import of another module's _private name: a helper two modules use is public and lives below both.
+6. A stage imports stages/common.py, never another stage.
+7. Imports inside functions only in the CLI and for heavy optional third-party packages.
+"""
 
 __version__ = "0.1.0"
 

@@ -1,0 +1,73 @@
+"""Do two checkouts of codeforge train the same? Runs the same small pretraining and chat SFT run (CPU, float32,
+fixed seed) with each checkout's code and prints both loss curves and whether they are bit-identical.
+
+Used to check that a restructuring changed no behaviour: put the old commit in a worktree and compare,
+
+    git worktree add /tmp/old <commit>
+    python benchmarks/same_losses.py --old /tmp/old --new .
+
+Data: the Python standard library's json and email packages (always on the machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "64", "--batch-size", "4",
+        "--eval-every", "10", "--save-every", "10", "--log-every", "1", "--no-progress", "--device", "cpu",
+        "--precision", "fp32", "--no-tensorboard"]
+
+
+def cf(checkout: Path, *args: str) -> None:
+    env = {**os.environ, "PYTHONPATH": str(checkout.resolve())}
+    r = subprocess.run([sys.executable, "-m", "codeforge", *args], env=env, capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"{checkout}: codeforge {' '.join(args)} failed:\n{r.stderr[-3000:]}")
+
+
+def losses(run: Path) -> dict[int, float]:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def pipeline(checkout: Path, work: Path) -> dict[str, dict[int, float]]:
+    src = [str(STDLIB / "json"), str(STDLIB / "email")]
+    cf(checkout, "tokenizer", "train", "--input", *src, "--vocab-size", "1024", "--out", str(work / "tok"))
+    cf(checkout, "prepare", "--input", *src, "--tokenizer", str(work / "tok"), "--out", str(work / "data"),
+       "--val-fraction", "0.1")
+    cf(checkout, "train", "--data", str(work / "data"), "--out", str(work / "pre"), "--max-iters", "30", *TINY)
+    cf(checkout, "make-sft", "--input", *src, "--languages", "python", "--out", str(work / "pairs"))
+    cf(checkout, "prepare", "--chat", "--input", str(work / "pairs" / "train.jsonl"), "--tokenizer",
+       str(work / "tok"), "--out", str(work / "sft_data"), "--val-fraction", "0.1")
+    cf(checkout, "train", "--stage", "sft", "--data", str(work / "sft_data"), "--out", str(work / "sft"),
+       "--init-from", str(work / "pre"), "--max-iters", "20", *TINY)
+    return {"pretrain": losses(work / "pre"), "sft": losses(work / "sft")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--old", type=Path, required=True, help="checkout of the code before the change")
+    ap.add_argument("--new", type=Path, default=Path("."), help="checkout of the code after it (default: here)")
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        old = pipeline(a.old, Path(d) / "old")
+        new = pipeline(a.new, Path(d) / "new")
+    print(f"{'run':8} {'steps':>5}  {'first loss (old / new)':>26}  {'last loss (old / new)':>26}  bit-identical")
+    for run in ("pretrain", "sft"):
+        o, n = old[run], new[run]
+        same = o == n
+        first, last = min(o), max(o)
+        print(f"{run:8} {len(o):5d}  {o[first]:12.9f} / {n.get(first, float('nan')):12.9f}  "
+              f"{o[last]:12.9f} / {n.get(last, float('nan')):12.9f}  {'yes' if same else 'NO'}")
+
+
+if __name__ == "__main__":
+    main()
