@@ -235,3 +235,42 @@ def test_bad_pairs_and_broken_tasks(world, tmp_path):
     with pytest.raises(CodeforgeError, match="--reward-model"):
         run_stage(cfg_for(f, tmp_path / "r4", train__stage="ppo", train__rewards="model",
                           train__init_from=str(world / "sft"), **RL), log=lambda m: None)
+
+
+def test_max_tokens_is_the_budget_of_the_preference_and_rl_stages(world, tmp_path):
+    """With max_iters 0, train.max_tokens sets the number of steps for every stage (it was ignored by the
+    preference and RL stages, which fell back to one epoch): ceil(max_tokens / tokens a step reads)."""
+    per_step = 2 * 8 * 96  # dpo: chosen and rejected rows, batch 8, context 96
+    r = run_stage(cfg_for(world / "pairs", tmp_path / "dpo", train__stage="dpo", train__init_from=str(world / "sft"),
+                          train__max_iters=0, train__max_tokens=3 * per_step - 1), log=lambda m: None)
+    assert r["step"] == 3
+    per_step = 8 * 24  # grpo: batch 8 x rollout_tokens 24
+    r = run_stage(cfg_for(world / "tasks.jsonl", tmp_path / "grpo", train__stage="grpo",
+                          train__init_from=str(world / "sft"), train__max_iters=0, train__max_tokens=2 * per_step,
+                          **RL), log=lambda m: None)
+    assert r["step"] == 2
+
+
+@pytest.mark.parametrize("stage", ["reward", "dpo", "grpo"])
+def test_resume_on_another_number_of_ranks_is_refused(stage, world, reward_run, tmp_path):
+    """Every stage records the number of ranks it trained on; these stages deal pairs or tasks to ranks by
+    rank (their cursor counts them so), so a resume on another number is refused with the number to use,
+    as chat SFT's is, instead of continuing on a wrong cursor."""
+    from codeforge.checkpoint import find_checkpoint, read_config
+    from codeforge.config import STAGE
+    from codeforge.train.resume import check_resume
+    if stage == "reward":
+        ck = find_checkpoint(reward_run, "latest")
+    else:
+        data = world / ("pairs" if stage == "dpo" else "tasks.jsonl")
+        over = RL if stage == "grpo" else {}
+        run_stage(cfg_for(data, tmp_path / stage, train__stage=stage, train__init_from=str(world / "sft"),
+                          train__max_iters=1, **over), log=lambda m: None)
+        ck = find_checkpoint(tmp_path / stage, "latest")
+    saved = read_config(ck)
+    assert saved["world_size"] == 1 and STAGE[stage].other_ranks == "refuse"
+    now = {**saved, "train": dict(saved["train"]), "world_size": 2}
+    with pytest.raises(CodeforgeError, match=rf"the number of ranks 1 -> 2 \(--stage {stage} deals its examples"):
+        check_resume(ck, now, STAGE[stage].other_ranks)
+    assert check_resume(ck, dict(saved, train=dict(saved["train"])), STAGE[stage].other_ranks)[1] == \
+        saved["train"]["grad_accum_steps"]  # the same number of ranks resumes as before
