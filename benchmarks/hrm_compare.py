@@ -476,7 +476,7 @@ def plan_budget(a, plans: Path, tok_dir: Path) -> dict:
     from codeforge.config import resolve
     from codeforge.data.hrm_batches import HRMBatches, PlanData
     from codeforge.models import build_model
-    from codeforge.stages.lm import round_up
+    from codeforge.stages.common import round_up
     from codeforge.tokenizer import CodeTokenizer
     tok = CodeTokenizer.load(tok_dir)
     cfg = resolve([a.preset], None, [], {"model.vocab_size": round_up(tok.vocab_size, 64)})

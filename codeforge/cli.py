@@ -414,7 +414,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
                            "(prepared data; its tokenizer gives it)")
         from dataclasses import replace
 
-        from .stages.lm import round_up
+        from .stages.common import round_up
         from .tokenizer import CodeTokenizer
         tok = CodeTokenizer.load(os.path.join(cfg.train.data, "tokenizer"))
         cfg.model = replace(cfg.model, vocab_size=round_up(tok.vocab_size, 64))
