@@ -144,3 +144,13 @@ def test_review_findings_bad_values_are_refused(run_dir, data_dir, tmp_path, cap
     for bad in (float("inf"), 0, -1, 1e19):
         with pytest.raises(ValueError, match="timeout"):
             run_python("pass", timeout=bad)
+
+
+def test_plan_takes_the_vocabulary_from_the_data(data_dir, capsys):
+    """`codeforge plan --data DIR` without a vocabulary size reads it from the data's tokenizer (the path a
+    restructuring once left with a broken import)."""
+    from codeforge.cli import main
+    assert main(["plan", "--data", str(data_dir), "--n-layer", "2", "--n-head", "2", "--n-embd", "64",
+                 "--block-size", "32", "--vocab-size", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "vocab 1024)" in out, out  # the test tokenizer's 1,024 tokens, padded to a multiple of 64
