@@ -25,6 +25,7 @@ from . import parallel
 from .logging import RunLogger, duration
 from .optim import build_optimizer, lr_at, set_lr
 from .. import rundir
+from ..distributed import lost_peer
 
 LossFn = Callable[[torch.nn.Module, object], tuple[torch.Tensor, dict]]
 
@@ -290,7 +291,7 @@ class Trainer:
             if self.ddp:  # normal end only (after an error a barrier would hang): rank 0 may still be saving
                 torch.distributed.barrier()
         except Exception as e:
-            lost = self.ddp and parallel.lost_peer(e)
+            lost = self.ddp and lost_peer(e)
             if not lost and self.pending is not None and self.pending.future is not None:
                 # let the background writer end before the process does; its unpublished directory is
                 # removed by a later save (publishing it would need the other ranks)
