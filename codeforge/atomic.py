@@ -1,6 +1,7 @@
 """Write a directory aside, then rename it into place: a crash never leaves one that looks complete.
 
-Used for tokenizers, prepared shards and checkpoints. `staging_dir(out)` gives an empty hidden sibling of
+Used for tokenizers, prepared shards, checkpoints and the miners' JSONL directories (output_dir,
+write_splits). `staging_dir(out)` gives an empty hidden sibling of
 `out` (same filesystem, so the rename is atomic); `publish(tmp, out)` moves it into place, replacing an
 existing `out` only after the new one is complete.
 
@@ -18,6 +19,7 @@ them writing there at once. On Windows (where os.kill would terminate) nothing i
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -89,3 +91,29 @@ def publish(tmp: Path, out: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     else:
         tmp.rename(out)
+
+
+def output_dir(out_dir: str | Path, overwrite: bool, error: type[Exception]) -> Path:
+    """A miner's --out, checked before any work: a directory, new or empty unless `overwrite`; `error`: the
+    exception class the command raises for its bad input."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise error(f"--out {str(out)!r} is a file: pass a directory path")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise error(f"--out {str(out)!r} exists and is not empty: choose a new directory or pass --overwrite")
+    return out
+
+
+def write_splits(out: Path, files: dict[str, list[dict]], meta: dict) -> None:
+    """Each named JSONL file (one record per line) and meta.json, written aside and renamed into place
+    as above, so a crash never leaves a half-written directory. Shared by the miners and make-tasks."""
+    tmp = staging_dir(out)
+    try:
+        for name, rows in files.items():
+            with open(tmp / name, "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -156,7 +156,7 @@ def cmd_make_tasks(a: argparse.Namespace) -> int:
 
 
 def cmd_make_tools(a: argparse.Namespace) -> int:
-    from .tasks.tool_data import write_tool_data
+    from .tasks.tool_calls import write_tool_data
     meta = write_tool_data(a.out, a.count, a.heldout, seed=a.seed, overwrite=a.overwrite)
     print(f"wrote {a.count} training and {a.heldout} held-out tool-calling conversations -> {a.out}")
     if meta.get("kinds"):

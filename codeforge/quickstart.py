@@ -218,7 +218,7 @@ def chat_stages(out_dir: Path, src: str, langs, base_run: Path, device: str, t_s
 
     from .evaluation.tool_calls import chat_end_rate, tool_calling_eval
     from .mining.sft import write_sft
-    from .tasks.tool_data import write_tool_data
+    from .tasks.tool_calls import write_tool_data
     tok_dir = out_dir / "tokenizer"
     pairs = out_dir / "sft_pairs"
     if not (pairs / "train.jsonl").exists():
@@ -266,7 +266,7 @@ def chat_stages(out_dir: Path, src: str, langs, base_run: Path, device: str, t_s
     print(f"[8/8] tool calling on {tools_after['tool_cases']} held-out cases:\n      before the tools stage: "
           f"{fmt(tools_before)}\n      after:                  {fmt(tools_after)}")
     ask = [{"role": "user", "content": "Please read the file src/parser.py"}]
-    from .tasks.tool_data import TOOLS as TOOL_SCHEMAS
+    from .tasks.tool_calls import TOOLS as TOOL_SCHEMAS
     reply = eng.chat(ask, TOOL_SCHEMAS, SamplingParams(max_new_tokens=96, temperature=0.0))
     print(f"\nchat> {ask[0]['content']}\n{reply['text']}")
     print(f"\nfinished in {(time.perf_counter() - t_start) / 60:.1f} min. Next: echo 'Write a function that adds "

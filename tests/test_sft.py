@@ -33,7 +33,7 @@ def long_conversation(turns: int) -> dict:
 @pytest.fixture(scope="module")
 def chat_data(tmp_path_factory, tokenizer_dir):
     from codeforge.corpus import CorpusOptions
-    from codeforge.tasks.tool_data import generate
+    from codeforge.tasks.tool_calls import generate
     d = tmp_path_factory.mktemp("chat")
     rows = [CONV, long_conversation(12), {"messages": [{"role": "user", "content": "x " * 400},
                                                        {"role": "assistant", "content": "y"}]}]

@@ -9,18 +9,8 @@ import random
 import pytest
 
 from codeforge import CodeforgeError
-from codeforge.tasks.tool_data import (
-    TOOL_BY_NAME,
-    TOOLS,
-    ToolDataError,
-    eval_cases,
-    evaluate_expression,
-    example_kind,
-    generate,
-    make_example,
-    score,
-    write_tool_data,
-)
+from codeforge.tasks.tool_calls import (TOOL_BY_NAME, TOOLS, ToolDataError, eval_cases, evaluate_expression,
+                                        example_kind, generate, make_example, score, write_tool_data)
 
 
 @pytest.fixture(scope="module")

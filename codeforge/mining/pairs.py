@@ -52,7 +52,8 @@ from .. import CodeforgeError
 from ..chat import ROLES
 from ..corpus import CorpusOptions, CorpusStats, content_hash, iter_documents, split_of
 from .functions import LANG_NAME, MINED_LANGUAGES, MineError, mine_functions
-from .sft import conversation, output_dir, write_splits
+from ..atomic import output_dir, write_splits
+from .sft import conversation
 
 KINDS = ("syntax", "operator", "off_by_one", "dropped_branch")
 SEMANTIC_KINDS = KINDS[1:]
@@ -502,7 +503,7 @@ def mine_pairs(sources: list[str], languages: list[str] | None = None, max_pairs
 def write_pairs(sources: list[str], out_dir: str | Path, overwrite: bool = False, **options) -> dict:
     """Mine `sources` (options as in `mine_pairs`) into out_dir/{train,heldout}.jsonl and meta.json, written
     aside and renamed into place (codeforge.atomic). Returns the stats."""
-    out = output_dir(out_dir, overwrite)
+    out = output_dir(out_dir, overwrite, MineError)
     try:
         bound = inspect.signature(mine_pairs).bind(sources, **options)  # a bad option fails before mining
     except TypeError as e:
@@ -569,7 +570,7 @@ def write_task_pairs(tasks_path: str | Path, out_dir: str | Path, overwrite: boo
     pairs, its test split the held-out ones; a JSONL file: split by a hash of the task id), each rejected
     side run against the tests and kept only when it fails them. Written like write_pairs."""
     from ..tasks.code_tasks import load_tasks
-    out, p = output_dir(out_dir, overwrite), Path(tasks_path)
+    out, p = output_dir(out_dir, overwrite, MineError), Path(tasks_path)
     if p.is_dir():
         splits = {"train": load_tasks(p, split="train"), "heldout": load_tasks(p, split="test")}
     else:

@@ -61,7 +61,7 @@ from pathlib import Path
 from ..corpus import CorpusOptions, CorpusStats, content_hash, iter_documents, split_of
 from .functions import (LANG_NAME, MINED_LANGUAGES, MineError, dedent, descendants, go_doc, line_start,
                         python_docstring, python_function_nodes, python_trivial)
-from .sft import write_splits
+from ..atomic import write_splits
 
 PLAN_OPEN = "<plan>"
 CODE_OPEN = "<code>"

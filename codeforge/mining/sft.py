@@ -31,14 +31,12 @@ error inside it), `too_long` (more than `max_chars` characters), `duplicate`.
 from __future__ import annotations
 
 import inspect
-import json
 import os
 import random
-import shutil
 from collections import Counter
 from pathlib import Path
 
-from ..atomic import publish, staging_dir
+from ..atomic import output_dir, write_splits
 from ..corpus import CorpusOptions, CorpusStats, content_hash, iter_documents, split_of
 from .functions import DOC_NAME, LANG_NAME, MINED_LANGUAGES, MineError, mine_functions
 
@@ -129,7 +127,7 @@ def write_sft(sources: list[str], out_dir: str | Path, overwrite: bool = False, 
     The directory is written aside and renamed into place (codeforge.atomic), so a crash never leaves a
     half-written one. Returns the stats.
     """
-    out = output_dir(out_dir, overwrite)
+    out = output_dir(out_dir, overwrite, MineError)
     bound = inspect.signature(mine_sft).bind(sources, **options)  # a bad option fails here, before mining
     bound.apply_defaults()
     train, heldout, stats = mine_sft(sources, **options)
@@ -142,28 +140,3 @@ def write_sft(sources: list[str], out_dir: str | Path, overwrite: bool = False, 
                  {"sources": list(sources), "options": {k: v for k, v in bound.arguments.items() if k != "sources"},
                   "stats": stats})
     return stats
-
-
-def output_dir(out_dir: str | Path, overwrite: bool, error: type[Exception] = MineError) -> Path:
-    """The miners' --out, checked before any work: a directory, new or empty unless `overwrite`."""
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise error(f"--out {str(out)!r} is a file: pass a directory path")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise error(f"--out {str(out)!r} exists and is not empty: choose a new directory or pass --overwrite")
-    return out
-
-
-def write_splits(out: Path, files: dict[str, list[dict]], meta: dict) -> None:
-    """Each named JSONL file (one record per line) and meta.json, written aside and renamed into place
-    (codeforge.atomic), so a crash never leaves a half-written directory. Shared by the miners."""
-    tmp = staging_dir(out)
-    try:
-        for name, rows in files.items():
-            with open(tmp / name, "w", encoding="utf-8") as f:
-                f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from .. import CodeforgeError
+from ..atomic import output_dir, write_splits
 from ..corpus import content_hash, split_of
 
 if TYPE_CHECKING:
@@ -1112,7 +1113,6 @@ def write_tasks(out_dir: str | Path, n: int = 2000, seed: int = 0, overwrite: bo
     """Generate n tasks, check them in the sandbox (unless validate=False; skipped ones are counted), and
     write out_dir/train.jsonl (rows carry "messages" for `prepare --chat`), out_dir/test.jsonl and meta.json,
     atomically. Returns the stats also stored in meta.json."""
-    from ..mining.sft import output_dir, write_splits
     out = output_dir(out_dir, overwrite, TaskError)
     tasks = generate_tasks(n, seed, levels)
     skipped: list[dict] = []

@@ -466,6 +466,7 @@ def write_tool_data(out_dir: str | Path, n_train: int, n_heldout: int, seed: int
                             "or choose another output directory")
     heldout_fraction = 0.1
     data = _generate_splits({"train": n_train, "heldout": n_heldout}, seed, heldout_fraction)
+    # "generator" keeps the module name this format shipped with (tasks/tool_data.py), so meta.json is unchanged
     meta = {"format": "openai-chat-tools", "generator": "codeforge.tasks.tool_data", "seed": seed,
             "heldout_fraction": heldout_fraction, "n_train": n_train, "n_heldout": n_heldout,
             "tools": list(TOOL_BY_NAME),
