@@ -1,0 +1,5 @@
+"""`python -m codeforge.cli`: the same as `codeforge`."""
+
+from .main import entry
+
+entry()

@@ -1,0 +1,380 @@
+"""Commands on a trained run: generate, eval, chat, serve, export, import."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .args import CLIError
+
+def add_generate_parser(sub) -> None:
+    g = sub.add_parser("generate", help="generate text from a trained run")
+    g.add_argument("--run", required=True, help="run directory or checkpoint directory")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text ('-' reads stdin)")
+    src.add_argument("--prompt-file", help="one prompt per file; with --prompts-jsonl, one JSON string per line")
+    suf = g.add_mutually_exclusive_group()
+    suf.add_argument("--suffix", help="fill in the middle: the text after the gap (the prompt is the text before "
+                                      "it); prints the whole filled text")
+    suf.add_argument("--suffix-file", help="--suffix read from a file")
+    g.add_argument("--show-plan", action="store_true",
+                   help="hrm runs: print the plan and each refinement round (the decision head's p_done) before "
+                        "the code")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-k", type=int, default=50)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--num-samples", type=int, default=1)
+    g.add_argument("--stop", action="append", default=[], help="stop sequence, repeatable; \\n and \\t are read as "
+                   "newline and tab (e.g. --stop '\\ndef ')")
+    g.add_argument("--checkpoint", default="auto", choices=["auto", "best", "latest", "final"],
+                   help="auto: best if the run has one, else latest")
+    g.add_argument("--device", default="auto")
+    g.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from ..engine import Engine, SamplingParams
+    if a.prompt == "-" or (a.prompt is None and a.prompt_file is None):
+        if sys.stdin.isatty() and a.prompt is None:
+            raise CLIError("no prompt: pass --prompt TEXT, --prompt-file FILE, or pipe text on stdin "
+                           "(--prompt '' generates from the start of a document)")
+        prompt = sys.stdin.read()
+    elif a.prompt_file:
+        if not os.path.exists(a.prompt_file):
+            raise CLIError(f"--prompt-file {a.prompt_file} does not exist")
+        prompt = open(a.prompt_file, encoding="utf-8").read()
+    else:
+        prompt = a.prompt
+    suffix = a.suffix
+    if a.suffix_file:
+        if not os.path.isfile(a.suffix_file):
+            raise CLIError(f"--suffix-file {a.suffix_file} is not a file")
+        suffix = open(a.suffix_file, encoding="utf-8").read()
+    from ..checkpoint import load_model
+    from ..device import choose_device, choose_precision
+    dev, _ = choose_device(a.device)
+    model, tok, _, _ = load_model(a.run, dev, a.checkpoint)
+    if getattr(model.cfg, "arch", "gpt") == "hrm":
+        return _generate_hrm(a, model, tok, prompt)
+    eng = Engine(model, tok, dev, choose_precision(dev, "auto")[0])
+    try:
+        stops = [x.replace("\\n", "\n").replace("\\t", "\t") for x in a.stop]
+        params = SamplingParams(a.max_new_tokens, a.temperature, a.top_k, a.top_p, a.repetition_penalty, a.seed, stops)
+        params.validate()
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+    if not prompt:
+        print("note: empty prompt; generating from the start of a document", file=sys.stderr)
+    for i in range(a.num_samples):
+        if a.num_samples > 1:
+            print(f"--- sample {i + 1} ---")
+        if a.seed is not None:
+            params.seed = a.seed + i
+        sys.stdout.write(prompt)
+        for piece in eng.stream(prompt, params, suffix=suffix):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write((suffix or "") + "\n")
+    return 0
+
+
+def _generate_hrm(a: argparse.Namespace, model, tok, prompt: str) -> int:
+    """Plan, write, refine (models/hrm.py generate): the final code after the prompt; with --show-plan, the
+    plan and every refinement round first. Sampling: temperature and top-k (the hierarchical decoder has no
+    top-p, stop sequences or fill-in-the-middle)."""
+    if a.suffix is not None or a.suffix_file:
+        raise CLIError("--suffix: an hrm run does not fill in the middle; pass the function's signature and doc as "
+                       "--prompt")
+    if not prompt:
+        raise CLIError("an hrm run plans from a prompt: pass a function's signature and doc comment as --prompt")
+    for i in range(a.num_samples):
+        if a.num_samples > 1:
+            print(f"--- sample {i + 1} ---")
+        seed = None if a.seed is None else a.seed + i
+        r = model.generate(tok.encode(prompt), max_plan_tokens=min(128, a.max_new_tokens),
+                           max_code_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, seed=seed)
+        if a.show_plan:
+            print(f"# plan: {tok.decode(r['plan'])}")
+            print(f"# draft:\n{prompt}{tok.decode(r['draft'])}")
+            for it in r["iterations"]:
+                print(f"# refinement {it['iteration'] + 1}: {it['decision']} (p_done {it['p_done']:.2f})")
+            print("# final:")
+        sys.stdout.write(prompt + tok.decode(r["code"]) + "\n")
+    return 0
+
+
+def add_eval_parser(sub) -> None:
+    e = sub.add_parser("eval", help="loss, perplexity, bits per byte, syntax validity and pass@k of a run")
+    e.add_argument("--run", required=True)
+    e.add_argument("--data", default=None, help="prepared directory (default: the run's training data)")
+    e.add_argument("--eval-tokens", type=int, default=None, metavar="N",
+                   help="validation targets to score, the first N of the split in order (0: the whole split; "
+                        "default: the run's own train.eval_tokens, so the number equals training's)")
+    e.add_argument("--syntax-samples", type=int, default=16, help="completions checked for syntax (0: skip)")
+    e.add_argument("--language", default=None, help="go | python (default: the data's majority language)")
+    e.add_argument("--humaneval", type=int, default=0, metavar="N", help="run pass@k on the first N HumanEval problems")
+    e.add_argument("--k", type=int, nargs="+", default=[1, 10])
+    e.add_argument("--samples-per-problem", type=int, default=10)
+    e.add_argument("--max-new-tokens", type=int, default=256)
+    e.add_argument("--timeout", type=float, default=5.0, help="seconds per sandboxed program")
+    e.add_argument("--infill", type=int, default=0, metavar="N",
+                   help="fill-in-the-middle: N masked lines and N masked 2-4 line spans from held-out files; exact "
+                        "match, syntax validity of the filled file, bits per byte of the middle (default 0: off)")
+    e.add_argument("--hrm-cases", type=int, default=32, metavar="N",
+                   help="hrm runs: held-out functions planned, written and refined for the decoded metrics (plan "
+                        "and code exact match, AST F1, syntax validity, avg_iterations; default 32, 0: off)")
+    e.add_argument("--unsafe-no-sandbox", action="store_true",
+                   help="run model-written programs WITHOUT the bubblewrap sandbox (limits only, no isolation): "
+                        "only where bubblewrap cannot be installed and you trust what runs")
+    e.add_argument("--checkpoint", default="auto", choices=["auto", "best", "latest", "final"],
+                   help="auto: best if the run has one, else latest")
+    e.add_argument("--tool-cases", type=int, default=100, help="held-out tool-calling cases for chat runs (0: skip)")
+    e.add_argument("--tasks", default=None, metavar="TASKS",
+                   help="pass rate on programming tasks with hidden tests: a `codeforge make-tasks` directory (its "
+                        "held-out split) or a JSONL of prompt/tests; the programs run in the sandbox")
+    e.add_argument("--task-samples", type=int, default=1, help="samples per task (with --task-temperature > 0)")
+    e.add_argument("--task-temperature", type=float, default=0.0, help="0: greedy, one sample per task")
+    e.add_argument("--task-limit", type=int, default=0, metavar="N", help="only the first N tasks (0: all)")
+    e.add_argument("--device", default="auto")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=cmd_eval)
+
+
+def cmd_eval(a: argparse.Namespace) -> int:
+    from ..evaluation.run import run_eval
+    r = run_eval(a.run, data=a.data, eval_tokens=a.eval_tokens,
+                 syntax_samples=a.syntax_samples, language=a.language, humaneval=a.humaneval, ks=a.k,
+                 samples_per_problem=a.samples_per_problem, max_new_tokens=a.max_new_tokens,
+                 timeout=a.timeout, which=a.checkpoint, device=a.device, tool_cases=a.tool_cases,
+                 unsafe_no_sandbox=a.unsafe_no_sandbox, infill=a.infill,
+                 hrm_cases=a.hrm_cases, tasks=a.tasks, task_samples=a.task_samples,
+                 task_temperature=a.task_temperature, task_limit=a.task_limit)
+    if a.json:
+        print(json.dumps(r))
+    else:
+        print(format_report(r))
+    return 0
+
+
+def format_report(r: dict) -> str:
+    """key/value lines aligned in one column; numbers to 4 decimals (counts with thousands separators);
+    dicts flattened (pass@k 10: 0.1234); what was not measured listed once at the end instead of None."""
+    rows, skipped = [], []
+    for k, v in r.items():
+        if v is None or v == {}:
+            skipped.append(k)
+        elif isinstance(v, dict):
+            rows += [(f"{k} {kk}", vv) for kk, vv in v.items()]
+        else:
+            rows.append((k, v))
+    width = max((len(k) for k, _ in rows), default=0)
+    lines = []
+    for k, v in rows:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            text = str(v)
+        elif isinstance(v, int):
+            text = f"{v:,}"
+        else:
+            text = f"{v:.4f}"
+        lines.append(f"{k:{width}s}  {text}")
+    if skipped:
+        lines.append(f"{'not measured':{width}s}  {', '.join(skipped)} (see `codeforge eval --help`)")
+    return "\n".join(lines)
+
+
+def add_chat_parser(sub) -> None:
+    c = sub.add_parser("chat", help="chat with a chat run (after --stage sft/tools) at the terminal, or reply to "
+                                    "stdin when it is not a terminal")
+    c.add_argument("--run", required=True, help="run directory or checkpoint directory")
+    c.add_argument("--system", default=None, help="system message")
+    c.add_argument("--tools", default=None, help="JSON file with a list of tool schemas offered to the model")
+    c.add_argument("--max-new-tokens", type=int, default=256)
+    c.add_argument("--temperature", type=float, default=0.7)
+    c.add_argument("--top-k", type=int, default=50)
+    c.add_argument("--top-p", type=float, default=0.95)
+    c.add_argument("--seed", type=int, default=None)
+    c.add_argument("--checkpoint", default="auto", choices=["auto", "best", "latest", "final"])
+    c.add_argument("--device", default="auto")
+    c.set_defaults(func=cmd_chat)
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    """Interactive: each line is a user turn, the reply streams, history is kept; /reset clears it, /system
+    TEXT sets the system message, /quit (or Ctrl-D) leaves. Piped: stdin is one user message (or a JSON
+    object {"messages": [...], "tools": [...]}); the reply is printed and the command exits."""
+    from ..engine import Engine, SamplingParams
+    tools = None
+    if a.tools:
+        try:
+            tools = json.loads(open(a.tools, encoding="utf-8").read())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CLIError(f"--tools {a.tools}: {e}") from e
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise CLIError(f"--tools {a.tools}: expected a JSON list of tool schema objects")
+    params = SamplingParams(a.max_new_tokens, a.temperature, a.top_k, a.top_p, seed=a.seed)
+    try:
+        params.validate()
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+    eng = Engine.from_run(a.run, a.device, a.checkpoint)
+    system = [{"role": "system", "content": a.system}] if a.system else []
+
+    if not sys.stdin.isatty():
+        return _chat_piped(eng, params, system, tools)
+    return _chat_repl(eng, params, system, tools)
+
+
+def _show_calls(r: dict) -> None:
+    for call in r["tool_calls"]:
+        print(f"[tool call] {json.dumps(call, ensure_ascii=False)}")
+    for err in r["errors"]:
+        print(f"[unparsed tool call] {err}")
+
+
+def _chat_piped(eng, params, system: list[dict], tools) -> int:
+    """stdin is one user message, or a JSON object {"messages": [...], "tools": [...]}: print the reply."""
+    text = sys.stdin.read()
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        obj = None
+    if isinstance(obj, dict) and "messages" in obj:
+        from ..chat import ChatFormatError, validate
+        try:
+            messages, tools = validate({**obj, "messages": obj["messages"] + [{"role": "assistant"}]})
+        except ChatFormatError as e:
+            raise CLIError(f"stdin: {e}") from e
+        messages = messages[:-1]
+    else:
+        messages = system + [{"role": "user", "content": text.strip()}]
+    r = eng.chat(messages, tools, params)
+    print(r["content"])
+    _show_calls(r)
+    return 0
+
+
+def _chat_repl(eng, params, system: list[dict], tools) -> int:
+    """At the terminal: each line a user turn, the reply streamed, the history kept."""
+    history = list(system)
+    print("chat: /reset clears the history, /system TEXT sets the system message, /quit or Ctrl-D leaves",
+          file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return 0
+        if line.strip() in ("/quit", "/exit"):
+            return 0
+        if line.strip() == "/reset":
+            history = list(system)
+            continue
+        if line.startswith("/system"):
+            system = [{"role": "system", "content": line[len("/system"):].strip()}]
+            history = system + [m for m in history if m["role"] != "system"]
+            continue
+        history.append({"role": "user", "content": line})
+        r = eng.chat(history, tools, params, on_text=lambda piece: print(piece, end="", flush=True))
+        print()
+        _show_calls(r)
+        msg: dict = {"role": "assistant", "content": r["content"]}
+        if r["tool_calls"]:
+            msg["tool_calls"] = [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                 for c in r["tool_calls"]]
+        history.append(msg)
+
+
+def add_export_parser(sub) -> None:
+    e = sub.add_parser("export", help="write a run as a Hugging Face model directory or a GGUF file (llama.cpp)",
+                       description="Hugging Face: GPT2LMHeadModel, LlamaForCausalLM, Qwen2/Qwen3ForCausalLM or "
+                                   "ArceeForCausalLM, whichever computes exactly this model (else refused with what "
+                                   "does not map); the logits are checked against transformers when it is installed. "
+                                   "GGUF: llama.cpp's gpt2/llama/qwen2/qwen3/arcee architectures.")
+    e.add_argument("--run", required=True, metavar="RUN", help="run directory or checkpoint directory")
+    e.add_argument("--format", required=True, choices=["hf", "gguf"])
+    e.add_argument("--out", required=True, metavar="PATH", help="hf: a directory; gguf: a file (.gguf)")
+    e.add_argument("--checkpoint", default="auto", choices=["auto", "best", "latest", "final"],
+                   help="auto: best if the run has one, else latest")
+    e.add_argument("--dtype", default="f32", choices=["f32", "f16", "q8_0"], help="gguf: tensor type of the matrices")
+    e.add_argument("--allow-tokenizer-mismatch", action="store_true",
+                   help="gguf: write the file even though llama.cpp would split text differently from codeforge's "
+                        "tokenizer (the model then sees other tokens than it was trained on); see the README")
+    e.add_argument("--overwrite", action="store_true", help="replace what --out holds")
+    e.add_argument("--no-verify", action="store_true", help="hf: skip the logits check against transformers")
+    e.set_defaults(func=cmd_export)
+    i = sub.add_parser("import", help="a codeforge run from a local Hugging Face model directory (GPT-2, Llama, "
+                                      "Qwen2, Qwen3, Arcee), to train from with --init-from RUN")
+    i.add_argument("--hf", required=True, metavar="DIR", help="directory with config.json, *.safetensors, tokenizer.json")
+    i.add_argument("--out", required=True, metavar="RUN")
+    i.add_argument("--overwrite", action="store_true", help="replace what --out holds")
+    i.add_argument("--no-verify", action="store_true", help="skip the logits check against transformers")
+    i.set_defaults(func=cmd_import)
+
+
+def cmd_export(a: argparse.Namespace) -> int:
+    if a.format == "hf":
+        from ..export.hf import export_hf
+        r = export_hf(a.run, a.out, a.checkpoint, overwrite=a.overwrite, verify=not a.no_verify)
+        print(f"exported {r['checkpoint']} as {r['family']} -> {r['out']}")
+    else:
+        from ..export.gguf import export_gguf
+        r = export_gguf(a.run, a.out, a.checkpoint, dtype=a.dtype, overwrite=a.overwrite,
+                        allow_tokenizer_mismatch=a.allow_tokenizer_mismatch)
+        print(f"exported {r['checkpoint']} as GGUF ({r['arch']}, {a.dtype}, pre-tokenizer {r['pre']}, "
+              f"{r['bytes'] / 2**20:,.1f} MiB) -> {r['out']}")
+    if r.get("max_abs_diff") is not None:
+        print(f"parity: transformers' logits equal codeforge's to {r['max_abs_diff']:.2e} (max abs) on a code sample")
+    return 0
+
+
+def cmd_import(a: argparse.Namespace) -> int:
+    from ..export.hf import import_hf
+    r = import_hf(a.hf, a.out, overwrite=a.overwrite, verify=not a.no_verify)
+    print(f"imported {a.hf} ({r['family']}, {r['params']:,} parameters) -> {r['checkpoint']}")
+    if r["max_abs_diff"] is not None:
+        print(f"parity: codeforge's logits equal transformers' to {r['max_abs_diff']:.2e} (max abs) on a code sample")
+    print(f"next: codeforge train --init-from {r['out']} --data DATA --out NEW_RUN ... (prepare DATA with "
+          f"--tokenizer {r['checkpoint']}/tokenizer)")
+    return 0
+
+
+def add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="serve a run over HTTP: OpenAI-compatible completions, chat and tool calls, "
+                                     "/infill, a playground page; continuous batching",
+                       usage="codeforge serve --run RUN [--host 127.0.0.1] [--port 8000] [--api-key KEY] [options]")
+    s.add_argument("--run", required=True, metavar="RUN", help="run directory or checkpoint directory (required)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
+                                                       "only; 0.0.0.0 for every interface)")
+    s.add_argument("--port", type=int, default=8000, metavar="N", help="TCP port (default 8000; 0 picks a free one)")
+    s.add_argument("--checkpoint", default="auto", choices=["auto", "best", "latest", "final"],
+                   help="auto (default): best if the run has one, else latest")
+    s.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N or mps")
+    s.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health and / (default: none)")
+    s.add_argument("--max-batch", type=int, default=8, metavar="N", help="rows decoded together (default 8)")
+    s.add_argument("--max-queue", type=int, default=64, metavar="N",
+                   help="rows waiting for a batch slot before requests get 429 (default 64)")
+    s.add_argument("--max-prompt-tokens", type=int, default=0, metavar="N",
+                   help="longest prompt accepted (default 0: the model's context minus one)")
+    s.add_argument("--max-tokens-cap", type=int, default=0, metavar="N",
+                   help="largest max_tokens accepted (default 0: the model's context)")
+    s.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
+                   help="seconds from arrival to the last token before a request is stopped with 504 (default 600; "
+                        "0: none)")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N",
+                   help="largest request body (default 1048576); larger ones get 413")
+    s.add_argument("--model-name", default=None, metavar="NAME",
+                   help="the model's id in the API (default: the run directory's name)")
+    s.add_argument("--access-log", action="store_true", help="log every request (default: warnings only)")
+
+    s.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from ..serve import serve_command
+    return serve_command(a)

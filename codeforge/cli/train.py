@@ -1,0 +1,184 @@
+"""Training commands: train (every stage), plan (memory per rank), presets, config keys, quickstart."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from .. import rundir
+from .args import CLIError
+
+def add_parsers(sub) -> None:
+
+    t = sub.add_parser("train", help="train a model on prepared shards (any stage)",
+                       usage="codeforge train --data DIR --out RUN [--stage S] [--preset NAME ...] [--resume] "
+                             "[options]",
+                       description="Every config field is a flag (generated from its declaration in config.py "
+                                   "and models/gpt.py); precedence, later wins: defaults < --stage defaults < "
+                                   "--preset < --config < --set < flags.")
+    t.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    _config_flags(t)
+    t.set_defaults(func=cmd_train)
+    pl = sub.add_parser("plan", help="memory per rank (parameters, gradients, optimizer state, activations) under "
+                                     "DDP and FSDP, before launching",
+                        usage="codeforge plan --preset NAME [--world-size N] [--gpu-memory GIB] [train options]",
+                        description="An estimate from the model's shapes and the training settings (the same "
+                                    "presets, --set and flags as `train`); benchmarks/fsdp_memory.py checks it "
+                                    "against measured peaks.")
+    pl.add_argument("--world-size", type=int, default=1, metavar="N", help="ranks (all nodes together)")
+    pl.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+                    help="memory of one device, to say what fits (default: this machine's GPU, if any)")
+    _config_flags(pl)
+    pl.set_defaults(func=cmd_plan)
+    p = sub.add_parser("presets", help="list model presets (with parameter counts) and hardware profiles")
+    p.set_defaults(func=cmd_presets)
+    c = sub.add_parser("config", help="`config keys`: every settable key (--set KEY=VALUE, config files)")
+    c.add_argument("what", choices=["keys"])
+    c.set_defaults(func=cmd_config_keys)
+
+
+def _config_flags(t) -> None:
+    """--preset, --config, --set, --dropout and a flag per config field."""
+    from dataclasses import fields
+
+    from ..config import SECTIONS
+    from ..fields import describe, flag_name
+    t.add_argument("--preset", nargs="+", action="extend", default=[], metavar="NAME",
+                   help="model and/or hardware presets, applied in order (see `codeforge presets`)")
+    t.add_argument("--config", help="TOML or YAML file with [model] and [train] tables")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="any config field, e.g. --set train.warmup_steps=50 (`codeforge config keys` lists them)")
+    t.add_argument("--dropout", type=float, default=None, help="sets embedding, attention and residual dropout")
+    for section, cls in SECTIONS.items():
+        g = t.add_argument_group(f"{section} settings")
+        for f in fields(cls):
+            if not f.metadata.get("cli", True):
+                continue
+            kw: dict = {"dest": f"{section}.{f.name}", "default": None, "help": describe(f)}
+            if isinstance(f.default, bool):
+                kw["action"] = argparse.BooleanOptionalAction
+            else:
+                kw["type"] = type(f.default)
+                kw["metavar"] = None if f.metadata.get("choices") else (
+                    f.metadata.get("metavar") or {int: "N", float: "X"}.get(type(f.default), "TEXT"))
+                if f.metadata.get("choices"):
+                    kw["choices"] = f.metadata["choices"]
+            g.add_argument(flag_name(f), **kw)
+
+
+def cmd_config_keys(a: argparse.Namespace) -> int:
+    from dataclasses import fields
+
+    from ..config import SECTIONS
+    from ..fields import describe, flag_name
+    for section, cls in SECTIONS.items():
+        print(f"[{section}]")
+        for f in fields(cls):
+            flag = flag_name(f) if f.metadata.get("cli", True) else "(config file or --set only)"
+            print(f"  {section}.{f.name:22s} {type(f.default).__name__:5s} {flag:24s} {describe(f)}")
+    return 0
+
+
+def _train_config(a: argparse.Namespace):
+    from ..config import load_file, resolve
+    flags = {k: v for k, v in vars(a).items() if k.startswith(("model.", "train.")) and v is not None}
+    if a.dropout is not None:
+        flags.update({"model.embd_dropout": a.dropout, "model.attn_dropout": a.dropout, "model.resid_dropout": a.dropout})
+    out = flags.get("train.out")
+    if not flags.get("train.data") or not out:
+        raise CLIError("train needs --data DIR (from `codeforge prepare`) and --out RUN")
+    base = None
+    if a.resume and os.path.exists(os.path.join(out, rundir.CONFIG)):
+        base = load_file(os.path.join(out, rundir.CONFIG))  # the saved run, then this command's changes
+    return resolve(a.preset, a.config, a.set, flags, base=base, vocab_from_data=True)
+
+
+def cmd_plan(a: argparse.Namespace) -> int:
+    import torch
+
+    from ..config import resolve
+    from ..train.memory import estimate, report
+    if a.world_size < 1:
+        raise CLIError(f"--world-size {a.world_size}: give the number of ranks, 1 or more")
+    if a.gpu_memory is not None and a.gpu_memory <= 0:
+        raise CLIError(f"--gpu-memory {a.gpu_memory}: give one device's memory in GiB, e.g. 24")
+    flags = {k: v for k, v in vars(a).items() if k.startswith(("model.", "train.")) and v is not None}
+    cfg = resolve(a.preset, a.config, a.set, flags)
+    if cfg.model.vocab_size == 0:  # from the data's tokenizer, as train does
+        if not cfg.train.data:
+            raise CLIError("plan needs the vocabulary size: a model --preset, --vocab-size N, or --data DIR "
+                           "(prepared data; its tokenizer gives it)")
+        from dataclasses import replace
+
+        from ..stages.common import round_up
+        from ..tokenizer import CodeTokenizer
+        tok = CodeTokenizer.load(os.path.join(cfg.train.data, "tokenizer"))
+        cfg.model = replace(cfg.model, vocab_size=round_up(tok.vocab_size, 64))
+    gpu = a.gpu_memory * 2**30 if a.gpu_memory else (
+        torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None)
+    t = cfg.train
+    precision = t.precision if t.precision != "auto" else ("fp32" if t.device == "cpu" or not gpu else "bf16")
+    plan = estimate(cfg.model, t, a.world_size, precision, t.fsdp_offload)
+    print(report(plan, cfg.model, t, precision, gpu, " + ".join(a.preset)))
+    return 0
+
+
+def cmd_train(a: argparse.Namespace) -> int:
+    from ..stages import run
+    cfg = _train_config(a)
+    r = run(cfg, resume=a.resume)
+    if os.environ.get("RANK", "0") != "0":
+        return 0
+    msg = f"{'stopped' if r.get('interrupted') else 'done'}: step {r['step']}, {r['tokens']:,} tokens"
+    when = "" if r.get("val_step") == r["step"] else f" (evaluated at step {r['val_step']})"
+    if r.get("evaluation"):  # preference and RL stages say what they measured
+        msg += f"; {r['evaluation']}{when}"
+    elif r["val_loss"] is not None:
+        msg += f", val loss {r['val_loss']:.4f}{when}"
+    print(msg + f"; run directory {r['run_dir']}")
+    return 0
+
+
+def cmd_presets(a: argparse.Namespace) -> int:
+    from ..config import preset_names, resolve
+    import torch
+
+    from ..models import build_model
+    names = preset_names()
+    print(f"{'model preset':20s} {'params':>14s} {'layers':>6s} {'heads':>5s} {'kv':>3s} {'width':>6s} "
+          f"{'ffn':>6s} {'ctx':>6s} {'vocab':>6s}  arch")
+    for n in names["model"]:
+        m = resolve([n]).model
+        with torch.device("meta"):
+            count = build_model(m).num_params()
+        print(f"{n:20s} {count:14,d} {m.n_layer:6d} {m.n_head:5d} {m.n_kv_head:3d} {m.n_embd:6d} {m.ffn_hidden:6d} "
+              f"{m.block_size:6d} {m.vocab_size:6d}  {m.norm}/{m.pos}/{m.mlp}")
+    print("hardware profiles: " + ", ".join(names["train"]))
+    return 0
+
+
+def add_quickstart_parser(sub) -> None:
+    q = sub.add_parser("quickstart", help="the whole pipeline on a built-in corpus: tokenizer, prepare, train, "
+                                          "eval, sample")
+    q.add_argument("--out", default=None, help="default runs/quickstart (runs/quickstart-chat with --chat)")
+    q.add_argument("--corpus", default="python-stdlib", help="python-stdlib | go | PATH")
+    q.add_argument("--max-iters", type=int, default=None, help="training steps (default: about 7 CPU minutes)")
+    q.add_argument("--device", default="auto")
+    q.add_argument("--chat", action="store_true", help="then chat SFT on pairs mined from the corpus and tool "
+                   "calling (about 20 CPU minutes; default --out runs/quickstart-chat)")
+    q.add_argument("--hrm", action="store_true", help="seed 001's hierarchical planner/generator model instead: "
+                   "mine plans from the corpus, train it, print the seed's metrics (about 7 CPU minutes; default "
+                   "--out runs/quickstart-hrm)")
+    q.set_defaults(func=cmd_quickstart)
+
+
+def cmd_quickstart(a: argparse.Namespace) -> int:
+    from ..quickstart import run_quickstart
+    try:
+        if a.chat and a.hrm:
+            raise CLIError("--chat and --hrm are two different quickstarts: pick one")
+        default = "runs/quickstart-chat" if a.chat else "runs/quickstart-hrm" if a.hrm else "runs/quickstart"
+        run_quickstart(a.out or default, a.corpus, a.max_iters, a.device, chat=a.chat, hrm=a.hrm)
+    except FileNotFoundError as e:
+        raise CLIError(str(e)) from e
+    return 0
