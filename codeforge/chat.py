@@ -26,6 +26,7 @@ import re
 from typing import Any
 
 from . import CodeforgeError
+from .corpus import UnusableInput, check_sources, open_text
 
 ROLES = ("system", "user", "assistant", "tool")
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -253,7 +254,6 @@ def read_conversations(paths: list[str], stats, strict: bool = False):
     with file and line, or refused under strict."""
     import os
 
-    from .corpus import UnusableInput, open_text, check_sources
     check_sources(paths)
     files: list[str] = []
     for p in paths:

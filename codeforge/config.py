@@ -15,6 +15,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from .checkpoint import CheckpointError, find_checkpoint, read_config
 from .fields import ConfigError, check_fields, setting
 from .models import ARCHS, config_class
 from .models.gpt import GPTConfig
@@ -333,7 +334,6 @@ def resolve(presets: list[str] = (), file: str | None = None, sets: list[str] = 
     init_from = next((v for k, v in reversed(layers) if k == "train.init_from"), "")
     start_model: dict = {}
     if init_from and not base:  # staged training: the model is the one it starts from, unless flags change it
-        from .checkpoint import CheckpointError, find_checkpoint, read_config
         try:
             # its configuration only: the files are verified where the weights are loaded (once, on rank 0)
             start_model = read_config(find_checkpoint(str(init_from), "auto", verify=False))["model"]

@@ -16,9 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .device import autocast
-from .tokenizer import CodeTokenizer
 from . import CodeforgeError
+from .chat import IM_END, encode_conversation, parse_assistant
+from .checkpoint import load_model
+from .device import autocast, choose_device, choose_precision
+from .fim import FIM_PREFIX, FIM_SUFFIX, infill_ids
+from .tokenizer import CodeTokenizer
 
 
 class EngineError(CodeforgeError):
@@ -91,8 +94,6 @@ class Engine:
     @classmethod
     def from_run(cls, run: str, device: str = "auto", which: str = "auto") -> "Engine":
         """An engine over a run's (or checkpoint's) weights, on the chosen device and its precision."""
-        from .device import choose_device, choose_precision
-        from .checkpoint import load_model
         dev, _ = choose_device(device)
         precision, _ = choose_precision(dev, "auto")
         model, tok, _, _ = load_model(run, dev, which)
@@ -178,13 +179,11 @@ class Engine:
     def infill(self, prefixes: list[str], suffixes: list[str], p: SamplingParams, warn=None) -> list[str]:
         """The middle between each prefix and suffix (fill-in-the-middle, fim.py's PSM prompt); a model
         trained without FIM writes something, but rarely what fits."""
-        from .fim import infill_ids
         return self.complete_ids([infill_ids(self.tok, a, b) for a, b in zip(prefixes, suffixes)], p, warn)
 
     def _encode_prompt(self, text: str) -> list[int]:
         """A prompt that starts with a FIM token (PSM or SPM, as editor plugins send them) is read with its
         special tokens; any other text is plain text, whatever it mentions."""
-        from .fim import FIM_PREFIX, FIM_SUFFIX
         return self.tok.encode(text, allow_special=text.lstrip().startswith((FIM_PREFIX, FIM_SUFFIX)))
 
     def complete_ids(self, ids: list[list[int]], p: SamplingParams, warn=None) -> list[str]:
@@ -216,7 +215,6 @@ class Engine:
         sent = 0
         hold = max((len(s) for s in p.stop), default=1) - 1
         if suffix is not None:
-            from .fim import infill_ids
             ids = infill_ids(self.tok, prompt, suffix)
         else:
             ids = self._encode_prompt(prompt)
@@ -247,7 +245,6 @@ class Engine:
         """The assistant's next turn for a conversation (chat.py's rendering plus the generation prompt):
         {"content", "tool_calls", "errors", "text", "ended"}; generation stops at <|im_end|> (ended=True) or
         at the token budget. on_text(piece) streams the raw text as it comes."""
-        from .chat import IM_END, encode_conversation, parse_assistant
         ids, _ = encode_conversation(self.tok, messages, tools, add_generation_prompt=True)
         end_id = self.tok.special_ids[IM_END]
         out: list[int] = []

@@ -14,14 +14,22 @@ import sysconfig
 import time
 from pathlib import Path
 
+from . import rundir
+from .checkpoint import load_model
 from .config import resolve
 from .corpus import CorpusOptions, CorpusStats, describe_skipped, iter_documents
+from .data.hrm_batches import PlanData
+from .data.shards import prepare
+from .device import choose_device, cpu_native_bf16
 from .engine import Engine, SamplingParams
 from .evaluation.run import run_eval
-from .data.shards import prepare
-from .tokenizer import train_tokenizer
+from .evaluation.tool_calls import chat_end_rate, tool_calling_eval
+from .mining.plans import write_plans
+from .mining.sft import write_sft
+from .sandbox import SandboxUnavailable, check_available
 from .stages import run as run_stage
-from . import rundir
+from .tasks.tool_calls import TOOLS as TOOL_SCHEMAS, write_tool_data
+from .tokenizer import train_tokenizer
 
 # The recipe is two presets: the `cpu-small` model (3.4M parameters at this vocabulary) and the `lowend-cpu`
 # training profile (Muon, batch 16 x 256 tokens, learning rates for a run this short), chosen for held-out
@@ -45,7 +53,6 @@ TOOLS = {"learning_rate": 1e-3, "warmup_steps": 10, "max_iters": 200, "eval_ever
 def cpu_precision(device: str) -> str:
     """bf16 when training runs on a CPU that multiplies bfloat16 in hardware (~30% more tokens/s, no loss per
     token measured), else the usual auto choice."""
-    from .device import choose_device, cpu_native_bf16
     return "bf16" if choose_device(device)[0].type == "cpu" and cpu_native_bf16() else "auto"
 
 
@@ -105,7 +112,6 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     if chat:
         return {**result, **chat_stages(out_dir, src, langs, run_dir, device, t_start)}
     print("[5/5] eval and sample")
-    from .sandbox import SandboxUnavailable, check_available
     try:
         check_available()
         he = 5
@@ -155,7 +161,6 @@ def hrm_quickstart(out_dir: Path, src: str, langs, tok_dir: Path, max_iters: int
                    t_start: float) -> dict:
     """make-plans -> train --stage hrm -> eval: the seed's metrics table, and one function planned, written
     and refined."""
-    from .mining.plans import write_plans
     plans = out_dir / "plans"
     if (plans / "train.jsonl").exists():
         print(f"[3/5] make-plans: reusing {plans}")
@@ -188,9 +193,6 @@ def hrm_quickstart(out_dir: Path, src: str, langs, tok_dir: Path, max_iters: int
     print("\nseed 001's metrics, measured:")
     for name, v in rows:
         print(f"  {name:48s} {'n/a' if v is None else f'{v:.3f}'}")
-    from .checkpoint import load_model
-    from .device import choose_device
-    from .data.hrm_batches import PlanData
     dev, _ = choose_device(device)
     model, tok, _, _ = load_model(str(run_dir), dev)
     val = PlanData(plans, "val", tok)
@@ -216,9 +218,6 @@ def chat_stages(out_dir: Path, src: str, langs, base_run: Path, device: str, t_s
     stage's run directory holds its tokenizer with the chat template. Prints what changed at each stage."""
     import json
 
-    from .evaluation.tool_calls import chat_end_rate, tool_calling_eval
-    from .mining.sft import write_sft
-    from .tasks.tool_calls import write_tool_data
     tok_dir = out_dir / "tokenizer"
     pairs = out_dir / "sft_pairs"
     if not (pairs / "train.jsonl").exists():
@@ -266,7 +265,6 @@ def chat_stages(out_dir: Path, src: str, langs, base_run: Path, device: str, t_s
     print(f"[8/8] tool calling on {tools_after['tool_cases']} held-out cases:\n      before the tools stage: "
           f"{fmt(tools_before)}\n      after:                  {fmt(tools_after)}")
     ask = [{"role": "user", "content": "Please read the file src/parser.py"}]
-    from .tasks.tool_calls import TOOLS as TOOL_SCHEMAS
     reply = eng.chat(ask, TOOL_SCHEMAS, SamplingParams(max_new_tokens=96, temperature=0.0))
     print(f"\nchat> {ask[0]['content']}\n{reply['text']}")
     print(f"\nfinished in {(time.perf_counter() - t_start) / 60:.1f} min. Next: echo 'Write a function that adds "

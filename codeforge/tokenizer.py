@@ -27,6 +27,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 
 from . import CodeforgeError
 from .atomic import publish, staging_dir
+from .chat import CHAT_TEMPLATE
 
 if TYPE_CHECKING:
     import torch
@@ -131,7 +132,6 @@ class CodeTokenizer:
 def write_hf_config(tok_dir: str | os.PathLike) -> None:
     """tokenizer_config.json for `transformers` (PreTrainedTokenizerFast): special tokens and the chat
     template (chat.py), so AutoTokenizer.apply_chat_template renders conversations as codeforge does."""
-    from .chat import CHAT_TEMPLATE
     (Path(tok_dir) / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1_000_000,
         "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..fim import fim_ids, permute_window
 from .shards import ShardSet
 
 
@@ -44,7 +45,6 @@ class BatchLoader:
         self._order: np.ndarray | None = None
         self.fim_rate, self.fim_spm_rate = fim_rate, fim_spm_rate
         if fim_rate > 0:
-            from ..fim import fim_ids
             if not special_ids:
                 raise ValueError("fim_rate > 0 needs the tokenizer's special ids")
             self._fim = fim_ids(special_ids)
@@ -66,7 +66,6 @@ class BatchLoader:
         off = (cid - self._bounds[s]) * self.T
         window = self.shards.arrays[s][off:off + self.T + 1]
         if self.fim_rate > 0:
-            from ..fim import permute_window
             rng = np.random.default_rng([self.seed, self.epoch, cid, 0x46494D])
             window = permute_window(np.asarray(window), self._eot, self._fim, self.fim_rate, self.fim_spm_rate, rng)
         return window

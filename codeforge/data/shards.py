@@ -31,8 +31,9 @@ import numpy as np
 
 from .. import CodeforgeError, __version__
 from ..atomic import publish, staging_dir
-from ..corpus import CorpusOptions, CorpusStats, iter_documents, split_of
-from ..tokenizer import META_FILE, TOKENIZER_FILE, CodeTokenizer, write_hf_config
+from ..chat import encode_conversation, read_conversations, render_text
+from ..corpus import CorpusOptions, CorpusStats, content_hash, iter_documents, split_of
+from ..tokenizer import CodeTokenizer, META_FILE, TOKENIZER_FILE, write_hf_config
 
 SPLITS = ("train", "val")
 FORMAT = "codeforge-shards-v1"
@@ -230,8 +231,6 @@ def _write_chat(sources, tok: CodeTokenizer, tmp: Path, opts: CorpusOptions, sha
                 batch_docs: int, log) -> dict:
     """Chat JSONL -> shards plus loss masks. Conversations are deduplicated exactly and split train/val by
     the hash of their rendered text; each ends with end-of-text (no loss)."""
-    from ..chat import encode_conversation, read_conversations, render_text
-    from ..corpus import content_hash
     dtype = dtype_for(tok.vocab_size)
     stats = CorpusStats()
     writers = {s: _SplitWriter(tmp, s, dtype, shard_tokens, with_mask=True) for s in SPLITS}

@@ -37,8 +37,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..models.gpt import GPTConfig
 from . import ExportError, check_out
+from ..chat import CHAT_TEMPLATE
+from ..checkpoint import load_model
+from ..models.gpt import GPTConfig
+from ..tokenizer import LLAMA3_SPLIT_PATTERN
 from .families import expand, splits
 from .hf import SAMPLE, choose_family
 
@@ -183,7 +186,6 @@ def mismatch_rate(tok, texts: list[str], pattern: str) -> tuple[int, int]:
 def write_tokenizer(w, tok, vocab_size: int, pre: str) -> None:
     import gguf
 
-    from ..chat import CHAT_TEMPLATE
     tj = json.loads(tok.tok.to_str())
     vocab = tok.tok.get_vocab(with_added_tokens=True)
     by_id = {i: s for s, i in vocab.items()}
@@ -238,7 +240,6 @@ def export_gguf(run: str | Path, out: str | Path, which: str = "auto", dtype: st
     "tokenizer_mismatch"}."""
     import gguf
 
-    from ..checkpoint import load_model
     if dtype not in ("f32", "f16", "q8_0"):
         raise ExportError(f"--dtype {dtype!r} is not one of f32, f16, q8_0")
     out = check_out(out, overwrite)
@@ -260,7 +261,6 @@ def export_gguf(run: str | Path, out: str | Path, which: str = "auto", dtype: st
     pre, rule = pre_tokenizer_name(tj)
     mismatch = None
     if pre is None:
-        from ..tokenizer import LLAMA3_SPLIT_PATTERN
         texts = [SAMPLE] + [p.read_text(errors="replace") for p in sorted(Path(__file__).parent.glob("*.py"))]
         diff, total = mismatch_rate(tok, texts, LLAMA3_SPLIT_PATTERN)
         mismatch = {"tokens_differing": diff, "tokens": total, "rule": rule}

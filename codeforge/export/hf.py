@@ -35,8 +35,14 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..models.gpt import GPTConfig
 from . import ExportError, check_out
+from ..atomic import publish, staging_dir
+from ..checkpoint import load_model, save_checkpoint
+from ..config import TrainConfig
+from ..models import build_model
+from ..models.gpt import GPTConfig
+from ..tokenizer import (CodeTokenizer, META_FILE, SPECIAL_TOKENS, TOKENIZER_FILE, TokenizerError,
+                         write_hf_config)
 from .families import ARCEE_KEYS, GPT2_CONV1D, GPT2_KEYS, LLAMA_KEYS, expand, splits
 
 # -- families ----------------------------------------------------------------------------------------------------
@@ -206,7 +212,6 @@ def from_hf(hf: dict[str, torch.Tensor], m: GPTConfig, fam: Family) -> dict[str,
 
 
 def _our_shapes(m: GPTConfig) -> dict[str, tuple]:
-    from ..models import build_model
     with torch.device("meta"):
         model = build_model(m)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -218,7 +223,6 @@ def write_tokenizer_files(tok_dir: Path, out: Path) -> None:
     """tokenizer.json, tokenizer_config.json (special tokens and the chat template) and special_tokens_map.json.
     A codeforge tokenizer gets its config written afresh by tokenizer.write_hf_config (the current chat
     template); a tokenizer that came in from Hugging Face keeps its own."""
-    from ..tokenizer import META_FILE, TOKENIZER_FILE, write_hf_config
     shutil.copyfile(tok_dir / TOKENIZER_FILE, out / TOKENIZER_FILE)
     if (tok_dir / META_FILE).exists() or not (tok_dir / "tokenizer_config.json").exists():
         write_hf_config(out)
@@ -236,8 +240,6 @@ def export_hf(run: str | Path, out: str | Path, which: str = "auto", overwrite: 
               verify: bool = True, log: Callable[[str], None] = print) -> dict:
     """Write run `run`'s checkpoint `which` as a Hugging Face model directory `out`. Returns a summary
     {"family", "checkpoint", "out", "max_abs_diff" (None without transformers or verify)}."""
-    from ..atomic import publish, staging_dir
-    from ..checkpoint import load_model
     out = check_out(out, overwrite)
     model, tok, ck, cfg = load_model(run, torch.device("cpu"), which, log=log)
     m: GPTConfig = model.cfg
@@ -359,10 +361,6 @@ def import_hf(hf_dir: str | Path, out: str | Path, overwrite: bool = False, veri
               log: Callable[[str], None] = print) -> dict:
     """A codeforge run directory `out` (one checkpoint, step 0, with the tokenizer) from the Hugging Face model
     in `hf_dir`, to start training from (`codeforge train --init-from OUT`), generate, evaluate or export."""
-    from ..checkpoint import save_checkpoint
-    from ..config import TrainConfig
-    from ..models import build_model
-    from ..tokenizer import SPECIAL_TOKENS, CodeTokenizer, TokenizerError
     hf_dir = Path(hf_dir)
     c = read_hf_config(hf_dir)
     m, fam = config_from_hf(c)

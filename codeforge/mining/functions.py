@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 import re
 from collections import Counter
+from collections.abc import Callable, Iterator
 
 from .. import CodeforgeError
+from ..corpus import CorpusOptions, CorpusStats, iter_documents
 from ..syntax import parser
 
 MINED_LANGUAGES = {".go": "go", ".py": "python"}  # extension -> language; other files are not mined
@@ -129,7 +132,10 @@ def go_doc(node) -> list[str]:
     return lines[::-1]
 
 
-def _go_functions(src: bytes, root, skipped: Counter) -> list[dict]:
+def go_function_nodes(root, skipped: Counter) -> list[tuple]:
+    """(node, name, body) of every top-level Go func and method that parses and has a body, in file order;
+    a method is named Recv.Name (the receiver's type without * or [T]). Left out: counted in `skipped`
+    (syntax_error, no_body)."""
     out = []
     for node in root.children:
         if node.type not in ("function_declaration", "method_declaration"):
@@ -138,7 +144,7 @@ def _go_functions(src: bytes, root, skipped: Counter) -> list[dict]:
             skipped["syntax_error"] += 1
             continue
         name = node.child_by_field_name("name").text.decode("utf-8")
-        if node.type == "method_declaration":  # Recv.Name, the receiver's type without * or [T]
+        if node.type == "method_declaration":
             recv = node.child_by_field_name("receiver")
             types = [n for n in descendants(recv) if n.type == "type_identifier"]
             name = f"{types[0].text.decode('utf-8')}.{name}" if types else name
@@ -146,6 +152,13 @@ def _go_functions(src: bytes, root, skipped: Counter) -> list[dict]:
         if body is None:
             skipped["no_body"] += 1
             continue
+        out.append((node, name, body))
+    return out
+
+
+def _go_functions(src: bytes, root, skipped: Counter) -> list[dict]:
+    out = []
+    for node, name, body in go_function_nodes(root, skipped):
         comments = [c for c in go_doc(node) if not GO_DIRECTIVE.match(c)]
         doc = "\n".join(c[3:] if c.startswith("// ") else c[2:] for c in comments).strip()
         if not comments:
@@ -184,3 +197,20 @@ def mine_functions(text: str, language: str, skipped: Counter | None = None) -> 
     src = text.encode("utf-8")
     root = parser(language).parse(src).root_node
     return (_python_functions if language == "python" else _go_functions)(src, root, skipped)
+
+
+def mined_files(sources: list[str], opts: CorpusOptions, cstats: CorpusStats, skipped: Counter, counts: Counter,
+                mine: Callable[[str, str, Counter], list[dict]] = mine_functions) -> Iterator[tuple]:
+    """(document, language, what `mine` found in it) for every Go or Python file of the corpus, in its
+    order: the walk every miner makes. Other files are counted in skipped["unsupported_file"];
+    counts["files"] and counts["functions"] (found plus left out) grow as it goes."""
+    for doc in iter_documents(sources, opts, cstats):
+        language = MINED_LANGUAGES.get(os.path.splitext(doc.source)[1])
+        if language is None:
+            skipped["unsupported_file"] += 1
+            continue
+        counts["files"] += 1
+        before = sum(skipped.values())
+        found = mine(doc.text, language, skipped)
+        counts["functions"] += len(found) + sum(skipped.values()) - before
+        yield doc, language, found

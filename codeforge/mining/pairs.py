@@ -41,7 +41,6 @@ from __future__ import annotations
 import ast
 import inspect
 import json
-import os
 import random
 import re
 import warnings
@@ -49,10 +48,13 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from .. import CodeforgeError
-from ..chat import ROLES
-from ..corpus import CorpusOptions, CorpusStats, content_hash, iter_documents, split_of
-from .functions import LANG_NAME, MINED_LANGUAGES, MineError, mine_functions
 from ..atomic import output_dir, write_splits
+from ..chat import ROLES
+from ..corpus import CorpusOptions, CorpusStats, content_hash, open_text, split_of
+from ..sandbox import run_many
+from ..syntax import parser
+from ..tasks.code_tasks import load_tasks
+from .functions import LANG_NAME, MineError, mined_files
 from .sft import conversation
 
 KINDS = ("syntax", "operator", "off_by_one", "dropped_branch")
@@ -96,7 +98,6 @@ _PARSERS: dict[str, object] = {}
 
 def _parse(src: bytes, language: str):
     if language not in _PARSERS:
-        from ..syntax import parser
         _PARSERS[language] = parser(language)
     return _PARSERS[language].parse(src).root_node
 
@@ -451,20 +452,12 @@ def mine_pairs(sources: list[str], languages: list[str] | None = None, max_pairs
     seen: set[bytes] = set()
     train: list[dict] = []
     heldout: list[dict] = []
-    files = functions = 0
+    counts: Counter = Counter()  # files, functions
 
     def full() -> bool:
         return bool(max_pairs) and len(train) + len(heldout) >= max_pairs
 
-    for doc in iter_documents(sources, opts, cstats):
-        language = MINED_LANGUAGES.get(os.path.splitext(doc.source)[1])
-        if language is None:
-            skipped["unsupported_file"] += 1
-            continue
-        files += 1
-        before = sum(skipped.values())
-        found = mine_functions(doc.text, language, skipped)
-        functions += len(found) + sum(skipped.values()) - before
+    for doc, language, found in mined_files(sources, opts, cstats, skipped, counts):
         for fn in found:
             if full():
                 break
@@ -494,7 +487,8 @@ def mine_pairs(sources: list[str], languages: list[str] | None = None, max_pairs
                 by_kind[kind] += 1
         if full():
             break
-    stats = {"files": files, "functions": functions, "pairs": len(train) + len(heldout), "train": len(train),
+    stats = {"files": counts["files"], "functions": counts["functions"],
+             "pairs": len(train) + len(heldout), "train": len(train),
              "heldout": len(heldout), "kinds": {k: by_kind[k] for k in KINDS if by_kind[k]},
              "skipped": dict(sorted(skipped.items())), "corpus_skipped": dict(sorted(cstats.skipped.items()))}
     return train, heldout, stats
@@ -569,7 +563,6 @@ def write_task_pairs(tasks_path: str | Path, out_dir: str | Path, overwrite: boo
     """Pairs from tasks with reference solutions (a `make-tasks` directory: its train split gives the training
     pairs, its test split the held-out ones; a JSONL file: split by a hash of the task id), each rejected
     side run against the tests and kept only when it fails them. Written like write_pairs."""
-    from ..tasks.code_tasks import load_tasks
     out, p = output_dir(out_dir, overwrite, MineError), Path(tasks_path)
     if p.is_dir():
         splits = {"train": load_tasks(p, split="train"), "heldout": load_tasks(p, split="test")}
@@ -636,7 +629,6 @@ def check_pairs_by_tests(rows: list[dict], tasks_by_id: dict, timeout: float = 5
         plans.append((row, *[programs.setdefault(p, len(programs)) for p in pair]))
     results = []
     if plans:
-        from ..sandbox import run_many
         results = run_many(list(programs), timeout, workers=workers, unsafe_no_sandbox=unsafe_no_sandbox)
     kept: list[dict] = []
     for row, c, r in plans:
@@ -772,7 +764,6 @@ def load_pairs(path: str | Path, split: str = "train", skipped: Counter | None =
     bad_type, bad_message, no_prompt) and left out. A file with no good pair is an error either way, except
     a directory's empty heldout.jsonl, which gives []: the miner writes one when no function fell in it.
     """
-    from ..corpus import open_text
     if split not in SPLITS:
         raise PairError(f"split {split!r} must be one of {', '.join(SPLITS)}")
     p = Path(path)

@@ -54,14 +54,14 @@ NotImplementedError` or the docstring; an empty Go body), `too_long` (more than 
 from __future__ import annotations
 
 import inspect
-import os
 from collections import Counter
 from pathlib import Path
 
-from ..corpus import CorpusOptions, CorpusStats, content_hash, iter_documents, split_of
-from .functions import (LANG_NAME, MINED_LANGUAGES, MineError, dedent, descendants, go_doc, line_start,
-                        python_docstring, python_function_nodes, python_trivial)
 from ..atomic import write_splits
+from ..corpus import CorpusOptions, CorpusStats, content_hash, split_of
+from ..syntax import parser
+from .functions import (LANG_NAME, MineError, dedent, go_doc, line_start,
+                        go_function_nodes, mined_files, python_docstring, python_function_nodes, python_trivial)
 
 PLAN_OPEN = "<plan>"
 CODE_OPEN = "<code>"
@@ -231,7 +231,6 @@ def parse_plan(code: str, language: str, max_plan_words: int = 0) -> list[str] |
     """
     if language not in LANG_NAME:
         raise PlanMineError(f"cannot plan code of language {language!r}: only {sorted(LANG_NAME)}")
-    from ..syntax import parser
     p = parser(language)
 
     def parse(text: str):
@@ -303,20 +302,7 @@ def _python_units(src: bytes, root, skipped: Counter) -> list[dict]:
 def _go_units(src: bytes, root, skipped: Counter) -> list[dict]:
     """Every top-level func/method as {name, prompt, body, plan, key}; key is the code from `func` on."""
     out = []
-    for node in root.children:
-        if node.type not in ("function_declaration", "method_declaration"):
-            continue
-        if node.has_error or node.child_by_field_name("name") is None:
-            skipped["syntax_error"] += 1
-            continue
-        name = node.child_by_field_name("name").text.decode("utf-8")
-        if node.type == "method_declaration":  # Recv.Name, as sft_mine names it
-            types = [n for n in descendants(node.child_by_field_name("receiver")) if n.type == "type_identifier"]
-            name = f"{types[0].text.decode('utf-8')}.{name}" if types else name
-        body = node.child_by_field_name("body")
-        if body is None:
-            skipped["no_body"] += 1
-            continue
+    for node, name, body in go_function_nodes(root, skipped):
         if not _go_stmts(body.children):  # empty, or comments only
             skipped["trivial_body"] += 1
             continue
@@ -335,7 +321,6 @@ def mine_units(text: str, language: str, skipped: Counter | None = None) -> list
     "key"} (plan uncapped; key: the code mining/sft.py hashes). Functions left out are counted in `skipped`."""
     if language not in LANG_NAME:
         raise PlanMineError(f"cannot mine functions of language {language!r}: only {sorted(LANG_NAME)}")
-    from ..syntax import parser
     skipped = Counter() if skipped is None else skipped
     src = text.encode("utf-8")
     root = parser(language).parse(src).root_node
@@ -373,16 +358,9 @@ def mine_plans(sources: list[str], languages: list[str] | None = None, max_examp
     skipped: Counter = Counter()
     seen: set[bytes] = set()
     rows: dict[str, list[dict]] = {"train": [], "val": []}
-    files = functions = truncated = 0
-    for doc in iter_documents(sources, opts, cstats):
-        language = MINED_LANGUAGES.get(os.path.splitext(doc.source)[1])
-        if language is None:
-            skipped["unsupported_file"] += 1
-            continue
-        files += 1
-        before = sum(skipped.values())
-        found = mine_units(doc.text, language, skipped)
-        functions += len(found) + sum(skipped.values()) - before
+    counts: Counter = Counter()  # files, functions
+    truncated = 0
+    for doc, language, found in mined_files(sources, opts, cstats, skipped, counts, mine_units):
         for fn in found:
             if len(fn["prompt"]) + len(fn["body"]) > max_chars:
                 skipped["too_long"] += 1
@@ -405,7 +383,8 @@ def mine_plans(sources: list[str], languages: list[str] | None = None, max_examp
         if max_examples and len(rows["train"]) + len(rows["val"]) >= max_examples:
             break
     train, val = rows["train"], rows["val"]
-    stats = {"files": files, "functions": functions, "examples": len(train) + len(val), "train": len(train),
+    stats = {"files": counts["files"], "functions": counts["functions"],
+             "examples": len(train) + len(val), "train": len(train),
              "val": len(val), "truncated_plans": truncated, "skipped": dict(sorted(skipped.items())),
              "corpus_skipped": dict(sorted(cstats.skipped.items()))}
     return train, val, stats

@@ -31,14 +31,13 @@ error inside it), `too_long` (more than `max_chars` characters), `duplicate`.
 from __future__ import annotations
 
 import inspect
-import os
 import random
 from collections import Counter
 from pathlib import Path
 
 from ..atomic import output_dir, write_splits
-from ..corpus import CorpusOptions, CorpusStats, content_hash, iter_documents, split_of
-from .functions import DOC_NAME, LANG_NAME, MINED_LANGUAGES, MineError, mine_functions
+from ..corpus import CorpusOptions, CorpusStats, content_hash, split_of
+from .functions import DOC_NAME, LANG_NAME, MineError, mined_files
 
 # go/ast's rule for a directive line, which is not part of a doc comment
 PHRASINGS = (
@@ -90,16 +89,8 @@ def mine_sft(sources: list[str], languages: list[str] | None = None, max_example
     seen: set[bytes] = set()
     train: list[dict] = []
     heldout: list[dict] = []
-    files = functions = 0
-    for doc in iter_documents(sources, opts, cstats):
-        language = MINED_LANGUAGES.get(os.path.splitext(doc.source)[1])
-        if language is None:
-            skipped["unsupported_file"] += 1
-            continue
-        files += 1
-        before = sum(skipped.values())
-        found = mine_functions(doc.text, language, skipped)
-        functions += len(found) + sum(skipped.values()) - before
+    counts: Counter = Counter()  # files, functions
+    for doc, language, found in mined_files(sources, opts, cstats, skipped, counts):
         for fn in found:
             if len(fn["code"]) > max_chars:
                 skipped["too_long"] += 1
@@ -115,7 +106,8 @@ def mine_sft(sources: list[str], languages: list[str] | None = None, max_example
                 break
         if max_examples and len(train) + len(heldout) >= max_examples:
             break
-    stats = {"files": files, "functions": functions, "examples": len(train) + len(heldout),
+    stats = {"files": counts["files"], "functions": counts["functions"],
+             "examples": len(train) + len(heldout),
              "train": len(train), "heldout": len(heldout), "skipped": dict(sorted(skipped.items())),
              "corpus_skipped": dict(sorted(cstats.skipped.items()))}
     return train, heldout, stats

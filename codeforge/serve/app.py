@@ -31,11 +31,10 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
 from ..chat import CALL_OPEN, IM_END, encode_conversation
-from ..fim import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX
+from ..fim import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, infill_ids
 from .batcher import Event, QueueFull, Row, RowParams, Scheduler
-from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from .metrics import Metrics
-from .protocol import (SSE_DONE, ApiError, ChatRequest, CompletionRequest, InfillRequest, NamedToolChoice,
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
+from .protocol import (ApiError, ChatRequest, CompletionRequest, InfillRequest, NamedToolChoice, SSE_DONE,
                        chat_message, chat_response, completion_response, held_back, new_id, parse_body, sse,
                        usage)
 
@@ -252,7 +251,6 @@ async def completions(srv: ServerState, request: Request):
             srv.check_prompt(list(p))  # ids checked before echo decodes them
 
     def encode():
-        from ..fim import infill_ids
         tok, out = srv.tok, []
         for p in prompts:
             if not isinstance(p, str):

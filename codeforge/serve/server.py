@@ -8,9 +8,11 @@ import socket
 import sys
 from pathlib import Path
 
-from .. import CodeforgeError
+from .. import CodeforgeError, rundir
+from ..checkpoint import load_model
+from ..device import choose_device, choose_precision
+from ..engine import Engine
 from .app import ServeOptions, create_app
-from .. import rundir
 
 
 class ServeError(CodeforgeError):
@@ -60,9 +62,6 @@ def _loopback(host: str) -> bool:
 def serve_command(a) -> int:
     import uvicorn
 
-    from ..checkpoint import load_model
-    from ..device import choose_device, choose_precision
-    from ..engine import Engine
     check_options(a)
     dev, why = choose_device(a.device)
     precision, _ = choose_precision(dev, "auto")

@@ -63,7 +63,9 @@ from typing import TYPE_CHECKING, Callable
 
 from .. import CodeforgeError
 from ..atomic import output_dir, write_splits
+from ..chat import encode_conversation
 from ..corpus import content_hash, split_of
+from ..sandbox import check_available, run_many
 
 if TYPE_CHECKING:
     from ..tokenizer import CodeTokenizer
@@ -1059,7 +1061,6 @@ def execution_rewards(tasks: list[dict], completions: list[str], timeout: float 
         else:
             runs.append((i, code + "\n\n" + task["tests"]))
     if runs:
-        from ..sandbox import run_many
         results = run_many([prog for _, prog in runs], timeout=timeout, memory_mb=memory_mb, workers=workers,
                            unsafe_no_sandbox=unsafe_no_sandbox)
         for (i, _), res in zip(runs, results):
@@ -1072,7 +1073,6 @@ def validate_tasks(tasks: list[dict], timeout: float = 5.0, **kw) -> tuple[list[
     """(kept, skipped). Skipped, each {"id", "reason"}: tests that do not parse; tests that pass with no
     code before them (they check nothing, and would reward any answer); a "solution" that does not parse or
     fails its tests in the sandbox. `kw` goes to sandbox.run_many (memory_mb, workers, unsafe_no_sandbox)."""
-    from ..sandbox import run_many
     reasons: dict[int, str] = {}
     checks: list[tuple[int, str, str]] = []  # (task index, what is run, program)
     for i, t in enumerate(tasks):
@@ -1117,7 +1117,6 @@ def write_tasks(out_dir: str | Path, n: int = 2000, seed: int = 0, overwrite: bo
     tasks = generate_tasks(n, seed, levels)
     skipped: list[dict] = []
     if validate:
-        from ..sandbox import check_available
         if not sandbox_kw.get("unsafe_no_sandbox"):
             check_available()
         tasks, skipped = validate_tasks(tasks, **sandbox_kw)
@@ -1141,7 +1140,6 @@ def task_prompt_ids(tok: CodeTokenizer, task: dict, chat: bool) -> list[int]:
     """The prompt a policy sees for a task: the request as a user turn with the chat template (a chat run), or
     the request as plain text and a newline (a pretrained run)."""
     if chat:
-        from ..chat import encode_conversation
         return encode_conversation(tok, [{"role": "user", "content": task["prompt"]}], add_generation_prompt=True)[0]
     return tok.encode(task["prompt"] + "\n")
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models import build_model
+
 GIB = 2**30
 
 
@@ -45,7 +47,6 @@ def estimate(model_cfg, train_cfg, world: int, precision: str = "fp32", offload:
     """Per-rank bytes of a run of `model_cfg`/`train_cfg` on `world` ranks at `precision` (fp32, bf16,
     fp16: the compute dtype of activations and gathered weights). offload: FSDP's CPU offload (shards,
     gradients and optimizer state leave the device)."""
-    from ..models import build_model
     with torch.device("meta"):
         model = build_model(model_cfg)
     params = model.num_params()

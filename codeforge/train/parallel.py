@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from .. import CodeforgeError
+from ..distributed import startup_group
 
 class ParallelError(CodeforgeError):
     """A parallelism setting that cannot work for this run; the message says what to use instead."""
@@ -87,7 +88,6 @@ def _fully_shard(model, device, compile, precision, offload):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    from ..distributed import startup_group
     # the other ranks arrive first and wait here while rank 0 builds (or loads) the whole model: in the
     # startup group, whose timeout is long, not under the training collectives' --dist-timeout
     dist.barrier(group=startup_group())
