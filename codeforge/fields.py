@@ -1,6 +1,6 @@
 """A config field declared once: default, allowed range or choices, and help, in the dataclass itself.
 
-Validation (`check_fields`) and the command line (cli.py generates a flag per field) both read this
+Validation (`check_fields`) and the command line (cli/train.py generates a flag per field) both read this
 declaration, so a range, a choice list or a help text is written in exactly one place.
 """
 

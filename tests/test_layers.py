@@ -341,6 +341,21 @@ def cycle_report(graph: Graph) -> list[str]:
     return out
 
 
+def stage_to_stage(graph: Graph) -> list[str]:
+    """Rule 6: a stage file imports stages/common.py, never another stage (the package's dispatcher may)."""
+    return [f"{_describe(imp)}: a stage imports another stage; share it through stages/common.py"
+            for imp in _edges(graph)
+            if imp.src.startswith(f"{PKG}.stages.") and imp.target.startswith(f"{PKG}.stages.")
+            and imp.target != f"{PKG}.stages.common"]
+
+
+def inner_imports(graph: Graph) -> list[str]:
+    """Rule 7: imports of codeforge's own modules inside functions only in the CLI (where they keep torch out
+    of `codeforge --help`)."""
+    return [_describe(imp) for imp in _edges(graph)
+            if imp.in_function and not (imp.src == f"{PKG}.cli" or imp.src.startswith(f"{PKG}.cli."))]
+
+
 def _fail(title: str, items: list[str]) -> None:
     if items:
         pytest.fail(f"{title} ({len(items)}):\n" + "\n".join(f"  {i}" for i in items), pytrace=False)
@@ -365,6 +380,15 @@ def test_no_forbidden_pairs() -> None:
 
 def test_no_private_imports() -> None:
     _fail("imports of another module's _private name", private_imports(collect()))
+
+
+def test_a_stage_imports_common_not_another_stage() -> None:
+    _fail("stage files importing another stage", stage_to_stage(collect()))
+
+
+def test_codeforge_imports_inside_functions_only_in_the_cli() -> None:
+    _fail("imports of codeforge modules inside functions outside cli/ (move them to the top)",
+          inner_imports(collect()))
 
 
 def test_no_import_cycles() -> None:

@@ -9,7 +9,7 @@ runs. Three ways, all PyTorch's own and launched by torchrun:
   - fsdp: FSDP2 (`torch.distributed.fsdp.fully_shard`) per transformer block and then the root, over a 1-D
           device mesh of all ranks: each rank keeps 1/N of every parameter, gradient and optimizer state and
           gathers a block's weights only while it runs. The model is sharded in place (its parameters become
-          DTensors), so the model is also what runs; checkpoints are sharded with DCP (checkpoint.py).
+          DTensors), so the model is also what runs; checkpoints are sharded with DCP (checkpoint/save.py).
           On GPUs a mixed-precision policy computes in bf16 (or fp16) with fp32 gradient reduction; `offload`
           keeps shards and optimizer state in CPU memory; `compile` compiles each block on its own (whole-
           model compile does not trace through FSDP's hooks); activation checkpointing is the model's own
@@ -35,7 +35,7 @@ class ParallelError(CodeforgeError):
 def choose_mode(asked: str, world: int, device: torch.device, plan: tuple[float, float, float] | None = None,
                 ) -> tuple[str, str]:
     """(mode, why) for a run of `world` ranks asking for --parallel `asked` (auto, ddp, fsdp).
-    plan: (DDP, FSDP) estimated bytes per rank (plan.py) and the smallest device's memory, given only where
+    plan: (DDP, FSDP) estimated bytes per rank (train/memory.py) and the smallest device's memory, given only where
     FSDP could run (GPUs, AdamW); auto picks FSDP when the DDP estimate does not fit and the FSDP one does."""
     if world <= 1:
         if asked == "fsdp":
