@@ -1,7 +1,7 @@
 """The start of every training run, written once: each stage file calls these in order and then reads
 straight down (data -> model -> loss and evaluation -> Trainer).
 
-    launch(cfg, log, train)       device and precision (said once), the process group under torchrun, a `say`
+    launch(cfg, log)              device and precision (said once), the process group under torchrun, a `say`
                                   only rank 0 speaks through, and what the run holds (the run lock)
     begin(...)                    vocabulary from the tokenizer, validation, the run lock, the run's recorded
                                   configuration, and the checkpoint a --resume continues (checked, and the
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -53,10 +53,11 @@ class Run:
         return Path(self.cfg.train.out)
 
 
-def launch(cfg: RunConfig, log, train: Callable[[Run], dict]) -> dict:
-    """The preamble every stage shares: the device and precision (said once), the process group under
-    torchrun (alive exactly as long as this call), a `say` that only rank 0 speaks through, and an ExitStack
-    for what the run holds (the run-directory lock). Calls train(run)."""
+@contextlib.contextmanager
+def launch(cfg: RunConfig, log) -> Iterator[Run]:
+    """The preamble every stage shares, as `with launch(cfg, log) as run:`: the device and precision (said
+    once), the process group under torchrun (alive exactly as long as the block), a `say` that only rank 0
+    speaks through, and an ExitStack for what the run holds (the run-directory lock)."""
     t = cfg.train
     device, why_dev = choose_device(t.device)
     precision, why_prec = choose_precision(device, t.precision)
@@ -70,7 +71,7 @@ def launch(cfg: RunConfig, log, train: Callable[[Run], dict]) -> dict:
         say = log if rank == 0 else (lambda m: None)
         say(f"device: {device} ({why_dev}); precision: {precision} ({why_prec})")
         with contextlib.ExitStack() as held:
-            return train(Run(cfg, say, device, precision, rank, world, held))
+            yield Run(cfg, say, device, precision, rank, world, held)
     finally:
         teardown_distributed()
 

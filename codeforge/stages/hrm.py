@@ -46,7 +46,8 @@ def run(cfg: RunConfig, resume: bool = False, log=print) -> dict:
     if not (Path(t.data) / "train.jsonl").exists():
         raise ConfigError(f"{t.data} has no train.jsonl; mine plans first: codeforge make-plans --input SRC "
                           f"--out {t.data}")
-    return launch(cfg, log, lambda r: _train(r, resume))
+    with launch(cfg, log) as run:
+        return _train(run, resume)
 
 
 def _train(run: Run, resume: bool) -> dict:

@@ -34,7 +34,8 @@ def run(cfg: RunConfig, resume: bool = False, log=print) -> dict:
     ShardSet(t.data, "train")  # inputs first: a missing or unprepared --data is said before anything else
     check_init_from(t.init_from)
     sampler = chat_sample if STAGE[t.stage].chat == "yes" else plain_sample
-    return launch(cfg, log, lambda r: _train(r, resume, sampler))
+    with launch(cfg, log) as run:
+        return _train(run, resume, sampler)
 
 
 def _train(run: Run, resume: bool, sampler: Callable[..., str]) -> dict:

@@ -85,7 +85,8 @@ def run(cfg: RunConfig, resume: bool = False, log=print) -> dict:
     if not Path(t.data).exists():
         raise ConfigError(f"--data {t.data} does not exist; make pairs with `codeforge make-pairs --input SRC "
                           f"--out {t.data}` or pass your own JSONL (prompt/chosen/rejected)")
-    return launch(cfg, log, lambda r: _train(r, resume))
+    with launch(cfg, log) as run:
+        return _train(run, resume)
 
 
 def _train(run: Run, resume: bool) -> dict:

@@ -266,7 +266,8 @@ def run(cfg: RunConfig, resume: bool = False, log=print) -> dict:
         raise ConfigError(f"--rewards {t.rewards} needs --reward-model RUN (from --stage reward)")
     if t.stage == "grpo" and t.group_size < 2:
         raise ConfigError("--stage grpo compares samples within a group: --group-size must be at least 2")
-    return launch(cfg, log, lambda r: _train(r, resume))
+    with launch(cfg, log) as run:
+        return _train(run, resume)
 
 
 def _train(run: Run, resume: bool) -> dict:

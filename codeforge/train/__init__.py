@@ -1,0 +1,10 @@
+"""The one training loop and what it is made of; never imports stages/ or evaluation/ (handed callbacks).
+
+- trainer.py   the loop: evaluate, sample, checkpoint, stop check, one optimisation step, log
+- optim.py     AdamW groups (fused), Muon + AdamW, learning-rate schedules
+- losses.py    log-probs, DPO, Bradley-Terry, GAE, group advantages, clipped policy and value losses
+- parallel.py  DDP / FSDP2 wrapping in one place
+- logging.py   metrics.jsonl, TensorBoard, W&B, the progress bar
+- resume.py    the resume policy: what --resume may change, the data's identity, other numbers of ranks
+- memory.py    `codeforge plan`: memory per rank under DDP and FSDP
+"""
