@@ -20,6 +20,7 @@ from .fields import ConfigError, check_fields, setting
 from .models import ARCHS, config_class
 from .models.gpt import GPTConfig
 
+
 @dataclass(frozen=True)
 class Stage:
     """What a training stage is, said once: every other place asks this table."""

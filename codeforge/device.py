@@ -9,6 +9,7 @@ import torch
 
 from . import CodeforgeError
 
+
 class DeviceError(CodeforgeError):
     """The requested device or precision is not available here."""
 

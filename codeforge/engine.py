@@ -239,7 +239,6 @@ class Engine:
         if len(text) > sent:
             yield text[sent:]
 
-
     def chat(self, messages: list[dict], tools: list[dict] | None, p: SamplingParams, warn=None,
              on_text=None) -> dict:
         """The assistant's next turn for a conversation (chat.py's rendering plus the generation prompt):

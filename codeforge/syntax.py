@@ -5,7 +5,6 @@ these."""
 from __future__ import annotations
 
 
-
 def parser(language: str):
     from tree_sitter import Language, Parser
     if language == "python":

@@ -7,6 +7,7 @@ import argparse
 
 from .. import CodeforgeError
 
+
 class CLIError(CodeforgeError):
     pass
 

@@ -11,6 +11,7 @@ import sys
 from .. import CodeforgeError
 from .args import corpus_args, corpus_opts
 
+
 def cmd_tokenizer_train(a: argparse.Namespace) -> int:
     from ..corpus import CorpusStats, iter_documents
     from ..tokenizer import train_tokenizer

@@ -9,6 +9,7 @@ import sys
 
 from .args import CLIError
 
+
 def add_generate_parser(sub) -> None:
     g = sub.add_parser("generate", help="generate text from a trained run")
     g.add_argument("--run", required=True, help="run directory or checkpoint directory")

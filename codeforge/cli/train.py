@@ -8,6 +8,7 @@ import os
 from .. import rundir
 from .args import CLIError
 
+
 def add_parsers(sub) -> None:
 
     t = sub.add_parser("train", help="train a model on prepared shards (any stage)",

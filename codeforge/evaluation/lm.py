@@ -13,6 +13,7 @@ from ..data.loader import batch_source
 from ..device import autocast
 from ..models.lm_loss import IGNORE_INDEX
 
+
 class EvalError(CodeforgeError):
     """Evaluation cannot run on what it was given; the message says why."""
 

@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from .. import rundir
 from ..checkpoint import load_model
 from ..config import speaks_chat
 from ..data.shards import ShardSet
@@ -20,7 +21,7 @@ from .hrm import run_hrm_eval
 from .lm import EvalError, validation_loss
 from .tasks import task_eval
 from .tool_calls import tool_calling_eval
-from .. import rundir
+
 
 def run_eval(run: str, data: str | None = None, eval_tokens: int | None = None, syntax_samples: int = 16,
              language: str | None = None, humaneval: int = 0, ks: list[int] = (1, 10), samples_per_problem: int = 10,

@@ -11,6 +11,7 @@ from ..tokenizer import CodeTokenizer
 from .generation import pass_at_k
 from .lm import EvalError
 
+
 @torch.no_grad()
 def sample_tasks(model, tok: CodeTokenizer, device, precision: str, tasks: list[dict], chat: bool, n: int,
                  max_new_tokens: int, temperature: float, seed: int) -> list[tuple[list[int], list[int], str]]:

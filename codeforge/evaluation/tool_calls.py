@@ -6,6 +6,7 @@ from __future__ import annotations
 from ..engine import SamplingParams
 from ..tasks.tool_calls import eval_cases, generate, score
 
+
 def tool_calling_eval(engine, n_cases: int = 100, seed: int = 0, max_new_tokens: int = 96) -> dict:
     """Scores of a chat model on held-out synthetic tool-calling conversations (tasks/tool_calls.py; disjoint
     from any training split it generates): share of tool-call attempts that parse, right tool, arguments

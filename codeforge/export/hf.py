@@ -47,6 +47,7 @@ from .families import ARCEE_KEYS, GPT2_CONV1D, GPT2_KEYS, LLAMA_KEYS, expand, sp
 
 # -- families ----------------------------------------------------------------------------------------------------
 
+
 class Family:
     """One transformers class: its name, model_type, key map and the config it needs."""
 

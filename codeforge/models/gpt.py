@@ -26,7 +26,6 @@ from ..fields import setting
 from .lm_loss import lm_loss
 
 
-
 @dataclass
 class GPTConfig:
     arch: str = setting("gpt", "model architecture (the registry key, saved in checkpoints)", choices=("gpt",))

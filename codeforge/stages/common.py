@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from .. import checkpoint as ckpt_io
 from .. import rundir
+from .. import checkpoint as ckpt_io
 from ..config import FSDP_STAGES, STAGE, ConfigError, RunConfig
 from ..device import choose_device, choose_precision
 from ..distributed import distributed_env, found_by_rank0, setup_distributed, teardown_distributed

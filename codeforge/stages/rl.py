@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .. import checkpoint as ckpt_io
 from .. import rundir
+from .. import checkpoint as ckpt_io
 from ..config import ConfigError, RunConfig, speaks_chat
 from ..device import autocast
 from ..evaluation.tasks import sample_tasks, task_eval

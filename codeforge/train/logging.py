@@ -26,6 +26,7 @@ def duration(s: float) -> str:
 class RunLogger:
     LINE_SECONDS = 60.0       # without a bar: a progress line at least this often
     MIN_LINE_SECONDS = 5.0    # and at most this often
+
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, tensorboard: bool = True,
                  wandb: bool = False, wandb_project: str = "codeforge", config: dict | None = None,
                  progress: bool = True, enabled: bool = True):

@@ -28,6 +28,7 @@ import torch
 from .. import CodeforgeError
 from ..distributed import startup_group
 
+
 class ParallelError(CodeforgeError):
     """A parallelism setting that cannot work for this run; the message says what to use instead."""
 

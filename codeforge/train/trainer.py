@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from .. import rundir
 from .. import CodeforgeError
 from .. import checkpoint as ckpt_io
 from ..config import SECTIONS, TrainConfig, dumps_toml
@@ -24,7 +25,6 @@ from ..device import autocast, memory_gib, peak_flops
 from . import parallel
 from .logging import RunLogger, duration
 from .optim import build_optimizer, lr_at, set_lr
-from .. import rundir
 from ..distributed import lost_peer
 
 LossFn = Callable[[torch.nn.Module, object], tuple[torch.Tensor, dict]]
