@@ -3,7 +3,10 @@
     python benchmarks/sandbox_overhead.py [--workers N] [--limit N] [--unsafe-no-sandbox]
 
 Prints how many pass, wall time per program run one at a time, and the throughput with N parallel workers
-(when the sandbox module has run_many). Also times an empty program, the floor of the per-program cost.
+(when the sandbox module has run_many). Also times an empty program, the floor of the per-program cost, and
+(where the sandbox has it, since the verdict moved outside the box) the same solutions judged outside: the
+box calls the function on the check's inputs and returns the values, compared here with the canonical
+ones. The seccomp filter is on when the sandbox builds one (the first line says).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ def main() -> None:
     a = ap.parse_args()
     kw = {"unsafe_no_sandbox": True} if a.unsafe_no_sandbox else {}
     progs = programs(a.limit)
+    bpf = getattr(sandbox, "seccomp_program", lambda: None)()
+    print(f"seccomp filter: {'on, ' + str(len(bpf)) + ' bytes of BPF' if bpf else 'none'}")
     empty = []
     for _ in range(20):
         t = time.perf_counter()
@@ -58,6 +63,16 @@ def main() -> None:
         wall = time.perf_counter() - t0
         print(f"parallel ({a.workers or 'all cores'}): {sum(r.passed for r in res)}/{len(progs)} passed in "
               f"{wall:.2f} s, {wall / len(progs) * 1e3:.1f} ms per program")
+    if hasattr(sandbox, "encode_calls"):
+        from codeforge.evaluation import humaneval
+        probs = list(read_problems().values())[:a.limit]
+        humaneval.reference_outputs(probs, **kw)  # the canonical values, computed once (not timed)
+        samples = [{"task_id": p["task_id"], "completion": p["canonical_solution"]} for p in probs]
+        t0 = time.perf_counter()
+        summary, _ = humaneval.score_samples(samples, {p["task_id"]: p for p in probs}, ks=[1], timeout=10, **kw)
+        wall = time.perf_counter() - t0
+        print(f"judged outside, parallel: pass@1 {summary['pass@1']:.3f} ({summary['problems_judged_outside']} of "
+              f"{len(probs)} problems outside the box) in {wall:.2f} s, {wall / len(probs) * 1e3:.1f} ms per program")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ their scores. The seccomp filter and the no-model scoring commands are tested he
 from __future__ import annotations
 
 import json
+import platform
 import shutil
 
 import pytest
@@ -157,19 +158,22 @@ def test_rl_rewards_refuse_tests_that_only_run_in_the_box():
 # -- seccomp -------------------------------------------------------------------------------------------------
 
 @needs_sandbox
-@pytest.mark.parametrize("call", ["ptrace", "process_vm_readv", "unshare"])
+@pytest.mark.parametrize("call", ["ptrace", "process_vm_readv", "io_uring_setup"])
 def test_seccomp_refuses_what_a_test_program_never_needs(call):
     from codeforge import sandbox
     if sandbox.seccomp_program() is None:
         pytest.skip(sandbox.SECCOMP_ERROR)
-    # Each call would succeed in the box without the filter: PTRACE_TRACEME on itself, reading its own
-    # memory, a new user namespace is refused by bwrap's --disable-userns already, so unshare is of a UTS ns.
+    # Without the filter, in the box: PTRACE_TRACEME succeeds, reading its own memory succeeds, io_uring_setup
+    # with a null pointer fails with EFAULT (io_uring's calls are not seen by seccomp, hence refused whole).
+    # New namespaces are refused without the filter too (no capabilities, --disable-userns).
+    if platform.machine() != "x86_64" and call == "io_uring_setup":
+        pytest.skip("the system call number below is x86-64's")
     code = {"ptrace": "r = libc.ptrace(0, 0, 0, 0)",
             "process_vm_readv": ("buf = ctypes.create_string_buffer(8); src = ctypes.create_string_buffer(b'abcdefg')\n"
                                  "class IOV(ctypes.Structure):\n    _fields_ = [('b', ctypes.c_void_p), ('n', ctypes.c_size_t)]\n"
                                  "l = IOV(ctypes.addressof(buf), 8); r_ = IOV(ctypes.addressof(src), 8)\n"
                                  "r = libc.process_vm_readv(os.getpid(), ctypes.byref(l), 1, ctypes.byref(r_), 1, 0)"),
-            "unshare": "r = libc.unshare(0x04000000)"}[call]
+            "io_uring_setup": "r = libc.syscall(425, 1, None)"}[call]
     prog = ("import ctypes, errno, os\nlibc = ctypes.CDLL(None, use_errno=True)\n" + code + "\n"
             "raise SystemError(f'{r} {errno.errorcode.get(ctypes.get_errno())}')\n")
     r = sandbox.run_python(prog, timeout=5)
@@ -224,3 +228,24 @@ def test_humaneval_canonical_solutions_pass_and_forgeries_do_not(tmp_path, capsy
     assert s["pass@1"] == 0.0, s
     out = [json.loads(line) for line in (tmp_path / "bad_out.jsonl").read_text().splitlines()]
     assert {o["outcome"] for o in out[:20]} == {"early_exit"} and not any(o["passed"] for o in out)
+
+
+@needs_sandbox
+def test_nothing_of_the_evaluator_is_reachable_through_inherited_fds(tmp_path):
+    """Even a descriptor the evaluator marked inheritable stays outside: the box holds /dev/null and pipes."""
+    import os
+
+    from codeforge import sandbox
+    secret = tmp_path / "evaluator-secret.txt"
+    secret.write_text("key")
+    fd = os.open(secret, os.O_RDONLY)
+    os.set_inheritable(fd, True)
+    try:
+        prog = ("import os\nout = []\nfor n in os.listdir('/proc/self/fd'):\n    try:\n"
+                "        out.append(os.readlink('/proc/self/fd/' + n))\n    except OSError:\n        pass\n"
+                "raise SystemError(repr(sorted(set(out))))\n")
+        r = sandbox.run_python(prog, timeout=5)
+    finally:
+        os.close(fd)
+    targets = eval(r.detail.removeprefix("SystemError: "))
+    assert targets and all(t == "/dev/null" or t.startswith("pipe:") or t.startswith("/proc/") for t in targets), targets
