@@ -26,7 +26,7 @@ import re
 from typing import Any
 
 from . import CodeforgeError
-from .corpus import UnusableInput, check_sources, open_text
+from .corpus import MAX_LINE_CHARS, UnusableInput, bounded_lines, check_sources, leaves_tree, long_line_detail, open_text
 
 ROLES = ("system", "user", "assistant", "tool")
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -247,29 +247,41 @@ def parse_assistant(text: str) -> dict:
 
 # -- reading chat JSONL ----------------------------------------------------------------------------------
 
-def read_conversations(paths: list[str], stats, strict: bool = False):
+def read_conversations(paths: list[str], stats, strict: bool = False, max_line_chars: int = MAX_LINE_CHARS):
     """Yield (messages, tools, where) from JSONL files (.jsonl, .gz, .zst; also a directory of them). A
     line that is not JSON or not a valid conversation is skipped and counted in `stats` under its reason
     (bad_json, no_messages, unknown_role, no_assistant, tool_call_not_json, tool_schema_not_object, ...)
-    with file and line, or refused under strict."""
+    with file and line, or refused under strict. A line longer than `max_line_chars` is counted as
+    oversized_record without being held whole (corpus.bounded_lines); in a directory, a symlink to a file
+    outside it is counted as symlink_outside and never read."""
     import os
 
     check_sources(paths)
-    files: list[str] = []
+    files: list[tuple[str, str | None]] = []  # (path, real path of the directory walked to find it)
     for p in paths:
         if os.path.isdir(p):
+            tree = os.path.realpath(p)
             for d, dirnames, names in os.walk(p):
                 dirnames.sort()
-                files += [os.path.join(d, n) for n in sorted(names) if n.endswith((".jsonl", ".jsonl.gz", ".jsonl.zst"))]
+                files += [(os.path.join(d, n), tree) for n in sorted(names)
+                          if n.endswith((".jsonl", ".jsonl.gz", ".jsonl.zst"))]
         else:
-            files.append(p)
-    for path in files:
+            files.append((p, None))
+    for path, tree in files:
+        if tree is not None and (real := leaves_tree(path, tree)):
+            stats.skip("symlink_outside", path, False, f"a symlink to {real}, outside {tree}: not read; name the "
+                       f"target as an input to read it")
+            continue
         try:
             with open_text(path) as f:
-                for lineno, line in enumerate(f, 1):
+                for lineno, line in bounded_lines(f, max_line_chars):
+                    where = f"{path}:{lineno}"
+                    if line is None:
+                        stats.skip("oversized_record", where, strict, long_line_detail(
+                            max_line_chars, "raise --max-file-bytes (the limit is 12 times it) to read longer ones"))
+                        continue
                     if not line.strip():
                         continue
-                    where = f"{path}:{lineno}"
                     try:
                         obj = json.loads(line)
                     except json.JSONDecodeError as e:

@@ -12,12 +12,30 @@ Hostile inputs are skipped and counted, never read blindly (or refused under `--
   unreadable           open() or read() failed (permission denied, I/O error), or a directory could not be listed
   corrupt_compressed   a .gz / .zst that is not in that format, is truncated or is damaged; the records read
                        before the damage are kept (the file is streamed), and the file is counted once
-  corrupt_parquet      a .parquet file pyarrow cannot read
+  corrupt_parquet      a .parquet file pyarrow cannot read (or whose page headers do not parse)
   symlinked_dir        a symlink to a directory inside a walked tree: not followed (as os.walk does by
                        default, so a link loop cannot recurse forever); pass its target as another input.
                        Warned, but not refused under --strict: it is a policy, not damage.
+  symlink_outside      a symlink inside a walked tree to a file outside it (it could name ~/.ssh/id_rsa):
+                       never read. Warned, not refused under --strict (a policy); name the target to read it.
+  oversized_record     a JSONL line longer than the read limit, or the rows of a parquet row group with a page
+                       larger than it: skipped without ever being held whole (see "Read limits")
 A source named directly (not found in a walk) that is not a regular file or directory, a broken symlink or
 unreadable is refused before any work, with its path.
+
+Read limits: a few kilobytes on disk can hold gigabytes once read (a line of one repeated byte compresses
+32,000:1 in zstd, 1,000:1 in gzip), so nothing is read whole before its size is known:
+  whole files          at most --max-file-bytes (default 1,000,000) read; compressed files are not
+                       decompressed here (a .gz named like code is binary to the filters)
+  .gz / .zst streams   decompressed in bounded steps (zstd is fed 1 KiB of input at a time: at most 32 MiB out)
+  JSONL lines          at most `line_limit(max_file_bytes)` characters held (12 x --max-file-bytes + 64 KiB,
+                       12,065,536 by default: the longest JSON line whose text can pass --max-file-bytes, an
+                       astral character escaping to 12); a longer line is read through in 1 MiB pieces and
+                       counted as oversized_record. Chat and preference-pair JSONL use the same limit.
+  parquet              each row group's text-column page headers are read first (parquet_page_sizes); a row
+                       group with a page over the line limit is skipped whole, its rows counted as
+                       oversized_record, as pyarrow would decode the page whole; the others are read in batches
+                       of at most 64 MiB even if every row repeats the largest dictionary entry.
 """
 
 from __future__ import annotations
@@ -64,6 +82,9 @@ REASON_WORDS = {
     "directory symlinks (not followed)", "corrupt_compressed": "damaged .gz/.zst", "corrupt_parquet":
     "damaged parquet", "bad_json": "lines that are not JSON", "missing_field": "records without the text field",
     "vanished": "gone before they were read",
+    "symlink_outside": "file symlinks pointing out of the input tree (not followed)",
+    "oversized_record": "records over the read limit (JSONL lines over 12 x --max-file-bytes characters, parquet "
+                        "row groups with a page over it)",
 }
 
 
@@ -141,8 +162,9 @@ class CorpusStats:
     skipped: Counter = field(default_factory=Counter)
     examples: dict = field(default_factory=dict)  # reason -> first offending input
 
-    def skip(self, reason: str, where: str, strict: bool = False, detail: str = "") -> None:
-        self.skipped[reason] += 1
+    def skip(self, reason: str, where: str, strict: bool = False, detail: str = "", n: int = 1) -> None:
+        """Count `n` inputs (a file, a record, the rows of a parquet row group) skipped for `reason`."""
+        self.skipped[reason] += n
         self.examples.setdefault(reason, where)
         if strict:
             raise CorpusError(f"{where}: {reason}{': ' + detail if detail else ''} (--strict is on)")
@@ -215,6 +237,161 @@ def _is_test_path(parts: tuple[str, ...]) -> bool:
     return bool(TEST_FILE.search(parts[-1])) or any(p in TEST_DIRS for p in parts[:-1])
 
 
+# -- read limits -----------------------------------------------------------------------------------------
+
+ZSTD_FEED = 1 << 10  # compressed bytes per zstd call: a 4-byte RLE block decodes to 128 KiB, so <= 32 MiB out
+LINE_PIECE = 1 << 20  # characters read at a time while reading through an over-long line
+PARQUET_BATCH_BYTES = 64 << 20  # decoded bytes a parquet batch may reach, at its worst
+
+
+def line_limit(max_file_bytes: int) -> int:
+    """The longest JSONL line (in characters) read: long enough for any record whose text passes
+    --max-file-bytes (one astral character escapes to 12, two \\uXXXX), plus 64 KiB for the other fields."""
+    return 12 * max_file_bytes + (64 << 10)
+
+
+MAX_LINE_CHARS = line_limit(CorpusOptions.max_file_bytes)  # 12,065,536: the default for chat and pair JSONL
+
+
+def bounded_lines(f: io.TextIOBase, limit: int) -> Iterator[tuple[int, str | None]]:
+    """(line number, line) of a text stream, never holding more than `limit` characters of one line (plus
+    its newline): a longer line is read through in LINE_PIECE pieces, discarded, and given as (n, None)."""
+    lineno = 0
+    while line := f.readline(limit + 1):
+        lineno += 1
+        if len(line) <= limit or line.endswith("\n"):
+            yield lineno, line
+            continue
+        while line and not line.endswith("\n"):
+            line = f.readline(LINE_PIECE)
+        yield lineno, None
+
+
+def long_line_detail(limit: int, fix: str) -> str:
+    return f"a line longer than {limit:,} characters, the read limit: skipped without being held whole; {fix}"
+
+
+def leaves_tree(path: str, tree: str) -> str | None:
+    """For a file met while walking the directory `tree` (a real path): the real path of a regular file
+    outside `tree` that `path` is a symlink to, else None. A link to a missing or non-regular target is
+    left to the open, which counts it as broken_symlink or not_regular_file."""
+    if not os.path.islink(path):
+        return None  # the walk follows no directory link, so a plain entry is inside the tree
+    real = os.path.realpath(path)
+    if os.path.commonpath([real, tree]) == tree or not os.path.isfile(real):
+        return None
+    return real
+
+
+class BadPageHeader(Exception):
+    """A parquet page header that does not parse (counted as corrupt_parquet)."""
+
+
+class _PageHeaders:
+    """Just enough of Thrift's compact protocol to read parquet page headers at byte offsets of a file:
+    a header's top-level integer fields are returned, everything else skipped; binary fields (page
+    statistics) are skipped by offset, never read. Reads with os.pread, so pyarrow's position on the same
+    file is untouched. Malformed input raises BadPageHeader."""
+
+    def __init__(self, fd: int, end: int):
+        self.fd, self.end = fd, end
+        self.pos, self._block, self._at = 0, b"", 0
+
+    def _byte(self) -> int:
+        i = self.pos - self._at
+        if not 0 <= i < len(self._block):
+            self._at, self._block = self.pos, os.pread(self.fd, 4096, self.pos)
+            i = 0
+            if not self._block:
+                raise BadPageHeader("page header runs past the end of the file")
+        self.pos += 1
+        return self._block[i]
+
+    def _varint(self) -> int:
+        out = shift = 0
+        while True:
+            b = self._byte()
+            out |= (b & 0x7F) << shift
+            if b < 0x80:
+                return out
+            shift += 7
+            if shift > 63:
+                raise BadPageHeader("varint longer than 64 bits")
+
+    def _zigzag(self) -> int:
+        n = self._varint()
+        return (n >> 1) ^ -(n & 1)
+
+    def _skip(self, t: int, depth: int, in_list: bool = False) -> None:
+        if depth > 16:
+            raise BadPageHeader("page header nested too deep")
+        if t in (1, 2):  # a bool: its value is in the field header, or one byte in a list
+            if in_list:
+                self._byte()
+        elif t == 3:
+            self._byte()
+        elif t in (4, 5, 6):
+            self._varint()
+        elif t == 7:
+            self.pos += 8
+        elif t == 8:
+            n = self._varint()  # read first: `self.pos += self._varint()` would add to the old position
+            self.pos += n
+        elif t in (9, 10):  # list, set
+            h = self._byte()
+            n, et = h >> 4, h & 15
+            if n == 15:
+                n = self._varint()
+            if et == 7:
+                self.pos += 8 * n  # doubles: one step, not n
+            else:
+                for _ in range(n):  # every other element reads at least one byte: bounded by the file
+                    self._skip(et, depth + 1, True)
+        elif t == 11:  # map
+            n = self._varint()
+            if n:
+                kv = self._byte()
+                for _ in range(n):
+                    self._skip(kv >> 4, depth + 1, True)
+                    self._skip(kv & 15, depth + 1, True)
+        elif t == 12:
+            self.struct(depth + 1)
+        else:
+            raise BadPageHeader(f"unknown thrift type {t}")
+        if self.pos > self.end:
+            raise BadPageHeader("page header runs past its column chunk")
+
+    def struct(self, depth: int = 0) -> dict[int, int]:
+        """The struct at self.pos: {field id: value} of its integer fields; self.pos moves past it."""
+        fields: dict[int, int] = {}
+        last = 0
+        while h := self._byte():
+            t, delta = h & 15, h >> 4
+            last = last + delta if delta else self._zigzag()
+            if t in (4, 5, 6):
+                fields[last] = self._zigzag()
+            else:
+                self._skip(t, depth)
+        return fields
+
+
+def parquet_page_sizes(fd: int, col) -> Iterator[int]:
+    """Uncompressed size of every page (dictionary and data) of one column chunk (pyarrow's
+    ColumnChunkMetaData), read from the page headers alone: what pyarrow will hold decoded at once."""
+    start = col.data_page_offset
+    if col.has_dictionary_page and col.dictionary_page_offset:
+        start = min(start, col.dictionary_page_offset)
+    end = start + col.total_compressed_size  # the chunk's pages with their headers
+    r = _PageHeaders(fd, end)
+    r.pos = start
+    while r.pos < end:
+        h = r.struct()  # PageHeader: 1 type, 2 uncompressed_page_size, 3 compressed_page_size
+        if h.get(2, -1) < 0 or h.get(3, -1) < 0:
+            raise BadPageHeader(f"page header at byte {r.pos} has no page sizes")
+        yield h[2]
+        r.pos += h[3]
+
+
 # -- readers ---------------------------------------------------------------------------------------------
 
 def _open_regular(path: str) -> tuple[io.BufferedReader, os.stat_result]:
@@ -281,8 +458,14 @@ class _Decompressed(io.RawIOBase):
         return len(data)
 
     def _read_zst(self, n: int) -> bytes:
+        """At most n decompressed bytes. The input goes in ZSTD_FEED bytes at a time, so one call never
+        produces more than 32 MiB however well the data compresses (zstandard's decompressobj has no
+        output limit of its own)."""
         while self._pos >= len(self._buf):
-            chunk, self._pending = self._pending or self._f.read(1 << 16), b""
+            if self._pending:
+                chunk, self._pending = self._pending[:ZSTD_FEED], self._pending[ZSTD_FEED:]
+            else:
+                chunk = self._f.read(ZSTD_FEED)
             if not chunk:
                 if self._d is not None and not self._d.eof:
                     raise EOFError("zstd file ended inside a frame (truncated)")
@@ -291,7 +474,7 @@ class _Decompressed(io.RawIOBase):
                 self._d = self._zmod.ZstdDecompressor().decompressobj()
             self._buf, self._pos = self._d.decompress(chunk), 0
             if self._d.eof:
-                self._pending = self._d.unused_data
+                self._pending = self._d.unused_data + self._pending
         out = self._buf[self._pos:self._pos + n]
         self._pos += len(out)
         return out
@@ -314,14 +497,20 @@ def open_text(path: str) -> io.TextIOBase:
 
 def _read_jsonl(path: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[Document]:
     """Documents of a JSONL file, streamed. A damaged compressed file keeps the records read before the
-    damage and is counted once under corrupt_compressed (refused under --strict)."""
+    damage and is counted once under corrupt_compressed (refused under --strict). A line over
+    line_limit(--max-file-bytes) is counted as oversized_record without being held whole."""
     kept = 0
+    limit = line_limit(opts.max_file_bytes)
     try:
         with open_text(path) as f:
-            for lineno, line in enumerate(f, 1):
+            for lineno, line in bounded_lines(f, limit):
+                where = f"{path}:{lineno}"
+                if line is None:
+                    stats.skip("oversized_record", where, opts.strict,
+                               long_line_detail(limit, "raise --max-file-bytes to read longer records"))
+                    continue
                 if not line.strip():
                     continue
-                where = f"{path}:{lineno}"
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
@@ -343,8 +532,12 @@ def _read_jsonl(path: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[
 
 
 def _read_parquet(path: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[Document]:
-    """Rows of a parquet file; one pyarrow cannot read is counted under corrupt_parquet (rows read before
-    the damage are kept)."""
+    """Rows of a parquet file, row group by row group. pyarrow decodes a page whole (a 10 KB file can hold
+    one 300 MB value), so each row group's text-column page headers are read first: a row group with a page
+    over line_limit(--max-file-bytes) is skipped unread, its rows counted as oversized_record. The others
+    are read in batches sized so that even rows that all repeat the largest page's value (a dictionary
+    page) stay under PARQUET_BATCH_BYTES decoded. A file pyarrow cannot read is counted under
+    corrupt_parquet (rows read before the damage are kept)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     try:
@@ -359,15 +552,33 @@ def _read_parquet(path: str, opts: CorpusOptions, stats: CorpusStats) -> Iterato
             if opts.text_field not in pf.schema_arrow.names:
                 raise CorpusError(f"{path} has no column {opts.text_field!r} (columns: {pf.schema_arrow.names}); "
                                   f"set --text-field")
-            for batch in pf.iter_batches(columns=[opts.text_field], batch_size=1024):
-                for text in batch.column(0).to_pylist():
-                    row += 1
-                    if isinstance(text, str):
-                        yield Document(text, f"{path}#{row}")
-                    else:
-                        stats.skip("missing_field", f"{path}#{row}", opts.strict, "null or non-string value")
+            limit = line_limit(opts.max_file_bytes)
+            meta = pf.metadata
+            for i in range(meta.num_row_groups):
+                rg = meta.row_group(i)
+                chunks = [c for c in map(rg.column, range(rg.num_columns))
+                          if c.path_in_schema == opts.text_field or c.path_in_schema.startswith(opts.text_field + ".")]
+                largest = max((size for c in chunks for size in parquet_page_sizes(f.fileno(), c)), default=0)
+                if largest > limit:
+                    stats.skip("oversized_record", f"{path}#{row + 1}", opts.strict,
+                               f"row group {i} ({rg.num_rows} rows) has a page of {largest:,} bytes, over the "
+                               f"{limit:,}-byte read limit: skipped unread; raise --max-file-bytes to read it",
+                               n=rg.num_rows)
+                    row += rg.num_rows
+                    continue
+                batch_size = max(1, min(1024, PARQUET_BATCH_BYTES // max(largest, 1)))
+                for batch in pf.iter_batches(batch_size=batch_size, row_groups=[i], columns=[opts.text_field]):
+                    for text in batch.column(0).to_pylist():
+                        row += 1
+                        if isinstance(text, str):
+                            yield Document(text, f"{path}#{row}")
+                        else:
+                            stats.skip("missing_field", f"{path}#{row}", opts.strict, "null or non-string value")
         except (pa.ArrowException, OSError) as e:
             stats.skip("corrupt_parquet", path, opts.strict, str(e) + (f" (kept the {row} rows before it)" if row else ""))
+        except BadPageHeader as e:
+            stats.skip("corrupt_parquet", path, opts.strict, f"bad page header: {e}" +
+                       (f" (kept the {row} rows before it)" if row else ""))
 
 
 def _read_hf(spec: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[Document]:
@@ -391,11 +602,18 @@ def _read_hf(spec: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[Doc
             stats.skip("missing_field", f"{spec}#{i}", opts.strict, f"no string field {opts.text_field!r}")
 
 
-def _read_file(path: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[Document]:
+def _read_file(path: str, opts: CorpusOptions, stats: CorpusStats, tree: str | None = None) -> Iterator[Document]:
+    """One whole file as a document, at most --max-file-bytes read. tree: the real path of the directory
+    being walked; a symlink from it to a regular file outside it is counted as symlink_outside, never read."""
     try:
         f, st = _open_regular(path)
     except UnusableInput as e:
         stats.skip(e.reason, path, opts.strict, e.detail)
+        return
+    if tree is not None and (real := leaves_tree(path, tree)):
+        f.close()
+        stats.skip("symlink_outside", path, False, f"a symlink to {real}, outside {tree}: not read; name the "
+                   f"target as an input to read it")
         return
     with f:
         if st.st_size > opts.max_file_bytes:
@@ -418,8 +636,10 @@ def _read_file(path: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[D
 
 def _walk(root: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[Document]:
     """Files under `root` with a wanted extension. Symlinks to directories are not followed (counted as
-    symlinked_dir), so a link loop cannot recurse; a directory that cannot be listed is counted as unreadable."""
+    symlinked_dir), so a link loop cannot recurse; symlinks to files outside `root` are not read (counted as
+    symlink_outside); a directory that cannot be listed is counted as unreadable."""
     exts = opts.extensions()
+    tree = os.path.realpath(root)
 
     def unlistable(e: OSError) -> None:
         stats.skip("unreadable", e.filename or root, opts.strict, f"directory not listed: {e.strerror or e}")
@@ -445,7 +665,7 @@ def _walk(root: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[Docume
             if opts.exclude_tests and _is_test_path(parts + (name,)):
                 stats.skip("test_file", path)
                 continue
-            yield from _read_file(path, opts, stats)
+            yield from _read_file(path, opts, stats, tree)
 
 
 def read_source(src: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[Document]:

@@ -32,7 +32,7 @@ import numpy as np
 from .. import CodeforgeError, __version__
 from ..atomic import publish, staging_dir
 from ..chat import encode_conversation, read_conversations, render_text
-from ..corpus import CorpusOptions, CorpusStats, content_hash, iter_documents, split_of
+from ..corpus import CorpusOptions, CorpusStats, content_hash, iter_documents, line_limit, split_of
 from ..tokenizer import CodeTokenizer, META_FILE, TOKENIZER_FILE, write_hf_config
 
 SPLITS = ("train", "val")
@@ -113,7 +113,8 @@ def _fingerprint(sources: list[str], tok_hash: str, options: dict) -> str:
     added file makes a new one), the tokenizer and the options."""
     h = hashlib.sha256(json.dumps({"tokenizer": tok_hash, "options": options}, sort_keys=True).encode())
     for src in sources:
-        h.update(src.encode() if src.startswith("hf:") else os.path.abspath(src).encode())
+        # os.fsencode: a file name need not be UTF-8 (Python holds its odd bytes as surrogates)
+        h.update(os.fsencode(src if src.startswith("hf:") else os.path.abspath(src)))
         if os.path.isdir(src):
             for dirpath, dirnames, filenames in os.walk(src):
                 dirnames.sort()
@@ -122,7 +123,7 @@ def _fingerprint(sources: list[str], tok_hash: str, options: dict) -> str:
                         st = os.stat(os.path.join(dirpath, name))
                     except OSError:
                         continue
-                    h.update(f"{dirpath}/{name}:{st.st_size}:{st.st_mtime_ns}".encode())
+                    h.update(os.fsencode(f"{dirpath}/{name}:{st.st_size}:{st.st_mtime_ns}"))
         elif os.path.exists(src):
             st = os.stat(src)
             h.update(f":{st.st_size}:{st.st_mtime_ns}".encode())
@@ -236,7 +237,7 @@ def _write_chat(sources, tok: CodeTokenizer, tmp: Path, opts: CorpusOptions, sha
     writers = {s: _SplitWriter(tmp, s, dtype, shard_tokens, with_mask=True) for s in SPLITS}
     seen: set[bytes] = set()
     t0 = time.perf_counter()
-    for messages, tools, where in read_conversations(sources, stats, opts.strict):
+    for messages, tools, where in read_conversations(sources, stats, opts.strict, line_limit(opts.max_file_bytes)):
         text = render_text(messages, tools)
         digest = content_hash(text)
         if digest in seen:

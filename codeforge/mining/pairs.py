@@ -50,7 +50,8 @@ from pathlib import Path
 from .. import CodeforgeError
 from ..atomic import output_dir, write_splits
 from ..chat import ROLES
-from ..corpus import CorpusOptions, CorpusStats, content_hash, open_text, split_of
+from ..corpus import (MAX_LINE_CHARS, CorpusOptions, CorpusStats, bounded_lines, content_hash, long_line_detail,
+                      open_text, split_of)
 from ..sandbox import run_many
 from ..syntax import parser
 from ..tasks.code_tasks import load_tasks
@@ -754,15 +755,17 @@ def _normalise(obj) -> dict:
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected, "chat": chat}
 
 
-def load_pairs(path: str | Path, split: str = "train", skipped: Counter | None = None) -> list[dict]:
+def load_pairs(path: str | Path, split: str = "train", skipped: Counter | None = None,
+               max_line_chars: int = MAX_LINE_CHARS) -> list[dict]:
     """Preference pairs from a JSONL file, or from `split` ("train" or "heldout") of a directory holding
     train.jsonl / heldout.jsonl (what `write_pairs` makes); .gz and .zst files are decompressed. Each row is
     normalised by `normalise_pair`.
 
     A bad row raises PairError naming the file, the line and what is wrong, unless a Counter is passed as
     `skipped`: then bad rows are counted there by reason (bad_json, missing_side, same_sides, empty_side,
-    bad_type, bad_message, no_prompt) and left out. A file with no good pair is an error either way, except
-    a directory's empty heldout.jsonl, which gives []: the miner writes one when no function fell in it.
+    bad_type, bad_message, no_prompt, oversized_record) and left out. A line longer than `max_line_chars` is
+    never held whole (corpus.bounded_lines). A file with no good pair is an error either way, except a
+    directory's empty heldout.jsonl, which gives []: the miner writes one when no function fell in it.
     """
     if split not in SPLITS:
         raise PairError(f"split {split!r} must be one of {', '.join(SPLITS)}")
@@ -780,19 +783,23 @@ def load_pairs(path: str | Path, split: str = "train", skipped: Counter | None =
     bad: Counter = Counter()
     try:
         with open_text(str(p)) as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
+            for lineno, line in bounded_lines(f, max_line_chars):
+                if line is None:
+                    reason, detail = "oversized_record", long_line_detail(
+                        max_line_chars, "a pair that long cannot fit a context: shorten the record or drop it")
+                elif not line.strip():
                     continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    reason, detail = "bad_json", f"not JSON ({e})"
                 else:
                     try:
-                        rows.append(_normalise(obj))
-                        continue
-                    except _Bad as e:
-                        reason, detail = e.reason, e.detail
+                        obj = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        reason, detail = "bad_json", f"not JSON ({e})"
+                    else:
+                        try:
+                            rows.append(_normalise(obj))
+                            continue
+                        except _Bad as e:
+                            reason, detail = e.reason, e.detail
                 if skipped is None:
                     raise PairError(f"{p}: line {lineno}: {detail}", reason)
                 bad[reason] += 1
