@@ -18,24 +18,26 @@ Hostile inputs are skipped and counted, never read blindly (or refused under `--
                        Warned, but not refused under --strict: it is a policy, not damage.
   symlink_outside      a symlink inside a walked tree to a file outside it (it could name ~/.ssh/id_rsa):
                        never read. Warned, not refused under --strict (a policy); name the target to read it.
-  oversized_record     a JSONL line longer than the read limit, or the rows of a parquet row group with a page
-                       larger than it: skipped without ever being held whole (see "Read limits")
+  oversized_record     a JSONL line longer than the line limit, or the rows of a parquet row group with a page
+                       over the page limit: skipped without ever being held whole (see "Read limits")
 A source named directly (not found in a walk) that is not a regular file or directory, a broken symlink or
 unreadable is refused before any work, with its path.
 
 Read limits: a few kilobytes on disk can hold gigabytes once read (a line of one repeated byte compresses
 32,000:1 in zstd, 1,000:1 in gzip), so nothing is read whole before its size is known:
-  whole files          at most --max-file-bytes (default 1,000,000) read; compressed files are not
-                       decompressed here (a .gz named like code is binary to the filters)
+  whole files          at most --max-file-bytes (default 1,000,000) read, the size checked before reading;
+                       only JSONL is decompressed (.jsonl.gz / .jsonl.zst): any other file is read as it is
+                       on disk, so a compressed one is at most --max-file-bytes of bytes (and binary)
   .gz / .zst streams   decompressed in bounded steps (zstd is fed 1 KiB of input at a time: at most 32 MiB out)
   JSONL lines          at most `line_limit(max_file_bytes)` characters held (12 x --max-file-bytes + 64 KiB,
                        12,065,536 by default: the longest JSON line whose text can pass --max-file-bytes, an
                        astral character escaping to 12); a longer line is read through in 1 MiB pieces and
                        counted as oversized_record. Chat and preference-pair JSONL use the same limit.
-  parquet              each row group's text-column page headers are read first (parquet_page_sizes); a row
-                       group with a page over the line limit is skipped whole, its rows counted as
-                       oversized_record, as pyarrow would decode the page whole; the others are read in batches
-                       of at most 64 MiB even if every row repeats the largest dictionary entry.
+  parquet pages        each row group's text-column page headers are read first (parquet_page_sizes); a row
+                       group with a page over `parquet_page_limit` (64 MiB, or the line limit if larger) is
+                       skipped unread, its rows counted as oversized_record, as pyarrow decodes a page whole
+                       (about 5 times its size at peak); the others are read in batches of at most 64 MiB
+                       decoded even if every row repeats the largest dictionary entry.
 """
 
 from __future__ import annotations
@@ -83,8 +85,8 @@ REASON_WORDS = {
     "damaged parquet", "bad_json": "lines that are not JSON", "missing_field": "records without the text field",
     "vanished": "gone before they were read",
     "symlink_outside": "file symlinks pointing out of the input tree (not followed)",
-    "oversized_record": "records over the read limit (JSONL lines over 12 x --max-file-bytes characters, parquet "
-                        "row groups with a page over it)",
+    "oversized_record": "records over the read limits (JSONL lines over 12 x --max-file-bytes characters, rows "
+                        "of parquet row groups with a page over 64 MiB)",
 }
 
 
@@ -242,6 +244,10 @@ def _is_test_path(parts: tuple[str, ...]) -> bool:
 ZSTD_FEED = 1 << 10  # compressed bytes per zstd call: a 4-byte RLE block decodes to 128 KiB, so <= 32 MiB out
 LINE_PIECE = 1 << 20  # characters read at a time while reading through an over-long line
 PARQUET_BATCH_BYTES = 64 << 20  # decoded bytes a parquet batch may reach, at its worst
+# pyarrow holds a page about 5 times over while decoding it (a 60 MB value: 315 MB peak). pyarrow's writer
+# closes a page every 1,024 rows at the earliest, so 20 KB documents already make 20 MB pages: the limit
+# must not be the line limit's 12 MB.
+PARQUET_PAGE_BYTES = 64 << 20
 
 
 def line_limit(max_file_bytes: int) -> int:
@@ -251,6 +257,11 @@ def line_limit(max_file_bytes: int) -> int:
 
 
 MAX_LINE_CHARS = line_limit(CorpusOptions.max_file_bytes)  # 12,065,536: the default for chat and pair JSONL
+
+
+def parquet_page_limit(max_file_bytes: int) -> int:
+    """The largest parquet page (uncompressed bytes) read: 64 MiB, or the line limit if that is larger."""
+    return max(PARQUET_PAGE_BYTES, line_limit(max_file_bytes))
 
 
 def bounded_lines(f: io.TextIOBase, limit: int) -> Iterator[tuple[int, str | None]]:
@@ -534,7 +545,7 @@ def _read_jsonl(path: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[
 def _read_parquet(path: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[Document]:
     """Rows of a parquet file, row group by row group. pyarrow decodes a page whole (a 10 KB file can hold
     one 300 MB value), so each row group's text-column page headers are read first: a row group with a page
-    over line_limit(--max-file-bytes) is skipped unread, its rows counted as oversized_record. The others
+    over parquet_page_limit(--max-file-bytes) is skipped unread, its rows counted as oversized_record. The others
     are read in batches sized so that even rows that all repeat the largest page's value (a dictionary
     page) stay under PARQUET_BATCH_BYTES decoded. A file pyarrow cannot read is counted under
     corrupt_parquet (rows read before the damage are kept)."""
@@ -552,7 +563,7 @@ def _read_parquet(path: str, opts: CorpusOptions, stats: CorpusStats) -> Iterato
             if opts.text_field not in pf.schema_arrow.names:
                 raise CorpusError(f"{path} has no column {opts.text_field!r} (columns: {pf.schema_arrow.names}); "
                                   f"set --text-field")
-            limit = line_limit(opts.max_file_bytes)
+            limit = parquet_page_limit(opts.max_file_bytes)
             meta = pf.metadata
             for i in range(meta.num_row_groups):
                 rg = meta.row_group(i)

@@ -197,6 +197,22 @@ def test_parquet_ordinary_file_reads_every_row(tmp_path, dictionary, version):
     assert out["skipped"] == {"missing_field": texts.count(None)}
 
 
+def test_parquet_pages_of_large_documents_are_read(tmp_path):
+    """pyarrow's writer closes a page every 1,024 rows at the earliest: 20 KB documents make a 20 MB page,
+    a page limit as low as the JSONL line limit (12 MB) would drop them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    texts = [f"# {i}\n" + "x = 1\n" * 3400 for i in range(1100)]
+    path = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"text": texts}), path)
+    from codeforge.corpus import parquet_page_sizes
+    meta = pq.ParquetFile(path).metadata
+    with open(path, "rb") as f:
+        assert max(parquet_page_sizes(f.fileno(), meta.row_group(0).column(0))) > 12 << 20
+    out = run_reader("corpus", [path])
+    assert out["kept"] == texts and out["skipped"] == {}
+
+
 # -- 2. a file name that is not UTF-8 ----------------------------------------------------------------------
 
 def test_prepare_and_tokenizer_train_take_a_file_name_that_is_not_utf8(tmp_path, tokenizer_dir):
