@@ -405,7 +405,18 @@ def add_serve_parser(sub) -> None:
                    help="auto (default): best if the run has one, else latest")
     s.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N or mps")
     s.add_argument("--api-key", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health and / (default: none)")
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health and / (default: none; "
+                        "the key shows in `ps`: prefer --api-key-file or $CODEFORGE_API_KEY)")
+    s.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the API key from this file (one line); the CODEFORGE_API_KEY environment variable "
+                        "is read when neither option is given")
+    s.add_argument("--allowed-hosts", default=None, metavar="HOST,...",
+                   help="Host header names (NAME or NAME:PORT) answered besides localhost, 127.0.0.1, ::1, --host "
+                        "and the address connected to, on the server's port; '*' for any (default: those only, "
+                        "which stops DNS rebinding)")
+    s.add_argument("--allowed-origins", default=None, metavar="ORIGIN,...",
+                   help="web pages (scheme://host[:port]) allowed to call the API from a browser, with CORS; '*' "
+                        "for any (default: only the server's own playground page)")
     s.add_argument("--max-batch", type=int, default=8, metavar="N", help="rows decoded together (default 8)")
     s.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="rows waiting for a batch slot before requests get 429 (default 64)")
@@ -418,6 +429,15 @@ def add_serve_parser(sub) -> None:
                         "0: none)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N",
                    help="largest request body (default 1048576); larger ones get 413")
+    s.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="seconds a connection has to send a request's head before it is closed (default 10)")
+    s.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds from a request's head to the end of its body before it is closed (default 30)")
+    s.add_argument("--keep-alive", type=float, default=5.0, metavar="S",
+                   help="seconds an idle connection is kept open between requests (default 5)")
+    s.add_argument("--max-connections", type=int, default=0, metavar="N",
+                   help="open connections at most; a new one over it displaces the one waiting longest on its "
+                        "client (default 0: what the file limit, ulimit -n, leaves room for, at most 1024)")
     s.add_argument("--model-name", default=None, metavar="NAME",
                    help="the model's id in the API (default: the run directory's name)")
     s.add_argument("--access-log", action="store_true", help="log every request (default: warnings only)")

@@ -1,12 +1,17 @@
 """The HTTP app: OpenAI-compatible completions and chat (with tool calls), llama.cpp-style /infill, models,
 health and Prometheus metrics, over one continuous-batching generation loop (batcher.py).
 
-Request flow: the guard (a plain ASGI middleware) checks the API key and the body size and records every
-response in the metrics; a handler validates the body (protocol.py), encodes the prompt (in a worker thread,
-under the tokenizer lock: the tokenizer's special-token switch is shared state), turns the request into rows
-(one per prompt and choice) and queues them; the generation thread reports events that come back to the
-handler's asyncio queue, which answers in one JSON body or streams them as server-sent events. A client
-that disconnects cancels its rows, which leave the batch at the next step.
+Request flow: the connection layer (connections.py) has already bounded how long the head and body may take
+and how many connections are open. The guard (a plain ASGI middleware) then refuses a Host header that names
+neither a loopback name nor the server's own address (DNS rebinding) and an Origin that is not the server's
+own page (another site's page, through the user's browser), both unless --allowed-hosts/--allowed-origins
+widen them; checks the API key and the body size; and records every response in the metrics. With
+--allowed-origins, Starlette's CORS middleware around it answers those pages' preflight requests. A handler
+validates the body (protocol.py), encodes the prompt (in a worker thread, under the tokenizer lock: the
+tokenizer's special-token switch is shared state), turns the request into rows (one per prompt and choice)
+and queues them; the generation thread reports events that come back to the handler's asyncio queue, which
+answers in one JSON body or streams them as server-sent events. A client that disconnects cancels its rows,
+which leave the batch at the next step.
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ import traceback
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
@@ -40,6 +47,7 @@ from .protocol import (ApiError, ChatRequest, CompletionRequest, InfillRequest, 
 
 PLAYGROUND = Path(__file__).parent / "static" / "playground.html"
 OPEN_PATHS = ("/health", "/", "/favicon.ico")  # reachable without the API key
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 PLACEHOLDER = ("<!doctype html><html><head><meta charset='utf-8'><title>codeforge</title></head><body>"
                "<h1>codeforge</h1><p>playground not built: codeforge/serve/static/playground.html is missing. "
                "The API is at <code>/v1</code> (OpenAI-compatible).</p></body></html>")
@@ -56,7 +64,10 @@ class ServeOptions:
     request_timeout: float = 600.0  # seconds from arrival to the last token; 0: none
     max_body_bytes: int = 1 << 20
     stage: str = "pretrain"
-    checkpoint: str = ""
+    checkpoint: str = ""  # the checkpoint's name (step_000100), never its path: /v1/models shows it
+    host: str = ""  # the --host the server is bound to: a name in the Host header it answers to
+    allowed_hosts: tuple[str, ...] = ()  # more Host names (NAME or NAME:PORT) to answer to; "*": any
+    allowed_origins: tuple[str, ...] = ()  # web pages (scheme://host[:port]) allowed besides its own; "*": any
 
 
 class ClientGone(Exception):
@@ -322,7 +333,7 @@ async def chat_completions(srv: ServerState, request: Request):
     msgs = b.rendered_messages()
     tools = [t.model_dump(exclude_none=True) for t in b.tools] if b.tools else None
     choice = b.tool_choice
-    forced = ""  # text the reply is made to start with (tool_choice required or named)
+    forced = ""  # text the reply is made to start with (tool_choice required or named; part of the reply)
     if choice not in (None, "none", "auto") and not tools:
         raise ApiError(400, "tool_choice requires tools", param="tool_choice")
     if choice == "none":
@@ -370,24 +381,11 @@ async def chat_completions(srv: ServerState, request: Request):
     done = await gen.collect(request)
     choices = []
     for t in sorted(done):
+        # a forced call the model did not complete comes back as what it wrote, finish_reason "stop" or
+        # "length": the model's outcome, not a server fault (vLLM answers the same way)
         msg, finish = chat_message(forced + done[t].text, done[t].finish_reason, tools_active, names, parallel)
-        if forced and not msg.get("tool_calls"):
-            raise ApiError(500, forced_failure(b, done[t].finish_reason), code="tool_call_failed")
         choices.append({"index": t, "message": msg, "logprobs": None, "finish_reason": finish})
     return chat_response(rid, model, choices, usage(len(ids), sum(e.completion_tokens for e in done.values())))
-
-
-def forced_failure(b, finish_reason: str) -> str:
-    """The message when tool_choice required a call and the model wrote none that parses."""
-    return forced_failure_text(CALL_OPEN + "{" if isinstance(b.tool_choice, NamedToolChoice) else CALL_OPEN,
-                               finish_reason)
-
-
-def forced_failure_text(forced: str, finish_reason: str) -> str:
-    what = "the named tool" if forced != CALL_OPEN else "a declared tool"
-    why = " before max_tokens ran out" if finish_reason == "length" else ""
-    return (f"tool_choice required a call to {what}, and the model did not write a valid one{why}; "
-            f"raise max_tokens, or use tool_choice \"auto\" to get whatever it writes")
 
 
 async def stream_chat(gen: Generation, request: Request, rid: str, model: str, n: int, forced: str,
@@ -428,11 +426,6 @@ async def stream_chat(gen: Generation, request: Request, rid: str, model: str, n
                         completion_tokens += ev.completion_tokens
                         msg, finish = chat_message(forced + ev.text, ev.finish_reason, tools_active, names,
                                                    parallel)
-                        if forced and not msg.get("tool_calls"):
-                            yield error_event(Event("error", forced_failure_text(forced, ev.finish_reason),
-                                                    status=500))
-                            yield SSE_DONE
-                            return
                         content = msg.get("content") or ""
                         sent = raw[tag][:shown[tag]]
                         if msg.get("tool_calls"):
@@ -531,12 +524,86 @@ def error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
+def split_host(value: str) -> tuple[str, int | None] | None:
+    """A Host header or an --allowed-hosts entry as (name, port): 'Example.com:8000' -> ('example.com', 8000),
+    '[::1]:8000' -> ('::1', 8000), a bare '::1' or no port -> port None; None when it is not a host."""
+    v = value.strip().lower()
+    if v.startswith("["):
+        name, close, rest = v[1:].partition("]")
+        if not close or (rest and not rest.startswith(":")):
+            return None
+        sep, port = rest[:1], rest[1:]
+    elif v.count(":") > 1:  # a bare IPv6 address
+        name, sep, port = v, "", ""
+    else:
+        name, sep, port = v.partition(":")
+    if not name or any(c in name for c in "/@?# \t\\") or (sep and not port.isdigit()):
+        return None
+    return name, int(port) if port else None
+
+
+def parse_hosts(entries) -> frozenset[tuple[str, int | None]] | None:
+    """--allowed-hosts as a set of (name, port or None for any); None when it holds '*'."""
+    out = set()
+    for e in entries:
+        if e.strip() == "*":
+            return None
+        h = split_host(e)
+        if h is None:
+            raise ValueError(f"--allowed-hosts: {e!r} is not a host name or address (NAME, NAME:PORT, IP or "
+                             f"[IPv6]:PORT)")
+        out.add(h)
+    return frozenset(out)
+
+
+def parse_origins(entries) -> frozenset[tuple[str, str, int]] | None:
+    """--allowed-origins as a set of (scheme, host, port); None when it holds '*'."""
+    out = set()
+    for e in entries:
+        if e.strip() == "*":
+            return None
+        o = split_origin(e)
+        if o is None:
+            raise ValueError(f"--allowed-origins: {e!r} is not an origin (scheme://host[:port], as a browser "
+                             f"sends it, e.g. http://localhost:3000)")
+        out.add(o)
+    return frozenset(out)
+
+
+def split_origin(value: str) -> tuple[str, str, int] | None:
+    """An Origin header as (scheme, host, port with the scheme's default); None for 'null' or anything else
+    that is not scheme://host[:port]."""
+    try:
+        u = urlsplit(value.strip().lower())
+        port = u.port or {"http": 80, "https": 443}.get(u.scheme)
+    except ValueError:
+        return None
+    if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/") or u.query or u.fragment:
+        return None
+    return u.scheme, u.hostname, port
+
+
 class Guard:
-    """Plain ASGI middleware around every request: API key, body size, metrics, and a last-resort 500 in
-    the OpenAI shape (the server never answers with a traceback or dies on a request)."""
+    """Plain ASGI middleware around every request: Host and Origin, API key, body size, metrics, and a
+    last-resort 500 in the OpenAI shape (the server never answers with a traceback or dies on a request).
+
+    Host: a page on any site can make the user's browser send requests to 127.0.0.1, and with DNS rebinding
+    (evil.example resolving to 127.0.0.1 after the page loaded) read the answers as its own; the browser
+    then sends `Host: evil.example`. So the Host must name a loopback address, localhost, the --host the
+    server is bound to or the address the connection arrived at, with the server's port, or an
+    --allowed-hosts entry. Origin: browsers send it with cross-site requests (and same-origin POSTs); only
+    the server's own origin (its playground page) and --allowed-origins are answered. Clients that are not
+    browsers send no Origin and are not concerned."""
 
     def __init__(self, app, srv: ServerState):
         self.app, self.srv = app, srv
+        opts = srv.opts
+        self.hosts = parse_hosts(opts.allowed_hosts)
+        self.origins = parse_origins(opts.allowed_origins)
+        names = set(LOOPBACK_NAMES)
+        if opts.host and opts.host not in ("0.0.0.0", "::", ""):
+            names.add(opts.host.strip("[]").lower())
+        self.own_names = frozenset(names)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -580,10 +647,49 @@ class Guard:
         finally:
             self.srv.metrics.observe_request(scope["path"], status[0], time.perf_counter() - t0)
 
+    def _check_host(self, scope, host: str | None) -> ApiError | None:
+        if self.hosts is None or host is None:  # '*', or no Host (HTTP/1.0; browsers always send one)
+            return None
+        h = split_host(host)
+        server = scope.get("server") or ("", None)
+        default_port = 443 if scope.get("scheme") == "https" else 80
+        if h is not None:
+            name, port = h[0], h[1] or default_port
+            if (name in self.own_names or name == str(server[0]).lower()) and port == server[1]:
+                return None
+            if (name, None) in self.hosts or (name, port) in self.hosts:
+                return None
+        shown = h[0] if h else host
+        return ApiError(400, f"the Host header {host!r} is neither this machine's loopback nor the server's own "
+                             f"address and port: a web page can reach a local server that way (DNS rebinding). "
+                             f"If you reach the server by that name, start it with --allowed-hosts {shown} "
+                             f"(comma-separated; '*' allows any)", param="Host", code="host_not_allowed")
+
+    def _check_origin(self, scope, origin: str | None, host: str | None) -> ApiError | None:
+        if origin is None or self.origins is None:
+            return None
+        o = split_origin(origin)
+        if o is not None:
+            if o in self.origins:
+                return None
+            h = split_host(host) if host else None
+            scheme = scope.get("scheme", "http")
+            if h is not None and o == (scheme, h[0], h[1] or (443 if scheme == "https" else 80)):
+                return None  # the server's own page (the playground)
+        return ApiError(403, f"requests from web pages at {origin!r} are refused: a page on another site must not "
+                             f"use this server through your browser. To allow that page, start the server with "
+                             f"--allowed-origins {origin.strip() if o else 'ORIGIN'} (comma-separated; '*' "
+                             f"allows any)", param="Origin", code="origin_not_allowed")
+
     def _precheck(self, scope) -> ApiError | None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        err = (self._check_host(scope, headers.get("host"))
+               or self._check_origin(scope, headers.get("origin"), headers.get("host")))
+        if err is not None:
+            return err
         key = self.srv.opts.api_key
-        if key and scope["path"] not in OPEN_PATHS:
+        preflight = scope["method"] == "OPTIONS" and "access-control-request-method" in headers
+        if key and scope["path"] not in OPEN_PATHS and not preflight:  # a preflight never carries the key
             given = headers.get("authorization", "")
             token = given[7:].strip() if given[:7].lower() == "bearer " else ""
             if not hmac.compare_digest(token.encode(), key.encode()):
@@ -624,6 +730,12 @@ def create_app(engine, opts: ServeOptions) -> FastAPI:
     app = FastAPI(title="codeforge", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.srv = srv
     app.add_middleware(Guard, srv=srv)
+    if opts.allowed_origins:  # outside the guard: preflights answered, CORS headers on the guard's errors too
+        app.add_middleware(CORSMiddleware, allow_origins=[o.strip().lower().rstrip("/") for o in opts.allowed_origins],
+                           allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"],
+                           max_age=600)
+    # read once: a file opened per request would cost a descriptor per connection (connections.py's budget)
+    page = PLAYGROUND.read_bytes() if PLAYGROUND.is_file() else PLACEHOLDER.encode()
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
@@ -681,8 +793,6 @@ def create_app(engine, opts: ServeOptions) -> FastAPI:
 
     @app.get("/")
     async def playground():
-        if PLAYGROUND.is_file():
-            return FileResponse(PLAYGROUND, media_type="text/html")
-        return HTMLResponse(PLACEHOLDER)
+        return HTMLResponse(page)
 
     return app

@@ -6,7 +6,9 @@ codeforge_time_to_first_token_seconds (histograms); from the scheduler at scrape
 codeforge_generated_tokens_total, codeforge_prompt_tokens_total, codeforge_decode_steps_total,
 codeforge_decode_step_rows_total (their ratio is the mean batch size), codeforge_rows_total{outcome},
 codeforge_generation_loop_errors_total, gauges codeforge_queue_length, codeforge_active_rows,
-codeforge_active_rows_max, codeforge_batch_slots; and prometheus_client's process_* family
+codeforge_active_rows_max, codeforge_batch_slots; from the connection guard (`codeforge serve` only):
+codeforge_open_connections, codeforge_max_connections, codeforge_connections_closed_total{reason}
+(header_timeout, body_timeout, displaced, refused); and prometheus_client's process_* family
 (process_resident_memory_bytes, CPU seconds, open files).
 """
 
@@ -59,6 +61,25 @@ class _SchedulerCollector:
         yield gauge("codeforge_batch_slots", "Batch slots (--max-batch).", sched.max_batch)
 
 
+class _ConnectionCollector:
+    """Reads the connection guard's counts (connections.py) at scrape time."""
+
+    def __init__(self, guard):
+        self.guard = guard
+
+    def collect(self):
+        g = self.guard
+        yield GaugeMetricFamily("codeforge_open_connections", "HTTP connections open.", value=len(g.live))
+        yield GaugeMetricFamily("codeforge_max_connections", "The cap on open connections (--max-connections).",
+                                value=g.limits.max_connections)
+        closed = CounterMetricFamily("codeforge_connections_closed",
+                                     "Connections the server closed on a slow or surplus client, by reason.",
+                                     labels=["reason"])
+        for k, v in g.closed.items():
+            closed.add_metric([k], v)
+        yield closed
+
+
 class Metrics:
     def __init__(self, sched=None):
         self.registry = CollectorRegistry()
@@ -79,6 +100,9 @@ class Metrics:
         if self._sched is None:
             self._sched = sched
             self.registry.register(_SchedulerCollector(sched))
+
+    def attach_connections(self, guard) -> None:
+        self.registry.register(_ConnectionCollector(guard))
 
     def observe_request(self, path: str, status: int, seconds: float) -> None:
         ep = endpoint_label(path)

@@ -196,9 +196,14 @@ class ChatRequest(_Sampling):
                                 f"text)", param="response_format", code="unsupported_parameter")
 
     def rendered_messages(self) -> list[dict]:
-        """The messages as chat.py renders them (developer is system; content parts joined)."""
+        """The messages as chat.py renders them (developer is system; content parts joined). content is
+        required, as OpenAI requires it, but for an assistant message that carries tool_calls."""
         out = []
         for i, m in enumerate(self.messages):
+            if m.content is None and not (m.role == "assistant" and m.tool_calls):
+                raise ApiError(400, f"messages.{i}.content is missing: a {m.role} message needs content (a string "
+                                    f"or a list of text parts); only an assistant message with tool_calls may "
+                                    f"leave it out", param=f"messages.{i}.content", code="missing_required_parameter")
             d: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
             if m.tool_calls:
                 if m.role != "assistant":

@@ -1,4 +1,8 @@
-"""`codeforge serve`: load a run, check the options, bind the socket, run uvicorn over the app."""
+"""`codeforge serve`: load a run, check the options, bind the socket, run uvicorn over the app with the
+connection guard (connections.py).
+
+The API key is read from --api-key, --api-key-file or the CODEFORGE_API_KEY environment variable (the first
+shows in `ps` to every user of the machine; the other two do not)."""
 
 from __future__ import annotations
 
@@ -12,7 +16,10 @@ from .. import CodeforgeError, rundir
 from ..checkpoint import load_model
 from ..device import choose_device, choose_precision
 from ..engine import Engine
-from .app import ServeOptions, create_app
+from .app import ServeOptions, create_app, parse_hosts, parse_origins
+from .connections import MAX_DEFAULT_CONNECTIONS, ConnectionGuard, ConnectionLimits, connection_budget
+
+API_KEY_ENV = "CODEFORGE_API_KEY"
 
 
 class ServeError(CodeforgeError):
@@ -37,10 +44,72 @@ def check_options(a) -> None:
         raise ServeError(f"--max-batch {a.max_batch} is more than 256 rows per step; the cache is sized for it")
     if a.request_timeout < 0:
         raise ServeError(f"--request-timeout {a.request_timeout} must be >= 0 (0: no limit)")
+    for flag, value in (("--header-timeout", a.header_timeout), ("--body-timeout", a.body_timeout)):
+        if not value > 0:
+            raise ServeError(f"{flag} {value} must be more than 0 seconds (a client may not hold a connection "
+                             f"for ever)")
+    if a.keep_alive < 0:
+        raise ServeError(f"--keep-alive {a.keep_alive} must be >= 0 seconds (0: close after each response)")
+    if a.max_connections < 0:
+        raise ServeError(f"--max-connections {a.max_connections} must be >= 0 (0: as many as the file limit "
+                         f"allows, at most {MAX_DEFAULT_CONNECTIONS})")
     if not 0 <= a.port <= 65535:
         raise ServeError(f"--port {a.port} is not a TCP port (0..65535; 0 picks a free one)")
-    if a.api_key is not None and not a.api_key.strip():
-        raise ServeError("--api-key is empty; give a key, or leave the option out for no authentication")
+    try:
+        parse_hosts(split_list(a.allowed_hosts))
+        parse_origins(split_list(a.allowed_origins))
+    except ValueError as e:
+        raise ServeError(str(e)) from None
+    a.api_key, a.api_key_from = api_key(a)
+
+
+def split_list(value: str | None) -> tuple[str, ...]:
+    return tuple(x.strip() for x in (value or "").split(",") if x.strip())
+
+
+def api_key(a) -> tuple[str | None, str]:
+    """(the key, where it came from): --api-key, else --api-key-file, else $CODEFORGE_API_KEY, else none."""
+    if a.api_key is not None and a.api_key_file:
+        raise ServeError("--api-key and --api-key-file both given; use one (--api-key-file keeps the key out of "
+                         "`ps`)")
+    if a.api_key is not None:
+        if not a.api_key.strip():
+            raise ServeError("--api-key is empty; give a key, or leave the option out for no authentication")
+        return a.api_key.strip(), "--api-key"
+    if a.api_key_file:
+        path = Path(a.api_key_file)
+        try:
+            key = path.read_text(encoding="utf-8").strip()
+        except FileNotFoundError:
+            raise ServeError(f"--api-key-file {path}: no such file") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ServeError(f"--api-key-file {path}: cannot read it ({e})") from None
+        if not key:
+            raise ServeError(f"--api-key-file {path} is empty; put the key in it (one line)")
+        if "\n" in key:
+            raise ServeError(f"--api-key-file {path} holds more than one line; put only the key in it")
+        return key, "--api-key-file"
+    env = os.environ.get(API_KEY_ENV)
+    if env is not None:
+        if not env.strip():
+            raise ServeError(f"{API_KEY_ENV} is set but empty; give a key, or unset it for no authentication")
+        return env.strip(), API_KEY_ENV
+    return None, ""
+
+
+def connection_limits(a) -> tuple[ConnectionLimits, int]:
+    """The limits from the flags, the cap checked against the file limit, and the listen backlog."""
+    safe, backlog, soft, now = connection_budget()
+    if a.max_connections > safe:
+        raise ServeError(f"--max-connections {a.max_connections} is more than this process's file limit allows: "
+                         f"{safe} (ulimit -n {soft}, {now} files open, {soft - now - safe} kept free for accepting "
+                         f"and serving); lower it, or raise the limit (ulimit -n)")
+    if safe < 1:
+        raise ServeError(f"this process may open only {soft} files (ulimit -n) and has {now} open: too few to take "
+                         f"connections; raise the limit (ulimit -n 1024)")
+    cap = a.max_connections or min(MAX_DEFAULT_CONNECTIONS, safe)
+    return ConnectionLimits(header_timeout=a.header_timeout, body_timeout=a.body_timeout, keep_alive=a.keep_alive,
+                            max_connections=cap), backlog
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -75,21 +144,28 @@ def serve_command(a) -> int:
     opts = ServeOptions(model_name=a.model_name or run_name(a.run), api_key=a.api_key, max_batch=a.max_batch,
                         max_queue=a.max_queue, max_prompt_tokens=a.max_prompt_tokens, max_tokens_cap=a.max_tokens_cap,
                         request_timeout=a.request_timeout, max_body_bytes=a.max_body_bytes, stage=stage,
-                        checkpoint=str(ck))
+                        checkpoint=Path(ck).name, host=a.host, allowed_hosts=split_list(a.allowed_hosts),
+                        allowed_origins=split_list(a.allowed_origins))
     sock = bind(a.host, a.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
+    limits, backlog = connection_limits(a)  # after loading and binding: the files those hold are counted
+    guard = ConnectionGuard(limits)
     app = create_app(engine, opts)
+    app.state.srv.metrics.attach_connections(guard)
     kinds = "chat and tools" if stage in ("sft", "tools") else "completions and fill-in-the-middle"
     print(f"serving {opts.model_name} ({model.num_params() / 1e6:.1f}M parameters, {stage} run: {kinds}; "
           f"context {block}) from {ck}")
     print(f"device {dev} ({why}), {precision}; batch {a.max_batch} rows, queue {a.max_queue}")
+    print(f"connections: at most {limits.max_connections}; request head within {limits.header_timeout:g}s, body "
+          f"within {limits.body_timeout:g}s, idle {limits.keep_alive:g}s between requests")
     print(f"listening on http://{shown}:{port}/  (OpenAI base URL http://{shown}:{port}/v1"
-          f"{', API key required' if a.api_key else ''})", flush=True)
+          f"{f', API key required (from {a.api_key_from})' if a.api_key else ''})", flush=True)
     if not a.api_key and not _loopback(host):
-        print(f"warning: {host} is reachable from other machines and there is no --api-key: anyone who can reach "
-              f"port {port} can use the model", file=sys.stderr)
+        print(f"warning: {host} is reachable from other machines and there is no API key (--api-key-file): anyone "
+              f"who can reach port {port} can use the model", file=sys.stderr)
     config = uvicorn.Config(app, log_level="info" if a.access_log else "warning", access_log=a.access_log,
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, http=guard.protocol_class(), ws="none",
+                            timeout_keep_alive=limits.keep_alive, backlog=backlog)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
