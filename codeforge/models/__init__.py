@@ -1,7 +1,8 @@
 """The model registry: every architecture by its `arch` key, so nothing outside models/ names a class.
 
 A model config is a dataclass with an `arch` field (saved in every checkpoint's config); a model offers the
-shared surface described in gpt.py's docstring. Add an architecture by adding one entry to ARCHS.
+shared surface described in gpt.py's docstring, and a static `shapes(cfg)`: its state dict's names and shapes
+from the config alone (state_shapes). Add an architecture by adding one entry to ARCHS.
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ def model_config(d: dict[str, Any] | Any) -> Any:
         return cls.from_dict(d)
     except (TypeError, ValueError) as e:
         raise ModelConfigError(f"model config: {e}") from e
+
+
+def state_shapes(cfg: Any) -> tuple[dict[str, tuple[int, ...]], list[list[str]]]:
+    """({state-dict name: shape}, groups of names that are one tensor) of the model `cfg` (a config object)
+    declares, without building it: each model class says (its `shapes`). checkpoint/guard.py compares a
+    weights file with it, and counts the parameters, before anything is allocated."""
+    return ARCHS[cfg.arch][1].shapes(cfg)
 
 
 def build_model(cfg: dict[str, Any] | Any) -> torch.nn.Module:

@@ -185,6 +185,35 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    @staticmethod
+    def shapes(cfg: GPTConfig, prefix: str = "") -> dict[str, tuple[int, ...]]:
+        """The names and shapes of a Block's state dict (under `prefix`), from the config alone: what
+        checkpoint/guard.py compares a weights file with before anything is built. Equal to the built
+        module's (tests/test_hostile_inputs.py checks it for every option)."""
+        C, hd = cfg.n_embd, cfg.head_dim
+        out: dict[str, tuple[int, ...]] = {}
+
+        def norm(name: str, dim: int) -> None:  # make_norm: RMSNorm has a gain only, LayerNorm a bias with bias
+            out[f"{prefix}{name}.weight"] = (dim,)
+            if cfg.norm == "layernorm" and cfg.bias:
+                out[f"{prefix}{name}.bias"] = (dim,)
+
+        def linear(name: str, n_out: int, n_in: int) -> None:
+            out[f"{prefix}{name}.weight"] = (n_out, n_in)
+            if cfg.bias:
+                out[f"{prefix}{name}.bias"] = (n_out,)
+
+        norm("ln_1", C)
+        linear("attn.c_attn", (cfg.n_head + 2 * cfg.n_kv_head) * hd, C)
+        linear("attn.c_proj", C, C)
+        if cfg.qk_norm:
+            norm("attn.q_norm", hd)
+            norm("attn.k_norm", hd)
+        norm("ln_2", C)
+        linear("mlp.c_fc", cfg.ffn_hidden * (2 if cfg.mlp == "swiglu" else 1), C)
+        linear("mlp.c_proj", C, cfg.ffn_hidden)
+        return out
+
     def __init__(self, cfg: GPTConfig, layer: int):
         super().__init__()
         self.ln_1 = make_norm(cfg, cfg.n_embd)
@@ -198,6 +227,22 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    @staticmethod
+    def shapes(cfg: GPTConfig) -> tuple[dict[str, tuple[int, ...]], list[list[str]]]:
+        """({state-dict name: shape}, groups of names that are one tensor) of GPT(cfg), from the config alone
+        (Block.shapes); a tied lm_head is the embedding."""
+        out = {"wte.weight": (cfg.vocab_size, cfg.n_embd)}
+        if cfg.pos == "learned":
+            out["wpe.weight"] = (cfg.block_size, cfg.n_embd)
+        for i in range(cfg.n_layer):
+            out.update(Block.shapes(cfg, f"blocks.{i}."))
+        out["ln_f.weight"] = (cfg.n_embd,)
+        if cfg.norm == "layernorm" and cfg.bias:
+            out["ln_f.bias"] = (cfg.n_embd,)
+        out["lm_head.weight"] = (cfg.vocab_size, cfg.n_embd)
+        tied = [["wte.weight", "lm_head.weight"]] if cfg.tie_embeddings else []
+        return out, tied
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         if cfg.pos not in ("learned", "rope") or cfg.norm not in ("layernorm", "rmsnorm"):

@@ -181,6 +181,24 @@ def prefix_mask(valid: torch.Tensor, T: int) -> torch.Tensor:
 
 
 class HRM(nn.Module):
+    @staticmethod
+    def shapes(cfg: HRMConfig) -> tuple[dict[str, tuple[int, ...]], list[list[str]]]:
+        """({state-dict name: shape}, tied groups: none) of HRM(cfg), from the config alone (gpt.Block.shapes)."""
+        out = {"wte.weight": (cfg.vocab_size, cfg.n_embd)}
+        for name, n_layer, context in (("planner", cfg.planner_layers, cfg.plan_len),
+                                       ("generator", cfg.generator_layers, cfg.plan_len + cfg.code_len),
+                                       ("refiner", cfg.refiner_layers, cfg.plan_len + 2 * cfg.code_len)):
+            sc = cfg.stack_config(n_layer, context)
+            if sc.pos == "learned":
+                out[f"{name}.wpe.weight"] = (context, cfg.n_embd)
+            for i in range(n_layer):
+                out.update(Block.shapes(sc, f"{name}.blocks.{i}."))
+            out[f"{name}.ln_f.weight"] = (cfg.n_embd,)
+            if sc.norm == "layernorm" and sc.bias:
+                out[f"{name}.ln_f.bias"] = (cfg.n_embd,)
+        out.update({"decision.weight": (2, cfg.n_embd), "decision.bias": (2,)})
+        return out, []
+
     def __init__(self, cfg: HRMConfig):
         super().__init__()
         if cfg.pos not in ("learned", "rope") or cfg.norm not in ("layernorm", "rmsnorm"):

@@ -27,6 +27,12 @@ class RewardConfig(GPTConfig):
 class RewardModel(GPT):
     """GPT + `score`, a Linear(n_embd, 1). forward() stays the language model's; `scores` is the reward."""
 
+    @staticmethod
+    def shapes(cfg: RewardConfig) -> tuple[dict[str, tuple[int, ...]], list[list[str]]]:
+        """GPT.shapes plus the score head."""
+        out, tied = GPT.shapes(cfg)
+        return {**out, "score.weight": (1, cfg.n_embd), "score.bias": (1,)}, tied
+
     def __init__(self, cfg: RewardConfig):
         super().__init__(cfg)
         self.score = nn.Linear(cfg.n_embd, 1)
