@@ -15,7 +15,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import CheckpointError, find_checkpoint, read_config
+from .checkpoint import CheckpointError, find_checkpoint, read_config, vet_checkpoint
+from .checkpoint.guard import CONFIG_BYTES, field_problem, read_regular
 from .fields import ConfigError, check_fields, setting
 from .models import ARCHS, config_class
 from .models.gpt import GPTConfig
@@ -274,10 +275,17 @@ def _field_names(section: str) -> set[str]:
 
 
 def load_file(path: str | Path) -> dict:
+    """The settings of a TOML/YAML file (a --config file, or a run's saved RUN/config.toml that --resume
+    builds on), each checked where it enters: [model] and [train] are tables, every key is a setting, every
+    value has its field's type and lies in its range. Values come back converted to their field's type
+    (`_coerce`); a problem is one ConfigError naming the file and the field."""
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"config file {p} does not exist")
-    text = p.read_text()
+    try:  # a regular file only (a FIFO would block the read), of a size settings can have
+        text = read_regular(p, CONFIG_BYTES, ConfigError, "pass a TOML or YAML file of settings").decode()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text ({e})") from None
     if p.suffix in (".yaml", ".yml"):
         import yaml
         data = yaml.safe_load(text) or {}
@@ -288,7 +296,39 @@ def load_file(path: str | Path) -> dict:
             raise ConfigError(f"{p}: not valid TOML: {e}") from e
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: expected a table of settings")
-    return data
+    out: dict = {}
+    for k, v in data.items():
+        if k in SECTIONS:
+            if not isinstance(v, dict):
+                raise ConfigError(f"{p}: {k} = {v!r} is not a table of settings; write them as [{k}] followed by "
+                                  f"key = value lines (`codeforge config keys` lists them)")
+            out[k] = {kk: _checked(p, f"{k}.{kk}", vv) for kk, vv in v.items()}
+        else:
+            out[k] = _checked(p, k, v)
+    return out
+
+
+def _checked(p: Path, key: str, v: Any) -> Any:
+    """Value `v` of setting `key` as file `p` gives it, converted to its field's type and checked against
+    the field's declaration (type, choices, range); retired keys pass (resolve() says what replaced them)."""
+    if any(key in (old, old.split(".")[1]) for old in RETIRED):
+        return v
+    try:
+        full = _key(key)
+        sec, name = full.split(".")
+        f = next(f for f in fields(SECTIONS[sec]) if f.name == name)
+        if isinstance(v, bool) and not isinstance(f.default, bool):  # _coerce would take true for 1
+            raise ConfigError(f"{full} = {v!r} is not a{'n integer' if isinstance(f.default, int) else ' number'}")
+        if isinstance(v, (dict, list)):
+            raise ConfigError(f"{full} = {v!r} is not a single value")
+        value = _coerce(full, v, f.default)
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from None
+    problem = field_problem(f, value)
+    if problem:
+        raise ConfigError(f"{p}: {full} = {v!r} {problem}; correct it in that file (`codeforge config keys` lists "
+                          f"every setting with its range)")
+    return value
 
 
 def resolve(presets: list[str] = (), file: str | None = None, sets: list[str] = (),
@@ -336,8 +376,12 @@ def resolve(presets: list[str] = (), file: str | None = None, sets: list[str] = 
     start_model: dict = {}
     if init_from and not base:  # staged training: the model is the one it starts from, unless flags change it
         try:
-            # its configuration only: the files are verified where the weights are loaded (once, on rank 0)
-            start_model = read_config(find_checkpoint(str(init_from), "auto", verify=False))["model"]
+            # its configuration, its files and the model it declares, checked against its weights' header and
+            # the memory there is before anything is built; the files' hashes are verified where the weights
+            # are loaded (once, on rank 0)
+            ck = find_checkpoint(str(init_from), "auto", verify=False)
+            vet_checkpoint(ck)
+            start_model = read_config(ck)["model"]
         except (CheckpointError, OSError, KeyError, ValueError) as e:
             raise ConfigError(f"--init-from {init_from}: {e}") from e
         layers = [(k, v) for k, v in layers if k != "model.vocab_size" or v != 0]

@@ -281,3 +281,69 @@ def test_state_encoding_round_trips_exactly_and_refuses_objects():
     assert torch.equal(back["bf16"], state["bf16"])
     with pytest.raises(CheckpointError, match=r"training state at /loader: a function cannot be stored safely"):
         encode_state({"loader": lambda: 0})
+
+
+# -- hostile values in a run's own files ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def run4(data_dir, tmp_path_factory):
+    """A 4-step run to copy and damage: its state and config.toml are what --resume reads."""
+    out = tmp_path_factory.mktemp("run4") / "r"
+    train_run(cfg_for(data_dir, out, train__max_iters=4, train__save_every=4))
+    return out
+
+
+def resume_args(data_dir, run) -> list[str]:
+    return ["train", "--data", str(data_dir), "--out", str(run), "--resume", "--max-iters", "6", "--device", "cpu",
+            "--no-progress", "--no-tensorboard"]
+
+
+@pytest.mark.parametrize("step,words", [(10**18, "step = 1000000000000000000 is out of range [0, 1000000000000]"),
+                                        (1e18, "step = 1e+18 is not an integer"),
+                                        (-5, "step = -5 is out of range [0, 1000000000000]"),
+                                        ("x", "step = 'x' is not an integer"),
+                                        (3, "step = 3 but the checkpoint is step_000004")])
+def test_resume_refuses_a_training_state_with_a_nonsense_step(data_dir, run4, tmp_path, capsys, step, words):
+    """Before: 1e18 and 'x' were tracebacks (a float step cannot name a checkpoint; 'x' < 6 is a TypeError), and
+    -5 or 3 were taken as they were (steps trained again, checkpoints named by a step the model never saw)."""
+    from test_hostile_inputs import error_line, rehash
+    run = tmp_path / "r"
+    shutil.copytree(run4, run)
+    ck = run / "checkpoints" / "step_000004"
+    state = json.loads((ck / ckpt_io.STATE_JSON).read_text())
+    state["step"] = step
+    (ck / ckpt_io.STATE_JSON).write_text(json.dumps(state))
+    rehash(ck)
+    assert main(resume_args(data_dir, run)) == 2
+    line = error_line(capsys.readouterr().err)
+    assert f"{ck / ckpt_io.STATE_JSON}: {words}" in line
+    assert [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_")] == ["step_000004"]
+
+
+@pytest.mark.parametrize("text,words", [('model = "x"\n', "model = 'x' is not a table of settings"),
+                                        ('[model]\nn_layer = "x"\n', "model.n_layer = 'x' is not an integer"),
+                                        ('[model]\nn_embd = -4\n', "model.n_embd = -4 is out of range [16, 16384]"),
+                                        ('[train]\nbatch_size = true\n', "train.batch_size = True is not an integer"),
+                                        ('[model]\nn_layers = 2\n', "unknown setting 'model.n_layers'")])
+def test_resume_refuses_a_run_config_toml_that_is_not_one(data_dir, run4, tmp_path, capsys, text, words):
+    """Before: `model = "x"` was an AttributeError traceback; the values went unchecked into the model."""
+    from test_hostile_inputs import error_line
+    run = tmp_path / "r"
+    shutil.copytree(run4, run)
+    (run / rundir.CONFIG).write_text(text)
+    assert main(resume_args(data_dir, run)) == 2
+    line = error_line(capsys.readouterr().err)
+    assert f"{run / rundir.CONFIG}: {words}" in line
+
+
+def test_weights_that_do_not_fit_say_which(tmp_path, tokenizer_dir):
+    """Before: a TypeError (safetensors reports what is missing as a set; the message sliced it)."""
+    from codeforge.models import build_model
+    from test_hostile_inputs import tiny_model_cfg
+    m, tok = tiny_model_cfg(tokenizer_dir)
+    ck = ckpt_io.save_checkpoint(tmp_path / "r", 1, build_model(m), {"model": m.to_dict(), "train": {}}, {},
+                                 {"tokenizer": tokenizer_dir}, keep_last=1)
+    untied = build_model(type(m)(**{**m.to_dict(), "tie_embeddings": False}))
+    with pytest.raises(CheckpointError, match=r"weights do not fit the model \(missing \['wte.weight'\], "
+                                              r"unexpected \[\]\)"):
+        ckpt_io.load_weights(untied, ck)

@@ -394,3 +394,368 @@ def test_chat_reader_counts_hostile_files_and_keeps_the_rest(tmp_path):
     assert stats.skipped["corrupt_compressed"] == 1 and stats.skipped["not_regular_file"] == 1
     with pytest.raises(CorpusError, match="b.jsonl.gz"):
         list(read_conversations([str(d)], CorpusStats(), strict=True))
+
+
+# -- hostile checkpoints and model directories -------------------------------------------------------------
+# A checkpoint's manifest proves only that its files are the ones it lists: anyone can edit config.json and
+# hash the files again. So a declared model is checked against the weights' header and the memory there is,
+# before anything is built; every file is a regular one inside the checkpoint; every value is in its range.
+
+CAP = 3 << 30  # the address space a command may take here: without the checks it hit this, not the machine's
+
+
+def _capped() -> None:
+    import resource
+    resource.setrlimit(resource.RLIMIT_AS, (CAP, CAP))
+
+
+def capped_cli(*args: str, timeout: int = TIMEOUT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "codeforge", *args], capture_output=True, text=True,
+                          timeout=timeout, preexec_fn=_capped, stdin=subprocess.DEVNULL)
+
+
+def error_line(stderr: str) -> str:
+    """The one error line a refused command prints (warnings may come before it; a traceback may not)."""
+    assert "Traceback" not in stderr, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("error: "), stderr[-3000:]
+    return last
+
+
+def tiny_model_cfg(tok_dir: Path):
+    from codeforge.models.gpt import GPTConfig
+    from codeforge.tokenizer import CodeTokenizer
+    tok = CodeTokenizer.load(tok_dir)
+    return GPTConfig(vocab_size=64 * -(-tok.vocab_size // 64), block_size=64, n_layer=2, n_head=2, n_embd=32), tok
+
+
+@pytest.fixture
+def tiny_run(tmp_path, tokenizer_dir) -> tuple[Path, Path]:
+    """(run, its one checkpoint) of a tiny random GPT, with the tokenizer, as training writes them."""
+    from codeforge.checkpoint import save_checkpoint
+    from codeforge.models import build_model
+    m, tok = tiny_model_cfg(tokenizer_dir)
+    run = tmp_path / "run"
+    ck = save_checkpoint(run, 1, build_model(m), {"model": m.to_dict(), "train": {}, "tokenizer_hash": tok.hash},
+                         {}, {"tokenizer": tokenizer_dir}, keep_last=1)
+    return run, ck
+
+
+def rehash(ck: Path) -> None:
+    """What anyone who edits a checkpoint can do: write the manifest again over the edited files."""
+    from codeforge.checkpoint.store import MANIFEST, step_of, write_manifest
+    (ck / MANIFEST).unlink(missing_ok=True)
+    write_manifest(ck, step_of(ck))
+
+
+def edit_model_config(ck: Path, manifest: bool = True, **model) -> None:
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["model"].update(model)
+    (ck / "config.json").write_text(json.dumps(cfg))
+    rehash(ck) if manifest else (ck / "manifest.json").unlink()
+
+
+BIG = {"24x4096": dict(n_layer=24, n_embd=4096, n_head=32),
+       "range-maxima": dict(n_layer=256, n_embd=16_384, n_head=256, vocab_size=200_000, block_size=131_072,
+                            ffn_hidden=1 << 20)}
+
+
+@pytest.mark.parametrize("big,command", [("24x4096", "generate"), ("24x4096", "export"), ("24x4096", "train"),
+                                         ("range-maxima", "generate")])
+def test_declared_model_the_weights_do_not_hold_is_refused_before_it_is_built(tiny_run, tmp_path, big, command,
+                                                                              data_dir):
+    """Before: the model was built first (24 x 4096: 19 GB of float32; the maxima: 36 TB) and the command
+    allocated until killed, here until the 3 GiB cap (MemoryError traceback)."""
+    run, ck = tiny_run
+    edit_model_config(ck, **BIG[big])
+    args = {"generate": ["generate", "--run", str(run), "--prompt", "x", "--max-new-tokens", "2"],
+            "export": ["export", "--run", str(run), "--format", "hf", "--out", str(tmp_path / "hf"), "--no-verify"],
+            "train": ["train", "--data", str(data_dir), "--out", str(tmp_path / "ft"), "--init-from", str(run),
+                      "--max-iters", "1", "--device", "cpu", "--no-progress", "--no-tensorboard"]}[command]
+    line = error_line(capped_cli(*args).stderr)
+    assert str(ck / "model.safetensors") in line and "config.json" in line and "model.n_embd" in line
+    assert "use another checkpoint" in line
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "ft" / "checkpoints").exists()
+
+
+def sparse_weights(path: Path, m) -> int:
+    """A model.safetensors whose header holds every tensor of model config `m` at its true size, the data a
+    hole in a sparse file: a few KB on disk that say the model is real. Returns its parameter count."""
+    import torch
+    from codeforge.models import build_model
+    with torch.device("meta"):
+        model = build_model(m)
+    header, at, seen = {}, 0, set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        n = t.numel() * 4
+        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [at, at + n]}
+        at += n
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        f.truncate(8 + len(raw) + at)
+    return at // 4
+
+
+def test_model_bigger_than_the_memory_there_is_is_refused_with_the_numbers(tiny_run):
+    """Config and weights agree (a checkpoint without a manifest, 607M parameters in a sparse file): it is
+    refused for the memory it would take, here the 3 GiB address-space cap. Before: built until the cap."""
+    run, ck = tiny_run
+    m, _ = tiny_model_cfg(ck / "tokenizer")
+    big = type(m)(**{**m.to_dict(), "n_layer": 12, "n_embd": 2048, "n_head": 16, "n_kv_head": 16, "ffn_hidden": 8192})
+    edit_model_config(ck, manifest=False, **big.to_dict())
+    params = sparse_weights(ck / "model.safetensors", big)
+    line = error_line(capped_cli("generate", "--run", str(run), "--prompt", "x").stderr)
+    assert str(ck / "config.json") in line and "model.n_layer=12" in line and "model.n_embd=2048" in line
+    assert f"{params:,} parameters" in line and "needs about" in line and "RLIMIT_AS" in line
+
+
+@pytest.mark.parametrize("where", ["tokenizer/tokenizer.json", "manifest.json", "config.json", "model.safetensors"])
+def test_a_fifo_in_a_checkpoint_is_refused_not_waited_on(tiny_run, where):
+    """Before: opening a FIFO for reading waits for a writer, forever (the test's timeout)."""
+    run, ck = tiny_run
+    if where != "manifest.json":
+        (ck / "manifest.json").unlink()  # older checkpoints have none: only the files themselves can tell
+    (ck / where).unlink()
+    os.mkfifo(ck / where)
+    line = error_line(capped_cli("generate", "--run", str(run), "--prompt", "x").stderr)
+    assert f"{where} is a FIFO (named pipe), not a regular file" in line and "JSON" not in line
+
+
+def test_a_fifo_pointer_is_passed_over(tiny_run):
+    """`latest` is a hint: a FIFO in its place is unreadable like a missing one, and the newest step is used."""
+    run, ck = tiny_run
+    (run / "checkpoints" / "latest").unlink()
+    os.mkfifo(run / "checkpoints" / "latest")
+    r = capped_cli("generate", "--run", str(run), "--prompt", "x", "--max-new-tokens", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_a_link_out_of_a_checkpoint_is_refused(tiny_run, tmp_path, capsys):
+    """A tokenizer file that is a link to a file elsewhere would be read, and copied into every export."""
+    run, ck = tiny_run
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"token": "s3cret"}')
+    (ck / "tokenizer" / "tokenizer_config.json").unlink(missing_ok=True)
+    (ck / "tokenizer" / "tokenizer_config.json").symlink_to(secret)
+    rehash(ck)
+    from codeforge.cli import main
+    assert main(["export", "--run", str(run), "--format", "hf", "--out", str(tmp_path / "hf"), "--no-verify"]) == 2
+    line = error_line(capsys.readouterr().err)
+    assert f"{ck / 'tokenizer' / 'tokenizer_config.json'} is a link to {secret}, outside {ck}" in line
+    assert not (tmp_path / "hf").exists()
+
+
+BAD_MODEL = {  # config.json's model section -> words of the error
+    "n_layer=0": ({"n_layer": 0}, "model.n_layer = 0 is out of range [1, 256]"),
+    "n_layer=-5": ({"n_layer": -5}, "model.n_layer = -5 is out of range [1, 256]"),
+    "n_embd=-1": ({"n_embd": -1}, "model.n_embd = -1 is out of range [16, 16384]"),
+    "n_embd='x'": ({"n_embd": "x"}, "model.n_embd = 'x' is not an integer"),
+    "n_head=null": ({"n_head": None}, "model.n_head = None is not an integer"),
+    "n_layer=1e18": ({"n_layer": 1e18}, "model.n_layer = 1e+18 is not an integer"),
+    "n_head=3": ({"n_head": 3}, "model.n_embd = 32 is not divisible by model.n_head = 3"),
+    "bias='yes'": ({"bias": "yes"}, "model.bias = 'yes' is not true or false"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_MODEL))
+def test_a_model_config_out_of_range_gets_one_line(tiny_run, capsys, case):
+    """Before: tracebacks (TypeError, RuntimeError, ValueError) from deep inside the model's construction."""
+    from codeforge.cli import main
+    run, ck = tiny_run
+    change, words = BAD_MODEL[case]
+    edit_model_config(ck, manifest=case != "n_layer=-5", **change)
+    assert main(["generate", "--run", str(run), "--prompt", "x", "--max-new-tokens", "2"]) == 2
+    line = error_line(capsys.readouterr().err)
+    assert f"{ck / 'config.json'}: {words}" in line and "use another checkpoint" in line
+
+
+@pytest.mark.parametrize("text,words", [("[1, 2]", "is a list, not an object"),
+                                        ('{"model": [1]}', "model is a list, not an object"),
+                                        ('{"train": {}}', "has no model section"), ("{no json", "is not JSON")])
+def test_a_config_json_that_is_no_config_gets_one_line(tiny_run, capsys, text, words):
+    from codeforge.cli import main
+    run, ck = tiny_run
+    (ck / "config.json").write_text(text)
+    rehash(ck)
+    assert main(["generate", "--run", str(run), "--prompt", "x"]) == 2
+    line = error_line(capsys.readouterr().err)
+    assert str(ck / "config.json") in line and words in line
+
+
+def garbage_weights(kind: str) -> bytes:
+    header = json.dumps({"w": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 64]}}).encode()
+    return {"random": random.Random(0).randbytes(4096),
+            "header longer than the file": (10**6).to_bytes(8, "little") + b"{}",
+            "header not JSON": (10).to_bytes(8, "little") + b"not json!!",
+            "header a list": (2).to_bytes(8, "little") + b"[]",
+            "data beyond the file": len(header).to_bytes(8, "little") + header + b"\0" * 16,
+            "shorter than 8 bytes": b"\1\2"}[kind]
+
+
+GARBAGE_WORDS = {"random": "header length", "header longer than the file": "header length 1,000,000",
+                 "header not JSON": "header is not JSON", "header a list": "header is not a JSON object",
+                 "data beyond the file": "w: data_offsets [0, 64]", "shorter than 8 bytes": "shorter than"}
+
+
+@pytest.mark.parametrize("kind", list(GARBAGE_WORDS))
+def test_garbage_weights_in_a_checkpoint_get_one_line(tiny_run, capsys, kind):
+    """A checkpoint's weights were already refused by safetensors' own message, in one line (this pins it and
+    the field named); the same files handed to `import --hf` were a traceback (the test below)."""
+    from codeforge.cli import main
+    run, ck = tiny_run
+    (ck / "model.safetensors").write_bytes(garbage_weights(kind))
+    rehash(ck)
+    assert main(["generate", "--run", str(run), "--prompt", "x"]) == 2
+    line = error_line(capsys.readouterr().err)
+    assert str(ck / "model.safetensors") in line and GARBAGE_WORDS[kind] in line
+
+
+# -- import --hf --------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def hf_dir(tiny_run, tmp_path) -> Path:
+    """A Hugging Face model directory (Llama family) written by `codeforge export`."""
+    from codeforge.cli import main
+    run, ck = tiny_run
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["model"].update(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, ffn_hidden=96)
+    from codeforge.checkpoint import save_checkpoint
+    from codeforge.models import build_model
+    from codeforge.models.gpt import GPTConfig
+    m = GPTConfig(**cfg["model"])
+    llama = tmp_path / "llama-run"
+    save_checkpoint(llama, 1, build_model(m), {**cfg, "model": m.to_dict()}, {}, {"tokenizer": ck / "tokenizer"},
+                    keep_last=1)
+    out = tmp_path / "hf"
+    assert main(["export", "--run", str(llama), "--format", "hf", "--out", str(out), "--no-verify"]) == 0
+    return out
+
+
+def test_import_of_a_well_formed_directory_still_works(hf_dir, tmp_path):
+    from codeforge.cli import main
+    assert main(["import", "--hf", str(hf_dir), "--out", str(tmp_path / "imp"), "--no-verify"]) == 0
+
+
+@pytest.mark.parametrize("name", ["special_tokens_map.json", "tokenizer_config.json", "model.safetensors"])
+def test_import_refuses_a_link_that_leaves_the_model_directory(hf_dir, tmp_path, capsys, name):
+    """Before: the file the link names was copied into the run, and into every checkpoint and export of it."""
+    from codeforge.cli import main
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    secret = outside / name
+    shutil_move(hf_dir / name, secret)
+    if name.endswith(".json"):
+        secret.write_text(json.dumps({"pad_token": "AWS_SECRET_ACCESS_KEY=abc"}))
+    (hf_dir / name).symlink_to(secret)
+    assert main(["import", "--hf", str(hf_dir), "--out", str(tmp_path / "imp"), "--no-verify"]) == 2
+    line = error_line(capsys.readouterr().err)
+    assert f"{hf_dir / name} is a link to {secret}, outside {hf_dir}" in line
+    assert not (tmp_path / "imp").exists()
+
+
+def shutil_move(src: Path, dst: Path) -> None:
+    import shutil
+    shutil.move(str(src), str(dst))
+
+
+def test_import_follows_links_of_the_hugging_face_cache(hf_dir, tmp_path):
+    """The hub cache keeps a model's files in blobs/ and links them from snapshots/REV/: that is not leaving."""
+    from codeforge.cli import main
+    repo = tmp_path / "hub" / "models--someone--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "0123abc"
+    snap.mkdir(parents=True)
+    for i, f in enumerate(sorted(hf_dir.iterdir())):
+        shutil_move(f, repo / "blobs" / f"blob{i}")
+        (snap / f.name).symlink_to(Path("..") / ".." / "blobs" / f"blob{i}")
+    assert main(["import", "--hf", str(snap), "--out", str(tmp_path / "imp"), "--no-verify"]) == 0
+
+
+def edit_hf_config(d: Path, **change) -> None:
+    c = json.loads((d / "config.json").read_text())
+    c.update(change)
+    (d / "config.json").write_text(json.dumps(c))
+
+
+BAD_HF = {  # config.json changes -> words of the error
+    "num_hidden_layers=1e6": ({"num_hidden_layers": 10**6}, "num_hidden_layers = 1000000 (codeforge's model.n_layer) "
+                                                             "is out of range [1, 256]"),
+    "hidden_size='x'": ({"hidden_size": "x"}, "hidden_size = 'x' (codeforge's model.n_embd) is not an integer"),
+    "num_attention_heads=0": ({"num_attention_heads": 0}, "num_attention_heads = 0 (codeforge's model.n_head) is out "
+                                                          "of range [1, 256]"),
+    "vocab_size=null": ({"vocab_size": None}, "vocab_size = None (codeforge's model.vocab_size) is not an integer"),
+    "intermediate_size=-3": ({"intermediate_size": -3}, "intermediate_size = -3 (codeforge's model.ffn_hidden) is out "
+                                                        "of range"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_HF))
+def test_import_checks_the_config_ranges_before_building(hf_dir, tmp_path, capsys, case):
+    """Before: 10^6 layers were built (on the meta device: minutes of CPU, here the 3 GiB cap); strings, nulls
+    and zeros were tracebacks (TypeError, ZeroDivisionError)."""
+    from codeforge.cli import main
+    change, words = BAD_HF[case]
+    edit_hf_config(hf_dir, **change)
+    args = ["import", "--hf", str(hf_dir), "--out", str(tmp_path / "imp"), "--no-verify"]
+    if case == "num_hidden_layers=1e6":  # the one that could take the machine: in a capped child
+        line = error_line(capped_cli(*args).stderr)
+    else:
+        assert main(args) == 2
+        line = error_line(capsys.readouterr().err)
+    assert f"{hf_dir / 'config.json'}: {words}" in line and not (tmp_path / "imp").exists()
+
+
+@pytest.mark.parametrize("kind", ["random", "header not JSON", "data beyond the file"])
+def test_import_of_garbage_weights_gets_one_line(hf_dir, tmp_path, capsys, kind):
+    """Before: safetensors' own error escaped as a traceback."""
+    from codeforge.cli import main
+    (hf_dir / "model.safetensors").write_bytes(garbage_weights(kind))
+    assert main(["import", "--hf", str(hf_dir), "--out", str(tmp_path / "imp"), "--no-verify"]) == 2
+    line = error_line(capsys.readouterr().err)
+    assert str(hf_dir / "model.safetensors") in line and GARBAGE_WORDS[kind] in line
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "special_tokens_map.json", "config.json"])
+def test_import_refuses_a_fifo(hf_dir, tmp_path, name):
+    """Before: tokenizer.json as a FIFO waited forever; special_tokens_map.json was a traceback."""
+    (hf_dir / name).unlink()
+    os.mkfifo(hf_dir / name)
+    line = error_line(capped_cli("import", "--hf", str(hf_dir), "--out", str(tmp_path / "imp"), "--no-verify").stderr)
+    assert f"{hf_dir / name} is a FIFO (named pipe), not a regular file" in line
+
+
+def _model_configs():
+    from codeforge.models.gpt import GPTConfig
+    from codeforge.models.hrm import HRMConfig
+    from codeforge.models.reward import RewardConfig
+    small = dict(vocab_size=320, block_size=32, n_layer=2, n_head=4, n_embd=32)
+    for pos in ("learned", "rope"):
+        for norm in ("layernorm", "rmsnorm"):
+            for mlp in ("gelu", "swiglu", "relu2"):
+                for qk_norm in (False, True):
+                    for bias in (False, True):
+                        yield GPTConfig(**small, pos=pos, norm=norm, mlp=mlp, qk_norm=qk_norm, bias=bias,
+                                        tie_embeddings=bias, n_kv_head=2 if qk_norm else 4)
+                yield HRMConfig(vocab_size=320, n_embd=32, n_head=4, planner_layers=2, generator_layers=1,
+                                refiner_layers=1, plan_len=16, code_len=24, pos=pos, norm=norm, mlp=mlp,
+                                qk_norm=mlp == "gelu", bias=norm == "layernorm")
+        yield RewardConfig(**small, pos=pos, tie_embeddings=pos == "rope")
+
+
+def test_the_shapes_a_model_declares_are_those_it_builds():
+    """The vet compares a weights file with models.state_shapes (the config alone, nothing built): equal to
+    the built model's state dict, names, shapes and tied tensors, for every architecture and option."""
+    from codeforge.checkpoint.guard import declared_shapes, model_shapes
+    from codeforge.models import build_model
+    for cfg in _model_configs():
+        model = build_model(cfg)
+        shapes, groups = model_shapes(model)
+        declared, declared_groups, params = declared_shapes(cfg)
+        assert declared == shapes, cfg
+        assert sorted(map(sorted, declared_groups)) == sorted(map(sorted, groups)), cfg
+        assert params == sum(p.numel() for p in model.parameters()), cfg

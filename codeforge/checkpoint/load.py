@@ -1,5 +1,6 @@
 """Loading from a checkpoint: weights (whole or from a sharded DCP directory), the sharded training state,
-and a model for inference."""
+and a model for inference, vetted before it is built (guard.py: files, config ranges, the weights' header,
+memory)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file as st_load_file
 from safetensors.torch import load_model as st_load_model
 
-from .store import SHARDED, CheckpointError, find_checkpoint, is_sharded, read_config
+from .guard import (check_files, check_memory, check_regular, declared_shapes, dims, header_bytes,
+                    model_config_from, model_shapes, safetensors_header, weights_problem)
+from .store import DAMAGED, SHARDED, CheckpointError, find_checkpoint, is_sharded, read_config
 from ..models import build_model
 from ..tokenizer import CodeTokenizer, TokenizerError
 
@@ -40,6 +43,7 @@ def load_whole_into_sharded(model: torch.nn.Module, optimizer, ck: Path, optimiz
     name (the order of the optimizer's groups, which the same model builds the same way), and PyTorch's
     set_state_dict keeps this rank's shard of each."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    check_regular(Path(ck) / "model.safetensors", CheckpointError, DAMAGED)
     try:
         weights = st_load_file(str(Path(ck) / "model.safetensors"), device="cpu")
     except (OSError, SafetensorError) as e:
@@ -79,7 +83,8 @@ def load_sharded_state(model: torch.nn.Module, optimizer, ck: Path) -> None:
 
 def load_weights(model: torch.nn.Module, ckpt: Path, new_ok: tuple[str, ...] = ()) -> None:
     """The checkpoint's weights into `model`, every key matched; `new_ok`: prefixes of parameters the model
-    may have that the checkpoint lacks (a head added on a trained trunk keeps its initialisation)."""
+    may have that the checkpoint lacks (a head added on a trained trunk keeps its initialisation). The
+    names and shapes are compared with the file's header before any tensor is read."""
     if is_sharded(ckpt):
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                              set_model_state_dict)
@@ -89,22 +94,55 @@ def load_weights(model: torch.nn.Module, ckpt: Path, new_ok: tuple[str, ...] = (
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not new_ok))
         return
     f = Path(ckpt) / "model.safetensors"
+    problem = weights_problem(safetensors_header(f, CheckpointError, DAMAGED), *model_shapes(model), new_ok)
+    if problem:
+        raise CheckpointError(f"{f}: weights do not fit the model ({problem}); the checkpoint was written for "
+                              f"another model, or damaged")
     try:
         missing, unexpected = st_load_model(model, str(f), strict=False)
     except (OSError, SafetensorError) as e:
-        raise CheckpointError(f"{f} cannot be read ({e}); the checkpoint is damaged: use another one") from e
+        raise CheckpointError(f"{f} cannot be read ({e}); {DAMAGED}") from e
     except RuntimeError as e:  # a tensor of another shape
         raise CheckpointError(f"{f}: weights do not fit the model ({e})") from e
-    missing = [k for k in missing if not k.startswith(new_ok)] if new_ok else missing
+    missing = sorted(k for k in missing if not (new_ok and k.startswith(new_ok)))  # safetensors gives sets
     if missing or unexpected:
-        raise CheckpointError(f"{ckpt}: weights do not fit the model (missing {missing[:5]}, unexpected {unexpected[:5]})")
+        raise CheckpointError(f"{ckpt}: weights do not fit the model (missing {missing[:5]}, unexpected "
+                              f"{sorted(unexpected)[:5]})")
+
+
+def vet_checkpoint(ck: Path, weights: bool = True):
+    """The model config of checkpoint `ck` once its files are safe to load (guard.py): every file a regular
+    one inside it, config.json's model section valid field by field, model.safetensors' header holding
+    exactly the declared model, and that model fitting in memory (built in float32, plus the weights read
+    from disk). weights=False: the files and the config only. Nothing is built but on the meta device;
+    CheckpointError names the file and the field."""
+    ck = Path(ck)
+    check_files(ck, CheckpointError, DAMAGED)
+    m = model_config_from(read_config(ck)["model"], ck / "config.json", CheckpointError, DAMAGED)
+    if not weights:
+        return m
+    shapes, groups, params = declared_shapes(m)
+    stored = 0
+    if not is_sharded(ck):
+        f = ck / "model.safetensors"
+        header = safetensors_header(f, CheckpointError, DAMAGED)
+        problem = weights_problem(header, shapes, groups)
+        if problem:
+            raise CheckpointError(f"{f} does not hold the model {ck / 'config.json'} declares ({dims(m)}): "
+                                  f"{problem}; {DAMAGED}")
+        stored = header_bytes(header)
+    check_memory(4 * params + stored, f"{ck / 'config.json'} declares a model of {params:,} parameters "
+                                      f"({dims(m)}): building it in float32 and reading its weights", CheckpointError)
+    return m
 
 
 def load_model(path: str | Path, device: torch.device, which: str = "auto",
                log: Callable[[str], None] | None = None):
     """(model in eval mode, tokenizer, checkpoint dir, saved config) from a run or checkpoint directory; a
-    damaged checkpoint is skipped or refused as find_checkpoint() says."""
+    damaged checkpoint is skipped or refused as find_checkpoint() says, and one whose files, config, weights
+    or size would not load is refused before anything is built (vet_checkpoint)."""
     ck = find_checkpoint(path, which, log=log)
+    m = vet_checkpoint(ck)
     cfg = read_config(ck)
     if not (ck / "tokenizer" / "tokenizer.json").exists():
         raise CheckpointError(f"{ck} has no tokenizer/ directory; copy the tokenizer the run was trained with "
@@ -113,6 +151,6 @@ def load_model(path: str | Path, device: torch.device, which: str = "auto",
         tok = CodeTokenizer.load(ck / "tokenizer")
     except TokenizerError as e:
         raise CheckpointError(str(e)) from e
-    model = build_model(cfg["model"])
+    model = build_model(m)
     load_weights(model, ck)
     return model.to(device).eval(), tok, ck, cfg

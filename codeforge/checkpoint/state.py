@@ -1,9 +1,10 @@
 """The training state as safetensors + JSON (no pickle): encode and decode, RNG states, and reading the
-state of older (train_state.pt) checkpoints with weights_only."""
+state of older (train_state.pt) checkpoints with weights_only. A state read back has its counters checked
+(check_counters): a step of 10^18, -5 or "x" is refused naming the file, not trained from."""
 
 from __future__ import annotations
 
-import json
+import numbers
 import pickle
 import random
 from pathlib import Path
@@ -13,7 +14,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file as st_load_file
 
-from .store import CheckpointError, STATE_JSON, STATE_TENSORS, LEGACY_STATE
+from .guard import STATE_BYTES, check_regular, read_json
+from .store import DAMAGED, LEGACY_STATE, STATE_JSON, STATE_TENSORS, STEP_RE, CheckpointError, step_of
 
 
 def rng_state() -> dict:
@@ -108,19 +110,56 @@ def decode_state(skeleton, tensors: dict[str, torch.Tensor]) -> dict:
     return _decode(skeleton, tensors)
 
 
+# The counters a trainer continues from, and the values they may take: a step as train.max_iters may be
+# (config.py), tokens and skipped batches as a signed 64-bit count, the last evaluated step or -1 (none yet).
+COUNTERS = {"step": (0, 10**12), "tokens": (0, 2**63 - 1), "skipped": (0, 2**63 - 1), "last_val_step": (-1, 10**12)}
+REQUIRED = ("step", "tokens")
+
+
+def check_counters(st, f: Path, ckpt: Path) -> dict:
+    """`st`, the state read from file `f` of checkpoint `ckpt`, once its counters are integers in their
+    ranges and its step is the one the checkpoint's directory is named by (step_NNNNNN)."""
+    if not isinstance(st, dict):
+        raise CheckpointError(f"{f} is a {type(st).__name__}, not a training state; {DAMAGED}")
+    for key, (lo, hi) in COUNTERS.items():
+        if key not in st:
+            if key in REQUIRED:
+                raise CheckpointError(f"{f} has no {key}: it is not a training state written by `codeforge "
+                                      f"train`, so it cannot be resumed; start a new run from its weights with "
+                                      f"--init-from {ckpt}")
+            continue
+        v = st[key]
+        if not isinstance(v, numbers.Integral) or isinstance(v, bool):
+            raise CheckpointError(f"{f}: {key} = {v!r} is not an integer; {DAMAGED}")
+        if not lo <= v <= hi:
+            raise CheckpointError(f"{f}: {key} = {v!r} is out of range [{lo}, {hi}]; {DAMAGED}")
+    for key in ("best_val", "last_val"):
+        v = st.get(key)
+        if v is not None and (not isinstance(v, numbers.Real) or isinstance(v, bool)):
+            raise CheckpointError(f"{f}: {key} = {v!r} is not a number; {DAMAGED}")
+    if STEP_RE.fullmatch(ckpt.name) and st["step"] != step_of(ckpt):
+        raise CheckpointError(f"{f}: step = {st['step']!r} but the checkpoint is {ckpt.name} (it was saved at step "
+                              f"{step_of(ckpt)}); {DAMAGED}")
+    return st
+
+
 def load_train_state(ckpt: Path) -> dict:
-    """The training state saved with a checkpoint, loaded without running any code from it."""
+    """The training state saved with a checkpoint, loaded without running any code from it, its counters
+    checked (check_counters)."""
     ckpt = Path(ckpt)
     if (ckpt / STATE_JSON).exists():
+        skeleton = read_json(ckpt / STATE_JSON, STATE_BYTES, CheckpointError, DAMAGED)
+        check_regular(ckpt / STATE_TENSORS, CheckpointError, DAMAGED)
         try:
-            skeleton = json.loads((ckpt / STATE_JSON).read_text())
-            return decode_state(skeleton, st_load_file(str(ckpt / STATE_TENSORS), device="cpu"))
+            st = decode_state(skeleton, st_load_file(str(ckpt / STATE_TENSORS), device="cpu"))
         except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError,
                 SafetensorError) as e:
             raise CheckpointError(f"the training state in {ckpt} is unreadable ({type(e).__name__}: {e}); the "
                                   f"checkpoint is damaged: use another one") from e
+        return check_counters(st, ckpt / STATE_JSON, ckpt)
     if (ckpt / LEGACY_STATE).exists():
-        return _load_legacy_state(ckpt)
+        check_regular(ckpt / LEGACY_STATE, CheckpointError, DAMAGED)
+        return check_counters(_load_legacy_state(ckpt), ckpt / LEGACY_STATE, ckpt)
     raise CheckpointError(f"{ckpt} holds no training state ({STATE_JSON}), so it cannot be resumed; start a new "
                           f"run from its weights with --init-from {ckpt}")
 

@@ -1,5 +1,6 @@
 """The checkpoint format on disk: names, errors, the latest/best/final pointers, the manifest and its
-verification, finding the checkpoint a path means, its saved config and the compatibility checks."""
+verification, finding the checkpoint a path means, its saved config and the compatibility checks. Every file
+is read through guard.py: a regular file, of a size its kind can have."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from safetensors import SafetensorError, safe_open
 
 from .. import rundir
 from .. import CodeforgeError
+from .guard import (CONFIG_BYTES, MANIFEST_BYTES, POINTER_BYTES, STATE_BYTES, check_regular, not_regular,
+                    read_json, read_regular)
 
 
 STEP_PREFIX = "step_"
@@ -57,6 +60,9 @@ class CheckpointWriteError(CheckpointError):
     """A checkpoint could not be written; nothing earlier was lost."""
 
 
+DAMAGED = "the checkpoint was damaged or edited: use another checkpoint"
+
+
 def write_pointer(ckpt_root: Path, name: str, target: str) -> None:
     tmp = ckpt_root / f".{name}.tmp"
     try:
@@ -68,10 +74,11 @@ def write_pointer(ckpt_root: Path, name: str, target: str) -> None:
 
 
 def pointer_target(ckpt_root: Path, name: str) -> Path | None:
-    """The step directory a pointer names (whether or not it exists), or None without a readable pointer."""
+    """The step directory a pointer names (whether or not it exists), or None without a readable pointer (a
+    FIFO or anything but a small regular file is not one)."""
     try:
-        text = (ckpt_root / name).read_text().strip()
-    except (OSError, UnicodeDecodeError):
+        text = read_regular(ckpt_root / name, POINTER_BYTES, CheckpointError, "").decode().strip()
+    except (CheckpointError, UnicodeDecodeError):
         return None
     return ckpt_root / text if STEP_RE.fullmatch(text) else None
 
@@ -135,8 +142,10 @@ def _verify(ck: Path, train_state: bool) -> str | None:
     if not (ck / MANIFEST).exists():
         return _verify_legacy(ck, train_state)
     try:
-        man = json.loads((ck / MANIFEST).read_text())
+        man = read_json(ck / MANIFEST, MANIFEST_BYTES, CheckpointError, "")
         files = {str(k): (int(v["bytes"]), str(v["sha256"])) for k, v in man["files"].items()}
+    except CheckpointError as e:
+        return _relative(str(e), ck).rstrip("; ")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return f"{MANIFEST} is unreadable ({type(e).__name__}: {e})"
     weights = f"{SHARDED}/.metadata" if any(k.startswith(f"{SHARDED}/") for k in files) else "model.safetensors"
@@ -151,9 +160,13 @@ def _verify(ck: Path, train_state: bool) -> str | None:
         if rel.startswith("/") or ".." in Path(rel).parts:
             return f"{MANIFEST} names a file outside the checkpoint ({rel})"
         f = ck / rel
-        if not f.is_file():
+        try:
+            st = f.stat()
+        except OSError:
             return f"{rel} is missing"
-        have = f.stat().st_size
+        if not_regular(st.st_mode):
+            return f"{rel} is {not_regular(st.st_mode)}, not a regular file"
+        have = st.st_size
         if have != size:
             return f"{rel} is {have:,} bytes but was saved with {size:,} (truncated or overwritten)"
         if sha256(f) != sha:
@@ -164,29 +177,29 @@ def _verify(ck: Path, train_state: bool) -> str | None:
 def _verify_legacy(ck: Path, train_state: bool) -> str | None:
     """A checkpoint without a manifest. For inference only its weights' presence (load_weights reports a file
     that does not load); for --resume, that every file opens, without unpickling anything."""
-    if not (ck / "model.safetensors").is_file():
-        return "model.safetensors is missing"
-    if not train_state:
-        return None
     try:
-        json.loads((ck / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        return f"config.json is unreadable ({type(e).__name__}: {e})"
-    try:
-        with safe_open(str(ck / "model.safetensors"), "pt") as f:
-            list(f.keys())
-    except (OSError, SafetensorError, ValueError, RuntimeError) as e:
-        return f"model.safetensors is unreadable ({e})"
-    if (ck / STATE_JSON).exists():  # the new state without its manifest: written by hand, or the manifest lost
+        check_regular(ck / "model.safetensors", CheckpointError, "")
+        if not train_state:
+            return None
+        read_json(ck / "config.json", CONFIG_BYTES, CheckpointError, "")
+        new_state = (ck / STATE_JSON).exists()  # the new state without its manifest: by hand, or the manifest lost
+        if new_state:
+            read_json(ck / STATE_JSON, STATE_BYTES, CheckpointError, "")
+            check_regular(ck / STATE_TENSORS, CheckpointError, "")
+        elif (ck / LEGACY_STATE).exists():
+            check_regular(ck / LEGACY_STATE, CheckpointError, "")
+        else:
+            return f"it has no training state ({STATE_JSON} or {LEGACY_STATE})"
+    except CheckpointError as e:
+        return _relative(str(e), ck).rstrip("; ")
+    for name in ("model.safetensors", STATE_TENSORS) if new_state else ("model.safetensors",):
         try:
-            json.loads((ck / STATE_JSON).read_text())
-            with safe_open(str(ck / STATE_TENSORS), "pt") as f:
+            with safe_open(str(ck / name), "pt") as f:
                 list(f.keys())
         except (OSError, SafetensorError, ValueError, RuntimeError) as e:
-            return f"the training state is unreadable ({e})"
+            return f"{name} is unreadable ({e})"
+    if new_state:
         return None
-    if not (ck / LEGACY_STATE).is_file():
-        return f"it has no training state ({STATE_JSON} or {LEGACY_STATE})"
     try:
         with zipfile.ZipFile(ck / LEGACY_STATE) as z:
             bad = z.testzip()  # CRC of every member: reads the bytes, unpickles nothing
@@ -287,15 +300,24 @@ def find_checkpoint(path: str | Path, which: str = "latest", *, train_state: boo
                           f"{root} to train from scratch here)")
 
 
+def _relative(msg: str, ck: Path) -> str:
+    """A guard.py message about a file of checkpoint `ck`, with the file named relative to it."""
+    return msg.replace(f"{ck}/", "", 1)
+
+
 def read_config(ckpt: Path) -> dict:
+    """The checkpoint's config.json: a JSON object with a `model` object (its fields are checked where a model
+    is built from them: load.vet_checkpoint)."""
     f = Path(ckpt) / "config.json"
-    if f.exists() and not f.is_file():  # a FIFO or a device would block the read
-        raise CheckpointError(f"{f} is not a regular file; the checkpoint is damaged: use another one")
-    try:
-        return json.loads(f.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{ckpt}/config.json is unreadable ({type(e).__name__}: {e}); the checkpoint is "
-                              f"damaged: use another one") from e
+    cfg = read_json(f, CONFIG_BYTES, CheckpointError, DAMAGED)
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{f} is a {type(cfg).__name__}, not an object of settings; {DAMAGED}")
+    if "model" not in cfg:
+        raise CheckpointError(f"{f} has no model section; {DAMAGED}")
+    if not isinstance(cfg["model"], dict):
+        raise CheckpointError(f"{f}: model is a {type(cfg['model']).__name__}, not an object of model settings; "
+                              f"{DAMAGED}")
+    return cfg
 
 
 def shape_diff(saved: dict, current: dict) -> dict:

@@ -22,24 +22,34 @@ GPT-2's attention stays fused (its c_attn has the same q | k | v order) and its 
 Parity is the contract (tests/test_export.py): float32 logits equal to 1e-4, greedy generation equal, the
 tokenizer's ids and chat rendering equal. The export and import commands check the logits themselves when
 transformers is installed.
+
+Import reads a directory that may come from anyone, so before building anything it checks (with
+checkpoint/guard.py) that every file in it is a regular file and no link leads out of it (a link's target would
+be copied into the run and every checkpoint and export after it; the hub cache's snapshots/REV -> ../../blobs
+links are the one exception), that every config value the model takes is of its type and in codeforge's
+declared range, that the weights' safetensors headers parse, and that the model fits in the memory there is.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from . import ExportError, check_out
 from ..atomic import publish, staging_dir
 from ..checkpoint import load_model, save_checkpoint
+from ..checkpoint.guard import (CONFIG_BYTES, check_inside, check_memory, check_regular, declared_shapes, dims,
+                                header_bytes, model_config_from, read_json, safetensors_header)
 from ..config import TrainConfig
-from ..models import build_model
+from ..models import build_model, state_shapes
 from ..models.gpt import GPTConfig
 from ..tokenizer import (CodeTokenizer, META_FILE, SPECIAL_TOKENS, TOKENIZER_FILE, TokenizerError,
                          write_hf_config)
@@ -213,9 +223,7 @@ def from_hf(hf: dict[str, torch.Tensor], m: GPTConfig, fam: Family) -> dict[str,
 
 
 def _our_shapes(m: GPTConfig) -> dict[str, tuple]:
-    with torch.device("meta"):
-        model = build_model(m)
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    return state_shapes(m)[0]  # from the config alone: nothing is built
 
 
 # -- tokenizer files ---------------------------------------------------------------------------------------------------
@@ -271,24 +279,55 @@ def export_hf(run: str | Path, out: str | Path, which: str = "auto", overwrite: 
 IMPORTABLE = ("gpt2", "llama", "qwen2", "qwen3", "arcee")
 
 
+NOT_IMPORTABLE = "codeforge cannot import it as it is"
+
+
+def _hub_blobs(hf_dir: Path) -> Path | None:
+    """blobs/ of the Hugging Face hub cache when `hf_dir` is one of its snapshots (models--ORG--NAME/snapshots/
+    REV, whose files are links to ../../blobs/HASH), else None."""
+    real = hf_dir.resolve()
+    repo = real.parent.parent
+    blobs = repo / "blobs"
+    if real.parent.name == "snapshots" and repo.name.startswith("models--") and blobs.is_dir() \
+            and not blobs.is_symlink():
+        return blobs
+    return None
+
+
+def check_model_dir(hf_dir: Path) -> None:
+    """Every entry of `hf_dir` but its subdirectories is a regular file (a FIFO would block the read), and
+    none is a link out of it: its files are read, and some copied into the run and every checkpoint and
+    export of it, so a link to a key elsewhere would carry the key with them. The hub cache's links from a
+    snapshot to its blobs stay within the model's own cache entry and are followed."""
+    blobs = _hub_blobs(hf_dir)
+    for p in sorted(hf_dir.iterdir()):
+        if p.is_symlink() and not (blobs is not None and p.resolve().parent == blobs):
+            check_inside(p, hf_dir, ExportError)
+        if not p.is_dir():
+            check_regular(p, ExportError, "replace it with the file it stands for")
+
+
 def read_hf_config(hf_dir: str | Path) -> dict:
+    """config.json of Hugging Face model directory `hf_dir`, once the directory passed check_model_dir()."""
     p = Path(hf_dir)
     f = p / "config.json"
-    if not f.is_file():
+    if not os.path.lexists(f) or not p.is_dir():
         raise ExportError(f"{p} is not a Hugging Face model directory (no config.json)")
-    try:
-        c = json.loads(f.read_text())
-    except ValueError as e:
-        raise ExportError(f"{f} is not JSON ({e})") from e
+    check_model_dir(p)
+    c = read_json(f, CONFIG_BYTES, ExportError, NOT_IMPORTABLE)
+    if not isinstance(c, dict):
+        raise ExportError(f"{f} is a {type(c).__name__}, not an object of settings; {NOT_IMPORTABLE}")
     if c.get("model_type") not in IMPORTABLE:
         raise ExportError(f"{p}: model_type {c.get('model_type')!r} is not supported; importable families: "
                           f"{', '.join(IMPORTABLE)}")
     return c
 
 
-def config_from_hf(c: dict) -> tuple[GPTConfig, Family]:
-    """Our model config (and the family) for a Hugging Face config.json; ExportError listing what has no
-    codeforge counterpart (rope scaling, sliding windows, another activation, ...)."""
+def config_from_hf(c: dict, where: str | Path = "config.json") -> tuple[GPTConfig, Family]:
+    """Our model config (and the family) for a Hugging Face config.json (file `where`); ExportError listing
+    what has no codeforge counterpart (rope scaling, sliding windows, another activation, ...), or naming the
+    first value that is not of its type or outside codeforge's declared range (checked before anything is
+    computed from it: a config of 10^6 layers is refused, not built)."""
     mt = c["model_type"]
     why: list[str] = []
     tie = bool(c.get("tie_word_embeddings", mt == "gpt2"))
@@ -300,11 +339,13 @@ def config_from_hf(c: dict) -> tuple[GPTConfig, Family]:
             why.append("scale_attn_by_inverse_layer_idx")
         if c.get("scale_attn_weights", True) is False:
             why.append("scale_attn_weights=false")
-        n_embd = c.get("n_embd", 768)
-        kw = dict(vocab_size=c["vocab_size"], block_size=c.get("n_positions", 1024), n_layer=c.get("n_layer", 12),
-                  n_head=c.get("n_head", 12), n_embd=n_embd, n_kv_head=c.get("n_head", 12), mlp="gelu",
-                  ffn_hidden=c.get("n_inner") or 4 * n_embd, norm="layernorm",
-                  norm_eps=c.get("layer_norm_epsilon", 1e-5), pos="learned", tie_embeddings=tie, bias=True)
+        names = {"vocab_size": "vocab_size", "block_size": "n_positions", "n_layer": "n_layer", "n_head": "n_head",
+                 "n_embd": "n_embd", "n_kv_head": "n_head", "ffn_hidden": "n_inner", "norm_eps": "layer_norm_epsilon"}
+        kw = dict(vocab_size=c.get("vocab_size"), block_size=c.get("n_positions", 1024), n_layer=c.get("n_layer", 12),
+                  n_head=c.get("n_head", 12), n_embd=c.get("n_embd", 768), n_kv_head=c.get("n_head", 12), mlp="gelu",
+                  ffn_hidden=c.get("n_inner") or 0,  # 0: 4 x n_embd, GPT-2's default
+                  norm="layernorm", norm_eps=c.get("layer_norm_epsilon", 1e-5), pos="learned", tie_embeddings=tie,
+                  bias=True)
     else:
         act = c.get("hidden_act", "silu")
         acts = {"llama": ("silu",), "qwen2": ("silu",), "qwen3": ("silu",),
@@ -317,9 +358,6 @@ def config_from_hf(c: dict) -> tuple[GPTConfig, Family]:
         if rope_type != "default":
             why.append(f"rope scaling {rope_type!r}")
         theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
-        hidden, n_head = c["hidden_size"], c["num_attention_heads"]
-        if c.get("head_dim") not in (None, hidden // n_head) or hidden % n_head:
-            why.append(f"head_dim {c.get('head_dim')} != hidden_size / num_attention_heads ({hidden}/{n_head})")
         if c.get("use_sliding_window"):
             why.append("sliding-window attention")
         if c.get("pretraining_tp", 1) != 1:
@@ -327,17 +365,24 @@ def config_from_hf(c: dict) -> tuple[GPTConfig, Family]:
         bias = {"qwen2": True, "llama": bool(c.get("attention_bias") or c.get("mlp_bias")),
                 "arcee": bool(c.get("attention_bias") or c.get("mlp_bias")),
                 "qwen3": bool(c.get("attention_bias"))}[mt]
-        kw = dict(vocab_size=c["vocab_size"], block_size=c.get("max_position_embeddings", 2048),
-                  n_layer=c["num_hidden_layers"], n_head=n_head, n_embd=hidden,
-                  n_kv_head=c.get("num_key_value_heads") or n_head,
+        names = {"vocab_size": "vocab_size", "block_size": "max_position_embeddings", "n_layer": "num_hidden_layers",
+                 "n_head": "num_attention_heads", "n_embd": "hidden_size", "n_kv_head": "num_key_value_heads",
+                 "ffn_hidden": "intermediate_size", "norm_eps": "rms_norm_eps", "rope_base": "rope_theta"}
+        kw = dict(vocab_size=c.get("vocab_size"), block_size=c.get("max_position_embeddings", 2048),
+                  n_layer=c.get("num_hidden_layers"), n_head=c.get("num_attention_heads"), n_embd=c.get("hidden_size"),
+                  n_kv_head=c.get("num_key_value_heads") or c.get("num_attention_heads"),
                   mlp={"arcee": "relu2" if act == "relu2" else "gelu"}.get(mt, "swiglu"),
-                  ffn_hidden=c["intermediate_size"], norm="rmsnorm", norm_eps=c.get("rms_norm_eps", 1e-6),
-                  pos="rope", rope_base=float(theta), qk_norm=mt == "qwen3", tie_embeddings=tie, bias=bias)
+                  ffn_hidden=c.get("intermediate_size"), norm="rmsnorm", norm_eps=c.get("rms_norm_eps", 1e-6),
+                  pos="rope", rope_base=float(theta) if isinstance(theta, int) and not isinstance(theta, bool) else theta,
+                  qk_norm=mt == "qwen3", tie_embeddings=tie, bias=bias)
     if why:
         raise ExportError(f"a {mt} model with features codeforge does not compute: {'; '.join(why)}")
-    if kw["block_size"] > 131_072:
+    if isinstance(kw["block_size"], int) and kw["block_size"] > 131_072:  # longer contexts: ours is the range's top
         kw["block_size"] = 131_072
-    m = GPTConfig(**kw)
+    m = model_config_from(kw, where, ExportError, NOT_IMPORTABLE, names)
+    if mt != "gpt2" and c.get("head_dim") not in (None, m.head_dim):
+        raise ExportError(f"a {mt} model with features codeforge does not compute: head_dim {c.get('head_dim')} != "
+                          f"hidden_size / num_attention_heads ({m.n_embd}/{m.n_head})")
     fam = {"gpt2": Family("GPT2LMHeadModel", "gpt2", GPT2_KEYS, "gelu_pytorch_tanh"),
            "llama": Family("LlamaForCausalLM", "llama", LLAMA_KEYS, "silu"),
            "qwen2": Family("Qwen2ForCausalLM", "qwen2", LLAMA_KEYS, "silu"),
@@ -346,15 +391,22 @@ def config_from_hf(c: dict) -> tuple[GPTConfig, Family]:
     return m, fam
 
 
-def load_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
+def hf_weight_files(hf_dir: Path) -> list[Path]:
     files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
         extra = " (only PyTorch .bin files: re-save it with save_pretrained(safe_serialization=True))" \
             if list(hf_dir.glob("*.bin")) else ""
         raise ExportError(f"{hf_dir} has no .safetensors weights{extra}")
+    return files
+
+
+def load_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
     sd: dict[str, torch.Tensor] = {}
-    for f in files:
-        sd.update(load_file(str(f)))
+    for f in hf_weight_files(hf_dir):
+        try:
+            sd.update(load_file(str(f)))
+        except (OSError, SafetensorError) as e:
+            raise ExportError(f"{f} cannot be read ({e}); {NOT_IMPORTABLE}") from e
     return sd
 
 
@@ -364,9 +416,16 @@ def import_hf(hf_dir: str | Path, out: str | Path, overwrite: bool = False, veri
     in `hf_dir`, to start training from (`codeforge train --init-from OUT`), generate, evaluate or export."""
     hf_dir = Path(hf_dir)
     c = read_hf_config(hf_dir)
-    m, fam = config_from_hf(c)
+    m, fam = config_from_hf(c, hf_dir / "config.json")
     out = check_out(out, overwrite)
-    if not (hf_dir / "tokenizer.json").is_file():
+    # the weights' headers, and the memory: our float32 model, the tensors read, their float32 copies
+    # (from_hf), and transformers' own copy when verifying
+    stored = sum(header_bytes(safetensors_header(f, ExportError, NOT_IMPORTABLE)) for f in hf_weight_files(hf_dir))
+    params = declared_shapes(m)[2]
+    check_memory(4 * params * (3 if verify else 2) + stored,
+                 f"{hf_dir / 'config.json'} declares a model of {params:,} parameters ({dims(m)}): importing it",
+                 ExportError)
+    if not os.path.lexists(hf_dir / "tokenizer.json"):
         raise ExportError(f"{hf_dir} has no tokenizer.json (the fast tokenizer); codeforge needs it to train and "
                           f"generate. Save it with AutoTokenizer.from_pretrained(...).save_pretrained({hf_dir})")
     try:
