@@ -33,10 +33,12 @@ import resource
 from dataclasses import dataclass
 
 import h11
+import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 MAX_DEFAULT_CONNECTIONS = 1024  # the default cap where the file limit allows more (memory stays small)
 TIMEOUT_REASON = {"head": "header_timeout", "body": "body_timeout"}
+LISTEN_QUEUE = 2048  # connections the kernel holds before accept(); the kernel caps it at net.core.somaxconn
 RESERVED_FDS = 32  # files the server opens while serving: /proc reads for /metrics, logs, tokenizer, torch
 
 
@@ -56,10 +58,11 @@ def open_fds() -> int:
 
 
 def connection_budget() -> tuple[int, int, int, int]:
-    """(the most connections the file limit allows, the listen backlog, the soft RLIMIT_NOFILE, files open
+    """(the most connections the file limit allows, uvicorn's backlog, the soft RLIMIT_NOFILE, files open
     now). asyncio accepts up to `backlog` connections per event-loop turn before any of them reaches the
     protocol that may close it, and up to three turns pass before it does, so 3 x backlog descriptors are
-    kept free beside RESERVED_FDS and the files already open."""
+    kept free beside RESERVED_FDS and the files already open (the kernel's listen queue, deepened by Server,
+    costs none)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft > 1 << 20:
         soft = 1 << 20
@@ -67,6 +70,19 @@ def connection_budget() -> tuple[int, int, int, int]:
     headroom = soft - now
     backlog = max(8, min(128, headroom // 8))
     return headroom - 3 * backlog - RESERVED_FDS, backlog, soft, now
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server with a listen queue deeper than its accept batch. asyncio uses one number for both
+    (uvicorn's config.backlog): it takes up to that many connections off the queue per event-loop turn, and
+    those cost descriptors (connection_budget keeps room for them), while connections still in the kernel's
+    queue cost none. A shallow queue drops the SYNs of a burst, and each dropped SYN costs its client a 1 s
+    retransmit, so the queue is deepened once the server listens."""
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        for sock in sockets or []:
+            sock.listen(max(LISTEN_QUEUE, self.config.backlog))
 
 
 def _busy_response(n: int) -> bytes:

@@ -2,9 +2,11 @@
 the builders that turn generated text into OpenAI (and llama.cpp /infill) responses and stream chunks.
 
 Errors are always {"error": {"message", "type", "param", "code"}}: 400 a request that is well-formed but
-cannot be served (prompt too long, unsupported option), 401 no or wrong API key, 404 unknown model or path,
-413 body too large, 422 a field of the wrong type or out of range, 429 queue full (Retry-After), 500 a
-failure inside the server, 504 a request that ran past --request-timeout.
+cannot be served (prompt too long, unsupported option, a message without content, a Host the server does not
+answer to), 401 no or wrong API key, 403 a browser request from another site's page (Origin), 404 unknown
+model or path, 413 body too large, 422 a field of the wrong type or out of range, 429 queue full
+(Retry-After), 500 a failure inside the server, 503 every connection busy (connections.py), 504 a request
+that ran past --request-timeout.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from ..checkpoint import load_model
 from ..device import choose_device, choose_precision
 from ..engine import Engine
 from .app import ServeOptions, create_app, parse_hosts, parse_origins
-from .connections import MAX_DEFAULT_CONNECTIONS, ConnectionGuard, ConnectionLimits, connection_budget
+from .connections import MAX_DEFAULT_CONNECTIONS, ConnectionGuard, ConnectionLimits, Server, connection_budget
 
 API_KEY_ENV = "CODEFORGE_API_KEY"
 
@@ -167,5 +167,5 @@ def serve_command(a) -> int:
     config = uvicorn.Config(app, log_level="info" if a.access_log else "warning", access_log=a.access_log,
                             timeout_graceful_shutdown=5, http=guard.protocol_class(), ws="none",
                             timeout_keep_alive=limits.keep_alive, backlog=backlog)
-    uvicorn.Server(config).run(sockets=[sock])
+    Server(config).run(sockets=[sock])
     return 0
