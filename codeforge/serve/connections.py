@@ -99,15 +99,17 @@ class ConnectionGuard:
     def __init__(self, limits: ConnectionLimits):
         self.limits = limits
         self.live: set = set()  # protocols accepted and not yet closed by us or the client
+        # those waiting on their client, longest-waiting first (a protocol moves to the end when it starts
+        # waiting), so finding whom to displace costs O(1) however many are open
+        self.waiting: dict = {}
         self.closed = {"header_timeout": 0, "body_timeout": 0, "displaced": 0, "refused": 0}
 
     def make_room(self) -> bool:
         """Close the connection that has waited longest on its client; False when every one is being
         answered."""
-        waiting = [p for p in self.live if p.waiting_since is not None]
-        if not waiting:
+        if not self.waiting:
             return False
-        min(waiting, key=lambda p: p.waiting_since).expire("displaced")
+        next(iter(self.waiting)).expire("displaced")
         return True
 
     def protocol_class(self) -> type:
@@ -117,7 +119,6 @@ class ConnectionGuard:
         class GuardedH11Protocol(H11Protocol):
             refused = False
             phase = "new"  # head | body | idle (between requests) | answering
-            waiting_since: float | None = None  # when it began waiting on the client; None while answering
             deadline = None
 
             def connection_made(self, transport) -> None:
@@ -149,6 +150,7 @@ class ConnectionGuard:
 
             def connection_lost(self, exc: Exception | None) -> None:
                 guard.live.discard(self)
+                guard.waiting.pop(self, None)
                 self.cancel_deadline()
                 if self.refused:
                     return
@@ -166,11 +168,14 @@ class ConnectionGuard:
                         self.wait("body", limits.body_timeout)
                 elif their is not h11.IDLE and self.phase in ("head", "body"):
                     self.cancel_deadline()  # the request is in: answering it is not the client's time
-                    self.phase, self.waiting_since = "answering", None
+                    self.phase = "answering"
+                    guard.waiting.pop(self, None)
 
             def wait(self, phase: str, seconds: float | None) -> None:
                 self.cancel_deadline()
-                self.phase, self.waiting_since = phase, self.loop.time()
+                self.phase = phase
+                guard.waiting.pop(self, None)
+                guard.waiting[self] = None  # to the end: the latest to start waiting
                 if seconds:
                     self.deadline = self.loop.call_later(seconds, self.expire, TIMEOUT_REASON[phase])
 
@@ -183,7 +188,7 @@ class ConnectionGuard:
                 """Close the connection (a handler waiting on the body gets http.disconnect)."""
                 self.cancel_deadline()
                 guard.live.discard(self)
-                self.waiting_since = None
+                guard.waiting.pop(self, None)
                 if not self.transport.is_closing():
                     self.transport.close()
                     guard.closed[reason] += 1
