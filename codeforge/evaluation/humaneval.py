@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 from collections import Counter
 
+from ..engine import SamplingParams
 from ..sandbox import check_available, encode_calls, run_many
 from ..tasks.code_tasks import Cases, TaskError, judge, literal_call, tampering
 from .generation import pass_at_k
@@ -140,8 +141,6 @@ def humaneval_pass_at_k(engine, n_problems: int, samples: int, ks: list[int], ma
                         unsafe_no_sandbox: bool = False) -> dict:
     """Generate `samples` completions for each of the first `n_problems` HumanEval problems and score them
     with score_samples (outside the box where the problem splits)."""
-    from ..engine import SamplingParams
-
     if not unsafe_no_sandbox:
         check_available()  # before generating anything
     probs = dict(list(problems().items())[:n_problems])
