@@ -356,7 +356,151 @@ CHECKPOINT_CASES = [
 
 # -- corpus readers ------------------------------------------------------------------------------------------
 # Kept apart: cases for `tokenizer train`, `prepare`, `make-sft`, ... on hostile corpus files go here.
-CORPUS_CASES: list[Case] = []
+# One line of 'a' with no newline compresses 32,000:1 in zstd, 1,000:1 in gzip; one parquet value compresses in
+# its page; a dictionary page lets every row repeat one large value. Each file holds one good record besides,
+# so a reader that skips the hostile one prepares a corpus of one document (exit 0).
+
+GOOD_TEXT = b'{"text": "ok = 1\\n"}\n'
+GOOD_CHAT = b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
+GOOD_PAIR = b'{"prompt": "add", "chosen": "a + b", "rejected": "a - b"}\n'
+
+
+def one_line(path: Path, prefix: bytes, gib: float, good: bytes) -> Path:
+    """`prefix`, gib GiB of 'a' without a newline, then a newline and one good record, compressed by the
+    file's extension (.zst: 6 GiB in 190 KB; .gz: 1 GiB in 1 MB)."""
+    if path.suffix == ".zst":
+        import zstandard
+        f = zstandard.ZstdCompressor(level=3).stream_writer(open(path, "wb"))
+    else:
+        import gzip
+        f = gzip.open(path, "wb", compresslevel=9)
+    with f:
+        f.write(prefix)
+        chunk = b"a" * (1 << 20)
+        for _ in range(int(gib * 1024)):
+            f.write(chunk)
+        f.write(b'"}\n' + good)
+    return path
+
+
+def prepare_args(path: Path, d: Path, base: Base, *extra: str) -> list[str]:
+    return ["prepare", "--input", str(path), "--tokenizer", str(base.tokenizer), "--out", str(d / "out"),
+            "--val-fraction", "0", *extra]
+
+
+def long_line(ext: str, gib: float, what: str) -> Callable[[Path, Base], list[str]]:
+    def build(d: Path, base: Base) -> list[str]:
+        if what == "text":
+            return prepare_args(one_line(d / f"d.jsonl{ext}", b'{"text": "', gib, GOOD_TEXT), d, base)
+        if what == "chat":
+            path = one_line(d / f"c.jsonl{ext}", b'{"messages": [{"role": "user", "content": "', gib, GOOD_CHAT)
+            return prepare_args(path, d, base, "--chat")
+        path = one_line(d / f"p.jsonl{ext}", b'{"prompt": "x", "chosen": "', gib, GOOD_PAIR)
+        return ["train", "--stage", "dpo", "--init-from", str(base.run), "--data", str(path), "--out", str(d / "run"),
+                "--max-iters", "1", "--device", "cpu", "--no-progress", "--no-tensorboard"]
+    return build
+
+
+HUGE_PARQUET = r"""
+import sys
+import numpy as np, pyarrow as pa, pyarrow.parquet as pq
+n = 300 << 20
+huge = pa.StringArray.from_buffers(1, pa.py_buffer(np.array([0, n], dtype=np.int32).tobytes()), pa.py_buffer(b"a" * n))
+with pq.ParquetWriter(sys.argv[1], pa.schema([("text", pa.string())]), compression="zstd") as w:
+    w.write_table(pa.table({"text": ["ok = 1\n"]}))
+    w.write_table(pa.table({"text": huge}))
+    w.write_table(pa.table({"text": ["ok = 2\n"]}))
+"""
+
+
+def parquet_huge_value(d: Path, base: Base) -> list[str]:
+    """One 300 MB value of 'a' in its own row group between two good ones: a 10 KB file. Written by a child:
+    the 1.5 GB this takes would stay in this process, and a case's child inherits its peak RSS at the fork."""
+    subprocess.run([sys.executable, "-c", HUGE_PARQUET, str(d / "big.parquet")], check=True)
+    return prepare_args(d / "big.parquet", d, base)
+
+
+def parquet_dictionary(d: Path, base: Base) -> list[str]:
+    """10,000 rows pointing at one 900 KB dictionary entry, one good row: a 1,024-row batch is 900 MB decoded,
+    twice (Arrow's dense copy, then Python's)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    col = pa.DictionaryArray.from_arrays(pa.array([1] + [0] * 10_000, pa.int32()), pa.array(["b" * 900_000, "ok = 1\n"]))
+    pq.write_table(pa.table({"text": col}), d / "dict.parquet", compression="zstd")
+    return prepare_args(d / "dict.parquet", d, base)
+
+
+def many_documents(d: Path, base: Base) -> list[str]:
+    """200 distinct 100 KB documents in a 100 KB .jsonl.zst (zstd finds each in the one before): 20 MB of text
+    that `prepare` encoded as one batch, the tokenizer holding 150-320 bytes per byte of text while it encodes."""
+    import zstandard
+    body = (STDLIB / "typing.py").read_text()[:100_000]
+    lines = "".join(json.dumps({"text": f"# document {i}\n" + body}) + "\n" for i in range(200))
+    (d / "many.jsonl.zst").write_bytes(zstandard.ZstdCompressor(level=19).compress(lines.encode()))
+    return prepare_args(d / "many.jsonl.zst", d, base)
+
+
+def tree_with(d: Path) -> Path:
+    root = d / "tree"
+    root.mkdir()
+    (root / "good.py").write_text("def good():\n    return 1\n")
+    return root
+
+
+def odd_file_name(d: Path, base: Base) -> list[str]:
+    """A file whose name is not UTF-8 (latin-1 bytes), as a tarball from another system holds."""
+    root = tree_with(d)
+    with open(os.path.join(os.fsencode(root), b"caf\xe9.py"), "wb") as f:
+        f.write(b"def cafe():\n    return 2\n")
+    return prepare_args(root, d, base)
+
+
+def linked_secret(d: Path, base: Base) -> list[str]:
+    """A symlink in the tree, named like code, to a credentials file outside it."""
+    root = tree_with(d)
+    secret = d / "home" / ".aws" / "credentials.py"
+    secret.parent.mkdir(parents=True)
+    secret.write_text(f"{SECRET!r}\n")
+    (root / "settings.py").symlink_to(secret)
+    return prepare_args(root, d, base)
+
+
+def fifo_in_tree(d: Path, base: Base) -> list[str]:
+    root = tree_with(d)
+    os.mkfifo(root / "pipe.py")
+    return prepare_args(root, d, base)
+
+
+def secret_in_shards(out_name: str) -> Callable[[Path], bool]:
+    """After the run: does a document of the prepared data under d/out_name hold the secret? (Shards hold token
+    ids, so they are decoded with the tokenizer copied beside them.)"""
+    def leaked(d: Path) -> bool:
+        out = d / out_name
+        if not (out / "meta.json").exists():
+            return False
+        from codeforge.data.shards import ShardSet
+        from codeforge.tokenizer import CodeTokenizer
+        tok = CodeTokenizer.load(out / "tokenizer")
+        for split in ("train", "val"):
+            ss = ShardSet(out, split)
+            if any(SECRET in tok.decode(ss.document(i).tolist()) for i in range(ss.documents)):
+                return True
+        return False
+    return leaked
+
+
+CORPUS_CASES: list[Case] = [
+    Case("JSONL .zst: one 6 GiB line (190 KB file)", long_line(".zst", 6, "text")),
+    Case("JSONL .gz: one 1 GiB line (1 MB file)", long_line(".gz", 1, "text")),
+    Case("chat JSONL .zst: one 6 GiB line", long_line(".zst", 6, "chat")),
+    Case("pairs JSONL .zst: one 6 GiB line", long_line(".zst", 6, "pairs")),
+    Case("parquet: one 300 MB value (10 KB file)", parquet_huge_value),
+    Case("parquet: 10,000 rows x one 900 KB dict value", parquet_dictionary),
+    Case("JSONL .zst: 200 distinct 100 KB documents", many_documents),
+    Case("file name with a non-UTF-8 byte", odd_file_name),
+    Case("tree symlink to a secret outside it", linked_secret, secret_in_shards("out")),
+    Case("FIFO inside the tree", fifo_in_tree),
+]
 
 CASES = CHECKPOINT_CASES + CORPUS_CASES
 
