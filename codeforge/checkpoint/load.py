@@ -110,17 +110,14 @@ def load_weights(model: torch.nn.Module, ckpt: Path, new_ok: tuple[str, ...] = (
                               f"{sorted(unexpected)[:5]})")
 
 
-def vet_checkpoint(ck: Path, weights: bool = True):
+def vet_checkpoint(ck: Path):
     """The model config of checkpoint `ck` once its files are safe to load (guard.py): every file a regular
     one inside it, config.json's model section valid field by field, model.safetensors' header holding
     exactly the declared model, and that model fitting in memory (built in float32, plus the weights read
-    from disk). weights=False: the files and the config only. Nothing is built but on the meta device;
-    CheckpointError names the file and the field."""
+    from disk). Nothing is built (models.state_shapes); CheckpointError names the file and the field."""
     ck = Path(ck)
     check_files(ck, CheckpointError, DAMAGED)
     m = model_config_from(read_config(ck)["model"], ck / "config.json", CheckpointError, DAMAGED)
-    if not weights:
-        return m
     shapes, groups, params = declared_shapes(m)
     stored = 0
     if not is_sharded(ck):
