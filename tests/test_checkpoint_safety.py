@@ -1,7 +1,8 @@
 """Damaged runs (issue 9), through the real trainer on a tiny model: a damaged latest checkpoint is named and
 skipped (resume then equals a straight run), a full disk during a save loses nothing, a second trainer on a
-run directory is refused, --resume with another batch, seed or data says what differs, and a tampered
-training state runs no code."""
+run directory is refused, --resume with another batch, seed or data says what differs, a tampered
+training state runs no code, and nonsense in a run's own files (a step of 10^18, -5 or "x"; `model = "x"` in
+config.toml) is one error line naming the file and the field."""
 
 import errno
 import json

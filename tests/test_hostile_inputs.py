@@ -1,6 +1,9 @@
 """Hostile inputs lose nothing (issue 9): FIFOs, devices, sockets, broken and looping symlinks, unreadable
 files and damaged compressed files are skipped and counted by reason (or refused under --strict, naming the
 path) while the rest of the corpus is prepared; a killed writer's staging directories are cleaned up later.
+Small hostile checkpoints and Hugging Face directories cost no large memory, time or secrets: a config that
+declares more than its weights hold, a model bigger than the memory there is, FIFOs, links out of the
+directory, values out of range and garbage weights are each one error line naming the file and the field.
 
 Anything that could hang or read forever runs in a subprocess with a timeout, so a regression fails the test
 instead of blocking the suite."""
