@@ -14,6 +14,7 @@ import gzip
 import json
 import os
 import random
+import shutil
 import socket
 import stat
 import subprocess
@@ -651,7 +652,7 @@ def test_import_refuses_a_link_that_leaves_the_model_directory(hf_dir, tmp_path,
     outside = tmp_path / "elsewhere"
     outside.mkdir()
     secret = outside / name
-    shutil_move(hf_dir / name, secret)
+    shutil.move(hf_dir / name, secret)
     if name.endswith(".json"):
         secret.write_text(json.dumps({"pad_token": "AWS_SECRET_ACCESS_KEY=abc"}))
     (hf_dir / name).symlink_to(secret)
@@ -659,11 +660,6 @@ def test_import_refuses_a_link_that_leaves_the_model_directory(hf_dir, tmp_path,
     line = error_line(capsys.readouterr().err)
     assert f"{hf_dir / name} is a link to {secret}, outside {hf_dir}" in line
     assert not (tmp_path / "imp").exists()
-
-
-def shutil_move(src: Path, dst: Path) -> None:
-    import shutil
-    shutil.move(str(src), str(dst))
 
 
 def test_import_follows_links_of_the_hugging_face_cache(hf_dir, tmp_path):
@@ -674,7 +670,7 @@ def test_import_follows_links_of_the_hugging_face_cache(hf_dir, tmp_path):
     snap = repo / "snapshots" / "0123abc"
     snap.mkdir(parents=True)
     for i, f in enumerate(sorted(hf_dir.iterdir())):
-        shutil_move(f, repo / "blobs" / f"blob{i}")
+        shutil.move(f, repo / "blobs" / f"blob{i}")
         (snap / f.name).symlink_to(Path("..") / ".." / "blobs" / f"blob{i}")
     assert main(["import", "--hf", str(snap), "--out", str(tmp_path / "imp"), "--no-verify"]) == 0
 
