@@ -428,12 +428,50 @@ def test_gguf_f16_and_q8_0(tmp_path, llama3_tok_dir):
     assert main(["export", "--run", str(run), "--format", "gguf", "--out", str(tmp_path / "m-f16.gguf")]) == 2
 
 
-def test_gguf_code_split_is_refused_loudly_unless_allowed(tmp_path, tokenizer_dir, capsys):
-    run = make_run(tmp_path / "run", tokenizer_dir, **FAMILIES["llama-gqa"][1])
+@pytest.fixture(scope="module")
+def code_tok_dir(tmp_path_factory, code_corpus) -> Path:
+    """A tokenizer trained with codeforge's own code split (tokenizer train --split code)."""
+    from codeforge.corpus import CorpusOptions, CorpusStats, iter_documents
+    from codeforge.tokenizer import train_tokenizer
+    out = tmp_path_factory.mktemp("tokcode") / "tokenizer"
+    texts = (d.text for d in iter_documents([str(code_corpus)], CorpusOptions(languages=["go", "python"]),
+                                            CorpusStats()))
+    train_tokenizer(texts, 1024, out, split="code")
+    return out
+
+
+def test_the_default_tokenizer_exports_to_gguf_with_its_recorded_name(tmp_path, tokenizer_dir, capsys):
+    """The shared test tokenizer is trained with the default split: no flag needed, the name comes from the
+    tokenizer's metadata, and a metadata file that disagrees with tokenizer.json is refused."""
+    meta = json.loads((tokenizer_dir / "codeforge_tokenizer.json").read_text())
+    assert meta["split"] == "llama3" and meta["llama_cpp_pre"] == "llama-bpe"
+    run = make_run(tmp_path / "run", tokenizer_dir, **FAMILIES["qwen2"][1])
+    out = tmp_path / "m.gguf"
+    assert main(["export", "--run", str(run), "--format", "gguf", "--out", str(out), "--dtype", "q8_0"]) == 0
+    fields, _ = read_gguf(out)
+    assert fields["tokenizer.ggml.pre"] == "llama-bpe" and fields["codeforge.tokenizer_mismatch"] is False
+    assert fields["tokenizer.ggml.fim_pre_token_id"] == CodeTokenizer.load(tokenizer_dir).special_ids["<fim_prefix>"]
+    assert "<|im_start|>" in fields["tokenizer.chat_template"]
+    # tampered metadata: the recorded name must be the rule tokenizer.json applies
+    tok_copy = tmp_path / "tok"
+    shutil.copytree(tokenizer_dir, tok_copy)
+    m = json.loads((tok_copy / "codeforge_tokenizer.json").read_text())
+    (tok_copy / "codeforge_tokenizer.json").write_text(json.dumps(m | {"llama_cpp_pre": "qwen2"}))
+    run2 = make_run(tmp_path / "run2", tok_copy, **FAMILIES["qwen2"][1])
+    assert main(["export", "--run", str(run2), "--format", "gguf", "--out", str(tmp_path / "m2.gguf")]) == 2
+    assert "do not belong together" in capsys.readouterr().err
+
+
+def test_gguf_code_split_is_refused_loudly_unless_allowed(tmp_path, code_tok_dir, capsys):
+    run = make_run(tmp_path / "run", code_tok_dir, **FAMILIES["llama-gqa"][1])
     out = tmp_path / "m.gguf"
     assert main(["export", "--run", str(run), "--format", "gguf", "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert "llama.cpp would tokenize differently" in err and "--split llama3" in err and not out.exists()
+    assert "code split, which llama.cpp does not implement" in err and "--split llama3" in err and not out.exists()
+    line = err.strip().splitlines()
+    assert len(line) == 1 and "\\p{L}" not in err and len(line[0]) < 480, err  # one sentence, no regex
+    assert main(["export", "--run", str(run), "--format", "gguf", "--out", str(out), "--verbose"]) == 2
+    assert "\\p{L}" in capsys.readouterr().err  # --verbose shows the rule
     assert main(["export", "--run", str(run), "--format", "gguf", "--out", str(out),
                  "--allow-tokenizer-mismatch"]) == 0
     said = capsys.readouterr().out
@@ -451,14 +489,83 @@ def test_gguf_refuses_what_llama_cpp_cannot_compute(tmp_path, llama3_tok_dir, ca
 
 # -- llama.cpp itself (slow: llama-cpp-python builds llama.cpp from source, ~14 minutes on 2 cores) ---------------
 
+# Held-out text with what trips tokenizers: tabs, CRLF, Unicode identifiers and strings, long numbers, runs of
+# blank lines and trailing spaces, a BOM-less emoji, special-token text inside a file.
+EDGE_TEXTS = [
+    "func Größe(ñ int) int {\r\n\treturn ñ * 12345678901234567890\r\n}\r\n",
+    "def 计算(x):\n\t\treturn x + 3.14159265358979323846e-10  \n\n\n\n# naïve café  \t\n",
+    "  x\t=  'é日本🚀'  \r\n\n\n  # done",
+    "s = '<|endoftext|> <fim_prefix> not special here'\nn = 0x7fffffffffffffff_0000\n",
+]
+
+
+def held_out_code() -> list[str]:
+    """Files the test tokenizers never saw: Python's email/ package (they train on json/ and asyncio/) and,
+    where golang-src is installed, Go's net/http."""
+    from conftest import STDLIB
+    texts = [p.read_text(errors="replace") for p in sorted((STDLIB / "email").glob("*.py"))[:12]]
+    go = sorted(Path("/usr/share").glob("go-*/src/net/http"))
+    if go:
+        texts += [p.read_text(errors="replace") for p in sorted(go[-1].glob("*.go"))[:12]]
+    return texts
+
+
+def llama_detokenize(llama_cpp, llm, ids: list[int]) -> str:
+    """The text llama.cpp generates for `ids`: its llama_token_to_piece, token by token, as llama-server and
+    llama-cli write output. (llama-cpp-python's Llama.detokenize reads each piece into a 32-byte buffer and
+    cuts longer tokens, a run of 40 spaces say; and llama.cpp's whole-text llama_detokenize drops the space
+    before an apostrophe for llama-bpe models, HF's old clean-up, Llama 3's too.)"""
+    import ctypes
+    buf = ctypes.create_string_buffer(1024)
+    out = b""
+    for t in ids:
+        n = llama_cpp.llama_token_to_piece(llm._model.vocab, t, buf, len(buf), 0, False)
+        assert 0 <= n <= len(buf), n
+        out += buf.raw[:n]
+    return out.decode()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama-gqa", "qwen2", "qwen3", "gpt2", "arcee-relu2"])
-def test_llama_cpp_parity(family, tmp_path, llama3_tok_dir, monkeypatch):
-    """llama.cpp loads the exported f32 GGUF and agrees with codeforge: the same token ids on code, logits
-    within 1e-3 (max abs), the same 32-token greedy continuation."""
+@pytest.mark.parametrize("vocab", [8000, 32000])
+def test_default_tokenizer_matches_llama_cpp(vocab, tmp_path):
+    """A tokenizer trained with the default split at 8k and 32k: llama.cpp (through llama-cpp-python) gives the
+    same token ids as codeforge on held-out Python and Go and on EDGE_TEXTS, and decodes them back to the text."""
     llama_cpp = pytest.importorskip("llama_cpp", reason="pip install llama-cpp-python (builds llama.cpp; see README)")
     from conftest import STDLIB
-    run = make_run(tmp_path / "run", llama3_tok_dir, seed=11, **{**FAMILIES[family][1], "block_size": 512})
+
+    from codeforge.corpus import CorpusOptions, CorpusStats, iter_documents
+    from codeforge.tokenizer import train_tokenizer
+    sources = [str(STDLIB / d) for d in ("json", "asyncio", "collections", "importlib", "unittest", "logging")]
+    go = sorted(Path("/usr/share").glob("go-*/src"))
+    if go:
+        sources += [str(go[-1] / d) for d in ("strings", "bytes", "fmt", "sort", "os", "io", "bufio", "encoding")]
+    texts = (d.text for d in iter_documents(sources, CorpusOptions(languages=["go", "python"]), CorpusStats()))
+    tok_dir = tmp_path / "tok"
+    tok, meta = train_tokenizer(texts, vocab, tok_dir)
+    assert meta["llama_cpp_pre"] == "llama-bpe"
+    run = make_run(tmp_path / "run", tok_dir, n_layer=1, n_embd=32, n_head=2, block_size=64)
+    out = tmp_path / "m.gguf"
+    assert main(["export", "--run", str(run), "--format", "gguf", "--out", str(out)]) == 0
+    llm = llama_cpp.Llama(model_path=str(out), n_ctx=64, vocab_only=True, verbose=False)
+    n_ids = n_texts = 0
+    for text in held_out_code() + EDGE_TEXTS:
+        ids = tok.encode(text)
+        assert llm.tokenize(text.encode(), add_bos=False, special=False) == ids, text[:80]
+        assert llama_detokenize(llama_cpp, llm, ids) == text
+        n_ids += len(ids)
+        n_texts += 1
+    print(f"\nvocab {tok.vocab_size}: {n_ids} token ids equal on {n_texts} held-out texts")
+    assert n_texts >= 12 + len(EDGE_TEXTS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama-gqa", "qwen2", "qwen3", "gpt2", "arcee-relu2"])
+def test_llama_cpp_parity(family, tmp_path, tokenizer_dir, monkeypatch):
+    """llama.cpp loads the exported f32 GGUF of a run on the default tokenizer and agrees with codeforge: the
+    same token ids on code, logits within 1e-3 (max abs), the same 32-token greedy continuation."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="pip install llama-cpp-python (builds llama.cpp; see README)")
+    from conftest import STDLIB
+    run = make_run(tmp_path / "run", tokenizer_dir, seed=11, **{**FAMILIES[family][1], "block_size": 512})
     out = tmp_path / "m.gguf"
     assert main(["export", "--run", str(run), "--format", "gguf", "--out", str(out)]) == 0
     model, tok, _, _ = load_model(run, torch.device("cpu"))
@@ -466,12 +573,12 @@ def test_llama_cpp_parity(family, tmp_path, llama3_tok_dir, monkeypatch):
     llm = llama_cpp.Llama(model_path=str(out), n_ctx=512, n_batch=512, n_threads=2, logits_all=True, verbose=False,
                           type_k=f32, type_v=f32)
 
-    texts = CODE + [(STDLIB / "json" / "decoder.py").read_text()[:6000], "  x\t=  'é日本🚀'  \r\n\n\n  # done"]
+    texts = CODE + [(STDLIB / "json" / "decoder.py").read_text()[:6000]] + EDGE_TEXTS
     n_ids = 0
     for text in texts:
         ids = tok.encode(text)
         assert llm.tokenize(text.encode(), add_bos=False, special=False) == ids, text[:60]
-        assert llm.detokenize(ids).decode() == text
+        assert llama_detokenize(llama_cpp, llm, ids) == text
         n_ids += len(ids)
 
     ids = tok.encode(texts[2])[:256]

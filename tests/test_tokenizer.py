@@ -62,12 +62,22 @@ def test_load_missing_says_how_to_train(tmp_path):
         CodeTokenizer.load(tmp_path)
 
 
-def test_code_pretokenizer_keeps_indentation_with_punctuation(tokenizer_dir):
-    tok = CodeTokenizer.load(tokenizer_dir)
+def test_code_pretokenizer_keeps_indentation_with_punctuation(tmp_path):
+    tok, meta = train_tokenizer(iter(["if x {\n\treturn a_b1\n}\n" * 20]), 300, tmp_path / "t", split="code")
+    assert (meta["split"], meta["llama_cpp_pre"]) == ("code", None)
     pieces = tok.tok.pre_tokenizer.pre_tokenize_str("if x {\n\t\treturn a_b1\n\t}")
     words = [p for p, _ in pieces]
     assert "Ġ{Ċĉĉ" in words  # " {\n\t\t" is one piece, byte-level mapped
     assert "Ġa_b1" in words  # identifiers keep underscores and digits
+
+
+def test_the_default_split_is_llama_cpps_llama_bpe(tokenizer_dir):
+    """The default tokenizer splits as Llama 3 does (llama.cpp's "llama-bpe"), and records that name."""
+    tok = CodeTokenizer.load(tokenizer_dir)
+    words = [p for p, _ in tok.tok.pre_tokenizer.pre_tokenize_str("if x {\n\t\treturn a_b1 12345\n\t}")]
+    assert words == ["if", "Ġx", "Ġ{Ċ", "ĉ", "ĉreturn", "Ġa", "_b", "1", "Ġ", "123", "45", "Ċ", "ĉ", "}"], words
+    meta = json.loads((tokenizer_dir / "codeforge_tokenizer.json").read_text())
+    assert (meta["split"], meta["llama_cpp_pre"]) == ("llama3", "llama-bpe")
 
 
 def test_train_refuses_to_replace_a_directory(tmp_path):

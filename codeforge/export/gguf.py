@@ -17,11 +17,14 @@ whose rows do not divide into q8_0 blocks of 32 is written f16.
 
 Tokenizer. model "gpt2" (byte-level BPE): every token string in id order (a model vocabulary padded past the
 tokenizer's gets [PADn] tokens of type UNUSED), types (special tokens CONTROL), the merges, BOS/EOS/EOT/pad/unk,
-the FIM ids, no BOS added, and the chat template. llama.cpp splits text with one of the pre-tokenizers it knows
-by name (llama-vocab.cpp) and refuses any other, so the name must be the rule the tokenizer was trained with:
-  --split llama3 (tokenizer train)  -> "llama-bpe"  (the same regex)
+the FIM ids, no BOS added, and the chat template. (llama.cpp's whole-text llama_detokenize "cleans up" a space
+before an apostrophe for every llama-bpe model, Llama 3's included, with no key to turn it off; generation
+writes text token by token and is unaffected.) llama.cpp splits text with one of the pre-tokenizers it knows
+by name (llama-vocab.cpp) and refuses any other, so the name must be the rule the tokenizer was trained with
+(recorded as llama_cpp_pre in codeforge_tokenizer.json, and checked against tokenizer.json's regex):
+  --split llama3 (the default)      -> "llama-bpe"  (the same regex)
   a Qwen2 / GPT-2 tokenizer (import) -> "qwen2" / "gpt2"
-  --split code (the default)        -> no llama.cpp pre-tokenizer is this rule: refused, unless
+  --split code                      -> no llama.cpp pre-tokenizer is this rule: refused in one sentence, unless
                                         --allow-tokenizer-mismatch, which writes "llama-bpe", says loudly how
                                         many tokens of a code sample come out differently, and records it in
                                         the file (codeforge.tokenizer_mismatch).
@@ -41,7 +44,7 @@ from . import ExportError, check_out
 from ..chat import CHAT_TEMPLATE
 from ..checkpoint import load_model
 from ..models.gpt import GPTConfig
-from ..tokenizer import LLAMA3_SPLIT_PATTERN
+from ..tokenizer import LLAMA3_SPLIT_PATTERN, META_FILE
 from .families import expand, splits
 from .hf import SAMPLE, choose_family
 
@@ -164,6 +167,22 @@ def pre_tokenizer_name(tok_json: dict) -> tuple[str | None, str]:
     return None, f"the pre-tokenizer {json.dumps(pt)[:200]}"
 
 
+def recorded_pre(tok) -> str | None:
+    """The llama.cpp pre-tokenizer name codeforge_tokenizer.json records (tokenizers trained since the default
+    became llama3), or None (older tokenizers, imported ones: their rule is read from tokenizer.json)."""
+    f = tok.path / META_FILE if tok.path is not None else None
+    if f is None or not f.is_file():
+        return None
+    try:
+        meta = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{f} is not readable JSON ({e}); train the tokenizer again") from None
+    name = meta.get("llama_cpp_pre") if isinstance(meta, dict) else None
+    if name is not None and not isinstance(name, str):
+        raise ExportError(f"{f}: llama_cpp_pre = {name!r} is not a name; train the tokenizer again")
+    return name
+
+
 def mismatch_rate(tok, texts: list[str], pattern: str) -> tuple[int, int]:
     """(our tokens that would not come out, our tokens) when `tok`'s BPE runs after `pattern`'s split instead of
     its own, over `texts`: a token counts as kept when the other encoding has the same id over the same
@@ -209,6 +228,7 @@ def write_tokenizer(w, tok, vocab_size: int, pre: str) -> None:
     w.add_eos_token_id(tok.eot_id)
     w.add_add_bos_token(False)
     w.add_add_eos_token(False)
+
     for key, name in ((gguf.Keys.Tokenizer.EOT_ID, "<|im_end|>"), (gguf.Keys.Tokenizer.PAD_ID, "<pad>"),
                       (gguf.Keys.Tokenizer.UNK_ID, "<unk>"), (gguf.Keys.Tokenizer.FIM_PRE_ID, "<fim_prefix>"),
                       (gguf.Keys.Tokenizer.FIM_SUF_ID, "<fim_suffix>"), (gguf.Keys.Tokenizer.FIM_MID_ID, "<fim_middle>")):
@@ -235,9 +255,10 @@ def _qtype(name: str, t: np.ndarray, dtype: str):
 
 
 def export_gguf(run: str | Path, out: str | Path, which: str = "auto", dtype: str = "f32", overwrite: bool = False,
-                allow_tokenizer_mismatch: bool = False, log: Callable[[str], None] = print) -> dict:
+                allow_tokenizer_mismatch: bool = False, log: Callable[[str], None] = print,
+                verbose: Callable[[str], None] = lambda m: None) -> dict:
     """Write run `run`'s checkpoint as a GGUF file. Returns {"arch", "pre", "checkpoint", "out", "bytes",
-    "tokenizer_mismatch"}."""
+    "tokenizer_mismatch"}. `verbose` receives the details of a tokenizer llama.cpp cannot reproduce."""
     import gguf
 
     if dtype not in ("f32", "f16", "q8_0"):
@@ -259,24 +280,32 @@ def export_gguf(run: str | Path, out: str | Path, which: str = "auto", dtype: st
 
     tj = json.loads(tok.tok.to_str())
     pre, rule = pre_tokenizer_name(tj)
+    recorded = recorded_pre(tok)
+    if recorded is not None and recorded != pre:
+        actual = f"llama.cpp's {pre!r}" if pre else "a rule llama.cpp does not implement"
+        raise ExportError(f"{tok.path / META_FILE} says the tokenizer splits text as llama.cpp's {recorded!r}, but "
+                          f"its tokenizer.json splits with {actual}: the two files do not belong together; train "
+                          f"the tokenizer again")
     mismatch = None
     if pre is None:
         texts = [SAMPLE] + [p.read_text(errors="replace") for p in sorted(Path(__file__).parent.glob("*.py"))]
         diff, total = mismatch_rate(tok, texts, LLAMA3_SPLIT_PATTERN)
         mismatch = {"tokens_differing": diff, "tokens": total, "rule": rule}
-        what = (f"this tokenizer splits text with {rule}, which no llama.cpp pre-tokenizer implements; llama.cpp "
-                f"would tokenize differently from codeforge: on a code sample {diff:,} of {total:,} tokens "
-                f"({100 * diff / max(total, 1):.1f}%) would come out differently under its nearest rule "
-                f"(llama-bpe), so the model would see tokens it was not trained on")
+        share = f"{100 * diff / max(total, 1):.0f}%"
+        verbose(f"the tokenizer splits text with {rule}; under llama.cpp's nearest rule (llama-bpe) {diff:,} of "
+                f"{total:,} tokens of a code sample come out differently")
         if not allow_tokenizer_mismatch:
             raise ExportError(
-                f"{what}. Train the tokenizer with `codeforge tokenizer train --split llama3 ...` (the rule "
-                f"llama.cpp calls llama-bpe; docs/LOG.md has its compression cost) and the model on it, or pass "
-                f"--allow-tokenizer-mismatch to write the file anyway")
+                f"this run's tokenizer uses codeforge's code split, which llama.cpp does not implement ({share} of "
+                f"the tokens of a code sample would differ), so it cannot run in llama.cpp: train the tokenizer "
+                f"with the default split (`codeforge tokenizer train`, or `--split llama3`) and the model on it, "
+                f"or pass --allow-tokenizer-mismatch to write the file anyway (--verbose shows the rule)")
         pre = "llama-bpe"
         bar = "!" * 100
-        log(f"{bar}\nWARNING: {what}.\nWritten anyway (--allow-tokenizer-mismatch) with pre-tokenizer {pre}; the file "
-            f"records codeforge.tokenizer_mismatch = true. Expect worse output in llama.cpp than in codeforge.\n{bar}")
+        log(f"{bar}\nWARNING: llama.cpp will split text differently from this tokenizer ({share} of the tokens "
+            f"of a code sample would come out differently), so the model sees tokens it was not trained on.\n"
+            f"Written anyway (--allow-tokenizer-mismatch) with pre-tokenizer {pre}; the file records "
+            f"codeforge.tokenizer_mismatch = true. Expect worse output in llama.cpp than in codeforge.\n{bar}")
 
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     out.parent.mkdir(parents=True, exist_ok=True)
