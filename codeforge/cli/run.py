@@ -356,6 +356,7 @@ def add_export_parser(sub) -> None:
                         "tokenizer (the model then sees other tokens than it was trained on); see the README")
     e.add_argument("--overwrite", action="store_true", help="replace what --out holds")
     e.add_argument("--no-verify", action="store_true", help="hf: skip the logits check against transformers")
+    e.add_argument("--verbose", action="store_true", help="gguf: say how the tokenizer's split differs from llama.cpp's")
     e.set_defaults(func=cmd_export)
     i = sub.add_parser("import", help="a codeforge run from a local Hugging Face model directory (GPT-2, Llama, "
                                       "Qwen2, Qwen3, Arcee), to train from with --init-from RUN")
@@ -374,7 +375,8 @@ def cmd_export(a: argparse.Namespace) -> int:
     else:
         from ..export.gguf import export_gguf
         r = export_gguf(a.run, a.out, a.checkpoint, dtype=a.dtype, overwrite=a.overwrite,
-                        allow_tokenizer_mismatch=a.allow_tokenizer_mismatch)
+                        allow_tokenizer_mismatch=a.allow_tokenizer_mismatch,
+                        verbose=(lambda m: print(m, file=sys.stderr)) if a.verbose else (lambda m: None))
         print(f"exported {r['checkpoint']} as GGUF ({r['arch']}, {a.dtype}, pre-tokenizer {r['pre']}, "
               f"{r['bytes'] / 2**20:,.1f} MiB) -> {r['out']}")
     if r.get("max_abs_diff") is not None:
