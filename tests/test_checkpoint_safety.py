@@ -348,3 +348,23 @@ def test_weights_that_do_not_fit_say_which(tmp_path, tokenizer_dir):
     with pytest.raises(CheckpointError, match=r"weights do not fit the model \(missing \['wte.weight'\], "
                                               r"unexpected \[\]\)"):
         ckpt_io.load_weights(untied, ck)
+
+
+def test_resume_refuses_a_declared_model_its_weights_do_not_hold(data_dir, run4, tmp_path):
+    """config.toml and the checkpoint's config.json both edited to 24 x 4096 (so they agree), the manifest
+    hashed again: refused before the model is built. Before: built (19 GB), here until the 3 GiB cap."""
+    from test_hostile_inputs import capped_cli, error_line, rehash
+    run = tmp_path / "r"
+    shutil.copytree(run4, run)
+    ck = run / "checkpoints" / "step_000004"
+    big = {"n_layer": 24, "n_embd": 4096, "n_head": 32, "n_kv_head": 32, "ffn_hidden": 16384}
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["model"].update(big)
+    (ck / "config.json").write_text(json.dumps(cfg))
+    rehash(ck)
+    toml = (run / rundir.CONFIG).read_text()
+    for k, v in big.items():
+        toml = "\n".join(f"{k} = {v}" if line.split(" = ")[0] == k else line for line in toml.splitlines())
+    (run / rundir.CONFIG).write_text(toml + "\n")
+    line = error_line(capped_cli(*resume_args(data_dir, run)).stderr)
+    assert f"{ck / 'model.safetensors'} does not hold the model {ck / 'config.json'} declares" in line

@@ -3,11 +3,12 @@ checks; loading weights, training state and a model for inference. Model-agnosti
 the registry by the saved `arch`. The resume policy is train/resume.py's; the run lock and the names under
 RUN/ are rundir.py's.
 
-- store.py  names, errors, pointers, manifest and verification, find_checkpoint, read_config, check_compatible
+- store.py  names, errors, pointers, manifest and verification, find_checkpoint, read_config, vet_checkpoint,
+            check_compatible
 - state.py  the training state as safetensors + JSON; RNG states; older train_state.pt read safely; its
             counters checked
 - save.py   save_checkpoint, the sharded (DCP) save and its background form, keep-last-N
-- load.py   load_weights, the sharded training state, vet_checkpoint, load_model (inference)
+- load.py   load_weights, the sharded training state, load_model (inference)
 - guard.py  what a file from outside may cost before anything is built from it: regular files only (read
             without blocking), links that stay inside, size caps, safetensors headers read alone, model config
             fields checked against their declarations, the memory a model needs against what there is
@@ -33,11 +34,12 @@ RUN/.train.lock            flock()ed by the training process for the whole run (
 
 Safety. Loading a checkpoint runs no code from it: weights and state tensors are safetensors, the rest is
 JSON. Nor does it cost more than the model it holds: a manifest proves only that the files are the ones it
-lists (anyone can edit config.json and hash the files again), so before a model is built vet_checkpoint()
-checks that every file is a regular one inside the checkpoint (a FIFO would block the read forever), that
-every model field is in its declared range, that model.safetensors' header holds exactly the declared model
-(a config that declares 24 x 4096 beside small weights is refused without allocating it) and that the model
-fits in the memory there is; each refusal is one line naming the file and the field. Checkpoints of older codeforge versions (train_state.pt, no manifest) are read with
+lists (anyone can edit config.json and hash the files again), so before a model is built (load_model,
+--init-from, --resume) vet_checkpoint() checks that every file is a regular one inside the checkpoint (a FIFO
+would block the read forever), that every model field is in its declared range, that model.safetensors' header
+holds exactly the declared model (a config that declares 24 x 4096 beside small weights is refused without
+allocating it) and that the model fits in the memory there is; each refusal is one line naming the file and
+the field. Checkpoints of older codeforge versions (train_state.pt, no manifest) are read with
 torch.load(weights_only=True), which admits only tensors, plain values and NumPy arrays; one holding anything
 else is refused, never unpickled.
 
@@ -55,12 +57,13 @@ not load is reported by name when it is loaded.
 A failed write (a full disk, or any OSError) removes the unfinished checkpoint, leaves `latest` and the
 earlier checkpoints as they were, and raises CheckpointWriteError saying what happened and what to do.
 """
-from .load import load_model, load_sharded_state, load_weights, load_whole_into_sharded, vet_checkpoint
+from .load import load_model, load_sharded_state, load_weights, load_whole_into_sharded
 from .save import ShardedSave, save_checkpoint, save_sharded_checkpoint
 from .state import decode_state, encode_state, load_train_state, rng_state, set_rng_state
 from .store import (LEGACY_STATE, MANIFEST, MANIFEST_FORMAT, POINTERS, SHARDED, STATE_JSON, STATE_TENSORS,
                     STEP_PREFIX, CheckpointError, CheckpointWriteError, NoCheckpointError, check_compatible,
-                    find_checkpoint, is_sharded, latest_step, read_config, shape_diff, verify_checkpoint)
+                    find_checkpoint, is_sharded, latest_step, read_config, shape_diff, verify_checkpoint,
+                    vet_checkpoint)
 
 __all__ = ["CheckpointError", "CheckpointWriteError", "LEGACY_STATE", "MANIFEST", "MANIFEST_FORMAT", "NoCheckpointError",
            "POINTERS", "SHARDED", "STATE_JSON", "STATE_TENSORS", "STEP_PREFIX", "ShardedSave", "check_compatible",

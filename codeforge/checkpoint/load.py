@@ -1,6 +1,6 @@
 """Loading from a checkpoint: weights (whole or from a sharded DCP directory), the sharded training state,
-and a model for inference, vetted before it is built (guard.py: files, config ranges, the weights' header,
-memory)."""
+and a model for inference, vetted before it is built (store.vet_checkpoint: files, config ranges, the
+weights' header, memory)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file as st_load_file
 from safetensors.torch import load_model as st_load_model
 
-from .guard import (check_files, check_memory, check_regular, declared_shapes, dims, header_bytes,
-                    model_config_from, model_shapes, safetensors_header, weights_problem)
-from .store import DAMAGED, SHARDED, CheckpointError, find_checkpoint, is_sharded, read_config
+from .guard import check_regular, model_shapes, safetensors_header, weights_problem
+from .store import DAMAGED, SHARDED, CheckpointError, find_checkpoint, is_sharded, read_config, vet_checkpoint
 from ..models import build_model
 from ..tokenizer import CodeTokenizer, TokenizerError
 
@@ -108,29 +107,6 @@ def load_weights(model: torch.nn.Module, ckpt: Path, new_ok: tuple[str, ...] = (
     if missing or unexpected:
         raise CheckpointError(f"{ckpt}: weights do not fit the model (missing {missing[:5]}, unexpected "
                               f"{sorted(unexpected)[:5]})")
-
-
-def vet_checkpoint(ck: Path):
-    """The model config of checkpoint `ck` once its files are safe to load (guard.py): every file a regular
-    one inside it, config.json's model section valid field by field, model.safetensors' header holding
-    exactly the declared model, and that model fitting in memory (built in float32, plus the weights read
-    from disk). Nothing is built (models.state_shapes); CheckpointError names the file and the field."""
-    ck = Path(ck)
-    check_files(ck, CheckpointError, DAMAGED)
-    m = model_config_from(read_config(ck)["model"], ck / "config.json", CheckpointError, DAMAGED)
-    shapes, groups, params = declared_shapes(m)
-    stored = 0
-    if not is_sharded(ck):
-        f = ck / "model.safetensors"
-        header = safetensors_header(f, CheckpointError, DAMAGED)
-        problem = weights_problem(header, shapes, groups)
-        if problem:
-            raise CheckpointError(f"{f} does not hold the model {ck / 'config.json'} declares ({dims(m)}): "
-                                  f"{problem}; {DAMAGED}")
-        stored = header_bytes(header)
-    check_memory(4 * params + stored, f"{ck / 'config.json'} declares a model of {params:,} parameters "
-                                      f"({dims(m)}): building it in float32 and reading its weights", CheckpointError)
-    return m
 
 
 def load_model(path: str | Path, device: torch.device, which: str = "auto",

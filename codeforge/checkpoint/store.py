@@ -1,6 +1,7 @@
 """The checkpoint format on disk: names, errors, the latest/best/final pointers, the manifest and its
-verification, finding the checkpoint a path means, its saved config and the compatibility checks. Every file
-is read through guard.py: a regular file, of a size its kind can have."""
+verification, finding the checkpoint a path means, its saved config, the vet before a model is built from it
+and the compatibility checks. Every file is read through guard.py: a regular file, of a size its kind can
+have."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from safetensors import SafetensorError, safe_open
 
 from .. import rundir
 from .. import CodeforgeError
-from .guard import (CONFIG_BYTES, MANIFEST_BYTES, POINTER_BYTES, STATE_BYTES, check_regular, not_regular,
-                    read_json, read_regular)
+from .guard import (CONFIG_BYTES, MANIFEST_BYTES, POINTER_BYTES, STATE_BYTES, check_files, check_memory,
+                    check_regular, declared_shapes, dims, header_bytes, model_config_from, not_regular, read_json,
+                    read_regular, safetensors_header, weights_problem)
 
 
 STEP_PREFIX = "step_"
@@ -307,7 +309,7 @@ def _relative(msg: str, ck: Path) -> str:
 
 def read_config(ckpt: Path) -> dict:
     """The checkpoint's config.json: a JSON object with a `model` object (its fields are checked where a model
-    is built from them: load.vet_checkpoint)."""
+    is built from them: vet_checkpoint)."""
     f = Path(ckpt) / "config.json"
     cfg = read_json(f, CONFIG_BYTES, CheckpointError, DAMAGED)
     if not isinstance(cfg, dict):
@@ -327,8 +329,34 @@ def shape_diff(saved: dict, current: dict) -> dict:
     return {k: (v, current.get(k)) for k, v in saved.items() if not k.endswith("dropout") and current.get(k) != v}
 
 
+def vet_checkpoint(ck: Path):
+    """The model config of checkpoint `ck` once its files are safe to load (guard.py): every file a regular
+    one inside it, config.json's model section valid field by field, model.safetensors' header holding
+    exactly the declared model, and that model fitting in memory (built in float32, plus the weights read
+    from disk). Nothing is built (models.state_shapes); CheckpointError names the file and the field."""
+    ck = Path(ck)
+    check_files(ck, CheckpointError, DAMAGED)
+    m = model_config_from(read_config(ck)["model"], ck / "config.json", CheckpointError, DAMAGED)
+    shapes, groups, params = declared_shapes(m)
+    stored = 0
+    if not is_sharded(ck):
+        f = ck / "model.safetensors"
+        header = safetensors_header(f, CheckpointError, DAMAGED)
+        problem = weights_problem(header, shapes, groups)
+        if problem:
+            raise CheckpointError(f"{f} does not hold the model {ck / 'config.json'} declares ({dims(m)}): "
+                                  f"{problem}; {DAMAGED}")
+        stored = header_bytes(header)
+    check_memory(4 * params + stored, f"{ck / 'config.json'} declares a model of {params:,} parameters "
+                                      f"({dims(m)}): building it in float32 and reading its weights", CheckpointError)
+    return m
+
+
 def check_compatible(ck: Path, model_cfg: dict, tokenizer_hash: str, what: str, data: str = "the data") -> None:
-    """Refuse a checkpoint whose weights do not fit `model_cfg` or whose tokenizer is not `tokenizer_hash`."""
+    """Refuse a checkpoint whose weights do not fit `model_cfg` or whose tokenizer is not `tokenizer_hash`,
+    or that does not pass vet_checkpoint (--resume calls this before its model is built; --init-from's
+    checkpoint was vetted when the configuration was resolved, config.resolve)."""
+    vet_checkpoint(ck)
     saved = read_config(ck)
     diff = shape_diff(saved["model"], model_cfg)
     if diff:
