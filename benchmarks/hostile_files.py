@@ -212,6 +212,16 @@ def run_toml(text: str) -> Callable[[Path, Base], list[str]]:
     return build
 
 
+def resume_declared(d: Path, base: Base) -> list[str]:
+    """config.toml and the checkpoint's config.json both say 24 x 4096 (so they agree), manifest re-hashed."""
+    run, ck = base.copy_run(d)
+    edit_model(ck, **BIG)
+    lines = (run / "config.toml").read_text().splitlines()
+    (run / "config.toml").write_text("\n".join(f"{k} = {BIG[k]}" if (k := line.split(" = ")[0]) in BIG else line
+                                               for line in lines) + "\n")
+    return ["train", "--data", str(base.data), "--out", str(run), "--resume", "--max-iters", "4"]
+
+
 def secret_file(d: Path) -> Path:
     s = d / "elsewhere" / "secret.json"
     s.parent.mkdir()
@@ -342,6 +352,7 @@ CHECKPOINT_CASES = [
     Case("train_state step = -5", state_step(-5)),
     Case("train_state step = \"x\"", state_step("x")),
     Case("config.toml model = \"x\"", run_toml('model = "x"\n')),
+    Case("config.toml + config.json 24x4096 (resume)", resume_declared),
     Case("tokenizer file linked to a secret", linked_tokenizer_file, secret_in("out")),
     Case("HF num_hidden_layers = 10^6", hf_config(num_hidden_layers=10**6)),
     Case("HF hidden_size = \"x\"", hf_config(hidden_size="x")),
