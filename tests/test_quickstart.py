@@ -2,6 +2,9 @@
 
 import json
 
+import numpy as np
+import pytest
+
 from codeforge.cli import main
 from codeforge.quickstart import corpus_path, run_quickstart
 
@@ -24,11 +27,58 @@ def test_quickstart_pipeline_end_to_end(tmp_path, capsys):
     assert main(["eval", "--run", str(out / "run"), "--eval-tokens", "64",
                  "--syntax-samples", "0", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["syntax_valid_rate"] is None
+    # ... and exports to GGUF with no flag: the default tokenizer splits text as llama.cpp does.
+    assert main(["export", "--run", str(out / "run"), "--format", "gguf", "--out", str(tmp_path / "q.gguf"),
+                 "--dtype", "q8_0"]) == 0
+    assert "pre-tokenizer llama-bpe" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("corpus", ["python", "go"])
+def test_quickstart_runs_in_llama_cpp_with_the_same_greedy_tokens(corpus, tmp_path, capsys):
+    """quickstart (shortened), then `export --format gguf --dtype q8_0` with no flag, then llama.cpp continues
+    a prompt of the corpus's language with the same greedy tokens as `codeforge generate --temperature 0`."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="pip install llama-cpp-python (builds llama.cpp; see README)")
+    from pathlib import Path
+
+    from codeforge.tokenizer import CodeTokenizer
+    if corpus == "go":
+        roots = sorted(Path("/usr/share").glob("go-*/src/strings"))
+        if not roots:
+            pytest.skip("golang-src is not installed")
+        src, prompt = str(roots[-1].parent), "func Reverse(s string) string {\n\t"
+    else:
+        src, prompt = str(STDLIB / "email"), "def parse_header(line):\n    "
+    out = tmp_path / "qs"
+    run_quickstart(str(out), corpus=src, max_iters=60)
+    gguf = tmp_path / "q.gguf"
+    assert main(["export", "--run", str(out / "run"), "--format", "gguf", "--out", str(gguf), "--dtype", "q8_0"]) == 0
+    capsys.readouterr()
+    n = 24
+    assert main(["generate", "--run", str(out / "run"), "--prompt", prompt, "--temperature", "0",
+                 "--max-new-tokens", str(n)]) == 0
+    ours = capsys.readouterr().out
+    tok = CodeTokenizer.load(out / "tokenizer")
+    ours_ids = tok.encode(ours.rstrip("\n"))  # generate prints the prompt and the continuation
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=256, n_threads=2, logits_all=True, verbose=False)
+    prompt_ids = tok.encode(prompt)
+    assert llm.tokenize(prompt.encode(), add_bos=False, special=False) == prompt_ids
+    llm.reset()
+    llm.eval(prompt_ids)
+    theirs = []
+    for _ in range(n):
+        nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        if nxt in (tok.eot_id, tok.special_ids["<|im_end|>"]):
+            break
+        theirs.append(nxt)
+        llm.eval([nxt])
+    text = tok.decode(prompt_ids + theirs)
+    print(f"\n{corpus}: llama.cpp q8_0 greedy: {text!r}\ncodeforge greedy:      {ours.rstrip()!r}")
+    assert text == ours.rstrip("\n")
 
 
 def test_corpus_names():
     path, langs = corpus_path("python-stdlib")
     assert (STDLIB / "os.py").exists() and path == str(STDLIB) and langs == ["python"]
-    import pytest
     with pytest.raises(FileNotFoundError, match="not python-stdlib, go, or an existing path"):
         corpus_path("/nonexistent/corpus")
