@@ -145,7 +145,9 @@ MAX_HASHED_ITEMS = 2_000        # items of one set or dict coming back
 # per byte of a hostile report (4 MB cost 1.9 GB in review), so this stays small; a function of a test
 # returns a few values, not megabytes
 REPORT_CAP = 256 * 2**10
-exec(compile(ENCODE_CODE, "<codeforge.sandbox encode_value>", "exec"))  # encode_value, for encode_calls' checks
+_encoder: dict = {"MAX_VALUE_ITEMS": MAX_VALUE_ITEMS, "MAX_VALUE_DEPTH": MAX_VALUE_DEPTH}
+exec(compile(ENCODE_CODE, "<codeforge.sandbox encode_value>", "exec"), _encoder)  # the runner's own code
+encode_value = _encoder["encode_value"]  # for encode_calls' check that the inputs are plain data
 
 
 MAX_INT_DIGITS = 1000             # of an integer coming back (the runner tags any of 2**53 or more)

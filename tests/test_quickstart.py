@@ -58,8 +58,7 @@ def test_quickstart_runs_in_llama_cpp_with_the_same_greedy_tokens(corpus, tmp_pa
     assert main(["generate", "--run", str(out / "run"), "--prompt", prompt, "--temperature", "0",
                  "--max-new-tokens", str(n)]) == 0
     ours = capsys.readouterr().out
-    tok = CodeTokenizer.load(out / "tokenizer")
-    ours_ids = tok.encode(ours.rstrip("\n"))  # generate prints the prompt and the continuation
+    tok = CodeTokenizer.load(out / "tokenizer")  # `generate` printed the prompt and the continuation
     llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=256, n_threads=2, logits_all=True, verbose=False)
     prompt_ids = tok.encode(prompt)
     assert llm.tokenize(prompt.encode(), add_bos=False, special=False) == prompt_ids
