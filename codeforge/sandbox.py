@@ -694,7 +694,7 @@ def encode_calls(entry: str, calls: list[tuple[tuple, dict]]) -> tuple[str, byte
 
 
 def run_python(code: str, timeout: float = 5.0, memory_mb: int = 1024, isolate_net: bool = True, *,
-               unsafe_no_sandbox: bool = False, calls: tuple[str, str] | None = None) -> SandboxResult:
+               unsafe_no_sandbox: bool = False, calls: tuple[str, bytes] | None = None) -> SandboxResult:
     """Run `code` as a Python program in the sandbox. passed: it ran to its end; failed: an exception, an
     early exit or a non-zero exit (the last line of stderr in detail); timeout: past `timeout` seconds of
     wall time or of CPU time; memory: past `memory_mb` (one process's address space, or the whole tree's
@@ -808,9 +808,10 @@ def run_python(code: str, timeout: float = 5.0, memory_mb: int = 1024, isolate_n
     return SandboxResult("failed", last or f"exit code {rc}", seconds)
 
 
-def _decode_report(text: bytes, calls: tuple[str, str]) -> list | None:
-    """The runner's line of return values (repr of tagged plain data), parsed without evaluating anything; None when it is not exactly one well-formed record
-    per call (the program wrote to the report pipe itself, or the report was cut at REPORT_CAP)."""
+def _decode_report(text: bytes, calls: tuple[str, bytes]) -> list | None:
+    """The runner's line of return values (repr of tagged plain data), parsed without evaluating anything;
+    None when it is not exactly one well-formed record per call (the program wrote to the report pipe
+    itself, or the report was cut at REPORT_CAP)."""
     try:
         if len(text) > REPORT_CAP or not text.endswith(b"\n"):
             return None
@@ -834,7 +835,7 @@ def _decode_report(text: bytes, calls: tuple[str, str]) -> list | None:
 
 
 def run_many(codes: list[str], timeout: float = 5.0, memory_mb: int = 1024, workers: int | None = None,
-             calls: list[tuple[str, str] | None] | None = None, **kw) -> list[SandboxResult]:
+             calls: list[tuple[str, bytes] | None] | None = None, **kw) -> list[SandboxResult]:
     """run_python over many programs, `workers` at a time (default: one per CPU core), results in order;
     calls[i] (or None) goes with codes[i]."""
     workers = max(1, min(workers or os.cpu_count() or 1, len(codes) or 1))
