@@ -307,3 +307,19 @@ def test_the_box_has_no_vsock_and_no_installed_packages():
         pytest.skip("no site-packages or dist-packages directory here")
     prog = f"import os\nraise SystemError(repr([n for d in {dirs!r} for n in os.listdir(d)]))\n"
     assert sandbox.run_python(prog, timeout=10).detail == "SystemError: []"
+
+
+@needs_sandbox
+def test_validate_tasks_drops_in_box_tests_that_check_nothing():
+    """Tests that do not split run in the box; those a stub returning one meaningless object passes are
+    dropped (found in review: they paid any answer 1.0), and real in-box tests are kept."""
+    from codeforge.tasks.code_tasks import validate_tasks
+    sol = "def double(x):\n    return 2 * x\n"
+    tasks = [{"id": "or-true", "entry_point": "double", "tests": "assert double(2) == 4 or True\n", "solution": sol},
+             {"id": "self-equal", "entry_point": "double", "tests": "assert double(2) == double(2)\n", "solution": sol},
+             {"id": "loop", "entry_point": "double", "solution": sol,
+              "tests": "for i in range(3):\n    assert double(i) == 2 * i\n"}]
+    kept, skipped = validate_tasks(tasks, timeout=5.0)
+    assert [t["id"] for t in kept] == ["loop"]
+    assert {s["id"] for s in skipped} == {"or-true", "self-equal"}
+    assert all("check nothing about the answer" in s["reason"] for s in skipped), skipped

@@ -1326,7 +1326,8 @@ def execution_rewards(tasks: list[dict], completions: list[str], timeout: float 
 
 def validate_tasks(tasks: list[dict], timeout: float = 5.0, **kw) -> tuple[list[dict], list[dict]]:
     """(kept, skipped). Skipped, each {"id", "reason"}: tests that do not parse; tests that pass with no
-    code before them (they check nothing, and would reward any answer); a "solution" that does not parse or
+    code before them, or (tests run in the box, with an entry_point) with a stub that returns one meaningless
+    object for every input (they check nothing, and would reward any answer); a "solution" that does not parse or
     fails its tests in the sandbox (judged outside the box where the tests split, as execution_rewards does).
     `kw` goes to sandbox.run_many (memory_mb, workers, unsafe_no_sandbox)."""
     reasons: dict[int, str] = {}
@@ -1340,6 +1341,11 @@ def validate_tasks(tasks: list[dict], timeout: float = 5.0, **kw) -> tuple[list[
         cases = cases if isinstance(cases, Cases) else None
         if cases is None:  # a call of a missing function cannot pass, so only in-box tests need this check
             checks.append((i, "bare", t["tests"], None))
+            if isinstance(t.get("entry_point"), str) and t["entry_point"].isidentifier():
+                # a function that returns the same meaningless object for everything: tests that pass it
+                # (`assert f(1) == 1 or True`, `assert f(2) == f(2)`) check nothing about the answer
+                checks.append((i, "stub", f"_ANY = object()\ndef {t['entry_point']}(*args, **kwargs):\n"
+                                          f"    return _ANY\n\n" + t["tests"], None))
         if t.get("solution"):
             err = _syntax_error(t["solution"])
             if err:
@@ -1352,6 +1358,9 @@ def validate_tasks(tasks: list[dict], timeout: float = 5.0, **kw) -> tuple[list[
     for (i, what, _, cases), res in zip(checks, results):
         if what == "bare" and res.passed:
             reasons.setdefault(i, "tests pass without any solution: they check nothing")
+        elif what == "stub" and res.passed:
+            reasons.setdefault(i, "tests pass for a function that returns the same meaningless object for every "
+                                  "input: they check nothing about the answer")
         elif what == "solution":
             outcome, detail = _io_outcome(res, cases) if cases else (
                 "passed" if res.passed else res.status, res.detail)
