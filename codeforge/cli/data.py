@@ -157,7 +157,7 @@ def add_parsers(sub) -> None:
     t.add_argument("--overwrite", action="store_true", help="replace what --out already holds")
     t.add_argument("--split", choices=["llama3", "code"], default="llama3",
                    help="pre-tokenizer rule: llama3 (default: what llama.cpp implements, so the model exports to "
-                        "GGUF) or code (identifiers with _ and digits whole, indentation after punctuation: 7-11%% "
+                        "GGUF) or code (identifiers with _ and digits whole, indentation after punctuation: 8-12%% "
                         "fewer tokens on code, but no GGUF export)")
     t.set_defaults(func=cmd_tokenizer_train)
     e = tks.add_parser("eval", help="bytes per token and round-trip check on a corpus")
