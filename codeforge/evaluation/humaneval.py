@@ -22,7 +22,7 @@ from collections import Counter
 
 from ..engine import SamplingParams
 from ..sandbox import check_available, encode_calls, run_many
-from ..tasks.code_tasks import Cases, TaskError, judge, literal_call, tampering
+from ..tasks.code_tasks import Cases, TaskError, io_outcome, literal_call, tampering
 from .generation import pass_at_k
 
 FLOAT_TOL = 1e-6  # HumanEval's own checks on float answers: abs(x - y) < 1e-6 (absolute, floats only)
@@ -112,8 +112,7 @@ def score_samples(samples: list[dict], probs: dict[str, dict] | None = None, ks:
     rows = []
     for s, cases, res, prog in zip(samples, how, results, progs):
         if cases is not None:
-            outcome, detail = judge(cases, res.outputs, FLOAT_TOL) if res.passed else (
-                "early_exit" if "before its end" in res.detail else "runtime_error", res.detail)
+            outcome, detail = io_outcome(res, cases, FLOAT_TOL)
         else:
             outcome = "passed" if res.passed else ("early_exit" if "before its end" in res.detail else
                                                    "timeout" if res.status == "timeout" else "failed")

@@ -1248,7 +1248,7 @@ def _outcome(res, own_asserts: bool = False) -> str:
     return "runtime_error"
 
 
-def _io_outcome(res, cases: Cases, float_tol: float = 0.0) -> tuple[str, str]:
+def io_outcome(res, cases: Cases, float_tol: float = 0.0) -> tuple[str, str]:
     """The outcome of a run with calls: the sandbox's failure, or the return values judged here."""
     if res.passed:
         return judge(cases, res.outputs, float_tol)
@@ -1313,7 +1313,7 @@ def execution_rewards(tasks: list[dict], completions: list[str], timeout: float 
                            workers=workers, calls=calls, unsafe_no_sandbox=unsafe_no_sandbox)
         for (i, _, cases, why), res in zip(runs, results):
             if cases:
-                outcome, detail = _io_outcome(res, cases)
+                outcome, detail = io_outcome(res, cases)
                 reward = REWARDS[outcome] if (outcome == "passed" or not why) else 0.0
                 out[i] = {"reward": reward, "outcome": outcome, "detail": detail, "verdict": "outside",
                           "suspect": why}
@@ -1362,7 +1362,7 @@ def validate_tasks(tasks: list[dict], timeout: float = 5.0, **kw) -> tuple[list[
             reasons.setdefault(i, "tests pass for a function that returns the same meaningless object for every "
                                   "input: they check nothing about the answer")
         elif what == "solution":
-            outcome, detail = _io_outcome(res, cases) if cases else (
+            outcome, detail = io_outcome(res, cases) if cases else (
                 "passed" if res.passed else res.status, res.detail)
             if outcome != "passed":
                 reasons.setdefault(i, f"reference solution fails its tests: {outcome}: {detail}")
