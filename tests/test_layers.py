@@ -42,6 +42,7 @@ LAYERS: list[tuple[str, int]] = [
     ("codeforge.corpus", 1),
     ("codeforge.tokenizer", 1),
     ("codeforge.chat", 1),
+    ("codeforge.constrain", 1),
     ("codeforge.fim", 1),
     ("codeforge.sandbox", 1),
     ("codeforge.syntax", 1),
