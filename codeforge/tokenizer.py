@@ -23,6 +23,7 @@ agrees on them and later stages (chat SFT, tool calls, fill-in-the-middle) need 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -102,6 +103,8 @@ class CodeTokenizer:
         self.vocab_size = tok.get_vocab_size()
         self.special_ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
         self.eot_id = self.special_ids[EOT]
+        # added tokens (codeforge's specials, an imported tokenizer's own) are text as written, not byte-level
+        self._special_set = frozenset(tok.get_added_tokens_decoder())
 
     # -- loading ------------------------------------------------------------------------------------------
     @classmethod
@@ -139,6 +142,17 @@ class CodeTokenizer:
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special)
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes of text one token id stands for (a special token: its name; an unknown id: none); a
+        token may hold part of a UTF-8 character, which is why this is bytes and not text."""
+        piece = self.tok.id_to_token(i)
+        if piece is None:
+            return b""
+        if i in self._special_set:
+            return piece.encode()
+        dec = _byte_decoder()
+        return bytes(dec[ch] for ch in piece if ch in dec)
 
 
 def write_hf_config(tok_dir: str | os.PathLike) -> None:
@@ -235,6 +249,7 @@ def evaluate_tokenizer(tok: CodeTokenizer, texts: Iterable[str]) -> dict:
             "roundtrip_ok": not failures}
 
 
+@functools.lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
     """Inverse of the byte-level alphabet: printable bytes map to themselves, the other 68 byte values to
     the code points 256, 257, ... in order (the GPT-2 byte-level convention that HF tokenizers uses)."""

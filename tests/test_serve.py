@@ -510,7 +510,9 @@ def test_fuzz_statuses_and_error_shape(base):
     assert_error(post("/v1/completions", json={"prompt": "x", "max_tokens": 10_000}), 400, "max_tokens_exceeded")
     assert_error(post("/v1/completions", json={"prompt": "word " * 200}), 400, "context_length_exceeded")
     assert_error(post("/v1/completions", json={"prompt": [999_999]}), 400, "invalid_token")
-    assert_error(post("/v1/completions", json={"prompt": "x", "logprobs": 2}), 400, "unsupported_parameter")
+    assert_error(post("/v1/completions", json={"prompt": "x", "logit_bias": {"5": 1.0}}), 400, "unsupported_parameter")
+    e = assert_error(post("/v1/completions", json={"prompt": "x", "best_of_n_beams": 2}), 400, "unsupported_parameter")
+    assert "best_of_n_beams" in e["message"] and e["param"] == "best_of_n_beams"
     assert_error(post("/v1/completions", json={"prompt": "x", "logit_bias": {"1": 5}}), 400)
     assert_error(post("/v1/completions", json={"prompt": ["x"] * 10, "n": 10}), 400, "too_many_choices")
     assert_error(post("/v1/completions", json={"model": "gpt-4", "prompt": "x"}), 404, "model_not_found")
@@ -537,7 +539,8 @@ def test_fuzz_statuses_and_error_shape(base):
     finally:
         engine._encode_prompt = real
     assert_error(post("/v1/completions", json={"prompt": "x", "repetition_penalty": 1e-300}), 422)
-    assert_error(post("/v1/completions", json={"prompt": "x", "logprobs": 0}), 400, "unsupported_parameter")
+    assert_error(post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                    "top_logprobs": 2}), 400)
     assert_error(post("/v1/completions", json={"prompt": "x", "stream_options": {"include_usage": True}}), 400)
     # bodies over --max-body-bytes: with a Content-Length, and chunked without one
     assert_error(post("/v1/completions", content=b'{"prompt": "' + b"x" * 100_000 + b'"}'), 413, "body_too_large")

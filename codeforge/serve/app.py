@@ -37,13 +37,14 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
-from ..chat import CALL_OPEN, IM_END, encode_conversation
+from ..chat import CALL_OPEN, CHAT_TEMPLATE, IM_END, encode_conversation
+from ..tokenizer import EOT
 from ..fim import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, infill_ids
 from .batcher import Event, QueueFull, Row, RowParams, Scheduler
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
-from .protocol import (ApiError, ChatRequest, CompletionRequest, InfillRequest, NamedToolChoice, SSE_DONE,
-                       chat_message, chat_response, completion_response, held_back, new_id, parse_body, sse,
-                       usage)
+from .protocol import (ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, InfillRequest, NamedToolChoice,
+                       SSE_DONE, TokenizeRequest, chat_logprobs, chat_message, chat_response, completion_logprobs,
+                       completion_response, held_back, new_id, parse_body, sse, token_text, usage)
 
 PLAYGROUND = Path(__file__).parent / "static" / "playground.html"
 OPEN_PATHS = ("/health", "/", "/favicon.ico")  # reachable without the API key
@@ -105,11 +106,14 @@ class ServerState:
                                 f"tokens this server takes could hold (model context {self.block_size}, "
                                 f"--max-prompt-tokens)", param=param, code="context_length_exceeded")
 
-    def check_prompt(self, ids: list[int], param: str = "prompt") -> list[int]:
+    def check_prompt(self, ids: list[int], param: str = "prompt", score_only: bool = False) -> list[int]:
+        """Ids of a prompt that fits: at most --max-prompt-tokens, or the whole context when nothing is to be
+        generated (max_tokens 0 with echo scores every token of a full-context prompt)."""
         if not ids:
             ids = [self.tok.eot_id]  # an empty prompt starts a new document (as Engine does)
-        if len(ids) > self.max_prompt:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens; this server takes at most {self.max_prompt} "
+        limit = self.block_size if score_only else self.max_prompt
+        if len(ids) > limit:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens; this server takes at most {limit} "
                                 f"(model context {self.block_size}, --max-prompt-tokens)", param=param,
                            code="context_length_exceeded")
         bad = next((t for t in ids if not 0 <= t < self.tok.vocab_size), None)
@@ -131,9 +135,9 @@ class ServerState:
             raise ApiError(400, f"the request asks for {n} completions (prompts x n); this server queues at most "
                                 f"{self.opts.max_queue} (--max-queue)", param="n", code="too_many_choices")
 
-    def row_params(self, b, max_new: int, choice: int, stop_ids: set[int]) -> RowParams:
+    def row_params(self, b, max_new: int, choice: int, stop_ids: set[int], **more) -> RowParams:
         seed = None if b.seed is None else (b.seed + choice) % 2**63  # choice i of a seeded request: seed + i
-        return RowParams(max_new_tokens=max_new, temperature=1.0 if b.temperature is None else b.temperature,
+        return RowParams(**more, max_new_tokens=max_new, temperature=1.0 if b.temperature is None else b.temperature,
                          top_p=1.0 if b.top_p is None else b.top_p, top_k=max(0, b.top_k or 0), seed=seed,
                          presence_penalty=b.presence_penalty or 0.0, frequency_penalty=b.frequency_penalty or 0.0,
                          repetition_penalty=b.repetition_penalty or 1.0, stop=b.stops(),
@@ -222,7 +226,8 @@ def merged(got: list[tuple[int, Event]]) -> list[tuple[int, Event]]:
     for tag, ev in got:
         if ev.kind == "text" and out and out[-1][0] == tag and out[-1][1].kind == "text":
             prev = out[-1][1]
-            out[-1] = (tag, Event("text", prev.text + ev.text, completion_tokens=ev.completion_tokens))
+            lps = None if prev.logprobs is None else prev.logprobs + (ev.logprobs or [])
+            out[-1] = (tag, Event("text", prev.text + ev.text, completion_tokens=ev.completion_tokens, logprobs=lps))
         else:
             out.append((tag, ev))
     return out
@@ -255,11 +260,12 @@ async def completions(srv: ServerState, request: Request):
     n = b.n or 1
     srv.check_rows(len(prompts) * n)
     max_new = srv.budget(b.max_tokens, "max_tokens", default=16)  # OpenAI's default for completions
+    score_only = max_new == 0
     for p in prompts:
         if isinstance(p, str):
             srv.check_chars(p + (b.suffix or ""))
         else:
-            srv.check_prompt(list(p))  # ids checked before echo decodes them
+            srv.check_prompt(list(p), score_only=score_only)  # ids checked before echo decodes them
 
     def encode():
         tok, out = srv.tok, []
@@ -273,25 +279,38 @@ async def completions(srv: ServerState, request: Request):
         return out
 
     encoded = await srv.encode(encode)
-    ids = [srv.check_prompt(x) for x, _ in encoded]
+    ids = [srv.check_prompt(x, score_only=score_only) for x, _ in encoded]
     stop_ids = {srv.tok.eot_id}
-    specs = [(i * n + j, x, srv.row_params(b, max_new, j, stop_ids)) for i, x in enumerate(ids) for j in range(n)]
+    lp = {"logprobs": b.logprobs, "prompt_logprobs": b.logprobs if b.echo else None}
+    specs = [(i * n + j, x, srv.row_params(b, max_new, j, stop_ids, **lp)) for i, x in enumerate(ids)
+             for j in range(n)]
     echo = {i * n + j: (t if b.echo else "") for i, (_, t) in enumerate(encoded) for j in range(n)}
     prompt_tokens = sum(len(x) for x in ids)
     gen = Generation(srv, specs)
     rid, model = new_id("cmpl"), srv.opts.model_name
     if b.stream:
         include_usage = bool(b.stream_options and b.stream_options.include_usage)
-        return streaming(stream_completions(gen, request, rid, model, echo, prompt_tokens, include_usage))
+        return streaming(stream_completions(gen, request, rid, model, echo, prompt_tokens, include_usage,
+                                            srv.tok if b.logprobs is not None else None))
     done = await gen.collect(request)
-    choices = [{"index": t, "text": echo[t] + done[t].text, "logprobs": None, "finish_reason": done[t].finish_reason}
-               for t in sorted(done)]
+
+    def logprobs(ev: Event) -> dict | None:
+        if b.logprobs is None:
+            return None
+        return completion_logprobs(srv.tok, (ev.prompt_logprobs or []) + (ev.logprobs or []))
+
+    choices = [{"index": t, "text": echo[t] + done[t].text, "logprobs": logprobs(done[t]),
+                "finish_reason": done[t].finish_reason} for t in sorted(done)]
     return completion_response(rid, model, choices, usage(prompt_tokens, sum(e.completion_tokens for e in done.values())))
 
 
 async def stream_completions(gen: Generation, request: Request, rid: str, model: str, echo: dict[int, str],
-                             prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
+                             prompt_tokens: int, include_usage: bool, tok=None) -> AsyncIterator[bytes]:
+    """Chunks as they come; with `tok` (logprobs asked), each chunk carries the records of its tokens, offsets
+    counted from the start of the choice's text, and an echoed prompt waits for its log-probs."""
     created = int(time.time())
+    at = dict.fromkeys(echo, 0)  # characters of each choice sent so far (for text_offset)
+    sent_lp = dict.fromkeys(echo, 0)  # generated records sent so far
 
     def chunk(choices: list[dict], use: dict | None = None) -> bytes:
         d = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
@@ -299,11 +318,16 @@ async def stream_completions(gen: Generation, request: Request, rid: str, model:
             d["usage"] = use
         return sse(d)
 
-    def choice(tag: int, text: str, finish: str | None = None) -> dict:
-        return {"index": tag, "text": text, "logprobs": None, "finish_reason": finish}
+    def choice(tag: int, text: str, finish: str | None = None, records: list | None = None) -> dict:
+        lp = None
+        if tok is not None:
+            lp = completion_logprobs(tok, records or [])
+            lp["text_offset"] = [at[tag] + o for o in lp["text_offset"]]
+        at[tag] += len(text)
+        return {"index": tag, "text": text, "logprobs": lp, "finish_reason": finish}
 
     for tag, text in echo.items():
-        if text:
+        if text and tok is None:
             yield chunk([choice(tag, text)])
     completion_tokens = 0
     try:
@@ -314,11 +338,15 @@ async def stream_completions(gen: Generation, request: Request, rid: str, model:
                         yield error_event(ev)
                         yield SSE_DONE
                         return
-                    if ev.kind == "text" and ev.text:
-                        yield chunk([choice(tag, ev.text)])
+                    if ev.kind == "prompt" and tok is not None:
+                        yield chunk([choice(tag, echo[tag], records=ev.prompt_logprobs)])
+                    elif ev.kind == "text" and ev.text:
+                        sent_lp[tag] += len(ev.logprobs or [])
+                        yield chunk([choice(tag, ev.text, records=ev.logprobs)])
                     elif ev.kind == "done":
                         completion_tokens += ev.completion_tokens
-                        yield chunk([choice(tag, "", ev.finish_reason)])
+                        rest = (ev.logprobs or [])[sent_lp[tag]:]
+                        yield chunk([choice(tag, "", ev.finish_reason, records=rest)])
     except ClientGone:
         return
     if include_usage:
@@ -371,27 +399,34 @@ async def chat_completions(srv: ServerState, request: Request):
                        param="messages", code="tool_call_not_json") from None
     ids = srv.check_prompt(ids, "messages")
     stop_ids = {srv.tok.eot_id, srv.tok.special_ids[IM_END]}
-    specs = [(j, ids, srv.row_params(b, max_new, j, stop_ids)) for j in range(n)]
+    top = b.top_logprobs or 0
+    lp = {"logprobs": top if b.logprobs else None}
+    specs = [(j, ids, srv.row_params(b, max_new, j, stop_ids, **lp)) for j in range(n)]
     gen = Generation(srv, specs)
     rid, model = new_id("chatcmpl"), srv.opts.model_name
     if b.stream:
         include_usage = bool(b.stream_options and b.stream_options.include_usage)
         return streaming(stream_chat(gen, request, rid, model, n, forced, tools_active, len(ids), include_usage,
-                                     names, parallel))
+                                     names, parallel, (srv.tok, top) if b.logprobs else None))
     done = await gen.collect(request)
     choices = []
     for t in sorted(done):
         # a forced call the model did not complete comes back as what it wrote, finish_reason "stop" or
         # "length": the model's outcome, not a server fault (vLLM answers the same way)
         msg, finish = chat_message(forced + done[t].text, done[t].finish_reason, tools_active, names, parallel)
-        choices.append({"index": t, "message": msg, "logprobs": None, "finish_reason": finish})
+        lps = chat_logprobs(srv.tok, done[t].logprobs or [], top) if b.logprobs else None
+        choices.append({"index": t, "message": msg, "logprobs": lps, "finish_reason": finish})
     return chat_response(rid, model, choices, usage(len(ids), sum(e.completion_tokens for e in done.values())))
 
 
 async def stream_chat(gen: Generation, request: Request, rid: str, model: str, n: int, forced: str,
                       tools_active: bool, prompt_tokens: int, include_usage: bool, names: set[str] | None = None,
-                      parallel: bool = True) -> AsyncIterator[bytes]:
+                      parallel: bool = True, logprobs: tuple | None = None) -> AsyncIterator[bytes]:
+    """Chunks as they come. With logprobs (tokenizer, top N), a chunk carries the records of the tokens
+    generated since the last chunk; tool-call text is held back, so its records ride with the call."""
     created = int(time.time())
+    pending: dict[int, list] = {t: [] for t in range(n)}  # records not sent yet
+    counted = dict.fromkeys(range(n), 0)  # records that came with text events
 
     def chunk(choices: list[dict], use: dict | None = None) -> bytes:
         d = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -401,7 +436,10 @@ async def stream_chat(gen: Generation, request: Request, rid: str, model: str, n
         return sse(d)
 
     def delta(tag: int, d: dict, finish: str | None = None) -> dict:
-        return {"index": tag, "delta": d, "logprobs": None, "finish_reason": finish}
+        lp = None
+        if logprobs is not None and (pending[tag] or finish):
+            lp, pending[tag] = chat_logprobs(logprobs[0], pending[tag], logprobs[1]), []
+        return {"index": tag, "delta": d, "logprobs": lp, "finish_reason": finish}
 
     raw = {t: forced for t in range(n)}  # what each choice generated (with the forced start)
     shown = {t: 0 for t in range(n)}  # characters of raw already sent as content
@@ -417,6 +455,8 @@ async def stream_chat(gen: Generation, request: Request, rid: str, model: str, n
                         yield SSE_DONE
                         return
                     if ev.kind == "text":
+                        pending[tag] += ev.logprobs or []
+                        counted[tag] += len(ev.logprobs or [])
                         raw[tag] += ev.text
                         upto = held_back(raw[tag]) if tools_active else len(raw[tag])
                         if upto > shown[tag]:
@@ -424,6 +464,8 @@ async def stream_chat(gen: Generation, request: Request, rid: str, model: str, n
                             shown[tag] = upto
                     elif ev.kind == "done":
                         completion_tokens += ev.completion_tokens
+                        if ev.logprobs is not None:  # the records no text event carried (the end token)
+                            pending[tag] += ev.logprobs[counted[tag]:]
                         msg, finish = chat_message(forced + ev.text, ev.finish_reason, tools_active, names,
                                                    parallel)
                         content = msg.get("content") or ""
@@ -442,6 +484,55 @@ async def stream_chat(gen: Generation, request: Request, rid: str, model: str, n
     if include_usage:
         yield chunk([], usage(prompt_tokens, completion_tokens))
     yield SSE_DONE
+
+
+async def tokenize(srv: ServerState, request: Request):
+    """vLLM's /tokenize: special-token text in a prompt becomes the special token (as Hugging Face tokenizers
+    read it; lm-eval finds the end-of-text id this way); messages are rendered as the chat template."""
+    b = parse_body(TokenizeRequest, await request.body())
+    srv.check_model(b.model)
+    if (b.prompt is None) == (b.messages is None):
+        raise ApiError(400, "give either prompt (text) or messages (a conversation)", param="prompt")
+    if b.prompt is not None:
+        srv.check_chars(b.prompt)
+
+        def encode():
+            return srv.tok.encode(b.prompt, allow_special=True)
+    else:
+        probe = ChatRequest(messages=b.messages)
+        msgs = probe.rendered_messages()
+        tools = [t.model_dump(exclude_none=True) for t in b.tools] if b.tools else None
+        srv.check_chars("".join(m["content"] for m in msgs) + json.dumps(tools or ""), "messages")
+
+        def encode():
+            return encode_conversation(srv.tok, msgs, tools, add_generation_prompt=b.add_generation_prompt)[0]
+    try:
+        ids = await srv.encode(encode)
+    except ValueError as e:  # chat.ChatFormatError
+        raise ApiError(400, str(e), param="messages") from None
+    out = {"count": len(ids), "max_model_len": srv.block_size, "tokens": ids, "token_strs": None}
+    if b.return_token_strs:
+        out["token_strs"] = [token_text(srv.tok, i) for i in ids]
+    return out
+
+
+async def detokenize(srv: ServerState, request: Request):
+    b = parse_body(DetokenizeRequest, await request.body())
+    srv.check_model(b.model)
+    bad = next((t for t in b.tokens if not 0 <= t < srv.tok.vocab_size), None)
+    if bad is not None:
+        raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {srv.tok.vocab_size})", param="tokens",
+                       code="invalid_token")
+    return {"prompt": await srv.encode(lambda: srv.tok.decode(b.tokens))}
+
+
+def tokenizer_info(srv: ServerState) -> dict:
+    """vLLM's /tokenizer_info: the tokenizer's special tokens, context and chat template."""
+    sp = srv.tok.special_ids
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOT, "bos_token": None,
+            "pad_token": "<pad>" if sp.get("<pad>") is not None else None, "unk_token": None,
+            "model_max_length": srv.block_size, "vocab_size": srv.tok.vocab_size, "chat_template": CHAT_TEMPLATE,
+            "special_tokens": {t: i for t, i in sp.items() if i is not None}}
 
 
 def _extra_context(chunks) -> str:
@@ -790,6 +881,18 @@ def create_app(engine, opts: ServeOptions) -> FastAPI:
     @app.post("/infill")
     async def _infill(request: Request):
         return await infill(srv, request)
+
+    @app.post("/tokenize")
+    async def _tokenize(request: Request):
+        return await tokenize(srv, request)
+
+    @app.post("/detokenize")
+    async def _detokenize(request: Request):
+        return await detokenize(srv, request)
+
+    @app.get("/tokenizer_info")
+    async def _tokenizer_info():
+        return tokenizer_info(srv)
 
     @app.get("/")
     async def playground():

@@ -57,19 +57,32 @@ class RowParams:
     repetition_penalty: float = 1.0
     stop: list[str] = field(default_factory=list)  # stop sequences, cut from the text
     stop_ids: frozenset[int] = frozenset()  # tokens that end the row (end of text, <|im_end|>), not in the text
+    logprobs: int | None = None  # report each generated token's log-prob and the top N alternatives (0: none)
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo), from the prefill's logits
+    constraint: object | None = None  # constrain.Constraint: the tokens this row may sample, step by step
+
+
+# One log-prob record: (token id, log-prob of that token, [(id, log-prob) of the top N, most likely first]);
+# the prompt's first token has none (log-prob None: nothing comes before it).
+# Log-probs are of the model's own next-token distribution (log-softmax of the raw logits), before
+# temperature, penalties or a grammar: what a harness scoring the model needs, whatever the sampling.
+LogProb = tuple[int, float | None, list[tuple[int, float]]]
 
 
 @dataclass
 class Event:
-    """What the loop reports for a row: "text" (a new piece, safe to show: no partial character, no
-    possible start of a stop sequence), "done" (finish_reason "stop" or "length"; text is the whole output),
-    or "error" (status and message)."""
+    """What the loop reports for a row: "prompt" (the prompt's log-probs, once, before any text, when asked),
+    "text" (a new piece, safe to show: no partial character, no possible start of a stop sequence), "done"
+    (finish_reason "stop" or "length"; text is the whole output), or "error" (status and message).
+    Every generated token has a log-prob record when asked, the end token too (it is not in the text)."""
     kind: str
     text: str = ""
     finish_reason: str | None = None
     completion_tokens: int = 0
     status: int = 0
     stop_type: str = ""  # done: "eos" (an end token), "word" (a stop sequence) or "limit" (the budget)
+    logprobs: list[LogProb] | None = None  # text: the records of tokens since the last event; done: all of them
+    prompt_logprobs: list[LogProb] | None = None  # "prompt" (and done): one per prompt token
 
 
 class Row:
@@ -94,6 +107,9 @@ class Row:
         self.gen: torch.Generator | None = None
         self.counts: torch.Tensor | None = None  # (vocab,) output token counts, for penalties
         self.seen: torch.Tensor | None = None  # (vocab,) bool, prompt and output, for repetition_penalty
+        self.lp: list[LogProb] = []  # log-prob records of out (when params.logprobs is set)
+        self.lp_sent = 0  # records already handed out with text events
+        self.prompt_lp: list[LogProb] | None = None
 
 
 class QueueFull(Exception):
@@ -331,14 +347,30 @@ class Scheduler:
         if self.cache is None:
             self.cache = SlotCache(self.model, self.max_batch, self.block_size, self.device, self.engine.cache_dtype)
         P = len(r.prompt)
-        if not 0 < P < self.block_size:
+        score_only = r.p.max_new_tokens == 0  # echo with max_tokens 0: the prompt's log-probs, nothing generated
+        if not 0 < P <= self.block_size - (0 if score_only else 1):
             self._fail(r, 400, f"prompt of {P} tokens does not fit the context of {self.block_size}")
             return
         r.p.max_new_tokens = min(r.p.max_new_tokens, self.block_size - P)
+        if score_only and r.p.prompt_logprobs is None:
+            self.stats["rows_admitted"] += 1
+            self._finish(r, "length", stop_type="limit")
+            return
         tmp = self.model.new_kv_cache(1, P, self.device, self.engine.cache_dtype)
         idx = torch.tensor([r.prompt], device=self.device)
+        whole = r.p.prompt_logprobs is not None
         with autocast(self.device, self.engine.precision):
-            logits = self.model(idx, kv_cache=tmp, last_only=True)[:, -1, :]  # (1, model vocab)
+            logits = self.model(idx, kv_cache=tmp, last_only=not whole)  # (1, P or 1, model vocab)
+        if whole:
+            r.prompt_lp = [(r.prompt[0], None, [])] + prompt_logprobs(logits[0, :-1], r.prompt[1:], self.tok.vocab_size,
+                                                   r.p.prompt_logprobs)
+            self._emit(r, Event("prompt", prompt_logprobs=r.prompt_lp))
+        logits = logits[:, -1, :]  # (1, model vocab)
+        if score_only:
+            self.stats["rows_admitted"] += 1
+            self.stats["prompt_tokens"] += P
+            self._finish(r, "length", stop_type="limit")
+            return
         self.cache.add([t[0] for t in tmp.k], [t[0] for t in tmp.v])
         r.fed = P
         r.gen = torch.Generator(device=self.device)
@@ -358,16 +390,33 @@ class Scheduler:
         """One token per active row, each with its own settings and generator (a row samples exactly as
         Engine.generate_ids would for it alone)."""
         V = self.tok.vocab_size
-        logits = self.logits.float()[:, :V]  # padded vocab rows are never sampled
+        raw = logits = self.logits.float()[:, :V]  # padded vocab rows are never sampled
         rows = self.active
         out: list[int | None] = [None] * len(rows)
+        constraints = [r.p.constraint for r in rows]
+        if any(c is not None for c in constraints):
+            from ..constrain import mask_logits  # TEMP until constrain.py lands
+            logits = mask_logits(constraints, logits)
         if all(r.p.temperature == 0 and r.counts is None and r.seen is None for r in rows):
-            return logits.argmax(-1).tolist()
+            out = logits.argmax(-1).tolist()
+        else:
+            for i, r in enumerate(rows):
+                try:
+                    out[i] = self._sample_row(r, logits[i:i + 1], V)
+                except Exception as e:  # this row's settings failed it; the batch goes on without it
+                    self._fail(r, 400, f"sampling failed with these settings: {type(e).__name__}: {e}")
         for i, r in enumerate(rows):
-            try:
-                out[i] = self._sample_row(r, logits[i:i + 1], V)
-            except Exception as e:  # this row's settings failed it; the batch goes on without it
-                self._fail(r, 400, f"sampling failed with these settings: {type(e).__name__}: {e}")
+            if out[i] is None or r.done:
+                continue
+            if r.p.constraint is not None:
+                try:
+                    r.p.constraint.advance(out[i])
+                except Exception as e:  # the grammar refused a token it allowed: a server fault, this row only
+                    self._fail(r, 500, f"constrained decoding failed: {type(e).__name__}: {e}")
+                    out[i] = None
+                    continue
+            if r.p.logprobs is not None:
+                r.lp.append(token_logprobs(raw[i], out[i], r.p.logprobs))
         return out
 
     @staticmethod
@@ -424,7 +473,7 @@ class Scheduler:
         safe = len(r.text) - hold
         if safe > r.sent:
             piece, r.sent = r.text[r.sent:safe], safe
-            self._emit(r, Event("text", piece, completion_tokens=len(r.out)))
+            self._emit(r, Event("text", piece, completion_tokens=len(r.out), logprobs=self._new_lp(r)))
 
     def _finish(self, r: Row, reason: str | None, cancelled: bool = False, drop_last: bool = False,
                 decoded: bool = False, stop_type: str = "") -> None:
@@ -442,9 +491,17 @@ class Scheduler:
         self.stats["rows_finished"] += 1
         self.mean_row_seconds = 0.9 * self.mean_row_seconds + 0.1 * (time.monotonic() - r.t_submit)
         if len(r.text) > r.sent:
-            self._emit(r, Event("text", r.text[r.sent:], completion_tokens=len(r.out)))
+            self._emit(r, Event("text", r.text[r.sent:], completion_tokens=len(r.out), logprobs=self._new_lp(r)))
             r.sent = len(r.text)
-        self._emit(r, Event("done", r.text, reason, completion_tokens=len(r.out), stop_type=stop_type))
+        self._emit(r, Event("done", r.text, reason, completion_tokens=len(r.out), stop_type=stop_type,
+                            logprobs=r.lp if r.p.logprobs is not None else None, prompt_logprobs=r.prompt_lp))
+
+    @staticmethod
+    def _new_lp(r: Row) -> list[LogProb] | None:
+        if r.p.logprobs is None:
+            return None
+        new, r.lp_sent = r.lp[r.lp_sent:], len(r.lp)
+        return new
 
     def _fail(self, r: Row, status: int, message: str) -> None:
         r.done = True
@@ -491,6 +548,29 @@ def _deliver(items: list[tuple[Row, Event]]) -> None:
             r.emit(ev)
         except Exception:  # noqa: BLE001 - one broken consumer must not starve the others
             r.cancelled = True
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> LogProb:
+    """The record of one sampled token from its row's raw logits (vocab,)."""
+    lsm = torch.log_softmax(logits.float(), -1)
+    alts: list[tuple[int, float]] = []
+    if top:
+        v, i = torch.topk(lsm, min(top, lsm.numel()))
+        alts = list(zip(i.tolist(), v.tolist()))
+    return token, float(lsm[token]), alts
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], vocab: int, top: int) -> list[LogProb]:
+    """Records of prompt tokens 1.. from the prefill's logits at positions 0.. ((P-1, model vocab))."""
+    lsm = torch.log_softmax(logits[:, :vocab].float(), -1)
+    t = torch.tensor(targets, device=lsm.device)
+    chosen = lsm.gather(1, t.unsqueeze(1)).squeeze(1).tolist()
+    if top:
+        v, i = torch.topk(lsm, min(top, vocab), dim=-1)
+        alts = [list(zip(a, b)) for a, b in zip(i.tolist(), v.tolist())]
+    else:
+        alts = [[] for _ in targets]
+    return [(tok, lp, alt) for tok, lp, alt in zip(targets, chosen, alts)]
 
 
 def _first_stop(text: str, stops: list[str], start: int) -> int | None:

@@ -11,6 +11,7 @@ that ran past --request-timeout.
 
 from __future__ import annotations
 
+import codecs
 import json
 import time
 import uuid
@@ -57,6 +58,12 @@ def parse_body(cls: type[BaseModel], raw: bytes) -> BaseModel:
             raise ApiError(400, f"the request body is not valid JSON: {errs[0]['msg']}", code="invalid_json") from None
         if errs and errs[0]["type"] == "model_type":
             raise ApiError(400, "the request body must be a JSON object", code="invalid_json") from None
+        extra = next((x for x in errs if x["type"] == "extra_forbidden"), None)
+        if extra is not None:
+            name = ".".join(str(x) for x in extra["loc"])
+            raise ApiError(400, f"{name} is not supported by this server (leave it out; the fields it takes are "
+                                f"OpenAI's, listed in the serving guide)", param=name,
+                           code="unsupported_parameter") from None
         first = errs[0]
         param = _loc(first["loc"])
         same = [x for x in errs if _loc(x["loc"]) == param]
@@ -73,11 +80,17 @@ class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+class _Request(_Body):
+    """A top-level OpenAI request body: a field this server does not know is refused by name (400
+    unsupported_parameter), never dropped, so a client never believes an option took effect when it did not."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
 class StreamOptions(_Body):
     include_usage: bool | None = False
 
 
-class _Sampling(_Body):
+class _Sampling(_Request):
     model: str | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -92,6 +105,8 @@ class _Sampling(_Body):
     repetition_penalty: float | None = Field(None, ge=0.01, le=10, description="extension (vLLM, CTRL)")
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    metadata: dict | None = None  # OpenAI: stored with the request; accepted, kept nowhere
+    store: bool | None = None  # OpenAI: keep the completion for distillation; this server keeps nothing
 
     def stops(self) -> list[str]:
         s = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -108,16 +123,15 @@ class _Sampling(_Body):
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]] = ""
     suffix: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0, description="0 with echo: score the prompt, generate nothing")
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = Field(None, ge=1, le=128)
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.logprobs is not None:
-            raise ApiError(400, "logprobs are not supported by this server", param="logprobs",
-                           code="unsupported_parameter")
+        if self.max_tokens == 0 and self.stream:
+            raise ApiError(400, "max_tokens 0 generates nothing to stream; leave out stream", param="max_tokens")
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise ApiError(400, "best_of other than n is not supported by this server", param="best_of",
                            code="unsupported_parameter")
@@ -190,9 +204,8 @@ class ChatRequest(_Sampling):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.logprobs:
-            raise ApiError(400, "logprobs are not supported by this server", param="logprobs",
-                           code="unsupported_parameter")
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise ApiError(400, f"response_format {self.response_format.get('type')!r} is not supported (only "
                                 f"text)", param="response_format", code="unsupported_parameter")
@@ -219,6 +232,22 @@ class ChatRequest(_Sampling):
 class ExtraChunk(_Body):
     filename: str = ""
     text: str = ""
+
+
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: text (`prompt`) or a conversation (`messages`, rendered as the chat template)."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[ToolSpec] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True  # accepted: codeforge's tokenizer adds no BOS/EOS either way
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)
 
 
 class InfillRequest(_Body):
@@ -283,6 +312,46 @@ def held_back(text: str, marker: str = CALL_OPEN) -> int:
         if marker.startswith(text[-k:]):
             return len(text) - k
     return len(text)
+
+
+def token_text(tok, i: int) -> str:
+    """A token as the logprobs fields show it: its text, or "bytes:\\xNN..." when it holds part of a UTF-8
+    character (OpenAI's and vLLM's convention)."""
+    b = tok.token_bytes(i)
+    try:
+        return b.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{x:02x}" for x in b)
+
+
+def completion_logprobs(tok, records: list) -> dict:
+    """The legacy completions `logprobs` object for records (batcher.LogProb; the first prompt token's
+    log-prob is None, null in JSON): tokens, token_logprobs, top_logprobs (the top N plus the chosen token, as vLLM does) and each
+    token's character offset in the choice's text."""
+    dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    tokens, lps, tops, offsets, at = [], [], [], [], 0
+    for rec in records:
+        tid = rec[0]
+        tokens.append(token_text(tok, tid))
+        offsets.append(at)
+        at += len(dec.decode(tok.token_bytes(tid)))
+        if rec[1] is None:
+            lps.append(None)
+            tops.append(None)
+            continue
+        lps.append(rec[1])
+        top = {token_text(tok, i): lp for i, lp in rec[2]}
+        top.setdefault(tokens[-1], rec[1])
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(tok, records: list, top: int) -> dict:
+    """The chat schema's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+    def entry(i: int, lp: float) -> dict:
+        return {"token": token_text(tok, i), "logprob": lp, "bytes": list(tok.token_bytes(i))}
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in alts[:top]]}
+                        for t, lp, alts in records], "refusal": None}
 
 
 def completion_response(rid: str, model: str, choices: list[dict], use: dict) -> dict:
