@@ -1,0 +1,142 @@
+"""Log-probs and the tokenizer endpoints of `codeforge serve`, read by the real `openai` client and checked
+against the model's own log-softmax in process: legacy completions (echo gives the prompt's log-probs, the
+first one null; max_tokens 0 scores without generating; generated tokens with their top N; batched and
+token-id prompts in index order; streaming), chat's logprobs/top_logprobs, and vLLM's /tokenize, /detokenize
+and /tokenizer_info (what lm-evaluation-harness probes; tests/test_lm_eval.py runs the harness itself)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from codeforge.engine import SamplingParams
+from codeforge.serve.protocol import completion_logprobs
+from test_serve import TOOLS, assert_error, base_run, chat_run, serving  # noqa: F401  (module fixtures, reused)
+
+
+@pytest.fixture(scope="module")
+def base(base_run):  # noqa: F811
+    with serving(base_run) as live:
+        yield live
+
+
+def reference(engine, ids: list[int]) -> torch.Tensor:
+    """(len(ids), vocab) log-softmax of the model's next-token logits after each prefix of ids, in process."""
+    with torch.inference_mode():
+        logits = engine.model(torch.tensor([ids]))[0, :, :engine.tok.vocab_size].float()
+    return torch.log_softmax(logits, -1)
+
+
+def test_echo_scores_the_prompt_like_the_model(base):
+    eng, c = base.engine, base.client
+    text = "def add(a, b):\n    return a + b\n"
+    ids = eng.tok.encode(text)
+    ref = reference(eng, ids)
+    for max_tokens in (0, 1):
+        r = c.completions.create(model="tiny", prompt=text, echo=True, logprobs=3, max_tokens=max_tokens,
+                                 temperature=0)
+        ch = r.choices[0]
+        lp = ch.logprobs
+        assert len(lp.token_logprobs) == len(ids) + max_tokens and r.usage.completion_tokens == max_tokens
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        for i in range(1, len(ids)):
+            assert math.isclose(lp.token_logprobs[i], float(ref[i - 1, ids[i]]), abs_tol=1e-4)
+            top = lp.top_logprobs[i]
+            best = float(ref[i - 1].max())
+            assert math.isclose(max(top.values()), best, abs_tol=1e-4)  # the most likely token is listed
+            assert lp.tokens[i] in top and 3 <= len(top) <= 4  # top 3 plus the chosen token
+        assert "".join(lp.tokens[:len(ids)]) == text and ch.text.startswith(text)
+        assert lp.text_offset[:len(ids)] == [len(eng.tok.decode(ids[:i])) for i in range(len(ids))]
+    # max_tokens 0: a prompt that fills the whole context is scored (nothing is generated after it)
+    full = (ids * 64)[:eng.block_size]
+    r = base.http.post("/v1/completions", json={"prompt": full, "echo": True, "logprobs": 0, "max_tokens": 0})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"][0]["logprobs"]["token_logprobs"]) == eng.block_size
+    # without echo, max_tokens 0 generates nothing; a full-context prompt that must generate is refused
+    r = c.completions.create(model="tiny", prompt="x", max_tokens=0)
+    assert r.choices[0].text == "" and r.usage.completion_tokens == 0
+    assert_error(base.http.post("/v1/completions", json={"prompt": full, "max_tokens": 1}), 400,
+                 "context_length_exceeded")
+
+
+def test_generated_logprobs_batched_and_streamed(base):
+    eng, c = base.engine, base.client
+    prompts = [eng.tok.encode("import os\n"), eng.tok.encode("class A:\n    def ")]
+    r = c.completions.create(model="tiny", prompt=prompts, logprobs=2, max_tokens=6, temperature=0)
+    assert [x.index for x in r.choices] == [0, 1]
+    for ids, ch in zip(prompts, r.choices):
+        lp = ch.logprobs
+        assert lp.tokens and len(lp.tokens) == len(lp.token_logprobs)
+        gen = [step[0] for step in eng.generate_ids([ids], SamplingParams(max_new_tokens=6, temperature=0.0))]
+        # greedy: each generated token is the most likely one, and its log-prob is the model's
+        seq = ids + gen[:len(lp.tokens)]
+        ref = reference(eng, seq)
+        for k, (tok, v) in enumerate(zip(lp.tokens, lp.token_logprobs)):
+            assert math.isclose(v, max(lp.top_logprobs[k].values()), abs_tol=1e-6)
+            assert math.isclose(v, float(ref[len(ids) + k - 1].max()), abs_tol=1e-4)
+        if ch.finish_reason == "length":
+            assert "".join(lp.tokens) == ch.text
+    # streaming: the chunks' records join into the same records as one response
+    one = c.completions.create(model="tiny", prompt="def f(", logprobs=1, max_tokens=8, temperature=0, echo=True)
+    chunks = list(c.completions.create(model="tiny", prompt="def f(", logprobs=1, max_tokens=8, temperature=0,
+                                       echo=True, stream=True))
+    toks = [t for x in chunks for t in (x.choices[0].logprobs.tokens if x.choices[0].logprobs else [])]
+    lps = [t for x in chunks for t in (x.choices[0].logprobs.token_logprobs if x.choices[0].logprobs else [])]
+    offs = [t for x in chunks for t in (x.choices[0].logprobs.text_offset if x.choices[0].logprobs else [])]
+    assert toks == one.choices[0].logprobs.tokens and offs == one.choices[0].logprobs.text_offset
+    assert lps[0] is None and all(math.isclose(a, b, abs_tol=1e-6) for a, b in zip(lps[1:],
+                                                                                   one.choices[0].logprobs.token_logprobs[1:]))
+    assert "".join(x.choices[0].text for x in chunks) == one.choices[0].text
+
+
+def test_partial_characters_are_shown_as_bytes(base):
+    tok = base.engine.tok
+    ids = tok.encode("naïve ☃ string")
+    lp = completion_logprobs(tok, [(i, -1.0, [(i, -1.0)]) for i in ids])
+    joined = b"".join(bytes.fromhex(t[6:].replace("\\x", "")) if t.startswith("bytes:") else t.encode()
+                      for t in lp["tokens"])
+    assert joined == "naïve ☃ string".encode()
+
+
+def test_chat_logprobs(chat_run):  # noqa: F811
+    with serving(chat_run) as live:
+        c, eng = live.client, live.engine
+        msgs = [{"role": "user", "content": "Write f3."}]
+        r = c.chat.completions.create(model="tiny", messages=msgs, logprobs=True, top_logprobs=2, max_tokens=6,
+                                      temperature=0)
+        ch = r.choices[0]
+        content = ch.logprobs.content
+        assert len(content) == r.usage.completion_tokens
+        for e in content:
+            assert len(e.top_logprobs) == 2 and math.isclose(e.logprob, e.top_logprobs[0].logprob, abs_tol=1e-6)
+            assert bytes(e.bytes).decode(errors="replace") and e.token
+        text = b"".join(bytes(e.bytes) for e in content).decode(errors="replace")
+        assert text.startswith(ch.message.content or "")
+        r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=3, temperature=0)
+        assert r.choices[0].logprobs is None
+        chunks = [x for x in c.chat.completions.create(model="tiny", messages=msgs, logprobs=True, top_logprobs=1,
+                                                       max_tokens=6, temperature=0, stream=True) if x.choices]
+        streamed = [e.token for x in chunks if x.choices[0].logprobs for e in x.choices[0].logprobs.content]
+        assert streamed == [e.token for e in content]
+        del eng
+
+
+def test_tokenizer_endpoints(base):
+    h, tok = base.http, base.engine.tok
+    r = h.post("/tokenize", json={"prompt": "def f(): pass", "add_special_tokens": False}).json()
+    assert r["tokens"] == tok.encode("def f(): pass") and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == base.engine.block_size and r["token_strs"] is None
+    info = h.get("/tokenizer_info").json()
+    assert h.post("/tokenize", json={"prompt": info["eos_token"]}).json()["tokens"] == [tok.eot_id]
+    assert "chat_template" in info and info["model_max_length"] == base.engine.block_size
+    r = h.post("/tokenize", json={"prompt": "héllo", "return_token_strs": True}).json()
+    assert len(r["token_strs"]) == r["count"]
+    assert h.post("/detokenize", json={"tokens": tok.encode("x = 1\n")}).json() == {"prompt": "x = 1\n"}
+    conv = h.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert conv["tokens"][-1] != tok.eot_id and conv["count"] > 3
+    assert_error(h.post("/detokenize", json={"tokens": [10 ** 9]}), 400, "invalid_token")
+    assert_error(h.post("/tokenize", json={}), 400)
+    assert_error(h.post("/tokenize", json={"prompt": "x", "truncate_prompt_tokens": 3}), 400,
+                 "unsupported_parameter")
