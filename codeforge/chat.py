@@ -173,38 +173,39 @@ def encode_conversation(tok, messages: list[dict], tools: list[dict] | None = No
     return ids, mask
 
 
-# The same rendering for `transformers`' apply_chat_template (tested for byte-identical text and ids). No
-# literal whitespace outside the tags, so Jinja's trim settings cannot change it.
+# The same rendering for `transformers`' apply_chat_template (tested for byte-identical text and ids), built
+# from the same tag constants as render() and parse_assistant(), so the three cannot drift apart. No literal
+# whitespace outside the tags, so Jinja's trim settings cannot change it.
 CHAT_TEMPLATE = (
     "{%- set msgs = messages -%}"
     "{%- set ns = namespace(start=0) -%}"
     "{%- if msgs and msgs[0].role == 'system' -%}{%- set system = msgs[0].content or '' -%}{%- set ns.start = 1 -%}"
     "{%- else -%}{%- set system = none -%}{%- endif -%}"
     "{%- if tools or system is not none -%}"
-    "{{- '<|im_start|>system\\n' -}}{{- system or '' -}}"
+    "{{- '" + IM_START + "system\\n' -}}{{- system or '' -}}"
     "{%- if tools -%}{{- " + json.dumps(TOOLS_INTRO) + " -}}"
     "{%- for t in tools -%}{{- t | tojson -}}{{- '\\n' -}}{%- endfor -%}"
     "{{- " + json.dumps(TOOLS_OUTRO) + " -}}{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
+    "{{- '" + IM_END + "\\n' -}}"
     "{%- endif -%}"
     "{%- for m in msgs[ns.start:] -%}"
     "{%- if m.role == 'assistant' -%}"
-    "{{- '<|im_start|>assistant\\n' -}}{{- m.content or '' -}}"
+    "{{- '" + IM_START + "assistant\\n' -}}{{- m.content or '' -}}"
     "{%- for c in (m.tool_calls or []) -%}"
     "{%- set f = c.function if c.function is defined else c -%}"
     "{%- if m.content or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
-    "{{- '<tool_call>{\"name\": ' -}}{{- f.name | tojson -}}{{- ', \"arguments\": ' -}}"
+    "{{- '" + CALL_OPEN + "{\"name\": ' -}}{{- f.name | tojson -}}{{- ', \"arguments\": ' -}}"
     "{%- if f.arguments is string -%}{{- f.arguments -}}{%- else -%}{{- (f.arguments or {}) | tojson -}}{%- endif -%}"
-    "{{- '}</tool_call>' -}}"
+    "{{- '}" + CALL_CLOSE + "' -}}"
     "{%- endfor -%}"
-    "{{- '<|im_end|>\\n' -}}"
+    "{{- '" + IM_END + "\\n' -}}"
     "{%- elif m.role == 'tool' -%}"
-    "{{- '<|im_start|>tool\\n<tool_response>\\n' -}}{{- m.content or '' -}}{{- '\\n</tool_response><|im_end|>\\n' -}}"
+    "{{- '" + IM_START + "tool\\n" + RESP_OPEN + "\\n' -}}{{- m.content or '' -}}{{- '\\n" + RESP_CLOSE + "" + IM_END + "\\n' -}}"
     "{%- else -%}"
-    "{{- '<|im_start|>' + m.role + '\\n' -}}{{- m.content or '' -}}{{- '<|im_end|>\\n' -}}"
+    "{{- '" + IM_START + "' + m.role + '\\n' -}}{{- m.content or '' -}}{{- '" + IM_END + "\\n' -}}"
     "{%- endif -%}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    "{%- if add_generation_prompt -%}{{- '" + IM_START + "assistant\\n' -}}{%- endif -%}"
 )
 
 
