@@ -330,11 +330,11 @@ def test_chat_tool_choice(chat):
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
     r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice="none", max_tokens=4, temperature=0)
     assert r.usage.prompt_tokens == without  # "none" hides the tools from the model
-    # "required": the reply is made to start with <tool_call>. A call the model does not complete (cut at one
-    # token here) is the model's outcome, not a server fault: a 200 with what it wrote as the content, no
-    # tool_calls and finish_reason "length" or "stop" (as vLLM answers), streamed or not
+    # "required": the grammar makes the reply start with <tool_call>. A call cut short by the token budget
+    # (one token here) is a 200 with what was written as the content, no tool_calls and finish_reason
+    # "length" (as vLLM answers), streamed or not
     for choice, start in (("required", "<tool_call>"),
-                          ({"type": "function", "function": {"name": "read_file"}}, '<tool_call>{"name": "read_file"')):
+                          ({"type": "function", "function": {"name": "read_file"}}, "<tool_call>")):
         r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice=choice, max_tokens=1,
                                       temperature=0)
         ch = r.choices[0]

@@ -37,7 +37,8 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
-from ..chat import CALL_OPEN, CHAT_TEMPLATE, IM_END, encode_conversation
+from ..chat import CHAT_TEMPLATE, IM_END, encode_conversation
+from ..constrain import ConstraintError, ToolGrammar
 from ..tokenizer import EOT
 from ..fim import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, infill_ids
 from .batcher import Event, QueueFull, Row, RowParams, Scheduler
@@ -361,19 +362,21 @@ async def chat_completions(srv: ServerState, request: Request):
     msgs = b.rendered_messages()
     tools = [t.model_dump(exclude_none=True) for t in b.tools] if b.tools else None
     choice = b.tool_choice
-    forced = ""  # text the reply is made to start with (tool_choice required or named; part of the reply)
     if choice not in (None, "none", "auto") and not tools:
         raise ApiError(400, "tool_choice requires tools", param="tool_choice")
     if choice == "none":
         tools = None  # the model is not told about the tools, and nothing is parsed as a call
-    elif choice == "required":
-        forced = CALL_OPEN
-    elif isinstance(choice, NamedToolChoice):
-        name = choice.function.name
-        if name not in {t["function"]["name"] for t in tools}:
-            raise ApiError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
-        # cut after `"arguments":`, a pre-token boundary, so the ids are those the model saw in training
-        forced = CALL_OPEN + f'{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments":'
+    mode = "none" if choice == "none" else "auto" if choice in (None, "auto") else \
+        "required" if choice == "required" else choice.function.name
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in {t["function"]["name"] for t in tools}:
+        raise ApiError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                       param="tool_choice")
+    rf = b.response_format if b.response_format and b.response_format.get("type") != "text" else None
+    # The grammar (constrain.py): a tool call, once opened (or from the start, tool_choice required or
+    # named), can only be a JSON object naming one of the tools with arguments of its schema; a JSON
+    # response_format holds the whole reply to its schema; "none" keeps call tokens out of the reply.
+    constrained = bool(tools) or rf is not None or choice == "none"
+    forced = ""  # the grammar forces the start of a required call; no text is put in the model's mouth
     tools_active = bool(tools)
     names = {t["function"]["name"] for t in tools} if tools else set()
     parallel = b.parallel_tool_calls is not False
@@ -384,14 +387,15 @@ async def chat_completions(srv: ServerState, request: Request):
 
     def encode():
         ids, _ = encode_conversation(srv.tok, msgs, tools, add_generation_prompt=True)
-        if forced:
-            ids += [srv.tok.special_ids[CALL_OPEN]] + srv.tok.encode(forced[len(CALL_OPEN):])
-        return ids
+        return ids, (ToolGrammar(srv.tok, tools, mode, rf) if constrained else None)
 
     srv.check_chars("".join(str(m.get("content") or "") + json.dumps(m.get("tool_calls") or "") for m in msgs)
                     + json.dumps(tools or ""), "messages")
     try:
-        ids = await srv.encode(encode)
+        ids, grammar = await srv.encode(encode)
+    except ConstraintError as e:  # a tool's parameters or a response_format schema the grammar cannot take
+        raise ApiError(400, str(e), param="response_format" if "response_format" in str(e) else "tools",
+                       code="invalid_schema") from None
     except ValueError as e:  # chat.ChatFormatError: a tool call in the history that cannot be rendered
         raise ApiError(400, str(e), param="messages") from None
     except RecursionError:  # tool-call arguments nested past the JSON parser's recursion limit
@@ -401,7 +405,8 @@ async def chat_completions(srv: ServerState, request: Request):
     stop_ids = {srv.tok.eot_id, srv.tok.special_ids[IM_END]}
     top = b.top_logprobs or 0
     lp = {"logprobs": top if b.logprobs else None}
-    specs = [(j, ids, srv.row_params(b, max_new, j, stop_ids, **lp)) for j in range(n)]
+    specs = [(j, ids, srv.row_params(b, max_new, j, stop_ids, constraint=grammar.new() if grammar else None, **lp))
+             for j in range(n)]
     gen = Generation(srv, specs)
     rid, model = new_id("chatcmpl"), srv.opts.model_name
     if b.stream:

@@ -19,7 +19,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..chat import CALL_OPEN, IM_END, parse_assistant
+from ..chat import CALL_CLOSE, CALL_OPEN, IM_END, parse_assistant
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
@@ -206,9 +206,9 @@ class ChatRequest(_Sampling):
         super().check_unsupported()
         if self.top_logprobs and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ApiError(400, f"response_format {self.response_format.get('type')!r} is not supported (only "
-                                f"text)", param="response_format", code="unsupported_parameter")
+        if self.response_format and self.response_format.get("type") not in ("text", "json_object", "json_schema"):
+            raise ApiError(400, f"response_format {self.response_format.get('type')!r} is not supported (text, "
+                                f"json_object or json_schema)", param="response_format", code="unsupported_parameter")
 
     def rendered_messages(self) -> list[dict]:
         """The messages as chat.py renders them (developer is system; content parts joined). content is
@@ -288,9 +288,14 @@ def chat_message(text: str, finish_reason: str, tools_active: bool, names: set[s
     ..., "arguments": {...}}</tool_call> blocks naming a declared tool (`names`; all when None) become
     message.tool_calls (finish_reason "tool_calls"; only the first unless `parallel`) and the text outside
     them the content (None when empty); when no such block parses, the whole text is the content, so
-    nothing the model wrote is lost."""
+    nothing the model wrote is lost. A reply cut by the token budget keeps finish_reason "length", and a
+    call it left unfinished stays in the content as written (the calls before it are tool_calls)."""
     text = text.split(IM_END, 1)[0]
     if tools_active and CALL_OPEN in text:
+        cut = ""
+        last = text.rfind(CALL_OPEN)
+        if finish_reason == "length" and CALL_CLOSE not in text[last:]:
+            text, cut = text[:last], text[last:]  # an unfinished call: the model's outcome, kept as text
         try:
             parsed = parse_assistant(text)
         except RecursionError:  # JSON nested past Python's recursion limit: not a call
@@ -298,7 +303,10 @@ def chat_message(text: str, finish_reason: str, tools_active: bool, names: set[s
         calls = [c for c in parsed["tool_calls"] if names is None or c["name"] in names]
         if calls:
             calls = [tool_call_json(c["name"], c["arguments"]) for c in calls[:None if parallel else 1]]
-            return {"role": "assistant", "content": parsed["content"] or None, "tool_calls": calls}, "tool_calls"
+            content = (parsed["content"] + cut) or None
+            return ({"role": "assistant", "content": content, "tool_calls": calls},
+                    "length" if cut else "tool_calls")
+        text += cut
     return {"role": "assistant", "content": text}, finish_reason
 
 
