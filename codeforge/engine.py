@@ -19,6 +19,7 @@ import torch
 from . import CodeforgeError
 from .chat import IM_END, encode_conversation, parse_assistant
 from .checkpoint import load_model
+from .constrain import Constraint, ToolGrammar, mask_logits
 from .device import autocast, choose_device, choose_precision
 from .fim import FIM_PREFIX, FIM_SUFFIX, infill_ids
 from .tokenizer import CodeTokenizer
@@ -109,9 +110,17 @@ class Engine:
         return ids, min(max_new, self.block_size - len(ids))
 
     @torch.inference_mode()
-    def generate_ids(self, prompts: list[list[int]], p: SamplingParams, warn=None) -> Iterator[list[int | None]]:
-        """Yield, per step, one new token id per row (None for rows that have finished)."""
+    def generate_ids(self, prompts: list[list[int]], p: SamplingParams, warn=None,
+                     constraints: list[Constraint | None] | None = None) -> Iterator[list[int | None]]:
+        """Yield, per step, one new token id per row (None for rows that have finished). constraints: one per
+        row (None: free), from constrain.ToolGrammar.new(): each step's logits are masked to what the row's
+        grammar allows before sampling (greedy or not), the sampled token is fed to it, and a row whose
+        grammar is finished (it wrote <|im_end|> where the grammar ends) finishes."""
         p.validate()
+        if constraints is not None and len(constraints) != len(prompts):
+            raise EngineError(f"{len(constraints)} constraints for {len(prompts)} prompts: give one per prompt "
+                              f"(None for a free row)")
+        constrained = constraints is not None and any(c is not None for c in constraints)
         warn = warn or (lambda m: print(f"warning: {m}", file=sys.stderr))
         fitted = [self._fit_prompt(ids, p.max_new_tokens, warn) for ids in prompts]
         prompts = [f[0] for f in fitted]
@@ -147,6 +156,8 @@ class Engine:
         for t in range(steps):
             logits = logits.float()[:, :vocab]  # padded vocab rows are never sampled
             logits = apply_repetition_penalty(logits, seen[:, :vocab], p.repetition_penalty)
+            if constrained:
+                logits = mask_logits(constraints, logits)
             if p.temperature == 0:
                 nxt = logits.argmax(-1)
             else:
@@ -154,8 +165,16 @@ class Engine:
                 nxt = torch.multinomial(probs, 1, generator=gen).squeeze(1)
             finished_now = done | (budget <= t)
             ids, fin = nxt.tolist(), finished_now.tolist()  # one host transfer per step
+            if constrained:  # fed before the token is yielded: a token the grammar refuses is never seen
+                for c, i, f in zip(constraints, ids, fin):
+                    if c is not None and not f:
+                        c.advance(i)
             yield [None if f else i for i, f in zip(ids, fin)]
             done = finished_now | torch.isin(nxt, end_t)
+            if constrained:
+                over = [c is not None and c.finished for c in constraints]
+                done = done | torch.tensor(over, device=self.device)
+                fin = [f or o for f, o in zip(fin, over)]
             if t == steps - 1 or all(f or i in ends for i, f in zip(ids, fin)):
                 return
             if p.repetition_penalty != 1.0:
@@ -240,15 +259,25 @@ class Engine:
             yield text[sent:]
 
     def chat(self, messages: list[dict], tools: list[dict] | None, p: SamplingParams, warn=None,
-             on_text=None) -> dict:
+             on_text=None, constrained: bool = True, tool_choice: str | dict = "auto",
+             response_format: dict | None = None) -> dict:
         """The assistant's next turn for a conversation (chat.py's rendering plus the generation prompt):
         {"content", "tool_calls", "errors", "text", "ended"}; generation stops at <|im_end|> (ended=True) or
-        at the token budget. on_text(piece) streams the raw text as it comes."""
+        at the token budget. on_text(piece) streams the raw text as it comes.
+
+        constrained (the default): with tools, every tool call the model opens is held to `{"name": <a
+        tool>, "arguments": <its schema>}` (constrain.py); tool_choice "required" / a tool's name forces
+        calls, "none" forbids them; response_format {"type": "json_object" | "json_schema", ...} makes the
+        reply one JSON value. constrained=False measures the bare model (tool_choice and response_format
+        are then ignored)."""
         ids, _ = encode_conversation(self.tok, messages, tools, add_generation_prompt=True)
         end_id = self.tok.special_ids[IM_END]
+        constraints = None
+        if constrained and (tools or response_format is not None or tool_choice != "auto"):
+            constraints = [ToolGrammar(self.tok, tools, tool_choice, response_format).new()]
         out: list[int] = []
         sent, ended = 0, False
-        for step in self.generate_ids([ids], p, warn):
+        for step in self.generate_ids([ids], p, warn, constraints):
             t = step[0]
             if t is None or t == end_id or (t == self.tok.eot_id and p.stop_at_eot):
                 ended = t == end_id

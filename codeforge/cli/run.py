@@ -151,6 +151,8 @@ def add_eval_parser(sub) -> None:
     e.add_argument("--checkpoint", default="auto", choices=["auto", "best", "latest", "final"],
                    help="auto: best if the run has one, else latest")
     e.add_argument("--tool-cases", type=int, default=100, help="held-out tool-calling cases for chat runs (0: skip)")
+    e.add_argument("--no-constrain", action="store_true",
+                   help="tool scores without grammar-constrained tool calls: measure the bare model")
     e.add_argument("--tasks", default=None, metavar="TASKS",
                    help="pass rate on programming tasks with hidden tests: a `codeforge make-tasks` directory (its "
                         "held-out split) or a JSONL of prompt/tests; the programs run in the sandbox")
@@ -175,7 +177,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
                  timeout=a.timeout, which=a.checkpoint, device=a.device, tool_cases=a.tool_cases,
                  unsafe_no_sandbox=a.unsafe_no_sandbox, infill=a.infill,
                  hrm_cases=a.hrm_cases, tasks=a.tasks, task_samples=a.task_samples,
-                 task_temperature=a.task_temperature, task_limit=a.task_limit)
+                 task_temperature=a.task_temperature, task_limit=a.task_limit, constrained=not a.no_constrain)
     if a.json:
         print(json.dumps(r))
     else:
@@ -250,6 +252,9 @@ def add_chat_parser(sub) -> None:
     c.add_argument("--seed", type=int, default=None)
     c.add_argument("--checkpoint", default="auto", choices=["auto", "best", "latest", "final"])
     c.add_argument("--device", default="auto")
+    c.add_argument("--no-constrain", action="store_true",
+                   help="let tool calls be written freely instead of held to the tools' schemas: measure the bare "
+                        "model")
     c.set_defaults(func=cmd_chat)
 
 
@@ -274,9 +279,10 @@ def cmd_chat(a: argparse.Namespace) -> int:
     eng = Engine.from_run(a.run, a.device, a.checkpoint)
     system = [{"role": "system", "content": a.system}] if a.system else []
 
+    constrained = not a.no_constrain
     if not sys.stdin.isatty():
-        return _chat_piped(eng, params, system, tools)
-    return _chat_repl(eng, params, system, tools)
+        return _chat_piped(eng, params, system, tools, constrained)
+    return _chat_repl(eng, params, system, tools, constrained)
 
 
 def _show_calls(r: dict) -> None:
@@ -286,7 +292,7 @@ def _show_calls(r: dict) -> None:
         print(f"[unparsed tool call] {err}")
 
 
-def _chat_piped(eng, params, system: list[dict], tools) -> int:
+def _chat_piped(eng, params, system: list[dict], tools, constrained: bool = True) -> int:
     """stdin is one user message, or a JSON object {"messages": [...], "tools": [...]}: print the reply."""
     text = sys.stdin.read()
     try:
@@ -302,13 +308,13 @@ def _chat_piped(eng, params, system: list[dict], tools) -> int:
         messages = messages[:-1]
     else:
         messages = system + [{"role": "user", "content": text.strip()}]
-    r = eng.chat(messages, tools, params)
+    r = eng.chat(messages, tools, params, constrained=constrained)
     print(r["content"])
     _show_calls(r)
     return 0
 
 
-def _chat_repl(eng, params, system: list[dict], tools) -> int:
+def _chat_repl(eng, params, system: list[dict], tools, constrained: bool = True) -> int:
     """At the terminal: each line a user turn, the reply streamed, the history kept."""
     history = list(system)
     print("chat: /reset clears the history, /system TEXT sets the system message, /quit or Ctrl-D leaves",
@@ -329,7 +335,8 @@ def _chat_repl(eng, params, system: list[dict], tools) -> int:
             history = system + [m for m in history if m["role"] != "system"]
             continue
         history.append({"role": "user", "content": line})
-        r = eng.chat(history, tools, params, on_text=lambda piece: print(piece, end="", flush=True))
+        r = eng.chat(history, tools, params, on_text=lambda piece: print(piece, end="", flush=True),
+                     constrained=constrained)
         print()
         _show_calls(r)
         msg: dict = {"role": "assistant", "content": r["content"]}

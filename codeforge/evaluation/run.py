@@ -29,11 +29,12 @@ def run_eval(run: str, data: str | None = None, eval_tokens: int | None = None, 
              max_new_tokens: int = 256, timeout: float = 5.0, which: str = "auto", device: str = "auto",
              tool_cases: int = 100, unsafe_no_sandbox: bool = False, infill: int = 0, hrm_cases: int = 32,
              tasks: str | None = None, task_samples: int = 1, task_temperature: float = 0.0,
-             task_limit: int = 0) -> dict:
+             task_limit: int = 0, constrained: bool = True) -> dict:
     """Everything `codeforge eval` reports, appended to RUN/eval.jsonl and to TensorBoard. eval_tokens:
     validation targets scored (default: the run's own train.eval_tokens, so the number equals the one
     training printed for the same checkpoint). tasks: a JSONL of tasks with hidden tests or a `codeforge
-    make-tasks` directory (its held-out test split): pass rates of any GPT run (task_limit: the first N)."""
+    make-tasks` directory (its held-out test split): pass rates of any GPT run (task_limit: the first N).
+    constrained=False: tool calls decoded without the schema grammar (the bare model's tool scores)."""
 
     dev, _ = choose_device(device)
     model, tok, ck, cfg = load_model(run, dev, which)
@@ -80,7 +81,7 @@ def run_eval(run: str, data: str | None = None, eval_tokens: int | None = None, 
     chat = val.chat or speaks_chat(cfg)
     r["chat"] = chat
     if chat and tool_cases:
-        r.update(tool_calling_eval(eng, tool_cases))
+        r.update(tool_calling_eval(eng, tool_cases, constrained=constrained))
     if syntax_samples and not val.chat:
         docs = [tok.decode(val.document(i).tolist()) for i in range(min(200, val.documents))]
         if language:

@@ -7,15 +7,21 @@ from ..engine import SamplingParams
 from ..tasks.tool_calls import eval_cases, generate, score
 
 
-def tool_calling_eval(engine, n_cases: int = 100, seed: int = 0, max_new_tokens: int = 96) -> dict:
+def tool_calling_eval(engine, n_cases: int = 100, seed: int = 0, max_new_tokens: int = 96,
+                      constrained: bool = True) -> dict:
     """Scores of a chat model on held-out synthetic tool-calling conversations (tasks/tool_calls.py; disjoint
     from any training split it generates): share of tool-call attempts that parse, right tool, arguments
-    exactly right, and no call when none is needed. Greedy decoding, each reply cut at <|im_end|>."""
+    exactly right, and no call when none is needed. Greedy decoding, each reply cut at <|im_end|>.
+    constrained (the default, as `codeforge chat` and the server decode): every call the model opens is held
+    to the offered tools' schemas (constrain.py), so a call fails to parse only when the token budget cuts
+    it; constrained=False measures the bare model. `tool_constrained` in the result says which."""
     cases = eval_cases(generate(max(1, n_cases), seed=seed, split="heldout"))[:n_cases]
     p = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-    preds = [engine.chat(c["messages"], c["tools"], p, warn=lambda m: None) for c in cases]
+    preds = [engine.chat(c["messages"], c["tools"], p, warn=lambda m: None, constrained=constrained)
+             for c in cases]
     r = score(cases, preds)
     r["tool_im_end_rate"] = sum(pr["ended"] for pr in preds) / max(len(preds), 1)
+    r["tool_constrained"] = constrained
     return r
 
 

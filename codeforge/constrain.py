@@ -1,0 +1,390 @@
+"""Grammar-constrained decoding: tool calls that always parse and match their tool's schema, and JSON replies.
+
+The grammar engine is llguidance (an Earley parser over a lexer that works on token bytes, the engine behind
+OpenAI's and llama.cpp's structured outputs): it turns a grammar plus the tokenizer into, at each step, the
+set of token ids that keep the text a prefix of something the grammar accepts. This module only writes the
+grammars, in llguidance's Lark dialect, and keeps one matcher per generated row.
+
+What a row may write, by mode (chat.py's format; <x> are special tokens, written as `<[id]>` in the grammar):
+
+  auto      free text; once the row samples <tool_call>, exactly
+            `{"name": <one of the tools>, "arguments": <that tool's parameters>}` then </tool_call>; free
+            again after it (free steps are not masked at all: `allowed()` is None and they cost nothing).
+  required  `<tool_call>BODY</tool_call>` ("\\n<tool_call>BODY</tool_call>")* then <|im_end|>;
+  NAME      the same with only the tool NAME (OpenAI's named tool_choice);
+  none      free text with neither <tool_call> nor </tool_call> (auto without tools: free text, no mask);
+  response_format json_object / json_schema: the whole reply is one JSON value of the schema, then <|im_end|>
+            (with tools in auto mode: that, or tool calls as in required mode).
+
+The JSON is laid out as `json.dumps` writes it by default, as the training data is (chat.py renders
+arguments with json.dumps(..., ensure_ascii=False)): separators ", " and ": ", no other whitespace, strings
+escape only `"`, `\\` and \\b \\f \\n \\r \\t (no \\u, no \\/; non-ASCII text is written as itself). The
+wrapper `{"name": ..., "arguments": ` is a literal of the grammar rather than part of a JSON schema, so a tool's
+parameters schema stays the root of its own `%json` block and its `$ref`s resolve as written. Property order
+follows the schema's "properties" order (json.dumps keeps the order the data was written in). Schemas are
+used as given: without "additionalProperties": false a schema allows extra keys, and so does the grammar.
+
+Cost: the tokenizer bridge (llguidance's token trie, ~50 ms for 8k tokens) is built once per tokenizer; a
+ToolGrammar compiles its grammar once (~10 ms for five tools; the last few are cached by grammar text), and
+each Constraint is a copy of the compiled matcher (microseconds). Per constrained step, the masks of all rows
+are computed in one call on llguidance's thread pool and applied to the logits in one masked_fill
+(benchmarks/constrain_cost.py; docs/LOG.md, 2026-11-25).
+
+Known gap: the grammar cannot keep a JSON string from holding the *text* "</tool_call>" written as ordinary
+tokens (the special token is never allowed there); chat.parse_assistant, which reads decoded text, would then
+cut the call short. A trained model has no reason to write it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import weakref
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+import llguidance
+import torch
+
+from . import CodeforgeError
+from .chat import CALL_CLOSE, CALL_OPEN, IM_END
+
+if TYPE_CHECKING:
+    from .tokenizer import CodeTokenizer
+
+MODES = ("auto", "required", "none")
+# json.dumps' default layout (see the module docstring); applied over any "x-guidance" a schema carries.
+JSON_LAYOUT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False,
+               "json_allowed_escapes": "\"\\bfnrt"}
+GRAMMAR_CACHE = 32  # compiled grammars kept per tokenizer (tool_calling_eval offers ~30 distinct tool subsets)
+
+
+class ConstraintError(CodeforgeError):
+    """A tool schema, response_format or tool_choice that cannot be turned into a grammar, or a token fed
+    that the grammar forbids; the message names the tool or field and the fix."""
+
+
+# -- the tokenizer bridge (one per tokenizer) ------------------------------------------------------------
+
+class _Bridge:
+    """llguidance's view of one CodeTokenizer (its token trie, with <|im_end|> as the end token, so that a
+    grammar that is complete allows <|im_end|> and nothing after it), plus compiled grammars by text."""
+
+    def __init__(self, tok: "CodeTokenizer"):
+        self.ll = llguidance.LLTokenizer(tok.tok.to_str(), n_vocab=tok.vocab_size,
+                                         eos_token=tok.special_ids[IM_END])
+        self.vocab = tok.vocab_size
+        self.words = (tok.vocab_size + 31) // 32  # int32 words of one row's bitmask
+        self.matchers: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self.lock = threading.Lock()  # the server makes grammars from several threads
+        # The two fixed masks: any token but <tool_call> and </tool_call> (tool_choice "none"), and only
+        # <|im_end|> (a row whose reply is finished, should it be asked for another token).
+        no_calls = torch.zeros(self.words * 32, dtype=torch.bool)
+        no_calls[:self.vocab] = True
+        no_calls[[tok.special_ids[CALL_OPEN], tok.special_ids[CALL_CLOSE]]] = False
+        self.no_call_bits = _pack(no_calls)
+        self.end_bits = _pack(torch.arange(self.words * 32) == tok.special_ids[IM_END])
+
+    def matcher(self, lark: str, what: str) -> llguidance.LLMatcher:
+        """A fresh matcher for this grammar text (compiled on first use, then copied)."""
+        with self.lock:
+            m = self.matchers.get(lark)
+            if m is not None:
+                self.matchers.move_to_end(lark)
+                return m.deep_copy()
+        grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+        is_error, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll)
+        if is_error:
+            raise ConstraintError(f"{what}: the grammar does not compile ({msgs[0]})")
+        m = llguidance.LLMatcher(self.ll, grammar, log_level=0)
+        if m.is_error():
+            raise ConstraintError(f"{what}: the grammar does not compile ({m.get_error()})")
+        with self.lock:
+            self.matchers[lark] = m
+            if len(self.matchers) > GRAMMAR_CACHE:
+                self.matchers.popitem(last=False)
+        return m.deep_copy()
+
+
+_BRIDGES: "weakref.WeakKeyDictionary[CodeTokenizer, _Bridge]" = weakref.WeakKeyDictionary()
+_EXECUTOR: list[llguidance.LLExecutor] = []
+_LOCK = threading.Lock()
+
+
+def _bridge(tok: "CodeTokenizer") -> _Bridge:
+    with _LOCK:
+        b = _BRIDGES.get(tok)
+        if b is None:
+            b = _BRIDGES[tok] = _Bridge(tok)
+        return b
+
+
+def _executor() -> llguidance.LLExecutor:
+    """llguidance's thread pool that computes many rows' masks at once (made on first use)."""
+    with _LOCK:
+        if not _EXECUTOR:
+            _EXECUTOR.append(llguidance.LLExecutor())
+        return _EXECUTOR[0]
+
+
+# -- grammars ----------------------------------------------------------------------------------------------
+
+def _schema_block(schema: dict, what: str, bridge: _Bridge) -> str:
+    """`%json {...}` for a schema with the json.dumps layout; a schema llguidance refuses -> ConstraintError
+    naming `what`."""
+    if not isinstance(schema, dict):
+        raise ConstraintError(f"{what} must be a JSON schema object, got {type(schema).__name__}")
+    own = schema.get("x-guidance")
+    schema = {**schema, "x-guidance": {**(own if isinstance(own, dict) else {}), **JSON_LAYOUT}}
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+    except (ValueError, TypeError) as e:
+        raise ConstraintError(f"{what} is not a usable JSON schema ({e}); fix the schema") from None
+    is_error, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, bridge.ll)
+    if is_error:
+        raise ConstraintError(f"{what} cannot be compiled for constrained decoding ({msgs[0]}); fix the schema, "
+                              f"or turn constraints off (constrained=False, --no-constrain)")
+    return "%json " + json.dumps(schema, ensure_ascii=False)
+
+
+def _tool_specs(tools: list[dict] | None) -> list[tuple[str, dict]]:
+    """(name, parameters schema) of OpenAI tool specs ({"type": "function", "function": {...}}, or the inner
+    object alone); a missing schema allows any object."""
+    out: list[tuple[str, dict]] = []
+    if tools is None:
+        return out
+    if not isinstance(tools, list):
+        raise ConstraintError(f"tools must be a list of tool specs, got {type(tools).__name__}")
+    for i, t in enumerate(tools):
+        f = t.get("function", t) if isinstance(t, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
+            raise ConstraintError(f"tools[{i}] has no function name: expected {{\"type\": \"function\", "
+                                  f"\"function\": {{\"name\": ..., \"parameters\": {{...}}}}}}")
+        params = f.get("parameters")
+        if params is None:
+            params = {"type": "object"}
+        if not isinstance(params, dict):
+            raise ConstraintError(f"tool {f['name']!r}: parameters must be a JSON schema object, got "
+                                  f"{type(params).__name__}")
+        if any(n == f["name"] for n, _ in out):
+            raise ConstraintError(f"tool {f['name']!r} is given twice: tool names must be unique")
+        out.append((f["name"], params))
+    return out
+
+
+def _lark_str(s: str) -> str:
+    return json.dumps(s, ensure_ascii=False)
+
+
+class ToolGrammar:
+    """The grammar of one request's replies (its tools, tool_choice and response_format), compiled once;
+    `new()` makes a Constraint per generated row. The tokenizer bridge is cached per tokenizer.
+
+    mode: "auto", "required", "none", or a tool's name (OpenAI's {"type": "function", "function": {"name":
+    ...}} is taken too). response_format: None, {"type": "text"}, {"type": "json_object"} or {"type":
+    "json_schema", "json_schema": {"schema": {...}, ...}}."""
+
+    def __init__(self, tok: "CodeTokenizer", tools: list[dict] | None = None, mode: str = "auto",
+                 response_format: dict | None = None):
+        self.tok = tok
+        self.bridge = _bridge(tok)
+        ids = tok.special_ids
+        self.open_id, self.close_id, self.end_id = ids[CALL_OPEN], ids[CALL_CLOSE], ids[IM_END]
+        if isinstance(mode, dict):  # OpenAI's named tool_choice object
+            mode = (mode.get("function") or {}).get("name") if isinstance(mode.get("function"), dict) else None
+            if not isinstance(mode, str):
+                raise ConstraintError('tool_choice object must be {"type": "function", "function": {"name": ...}}')
+        if not isinstance(mode, str) or not mode:
+            raise ConstraintError(f"tool_choice {mode!r} must be \"auto\", \"required\", \"none\" or a tool name")
+        specs = _tool_specs(tools)
+        if mode not in MODES:
+            specs = [s for s in specs if s[0] == mode]
+            if not specs:
+                names = [n for n, _ in _tool_specs(tools)]
+                raise ConstraintError(f"tool_choice names tool {mode!r}, which is not among the tools {names}: "
+                                      f"offer it in tools or choose \"auto\"")
+        elif mode == "required" and not specs:
+            raise ConstraintError("tool_choice \"required\" needs at least one tool in tools")
+        self.mode = mode
+        self.tools = [n for n, _ in specs]
+        reply = self._reply_block(response_format)
+        if mode == "none" or not specs:
+            specs = []
+        lines = []
+        for i, (n, p) in enumerate(specs):  # chat.render's layout: {"name": NAME, "arguments": ARGS}
+            head = _lark_str('{"name": ' + _lark_str(n) + ', "arguments": ')
+            lines.append(f'call_{i}: {head} args_{i} "}}"\nargs_{i}: '
+                         f'{_schema_block(p, f"tool {n!r}: parameters", self.bridge)}')
+        body = "body: " + " | ".join(f"call_{i}" for i in range(len(specs))) + "\n" + "\n".join(lines) + "\n"
+        calls = f'calls: call ("\\n" call)*\ncall: <[{self.open_id}]> body <[{self.close_id}]>\n' + body
+        # kind: "whole" (a matcher over the whole reply, which ends with <|im_end|>, the bridge's end token),
+        # "text" (free text; a matcher for each call's body), "static" (free text without the call tokens: one
+        # fixed mask), "free" (nothing to hold the row to).
+        if reply is not None and mode == "auto" and specs:
+            self.kind, lark = "whole", f"start: calls | reply\nreply: {reply}\n{calls}"
+        elif reply is not None and mode in ("auto", "none"):
+            self.kind, lark = "whole", f"start: reply\nreply: {reply}\n"
+        elif mode not in ("auto", "none"):  # required or named: the reply is calls (a response_format is moot)
+            self.kind, lark = "whole", "start: calls\n" + calls
+        elif specs:  # auto
+            self.kind, lark = "text", f"start: body <[{self.close_id}]>\n" + body
+        elif mode == "none":  # anything but a call
+            self.kind, lark = "static", None
+        else:  # auto without tools or a JSON reply: nothing to hold the model to
+            self.kind, lark = "free", None
+        what = f"tool_choice {mode!r}" + (f" with response_format {response_format.get('type')!r}" if reply else "")
+        self._template = self.bridge.matcher(lark, what) if lark is not None else None
+        self.lark = lark
+
+    def _reply_block(self, rf: dict | None) -> str | None:
+        if rf is None:
+            return None
+        if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+            raise ConstraintError(f"response_format {rf!r} must be {{\"type\": \"text\" | \"json_object\" | "
+                                  f"\"json_schema\", ...}}")
+        if rf["type"] == "text":
+            return None
+        if rf["type"] == "json_object":
+            return _schema_block({"type": "object"}, "response_format", self.bridge)
+        js = rf.get("json_schema")
+        if not isinstance(js, dict):
+            raise ConstraintError('response_format json_schema needs "json_schema": {"name": ..., "schema": {...}}')
+        schema = js.get("schema", {"type": "object"})
+        name = f" {js['name']!r}" if js.get("name") else ""
+        return _schema_block(schema, f"response_format json_schema{name}", self.bridge)
+
+    def new(self) -> "Constraint":
+        return Constraint(self)
+
+
+class Constraint:
+    """Per-row decoding constraint (see the module docstring for the modes). `allowed()` is the set of
+    tokens the row may write next (None when this step is free), `advance(token)` feeds the token it wrote,
+    `finished` says the reply is complete (<|im_end|> was written where the grammar allows it)."""
+
+    def __init__(self, grammar: ToolGrammar):
+        self.grammar = grammar
+        self.matcher = grammar._template.deep_copy() if grammar._template is not None else None
+        self.in_call = False  # "text" kind: inside a <tool_call> block
+        self._finished = False
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def _step(self) -> str | None:
+        """What constrains the next token: None (free), "matcher", "static" (no call tokens) or "end"."""
+        if self._finished:
+            return "end"
+        kind = self.grammar.kind
+        if kind == "static":
+            return "static"
+        if kind == "free" or (kind == "text" and not self.in_call):
+            return None
+        if self.matcher.is_error():
+            raise ConstraintError(f"the constraint is broken by an earlier token ({self.matcher.get_error()})")
+        return "matcher"
+
+    def allowed(self) -> torch.Tensor | None:
+        """(vocab_size,) bool on the CPU: True where a token may come next; None when this step is free."""
+        step = self._step()
+        if step is None:
+            return None
+        bits = torch.empty(1, self.grammar.bridge.words, dtype=torch.int32)
+        _fill([self], [step], bits)
+        return _unpack(bits)[0, :self.grammar.bridge.vocab]
+
+    def _shown(self, token: int) -> str:
+        in_vocab = 0 <= token < self.grammar.bridge.vocab
+        return repr(self.grammar.tok.decode([token])) if in_vocab else "beyond the vocabulary"
+
+    def advance(self, token: int) -> None:
+        """Feed the token the row wrote; ConstraintError if the grammar did not allow it."""
+        g = self.grammar
+        step = self._step()
+        if step == "end":
+            raise ConstraintError(f"token {token} after the reply ended with {IM_END}")
+        if step is None:  # free text in auto mode
+            if token == g.open_id and g.kind == "text":
+                self.in_call = True
+                self.matcher.reset()
+            elif token == g.end_id:
+                self._finished = True
+            return
+        if step == "static":
+            if token in (g.open_id, g.close_id) or not 0 <= token < g.bridge.vocab:
+                raise ConstraintError(f"token {token} ({self._shown(token)}) is not allowed: tool_choice {g.mode!r} "
+                                      f"allows no tool call")
+            self._finished = token == g.end_id
+            return
+        if not 0 <= token < g.bridge.vocab or not self.matcher.consume_token(token):
+            raise ConstraintError(f"token {token} ({self._shown(token)}) is not allowed by the grammar here "
+                                  f"({self.matcher.get_error() or 'rejected'}); mask the logits with mask_logits")
+        if g.kind == "text":
+            self.in_call = token != g.close_id
+        elif token == g.end_id:
+            self._finished = True
+
+
+# -- masks -------------------------------------------------------------------------------------------------
+
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _pack(allowed: torch.Tensor) -> torch.Tensor:
+    """(32 * W,) bool -> (W,) int32 bitmask, bit j of word w is token 32 * w + j (llguidance's layout)."""
+    words = (allowed.view(-1, 32).to(torch.int64) << torch.arange(32)).sum(-1)  # 0 .. 2**32 - 1
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same bits, as int32
+
+
+def _unpack(bits: torch.Tensor) -> torch.Tensor:
+    """(n, W) int32 bitmask -> (n, 32 * W) bool, on the bitmask's device."""
+    shifts = _SHIFTS.get(bits.device)
+    if shifts is None:
+        shifts = _SHIFTS[bits.device] = torch.arange(32, dtype=torch.int32, device=bits.device)
+    return ((bits.unsqueeze(-1) >> shifts) & 1).bool().view(bits.size(0), -1)  # (n, W, 32) -> (n, 32 W)
+
+
+def _fill(constraints: list[Constraint], steps: list[str], bits: torch.Tensor) -> None:
+    """Write row j of `bits` (CPU, int32, contiguous) for constraints[j]: matcher rows in one parallel call."""
+    work = []
+    for j, (c, step) in enumerate(zip(constraints, steps)):
+        if step == "matcher":
+            work.append((c.matcher, j))
+        else:
+            bits[j] = c.grammar.bridge.no_call_bits if step == "static" else c.grammar.bridge.end_bits
+    if work:
+        words = bits.size(1)
+        if any(c.grammar.bridge.words != words for c in constraints):
+            raise ConstraintError("constraints of one batch must share one tokenizer")
+        _executor().unsafe_compute_mask_ptr(work, bits.data_ptr(), words * 4, bits.size(0))
+
+
+def mask_logits(constraints: list[Constraint | None], logits: torch.Tensor) -> torch.Tensor:
+    """logits (n, V) with V >= the tokenizer's vocab_size (a padded head is fine) -> logits with -inf where a
+    row's constraint forbids the token (ids >= vocab_size included); rows whose constraint is None or free
+    this step are untouched. All constrained rows' masks are computed in one call and applied in one
+    masked_fill; the input is not modified."""
+    if len(constraints) != logits.size(0):
+        raise ConstraintError(f"{len(constraints)} constraints for {logits.size(0)} rows of logits")
+    rows, live, steps = [], [], []
+    for i, c in enumerate(constraints):
+        step = c._step() if c is not None else None
+        if step is not None:
+            rows.append(i)
+            live.append(c)
+            steps.append(step)
+    if not rows:
+        return logits
+    words = live[0].grammar.bridge.words
+    bits = torch.empty(len(rows), words, dtype=torch.int32)
+    _fill(live, steps, bits)
+    V = logits.size(1)
+    allowed = _unpack(bits.to(logits.device, non_blocking=True))[:, :V]  # (k, min(V, 32 W))
+    if allowed.size(1) < V:  # columns past the bitmask: padded vocab, never allowed
+        allowed = torch.cat([allowed, allowed.new_zeros(len(rows), V - allowed.size(1))], 1)
+    if len(rows) < logits.size(0):  # free rows allow everything
+        full = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
+        full[torch.tensor(rows, device=logits.device)] = allowed
+        allowed = full
+    return logits.masked_fill(~allowed, float("-inf"))

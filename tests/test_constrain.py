@@ -1,0 +1,281 @@
+"""Grammar-constrained decoding (codeforge/constrain.py): an untrained model, sampled at temperature 1, writes
+only tool calls that parse and match their tool's schema, in json.dumps' layout; required and named
+tool_choice always call; a json_schema reply is JSON of the schema. The same model unconstrained does not,
+which shows the checks can fail. Rows with different constraints share one batch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from codeforge.chat import CALL_CLOSE, CALL_OPEN, IM_END, encode_conversation, parse_assistant
+from codeforge.constrain import ConstraintError, ToolGrammar, mask_logits
+from codeforge.engine import Engine, SamplingParams
+from codeforge.models.gpt import GPT, GPTConfig
+from codeforge.tasks.tool_calls import TOOLS
+from codeforge.tokenizer import CodeTokenizer
+
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+REPLY_SCHEMA = {  # bounded everywhere, so that a random model finishes the reply within the token budget
+    "type": "object", "additionalProperties": False, "required": ["ok", "lang", "n", "tags"],
+    "properties": {"ok": {"type": "boolean"}, "lang": {"enum": ["go", "python"]},
+                   "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                   "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+                   "note": {"type": ["string", "null"], "maxLength": 6}}}
+JSON_REPLY = {"type": "json_schema", "json_schema": {"name": "reply", "schema": REPLY_SCHEMA}}
+SEEDS = (0, 1, 2)
+PAD = 40  # the model's head is wider than the vocabulary (a padded vocab): those ids must never come out
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer_dir) -> CodeTokenizer:
+    return CodeTokenizer.load(tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def eng(tok) -> Engine:
+    """A random 2-layer model, nudged (an output bias) to open tool calls, end replies and write quotes often,
+    so that calls happen and strings end within the budget; what it writes is still noise."""
+    torch.manual_seed(0)
+    V = tok.vocab_size
+    model = GPT(GPTConfig(vocab_size=V + PAD, block_size=256, n_layer=2, n_head=2, n_embd=32)).eval()
+    bias = torch.zeros(V + PAD)
+    bias[[i for i in range(V) if '"' in tok.decode([i])]] = 3.0
+    bias[tok.special_ids[CALL_OPEN]] = 4.0
+    bias[tok.special_ids[IM_END]] = 2.0
+    model.lm_head.bias = torch.nn.Parameter(bias)
+    return Engine(model, tok)
+
+
+def prompt(tok) -> list[int]:
+    return encode_conversation(tok, [{"role": "user", "content": "Run the tests in tests/"}], None,
+                               add_generation_prompt=True)[0]
+
+
+def sample(eng, constraints: list, seed: int, max_new: int = 160) -> list[str]:
+    """Each row's text (special tokens written as text) at temperature 1, rows ending at <|im_end|>."""
+    outs: list[list[int]] = [[] for _ in constraints]
+    p = SamplingParams(max_new_tokens=max_new, temperature=1.0, seed=seed, stop_ids=[eng.tok.special_ids[IM_END]])
+    for step in eng.generate_ids([prompt(eng.tok)] * len(constraints), p, constraints=constraints):
+        for i, t in enumerate(step):
+            if t is not None:
+                assert t < eng.tok.vocab_size
+                outs[i].append(t)
+    return [eng.tok.decode(o) for o in outs]
+
+
+def schema_errors(value, schema: dict, at: str = "$") -> list[str]:
+    """The JSON-schema keywords these tests use (type, enum, properties, required, additionalProperties,
+    items, maxItems, maxLength, minimum, maximum): what `value` breaks."""
+    errs = []
+    kinds = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
+    types = schema.get("type")
+    if types is not None:
+        types = [types] if isinstance(types, str) else types
+        ok = any(isinstance(value, int) and not isinstance(value, bool) if t == "integer"
+                 else isinstance(value, (int, float)) and not isinstance(value, bool) if t == "number"
+                 else isinstance(value, kinds[t]) for t in types)
+        if not ok:
+            return [f"{at}: {value!r} is not {types}"]
+    if "enum" in schema and value not in schema["enum"]:
+        errs.append(f"{at}: {value!r} not in {schema['enum']}")
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        errs += [f"{at}: missing {k!r}" for k in schema.get("required", []) if k not in value]
+        if schema.get("additionalProperties") is False:
+            errs += [f"{at}: extra key {k!r}" for k in value if k not in props]
+        for k, v in value.items():
+            if k in props:
+                errs += schema_errors(v, props[k], f"{at}.{k}")
+    if isinstance(value, list):
+        if len(value) > schema.get("maxItems", len(value)):
+            errs.append(f"{at}: {len(value)} items")
+        errs += [e for i, v in enumerate(value) for e in schema_errors(v, schema.get("items", {}), f"{at}[{i}]")]
+    if isinstance(value, str) and len(value) > schema.get("maxLength", len(value)):
+        errs.append(f"{at}: longer than {schema['maxLength']}")
+    if isinstance(value, int) and not schema.get("minimum", value) <= value <= schema.get("maximum", value):
+        errs.append(f"{at}: {value} out of range")
+    return errs
+
+
+def closed_blocks(text: str) -> list[str]:
+    """The bodies of the <tool_call> blocks that were closed (a budget may cut the last one short)."""
+    text = text.split(IM_END, 1)[0]
+    return [b.split(CALL_CLOSE, 1)[0] for b in text.split(CALL_OPEN)[1:] if CALL_CLOSE in b]
+
+
+def check_calls(text: str, names: list[str]) -> list[dict]:
+    """Every closed block parses into a call of one of `names` whose arguments match the schema, written as
+    chat.render writes calls (json.dumps' layout); returns the calls."""
+    blocks = closed_blocks(text)
+    text = text.split(IM_END, 1)[0]
+    last = text.rfind(CALL_OPEN)
+    if last >= 0 and CALL_CLOSE not in text[last:]:  # cut short by the token budget
+        text = text[:last]
+    calls = parse_assistant(text)
+    assert not calls["errors"], (calls["errors"], text)
+    assert len(calls["tool_calls"]) == len(blocks), text
+    for body, call in zip(blocks, calls["tool_calls"]):
+        assert call["name"] in names, text
+        assert not schema_errors(call["arguments"], SCHEMAS[call["name"]]), (call, text)
+        assert body == json.dumps({"name": call["name"], "arguments": call["arguments"]}, ensure_ascii=False)
+    return calls["tool_calls"]
+
+
+ROWS = ("auto", "auto", "required", "required", "search_code", "json", "json", None)
+
+
+@pytest.fixture(scope="module")
+def batched(eng, tok) -> list[list[tuple[str | None, str, bool]]]:
+    """Per seed, one generate_ids call with rows of every kind: [(kind, text, finished)]."""
+    grammars = {"auto": ToolGrammar(tok, TOOLS, "auto"), "required": ToolGrammar(tok, TOOLS, "required"),
+                "search_code": ToolGrammar(tok, TOOLS, "search_code"),
+                "json": ToolGrammar(tok, None, "auto", JSON_REPLY)}
+    runs = []
+    for seed in SEEDS:
+        cs = [grammars[k].new() if k else None for k in ROWS]
+        texts = sample(eng, cs, seed)
+        runs.append([(k, text, c is not None and c.finished) for k, text, c in zip(ROWS, texts, cs)])
+    return runs
+
+
+def test_auto_calls_parse_and_match_their_schema(batched):
+    calls = [c for run in batched for k, text, _ in run if k == "auto" for c in check_calls(text, list(SCHEMAS))]
+    assert len(calls) >= 5  # enough calls for the check to mean something
+    assert len({c["name"] for c in calls}) >= 2
+
+
+def test_required_and_named_always_call(batched):
+    finished = 0
+    for run in batched:
+        for kind, text, done in run:
+            if kind not in ("required", "search_code"):
+                continue
+            assert text.startswith(CALL_OPEN), text
+            names = list(SCHEMAS) if kind == "required" else ["search_code"]
+            calls = check_calls(text, names)
+            if done:  # the reply is calls only, joined by "\n", then <|im_end|>
+                finished += 1
+                assert calls and text.endswith(CALL_CLOSE + IM_END)
+                assert parse_assistant(text)["content"] == ""
+    assert finished >= 3
+
+
+def test_json_schema_reply_is_json_of_the_schema(batched):
+    for run in batched:
+        for kind, text, done in run:
+            if kind != "json":
+                continue
+            assert done and text.endswith(IM_END), text  # the schema is bounded: the reply always ends
+            body = text[:-len(IM_END)]
+            value = json.loads(body)
+            assert not schema_errors(value, REPLY_SCHEMA), (value, text)
+            assert body == json.dumps(value, ensure_ascii=False)  # the layout training data has
+
+
+def test_free_row_in_the_batch_is_untouched(eng, batched):
+    """The unconstrained row of the mixed batch writes the same tokens as in a batch of free rows (same
+    seed, same shapes: the same random draws)."""
+    for seed, run in zip(SEEDS, batched):
+        assert sample(eng, [None] * len(ROWS), seed)[-1] == run[-1][1]
+
+
+def test_without_constraint_the_same_model_fails(eng):
+    """The checks above can fail: unconstrained, the same model opens calls that do not parse or match."""
+    attempts = valid = 0
+    for seed in SEEDS:
+        for text in sample(eng, [None] * 8, seed):
+            r = parse_assistant(text)
+            attempts += len(r["errors"]) + len(r["tool_calls"])
+            valid += sum(c["name"] in SCHEMAS and not schema_errors(c["arguments"], SCHEMAS[c["name"]])
+                         for c in r["tool_calls"])
+    assert attempts >= 5 and valid == 0
+
+
+def test_no_constraints_change_nothing(eng, tok):
+    p = SamplingParams(max_new_tokens=30, temperature=1.0, seed=3, stop_at_eot=False)
+    prompts = [prompt(tok), tok.encode("def f(x):")]
+    plain = list(eng.generate_ids(prompts, p))
+    assert list(eng.generate_ids(prompts, p, constraints=[None, None])) == plain
+    greedy = SamplingParams(max_new_tokens=30, temperature=0, stop_at_eot=False)
+    assert list(eng.generate_ids(prompts, greedy, constraints=[None, None])) == list(eng.generate_ids(prompts, greedy))
+
+
+def test_chat_applies_tool_choice_and_response_format(eng):
+    msgs = [{"role": "user", "content": "Search for parse_header"}]
+    p = SamplingParams(max_new_tokens=200, temperature=1.0, seed=1)
+    r = eng.chat(msgs, TOOLS, p, tool_choice={"type": "function", "function": {"name": "read_file"}})
+    assert r["text"].startswith(CALL_OPEN), r
+    assert all(c["name"] == "read_file" for c in r["tool_calls"])
+    if r["ended"]:
+        assert r["tool_calls"] and not r["errors"], r
+    r = eng.chat(msgs, None, p, response_format=JSON_REPLY)
+    assert r["ended"] and not schema_errors(json.loads(r["text"]), REPLY_SCHEMA)
+    # constrained=False is the bare model: tool_choice is ignored
+    assert eng.chat(msgs, TOOLS, p, constrained=False, tool_choice="required") == eng.chat(msgs, TOOLS, p,
+                                                                                          constrained=False)
+
+
+def test_mask_logits_padded_vocab_and_allowed(tok):
+    V = tok.vocab_size
+    req, none = ToolGrammar(tok, TOOLS, "required").new(), ToolGrammar(tok, TOOLS, "none").new()
+    auto = ToolGrammar(tok, TOOLS, "auto").new()
+    logits = torch.randn(4, V + PAD)
+    out = mask_logits([req, None, none, auto], logits)
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [tok.special_ids[CALL_OPEN]]  # forced
+    assert torch.equal(out[1], logits[1]) and torch.equal(out[3], logits[3])  # free rows untouched
+    banned = {tok.special_ids[CALL_OPEN], tok.special_ids[CALL_CLOSE]} | set(range(V, V + PAD))
+    assert set(torch.isinf(out[2]).nonzero().flatten().tolist()) == banned
+    assert auto.allowed() is None and req.allowed().nonzero().flatten().tolist() == [tok.special_ids[CALL_OPEN]]
+    assert not torch.isinf(logits).any()  # the input is not modified
+
+
+def test_advance_refuses_a_token_the_grammar_forbids(tok):
+    c = ToolGrammar(tok, TOOLS, "required").new()
+    with pytest.raises(ConstraintError, match="not allowed"):
+        c.advance(tok.encode("hello")[0])
+    c = ToolGrammar(tok, TOOLS, "none").new()
+    with pytest.raises(ConstraintError, match="none"):
+        c.advance(tok.special_ids[CALL_OPEN])
+    c = ToolGrammar(tok, TOOLS, "auto").new()
+    c.advance(tok.special_ids[CALL_OPEN])  # now inside a call: only the body may follow
+    with pytest.raises(ConstraintError):
+        c.advance(tok.special_ids[IM_END])
+
+
+def tool(name: str, parameters) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+@pytest.mark.parametrize("tools, mode, rf, match", [
+    ([tool("broken", {"type": "nonsense"})], "auto", None, "tool 'broken'"),
+    ([tool("regex", {"type": "object", "properties": {"a": {"type": "string", "pattern": "(("}}})], "required",
+     None, "tool 'regex'"),
+    ([tool("dangling", {"$ref": "#/$defs/missing"})], "auto", None, "tool 'dangling'"),
+    ([tool("x", "not a schema")], "auto", None, "tool 'x'"),
+    (TOOLS, "delete_everything", None, "not among the tools"),
+    (None, "required", None, "needs at least one tool"),
+    (TOOLS + TOOLS[:1], "auto", None, "given twice"),
+    (None, "auto", {"type": "yaml"}, "response_format"),
+    (None, "auto", {"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": 3}}}, "'r'"),
+])
+def test_bad_schema_or_choice_is_refused_by_name(tok, tools, mode, rf, match):
+    with pytest.raises(ConstraintError, match=match):
+        ToolGrammar(tok, tools, mode, rf)
+
+
+def test_missing_parameters_allow_any_object_and_odd_names_are_escaped(tok):
+    name = 'we"ird\\näme'
+    g = ToolGrammar(tok, [{"type": "function", "function": {"name": name}}], "required")
+    c = g.new()
+    text = json.dumps({"name": name, "arguments": {"k": [1, {"z": None}]}}, ensure_ascii=False)
+    for t in [tok.special_ids[CALL_OPEN]] + tok.encode(text) + [tok.special_ids[CALL_CLOSE], tok.special_ids[IM_END]]:
+        c.advance(t)
+    assert c.finished
+    c = g.new()  # the compact layout is not the training layout: refused
+    with pytest.raises(ConstraintError):
+        for t in [tok.special_ids[CALL_OPEN]] + tok.encode(json.dumps({"name": name, "arguments": {}},
+                                                                      separators=(",", ":"))):
+            c.advance(t)
