@@ -185,8 +185,9 @@ class ToolGrammar:
     "json_schema", "json_schema": {"schema": {...}, ...}}."""
 
     def __init__(self, tok: "CodeTokenizer", tools: list[dict] | None = None, mode: str = "auto",
-                 response_format: dict | None = None):
+                 response_format: dict | None = None, parallel: bool = True):
         self.tok = tok
+        self.parallel = parallel  # False (OpenAI's parallel_tool_calls false): at most one call per reply
         self.bridge = _bridge(tok)
         ids = tok.special_ids
         self.open_id, self.close_id, self.end_id = ids[CALL_OPEN], ids[CALL_CLOSE], ids[IM_END]
@@ -216,7 +217,8 @@ class ToolGrammar:
             lines.append(f'call_{i}: {head} args_{i} "}}"\nargs_{i}: '
                          f'{_schema_block(p, f"tool {n!r}: parameters", self.bridge)}')
         body = "body: " + " | ".join(f"call_{i}" for i in range(len(specs))) + "\n" + "\n".join(lines) + "\n"
-        calls = f'calls: call ("\\n" call)*\ncall: <[{self.open_id}]> body <[{self.close_id}]>\n' + body
+        calls = ('calls: call ("\\n" call)*\n' if parallel else "calls: call\n") + \
+            f'call: <[{self.open_id}]> body <[{self.close_id}]>\n' + body
         # kind: "whole" (a matcher over the whole reply, which ends with <|im_end|>, the bridge's end token),
         # "text" (free text; a matcher for each call's body), "static" (free text without the call tokens: one
         # fixed mask), "free" (nothing to hold the row to).
@@ -266,6 +268,7 @@ class Constraint:
         self.grammar = grammar
         self.matcher = grammar._template.deep_copy() if grammar._template is not None else None
         self.in_call = False  # "text" kind: inside a <tool_call> block
+        self.calls = 0  # "text" kind: calls closed so far
         self._finished = False
 
     @property
@@ -279,6 +282,8 @@ class Constraint:
         kind = self.grammar.kind
         if kind == "static":
             return "static"
+        if kind == "text" and not self.in_call and self.calls and not self.grammar.parallel:
+            return "static"  # one call made, and only one allowed: no more call tokens
         if kind == "free" or (kind == "text" and not self.in_call):
             return None
         if self.matcher.is_error():
@@ -322,6 +327,7 @@ class Constraint:
                                   f"({self.matcher.get_error() or 'rejected'}); mask the logits with mask_logits")
         if g.kind == "text":
             self.in_call = token != g.close_id
+            self.calls += not self.in_call
         elif token == g.end_id:
             self._finished = True
 

@@ -91,6 +91,11 @@ def test_named_and_auto_calls_and_streaming(live):
         assert ch.finish_reason in ("tool_calls", "length") and ch.message.tool_calls, ch
         assert [x.function.name for x in ch.message.tool_calls] == ["set_level"] * len(ch.message.tool_calls)
         assert all(valid(x) for x in ch.message.tool_calls)
+    # parallel_tool_calls false: exactly one call, then the reply ends
+    r = c.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, tool_choice=named, n=4, temperature=1.0,
+                                  seed=2, max_tokens=60, parallel_tool_calls=False)
+    for ch in r.choices:
+        assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1 and valid(ch.message.tool_calls[0])
     # streaming: content deltas never hold call text; the call arrives whole as a tool_calls delta
     for seed in range(3):
         chunks = [x for x in c.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, tool_choice=named,

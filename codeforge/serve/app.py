@@ -387,7 +387,7 @@ async def chat_completions(srv: ServerState, request: Request):
 
     def encode():
         ids, _ = encode_conversation(srv.tok, msgs, tools, add_generation_prompt=True)
-        return ids, (ToolGrammar(srv.tok, tools, mode, rf) if constrained else None)
+        return ids, (ToolGrammar(srv.tok, tools, mode, rf, parallel) if constrained else None)
 
     srv.check_chars("".join(str(m.get("content") or "") + json.dumps(m.get("tool_calls") or "") for m in msgs)
                     + json.dumps(tools or ""), "messages")

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..constrain import mask_logits
 from ..device import autocast
 from ..engine import apply_repetition_penalty, filter_logits
 
@@ -395,7 +396,6 @@ class Scheduler:
         out: list[int | None] = [None] * len(rows)
         constraints = [r.p.constraint for r in rows]
         if any(c is not None for c in constraints):
-            from ..constrain import mask_logits  # TEMP until constrain.py lands
             logits = mask_logits(constraints, logits)
         if all(r.p.temperature == 0 and r.counts is None and r.seen is None for r in rows):
             out = logits.argmax(-1).tolist()
