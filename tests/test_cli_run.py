@@ -154,3 +154,33 @@ def test_plan_takes_the_vocabulary_from_the_data(data_dir, capsys):
                  "--block-size", "32", "--vocab-size", "0"]) == 0
     out = capsys.readouterr().out
     assert "vocab 1024)" in out, out  # the test tokenizer's 1,024 tokens, padded to a multiple of 64
+
+
+def test_resume_needs_only_the_run(data_dir, tmp_path, capsys):
+    """`train --out RUN --resume` takes the data, stage and model from RUN/config.toml; without a run there,
+    the error says that --resume found nothing to continue."""
+    out = tmp_path / "run"
+    tiny = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--device", "cpu",
+            "--no-progress", "--eval-tokens", "64", "--batch-size", "2"]
+    assert main(["train", "--data", str(data_dir), "--out", str(out), "--max-iters", "2", *tiny]) == 0
+    capsys.readouterr()
+    assert main(["train", "--out", str(out), "--resume", "--max-iters", "3", "--no-progress"]) == 0
+    assert "done: step 3" in capsys.readouterr().out
+    assert main(["train", "--out", str(tmp_path / "nothing"), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "--data" in err and "no run to continue" in err
+    assert main(["train", "--data", str(data_dir)]) == 2
+    assert "--out RUN" in capsys.readouterr().err
+
+
+def test_help_and_quickstart_help_do_not_import_torch():
+    """`codeforge --help` and `quickstart --help` answer without loading torch (seconds on a busy CPU)."""
+    import subprocess
+    import sys
+    for args in (["--help"], ["quickstart", "--help"], ["serve", "--help"]):
+        code = ("import sys, runpy; sys.argv = ['codeforge', *%r]\n"
+                "try:\n    runpy.run_module('codeforge', run_name='__main__')\nexcept SystemExit as e:\n"
+                "    assert e.code == 0, e.code\nassert 'torch' not in sys.modules, 'torch imported'\n" % (args,))
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, (args, r.stderr[-2000:])
+        assert "usage: codeforge" in r.stdout

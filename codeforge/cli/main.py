@@ -12,12 +12,15 @@ from . import data, run, train
 from .args import Parser, parse
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; with `command`, the flags generated from the config fields (which need the model
+    classes, hence torch) are added only if that command takes them, so `codeforge --help`, `presets` or
+    `quickstart --help` answer without importing torch."""
     p = Parser(prog="codeforge", description="Train code language models from scratch.")
     sub = p.add_subparsers(dest="command", required=True)
 
     data.add_parsers(sub)
-    train.add_parsers(sub)
+    train.add_parsers(sub, config_flags=command is None or command in train.CONFIG_COMMANDS)
     train.add_quickstart_parser(sub)
     run.add_generate_parser(sub)
     run.add_eval_parser(sub)
@@ -29,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse(build_parser(), argv)
+    words = sys.argv[1:] if argv is None else argv
+    args = parse(build_parser(next((w for w in words if not w.startswith("-")), "")), argv)
     t0 = time.perf_counter()
     try:
         return args.func(args)
@@ -45,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
-    """The `codeforge` command and `python -m codeforge`: main(), then the process ends (see exit_process)."""
-    from ..distributed import exit_process
+    """The `codeforge` command and `python -m codeforge`: main(), then the process ends (see exit_process;
+    a command that never loaded torch has no process group to leave, and ends as any program)."""
     try:
         code = main()
     except SystemExit as e:  # argparse's --help and usage errors
@@ -59,7 +63,10 @@ def entry() -> None:
         import traceback
         traceback.print_exc()
         code = 1
-    exit_process(code)
+    dist = sys.modules.get("codeforge.distributed")
+    if dist is None:
+        raise SystemExit(code)
+    dist.exit_process(code)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ from .. import rundir
 from .args import CLIError
 
 
-def add_parsers(sub) -> None:
+CONFIG_COMMANDS = ("train", "plan")  # the commands whose flags are generated from the config fields
+
+
+def add_parsers(sub, config_flags: bool = True) -> None:
 
     t = sub.add_parser("train", help="train a model on prepared shards (any stage)",
                        usage="codeforge train --data DIR --out RUN [--stage S] [--preset NAME ...] [--resume] "
@@ -18,7 +21,8 @@ def add_parsers(sub) -> None:
                                    "and models/gpt.py); precedence, later wins: defaults < --stage defaults < "
                                    "--preset < --config < --set < flags.")
     t.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
-    _config_flags(t)
+    if config_flags:
+        _config_flags(t)
     t.set_defaults(func=cmd_train)
     pl = sub.add_parser("plan", help="memory per rank (parameters, gradients, optimizer state, activations) under "
                                      "DDP and FSDP, before launching",
@@ -29,7 +33,8 @@ def add_parsers(sub) -> None:
     pl.add_argument("--world-size", type=int, default=1, metavar="N", help="ranks (all nodes together)")
     pl.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
                     help="memory of one device, to say what fits (default: this machine's GPU, if any)")
-    _config_flags(pl)
+    if config_flags:
+        _config_flags(pl)
     pl.set_defaults(func=cmd_plan)
     p = sub.add_parser("presets", help="list model presets (with parameter counts) and hardware profiles")
     p.set_defaults(func=cmd_presets)
@@ -86,11 +91,16 @@ def _train_config(a: argparse.Namespace):
     if a.dropout is not None:
         flags.update({"model.embd_dropout": a.dropout, "model.attn_dropout": a.dropout, "model.resid_dropout": a.dropout})
     out = flags.get("train.out")
-    if not flags.get("train.data") or not out:
-        raise CLIError("train needs --data DIR (from `codeforge prepare`) and --out RUN")
+    if not out:
+        raise CLIError("train needs --out RUN (the run directory), and --data DIR (from `codeforge prepare`) "
+                       "unless it resumes a run")
+    saved = os.path.join(out, rundir.CONFIG)
     base = None
-    if a.resume and os.path.exists(os.path.join(out, rundir.CONFIG)):
-        base = load_file(os.path.join(out, rundir.CONFIG))  # the saved run, then this command's changes
+    if a.resume and os.path.exists(saved):
+        base = load_file(saved)  # the saved run (its data, stage, model), then this command's changes
+    elif not flags.get("train.data"):
+        raise CLIError("train needs --data DIR (from `codeforge prepare`)" + (
+            f"; --resume found no run to continue at {out} (no {rundir.CONFIG})" if a.resume else ""))
     return resolve(a.preset, a.config, a.set, flags, base=base, vocab_from_data=True)
 
 
