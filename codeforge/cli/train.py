@@ -39,7 +39,7 @@ def add_parsers(sub, config_flags: bool = True) -> None:
     p = sub.add_parser("presets", help="list model presets (with parameter counts) and hardware profiles")
     p.set_defaults(func=cmd_presets)
     c = sub.add_parser("config", help="`config keys`: every settable key (--set KEY=VALUE, config files)")
-    c.add_argument("what", choices=["keys"])
+    c.add_argument("what", choices=["keys"], help="keys: list every settable key")
     c.set_defaults(func=cmd_config_keys)
 
 
@@ -174,7 +174,8 @@ def add_quickstart_parser(sub) -> None:
     q.add_argument("--out", default=None, help="default runs/quickstart (runs/quickstart-chat with --chat)")
     q.add_argument("--corpus", default="python-stdlib", help="python-stdlib | go | PATH")
     q.add_argument("--max-iters", type=int, default=None, help="training steps (default: about 7 CPU minutes)")
-    q.add_argument("--device", default="auto")
+    q.add_argument("--device", default="auto",
+        help="auto (a GPU if there is one, else the CPU), cpu, cuda, cuda:N or mps (default auto)")
     q.add_argument("--chat", action="store_true", help="then chat SFT on pairs mined from the corpus and tool "
                    "calling (about 20 CPU minutes; default --out runs/quickstart-chat)")
     q.add_argument("--hrm", action="store_true", help="seed 001's hierarchical planner/generator model instead: "
