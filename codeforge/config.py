@@ -55,6 +55,16 @@ RL_STAGES = tuple(s.name for s in STAGE_TABLE if s.kind == "rl")
 FSDP_STAGES = tuple(s.name for s in STAGE_TABLE if s.fsdp)
 
 
+def chat_notice(saved: dict) -> str | None:
+    """What to tell a user who chats with a run no chat stage trained (None when one did)."""
+    if speaks_chat(saved):
+        return None
+    stage = saved.get("train", {}).get("stage", "pretrain")
+    return (f"this model was trained only as a base model (stage {stage}), never taught to chat: a reply "
+            f"continues the conversation's text rather than answers it. Train it with `codeforge train --stage "
+            f"sft` (docs/chat-and-tools.md), or try `codeforge quickstart --chat`")
+
+
 def speaks_chat(saved: dict) -> bool:
     """Whether a saved run config is a chat model's: trained by a chat stage, or by a preference or RL stage
     that continued one (they record it as "chat"; older runs of theirs are taken as chat)."""

@@ -19,6 +19,7 @@ import torch
 from . import CodeforgeError
 from .chat import IM_END, encode_conversation, parse_assistant
 from .checkpoint import load_model
+from .config import chat_notice
 from .constrain import Constraint, ToolGrammar, mask_logits
 from .device import autocast, choose_device, choose_precision
 from .fim import FIM_PREFIX, FIM_SUFFIX, infill_ids
@@ -91,14 +92,18 @@ class Engine:
             precision, next(model.parameters()).dtype)
         self.block_size = model.context_length
         self.pad_id = tokenizer.special_ids.get("<pad>", 0)
+        self.checkpoint = None  # from_run: the checkpoint directory it loaded
+        self.chat_note: str | None = None  # from_run: a notice when no chat stage trained it
 
     @classmethod
     def from_run(cls, run: str, device: str = "auto", which: str = "auto") -> "Engine":
         """An engine over a run's (or checkpoint's) weights, on the chosen device and its precision."""
         dev, _ = choose_device(device)
         precision, _ = choose_precision(dev, "auto")
-        model, tok, _, _ = load_model(run, dev, which)
-        return cls(model, tok, dev, precision)
+        model, tok, ck, saved = load_model(run, dev, which)
+        eng = cls(model, tok, dev, precision)
+        eng.checkpoint, eng.chat_note = ck, chat_notice(saved)
+        return eng
 
     def _fit_prompt(self, ids: list[int], max_new: int, warn) -> tuple[list[int], int]:
         if not ids:

@@ -140,3 +140,37 @@ def test_tokenizer_endpoints(base):
     assert_error(h.post("/tokenize", json={}), 400)
     assert_error(h.post("/tokenize", json={"prompt": "x", "truncate_prompt_tokens": 3}), 400,
                  "unsupported_parameter")
+
+
+def test_names_and_notices_a_user_sees(base_run, chat_run, tmp_path, capsys, monkeypatch):  # noqa: F811
+    """The served name says which run it is (not the quickstart's generic `run`), and a chat with a model no
+    chat stage trained says so: on the terminal (`codeforge chat`), and in a Warning header of the server's
+    chat answers."""
+    import io
+
+    from codeforge.checkpoint import find_checkpoint, read_config
+    from codeforge.cli import main
+    from codeforge.config import chat_notice
+    from codeforge.serve.server import run_name
+    assert run_name("runs/quickstart/run") == "quickstart"
+    assert run_name("runs/quickstart-chat/tools") == "quickstart-chat-tools"
+    assert run_name("runs/go-coder") == "go-coder"
+    assert run_name("runs/go-coder/checkpoints/step_000100") == "go-coder"
+    base_cfg = read_config(find_checkpoint(base_run, "latest"))
+    note = chat_notice(base_cfg)
+    assert note and "--stage sft" in note
+    assert chat_notice(read_config(find_checkpoint(chat_run, "latest"))) is None
+    with serving(base_run, chat_note=note) as live:
+        r = live.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                         "max_tokens": 2})
+        assert r.status_code == 200 and "never taught to chat" in r.headers["warning"]
+        assert live.http.get("/v1/models").json()["data"][0]["chat"] is False
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello"))
+    assert main(["chat", "--run", str(base_run), "--max-new-tokens", "2", "--device", "cpu"]) == 0
+    assert "never taught to chat" in capsys.readouterr().err
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello"))
+    assert main(["chat", "--run", str(chat_run), "--max-new-tokens", "2", "--device", "cpu"]) == 0
+    assert "never taught to chat" not in capsys.readouterr().err
+    assert main(["generate", "--run", str(base_run), "--prompt", "x", "--max-new-tokens", "2", "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert "checkpoint: " in err and "auto: the run's best" in err

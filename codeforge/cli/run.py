@@ -66,7 +66,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from ..checkpoint import load_model
     from ..device import choose_device, choose_precision
     dev, _ = choose_device(a.device)
-    model, tok, _, _ = load_model(a.run, dev, a.checkpoint)
+    model, tok, ck, _ = load_model(a.run, dev, a.checkpoint)
+    print(f"checkpoint: {ck} ({checkpoint_kind(a.run, ck, a.checkpoint)})", file=sys.stderr)
     if getattr(model.cfg, "arch", "gpt") == "hrm":
         return _generate_hrm(a, model, tok, prompt)
     eng = Engine(model, tok, dev, choose_precision(dev, "auto")[0])
@@ -89,6 +90,22 @@ def cmd_generate(a: argparse.Namespace) -> int:
             sys.stdout.flush()
         sys.stdout.write((suffix or "") + "\n")
     return 0
+
+
+def checkpoint_kind(run: str, ck, asked: str) -> str:
+    """Which of the run's pointers (best, latest, final) the loaded checkpoint is, as words for the user."""
+    from ..checkpoint import CheckpointError, find_checkpoint
+    if Path(run).resolve() == Path(ck).resolve():
+        return "given by path"
+    names = []
+    for which in ("best", "latest", "final"):
+        try:
+            if Path(find_checkpoint(run, which, verify=False, log=lambda m: None)).resolve() == Path(ck).resolve():
+                names.append(which)
+        except (CheckpointError, OSError):
+            continue
+    what = " and ".join(names) if names else "an earlier intact step"
+    return f"{asked}: the run's {what}" if asked == "auto" else what
 
 
 def _generate_hrm(a: argparse.Namespace, model, tok, prompt: str) -> int:
@@ -291,6 +308,8 @@ def cmd_chat(a: argparse.Namespace) -> int:
     except ValueError as e:
         raise CLIError(str(e)) from e
     eng = Engine.from_run(a.run, a.device, a.checkpoint)
+    if eng.chat_note:
+        print(f"note: {eng.chat_note}", file=sys.stderr)
     system = [{"role": "system", "content": a.system}] if a.system else []
 
     constrained = not a.no_constrain

@@ -67,6 +67,7 @@ class ServeOptions:
     max_body_bytes: int = 1 << 20
     stage: str = "pretrain"
     checkpoint: str = ""  # the checkpoint's name (step_000100), never its path: /v1/models shows it
+    chat_note: str | None = None  # a run no chat stage trained: said at start and on every chat answer
     host: str = ""  # the --host the server is bound to: a name in the Host header it answers to
     allowed_hosts: tuple[str, ...] = ()  # more Host names (NAME or NAME:PORT) to answer to; "*": any
     allowed_origins: tuple[str, ...] = ()  # web pages (scheme://host[:port]) allowed besides its own; "*": any
@@ -238,9 +239,16 @@ def error_event(ev: Event) -> bytes:
     return sse(ApiError(ev.status, ev.text, code="timeout" if ev.status == 504 else None).body())
 
 
-def streaming(gen: AsyncIterator[bytes]) -> StreamingResponse:
+def streaming(gen: AsyncIterator[bytes], headers: dict | None = None) -> StreamingResponse:
     return StreamingResponse(gen, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
+
+
+def notice_headers(srv: ServerState) -> dict:
+    """A chat answer from a model no chat stage trained says so in a header (HTTP's Warning, code 299),
+    since OpenAI's body has no place for it."""
+    note = srv.opts.chat_note
+    return {"Warning": f'299 codeforge "{note}"'} if note else {}
 
 
 # -- handlers ------------------------------------------------------------------------------------------------
@@ -412,7 +420,7 @@ async def chat_completions(srv: ServerState, request: Request):
     if b.stream:
         include_usage = bool(b.stream_options and b.stream_options.include_usage)
         return streaming(stream_chat(gen, request, rid, model, n, forced, tools_active, len(ids), include_usage,
-                                     names, parallel, (srv.tok, top) if b.logprobs else None))
+                                     names, parallel, (srv.tok, top) if b.logprobs else None), notice_headers(srv))
     done = await gen.collect(request)
     choices = []
     for t in sorted(done):
@@ -421,7 +429,8 @@ async def chat_completions(srv: ServerState, request: Request):
         msg, finish = chat_message(forced + done[t].text, done[t].finish_reason, tools_active, names, parallel)
         lps = chat_logprobs(srv.tok, done[t].logprobs or [], top) if b.logprobs else None
         choices.append({"index": t, "message": msg, "logprobs": lps, "finish_reason": finish})
-    return chat_response(rid, model, choices, usage(len(ids), sum(e.completion_tokens for e in done.values())))
+    body = chat_response(rid, model, choices, usage(len(ids), sum(e.completion_tokens for e in done.values())))
+    return JSONResponse(body, headers=notice_headers(srv)) if srv.opts.chat_note else body
 
 
 async def stream_chat(gen: Generation, request: Request, rid: str, model: str, n: int, forced: str,
@@ -853,7 +862,8 @@ def create_app(engine, opts: ServeOptions) -> FastAPI:
 
     def model_card() -> dict:
         return {"id": opts.model_name, "object": "model", "created": srv.created, "owned_by": "codeforge",
-                "max_model_len": srv.block_size, "stage": opts.stage, "checkpoint": opts.checkpoint}
+                "max_model_len": srv.block_size, "stage": opts.stage, "checkpoint": opts.checkpoint,
+                "chat": opts.chat_note is None}
 
     @app.get("/health")
     async def health():

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .. import CodeforgeError, rundir
 from ..checkpoint import load_model
+from ..config import chat_notice, speaks_chat
 from ..device import choose_device, choose_precision
 from ..engine import Engine
 from .app import ServeOptions, create_app, parse_hosts, parse_origins
@@ -26,11 +27,18 @@ class ServeError(CodeforgeError):
     """A serve option that cannot work; the message names it and the fix."""
 
 
+GENERIC_RUN_NAMES = ("run", "base", "pretrain", "sft", "tools", "dpo", "rl", "ppo", "grpo", "hrm", "code")
+
+
 def run_name(run: str) -> str:
-    """The model's name in the API: the run directory's name (also when a checkpoint directory is given)."""
+    """The model's name in the API: the run directory's name (also when a checkpoint directory is given).
+    A name that says only the stage (the quickstart's run/, sft/, tools/) takes its parent's name in front:
+    runs/quickstart/run serves `quickstart`, runs/quickstart-chat/tools `quickstart-chat-tools`."""
     p = Path(run).resolve()
     if p.parent.name == rundir.CHECKPOINTS:
         p = p.parent.parent
+    if p.name in GENERIC_RUN_NAMES and p.parent.name:
+        return p.parent.name if p.name == "run" else f"{p.parent.name}-{p.name}"
     return p.name or "codeforge"
 
 
@@ -144,6 +152,7 @@ def serve_command(a) -> int:
     opts = ServeOptions(model_name=a.model_name or run_name(a.run), api_key=a.api_key, max_batch=a.max_batch,
                         max_queue=a.max_queue, max_prompt_tokens=a.max_prompt_tokens, max_tokens_cap=a.max_tokens_cap,
                         request_timeout=a.request_timeout, max_body_bytes=a.max_body_bytes, stage=stage,
+                        chat_note=chat_notice(cfg),
                         checkpoint=Path(ck).name, host=a.host, allowed_hosts=split_list(a.allowed_hosts),
                         allowed_origins=split_list(a.allowed_origins))
     sock = bind(a.host, a.port)
@@ -153,7 +162,7 @@ def serve_command(a) -> int:
     guard = ConnectionGuard(limits)
     app = create_app(engine, opts)
     app.state.srv.metrics.attach_connections(guard)
-    kinds = "chat and tools" if stage in ("sft", "tools") else "completions and fill-in-the-middle"
+    kinds = "chat and tools" if speaks_chat(cfg) else "completions and fill-in-the-middle"
     print(f"serving {opts.model_name} ({model.num_params() / 1e6:.1f}M parameters, {stage} run: {kinds}; "
           f"context {block}) from {ck}")
     print(f"device {dev} ({why}), {precision}; batch {a.max_batch} rows, queue {a.max_queue}")
@@ -161,6 +170,8 @@ def serve_command(a) -> int:
           f"within {limits.body_timeout:g}s, idle {limits.keep_alive:g}s between requests")
     print(f"listening on http://{shown}:{port}/  (OpenAI base URL http://{shown}:{port}/v1"
           f"{f', API key required (from {a.api_key_from})' if a.api_key else ''})", flush=True)
+    if opts.chat_note:
+        print(f"note: /v1/chat/completions answers, but {opts.chat_note}", file=sys.stderr)
     if not a.api_key and not _loopback(host):
         print(f"warning: {host} is reachable from other machines and there is no API key (--api-key-file): anyone "
               f"who can reach port {port} can use the model", file=sys.stderr)
