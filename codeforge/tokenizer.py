@@ -179,7 +179,7 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int, out_dir: str | os.Pat
     if not (MIN_VOCAB <= vocab_size <= MAX_VOCAB):
         raise TokenizerError(
             f"--vocab-size {vocab_size} is out of range [{MIN_VOCAB}, {MAX_VOCAB}]: "
-            f"pick e.g. 32000 for code, 50000 as in seed 000")
+            f"pick e.g. 32000 for code, or 50000 as GPT-2 uses")
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise TokenizerError(
             f"--vocab-size {vocab_size} leaves no room for merges: 256 byte symbols + "

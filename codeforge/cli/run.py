@@ -394,7 +394,7 @@ def add_export_parser(sub) -> None:
     e.add_argument("--dtype", default="f32", choices=["f32", "f16", "q8_0"], help="gguf: tensor type of the matrices")
     e.add_argument("--allow-tokenizer-mismatch", action="store_true",
                    help="gguf: write the file even though llama.cpp would split text differently from codeforge's "
-                        "tokenizer (the model then sees other tokens than it was trained on); see the README")
+                        "tokenizer (the model then sees other tokens than it was trained on); see docs/export.md")
     e.add_argument("--overwrite", action="store_true", help="replace what --out holds")
     e.add_argument("--no-verify", action="store_true", help="hf: skip the logits check against transformers")
     e.add_argument("--verbose", action="store_true", help="gguf: say how the tokenizer's split differs from llama.cpp's")

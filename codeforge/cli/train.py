@@ -178,9 +178,10 @@ def add_quickstart_parser(sub) -> None:
         help="auto (a GPU if there is one, else the CPU), cpu, cuda, cuda:N or mps (default auto)")
     q.add_argument("--chat", action="store_true", help="then chat SFT on pairs mined from the corpus and tool "
                    "calling (about 20 CPU minutes; default --out runs/quickstart-chat)")
-    q.add_argument("--hrm", action="store_true", help="seed 001's hierarchical planner/generator model instead: "
-                   "mine plans from the corpus, train it, print the seed's metrics (about 7 CPU minutes; default "
-                   "--out runs/quickstart-hrm)")
+    q.add_argument("--hrm", action="store_true",
+                   help="the hierarchical planner/generator model instead (docs/hierarchical-model.md): mine "
+                        "plans from the corpus, train it, print its metrics (about 7 CPU minutes; default --out "
+                        "runs/quickstart-hrm)")
     q.set_defaults(func=cmd_quickstart)
 
 
