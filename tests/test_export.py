@@ -656,3 +656,75 @@ def ggml_gelu_f16(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     xh = x.half().float()
     y = (0.5 * xh * (1 + torch.tanh(0.7978845608028654 * xh * (1 + 0.044715 * xh * xh)))).half().float()
     return torch.where(x <= -10, torch.zeros_like(x), torch.where(x >= 10, x, y))
+
+
+# -- what the export leaves behind (issue 29) -----------------------------------------------------------------------
+
+def test_hf_export_files_modes_generation_config_and_quiet_output(tmp_path, tokenizer_dir, capfd):
+    """Every exported file has the same mode, a normal file's under the umask (model.safetensors was 0600);
+    generation_config.json sets no max_length, so generate(max_new_tokens=...) does not warn about it; the
+    parity check's transformers load prints no progress bar into codeforge's output."""
+    import logging
+    import os
+    import stat
+    import warnings
+    from transformers import AutoModelForCausalLM
+    run = make_run(tmp_path / "run", tokenizer_dir, seed=7)
+    out = tmp_path / "hf"
+    capfd.readouterr()
+    assert main(["export", "--run", str(run), "--format", "hf", "--out", str(out)]) == 0
+    said = capfd.readouterr()
+    assert "parity:" in said.out
+    for text in (said.out, said.err):
+        assert "Loading weights" not in text and "it/s]" not in text and "%|" not in text, text
+
+    umask = os.umask(0)
+    os.umask(umask)
+    files = sorted(p for p in out.iterdir() if p.is_file())
+    assert {p.name for p in files} >= {"config.json", "model.safetensors", "generation_config.json",
+                                       "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in files}
+    assert set(modes.values()) == {0o666 & ~umask}, {k: oct(v) for k, v in modes.items()}
+    if not umask & 0o044:
+        assert all(m & 0o044 == 0o044 for m in modes.values()), modes  # group- and other-readable
+
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert "max_length" not in gen
+    assert gen["eos_token_id"] and gen["bos_token_id"] is not None and "pad_token_id" in gen
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    handler = Keep(logging.DEBUG)
+    tlog = logging.getLogger("transformers")
+    tlog.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.no_grad():
+                hf.generate(torch.tensor([[1, 2, 3]]), attention_mask=torch.ones(1, 3, dtype=torch.long),
+                            max_new_tokens=4, do_sample=False)
+    finally:
+        tlog.removeHandler(handler)
+    said = capfd.readouterr()
+    texts = [str(w.message) for w in caught] + [r.getMessage() for r in records] + [said.out, said.err]
+    assert not [t for t in texts if "max_length" in t], texts
+
+
+def test_normal_file_modes_follow_the_umask(tmp_path):
+    import os
+    import stat
+    from codeforge.export.hf import current_umask, normal_file_modes
+    (tmp_path / "a.safetensors").write_bytes(b"x")
+    (tmp_path / "a.safetensors").chmod(0o600)
+    (tmp_path / "b.json").write_text("{}")
+    old = os.umask(0o027)
+    try:
+        assert current_umask() == 0o027
+        normal_file_modes(tmp_path)
+    finally:
+        os.umask(old)
+    assert {stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()} == {0o640}

@@ -245,6 +245,30 @@ def write_tokenizer_files(tok_dir: Path, out: Path) -> None:
 
 # -- export -------------------------------------------------------------------------------------------------------------
 
+def normal_file_modes(d: Path) -> None:
+    """Give every file in `d` the mode a plain open(..., "w") gives under the current umask (0644 under
+    umask 022): safetensors' writer creates model.safetensors 0600, which left one file of the export
+    unreadable to the group and others while the rest were readable."""
+    mode = 0o666 & ~current_umask()
+    for p in d.iterdir():
+        if p.is_file() and not p.is_symlink():
+            p.chmod(mode)
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (os.umask can only set it, and
+    setting it to read it opens a moment in which another thread's files get mode 0666)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
 def export_hf(run: str | Path, out: str | Path, which: str = "auto", overwrite: bool = False,
               verify: bool = True, log: Callable[[str], None] = print) -> dict:
     """Write run `run`'s checkpoint `which` as a Hugging Face model directory `out`. Returns a summary
@@ -262,10 +286,13 @@ def export_hf(run: str | Path, out: str | Path, which: str = "auto", overwrite: 
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         save_file(hf_sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         eos = [i for i in (tok.eot_id, tok.special_ids.get("<|im_end|>")) if i is not None]
+        # no max_length: transformers warns on every generate(max_new_tokens=...) when the model sets both
+        # (the context length is config.json's max_position_embeddings / n_positions)
         (tmp / "generation_config.json").write_text(json.dumps({
-            "bos_token_id": tok.eot_id, "eos_token_id": eos, "pad_token_id": tok.special_ids.get("<pad>"),
-            "max_length": m.block_size}, indent=2))
+            "bos_token_id": tok.eot_id, "eos_token_id": eos, "pad_token_id": tok.special_ids.get("<pad>")},
+            indent=2))
         write_tokenizer_files(ck / "tokenizer", tmp)
+        normal_file_modes(tmp)
         publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -478,9 +505,18 @@ def load_transformers(hf_dir: str | Path):
     """The transformers model in hf_dir, float32, eval; None when transformers is not installed."""
     try:
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
     except ImportError:
         return None
-    return AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    # transformers' "Loading weights" tqdm bar would land in the middle of codeforge's own output: off for this
+    # load (it also switches off huggingface_hub's bars), then back to what it was
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 @torch.no_grad()
