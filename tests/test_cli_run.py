@@ -163,7 +163,9 @@ def test_resume_needs_only_the_run(data_dir, tmp_path, capsys):
     tiny = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--device", "cpu",
             "--no-progress", "--eval-tokens", "64", "--batch-size", "2"]
     assert main(["train", "--data", str(data_dir), "--out", str(out), "--max-iters", "2", *tiny]) == 0
-    capsys.readouterr()
+    said = capsys.readouterr()
+    # the default warm-up (100 steps) is longer than this 2-step run: said, with the fix
+    assert "--warmup-steps 100 is longer than the run's 2 steps" in said.out + said.err
     assert main(["train", "--out", str(out), "--resume", "--max-iters", "3", "--no-progress"]) == 0
     assert "done: step 3" in capsys.readouterr().out
     assert main(["train", "--out", str(tmp_path / "nothing"), "--resume"]) == 2
@@ -202,3 +204,12 @@ def test_every_flag_of_every_command_has_help():
     assert not missing, missing
     r = build_parser().parse_args(["generate", "--run", "x"])  # the help names only flags that exist
     assert not hasattr(r, "prompts_jsonl")
+
+
+def test_a_model_preset_alone_on_cpu_points_to_the_cpu_recipe(capsys):
+    from codeforge.cli.train import _preset_advice
+    from codeforge.config import resolve
+    _preset_advice(["cpu-small"], resolve(["cpu-small"], sets=["train.device=cpu"]))
+    assert "cpu-small lowend-cpu" in capsys.readouterr().err
+    _preset_advice(["cpu-small", "lowend-cpu"], resolve(["cpu-small", "lowend-cpu"], sets=["train.device=cpu"]))
+    assert capsys.readouterr().err == ""

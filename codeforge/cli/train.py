@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from .. import rundir
 from .args import CLIError
@@ -104,6 +105,20 @@ def _train_config(a: argparse.Namespace):
     return resolve(a.preset, a.config, a.set, flags, base=base, vocab_from_data=True)
 
 
+def _preset_advice(presets: list[str], cfg) -> None:
+    """A model preset chosen alone for a CPU run gets the default optimizer and learning rate, not the CPU
+    recipe a hardware profile adds (the quickstart uses both): say so."""
+    from ..config import preset_names
+    from ..device import choose_device
+    names = preset_names()
+    if not presets or any(p in names["train"] for p in presets) or cfg.train.stage != "pretrain":
+        return
+    if choose_device(cfg.train.device)[0].type == "cpu":
+        print(f"note: --preset {' '.join(presets)} sets the model's shape only; on a CPU, the recipe the quickstart "
+              f"trains with (optimizer, learning rate, batch) comes with a hardware profile too: --preset "
+              f"{' '.join(presets)} lowend-cpu (`codeforge presets` lists them)", file=sys.stderr)
+
+
 def cmd_plan(a: argparse.Namespace) -> int:
     import torch
 
@@ -137,6 +152,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
 def cmd_train(a: argparse.Namespace) -> int:
     from ..stages import run
     cfg = _train_config(a)
+    _preset_advice(a.preset, cfg)
     r = run(cfg, resume=a.resume)
     if os.environ.get("RANK", "0") != "0":
         return 0

@@ -220,6 +220,11 @@ class Trainer:
         self.say(f"training {where} of {self.tokens_per_step:,} tokens "
                  f"(batch {t.batch_size} x accumulation {t.grad_accum_steps} x {self.world} rank(s)); "
                  f"run directory {self.run_dir}")
+        if t.warmup_steps > total and left and t.learning_rate > 0:
+            self.say(f"warning: --warmup-steps {t.warmup_steps} is longer than the run's {total} steps, so the "
+                     f"learning rate climbs to only {total / t.warmup_steps:.0%} of --learning-rate "
+                     f"{t.learning_rate:g} and never reaches it; set --warmup-steps below the step count (about a "
+                     f"tenth of it: {max(1, total // 10)})")
         stop = {"signal": None}
 
         def on_signal(signum, frame):
@@ -412,7 +417,7 @@ class Pace:
         limit = self.WARN_SECONDS.get(self.device.type, self.WARN_ANY)
         if need > limit:
             msg += (f"\nwarning: that is far beyond what {self.device.type} does in reasonable time. To finish "
-                    f"sooner: a smaller model (--preset tiny or fewer --n-layer/--n-embd), a shorter context "
+                    f"sooner: a smaller model (fewer --n-layer, a narrower --n-embd), a shorter context "
                     f"(--block-size), fewer steps (--max-iters), or a GPU. Ctrl-C saves a checkpoint; "
                     f"--resume continues it.")
         return msg
