@@ -141,3 +141,19 @@ def test_document_larger_than_shard_gets_its_own(tmp_path, code_corpus, tokenize
     assert len(meta["splits"]["train"]["shards"]) == ss.documents > 1
     for i, arr in enumerate(ss.arrays):
         assert np.array_equal(ss.document(i), arr[:-1])  # whole shard = one document + end-of-text
+
+
+def test_an_empty_validation_split_is_said_with_the_fix(tmp_path, tokenizer_dir):
+    """A 17-file library at the default --val-fraction 0.01 puts no document in validation: prepare says so
+    and names a fraction that gives it some; with that fraction the split is not empty."""
+    src = tmp_path / "lib"
+    src.mkdir()
+    for i in range(17):
+        (src / f"m{i}.py").write_text(f"def f{i}(x):\n    return x + {i}\n" * 3)
+    said = []
+    meta = prepare([str(src)], tokenizer_dir, tmp_path / "a", CorpusOptions(val_fraction=0.01), log=said.append)
+    assert meta["splits"]["val"]["documents"] == 0
+    note = next(m for m in said if "validation split is empty" in m)
+    fraction = float(note.split("--val-fraction ")[2].split()[0])
+    meta = prepare([str(src)], tokenizer_dir, tmp_path / "b", CorpusOptions(val_fraction=fraction), log=said.append)
+    assert meta["splits"]["val"]["documents"] > 0

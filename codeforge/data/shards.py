@@ -168,7 +168,23 @@ def prepare(sources: list[str], tokenizer_dir: str | os.PathLike, out_dir: str |
         publish(tmp, out)  # only when complete: an interrupted run never leaves a directory that looks done
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    note = empty_validation_note(meta, opts.val_fraction)
+    if note:
+        log(note)
     return meta
+
+
+def empty_validation_note(meta: dict, val_fraction: float) -> str | None:
+    """A warning when the validation split came out empty (a small corpus at a small --val-fraction), with
+    the fraction that would give it a few documents."""
+    docs = meta["splits"].get("val", {}).get("documents", 0)
+    total = meta.get("documents", 0)
+    if docs or total < 2:
+        return None
+    want = min(0.5, max(0.05, round(3 / total, 2)))
+    return (f"warning: the validation split is empty: {total} documents at --val-fraction {val_fraction:g} left none "
+            f"for it, so evaluation would score the training split (which flatters the model). Prepare again "
+            f"with --val-fraction {want:g} (about {max(1, round(want * total))} documents) or with more files")
 
 
 def _write(sources, tok: CodeTokenizer, tmp: Path, opts: CorpusOptions, shard_tokens: int,
