@@ -36,7 +36,11 @@ def test_eval_json_keys(run_dir, capsys):
     assert main(["eval", "--run", str(run_dir), "--eval-tokens", "128", "--syntax-samples", "2",
                  "--humaneval", "1", "--samples-per-problem", "2", "--k", "1", "2", "--max-new-tokens", "16",
                  "--json"]) == 0
-    r = json.loads(capsys.readouterr().out)
+    said = capsys.readouterr()
+    r = json.loads(said.out)
+    # each part says when it starts and how long it took, on stderr (stdout stays one JSON object)
+    for part in ("validation loss on 128 tokens", "syntax of 2 sampled", "HumanEval: 1 problems"):
+        assert f"eval: {part}" in said.err and said.err.count(part) == 2, said.err
     for k in ("val_loss", "perplexity", "bits_per_byte", "syntax_valid_rate", "pass_at_1", "pass_at_k"):
         assert k in r
     assert r["pass_at_k"] == {"2": 0.0} or set(r["pass_at_k"]) == {"2"}
@@ -166,6 +170,7 @@ def test_resume_needs_only_the_run(data_dir, tmp_path, capsys):
     said = capsys.readouterr()
     # the default warm-up (100 steps) is longer than this 2-step run: said, with the fix
     assert "--warmup-steps 100 is longer than the run's 2 steps" in said.out + said.err
+    assert "step 0: evaluating (validation every" in said.out + said.err  # the first evaluation is announced
     assert main(["train", "--out", str(out), "--resume", "--max-iters", "3", "--no-progress"]) == 0
     assert "done: step 3" in capsys.readouterr().out
     assert main(["train", "--out", str(tmp_path / "nothing"), "--resume"]) == 2

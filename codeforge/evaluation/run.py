@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -74,30 +75,45 @@ def run_eval(run: str, data: str | None = None, eval_tokens: int | None = None, 
     if eval_tokens is None:
         eval_tokens = cfg["train"].get("eval_tokens", 262_144)
     try:
-        r.update(validation_loss(model, val, T, tok.special_ids, eval_tokens, dev, precision, token_bytes))
+        with _step(f"validation loss on {min(eval_tokens or val.tokens, val.tokens):,} tokens of the {val.split} split"):
+            r.update(validation_loss(model, val, T, tok.special_ids, eval_tokens, dev, precision, token_bytes))
     except ValueError as e:
         raise EvalError(f"{e}; prepare more data (or a larger --val-fraction)") from e
     eng = Engine(model, tok, dev, precision)
     chat = val.chat or speaks_chat(cfg)
     r["chat"] = chat
     if chat and tool_cases:
-        r.update(tool_calling_eval(eng, tool_cases, constrained=constrained))
+        with _step(f"tool calling on {tool_cases} held-out cases" + ("" if constrained else " (unconstrained)")):
+            r.update(tool_calling_eval(eng, tool_cases, constrained=constrained))
     if syntax_samples and not val.chat:
         docs = [tok.decode(val.document(i).tolist()) for i in range(min(200, val.documents))]
         if language:
             docs = [d for d in docs if guess_language(d) == language]
-        r.update(syntax_validity(eng, docs, syntax_samples, max_new_tokens=min(max_new_tokens, 128)))
+        with _step(f"syntax of {syntax_samples} sampled completions"):
+            r.update(syntax_validity(eng, docs, syntax_samples, max_new_tokens=min(max_new_tokens, 128)))
     else:
         r["syntax_valid_rate"] = None
     if infill and not val.chat:
         docs = [tok.decode(val.document(i).tolist()) for i in range(min(400, val.documents))]
-        r.update(infill_eval(eng, docs, infill))
+        with _step(f"fill-in-the-middle on {infill} masked lines and {infill} spans"):
+            r.update(infill_eval(eng, docs, infill))
     if humaneval and not val.chat:
-        r.update(humaneval_pass_at_k(eng, humaneval, samples_per_problem, list(ks), max_new_tokens, timeout,
-                                     unsafe_no_sandbox=unsafe_no_sandbox))
+        with _step(f"HumanEval: {humaneval} problems x {samples_per_problem} samples, run in the sandbox"):
+            r.update(humaneval_pass_at_k(eng, humaneval, samples_per_problem, list(ks), max_new_tokens, timeout,
+                                         unsafe_no_sandbox=unsafe_no_sandbox))
     else:
         r.update({"pass_at_1": None, "pass_at_k": {}})
     return _record_eval(run, ck, step, r)
+
+
+@contextlib.contextmanager
+def _step(what: str):
+    """One line on stderr when a part of the evaluation starts and one when it ends, with its time: a
+    CPU evaluation takes minutes, and silence reads as a hang."""
+    print(f"eval: {what}...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    yield
+    print(f"eval: {what}: done in {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
 
 
 def _is_prepared(data: str) -> bool:

@@ -58,6 +58,7 @@ class Trainer:
         self.run_dir, self.device, self.precision = Path(run_dir), device, precision
         self.total_steps, self.tokens_per_step, self.run_config = total_steps, tokens_per_step, run_config
         self.assets, self.evaluate_fn, self.sample_fn = assets or {}, evaluate, sample
+        self.evals_done = 0  # evaluations this process ran
         self.rank, self.world, self.master = rank, world, rank == 0
         self.ddp = world > 1  # several ranks (DDP or FSDP): they agree on stopping and average the logged loss
         self.print = log
@@ -173,7 +174,11 @@ class Trainer:
     def _evaluate(self) -> None:
         if self.evaluate_fn is None or not (self.master or self.sharded):
             return
+        if self.master and not self.evals_done:  # the first one can take minutes on a CPU: say it has begun
+            self.logger.message(f"step {self.step}: evaluating (validation every {self.cfg.eval_every} steps"
+                                + (f", {self.cfg.eval_tokens:,} tokens" if self.cfg.eval_tokens else "") + ")...")
         r = self.evaluate_fn(self.model)  # under FSDP every rank runs it: each forward gathers the weights
+        self.evals_done += 1
         self.model.train()
         if r is None:
             return
