@@ -180,17 +180,29 @@ def test_resume_needs_only_the_run(data_dir, tmp_path, capsys):
     assert "--out RUN" in capsys.readouterr().err
 
 
-def test_help_and_quickstart_help_do_not_import_torch():
-    """`codeforge --help` and `quickstart --help` answer without loading torch (seconds on a busy CPU)."""
+def test_help_and_presets_do_not_import_torch():
+    """`codeforge --help`, `quickstart --help`, `serve --help` and `presets` answer without loading torch
+    (seconds on a busy CPU)."""
     import subprocess
     import sys
-    for args in (["--help"], ["quickstart", "--help"], ["serve", "--help"]):
+    for args in (["--help"], ["quickstart", "--help"], ["serve", "--help"], ["presets"]):
         code = ("import sys, runpy; sys.argv = ['codeforge', *%r]\n"
                 "try:\n    runpy.run_module('codeforge', run_name='__main__')\nexcept SystemExit as e:\n"
                 "    assert e.code == 0, e.code\nassert 'torch' not in sys.modules, 'torch imported'\n" % (args,))
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, (args, r.stderr[-2000:])
-        assert "usage: codeforge" in r.stdout
+        assert "usage: codeforge" in r.stdout or "hardware profiles:" in r.stdout
+
+
+def test_the_presets_catalog_is_current():
+    """`codeforge presets` reads codeforge/presets/catalog.json (no torch); it must equal what building each
+    preset gives. If this fails after a change to models.toml or a model: `codeforge presets --write-catalog`."""
+    import json
+    from importlib import resources
+
+    from codeforge.cli.train import CATALOG, preset_catalog
+    shipped = json.loads(resources.files("codeforge.presets").joinpath(CATALOG).read_text())
+    assert shipped == preset_catalog(), "stale catalog: run `codeforge presets --write-catalog`"
 
 
 def test_every_flag_of_every_command_has_help():
