@@ -265,3 +265,128 @@ def test_api_key_is_kept_and_sent_as_bearer(server, browser):
     assert req["headers"].get("Authorization") == "Bearer sk-playground-test"
     _set(browser, "api-key", "")
     assert browser.execute_script("return localStorage.getItem('codeforge.playground.apiKey')") is None
+
+
+# -- special tokens and the stats line (issue 29) ------------------------------------------------------------------
+
+# A stand-in for the server's /v1/completions (the tiny model seldom emits a special token on its own): the
+# reply's text holds <fim_middle>, <|endoftext|> and <|im_end|>, one of them cut between two network reads.
+FAKE_COMPLETION = """
+window.__shown = [];
+new MutationObserver(() => window.__shown.push(document.getElementById('output').textContent))
+  .observe(document.getElementById('output'), {childList: true, characterData: true, subtree: true});
+const pieces = arguments[0];
+const before = window.fetch;
+window.fetch = (url, opts) => {
+  if (!String(url).endsWith('v1/completions')) return before(url, opts);
+  const enc = new TextEncoder();
+  let i = 0;
+  const body = new ReadableStream({
+    async pull(ctrl) {
+      await new Promise((r) => setTimeout(r, 30));  // one network read per piece
+      if (i < pieces.length) ctrl.enqueue(enc.encode(pieces[i++])); else ctrl.close();
+    }});
+  return Promise.resolve(new Response(body, {status: 200, headers: {'content-type': 'text/event-stream'}}));
+};
+"""
+
+
+def _sse(obj) -> str:
+    return "data: " + json.dumps(obj) + "\n\n"
+
+
+def _chunk(text, finish=None) -> str:
+    return _sse({"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": text,
+                                                                       "finish_reason": finish}]})
+
+
+def _wait_specials(d, source: str) -> None:
+    from selenium.webdriver.support.ui import WebDriverWait
+    WebDriverWait(d, 10).until(lambda d: d.execute_script("return window.codeforgePlayground.specialsSource()")
+                               == source)
+
+
+def test_special_tokens_come_from_tokenizer_info_and_are_stripped(server, browser):
+    info = _get_json(server + "/tokenizer_info")
+    assert {"<fim_middle>", "<|endoftext|>", "<|im_end|>"} <= set(info["special_tokens"])
+    _open(browser, server)
+    _wait_specials(browser, "server")
+    tokens = browser.execute_script("return window.codeforgePlayground.specialTokens()")
+    assert sorted(tokens) == sorted(info["special_tokens"])
+    strip = "return window.codeforgePlayground.stripSpecial(arguments[0], arguments[1])"
+    assert browser.execute_script(strip, "a<fim_middle>b<|endoftext|>c<|im_end|>\nd<fim_suffix>", False) == "abc\nd"
+    # what is not a special token stays, a tag-like or a comparison included
+    code = "if a < b and x<y: return '<div>' + '<|not_special|>'"
+    assert browser.execute_script(strip, code, False) == code
+    # while streaming, a tail that may be a special token's start waits for the next event; at the end it shows
+    assert browser.execute_script(strip, "x = 1\n<fim_mi", True) == "x = 1\n"
+    assert browser.execute_script(strip, "x = 1\n<fim_mi", False) == "x = 1\n<fim_mi"
+    assert browser.execute_script(strip, "a < b", True) == "a < b"
+
+
+@pytest.mark.parametrize("mode", ["completion", "fim"])
+def test_completion_and_fim_output_never_shows_special_tokens(server, browser, mode):
+    _open(browser, server)
+    _wait_specials(browser, "server")
+    pieces = [_chunk("def f():\n    return 1<fim_"), _chunk("middle>\n"), _chunk("<|endoftext|>"),
+              _chunk("x = 2<|im_end|>", "stop") + "data: [DONE]\n\n"]
+    browser.execute_script(FAKE_COMPLETION, pieces)
+    _mode(browser, mode)
+    _set(browser, "prompt", "def g():\n")
+    if mode == "fim":
+        _set(browser, "suffix", "\n# end\n")
+    assert _send_and_wait(browser) == "done", _by_id(browser, "error").text
+    out = browser.execute_script("return document.getElementById('output').textContent")
+    assert out == "def f():\n    return 1\nx = 2"
+    shown = browser.execute_script("return window.__shown")
+    assert len(shown) > 1, shown  # it streamed, and no step showed a special token or a piece of one
+    assert not [s for s in shown if "<" in s], shown
+    if mode == "fim":
+        filled = browser.execute_script("return document.getElementById('fim-view').textContent")
+        assert filled == "def g():\n" + out + "\n# end\n"
+    assert "finish: stop" in _by_id(browser, "stats").text
+
+
+def test_builtin_special_tokens_when_tokenizer_info_does_not_answer(server, browser):
+    browser.execute_cdp_cmd("Network.enable", {})
+    browser.execute_cdp_cmd("Network.setBlockedURLs", {"urls": ["*tokenizer_info*"]})
+    try:
+        _open(browser, server)
+        browser.execute_async_script("window.codeforgePlayground.specialsSettled().then(arguments[0])")
+        assert browser.execute_script("return window.codeforgePlayground.specialsSource()") == "builtin"
+        tokens = browser.execute_script("return window.codeforgePlayground.specialTokens()")
+        assert {"<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<|endoftext|>", "<|im_start|>",
+                "<|im_end|>"} <= set(tokens)
+        assert browser.execute_script("return window.codeforgePlayground.stripSpecial(arguments[0])",
+                                      "<|im_start|>x<|im_end|><|endoftext|>") == "x"
+    finally:
+        browser.execute_cdp_cmd("Network.setBlockedURLs", {"urls": []})
+        browser.get_log("browser")  # the blocked request's console error is expected
+
+
+def test_the_real_servers_completion_shows_no_special_tokens(server, browser):
+    _open(browser, server)
+    _wait_specials(browser, "server")
+    specials = browser.execute_script("return window.codeforgePlayground.specialTokens()")
+    _set(browser, "prompt", "<|endoftext|>def main():\n")
+    assert _send_and_wait(browser) == "done", _by_id(browser, "error").text
+    out = browser.execute_script("return document.getElementById('output').textContent")
+    assert not [t for t in specials if t in out], out
+
+
+def test_stats_line_is_reset_on_mode_switch(server, browser):
+    _open(browser, server)
+    _set(browser, "prompt", "def main():\n    ")
+    assert _send_and_wait(browser) == "done", _by_id(browser, "error").text
+    assert "finish" in _by_id(browser, "stats").text
+    _mode(browser, "fim")
+    assert _by_id(browser, "stats").text == ""
+    assert _by_id(browser, "status").get_attribute("data-state") == "idle"
+    _set(browser, "suffix", "\n")
+    assert _send_and_wait(browser) == "done", _by_id(browser, "error").text
+    assert "finish" in _by_id(browser, "stats").text
+    _mode(browser, "chat")
+    assert _by_id(browser, "stats").text == ""
+    _mode(browser, "completion")
+    assert _by_id(browser, "stats").text == ""
+    assert _severe_console(browser) == []
