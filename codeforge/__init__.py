@@ -22,7 +22,15 @@ checks the first five rules by parsing every import):
 7. Imports inside functions only in the CLI and for heavy optional third-party packages.
 """
 
+import os as _os
+
 __version__ = "0.1.0"
+
+# OpenMP threads that wait for each other sleep instead of spinning, so on cores shared with other work a
+# waiting thread does not burn the time the thread it waits for needs (1.7x the training rate under load,
+# docs/LOG.md). libgomp reads this once, when torch loads it: hence here, before any codeforge module imports
+# torch. A value already set is kept. The thread count is device.py's thread_policy.
+_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 class CodeforgeError(ValueError):

@@ -124,6 +124,8 @@ class TrainConfig:
     log_every: int = setting(10, "log a training line every N steps", range=(1, 10**9))
     seed: int = setting(1337, "seed of weights, data order and dropout", range=(0, 2**63 - 1))
     device: str = setting("auto", "auto|cpu|cuda|cuda:N|mps")
+    threads: int = setting(0, "CPU threads for PyTorch's operations (0: the cores other work leaves free at start; "
+                              "$CODEFORGE_THREADS does the same for every command)", range=(0, 4096))
     precision: str = setting("auto", "numeric precision", choices=("auto", "fp32", "fp16", "bf16"))
     compile: bool = setting(False, "torch.compile the model")
     grad_checkpointing: bool = setting(False, "recompute activations in backward (less memory)",

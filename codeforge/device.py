@@ -24,8 +24,74 @@ PEAK_TFLOPS = {
 }
 
 
-def choose_device(requested: str = "auto") -> tuple[torch.device, str]:
-    """(device, reason). auto: CUDA (also ROCm, which PyTorch exposes as cuda), then Apple MPS, then CPU."""
+THREADS_ENV = "CODEFORGE_THREADS"  # intra-op threads, overriding the policy below (0 or unset: the policy)
+_POLICY: str | None = None  # what thread_policy() decided, said with the device line
+
+
+def runnable_elsewhere(samples: int = 5, interval: float = 0.02) -> int:
+    """How many threads other than this process are running or waiting to run right now: the kernel's
+    count of runnable tasks (/proc/loadavg's 4th field, an instant reading, unlike the load average), the
+    median of a few readings, minus this process's own. 0 where /proc cannot tell."""
+    import statistics
+    import time
+    reads = []
+    for i in range(samples):
+        try:
+            with open("/proc/loadavg") as f:
+                reads.append(int(f.read().split()[3].split("/")[0]))
+        except (OSError, ValueError, IndexError):
+            return 0
+        if i + 1 < samples:
+            time.sleep(interval)
+    return max(0, int(statistics.median(reads)) - 1)
+
+
+def thread_policy(requested: int | None = None) -> tuple[int, str]:
+    """(threads, why) for PyTorch's intra-op pool, applied with torch.set_num_threads. In order: a flag or
+    $CODEFORGE_THREADS; $OMP_NUM_THREADS set by the user (or torchrun, 1 a rank); else the cores this process
+    may use (its affinity, shared by the ranks on this machine under torchrun) less those other work keeps
+    busy at start-up, at least one. Threads that wait for each other on a core that another process holds
+    make every operation as slow as the most delayed thread: on shared cores fewer threads finish sooner
+    (docs/LOG.md, 2026-11-25). Waiting threads sleep rather than spin: OMP_WAIT_POLICY=PASSIVE, set by
+    codeforge/__init__.py before torch loads its OpenMP runtime (an explicit setting is kept)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    env = os.environ.get(THREADS_ENV, "").strip()
+    if requested:
+        n, why = requested, "--threads"
+    elif env and env != "0":
+        try:
+            n, why = int(env), f"${THREADS_ENV}"
+        except ValueError:
+            raise DeviceError(f"${THREADS_ENV}={env!r} is not a number of threads; unset it or give e.g. 2") from None
+    elif os.environ.get("OMP_NUM_THREADS", "").strip():
+        n, why = torch.get_num_threads(), "$OMP_NUM_THREADS"
+    else:
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+        share = max(1, cores // ranks)
+        busy = runnable_elsewhere()
+        n = max(1, min(share, cores - busy))
+        why = f"{cores} cores" + (f" / {ranks} ranks" if ranks > 1 else "") + (
+            f", {busy} other runnable threads at start" if busy else ", none busy at start")
+    if n < 1:
+        raise DeviceError(f"{why}: {n} threads; give 1 or more")
+    return n, why
+
+
+def apply_thread_policy(requested: int | None = None) -> str:
+    """Set the intra-op threads by thread_policy and return the words for the device line (once per process;
+    a later call with a request of its own applies that)."""
+    global _POLICY
+    if _POLICY is None or requested:
+        n, why = thread_policy(requested)
+        torch.set_num_threads(n)
+        wait = os.environ.get("OMP_WAIT_POLICY", "unset")
+        _POLICY = f"{n} thread{'s' if n != 1 else ''} ({why}; OpenMP waits {wait.lower()})"
+    return _POLICY
+
+
+def choose_device(requested: str = "auto", threads: int | None = None) -> tuple[torch.device, str]:
+    """(device, reason). auto: CUDA (also ROCm, which PyTorch exposes as cuda), then Apple MPS, then CPU.
+    On the CPU the reason includes the threads thread_policy chose (applied here)."""
     if requested and requested != "auto":
         try:
             dev = torch.device(requested)
@@ -35,14 +101,14 @@ def choose_device(requested: str = "auto") -> tuple[torch.device, str]:
             raise DeviceError(f"--device {requested}: no CUDA/ROCm device is visible; use --device cpu or auto")
         if dev.type == "mps" and not torch.backends.mps.is_available():
             raise DeviceError(f"--device {requested}: Apple MPS is not available here; use --device cpu or auto")
-        return dev, "requested"
+        return dev, "requested" + (f"; {apply_thread_policy(threads)}" if dev.type == "cpu" else "")
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", 0))
         kind = "ROCm" if torch.version.hip else "CUDA"
         return torch.device("cuda", local), f"{kind} device found: {torch.cuda.get_device_name(local)}"
     if torch.backends.mps.is_available():
         return torch.device("mps"), "Apple MPS found"
-    return torch.device("cpu"), f"no GPU found; CPU with {torch.get_num_threads()} threads"
+    return torch.device("cpu"), f"no GPU found; CPU, {apply_thread_policy(threads)}"
 
 
 def choose_precision(device: torch.device, requested: str = "auto") -> tuple[str, str]:

@@ -484,6 +484,9 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--model-name", default=None, metavar="NAME",
                    help="the model's id in the API (default: the run directory's name)")
     s.add_argument("--access-log", action="store_true", help="log every request (default: warnings only)")
+    s.add_argument("--threads", type=int, default=0, metavar="N",
+                   help="CPU threads for the model (default 0: the cores other work leaves free at start; "
+                        "$CODEFORGE_THREADS does the same)")
 
     s.set_defaults(func=cmd_serve)
 

@@ -140,7 +140,7 @@ def serve_command(a) -> int:
     import uvicorn
 
     check_options(a)
-    dev, why = choose_device(a.device)
+    dev, why = choose_device(a.device, a.threads or None)
     precision, _ = choose_precision(dev, "auto")
     model, tok, ck, cfg = load_model(a.run, dev, a.checkpoint, log=lambda m: print(f"note: {m}", file=sys.stderr))
     engine = Engine(model, tok, dev, precision)

@@ -59,7 +59,7 @@ def launch(cfg: RunConfig, log) -> Iterator[Run]:
     once), the process group under torchrun (alive exactly as long as the block), a `say` that only rank 0
     speaks through, and an ExitStack for what the run holds (the run-directory lock)."""
     t = cfg.train
-    device, why_dev = choose_device(t.device)
+    device, why_dev = choose_device(t.device, t.threads or None)
     precision, why_prec = choose_precision(device, t.precision)
     rank, world = distributed_env()
     if world > 1 and t.parallel == "fsdp" and not STAGE[t.stage].fsdp:
