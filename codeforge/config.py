@@ -109,6 +109,10 @@ class TrainConfig:
     muon_weight_decay: float = setting(0.0, "muon: decoupled weight decay of the hidden matrices",
                                        range=(0.0, 10.0))
     eval_every: int = setting(250, "evaluate every N steps", range=(0, 10**9), zero_means="only at the end")
+    time_budget: float = setting(0.0, "seconds the run may take: after its first steps it measures the pace and "
+                                 "sets the step count (at most --max-iters) so that training and its evaluations "
+                                 "end within this; the count is saved as max_iters, so a re-run or --resume "
+                                 "repeats it", range=(1.0, 10.0**9), zero_means="no budget: --max-iters steps")
     eval_tokens: int = setting(262_144, "validation tokens per evaluation: the validation split in order, in "
                                "whole context windows until N tokens are covered (chat rows count their masked "
                                "and padding tokens); the same set in training, the quickstart and `codeforge "

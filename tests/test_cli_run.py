@@ -230,3 +230,20 @@ def test_a_model_preset_alone_on_cpu_points_to_the_cpu_recipe(capsys):
     assert "cpu-small lowend-cpu" in capsys.readouterr().err
     _preset_advice(["cpu-small", "lowend-cpu"], resolve(["cpu-small", "lowend-cpu"], sets=["train.device=cpu"]))
     assert capsys.readouterr().err == ""
+
+
+def test_time_budget_chooses_and_saves_the_step_count(data_dir, tmp_path, capsys):
+    """--time-budget S: after a few timed steps the run sets its own step count (at most --max-iters) and
+    saves it as max_iters, so --resume (or a re-run with --max-iters N) repeats it."""
+    import tomllib
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(data_dir), "--out", str(out), "--n-layer", "1", "--n-head", "2",
+                 "--n-embd", "32", "--block-size", "32", "--batch-size", "2", "--device", "cpu", "--no-progress",
+                 "--eval-tokens", "64", "--eval-every", "50", "--warmup-steps", "2", "--max-iters", "1000000",
+                 "--time-budget", "3"]) == 0
+    said = capsys.readouterr()
+    text = said.out + said.err
+    assert "time budget 3s" in text and "s/step measured" in text
+    saved = tomllib.loads((out / "config.toml").read_text())["train"]
+    assert saved["time_budget"] == 0 and 5 < saved["max_iters"] < 1_000_000
+    assert f"done: step {saved['max_iters']}," in said.out

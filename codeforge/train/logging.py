@@ -89,6 +89,13 @@ class RunLogger:
         whose log_every is many minutes away still says how it goes)."""
         return self.enabled and self.bar is None and time.monotonic() - self.last_line >= self.LINE_SECONDS
 
+    def set_total(self, total: int) -> None:
+        """The run's step count changed (a time budget chose it)."""
+        self.total = total
+        if self.bar is not None:
+            self.bar.total = total
+            self.bar.refresh()
+
     def progress(self, step: int, postfix: dict, eta: float | None = None) -> None:
         """The progress bar on a terminal; otherwise (output redirected, or --no-progress) a compact line
         every log_every steps, at most one per MIN_LINE_SECONDS, and at least one per LINE_SECONDS."""

@@ -59,6 +59,7 @@ class Trainer:
         self.total_steps, self.tokens_per_step, self.run_config = total_steps, tokens_per_step, run_config
         self.assets, self.evaluate_fn, self.sample_fn = assets or {}, evaluate, sample
         self.evals_done = 0  # evaluations this process ran
+        self.budget_set = False  # --time-budget: the step count was chosen
         self.rank, self.world, self.master = rank, world, rank == 0
         self.ddp = world > 1  # several ranks (DDP or FSDP): they agree on stopping and average the logged loss
         self.print = log
@@ -171,6 +172,37 @@ class Trainer:
             raise TrainingError(f"training stopped at step {self.step}: {e}") from e
         self.logger.message(f"saved {path}{' (best)' if best else ''}")
 
+    def _fit_budget(self, pace: "Pace", t_run: float) -> int:
+        """--time-budget: from the measured seconds per step and the last evaluation's time, the step count
+        that ends training and its evaluations within the budget (at most --max-iters, at least one more step);
+        every rank takes the smallest; saved as max_iters (budget then off) in RUN/config.toml."""
+        t = self.cfg
+        self.budget_set = True
+        sps = pace.seconds_per_step(self.step) or 1e-9
+        left = t.time_budget - (time.perf_counter() - t_run)
+        per_eval = pace.eval_s if self.evaluate_fn else 0.0
+        # steps n and the evaluations on the way (every eval_every steps, and one at the end) fit in `left`
+        per_step = sps + (per_eval / t.eval_every if t.eval_every else 0.0)
+        n = int(max(0.0, left - per_eval) / per_step)
+        total = max(self.step + 1, min(self.total_steps, self.step + n))
+        if self.ddp:
+            agreed = torch.tensor([total], device=self.device)
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+            total = int(agreed.item())
+        chosen_from = self.total_steps
+        self.total_steps = total
+        pace.total = total
+        self.logger.set_total(total)
+        self.run_config.setdefault("train", {}).update(max_iters=total, time_budget=0.0)
+        if self.master:
+            (self.run_dir / rundir.CONFIG).write_text(dumps_toml({k: v for k, v in self.run_config.items()
+                                                                  if k in SECTIONS}))
+        self.say(f"time budget {duration(t.time_budget)}: {sps:.2f} s/step measured"
+                 + (f" and {duration(per_eval)} per evaluation" if per_eval else "") + f", so {total} steps"
+                 + (f" (of --max-iters {chosen_from})" if total < chosen_from else " (all of --max-iters)")
+                 + f"; saved as max_iters in {rundir.CONFIG}: a re-run with --max-iters {total} repeats it")
+        return total
+
     def _evaluate(self) -> None:
         if self.evaluate_fn is None or not (self.master or self.sharded):
             return
@@ -238,6 +270,7 @@ class Trainer:
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         start_step = self.step
         self.model.train()
+        t_run = time.perf_counter()  # the budget counts from here: the first evaluation is part of the run
         t_last, tokens_last = time.perf_counter(), self.tokens
         pace = Pace(start_step, total, self.device, t.eval_every if self.evaluate_fn else -1)
         try:
@@ -273,6 +306,8 @@ class Trainer:
                 loss, norm = self._optimisation_step()
                 self.step += 1
                 self.tokens += self.tokens_per_step
+                if t.time_budget and start_step == 0 and not self.budget_set and pace.measured(self.step):
+                    total = self._fit_budget(pace, t_run)
                 note = pace.step(self.step)
                 if note:
                     self.logger.message(note)
@@ -381,6 +416,13 @@ class Pace:
         self.t0 += seconds
         if self.t_first is not None:
             self.t_first += seconds
+
+    def measured(self, step: int) -> bool:
+        """Whether enough steps were timed to trust the pace (as for the pace line)."""
+        if self.first_step is None:
+            return False
+        return (step - self.first_step >= self.MEASURE_STEPS
+                or time.perf_counter() - self.t_first >= self.MEASURE_SECONDS) and step > self.first_step
 
     def seconds_per_step(self, step: int) -> float | None:
         if self.t_first is None or step <= self.first_step:
