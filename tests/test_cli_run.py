@@ -247,3 +247,11 @@ def test_time_budget_chooses_and_saves_the_step_count(data_dir, tmp_path, capsys
     saved = tomllib.loads((out / "config.toml").read_text())["train"]
     assert saved["time_budget"] == 0 and 5 < saved["max_iters"] < 1_000_000
     assert f"done: step {saved['max_iters']}," in said.out
+
+
+def test_stopped_runs_exit_with_the_signal_status():
+    from codeforge.cli.train import stopped_code
+    assert stopped_code({"interrupted": None}) == 0
+    assert stopped_code({"interrupted": "SIGINT"}) == 130
+    assert stopped_code({"interrupted": "SIGTERM"}) == 143
+    assert stopped_code({"sft": {"interrupted": None}, "tools": {"interrupted": "SIGINT"}}) == 130  # quickstart --chat

@@ -165,7 +165,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     elif r["val_loss"] is not None:
         msg += f", val loss {r['val_loss']:.4f}{when}"
     print(msg + f"; run directory {r['run_dir']}")
-    return 0
+    return stopped_code(r)
 
 
 CATALOG = "catalog.json"  # codeforge/presets/: each model preset's shape and parameter count
@@ -251,7 +251,21 @@ def cmd_quickstart(a: argparse.Namespace) -> int:
         if a.chat and a.hrm:
             raise CLIError("--chat and --hrm are two different quickstarts: pick one")
         default = "runs/quickstart-chat" if a.chat else "runs/quickstart-hrm" if a.hrm else "runs/quickstart"
-        run_quickstart(a.out or default, a.corpus, a.max_iters, a.device, chat=a.chat, hrm=a.hrm)
+        r = run_quickstart(a.out or default, a.corpus, a.max_iters, a.device, chat=a.chat, hrm=a.hrm)
     except FileNotFoundError as e:
         raise CLIError(str(e)) from e
-    return 0
+    return stopped_code(r)
+
+
+def stopped_code(r: dict) -> int:
+    """The exit status of a run stopped by a signal (Ctrl-C: 130, SIGTERM: 143, as a shell reports them), so
+    a script can tell it from a finished run; 0 when it finished. Looks into the stages a result holds."""
+    import signal
+    found = [r.get("interrupted")] + [v.get("interrupted") for v in r.values() if isinstance(v, dict)]
+    name = next((x for x in found if x), None)
+    if not name:
+        return 0
+    try:
+        return 128 + int(signal.Signals[name])
+    except KeyError:
+        return 130
