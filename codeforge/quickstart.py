@@ -37,6 +37,7 @@ from .tokenizer import train_tokenizer
 # with native bfloat16, 560 steps of 4,096 tokens take about 7.3 minutes (~5,200 tokens/s).
 PRESETS = ["cpu-small", "lowend-cpu"]
 STEPS = 560
+TIME_BUDGET = 8.0  # minutes of pretraining by default: 560 steps fit on a CPU with native bfloat16 (~7.3 min)
 RUN = {"eval_every": 100, "eval_tokens": 32_768, "save_every": 200, "log_every": 10}
 VOCAB = 8192
 # --chat: a context that holds a tool-calling conversation (up to ~600 tokens with five tool schemas; at 512,
@@ -76,21 +77,43 @@ def corpus_path(corpus: str) -> tuple[str, list[str]]:
     return corpus, None
 
 
+def corpus_language(src: str, langs: list[str] | None) -> str | None:
+    """The corpus's language for prompts, benchmarks and hints: the named corpus's, else the language most
+    of a user's files are in (by extension: python or go), else None."""
+    if langs:
+        return langs[0]
+    counts = {"python": 0, "go": 0}
+    paths = [Path(src)] if os.path.isfile(src) else (Path(r) / f for r, _, fs in os.walk(src) for f in fs)
+    for i, f in enumerate(paths):
+        if i >= 200_000:
+            break
+        lang = {".py": "python", ".go": "go"}.get(f.suffix)
+        if lang:
+            counts[lang] += 1
+    best = max(counts, key=counts.get)
+    return best if counts[best] else None
+
+
 def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | None = None,
-                   device: str = "auto", chat: bool = False, hrm: bool = False) -> dict:
+                   device: str = "auto", chat: bool = False, hrm: bool = False, val_fraction: float = 0.02,
+                   time_budget: float | None = None) -> dict:
     """The pipeline; with chat, then chat SFT on pairs mined from the same corpus, then tool calling; with
-    hrm, the hierarchical planner/generator model on plans mined from the corpus instead."""
+    hrm, the hierarchical planner/generator model on plans mined from the corpus instead. time_budget:
+    minutes pretraining may take (None: TIME_BUDGET; it sets the step count from the measured pace, up to
+    STEPS); max_iters pins the steps instead."""
     t_start = time.perf_counter()
     out_dir = Path(out)
     src, langs = corpus_path(corpus)
-    opts = CorpusOptions(languages=langs, exclude_tests=True, val_fraction=0.02)
+    lang = corpus_language(src, langs)
+    opts = CorpusOptions(languages=langs, exclude_tests=True, val_fraction=val_fraction)
     print(f"[1/5] corpus: {src} ({', '.join(langs or ['all known languages'])}, test files excluded)")
     tok_dir = _tokenizer(out_dir, src, opts)
     if hrm:
         return hrm_quickstart(out_dir, src, langs, tok_dir, max_iters, device, t_start)
 
     data_dir = out_dir / "data"
-    meta = prepare([src], tok_dir, data_dir, opts, overwrite=True, log=lambda m: None)  # no-op when unchanged
+    meta = prepare([src], tok_dir, data_dir, opts, overwrite=True,  # a no-op when unchanged
+                   log=lambda m: print(f"      {m}") if m.startswith("warning") else None)
     print(f"[3/5] prepare: {meta['documents']} files -> {meta['tokens']:,} tokens "
           f"(train {meta['splits']['train']['tokens']:,}, val {meta['splits']['val']['tokens']:,}); "
           f"-> {data_dir}\n      skipped: {describe_skipped(meta['skipped'])}")
@@ -101,8 +124,13 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
              **{f"train.{k}": v for k, v in train.items()},
              "train.data": str(data_dir), "train.out": str(run_dir), "train.max_iters": max_iters or STEPS,
              "train.device": device}
+    budget = 0.0 if max_iters else 60 * (time_budget if time_budget is not None else TIME_BUDGET)
+    if budget and not chat:
+        flags["train.time_budget"] = budget  # the step count follows this CPU's pace (docs/pipeline.md)
     cfg = resolve(PRESETS, None, [], flags, vocab_from_data=True)
-    print(f"[4/5] train: {cfg.train.max_iters} steps -> {run_dir}")
+    print(f"[4/5] train: {cfg.train.max_iters} steps -> {run_dir}" if not cfg.train.time_budget else
+          f"[4/5] train: as many of {cfg.train.max_iters} steps as fit in {cfg.train.time_budget / 60:g} minutes "
+          f"on this CPU (--max-iters N pins the count) -> {run_dir}")
     resume = (run_dir / rundir.CHECKPOINTS).exists()
     result = run_stage(cfg, resume=resume)
     if result["interrupted"]:
@@ -111,17 +139,21 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
 
     if chat:
         return {**result, **chat_stages(out_dir, src, langs, run_dir, device, t_start)}
-    print("[5/5] eval and sample")
-    try:
-        check_available()
-        he = 5
-    except SandboxUnavailable as e:
-        he = 0
-        print(f"      HumanEval skipped: {e}")
-    ev = run_eval(str(run_dir), syntax_samples=8, humaneval=he, ks=[1, 5],
-                  samples_per_problem=5, max_new_tokens=128, timeout=5.0, device=device)
+    print("[5/5] eval and sample (the validation loss is training's last; syntax and HumanEval are new)")
+    he = 0
+    if lang != "python":
+        print(f"      HumanEval skipped: its problems are Python, and this corpus is {lang or 'in another language'}")
+    else:
+        try:
+            check_available()
+            he = 5
+        except SandboxUnavailable as e:
+            print(f"      HumanEval skipped: {e}")
+    ev = run_eval(str(run_dir), syntax_samples=8, humaneval=he, ks=[1, 5], samples_per_problem=5,
+                  max_new_tokens=128, timeout=5.0, device=device, language=lang,
+                  validation=last_validation(run_dir))
     eng = Engine.from_run(str(run_dir), device)
-    prompt = "def fibonacci(n):\n" if (langs or ["python"])[0] == "python" else "func fibonacci(n int) int {\n"
+    prompt = {"python": "def fibonacci(n):\n", "go": "func fibonacci(n int) int {\n"}.get(lang, "")
     sample = eng.generate([prompt], SamplingParams(max_new_tokens=96, temperature=0.7, top_k=40, seed=0))[0]
     print(f"\nvalidation loss {ev['val_loss']:.3f} (perplexity {ev['perplexity']:.1f}), "
           f"{ev['bits_per_byte']:.3f} bits per byte")
@@ -132,10 +164,29 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
                f"on {ev['humaneval_problems']} problems (a model this small is not expected to pass any)")
     print(f"syntax-valid completions: {sv_text}; {he_text}")
     print(f"sample:\n{prompt}{sample}\n")
-    hint = "def " if (langs or ["python"])[0] == "python" else "func "
+    hint = {"python": "def ", "go": "func "}.get(lang, "")
     print(f"finished in {(time.perf_counter() - t_start) / 60:.1f} min. Next: codeforge generate --run {run_dir} "
           f"--prompt {hint!r}   |   codeforge eval --run {run_dir}   |   tensorboard --logdir {run_dir}/tensorboard")
     return {**result, **ev}
+
+
+def last_validation(run_dir: Path) -> dict | None:
+    """Training's last evaluation (RUN/metrics.jsonl) in run_eval's names, so the quickstart's last stage does
+    not score the same checkpoint on the same tokens again; None when there is none."""
+    import json
+    last = None
+    try:
+        with open(run_dir / rundir.METRICS) as f:
+            for line in f:
+                rec = json.loads(line)
+                if "val_loss" in rec:
+                    last = rec
+    except (OSError, ValueError):
+        return None
+    if last is None or "val_bpb" not in last:
+        return None
+    return {"val_loss": last["val_loss"], "perplexity": last.get("val_perplexity"), "bits_per_byte": last["val_bpb"],
+            "eval_tokens": last.get("val_tokens"), "validation_step": last["step"]}
 
 
 def _tokenizer(out_dir: Path, src: str, opts: CorpusOptions) -> Path:

@@ -81,3 +81,30 @@ def test_corpus_names():
     assert (STDLIB / "os.py").exists() and path == str(STDLIB) and langs == ["python"]
     with pytest.raises(FileNotFoundError, match="not python-stdlib, go, or an existing path"):
         corpus_path("/nonexistent/corpus")
+
+
+def test_quickstart_on_a_small_go_library_speaks_go_and_keeps_its_time_budget(tmp_path, capsys):
+    """A user's Go corpus: the sample prompt and the hint are Go, HumanEval (Python) is skipped with the
+    reason, the validation split is not empty (--val-fraction), the last stage reuses training's validation
+    numbers, and pretraining sizes itself to the time budget (saving the step count it chose)."""
+    import tomllib
+    src = tmp_path / "golib"
+    src.mkdir()
+    for i in range(24):
+        (src / f"f{i}.go").write_text(
+            f"package lib\n\n// Sum{i} adds the numbers of xs and {i}.\nfunc Sum{i}(xs []int) int {{\n"
+            f"\ttotal := {i}\n\tfor _, x := range xs {{\n\t\ttotal += x\n\t}}\n\treturn total\n}}\n" * 4)
+    out = tmp_path / "qs"
+    r = run_quickstart(str(out), corpus=str(src), val_fraction=0.25, time_budget=0.1)
+    said = capsys.readouterr()
+    printed = said.out
+    assert "eval: syntax" in said.err and "eval: validation loss" not in said.err  # scored once, by training
+    assert "func fibonacci(n int) int {" in printed and "--prompt 'func '" in printed
+    assert "HumanEval skipped: its problems are Python, and this corpus is go" in printed
+    assert "as many of 560 steps as fit in 6 minutes" not in printed and "fit in 0.1 minutes" in printed
+    saved = tomllib.loads((out / "run" / "config.toml").read_text())["train"]
+    assert saved["time_budget"] == 0 and r["step"] == saved["max_iters"] < 560
+    metrics = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    last_val = [m for m in metrics if "val_loss" in m][-1]
+    assert r["val_loss"] == last_val["val_loss"] and r["bits_per_byte"] == last_val["val_bpb"]
+    assert json.loads((out / "data" / "meta.json").read_text())["splits"]["val"]["documents"] > 0

@@ -233,7 +233,14 @@ def add_quickstart_parser(sub) -> None:
                                           "eval, sample")
     q.add_argument("--out", default=None, help="default runs/quickstart (runs/quickstart-chat with --chat)")
     q.add_argument("--corpus", default="python-stdlib", help="python-stdlib | go | PATH")
-    q.add_argument("--max-iters", type=int, default=None, help="training steps (default: about 7 CPU minutes)")
+    q.add_argument("--max-iters", type=int, default=None,
+                   help="pretraining steps, a fixed count (default: as many of 560 as fit in --time-budget)")
+    q.add_argument("--time-budget", type=float, default=None, metavar="MINUTES",
+                   help="minutes pretraining may take on this CPU; the step count follows the pace it measures "
+                        "(default 8; ignored with --max-iters)")
+    q.add_argument("--val-fraction", type=float, default=0.02,
+                   help="share of the corpus's files kept for validation (default 0.02; a small library needs "
+                        "more, e.g. 0.1)")
     q.add_argument("--device", default="auto",
         help="auto (a GPU if there is one, else the CPU), cpu, cuda, cuda:N or mps (default auto)")
     q.add_argument("--chat", action="store_true", help="then chat SFT on pairs mined from the corpus and tool "
@@ -251,7 +258,8 @@ def cmd_quickstart(a: argparse.Namespace) -> int:
         if a.chat and a.hrm:
             raise CLIError("--chat and --hrm are two different quickstarts: pick one")
         default = "runs/quickstart-chat" if a.chat else "runs/quickstart-hrm" if a.hrm else "runs/quickstart"
-        r = run_quickstart(a.out or default, a.corpus, a.max_iters, a.device, chat=a.chat, hrm=a.hrm)
+        r = run_quickstart(a.out or default, a.corpus, a.max_iters, a.device, chat=a.chat, hrm=a.hrm,
+                           val_fraction=a.val_fraction, time_budget=a.time_budget)
     except FileNotFoundError as e:
         raise CLIError(str(e)) from e
     return stopped_code(r)

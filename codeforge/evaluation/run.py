@@ -30,12 +30,14 @@ def run_eval(run: str, data: str | None = None, eval_tokens: int | None = None, 
              max_new_tokens: int = 256, timeout: float = 5.0, which: str = "auto", device: str = "auto",
              tool_cases: int = 100, unsafe_no_sandbox: bool = False, infill: int = 0, hrm_cases: int = 32,
              tasks: str | None = None, task_samples: int = 1, task_temperature: float = 0.0,
-             task_limit: int = 0, constrained: bool = True) -> dict:
+             task_limit: int = 0, constrained: bool = True, validation: dict | None = None) -> dict:
     """Everything `codeforge eval` reports, appended to RUN/eval.jsonl and to TensorBoard. eval_tokens:
     validation targets scored (default: the run's own train.eval_tokens, so the number equals the one
     training printed for the same checkpoint). tasks: a JSONL of tasks with hidden tests or a `codeforge
     make-tasks` directory (its held-out test split): pass rates of any GPT run (task_limit: the first N).
-    constrained=False: tool calls decoded without the schema grammar (the bare model's tool scores)."""
+    constrained=False: tool calls decoded without the schema grammar (the bare model's tool scores).
+    validation: numbers training already measured for this checkpoint ({val_loss, perplexity, bits_per_byte,
+    eval_tokens, validation_step}), used instead of scoring it again when validation_step is its step."""
 
     dev, _ = choose_device(device)
     model, tok, ck, cfg = load_model(run, dev, which)
@@ -74,11 +76,16 @@ def run_eval(run: str, data: str | None = None, eval_tokens: int | None = None, 
     token_bytes = token_byte_lengths(tok, cfg["model"]["vocab_size"])
     if eval_tokens is None:
         eval_tokens = cfg["train"].get("eval_tokens", 262_144)
-    try:
-        with _step(f"validation loss on {min(eval_tokens or val.tokens, val.tokens):,} tokens of the {val.split} split"):
-            r.update(validation_loss(model, val, T, tok.special_ids, eval_tokens, dev, precision, token_bytes))
-    except ValueError as e:
-        raise EvalError(f"{e}; prepare more data (or a larger --val-fraction)") from e
+    if validation is not None and validation.get("validation_step") == step:
+        # training scored this very checkpoint on the same tokens (the quickstart passes its numbers)
+        r.update({k: v for k, v in validation.items() if k != "validation_step"})
+    else:
+        try:
+            with _step(f"validation loss on {min(eval_tokens or val.tokens, val.tokens):,} tokens of the {val.split} "
+                       f"split"):
+                r.update(validation_loss(model, val, T, tok.special_ids, eval_tokens, dev, precision, token_bytes))
+        except ValueError as e:
+            raise EvalError(f"{e}; prepare more data (or a larger --val-fraction)") from e
     eng = Engine(model, tok, dev, precision)
     chat = val.chat or speaks_chat(cfg)
     r["chat"] = chat
