@@ -41,14 +41,20 @@ TIME_BUDGET = 8.0  # minutes of pretraining by default: 560 steps fit on a CPU w
 RUN = {"eval_every": 100, "eval_tokens": 32_768, "save_every": 200, "log_every": 10}
 VOCAB = 8192
 # --chat: a context that holds a tool-calling conversation (up to ~600 tokens with five tool schemas; at 512,
-# 347 of 1,500 were dropped), ~2,300 tokens per step. Then SFT and tools start from it at learning rates for a 5M model (the seeds' 5e-5
-# and 3e-6 are for 100M+ models; docs/LOG.md has the measurements).
+# 347 of 1,500 were dropped), ~2,300 tokens per step. Then SFT and tools start from it at learning rates for a 5M
+# model (the seeds' 5e-5 and 3e-6 are for 100M+ models). Fewer pretraining steps than the plain quickstart's 560
+# buy the tools stage 400 steps (200 first), at 3e-3 (1e-3 reached a higher validation loss at equal steps), with
+# evaluations of 32k tokens (the whole validation split, ~120k tokens, four times a stage, cost ~a minute);
+# docs/LOG.md, 2026-11-25.
 CHAT_MODEL = {"block_size": 768}
 CHAT_TRAIN = {"batch_size": 3}
-SFT = {"learning_rate": 1e-3, "warmup_steps": 10, "max_iters": 150, "eval_every": 50, "save_every": 50,
-       "batch_size": 3}
-TOOLS = {"learning_rate": 1e-3, "warmup_steps": 10, "max_iters": 200, "eval_every": 50, "save_every": 50,
-         "batch_size": 3}
+CHAT_STEPS = 400
+TOOL_EXAMPLES = 3000  # synthetic tool-calling conversations for training (and 100 held out)
+TOOL_CASES = 50  # held-out cases the tool-calling scores are measured on
+SFT = {"learning_rate": 1e-3, "warmup_steps": 10, "max_iters": 150, "eval_every": 75, "save_every": 75,
+       "eval_tokens": 32_768, "batch_size": 3}
+TOOLS = {"learning_rate": 3e-3, "warmup_steps": 10, "max_iters": 400, "eval_every": 200, "save_every": 200,
+         "eval_tokens": 32_768, "batch_size": 3}
 
 
 def cpu_precision(device: str) -> str:
@@ -122,8 +128,7 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     train = {**RUN, **(CHAT_TRAIN if chat else {}), "precision": cpu_precision(device)}
     flags = {**{f"model.{k}": v for k, v in (CHAT_MODEL if chat else {}).items()},
              **{f"train.{k}": v for k, v in train.items()},
-             "train.data": str(data_dir), "train.out": str(run_dir), "train.max_iters": max_iters or STEPS,
-             "train.device": device}
+             "train.data": str(data_dir), "train.out": str(run_dir), "train.max_iters": max_iters or (CHAT_STEPS if chat else STEPS), "train.device": device}
     budget = 0.0 if max_iters else 60 * (time_budget if time_budget is not None else TIME_BUDGET)
     if budget and not chat:
         flags["train.time_budget"] = budget  # the step count follows this CPU's pace (docs/pipeline.md)
@@ -265,47 +270,59 @@ def _stage(name: str, data: Path, out: Path, init_from: Path, device: str, over:
 
 
 def chat_stages(out_dir: Path, src: str, langs, base_run: Path, device: str, t_start: float) -> dict:
-    """SFT on instruction pairs mined from the corpus, then tool calling on synthetic conversations; each
-    stage's run directory holds its tokenizer with the chat template. Prints what changed at each stage."""
+    """SFT on instruction pairs mined from the corpus mixed with synthetic tool-calling conversations, then a
+    tools stage on the tool conversations alone; each stage's run directory holds its tokenizer with the chat
+    template. Prints what changed at each stage and how long it took."""
     import json
 
     tok_dir = out_dir / "tokenizer"
     pairs = out_dir / "sft_pairs"
+    t = time.perf_counter()
     if not (pairs / "train.jsonl").exists():
         st = write_sft([src], pairs, languages=langs, max_examples=4000, heldout_fraction=0.05)
         print(f"[5/8] make-sft: {st['examples']} instruction pairs mined from {st['functions']} documented "
               f"functions -> {pairs}")
-    sft_data = out_dir / "sft_data"
+    tools_pairs = out_dir / "tool_pairs"
+    if not (tools_pairs / "train.jsonl").exists():
+        write_tool_data(tools_pairs, TOOL_EXAMPLES, 100, seed=0)
+        print(f"      make-tools: {TOOL_EXAMPLES} synthetic tool-calling conversations -> {tools_pairs}")
     opts = CorpusOptions(val_fraction=0.05)
-    meta = prepare([str(pairs / "train.jsonl")], tok_dir, sft_data, opts, overwrite=True, log=lambda m: None, chat=True)
-    print(f"      prepare --chat: {meta['documents']} conversations, {meta['tokens']:,} tokens "
-          f"({sum(meta['loss_tokens'].values()):,} with loss) -> {sft_data}")
+    # SFT sees the tool conversations too, shuffled in with the mined pairs, so tool calling trains during the
+    # SFT steps as well as the tools stage's (docs/LOG.md, 2026-11-25).
+    sft_data = out_dir / "sft_data"
+    meta = prepare([str(pairs / "train.jsonl"), str(tools_pairs / "train.jsonl")], tok_dir, sft_data, opts,
+                   overwrite=True, log=lambda m: None, chat=True)
+    print(f"      prepare --chat: {meta['documents']} conversations (mined pairs and tool calls), "
+          f"{meta['tokens']:,} tokens ({sum(meta['loss_tokens'].values()):,} with loss) -> {sft_data}")
+    tool_data = out_dir / "tool_data"
+    meta = prepare([str(tools_pairs / "train.jsonl")], tok_dir, tool_data, opts, overwrite=True, log=lambda m: None,
+                   chat=True)
+    print(f"      prepare --chat: {meta['documents']} tool conversations alone, {meta['tokens']:,} tokens -> "
+          f"{tool_data} ({_minutes(t)})")
     heldout = [json.loads(x) for x in (pairs / "heldout.jsonl").read_text().splitlines()]
 
     def engine(run):
         return Engine.from_run(str(run), device)
 
+    t = time.perf_counter()
     before = chat_end_rate(engine(base_run), heldout, n=20)
     sft_run = out_dir / "sft"
     print(f"[6/8] SFT from {base_run} -> {sft_run}")
     r_sft = _stage("sft", sft_data, sft_run, base_run, device, SFT)
     after = chat_end_rate(engine(sft_run), heldout, n=20)
     print(f"      replies ending with <|im_end|> on held-out requests: {before['im_end_rate']:.0%} before SFT, "
-          f"{after['im_end_rate']:.0%} after ({after['im_end_cases']} requests)")
+          f"{after['im_end_rate']:.0%} after ({after['im_end_cases']} requests) ({_minutes(t)})")
 
-    tools_pairs = out_dir / "tool_pairs"
-    if not (tools_pairs / "train.jsonl").exists():
-        write_tool_data(tools_pairs, 1500, 100, seed=0)
-    tool_data = out_dir / "tool_data"
-    meta = prepare([str(tools_pairs / "train.jsonl")], tok_dir, tool_data, opts, overwrite=True, log=lambda m: None,
-                   chat=True)
-    print(f"[7/8] make-tools + prepare --chat: {meta['documents']} conversations, {meta['tokens']:,} tokens -> "
-          f"{tool_data}")
-    tools_before = tool_calling_eval(engine(sft_run), 50)
+    t = time.perf_counter()
+    tools_before = tool_calling_eval(engine(sft_run), TOOL_CASES, constrained=False)
     tools_run = out_dir / "tools"
+    print(f"[7/8] tools from {sft_run} -> {tools_run}")
     r_tools = _stage("tools", tool_data, tools_run, sft_run, device, TOOLS)
+    print(f"      ({_minutes(t)})")
+    t = time.perf_counter()
     eng = engine(tools_run)
-    tools_after = tool_calling_eval(eng, 50)
+    tools_after = tool_calling_eval(eng, TOOL_CASES, constrained=False)
+    tools_grammar = tool_calling_eval(eng, TOOL_CASES, constrained=True)
 
     def fmt(r):
         def pct(v):
@@ -313,12 +330,18 @@ def chat_stages(out_dir: Path, src: str, langs, base_run: Path, device: str, t_s
         return (f"parse {pct(r['tool_parse_rate'])}, right tool {pct(r['tool_name_accuracy'])}, exact arguments "
                 f"{pct(r['tool_args_exact'])}, no call when none needed {pct(r['no_call_accuracy'])}")
 
-    print(f"[8/8] tool calling on {tools_after['tool_cases']} held-out cases:\n      before the tools stage: "
-          f"{fmt(tools_before)}\n      after:                  {fmt(tools_after)}")
+    print(f"[8/8] tool calling on {tools_after['tool_cases']} held-out cases, greedy ({_minutes(t)}):\n"
+          f"      the model alone, after SFT (tool calls mixed in): {fmt(tools_before)}\n"
+          f"      the model alone, after the tools stage:           {fmt(tools_after)}\n"
+          f"      constrained (grammar), after the tools stage:     {fmt(tools_grammar)}")
     ask = [{"role": "user", "content": "Please read the file src/parser.py"}]
     reply = eng.chat(ask, TOOL_SCHEMAS, SamplingParams(max_new_tokens=96, temperature=0.0))
     print(f"\nchat> {ask[0]['content']}\n{reply['text']}")
     print(f"\nfinished in {(time.perf_counter() - t_start) / 60:.1f} min. Next: echo 'Write a function that adds "
           f"two numbers' | codeforge chat --run {sft_run}   |   codeforge eval --run {tools_run} --json")
     return {"sft": r_sft, "tools": r_tools, "im_end_before": before, "im_end_after": after,
-            "tools_before": tools_before, "tools_after": tools_after}
+            "tools_before": tools_before, "tools_after": tools_after, "tools_after_constrained": tools_grammar}
+
+
+def _minutes(t0: float) -> str:
+    return f"{(time.perf_counter() - t0) / 60:.1f} min"

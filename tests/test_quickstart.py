@@ -33,6 +33,28 @@ def test_quickstart_pipeline_end_to_end(tmp_path, capsys):
     assert "pre-tokenizer llama-bpe" in capsys.readouterr().out
 
 
+def test_quickstart_chat_stages_end_to_end(tmp_path, capsys, monkeypatch):
+    """--chat, every stage a few steps long: SFT on mined pairs with the tool conversations mixed in, the tools
+    stage, and tool-calling scores after each (a model this short-trained calls nothing that parses)."""
+    import codeforge.quickstart as qs
+    monkeypatch.setattr(qs, "SFT", {**qs.SFT, "max_iters": 2, "eval_every": 2, "save_every": 2})
+    monkeypatch.setattr(qs, "TOOLS", {**qs.TOOLS, "max_iters": 2, "eval_every": 2, "save_every": 2})
+    monkeypatch.setattr(qs, "TOOL_EXAMPLES", 40)
+    monkeypatch.setattr(qs, "TOOL_CASES", 3)
+    out = tmp_path / "qs"
+    r = run_quickstart(str(out), corpus=str(STDLIB / "email"), max_iters=2, chat=True)
+    assert r["sft"]["step"] == 2 and r["tools"]["step"] == 2
+    for key in ("tools_before", "tools_after"):
+        assert r[key]["tool_cases"] == 3 and 0 <= r[key]["no_call_accuracy"] <= 1
+    printed = capsys.readouterr().out
+    assert "[8/8] tool calling on 3 held-out cases" in printed and "after the tools stage:" in printed
+    sft = json.loads((out / "sft_data" / "meta.json").read_text())
+    tools = json.loads((out / "tool_data" / "meta.json").read_text())
+    assert sft["documents"] > tools["documents"] >= 30  # the mined pairs plus the tool conversations
+    for p in ("sft/config.toml", "tools/config.toml", "tool_pairs/heldout.jsonl"):
+        assert (out / p).exists(), p
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("corpus", ["python", "go"])
 def test_quickstart_runs_in_llama_cpp_with_the_same_greedy_tokens(corpus, tmp_path, capsys):

@@ -147,3 +147,14 @@ def test_write_tool_data(tmp_path):
     write_tool_data(out, 3, 1, overwrite=True)
     assert len((out / "train.jsonl").read_text().splitlines()) == 3
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging dir left behind
+
+
+def test_schemas_are_compact():
+    """Every offered schema sits in the system turn, before the first token that carries loss: one short
+    description per tool and none per parameter keep five of them at ~360 tokens (528 with the descriptions
+    this data first had; docs/LOG.md, 2026-11-25)."""
+    assert sum(len(json.dumps(t)) for t in TOOLS) <= 1100
+    for t in TOOLS:
+        fn = t["function"]
+        assert 0 < len(fn["description"]) <= 40
+        assert all(set(p) <= {"type", "enum"} for p in fn["parameters"]["properties"].values())
