@@ -20,6 +20,20 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*a, **k)
 
 
+def sampling_args(p: argparse.ArgumentParser, max_new_tokens: int, temperature: float, what: str) -> None:
+    """The sampling flags generate and chat share (their defaults differ)."""
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
+                   help=f"tokens to generate at most (default {max_new_tokens})")
+    p.add_argument("--temperature", type=float, default=temperature,
+                   help=f"sampling temperature; 0 is greedy (default {temperature})")
+    p.add_argument("--top-k", type=int, default=50, help="sample from the K most likely tokens only; 0 is off "
+                                                          "(default 50)")
+    p.add_argument("--top-p", type=float, default=0.95,
+                   help="sample from the smallest set of tokens whose probabilities reach P; 1 is off (default 0.95)")
+    p.add_argument("--seed", type=int, default=None,
+                   help=f"random seed for reproducible {what} (default: fresh each run)")
+
+
 def corpus_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", nargs="+", required=True, metavar="PATH",
                    help="directories, .txt, .jsonl[.gz|.zst], .parquet files, or hf:NAME[:SPLIT]")

@@ -171,11 +171,13 @@ def add_parsers(sub) -> None:
     corpus_args(pr)
     pr.add_argument("--tokenizer", required=True, help="directory holding tokenizer.json")
     pr.add_argument("--out", required=True,
-        help="directory to write the token shards, the tokenizer copy and meta.json to")
+                    help="directory to write the token shards, the tokenizer copy and meta.json to")
     pr.add_argument("--val-fraction", type=float, default=0.01,
-        help="share of documents kept for validation, chosen by a stable hash of each document (default 0.01)")
+                    help="share of documents kept for validation, chosen by a stable hash of each document "
+                         "(default 0.01)")
     pr.add_argument("--dedup", choices=["none", "exact", "near"], default="exact",
-        help="drop duplicate documents: exact (same text), near (MinHash, similar text) or none (default exact)")
+                    help="drop duplicate documents: exact (same text), near (MinHash, similar text) or none "
+                         "(default exact)")
     pr.add_argument("--workers", type=int, default=0, help="encoding threads (default: all cores)")
     pr.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard file (default 100,000,000)")
     pr.add_argument("--overwrite", action="store_true", help="replace an existing, different dataset")
@@ -188,14 +190,14 @@ def add_parsers(sub) -> None:
     ms.add_argument("--input", nargs="+", required=True, metavar="PATH", help="directories or files of code")
     ms.add_argument("--out", required=True, help="directory: train.jsonl, heldout.jsonl, meta.json")
     ms.add_argument("--languages", nargs="+", default=None, choices=["go", "python"],
-        help="mine only these languages (default: both)")
+                    help="mine only these languages (default: both)")
     ms.add_argument("--max-examples", type=int, default=0, help="cap on pairs (0: all)")
     ms.add_argument("--heldout-fraction", type=float, default=0.05,
-        help="share of examples held out for evaluation (default 0.05)")
+                    help="share of examples held out for evaluation (default 0.05)")
     ms.add_argument("--max-chars", type=int, default=4000, help="skip longer functions")
     ms.add_argument("--include-tests", action="store_true", help="also mine test files")
     ms.add_argument("--seed", type=int, default=0,
-        help="random seed: the same seed writes the same examples (default 0)")
+                    help="random seed: the same seed writes the same examples (default 0)")
     ms.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
     ms.set_defaults(func=cmd_make_sft)
 
@@ -207,11 +209,11 @@ def add_parsers(sub) -> None:
                           "train split, or JSONL); every rejected variant is run and must fail the tests")
     mpp.add_argument("--out", required=True, help="directory: train.jsonl, heldout.jsonl, meta.json")
     mpp.add_argument("--languages", nargs="+", default=None, choices=["go", "python"],
-        help="mine only these languages (default: both)")
+                     help="mine only these languages (default: both)")
     mpp.add_argument("--max-pairs", type=int, default=0, help="cap on pairs (0: all)")
     mpp.add_argument("--per-function", type=int, default=1, help="broken variants per function")
     mpp.add_argument("--heldout-fraction", type=float, default=0.05,
-        help="share of pairs held out for evaluation (default 0.05)")
+                     help="share of pairs held out for evaluation (default 0.05)")
     mpp.add_argument("--seed", type=int, default=0, help="random seed: the same seed writes the same pairs (default 0)")
     mpp.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
     mpp.set_defaults(func=cmd_make_pairs)
@@ -232,7 +234,7 @@ def add_parsers(sub) -> None:
     mt.add_argument("--count", type=int, default=2000, help="training conversations")
     mt.add_argument("--heldout", type=int, default=200, help="held-out conversations")
     mt.add_argument("--seed", type=int, default=0,
-        help="random seed: the same seed writes the same conversations (default 0)")
+                    help="random seed: the same seed writes the same conversations (default 0)")
     mt.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
     mt.set_defaults(func=cmd_make_tools)
 
@@ -249,10 +251,10 @@ def add_plans_parser(sub) -> None:
     mp.add_argument("--input", nargs="+", required=True, metavar="PATH", help="directories or files of code")
     mp.add_argument("--out", required=True, help="directory: train.jsonl, val.jsonl, meta.json")
     mp.add_argument("--languages", nargs="+", default=None, choices=["go", "python"],
-        help="mine only these languages (default: both)")
+                    help="mine only these languages (default: both)")
     mp.add_argument("--max-examples", type=int, default=0, help="cap on records (0: all)")
     mp.add_argument("--val-fraction", type=float, default=0.05,
-        help="share of functions kept for validation (default 0.05)")
+                    help="share of functions kept for validation (default 0.05)")
     mp.add_argument("--max-chars", type=int, default=4000, help="skip longer functions")
     mp.add_argument("--max-plan-words", type=int, default=128, help="cut longer plans (ending them with ...)")
     mp.add_argument("--exclude-tests", action="store_true", help="skip test files (_test.go, test_*.py, tests/)")

