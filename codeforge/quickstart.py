@@ -327,8 +327,10 @@ def chat_stages(out_dir: Path, src: str, langs, base_run: Path, device: str, t_s
     def fmt(r):
         def pct(v):
             return "n/a" if v is None else f"{v:.0%}"
-        return (f"parse {pct(r['tool_parse_rate'])}, right tool {pct(r['tool_name_accuracy'])}, exact arguments "
-                f"{pct(r['tool_args_exact'])}, no call when none needed {pct(r['no_call_accuracy'])}")
+        cut = f", {r['tool_cut_by_budget']} cut by the token budget" if r.get("tool_cut_by_budget") else ""
+        bad = f", {r['tool_unknown_names']} naming no offered tool" if r.get("tool_unknown_names") else ""
+        return (f"parse {pct(r['tool_parse_rate'])}{cut}, right tool {pct(r['tool_name_accuracy'])}, exact "
+                f"arguments {pct(r['tool_args_exact'])}, no call when none needed {pct(r['no_call_accuracy'])}{bad}")
 
     print(f"[8/8] tool calling on {tools_after['tool_cases']} held-out cases, greedy ({_minutes(t)}):\n"
           f"      the model alone, after SFT (tool calls mixed in): {fmt(tools_before)}\n"

@@ -124,7 +124,13 @@ def test_score_by_hand():
     ]
     assert score(cases, preds) == {"tool_cases": 6, "tool_call_cases": 4, "no_call_cases": 2,
                                    "tool_parse_rate": 3 / 4, "tool_name_accuracy": 2 / 4, "tool_args_exact": 1 / 4,
-                                   "no_call_accuracy": 1 / 2}
+                                   "no_call_accuracy": 1 / 2, "tool_cut_by_budget": 0, "tool_unknown_names": 0}
+    # a call still being written when the token budget ran out is counted apart, not as malformed; a call
+    # naming a tool the case did not offer is counted
+    offered = [{"type": "function", "function": {"name": "read_file"}}]
+    cut = {"content": "", "tool_calls": [], "errors": ['unterminated: \'{"name": "read_file", "argu\''], "ended": False}
+    r = score([{**cases[2], "tools": offered}] * 2, [cut, {**preds[4], "tool_calls": [call("rm", path="/")]}])
+    assert r["tool_cut_by_budget"] == 1 and r["tool_parse_rate"] == 1.0 and r["tool_unknown_names"] == 1
     nothing = score(cases[3:5], [preds[3]] * 2)
     assert nothing["tool_parse_rate"] is None and nothing["tool_name_accuracy"] is None
     assert nothing["no_call_accuracy"] == 1.0

@@ -503,20 +503,29 @@ def _rate(hits: int, total: int) -> float | None:
 def score(cases: list[dict], predictions: list[dict]) -> dict:
     """Compare parsed model outputs with the expected calls.
 
-    predictions[i] = {"content": str, "tool_calls": [{"name", "arguments": dict}], "errors": [str]}, where
-    errors lists tool-call blocks that did not parse. Rates (None when their denominator is 0):
-    - tool_parse_rate: among outputs with any tool-call attempt (a parsed call or an error), share with no error;
+    predictions[i] = {"content": str, "tool_calls": [{"name", "arguments": dict}], "errors": [str], "ended":
+    bool}, where errors lists tool-call blocks that did not parse and ended says the reply closed with
+    <|im_end|> (missing: taken as closed). Rates (None when their denominator is 0):
+    - tool_parse_rate: among outputs with a tool-call attempt (a parsed call or an error) that were not cut
+      short by the token budget inside a call, share with no error (tool_cut_by_budget counts the others:
+      a call still being written when the budget ran out is the budget's outcome, not a malformed call);
     - tool_name_accuracy: among cases expecting calls, share whose called names equal the expected, in order;
     - tool_args_exact: among cases expecting calls, share whose calls equal the expected (names and args);
-    - no_call_accuracy: among cases expecting no call, share with neither a call nor an error."""
+    - no_call_accuracy: among cases expecting no call, share with neither a call nor an error;
+    - tool_unknown_names: calls naming a tool the case did not offer (a count)."""
     if len(cases) != len(predictions):
         raise ToolDataError(f"{len(predictions)} predictions for {len(cases)} cases; pass one per case")
-    attempted = clean = call_cases = names_ok = args_ok = no_call_ok = 0
+    attempted = clean = call_cases = names_ok = args_ok = no_call_ok = cut = unknown = 0
     for case, pred in zip(cases, predictions):
         calls, errors = pred.get("tool_calls") or [], pred.get("errors") or []
+        offered = {t["function"]["name"] for t in case.get("tools") or []}
+        unknown += sum(1 for c in calls if offered and c.get("name") not in offered)
         if calls or errors:
-            attempted += 1
-            clean += not errors
+            if not pred.get("ended", True) and errors and all(e.startswith("unterminated") for e in errors):
+                cut += 1
+            else:
+                attempted += 1
+                clean += not errors
         expected = case["expected"]
         if expected:
             call_cases += 1
@@ -527,5 +536,5 @@ def score(cases: list[dict], predictions: list[dict]) -> dict:
             no_call_ok += not calls and not errors
     n = len(cases)
     return {"tool_cases": n, "tool_call_cases": call_cases, "no_call_cases": n - call_cases,
-            "tool_parse_rate": _rate(clean, attempted), "tool_name_accuracy": _rate(names_ok, call_cases),
+            "tool_parse_rate": _rate(clean, attempted), "tool_cut_by_budget": cut, "tool_unknown_names": unknown, "tool_name_accuracy": _rate(names_ok, call_cases),
             "tool_args_exact": _rate(args_ok, call_cases), "no_call_accuracy": _rate(no_call_ok, n - call_cases)}
