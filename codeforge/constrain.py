@@ -99,11 +99,22 @@ class _Bridge:
         m = llguidance.LLMatcher(self.ll, grammar, log_level=0)
         if m.is_error():
             raise ConstraintError(f"{what}: the grammar does not compile ({m.get_error()})")
+        probe = m.deep_copy()  # some limits (item counts, recursive $refs) show only when a mask is computed
+        probe.compute_bitmask()
+        if probe.is_error():
+            raise ConstraintError(f"{what}: the grammar engine cannot decode with this schema "
+                                  f"({_first_line(probe.get_error())})")
         with self.lock:
             self.matchers[lark] = m
             if len(self.matchers) > GRAMMAR_CACHE:
                 self.matchers.popitem(last=False)
         return m.deep_copy()
+
+
+def _first_line(msg: str | None, limit: int = 200) -> str:
+    """An engine message cut to its first line (its full parser state is internal, and long)."""
+    line = (msg or "rejected").strip().splitlines()[0] if (msg or "").strip() else "rejected"
+    return line if len(line) <= limit else line[:limit] + "..."
 
 
 _BRIDGES: "weakref.WeakKeyDictionary[CodeTokenizer, _Bridge]" = weakref.WeakKeyDictionary()

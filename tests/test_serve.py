@@ -662,8 +662,9 @@ def test_cli_serve_subprocess(base_run, tmp_path):
                 break
         assert url, p.stderr.read()
         c = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
-        assert c.models.list().data[0].id == "base"
-        assert c.completions.create(model="base", prompt="def", max_tokens=3).usage.completion_tokens >= 1
+        name = f"{base_run.parent.name}-base"  # a stage-only directory name takes its parent's in front
+        assert c.models.list().data[0].id == name
+        assert c.completions.create(model=name, prompt="def", max_tokens=3).usage.completion_tokens >= 1
     finally:
         p.terminate()  # uvicorn shuts down gracefully, then ends by the signal it caught
         assert p.wait(20) in (0, -15)

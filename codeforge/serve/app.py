@@ -49,6 +49,8 @@ from .protocol import (ApiError, ChatRequest, CompletionRequest, DetokenizeReque
 
 PLAYGROUND = Path(__file__).parent / "static" / "playground.html"
 OPEN_PATHS = ("/health", "/", "/favicon.ico")  # reachable without the API key
+MAX_SCHEMA_CHARS = 32_768  # a response_format schema (compiling a grammar grows faster than its size)
+MAX_LOGPROB_RECORDS = 200_000  # entries (tokens x (top + 1) x choices) one completions answer may hold
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 PLACEHOLDER = ("<!doctype html><html><head><meta charset='utf-8'><title>codeforge</title></head><body>"
                "<h1>codeforge</h1><p>playground not built: codeforge/serve/static/playground.html is missing. "
@@ -266,6 +268,9 @@ async def completions(srv: ServerState, request: Request):
         prompts = [prompts]
     if b.suffix is not None and not all(isinstance(p, str) for p in prompts):
         raise ApiError(400, "suffix (fill in the middle) needs a text prompt", param="suffix")
+    if b.suffix is not None and b.echo:
+        raise ApiError(400, "echo with suffix is not supported: the prompt the model sees holds the suffix and the "
+                            "fill-in-the-middle tokens, which the echoed text would not", param="echo")
     n = b.n or 1
     srv.check_rows(len(prompts) * n)
     max_new = srv.budget(b.max_tokens, "max_tokens", default=16)  # OpenAI's default for completions
@@ -289,6 +294,12 @@ async def completions(srv: ServerState, request: Request):
 
     encoded = await srv.encode(encode)
     ids = [srv.check_prompt(x, score_only=score_only) for x, _ in encoded]
+    if b.logprobs is not None:
+        entries = sum((len(x) if b.echo else 0) + max_new for x in ids) * (b.logprobs + 1) * n
+        if entries > MAX_LOGPROB_RECORDS:
+            raise ApiError(400, f"this request asks for {entries:,} log-prob entries (tokens x (logprobs + 1) x n); "
+                                f"this server answers at most {MAX_LOGPROB_RECORDS:,}: lower logprobs, n or the "
+                                f"number of prompts", param="logprobs", code="too_many_logprobs")
     stop_ids = {srv.tok.eot_id}
     lp = {"logprobs": b.logprobs, "prompt_logprobs": b.logprobs if b.echo else None}
     specs = [(i * n + j, x, srv.row_params(b, max_new, j, stop_ids, **lp)) for i, x in enumerate(ids)
@@ -306,11 +317,19 @@ async def completions(srv: ServerState, request: Request):
     def logprobs(ev: Event) -> dict | None:
         if b.logprobs is None:
             return None
-        return completion_logprobs(srv.tok, (ev.prompt_logprobs or []) + (ev.logprobs or []))
+        lp = completion_logprobs(srv.tok, (ev.prompt_logprobs or []) + (ev.logprobs or []))
+        lp.pop("_end")
+        return lp
 
-    choices = [{"index": t, "text": echo[t] + done[t].text, "logprobs": logprobs(done[t]),
-                "finish_reason": done[t].finish_reason} for t in sorted(done)]
-    return completion_response(rid, model, choices, usage(prompt_tokens, sum(e.completion_tokens for e in done.values())))
+    def build() -> bytes:  # in a worker thread: a body of many log-prob entries takes a while to write
+        choices = [{"index": t, "text": echo[t] + done[t].text, "logprobs": logprobs(done[t]),
+                    "finish_reason": done[t].finish_reason} for t in sorted(done)]
+        use = usage(prompt_tokens, sum(e.completion_tokens for e in done.values()))
+        return json.dumps(completion_response(rid, model, choices, use), ensure_ascii=False).encode()
+
+    if b.logprobs is not None:
+        return Response(await run_in_threadpool(build), media_type="application/json")
+    return Response(build(), media_type="application/json")
 
 
 async def stream_completions(gen: Generation, request: Request, rid: str, model: str, echo: dict[int, str],
@@ -318,7 +337,7 @@ async def stream_completions(gen: Generation, request: Request, rid: str, model:
     """Chunks as they come; with `tok` (logprobs asked), each chunk carries the records of its tokens, offsets
     counted from the start of the choice's text, and an echoed prompt waits for its log-probs."""
     created = int(time.time())
-    at = dict.fromkeys(echo, 0)  # characters of each choice sent so far (for text_offset)
+    at = dict.fromkeys(echo, 0)  # characters of each choice's records so far (text_offset counts from there)
     sent_lp = dict.fromkeys(echo, 0)  # generated records sent so far
 
     def chunk(choices: list[dict], use: dict | None = None) -> bytes:
@@ -330,9 +349,8 @@ async def stream_completions(gen: Generation, request: Request, rid: str, model:
     def choice(tag: int, text: str, finish: str | None = None, records: list | None = None) -> dict:
         lp = None
         if tok is not None:
-            lp = completion_logprobs(tok, records or [])
-            lp["text_offset"] = [at[tag] + o for o in lp["text_offset"]]
-        at[tag] += len(text)
+            lp = completion_logprobs(tok, records or [], at[tag])
+            at[tag] = lp.pop("_end")  # the records' own text: offsets never go back when text is held
         return {"index": tag, "text": text, "logprobs": lp, "finish_reason": finish}
 
     for tag, text in echo.items():
@@ -394,13 +412,19 @@ async def chat_completions(srv: ServerState, request: Request):
                          "max_completion_tokens" if b.max_completion_tokens else "max_tokens")
 
     def encode():
-        ids, _ = encode_conversation(srv.tok, msgs, tools, add_generation_prompt=True)
-        return ids, (ToolGrammar(srv.tok, tools, mode, rf, parallel) if constrained else None)
+        return encode_conversation(srv.tok, msgs, tools, add_generation_prompt=True)[0]
+
+    if rf is not None and len(json.dumps(rf)) > MAX_SCHEMA_CHARS:
+        raise ApiError(400, f"response_format: a schema of {len(json.dumps(rf)):,} characters; this server takes at "
+                            f"most {MAX_SCHEMA_CHARS:,}", param="response_format", code="invalid_schema")
 
     srv.check_chars("".join(str(m.get("content") or "") + json.dumps(m.get("tool_calls") or "") for m in msgs)
                     + json.dumps(tools or ""), "messages")
     try:
-        ids, grammar = await srv.encode(encode)
+        ids = await srv.encode(encode)
+        # the grammar compiles outside the tokenizer lock, which the generation loop needs for every token
+        grammar = await run_in_threadpool(lambda: ToolGrammar(srv.tok, tools, mode, rf, parallel)) \
+            if constrained else None
     except ConstraintError as e:  # a tool's parameters or a response_format schema the grammar cannot take
         raise ApiError(400, str(e), param="response_format" if "response_format" in str(e) else "tools",
                        code="invalid_schema") from None
@@ -513,10 +537,12 @@ async def tokenize(srv: ServerState, request: Request):
         def encode():
             return srv.tok.encode(b.prompt, allow_special=True)
     else:
-        probe = ChatRequest(messages=b.messages)
-        msgs = probe.rendered_messages()
+        if not b.messages:
+            raise ApiError(400, "messages is empty: give at least one message", param="messages")
+        msgs = ChatRequest(messages=b.messages).rendered_messages()
         tools = [t.model_dump(exclude_none=True) for t in b.tools] if b.tools else None
-        srv.check_chars("".join(m["content"] for m in msgs) + json.dumps(tools or ""), "messages")
+        srv.check_chars("".join(m["content"] + json.dumps(m.get("tool_calls") or "") for m in msgs)
+                        + json.dumps(tools or ""), "messages")
 
         def encode():
             return encode_conversation(srv.tok, msgs, tools, add_generation_prompt=b.add_generation_prompt)[0]
@@ -524,6 +550,9 @@ async def tokenize(srv: ServerState, request: Request):
         ids = await srv.encode(encode)
     except ValueError as e:  # chat.ChatFormatError
         raise ApiError(400, str(e), param="messages") from None
+    except RecursionError:  # tool-call arguments nested past the JSON parser's recursion limit
+        raise ApiError(400, "a tool call's arguments in messages are nested too deeply to read", param="messages",
+                       code="tool_call_not_json") from None
     out = {"count": len(ids), "max_model_len": srv.block_size, "tokens": ids, "token_strs": None}
     if b.return_token_strs:
         out["token_strs"] = [token_text(srv.tok, i) for i in ids]

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from ..constrain import mask_logits
 from ..device import autocast
@@ -41,6 +42,7 @@ from ..engine import apply_repetition_penalty, filter_logits
 # Temperatures below this sample greedily: dividing by a near-zero temperature overflows the logits (vLLM
 # draws the same line).
 SAMPLING_EPS = 1e-5
+PROMPT_CHUNK = 256  # positions whose full-vocabulary logits exist at once when scoring a prompt (echo)
 
 
 @dataclass
@@ -359,14 +361,19 @@ class Scheduler:
             return
         tmp = self.model.new_kv_cache(1, P, self.device, self.engine.cache_dtype)
         idx = torch.tensor([r.prompt], device=self.device)
-        whole = r.p.prompt_logprobs is not None
         with autocast(self.device, self.engine.precision):
-            logits = self.model(idx, kv_cache=tmp, last_only=not whole)  # (1, P or 1, model vocab)
-        if whole:
-            r.prompt_lp = [(r.prompt[0], None, [])] + prompt_logprobs(logits[0, :-1], r.prompt[1:], self.tok.vocab_size,
-                                                   r.p.prompt_logprobs)
-            self._emit(r, Event("prompt", prompt_logprobs=r.prompt_lp))
-        logits = logits[:, -1, :]  # (1, model vocab)
+            if r.p.prompt_logprobs is None:
+                logits = self.model(idx, kv_cache=tmp, last_only=True)[:, -1, :]  # (1, model vocab)
+            else:  # every position's log-probs, from the hidden states a chunk of positions at a time
+                h = self.model(idx, kv_cache=tmp, return_hidden=True)[0]  # (P, n_embd)
+                head = self.model.lm_head.weight
+                logits = F.linear(h[-1:], head)
+                r.prompt_lp = [(r.prompt[0], None, [])]
+                for s in range(0, P - 1, PROMPT_CHUNK):
+                    e = min(P - 1, s + PROMPT_CHUNK)
+                    r.prompt_lp += prompt_logprobs(F.linear(h[s:e], head), r.prompt[s + 1:e + 1],
+                                                   self.tok.vocab_size, r.p.prompt_logprobs)
+                self._emit(r, Event("prompt", prompt_logprobs=r.prompt_lp))
         if score_only:
             self.stats["rows_admitted"] += 1
             self.stats["prompt_tokens"] += P
@@ -411,8 +418,10 @@ class Scheduler:
             if r.p.constraint is not None:
                 try:
                     r.p.constraint.advance(out[i])
-                except Exception as e:  # the grammar refused a token it allowed: a server fault, this row only
-                    self._fail(r, 500, f"constrained decoding failed: {type(e).__name__}: {e}")
+                except Exception as e:  # the grammar failed mid-reply (an engine limit its schema reaches): this row only
+                    msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+                    self._fail(r, 400, f"constrained decoding failed: the schema reaches a limit of the grammar "
+                                       f"engine ({msg}); simplify it (fewer properties, no recursive $ref)")
                     out[i] = None
                     continue
             if r.p.logprobs is not None:

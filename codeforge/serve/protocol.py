@@ -107,6 +107,9 @@ class _Sampling(_Request):
     user: str | None = None
     metadata: dict | None = None  # OpenAI: stored with the request; accepted, kept nowhere
     store: bool | None = None  # OpenAI: keep the completion for distillation; this server keeps nothing
+    safety_identifier: str | None = None  # OpenAI: who the end user is (user's successor); accepted, unused
+    prompt_cache_key: str | None = None  # OpenAI: a cache hint; accepted, unused
+    service_tier: str | None = None  # OpenAI: a billing tier; accepted, unused
 
     def stops(self) -> list[str]:
         s = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -332,12 +335,12 @@ def token_text(tok, i: int) -> str:
         return "bytes:" + "".join(f"\\x{x:02x}" for x in b)
 
 
-def completion_logprobs(tok, records: list) -> dict:
+def completion_logprobs(tok, records: list, start: int = 0) -> dict:
     """The legacy completions `logprobs` object for records (batcher.LogProb; the first prompt token's
     log-prob is None, null in JSON): tokens, token_logprobs, top_logprobs (the top N plus the chosen token, as vLLM does) and each
     token's character offset in the choice's text."""
     dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    tokens, lps, tops, offsets, at = [], [], [], [], 0
+    tokens, lps, tops, offsets, at = [], [], [], [], start
     for rec in records:
         tid = rec[0]
         tokens.append(token_text(tok, tid))
@@ -351,7 +354,8 @@ def completion_logprobs(tok, records: list) -> dict:
         top = {token_text(tok, i): lp for i, lp in rec[2]}
         top.setdefault(tokens[-1], rec[1])
         tops.append(top)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets,
+            "_end": at + len(dec.decode(b"", final=True))}
 
 
 def chat_logprobs(tok, records: list, top: int) -> dict:
