@@ -435,7 +435,7 @@ def test_tool_call_streaming_builder():
             yield [(0, Event("done", "".join(pieces), "stop", completion_tokens=20))]
 
     async def run() -> bytes:
-        return b"".join([x async for x in stream_chat(FakeGen(), None, "chatcmpl-1", "tiny", 1, "", True, 5, True)])
+        return b"".join([x async for x in stream_chat(FakeGen(), None, "chatcmpl-1", "tiny", 1, True, 5, True)])
 
     body = asyncio.run(run())
     chunks = [json.loads(x[6:]) for x in body.decode().split("\n\n") if x and x != "data: [DONE]"]

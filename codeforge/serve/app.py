@@ -402,7 +402,6 @@ async def chat_completions(srv: ServerState, request: Request):
     # named), can only be a JSON object naming one of the tools with arguments of its schema; a JSON
     # response_format holds the whole reply to its schema; "none" keeps call tokens out of the reply.
     constrained = bool(tools) or rf is not None or choice == "none"
-    forced = ""  # the grammar forces the start of a required call; no text is put in the model's mouth
     tools_active = bool(tools)
     names = {t["function"]["name"] for t in tools} if tools else set()
     parallel = b.parallel_tool_calls is not False
@@ -414,9 +413,10 @@ async def chat_completions(srv: ServerState, request: Request):
     def encode():
         return encode_conversation(srv.tok, msgs, tools, add_generation_prompt=True)[0]
 
-    if rf is not None and len(json.dumps(rf)) > MAX_SCHEMA_CHARS:
-        raise ApiError(400, f"response_format: a schema of {len(json.dumps(rf)):,} characters; this server takes at "
-                            f"most {MAX_SCHEMA_CHARS:,}", param="response_format", code="invalid_schema")
+    size = len(json.dumps(rf)) if rf is not None else 0
+    if size > MAX_SCHEMA_CHARS:
+        raise ApiError(400, f"response_format: a schema of {size:,} characters; this server takes at most "
+                            f"{MAX_SCHEMA_CHARS:,}", param="response_format", code="invalid_schema")
 
     srv.check_chars("".join(str(m.get("content") or "") + json.dumps(m.get("tool_calls") or "") for m in msgs)
                     + json.dumps(tools or ""), "messages")
@@ -443,21 +443,21 @@ async def chat_completions(srv: ServerState, request: Request):
     rid, model = new_id("chatcmpl"), srv.opts.model_name
     if b.stream:
         include_usage = bool(b.stream_options and b.stream_options.include_usage)
-        return streaming(stream_chat(gen, request, rid, model, n, forced, tools_active, len(ids), include_usage,
+        return streaming(stream_chat(gen, request, rid, model, n, tools_active, len(ids), include_usage,
                                      names, parallel, (srv.tok, top) if b.logprobs else None), notice_headers(srv))
     done = await gen.collect(request)
     choices = []
     for t in sorted(done):
-        # a forced call the model did not complete comes back as what it wrote, finish_reason "stop" or
-        # "length": the model's outcome, not a server fault (vLLM answers the same way)
-        msg, finish = chat_message(forced + done[t].text, done[t].finish_reason, tools_active, names, parallel)
+        # a call the model did not complete comes back as what it wrote, finish_reason "length": the
+        # budget's outcome, not a server fault (vLLM answers the same way)
+        msg, finish = chat_message(done[t].text, done[t].finish_reason, tools_active, names, parallel)
         lps = chat_logprobs(srv.tok, done[t].logprobs or [], top) if b.logprobs else None
         choices.append({"index": t, "message": msg, "logprobs": lps, "finish_reason": finish})
     body = chat_response(rid, model, choices, usage(len(ids), sum(e.completion_tokens for e in done.values())))
     return JSONResponse(body, headers=notice_headers(srv)) if srv.opts.chat_note else body
 
 
-async def stream_chat(gen: Generation, request: Request, rid: str, model: str, n: int, forced: str,
+async def stream_chat(gen: Generation, request: Request, rid: str, model: str, n: int,
                       tools_active: bool, prompt_tokens: int, include_usage: bool, names: set[str] | None = None,
                       parallel: bool = True, logprobs: tuple | None = None) -> AsyncIterator[bytes]:
     """Chunks as they come. With logprobs (tokenizer, top N), a chunk carries the records of the tokens
@@ -479,7 +479,7 @@ async def stream_chat(gen: Generation, request: Request, rid: str, model: str, n
             lp, pending[tag] = chat_logprobs(logprobs[0], pending[tag], logprobs[1]), []
         return {"index": tag, "delta": d, "logprobs": lp, "finish_reason": finish}
 
-    raw = {t: forced for t in range(n)}  # what each choice generated (with the forced start)
+    raw = {t: "" for t in range(n)}  # what each choice generated
     shown = {t: 0 for t in range(n)}  # characters of raw already sent as content
     for t in range(n):
         yield chunk([delta(t, {"role": "assistant", "content": ""})])
@@ -504,7 +504,7 @@ async def stream_chat(gen: Generation, request: Request, rid: str, model: str, n
                         completion_tokens += ev.completion_tokens
                         if ev.logprobs is not None:  # the records no text event carried (the end token)
                             pending[tag] += ev.logprobs[counted[tag]:]
-                        msg, finish = chat_message(forced + ev.text, ev.finish_reason, tools_active, names,
+                        msg, finish = chat_message(ev.text, ev.finish_reason, tools_active, names,
                                                    parallel)
                         content = msg.get("content") or ""
                         sent = raw[tag][:shown[tag]]
