@@ -31,6 +31,9 @@ __version__ = "0.1.0"
 # docs/LOG.md). libgomp reads this once, when torch loads it: hence here, before any codeforge module imports
 # torch. A value already set is kept. The thread count is device.py's thread_policy.
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The same for the OpenBLAS numpy ships, which decoding's matrix-vector products use (models/cpu_linear.py):
+# its idle threads sleep after 2**4 cycles instead of spinning for about 0.1 s.
+_os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 
 class CodeforgeError(ValueError):

@@ -23,6 +23,7 @@ from .config import chat_notice
 from .constrain import Constraint, ToolGrammar, mask_logits
 from .device import autocast, choose_device, choose_precision
 from .fim import FIM_PREFIX, FIM_SUFFIX, infill_ids
+from .models.cpu_linear import decode_threads
 from .tokenizer import CodeTokenizer
 
 
@@ -188,7 +189,8 @@ class Engine:
             if any(pads):
                 keymask[:, L + t] = True
                 step_mask = keymask[:, None, None, :L + t + 1]
-            logits = self._forward(nxt.unsqueeze(1), cache, next_pos.unsqueeze(1), step_mask)[:, -1, :]
+            with decode_threads():
+                logits = self._forward(nxt.unsqueeze(1), cache, next_pos.unsqueeze(1), step_mask)[:, -1, :]
             next_pos = next_pos + 1
 
     def _forward(self, idx, cache, pos, mask):

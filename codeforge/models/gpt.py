@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..fields import setting
+from .cpu_linear import Linear
 from .lm_loss import lm_loss
 
 
@@ -122,8 +123,8 @@ class Attention(nn.Module):
                              f"n_kv_head {cfg.n_kv_head}")
         self.cfg, self.layer = cfg, layer
         hd = cfg.head_dim
-        self.c_attn = nn.Linear(cfg.n_embd, (cfg.n_head + 2 * cfg.n_kv_head) * hd, bias=cfg.bias)
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_attn = Linear(cfg.n_embd, (cfg.n_head + 2 * cfg.n_kv_head) * hd, bias=cfg.bias)
+        self.c_proj = Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.c_proj.residual = True  # scaled at init
         self.q_norm = make_norm(cfg, hd) if cfg.qk_norm else None
         self.k_norm = make_norm(cfg, hd) if cfg.qk_norm else None
@@ -167,8 +168,8 @@ class MLP(nn.Module):
         if cfg.mlp not in ("gelu", "swiglu", "relu2"):
             raise ValueError(f"mlp {cfg.mlp!r} is not one of gelu, swiglu, relu2")
         width = cfg.ffn_hidden * (2 if cfg.mlp == "swiglu" else 1)  # swiglu: gate and up in one matmul
-        self.c_fc = nn.Linear(cfg.n_embd, width, bias=cfg.bias)
-        self.c_proj = nn.Linear(cfg.ffn_hidden, cfg.n_embd, bias=cfg.bias)
+        self.c_fc = Linear(cfg.n_embd, width, bias=cfg.bias)
+        self.c_proj = Linear(cfg.ffn_hidden, cfg.n_embd, bias=cfg.bias)
         self.c_proj.residual = True
         self.drop = nn.Dropout(cfg.resid_dropout)
 
@@ -253,7 +254,7 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.embd_dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.ln_f = make_norm(cfg, cfg.n_embd)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         if cfg.pos == "rope":

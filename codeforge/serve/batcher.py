@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from ..constrain import mask_logits
 from ..device import autocast
 from ..engine import apply_repetition_penalty, filter_logits
+from ..models.cpu_linear import decode_threads
 
 # Temperatures below this sample greedily: dividing by a near-zero temperature overflows the logits (vLLM
 # draws the same line).
@@ -542,7 +543,7 @@ class Scheduler:
         idx = torch.tensor([[r.last] for r in rows], device=self.device)  # (n, 1)
         pos = torch.tensor([[r.fed] for r in rows], device=self.device)  # (n, 1)
         view, mask = self.cache.step_view()
-        with autocast(self.device, self.engine.precision):
+        with autocast(self.device, self.engine.precision), decode_threads():
             self.logits = self.model(idx, kv_cache=view, pos=pos, attn_mask=mask, last_only=True)[:, -1, :]
         self.cache.advance()
         for r in rows:
