@@ -113,10 +113,12 @@ class TrainConfig:
                                  "sets the step count (at most --max-iters) so that training and its evaluations "
                                  "end within this; the count is saved as max_iters, so a re-run or --resume "
                                  "repeats it", range=(1.0, 10.0**9), zero_means="no budget: --max-iters steps")
-    eval_tokens: int = setting(262_144, "validation tokens per evaluation: the validation split in order, in "
-                               "whole context windows until N tokens are covered (chat rows count their masked "
-                               "and padding tokens); the same set in training, the quickstart and `codeforge "
-                               "eval`",
+    eval_tokens: int = setting(262_144, "validation tokens per evaluation, at most: the validation split in "
+                               "order, in whole context windows until N tokens are covered (chat rows count "
+                               "their masked and padding tokens). A pretraining run too short to pay for N "
+                               "scores an eighth of the tokens it trains on, spread over its evaluations (at "
+                               "least 16,384) and saves that count; the same set in training, the quickstart "
+                               "and `codeforge eval`",
                                range=(1, 10**12), zero_means="the whole split")
     sample_every: int = setting(0, "write a sample every N steps", range=(0, 10**9), zero_means="never")
     sample_tokens: int = setting(64, "tokens per sample", range=(1, 10**6))

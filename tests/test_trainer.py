@@ -370,3 +370,24 @@ def test_cpu_bf16_switch_refuses_a_typo(monkeypatch):
     monkeypatch.setenv("CODEFORGE_CPU_BF16", "maybe")
     with pytest.raises(DeviceError, match="CODEFORGE_CPU_BF16='maybe'"):
         cpu_native_bf16()
+
+
+def test_evaluation_is_sized_to_a_short_run_and_eval_scores_the_same(data_dir, tmp_path):
+    from codeforge.evaluation.lm import EVAL_FLOOR, sized_eval_tokens
+    from codeforge.evaluation.run import run_eval
+    assert sized_eval_tokens(262_144, 40 * 2048, 1) == EVAL_FLOOR  # 40 steps: the floor
+    assert sized_eval_tokens(262_144, 560 * 2048, 6) == 560 * 2048 // 48  # the quickstart's shape
+    assert sized_eval_tokens(262_144, 10**10, 21) == 262_144  # a long run: what was asked
+    assert sized_eval_tokens(0, 40 * 2048, 1) == 0  # the whole split stays the whole split
+    said = []
+    out = tmp_path / "run"
+    cfg = cfg_for(data_dir, out, train__max_iters=4, train__eval_every=2, train__eval_tokens=262_144)
+    run_stage(cfg, log=said.append)
+    assert any("evaluation: 16,384 validation tokens each (of --eval-tokens 262,144)" in m for m in said), said
+    import tomllib
+    saved = tomllib.loads((out / "config.toml").read_text())
+    assert saved["train"]["eval_tokens"] == EVAL_FLOOR
+    vals = [json.loads(x) for x in open(out / "metrics.jsonl") if "val_loss" in x]
+    assert len(vals) == 3 and len({v["val_tokens"] for v in vals}) == 1  # steps 0, 2, 4: the same set each time
+    r = run_eval(str(out), syntax_samples=0, humaneval=0)
+    assert r["eval_tokens"] == vals[-1]["val_tokens"] and abs(r["val_loss"] - vals[-1]["val_loss"]) < 1e-5

@@ -52,6 +52,21 @@ def evaluate_loss(model: torch.nn.Module, batches, iters: int, device: torch.dev
             "bits_per_byte": bits_loss.item() / math.log(2) / max(nbytes, 1), "eval_tokens": n}
 
 
+EVAL_FLOOR = 16_384  # validation tokens a run's evaluation never goes below when sized to the run
+
+
+def sized_eval_tokens(eval_tokens: int, train_tokens: int, evaluations: int) -> int:
+    """The validation tokens each evaluation of a run scores: `eval_tokens` (train.eval_tokens, 0: the whole
+    split) unless the run is too short to pay for it. A forward pass costs about a third of a training step's
+    work per token, so scoring an eighth of the run's training tokens, spread over its evaluations, costs
+    about 4% of the run; never fewer than EVAL_FLOOR tokens, never more than asked. Every evaluation of the
+    run scores the same windows, so its numbers stay comparable."""
+    if not eval_tokens:
+        return 0
+    fit = max(EVAL_FLOOR, train_tokens // (8 * max(1, evaluations)))
+    return min(eval_tokens, fit)
+
+
 def validation_loss(model: torch.nn.Module, val: ShardSet, block_size: int, special_ids: dict[str, int],
                     eval_tokens: int, device: torch.device, precision: str, token_bytes: torch.Tensor) -> dict:
     """The validation numbers of a run, the same wherever they are asked for (training, the quickstart,

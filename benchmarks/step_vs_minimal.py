@@ -1,0 +1,158 @@
+"""codeforge's training step against a minimal eager GPT trainer, same shape, same CPU, interleaved.
+
+The minimal trainer is what a user would write from a textbook: a GPT-2 block (LayerNorm, causal
+self-attention through PyTorch's scaled_dot_product_attention, GELU MLP, tied embedding), logits for every
+position, cross-entropy, `torch.optim.AdamW` with its defaults (foreach), no clipping, no checks. codeforge's
+step is `trainer.train_step` on the `fragment-lowend` preset at the same shape (4 layers x 256, 4 heads,
+context 256, vocab 10,000, dropout 0, fp32): clipping, the non-finite check and everything else it does.
+
+Each round times both, A then B then B then A, for --steps steps after --warmup; the ratio of each round is
+printed, and the median over rounds. Threads: the process's (codeforge's thread policy decides, or --threads).
+
+    python benchmarks/step_vs_minimal.py [--rounds 3] [--steps 20] [--batch-size 4] [--threads N] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, h: int):
+        super().__init__()
+        self.h = h
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.h, C // self.h).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class MinimalGPT(nn.Module):
+    def __init__(self, vocab: int, ctx: int, n_layer: int, n_head: int, d: int):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
+        self.blocks = nn.ModuleList(Block(d, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for b in self.blocks:
+            x = b(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def batches(vocab: int, bs: int, ctx: int):
+    gen = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, vocab, (bs, ctx + 1), generator=gen) for _ in range(4)]
+    i = 0
+    while True:
+        b = data[i % 4]
+        i += 1
+        yield b[:, :-1], b[:, 1:]
+
+
+def minimal_stepper(a):
+    torch.manual_seed(0)
+    model = MinimalGPT(a.vocab_size, a.block_size, 4, 4, 256)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    it = batches(a.vocab_size, a.batch_size, a.block_size)
+
+    def step():
+        x, y = next(it)
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+    return step
+
+
+def codeforge_stepper(a):
+    from codeforge.config import resolve
+    from codeforge.models import build_model
+    from codeforge.train.losses import lm_loss_fn
+    from codeforge.train.optim import build_optimizer
+    from codeforge.train.trainer import train_step
+    cfg = resolve(["fragment-lowend"], None, [f"model.block_size={a.block_size}", f"model.vocab_size={a.vocab_size}"])
+    m = cfg.model
+    m.embd_dropout = m.attn_dropout = m.resid_dropout = 0.0
+    torch.manual_seed(0)
+    model = build_model(m)
+    t = cfg.train
+    device = torch.device("cpu")
+    opt = build_optimizer(model, t.optimizer, t.learning_rate, t.weight_decay, (t.beta1, t.beta2), device,
+                          t.muon_lr, t.muon_momentum, t.muon_weight_decay)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    it = batches(a.vocab_size, a.batch_size, a.block_size)
+
+    def step():
+        return train_step(model, model, opt, scaler, it, lm_loss_fn, 1, 1.0, device, "fp32")[0]
+    return step
+
+
+def time_steps(step, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        loss = step()
+    dt = time.perf_counter() - t0
+    assert math.isfinite(loss)
+    return dt / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--block-size", type=int, default=256)
+    ap.add_argument("--vocab-size", type=int, default=10000)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    mini, cf = minimal_stepper(a), codeforge_stepper(a)
+    for s in (mini, cf):
+        for _ in range(a.warmup):
+            s()
+    tokens = a.batch_size * a.block_size
+    rows = []
+    for r in range(a.rounds):
+        m1 = time_steps(mini, a.steps)
+        c1 = time_steps(cf, a.steps)
+        c2 = time_steps(cf, a.steps)
+        m2 = time_steps(mini, a.steps)
+        tm, tc = tokens / ((m1 + m2) / 2), tokens / ((c1 + c2) / 2)
+        rows.append({"round": r, "minimal_tokens_per_s": tm, "codeforge_tokens_per_s": tc, "ratio": tc / tm})
+        if not a.json:
+            print(f"round {r}: minimal {tm:,.0f} tokens/s, codeforge {tc:,.0f} tokens/s, ratio {tc / tm:.3f}",
+                  flush=True)
+    med = statistics.median(r["ratio"] for r in rows)
+    out = {"threads": torch.get_num_threads(), "torch": torch.__version__, "rounds": rows, "median_ratio": med}
+    if a.json:
+        print(json.dumps(out))
+    else:
+        print(f"median ratio codeforge / minimal: {med:.3f} ({torch.get_num_threads()} threads, torch {torch.__version__})")
+
+
+if __name__ == "__main__":
+    main()
