@@ -28,22 +28,40 @@ THREADS_ENV = "CODEFORGE_THREADS"  # intra-op threads, overriding the policy bel
 _POLICY: str | None = None  # what thread_policy() decided, said with the device line
 
 
+def _own_runnable() -> int:
+    """This process's threads that are running or waiting to run (state R in /proc/self/task/*/stat); at
+    least 1, the thread asking."""
+    n = 0
+    try:
+        for task in os.scandir("/proc/self/task"):
+            try:
+                with open(f"{task.path}/stat") as f:
+                    n += f.read().rsplit(")", 1)[1].split()[0] == "R"
+            except (OSError, IndexError):
+                continue
+    except OSError:
+        pass
+    return max(1, n)
+
+
 def runnable_elsewhere(samples: int = 5, interval: float = 0.02) -> int:
-    """How many threads other than this process are running or waiting to run right now: the kernel's
-    count of runnable tasks (/proc/loadavg's 4th field, an instant reading, unlike the load average), the
-    median of a few readings, minus this process's own. 0 where /proc cannot tell."""
+    """How many threads other than this process's are running or waiting to run right now: the kernel's
+    count of runnable tasks (/proc/loadavg's 4th field, an instant reading, unlike the load average) less
+    this process's own runnable threads (a server starting up has several), the median of a few readings.
+    0 where /proc cannot tell."""
     import statistics
     import time
     reads = []
     for i in range(samples):
         try:
             with open("/proc/loadavg") as f:
-                reads.append(int(f.read().split()[3].split("/")[0]))
+                total = int(f.read().split()[3].split("/")[0])
         except (OSError, ValueError, IndexError):
             return 0
+        reads.append(max(0, total - _own_runnable()))
         if i + 1 < samples:
             time.sleep(interval)
-    return max(0, int(statistics.median(reads)) - 1)
+    return int(statistics.median(reads))
 
 
 def thread_policy(requested: int | None = None) -> tuple[int, str]:

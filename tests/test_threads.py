@@ -76,3 +76,26 @@ def test_the_policy_follows_flag_environment_and_busy_cores(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(2 * cores))  # torchrun ranks share the cores, at least one each
     assert device.thread_policy()[0] == 1
     assert os.environ.get("OMP_WAIT_POLICY")  # codeforge/__init__.py set it before torch loaded
+
+
+def test_this_process_own_busy_threads_are_not_counted_as_other_work():
+    import threading
+    import time
+
+    import torch
+    stop = threading.Event()
+
+    def busy():  # a thread of this process that stays runnable (PyTorch releases the GIL in the product)
+        a = torch.randn(256, 256)
+        while not stop.is_set():
+            a @ a
+    t = threading.Thread(target=busy, daemon=True)
+    t.start()
+    try:
+        time.sleep(0.05)
+        own = max(device._own_runnable() for _ in range(20))
+    finally:
+        stop.set()
+        t.join()
+    assert own >= 2  # the asking thread and the busy one: both subtracted from the machine's runnable count
+    assert device._own_runnable() >= 1
