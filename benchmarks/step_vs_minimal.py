@@ -9,7 +9,7 @@ context 256, vocab 10,000, dropout 0, fp32): clipping, the non-finite check and 
 Each round times both, A then B then B then A, for --steps steps after --warmup; the ratio of each round is
 printed, and the median over rounds. Threads: the process's (codeforge's thread policy decides, or --threads).
 
-    python benchmarks/step_vs_minimal.py [--rounds 3] [--steps 20] [--batch-size 4] [--threads N] [--json]
+    python benchmarks/step_vs_minimal.py [--rounds 3] [--steps 20] [--batch-size 4] [--threads N] [--compile] [--json]
 """
 
 from __future__ import annotations
@@ -103,8 +103,10 @@ def codeforge_stepper(a):
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     it = batches(a.vocab_size, a.batch_size, a.block_size)
 
+    fwd = torch.compile(model) if a.compile else model  # train.compile: what --compile does in training
+
     def step():
-        return train_step(model, model, opt, scaler, it, lm_loss_fn, 1, 1.0, device, "fp32")[0]
+        return train_step(fwd, model, opt, scaler, it, lm_loss_fn, 1, 1.0, device, "fp32")[0]
     return step
 
 
@@ -126,14 +128,18 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=256)
     ap.add_argument("--vocab-size", type=int, default=10000)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--compile", action="store_true", help="codeforge's model under torch.compile (train --compile)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     mini, cf = minimal_stepper(a), codeforge_stepper(a)
+    t0 = time.perf_counter()
     for s in (mini, cf):
         for _ in range(a.warmup):
             s()
+    if not a.json:
+        print(f"warm-up (and compilation, with --compile): {time.perf_counter() - t0:.1f} s", flush=True)
     tokens = a.batch_size * a.block_size
     rows = []
     for r in range(a.rounds):
@@ -147,7 +153,7 @@ def main() -> None:
             print(f"round {r}: minimal {tm:,.0f} tokens/s, codeforge {tc:,.0f} tokens/s, ratio {tc / tm:.3f}",
                   flush=True)
     med = statistics.median(r["ratio"] for r in rows)
-    out = {"threads": torch.get_num_threads(), "torch": torch.__version__, "rounds": rows, "median_ratio": med}
+    out = {"threads": torch.get_num_threads(), "compile": a.compile, "torch": torch.__version__, "rounds": rows, "median_ratio": med}
     if a.json:
         print(json.dumps(out))
     else:
