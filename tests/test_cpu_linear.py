@@ -19,6 +19,12 @@ from codeforge.models.cpu_linear import Linear, decode_threads, linear
 pytestmark = pytest.mark.skipif(cpu_linear.backend() != "openblas", reason="numpy has no OpenBLAS here")
 
 
+@pytest.fixture(autouse=True)
+def small_weights_too(monkeypatch):
+    """The tests' matrices are small; the size floor has its own test."""
+    monkeypatch.setattr(cpu_linear, "MIN_WEIGHTS", 0)
+
+
 def spy(monkeypatch) -> list:
     """Count the products that reach OpenBLAS."""
     calls = []
@@ -62,6 +68,15 @@ def test_training_many_rows_and_other_dtypes_stay_with_torch(monkeypatch):
         m.to(torch.bfloat16)(torch.randn(2, 32, dtype=torch.bfloat16))
         linear(torch.randn(0, 32), m.weight.float(), None)  # nothing to multiply
     assert calls == []
+
+
+def test_small_matrices_stay_with_torch(monkeypatch):
+    calls = spy(monkeypatch)
+    monkeypatch.setattr(cpu_linear, "MIN_WEIGHTS", 1 << 20)
+    with torch.inference_mode():
+        Linear(256, 768)(torch.randn(1, 256))  # 196,608 weights: PyTorch
+        Linear(256, 4096)(torch.randn(1, 256))  # 1,048,576: OpenBLAS
+    assert calls == [(1, 256)]
 
 
 def test_decode_threads_runs_torch_on_one_thread_and_puts_the_count_back():

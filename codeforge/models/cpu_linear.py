@@ -8,7 +8,8 @@ with both threads at 16-37 GB/s (docs/LOG.md, 2026-11-25, "decode on the CPU"). 
 OpenBLAS when all of these hold, and to F.linear otherwise:
 
 - no gradient is being recorded (generation, serving, scoring: never training);
-- float32 on the CPU, and at most MAX_ROWS rows (decoding steps; a prompt's prefill stays with PyTorch);
+- float32 on the CPU, at most MAX_ROWS rows (decoding steps; a prompt's prefill stays with PyTorch), and a
+  weight matrix of at least MIN_WEIGHTS entries;
 - numpy's OpenBLAS was found, and $CODEFORGE_CPU_MATMUL is not `torch`.
 
 OpenBLAS runs as many threads as PyTorch's intra-op pool (device.thread_policy chose it), set through
@@ -35,6 +36,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 MAX_ROWS = 16  # up to a batch of 16 sequences decoding one token each
+MIN_WEIGHTS = 1 << 20  # smaller matrices (4 MB) stay with PyTorch: waking OpenBLAS's threads costs more than
+# it saves there (a 5M-parameter model decoded slower through OpenBLAS on every product, docs/LOG.md)
 MATMUL_ENV = "CODEFORGE_CPU_MATMUL"  # "torch": never OpenBLAS; "auto" or unset: the rule above
 
 _state: dict = {}
@@ -94,6 +97,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """F.linear(x, weight, bias), through OpenBLAS where the module's rule allows it."""
     if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
             and not torch.is_grad_enabled() and x.numel() <= MAX_ROWS * x.shape[-1] and x.numel() > 0
+            and weight.numel() >= MIN_WEIGHTS
             and not torch.compiler.is_compiling()):
         blas = _openblas()
         if blas is not None:
