@@ -112,15 +112,16 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     src, langs = corpus_path(corpus)
     lang = corpus_language(src, langs)
     opts = CorpusOptions(languages=langs, exclude_tests=True, val_fraction=val_fraction)
-    print(f"[1/5] corpus: {src} ({', '.join(langs or ['all known languages'])}, test files excluded)")
-    tok_dir = _tokenizer(out_dir, src, opts)
+    n = 8 if chat else 5  # the steps it announces: the chat stages are 5-8
+    print(f"[1/{n}] corpus: {src} ({', '.join(langs or ['all known languages'])}, test files excluded)")
+    tok_dir = _tokenizer(out_dir, src, opts, n)
     if hrm:
         return hrm_quickstart(out_dir, src, langs, tok_dir, max_iters, device, t_start)
 
     data_dir = out_dir / "data"
     meta = prepare([src], tok_dir, data_dir, opts, overwrite=True,  # a no-op when unchanged
                    log=lambda m: print(f"      {m}") if m.startswith("warning") else None)
-    print(f"[3/5] prepare: {meta['documents']} files -> {meta['tokens']:,} tokens "
+    print(f"[3/{n}] prepare: {meta['documents']} files -> {meta['tokens']:,} tokens "
           f"(train {meta['splits']['train']['tokens']:,}, val {meta['splits']['val']['tokens']:,}); "
           f"-> {data_dir}\n      skipped: {describe_skipped(meta['skipped'])}")
 
@@ -133,8 +134,8 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     if budget and not chat:
         flags["train.time_budget"] = budget  # the step count follows this CPU's pace (docs/pipeline.md)
     cfg = resolve(PRESETS, None, [], flags, vocab_from_data=True)
-    print(f"[4/5] train: {cfg.train.max_iters} steps -> {run_dir}" if not cfg.train.time_budget else
-          f"[4/5] train: as many of {cfg.train.max_iters} steps as fit in {cfg.train.time_budget / 60:g} minutes "
+    print(f"[4/{n}] train: {cfg.train.max_iters} steps -> {run_dir}" if not cfg.train.time_budget else
+          f"[4/{n}] train: as many of {cfg.train.max_iters} steps as fit in {cfg.train.time_budget / 60:g} minutes "
           f"on this CPU (--max-iters N pins the count) -> {run_dir}")
     resume = (run_dir / rundir.CHECKPOINTS).exists()
     result = run_stage(cfg, resume=resume)
@@ -194,14 +195,14 @@ def last_validation(run_dir: Path) -> dict | None:
             "eval_tokens": last.get("val_tokens"), "validation_step": last["step"]}
 
 
-def _tokenizer(out_dir: Path, src: str, opts: CorpusOptions) -> Path:
+def _tokenizer(out_dir: Path, src: str, opts: CorpusOptions, n: int = 5) -> Path:
     tok_dir = out_dir / "tokenizer"
     if (tok_dir / "tokenizer.json").exists():
-        print(f"[2/5] tokenizer: reusing {tok_dir}")
+        print(f"[2/{n}] tokenizer: reusing {tok_dir}")
     else:
         stats = CorpusStats()
         _, meta = train_tokenizer((d.text for d in iter_documents([src], opts, stats)), VOCAB, tok_dir)
-        print(f"[2/5] tokenizer: vocab {meta['vocab_size']} trained on {meta['train_documents']} files "
+        print(f"[2/{n}] tokenizer: vocab {meta['vocab_size']} trained on {meta['train_documents']} files "
               f"({meta['train_bytes'] / 1e6:.1f} MB) in {meta['train_seconds']:.1f}s -> {tok_dir}")
     return tok_dir
 
@@ -309,6 +310,9 @@ def chat_stages(out_dir: Path, src: str, langs, base_run: Path, device: str, t_s
     sft_run = out_dir / "sft"
     print(f"[6/8] SFT from {base_run} -> {sft_run}")
     r_sft = _stage("sft", sft_data, sft_run, base_run, device, SFT)
+    if r_sft["interrupted"]:
+        print("interrupted; run the quickstart again to resume")
+        return r_sft
     after = chat_end_rate(engine(sft_run), heldout, n=20)
     print(f"      replies ending with <|im_end|> on held-out requests: {before['im_end_rate']:.0%} before SFT, "
           f"{after['im_end_rate']:.0%} after ({after['im_end_cases']} requests) ({_minutes(t)})")
@@ -318,6 +322,9 @@ def chat_stages(out_dir: Path, src: str, langs, base_run: Path, device: str, t_s
     tools_run = out_dir / "tools"
     print(f"[7/8] tools from {sft_run} -> {tools_run}")
     r_tools = _stage("tools", tool_data, tools_run, sft_run, device, TOOLS)
+    if r_tools["interrupted"]:
+        print("interrupted; run the quickstart again to resume")
+        return r_tools
     print(f"      ({_minutes(t)})")
     t = time.perf_counter()
     eng = engine(tools_run)

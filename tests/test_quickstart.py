@@ -48,6 +48,7 @@ def test_quickstart_chat_stages_end_to_end(tmp_path, capsys, monkeypatch):
         assert r[key]["tool_cases"] == 3 and 0 <= r[key]["no_call_accuracy"] <= 1
     printed = capsys.readouterr().out
     assert "[8/8] tool calling on 3 held-out cases" in printed and "after the tools stage:" in printed
+    assert "[1/8] corpus" in printed and "[4/8] train" in printed and "/5]" not in printed  # one numbering
     sft = json.loads((out / "sft_data" / "meta.json").read_text())
     tools = json.loads((out / "tool_data" / "meta.json").read_text())
     assert sft["documents"] > tools["documents"] >= 30  # the mined pairs plus the tool conversations
@@ -130,3 +131,20 @@ def test_quickstart_on_a_small_go_library_speaks_go_and_keeps_its_time_budget(tm
     last_val = [m for m in metrics if "val_loss" in m][-1]
     assert r["val_loss"] == last_val["val_loss"] and r["bits_per_byte"] == last_val["val_bpb"]
     assert json.loads((out / "data" / "meta.json").read_text())["splits"]["val"]["documents"] > 0
+
+
+def test_quickstart_chat_stops_when_a_chat_stage_is_interrupted(tmp_path, capsys, monkeypatch):
+    """Ctrl-C or SIGTERM in SFT (or the tools stage) stops the quickstart there, as in pretraining: no scoring
+    of a half-trained model, and the result says interrupted (the CLI's exit status 130/143)."""
+    import codeforge.quickstart as qs
+    asked = []
+
+    def stage(name, *a, **k):
+        asked.append(name)
+        return {"interrupted": True, "step": 1}
+    monkeypatch.setattr(qs, "_stage", stage)
+    monkeypatch.setattr(qs, "TOOL_EXAMPLES", 40)
+    r = run_quickstart(str(tmp_path / "qs"), corpus=str(STDLIB / "email"), max_iters=2, chat=True)
+    assert r["interrupted"] and asked == ["sft"]
+    printed = capsys.readouterr().out
+    assert "interrupted; run the quickstart again to resume" in printed and "[7/8]" not in printed

@@ -92,7 +92,7 @@ def _train(run: Run, resume: bool, sampler: Callable[..., str]) -> dict:
     except ValueError as e:  # too little data for one batch
         raise ConfigError(str(e)) from e
     if getattr(batches, "split", 0) or getattr(batches, "dropped", 0):
-        say(f"chat data: {batches.split} conversation(s) longer than the context ({m.block_size + 1} tokens) "
+        say(f"chat data: {batches.split} conversation(s) longer than one window ({m.block_size} tokens of context and the target after them) "
             f"split at turn boundaries, {batches.dropped} dropped (a single turn longer than the context)")
     tokens_per_step = t.batch_size * m.block_size * t.grad_accum_steps * world
     total = budget(cfg, tokens_per_step, max(1, math.ceil((t.epochs or 1.0) * batches.per_epoch / t.grad_accum_steps)))

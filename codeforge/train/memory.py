@@ -131,7 +131,7 @@ def report(plan: Plan, model_cfg, train_cfg, precision: str, device_bytes: float
         lines.append(f"  -> {advice}")
     if plan.no_fsdp:
         lines.append(f"  (FSDP column for comparison only: {plan.no_fsdp})")
-    lines.append("  (an estimate from the shapes; the CUDA context and allocator add ~0.5-1 GiB. Under FSDP every "
-                 "rank first builds the whole model in host memory (4 bytes a parameter), then shards it onto its "
-                 "device)")
+    lines.append("  (an estimate from the shapes; the CUDA context and allocator add ~0.5-1 GiB. Under FSDP one rank "
+                 "per host builds the whole model in host memory (4 bytes a parameter) and the others start empty; "
+                 "each rank then holds its shard on its device)")
     return "\n".join(lines)
