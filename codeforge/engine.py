@@ -189,7 +189,7 @@ class Engine:
             if any(pads):
                 keymask[:, L + t] = True
                 step_mask = keymask[:, None, None, :L + t + 1]
-            with decode_threads():
+            with decode_threads(self.model, B):
                 logits = self._forward(nxt.unsqueeze(1), cache, next_pos.unsqueeze(1), step_mask)[:, -1, :]
             next_pos = next_pos + 1
 

@@ -128,3 +128,19 @@ def test_a_wrong_setting_is_named(monkeypatch):
         cpu_linear.backend()
     monkeypatch.setenv(cpu_linear.MATMUL_ENV, "torch")
     assert cpu_linear.backend() == "torch"
+
+
+def test_decode_threads_with_many_rows_only_for_models_mostly_in_large_matrices(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "MIN_WEIGHTS", 1000)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        small = torch.nn.Sequential(Linear(8, 8), Linear(8, 8), Linear(40, 40))  # 1,600 of 1,728 large
+        tiny = torch.nn.Sequential(Linear(8, 8), Linear(8, 8))  # none large
+        assert cpu_linear.openblas_share(small) == pytest.approx(1600 / 1728)
+        for model, rows, one in ((small, 8, True), (tiny, 8, False), (tiny, 1, True)):
+            with decode_threads(model, rows):
+                assert (torch.get_num_threads() == 1) == one, (rows, one)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

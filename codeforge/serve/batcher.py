@@ -543,7 +543,7 @@ class Scheduler:
         idx = torch.tensor([[r.last] for r in rows], device=self.device)  # (n, 1)
         pos = torch.tensor([[r.fed] for r in rows], device=self.device)  # (n, 1)
         view, mask = self.cache.step_view()
-        with autocast(self.device, self.engine.precision), decode_threads():
+        with autocast(self.device, self.engine.precision), decode_threads(self.model, len(rows)):
             self.logits = self.model(idx, kv_cache=view, pos=pos, attn_mask=mask, last_only=True)[:, -1, :]
         self.cache.advance()
         for r in rows:
