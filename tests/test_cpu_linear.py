@@ -25,6 +25,18 @@ def small_weights_too(monkeypatch):
     monkeypatch.setattr(cpu_linear, "MIN_WEIGHTS", 0)
 
 
+@pytest.fixture
+def decoding():
+    """A decoding step's context with a 2-thread pool (the products go to OpenBLAS only inside one)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode(), decode_threads():
+            yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def spy(monkeypatch) -> list:
     """Count the products that reach OpenBLAS."""
     calls = []
@@ -49,7 +61,15 @@ def test_few_rows_go_to_openblas_and_equal_torch(monkeypatch, rows, bias):
     m = Linear(96, 200, bias=bias)
     x = torch.randn(rows, 1, 96)
     with torch.inference_mode():
-        got = m(x)
+        m(x)  # outside a decoding step: PyTorch
+        assert calls == []
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode(), decode_threads():
+            got = m(x)
+    finally:
+        torch.set_num_threads(before)
     assert calls == [(rows, 96)]
     want = F.linear(x, m.weight, m.bias)
     assert got.shape == (rows, 1, 200) and got.dtype == torch.float32
@@ -60,20 +80,24 @@ def test_training_many_rows_and_other_dtypes_stay_with_torch(monkeypatch):
     calls = spy(monkeypatch)
     m = Linear(32, 48)
     x = torch.randn(2, 32, requires_grad=True)
-    y = m(x)  # gradients recorded: autograd must see the product
+    with decode_threads():
+        y = m(x)  # gradients recorded: autograd must see the product
     y.sum().backward()
     assert x.grad is not None and m.weight.grad is not None
-    with torch.no_grad():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    with torch.no_grad(), decode_threads():
         m(torch.randn(cpu_linear.MAX_ROWS + 1, 32))  # a prompt's prefill
         m.to(torch.bfloat16)(torch.randn(2, 32, dtype=torch.bfloat16))
         linear(torch.randn(0, 32), m.weight.float(), None)  # nothing to multiply
+    torch.set_num_threads(before)
     assert calls == []
 
 
-def test_small_matrices_stay_with_torch(monkeypatch):
+def test_small_matrices_stay_with_torch(monkeypatch, decoding):
     calls = spy(monkeypatch)
     monkeypatch.setattr(cpu_linear, "MIN_WEIGHTS", 1 << 20)
-    with torch.inference_mode():
+    if True:
         Linear(256, 768)(torch.randn(1, 256))  # 196,608 weights: PyTorch
         Linear(256, 4096)(torch.randn(1, 256))  # 1,048,576: OpenBLAS
     assert calls == [(1, 256)]
@@ -93,9 +117,8 @@ def test_decode_threads_runs_torch_on_one_thread_and_puts_the_count_back():
                 assert torch.get_num_threads() == 1
         assert torch.get_num_threads() == 2
         torch.set_num_threads(1)
-        with torch.inference_mode():
-            Linear(16, 16)(torch.randn(1, 16))  # outside: OpenBLAS follows the pool
-        assert {c.num_threads for c in ctl.lib_controllers} == {1}
+        with decode_threads():  # a one-thread pool: nothing changes, and PyTorch multiplies
+            assert torch.get_num_threads() == 1 and not getattr(cpu_linear._local, "decoding", False)
     finally:
         torch.set_num_threads(before)
 

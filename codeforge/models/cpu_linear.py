@@ -7,13 +7,15 @@ on one thread at 8-13 GB/s on an AVX2 AMD EPYC, while the OpenBLAS that numpy sh
 with both threads at 16-37 GB/s (docs/LOG.md, 2026-11-25, "decode on the CPU"). So a product goes to
 OpenBLAS when all of these hold, and to F.linear otherwise:
 
-- no gradient is being recorded (generation, serving, scoring: never training);
+- inside `decode_threads()` (a decoding step that pays for it, below), with no gradient recorded;
 - float32 on the CPU, at most MAX_ROWS rows (decoding steps; a prompt's prefill stays with PyTorch), and a
   weight matrix of at least MIN_WEIGHTS entries;
 - numpy's OpenBLAS was found, and $CODEFORGE_CPU_MATMUL is not `torch`.
 
 OpenBLAS runs as many threads as PyTorch's intra-op pool (device.thread_policy chose it), set through
-threadpoolctl whenever that count changes. Its idle threads sleep almost at once (OPENBLAS_THREAD_TIMEOUT,
+threadpoolctl. Outside a decoding step every product stays with PyTorch: OpenBLAS's threads beside
+PyTorch's, both wanting every core, made a 5M model's batch-8 decoding 2.4x slower (285 against 676
+tokens/s, docs/LOG.md). Its idle threads sleep almost at once (OPENBLAS_THREAD_TIMEOUT,
 set in codeforge/__init__.py before anything loads OpenBLAS), for the same reason OpenMP's do.
 
 A decoding step runs inside `decode_threads()`: OpenBLAS keeps the pool's thread count for the products and
@@ -112,13 +114,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """F.linear(x, weight, bias), through OpenBLAS where the module's rule allows it."""
     if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
             and not torch.is_grad_enabled() and x.numel() <= MAX_ROWS * x.shape[-1] and x.numel() > 0
-            and weight.numel() >= MIN_WEIGHTS
+            and weight.numel() >= MIN_WEIGHTS and getattr(_local, "decoding", False)
             and not torch.compiler.is_compiling()):
         blas = _openblas()
         if blas is not None:
-            np, ctl = blas
-            if not getattr(_local, "decoding", False):
-                _set_blas_threads(ctl, torch.get_num_threads())
+            np, _ = blas
             rows = x.reshape(-1, x.shape[-1]).contiguous()
             out = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32)
             np.matmul(rows.numpy(), weight.detach().numpy().T, out=out.numpy())
