@@ -112,19 +112,18 @@ def decode_threads(model: nn.Module | None = None, rows: int = 1):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x, weight, bias), through OpenBLAS where the module's rule allows it."""
-    if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and not torch.is_grad_enabled() and x.numel() <= MAX_ROWS * x.shape[-1] and x.numel() > 0
-            and weight.numel() >= MIN_WEIGHTS and getattr(_local, "decoding", False)
-            and not torch.compiler.is_compiling()):
-        blas = _openblas()
-        if blas is not None:
-            np, _ = blas
-            rows = x.reshape(-1, x.shape[-1]).contiguous()
-            out = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32)
-            np.matmul(rows.numpy(), weight.detach().numpy().T, out=out.numpy())
-            if bias is not None:
-                out += bias.detach()
-            return out.view(*x.shape[:-1], weight.shape[0])
+    # the thread-local flag first: outside a decoding step (training among them) nothing else is looked at;
+    # decode_threads sets it only where OpenBLAS was found
+    if (getattr(_local, "decoding", False) and not torch.is_grad_enabled() and x.device.type == "cpu"
+            and x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.numel() >= MIN_WEIGHTS
+            and 0 < x.numel() <= MAX_ROWS * x.shape[-1] and not torch.compiler.is_compiling()):
+        np = _openblas()[0]
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        out = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32)
+        np.matmul(rows.numpy(), weight.detach().numpy().T, out=out.numpy())
+        if bias is not None:
+            out += bias.detach()
+        return out.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 
