@@ -401,8 +401,9 @@ def test_permuted_rows_are_llama_cpp_rotary_pairs():
     n_head, hd, T = 3, 8, 5
     w = torch.randn(n_head * hd, 7)
     x = torch.randn(T, 7)
-    cos, sin = rope_tables(hd, T, 10000.0)
-    ours = apply_rope((x @ w.t()).view(T, n_head, hd).transpose(0, 1), cos, sin)  # (n_head, T, hd)
+    cos_full, sin_full = rope_tables(hd, T, 10000.0)
+    ours = apply_rope((x @ w.t()).view(T, n_head, hd).transpose(0, 1), cos_full, sin_full)  # (n_head, T, hd)
+    cos, sin = cos_full[:, :hd // 2], sin_full[:, hd // 2:]  # the angles
     y = (x @ permute_rows(w, n_head).t()).view(T, n_head, hd).transpose(0, 1)
     a, b = y[..., 0::2], y[..., 1::2]  # adjacent pairs
     norm = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)

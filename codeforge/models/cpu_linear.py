@@ -38,7 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 MAX_ROWS = 16  # up to a batch of 16 sequences decoding one token each
-MIN_WEIGHTS = 1 << 20  # smaller matrices (4 MB) stay with PyTorch: waking OpenBLAS's threads costs more than
+MIN_WEIGHTS = 1 << 19  # smaller matrices (2 MB) stay with PyTorch: waking OpenBLAS's threads costs more than
 # it saves there (a 5M-parameter model decoded slower through OpenBLAS on every product, docs/LOG.md)
 MATMUL_ENV = "CODEFORGE_CPU_MATMUL"  # "torch": never OpenBLAS; "auto" or unset: the rule above
 

@@ -162,7 +162,7 @@ class Stack(nn.Module):
         if self.wpe is not None:
             x = x + self.wpe(pos)
         else:
-            rope = (self.rope_cos[pos].unsqueeze(1), self.rope_sin[pos].unsqueeze(1))  # (B|1, 1, T, hd/2)
+            rope = (self.rope_cos[pos].unsqueeze(1), self.rope_sin[pos].unsqueeze(1))  # (B|1, 1, T, hd)
         x = self.drop(x)
         for block in self.blocks:
             x = block(x, rope, kv_cache, attn_mask)
