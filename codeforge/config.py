@@ -111,8 +111,8 @@ class TrainConfig:
     eval_every: int = setting(250, "evaluate every N steps", range=(0, 10**9), zero_means="only at the end")
     time_budget: float = setting(0.0, "seconds the run may take: after its first steps it measures the pace and "
                                  "sets the step count (at most --max-iters) so that training and its evaluations "
-                                 "end within this; the count is saved as max_iters, so a re-run or --resume "
-                                 "repeats it", range=(1.0, 10.0**9), zero_means="no budget: --max-iters steps")
+                                 "end within this (on --resume: counted from the resumed step); the count is saved as "
+                                 "max_iters, so a re-run or --resume repeats it", range=(1.0, 10.0**9), zero_means="no budget: --max-iters steps")
     eval_tokens: int = setting(262_144, "validation tokens per evaluation, at most: the validation split in "
                                "order, in whole context windows until N tokens are covered (chat rows count "
                                "their masked and padding tokens). A pretraining run too short to pay for N "

@@ -100,6 +100,18 @@ def corpus_language(src: str, langs: list[str] | None) -> str | None:
     return best if counts[best] else None
 
 
+def saved_step_count(run_dir: Path) -> int | None:
+    """The step count a run saved once its time budget chose it (config.toml's train.max_iters with the
+    budget spent), or None where the run has not chosen one yet (or its config cannot be read)."""
+    import tomllib
+    try:
+        saved = tomllib.loads((run_dir / rundir.CONFIG).read_text()).get("train", {})
+    except (OSError, ValueError):
+        return None
+    steps = saved.get("max_iters")
+    return steps if isinstance(steps, int) and steps > 0 and not saved.get("time_budget") else None
+
+
 def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | None = None,
                    device: str = "auto", chat: bool = False, hrm: bool = False, val_fraction: float = 0.02,
                    time_budget: float | None = None) -> dict:
@@ -126,6 +138,9 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
           f"-> {data_dir}\n      skipped: {describe_skipped(meta['skipped'])}")
 
     run_dir = out_dir / "run"
+    resume = (run_dir / rundir.CHECKPOINTS).exists()
+    kept = saved_step_count(run_dir) if resume and not chat and max_iters is None and time_budget is None else None
+    max_iters = max_iters or kept  # a re-run keeps the count the first run's time budget chose
     train = {**RUN, **(CHAT_TRAIN if chat else {}), "precision": cpu_precision(device)}
     flags = {**{f"model.{k}": v for k, v in (CHAT_MODEL if chat else {}).items()},
              **{f"train.{k}": v for k, v in train.items()},
@@ -134,10 +149,10 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     if budget and not chat:
         flags["train.time_budget"] = budget  # the step count follows this CPU's pace (docs/pipeline.md)
     cfg = resolve(PRESETS, None, [], flags, vocab_from_data=True)
-    print(f"[4/{n}] train: {cfg.train.max_iters} steps -> {run_dir}" if not cfg.train.time_budget else
+    print(f"[4/{n}] train: {cfg.train.max_iters} steps" + (" (the count this run chose; --max-iters N trains on "
+          "to N)" if kept else "") + f" -> {run_dir}" if not cfg.train.time_budget else
           f"[4/{n}] train: as many of {cfg.train.max_iters} steps as fit in {cfg.train.time_budget / 60:g} minutes "
           f"on this CPU (--max-iters N pins the count) -> {run_dir}")
-    resume = (run_dir / rundir.CHECKPOINTS).exists()
     result = run_stage(cfg, resume=resume)
     if result["interrupted"]:
         print("interrupted; run the quickstart again to resume")

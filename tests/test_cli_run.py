@@ -247,6 +247,14 @@ def test_time_budget_chooses_and_saves_the_step_count(data_dir, tmp_path, capsys
     saved = tomllib.loads((out / "config.toml").read_text())["train"]
     assert saved["time_budget"] == 0 and 5 < saved["max_iters"] < 1_000_000
     assert f"done: step {saved['max_iters']}," in said.out
+    # --resume with a new budget: the resumed run times its steps again and takes what fits from there on
+    first = saved["max_iters"]
+    assert main(["train", "--out", str(out), "--resume", "--max-iters", "1000000", "--time-budget", "2",
+                 "--no-progress"]) == 0
+    said = capsys.readouterr()
+    again = tomllib.loads((out / "config.toml").read_text())["train"]
+    assert "time budget 2s" in said.out + said.err and again["time_budget"] == 0
+    assert first < again["max_iters"] < 1_000_000 and f"done: step {again['max_iters']}," in said.out
 
 
 def test_stopped_runs_exit_with_the_signal_status():

@@ -131,6 +131,11 @@ def test_quickstart_on_a_small_go_library_speaks_go_and_keeps_its_time_budget(tm
     last_val = [m for m in metrics if "val_loss" in m][-1]
     assert r["val_loss"] == last_val["val_loss"] and r["bits_per_byte"] == last_val["val_bpb"]
     assert json.loads((out / "data" / "meta.json").read_text())["splits"]["val"]["documents"] > 0
+    # run again, as the README says: the run keeps the count its budget chose (it does not train on to 560)
+    again = run_quickstart(str(out), corpus=str(src), val_fraction=0.25)
+    printed = capsys.readouterr().out
+    assert f"train: {saved['max_iters']} steps (the count this run chose" in printed
+    assert again["step"] == saved["max_iters"] and "val_loss" in again
 
 
 def test_quickstart_chat_stops_when_a_chat_stage_is_interrupted(tmp_path, capsys, monkeypatch):

@@ -306,7 +306,7 @@ class Trainer:
                 loss, norm = self._optimisation_step()
                 self.step += 1
                 self.tokens += self.tokens_per_step
-                if t.time_budget and start_step == 0 and not self.budget_set and pace.measured(self.step):
+                if t.time_budget and not self.budget_set and pace.measured(self.step):  # resumed too: from now on
                     total = self._fit_budget(pace, t_run)
                 note = pace.step(self.step)
                 if note:
