@@ -274,3 +274,18 @@ def test_decoded_scores():
     assert empty["syntax_valid_rate"] == 0.0 and empty["plan_followed"] == 0.0 and empty["plan_word_accuracy"] == 0.0
     broken = plan_and_code_scores([{**gold, "gen_plan": ["if", "{"], "gen_body": "    if x\n"}])
     assert broken["syntax_valid_rate"] == 0.0 and broken["plan_word_accuracy"] == 2 / 5
+
+
+def test_a_short_hrm_run_scores_fewer_validation_tokens(plans_dir, tokenizer_dir, tmp_path):
+    """As for the language model (evaluation/lm.py's sized_eval_tokens): a run too short to pay for
+    --eval-tokens scores fewer, says so and saves the count (the guide's hrm-small run sat silent for minutes
+    in its first evaluation of 262,144 tokens)."""
+    import tomllib
+
+    from codeforge.evaluation.lm import EVAL_FLOOR
+    said = []
+    run_stage(_cfg(plans_dir, tokenizer_dir, tmp_path / "r", **{"train.max_iters": 2, "train.eval_tokens": 10**6}),
+              log=said.append)
+    assert any(f"evaluation: {EVAL_FLOOR:,} validation tokens each (of --eval-tokens 1,000,000)" in m
+               for m in said), said
+    assert tomllib.loads((tmp_path / "r" / "config.toml").read_text())["train"]["eval_tokens"] == EVAL_FLOOR

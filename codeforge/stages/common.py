@@ -27,6 +27,7 @@ from .. import checkpoint as ckpt_io
 from ..config import FSDP_STAGES, STAGE, ConfigError, RunConfig
 from ..device import choose_device, choose_precision
 from ..distributed import distributed_env, found_by_rank0, setup_distributed, teardown_distributed
+from ..evaluation.lm import sized_eval_tokens
 from ..models import build_model
 from ..tokenizer import CodeTokenizer
 from ..train.resume import check_resume
@@ -175,6 +176,20 @@ def budget(cfg: RunConfig, tokens_per_step: int, epoch_steps: int) -> int:
 
 
 # -- the stages that continue a trained run (preference and RL) ---------------------------------------
+
+def sized_evaluation(cfg: RunConfig, run_config: dict, tokens_per_step: int, total: int, say) -> None:
+    """Fewer validation tokens for a run too short to pay for --eval-tokens (evaluation/lm.py's rule), said,
+    set in cfg.train and saved in the run's config (so `codeforge eval` scores the same)."""
+    t = cfg.train
+    evaluations = (total // t.eval_every if t.eval_every else 0) + 1
+    sized = sized_eval_tokens(t.eval_tokens, tokens_per_step * total, evaluations)
+    if sized != t.eval_tokens:
+        say(f"evaluation: {sized:,} validation tokens each (of --eval-tokens {t.eval_tokens:,}): a run of "
+            f"{total} steps x {tokens_per_step:,} tokens with {evaluations} evaluation(s) scores an eighth of what "
+            f"it trains on; saved as eval_tokens in config.toml")
+        cfg.train = replace(t, eval_tokens=sized)
+        run_config["train"]["eval_tokens"] = sized
+
 
 def start_point(cfg: RunConfig, say) -> tuple[CodeTokenizer, Path, dict]:
     """(tokenizer, checkpoint, its saved config) of the run --init-from names: these stages continue one."""

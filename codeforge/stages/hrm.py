@@ -17,7 +17,7 @@ from ..evaluation.hrm import PARTS, evaluate_hrm, hrm_generation_eval
 from ..tokenizer import CodeTokenizer, token_byte_lengths
 from ..train.resume import jsonl_identity
 from ..train.trainer import Trainer
-from .common import Run, begin, built, budget, init_from, launch, vocabulary
+from .common import Run, begin, budget, built, init_from, launch, sized_evaluation, vocabulary
 
 
 def hrm_loss_fn(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, dict]:
@@ -95,6 +95,8 @@ def _train(run: Run, resume: bool) -> dict:
     total = budget(cfg, tokens_per_step, max(1, math.ceil((t.epochs or 1.0) * batches.per_epoch / t.grad_accum_steps)))
 
     # -- evaluation and samples -----------------------------------------------------------------------------
+    sized_evaluation(cfg, run_config, tokens_per_step, total, say)  # a short run scores fewer tokens
+    t = cfg.train
     token_bytes = token_byte_lengths(tok, m.vocab_size).to(device)
     val_batches = (HRMBatches(val_data, tok, min(t.batch_size, len(val_data)), m.plan_len, m.code_len, seed=t.seed,
                               shuffle=False, device=device, labels=labels) if val_data is not None else None)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -17,14 +16,14 @@ from ..config import STAGE, ConfigError, RunConfig
 from ..data.loader import batch_source
 from ..data.shards import ShardSet
 from ..engine import Engine, SamplingParams
-from ..evaluation.lm import sized_eval_tokens, validation_loss
+from ..evaluation.lm import validation_loss
 from ..tokenizer import CodeTokenizer, token_byte_lengths
 from ..train import parallel
 from ..train.losses import lm_loss_fn
 from ..train.memory import estimate
 from ..train.resume import data_identity
 from ..train.trainer import Trainer
-from .common import Run, begin, budget, built, check_init_from, init_from, launch, vocabulary
+from .common import Run, begin, budget, built, check_init_from, init_from, launch, sized_evaluation, vocabulary
 
 
 def run(cfg: RunConfig, resume: bool = False, log=print) -> dict:
@@ -98,14 +97,8 @@ def _train(run: Run, resume: bool, sampler: Callable[..., str]) -> dict:
     total = budget(cfg, tokens_per_step, max(1, math.ceil((t.epochs or 1.0) * batches.per_epoch / t.grad_accum_steps)))
 
     # -- evaluation and samples -----------------------------------------------------------------------------
-    evaluations = (total // t.eval_every if t.eval_every else 0) + 1
-    sized = sized_eval_tokens(t.eval_tokens, tokens_per_step * total, evaluations)
-    if sized != t.eval_tokens:  # a short run: fewer validation tokens, saved so `codeforge eval` scores the same
-        say(f"evaluation: {sized:,} validation tokens each (of --eval-tokens {t.eval_tokens:,}): a run of "
-            f"{total} steps x {tokens_per_step:,} tokens with {evaluations} evaluation(s) scores an eighth of what "
-            f"it trains on; saved as eval_tokens in config.toml")
-        cfg.train = t = replace(t, eval_tokens=sized)
-        run_config["train"]["eval_tokens"] = sized
+    sized_evaluation(cfg, run_config, tokens_per_step, total, say)  # a short run scores fewer tokens
+    t = cfg.train
     token_bytes = token_byte_lengths(tok, m.vocab_size)
     warned = []
 
