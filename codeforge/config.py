@@ -355,8 +355,8 @@ def resolve(presets: list[str] = (), file: str | None = None, sets: list[str] = 
     """Build and validate a RunConfig. Layers, later wins: the declared defaults (or `base`, a saved config
     dict), the stage's defaults (presets/stages.toml), presets, the file, --set, flags. The dataclasses are
     built once from the merged values, so derived fields (n_kv_head, ffn_hidden) follow the final values.
-    vocab_from_data: a preset's vocab_size is dropped (0 = take it from the data) unless the file, --set or
-    a flag sets one."""
+    vocab_from_data: a preset's vocab_size is dropped (0 = take it from the data; on --resume, the saved run's)
+    unless the file, --set or a flag sets one."""
     layers: list[tuple[str, Any]] = []  # (section.key, value), in order of precedence
     tables = _preset_tables()
     pretrain_only: list[tuple[int, list]] = []  # (place in layers, a profile's [NAME.pretrain] recipe)
@@ -371,6 +371,8 @@ def resolve(presets: list[str] = (), file: str | None = None, sets: list[str] = 
             pretrain_only.append((len(layers), [(f"train.{k}", v) for k, v in table["pretrain"].items()]))
     if vocab_from_data and not base:
         layers.append(("model.vocab_size", 0))
+    elif vocab_from_data and "vocab_size" in base.get("model", {}):  # --resume: the run's own (from its data)
+        layers.append(("model.vocab_size", base["model"]["vocab_size"]))
     if file:
         for k, v in load_file(file).items():
             if isinstance(v, dict) and k in SECTIONS:

@@ -178,6 +178,13 @@ def test_resume_needs_only_the_run(data_dir, tmp_path, capsys):
     assert "--data" in err and "no run to continue" in err
     assert main(["train", "--data", str(data_dir)]) == 2
     assert "--out RUN" in capsys.readouterr().err
+    # the same command again with --resume (as a requeued SLURM job runs it): a model preset's vocab_size
+    # (tiny: 32,000) gives way to the run's, taken from its data, as it did when the run began
+    again = ["train", "--data", str(data_dir), "--out", str(tmp_path / "preset"), "--preset", "tiny", *tiny]
+    assert main([*again, "--max-iters", "2"]) == 0
+    capsys.readouterr()
+    assert main([*again, "--max-iters", "3", "--resume"]) == 0
+    assert "done: step 3" in capsys.readouterr().out
 
 
 def test_help_and_presets_do_not_import_torch():
