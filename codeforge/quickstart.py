@@ -16,7 +16,7 @@ from pathlib import Path
 
 from . import rundir
 from .checkpoint import load_model
-from .config import resolve
+from .config import ConfigError, resolve
 from .corpus import CorpusOptions, CorpusStats, describe_skipped, iter_documents
 from .data.hrm_batches import PlanData
 from .data.shards import prepare
@@ -100,6 +100,36 @@ def corpus_language(src: str, langs: list[str] | None) -> str | None:
     return best if counts[best] else None
 
 
+CORPUS_RECORD = "quickstart.json"  # in --out: the corpus the quickstart there was made from
+
+
+def same_corpus(out_dir: Path, src: str, langs: list[str] | None) -> None:
+    """Refuse a corpus other than the one --out was made from (its tokenizer, shards and run would be mixed with
+    the new corpus's, and the old run's data overwritten); record the corpus on first use. A directory made
+    before the record is judged by the sources its shards name."""
+    import json
+    record = out_dir / CORPUS_RECORD
+    now = {"corpus": os.path.realpath(src), "languages": langs}
+    try:
+        was = json.loads(record.read_text())
+        seen = [was["corpus"]] if was != now else None
+    except FileNotFoundError:
+        try:
+            sources = json.loads((out_dir / "data" / "meta.json").read_text())["sources"]
+            seen = sources if [os.path.realpath(x) for x in sources] != [now["corpus"]] else None
+        except (OSError, ValueError, KeyError, TypeError):
+            seen = None
+    except (OSError, ValueError, KeyError, TypeError):
+        seen = [f"an unreadable {record}"]
+    if seen:
+        raise ConfigError(f"{out_dir} holds a quickstart made from {', '.join(map(str, seen))}, not {now['corpus']}; "
+                          f"give this corpus its own directory with --out (e.g. --out {out_dir}-new), or delete "
+                          f"{out_dir} to start over there")
+    if not record.exists():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps(now) + "\n")
+
+
 def saved_step_count(run_dir: Path) -> int | None:
     """The step count a run saved once its time budget chose it (config.toml's train.max_iters with the
     budget spent), or None where the run has not chosen one yet (or its config cannot be read)."""
@@ -122,6 +152,7 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     t_start = time.perf_counter()
     out_dir = Path(out)
     src, langs = corpus_path(corpus)
+    same_corpus(out_dir, src, langs)
     lang = corpus_language(src, langs)
     opts = CorpusOptions(languages=langs, exclude_tests=True, val_fraction=val_fraction)
     n = 8 if chat else 5  # the steps it announces: the chat stages are 5-8

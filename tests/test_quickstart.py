@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from codeforge.cli import main
+from codeforge.config import ConfigError
 from codeforge.quickstart import corpus_path, run_quickstart
 
 from conftest import STDLIB
@@ -136,6 +137,21 @@ def test_quickstart_on_a_small_go_library_speaks_go_and_keeps_its_time_budget(tm
     printed = capsys.readouterr().out
     assert f"train: {saved['max_iters']} steps (the count this run chose" in printed
     assert again["step"] == saved["max_iters"] and "val_loss" in again
+    # another corpus into the same --out is refused before anything there is touched
+    meta = (out / "data" / "meta.json").read_bytes()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "a.go").write_text("package a\n")
+    with pytest.raises(ConfigError, match="holds a quickstart made from .*golib.*--out"):
+        run_quickstart(str(out), corpus=str(other))
+    assert (out / "data" / "meta.json").read_bytes() == meta
+
+
+def test_each_corpus_gets_its_own_default_directory():
+    from codeforge.cli.train import default_out
+    assert default_out("python-stdlib") == "runs/quickstart" and default_out("go") == "runs/quickstart-go"
+    assert default_out("~/src/my project/") == "runs/quickstart-my_project"
+    assert default_out("go", chat=True) == "runs/quickstart-chat-go"
 
 
 def test_quickstart_chat_stops_when_a_chat_stage_is_interrupted(tmp_path, capsys, monkeypatch):

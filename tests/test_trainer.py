@@ -333,12 +333,35 @@ def test_interrupted_run_says_where_it_stopped(data_dir, tmp_path, capsys, monke
             "--n-embd", "32", "--block-size", "32", "--batch-size", "2", "--max-iters", "100", "--eval-every", "50",
             "--eval-tokens", "64", "--device", "cpu", "--no-progress"]
     assert main(args) == 130  # a script can tell Ctrl-C from a finished run (128 + SIGINT)
-    out = capsys.readouterr().out
+    said = capsys.readouterr()
+    out = said.out
     assert "stopped: step 3" in out and "(evaluated at step 0)" in out
+    assert "SIGINT: stopping after this step (or evaluation), with a checkpoint" in said.err  # heard at once
     monkeypatch.setattr(Trainer, "_optimisation_step", orig)
     args[args.index("100")] = "5"
     assert main(args + ["--resume"]) == 0
     assert "training steps 4-5 (2 left)" in capsys.readouterr().out
+
+
+def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(data_dir, tmp_path, monkeypatch):
+    from codeforge.cli import main
+    orig = Trainer._optimisation_step
+
+    def step_then_two(self):
+        out = orig(self)
+        if self.step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(Trainer, "_optimisation_step", step_then_two)
+    run = tmp_path / "r"
+    args = ["train", "--data", str(data_dir), "--out", str(run), "--n-layer", "1", "--n-head", "2", "--n-embd", "32",
+            "--block-size", "32", "--batch-size", "2", "--max-iters", "100", "--eval-every", "50",
+            "--eval-tokens", "64", "--device", "cpu", "--no-progress"]
+    assert main(args) == 130
+    assert not (run / "checkpoints").exists() or not list((run / "checkpoints").glob("step_*3"))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the trainer's handler is gone
 
 
 @pytest.mark.parametrize("native_bf16", ["1", "0"])

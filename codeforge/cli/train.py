@@ -231,7 +231,8 @@ def cmd_presets(a: argparse.Namespace) -> int:
 def add_quickstart_parser(sub) -> None:
     q = sub.add_parser("quickstart", help="the whole pipeline on a built-in corpus: tokenizer, prepare, train, "
                                           "eval, sample")
-    q.add_argument("--out", default=None, help="default runs/quickstart (runs/quickstart-chat with --chat)")
+    q.add_argument("--out", default=None, help="default runs/quickstart (runs/quickstart-chat with --chat, "
+                   "-hrm with --hrm); another --corpus adds its name: runs/quickstart-go, runs/quickstart-NAME")
     q.add_argument("--corpus", default="python-stdlib", help="python-stdlib | go | PATH")
     q.add_argument("--max-iters", type=int, default=None,
                    help="pretraining steps, a fixed count (default: as many of 560 as fit in --time-budget)")
@@ -257,12 +258,22 @@ def cmd_quickstart(a: argparse.Namespace) -> int:
     try:
         if a.chat and a.hrm:
             raise CLIError("--chat and --hrm are two different quickstarts: pick one")
-        default = "runs/quickstart-chat" if a.chat else "runs/quickstart-hrm" if a.hrm else "runs/quickstart"
-        r = run_quickstart(a.out or default, a.corpus, a.max_iters, a.device, chat=a.chat, hrm=a.hrm,
+        r = run_quickstart(a.out or default_out(a.corpus, a.chat, a.hrm), a.corpus, a.max_iters, a.device, chat=a.chat, hrm=a.hrm,
                            val_fraction=a.val_fraction, time_budget=a.time_budget)
     except FileNotFoundError as e:
         raise CLIError(str(e)) from e
     return stopped_code(r)
+
+
+def default_out(corpus: str, chat: bool = False, hrm: bool = False) -> str:
+    """runs/quickstart (-chat, -hrm) for the Python standard library; another corpus gets its own directory
+    beside it (runs/quickstart-go, runs/quickstart-NAME for a directory NAME), so its tokenizer, shards and
+    run never land in another corpus's."""
+    name = "quickstart" + ("-chat" if chat else "-hrm" if hrm else "")
+    if corpus != "python-stdlib":
+        tail = os.path.basename(os.path.realpath(os.path.expanduser(corpus))) or "corpus"
+        name += "-" + ("".join(c if c.isalnum() or c in "-_." else "_" for c in tail).lstrip(".") or "corpus")
+    return os.path.join("runs", name)
 
 
 def stopped_code(r: dict) -> int:

@@ -11,6 +11,7 @@ import contextlib
 import json
 import math
 import signal
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -265,7 +266,13 @@ class Trainer:
         stop = {"signal": None}
 
         def on_signal(signum, frame):
-            stop["signal"] = signal.Signals(signum).name
+            name = signal.Signals(signum).name
+            if stop["signal"] and signum == signal.SIGINT:  # a second Ctrl-C: now, without a checkpoint
+                raise KeyboardInterrupt
+            stop["signal"] = name
+            if self.master:  # an evaluation or a long step can take minutes: say that it was heard
+                print(f"\n{name}: stopping after this step (or evaluation), with a checkpoint; Ctrl-C again stops "
+                      f"at once, without one", file=sys.stderr, flush=True)
 
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         start_step = self.step
