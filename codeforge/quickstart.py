@@ -192,14 +192,16 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     if chat:
         return {**result, **chat_stages(out_dir, src, langs, run_dir, device, t_start)}
     print("[5/5] eval and sample (the validation loss is training's last; syntax and HumanEval are new)")
-    he = 0
+    he, he_skip = 0, ""
     if lang != "python":
-        print(f"      HumanEval skipped: its problems are Python, and this corpus is {lang or 'in another language'}")
+        he_skip = f"its problems are Python, and this corpus is {lang or 'in another language'}"
+        print(f"      HumanEval skipped: {he_skip}")
     else:
         try:
             check_available()
             he = 5
         except SandboxUnavailable as e:
+            he_skip = "no sandbox: see above"
             print(f"      HumanEval skipped: {e}")
     ev = run_eval(str(run_dir), syntax_samples=8, humaneval=he, ks=[1, 5], samples_per_problem=5,
                   max_new_tokens=128, timeout=5.0, device=device, language=lang,
@@ -211,7 +213,7 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
           f"{ev['bits_per_byte']:.3f} bits per byte")
     sv = ev["syntax_valid_rate"]
     sv_text = "n/a" if sv is None else f"{sv:.0%} of {ev['syntax_samples']}"
-    he_text = ("HumanEval not run (no sandbox)" if ev["pass_at_1"] is None else
+    he_text = (f"HumanEval not run ({he_skip or 'no problems scored'})" if ev["pass_at_1"] is None else
                f"HumanEval pass@1 {ev['pass_at_1']:.3f}, pass@5 {ev['pass_at_k'].get('5', 0.0):.3f} "
                f"on {ev['humaneval_problems']} problems (a model this small is not expected to pass any)")
     print(f"syntax-valid completions: {sv_text}; {he_text}")

@@ -125,6 +125,7 @@ def test_quickstart_on_a_small_go_library_speaks_go_and_keeps_its_time_budget(tm
     assert "eval: syntax" in said.err and "eval: validation loss" not in said.err  # scored once, by training
     assert "func fibonacci(n int) int {" in printed and "--prompt 'func '" in printed
     assert "HumanEval skipped: its problems are Python, and this corpus is go" in printed
+    assert "HumanEval not run (its problems are Python" in printed and "no sandbox" not in printed
     assert "as many of 560 steps as fit in 6 minutes" not in printed and "fit in 0.1 minutes" in printed
     saved = tomllib.loads((out / "run" / "config.toml").read_text())["train"]
     assert saved["time_budget"] == 0 and r["step"] == saved["max_iters"] < 560
