@@ -271,8 +271,9 @@ class Trainer:
                 raise KeyboardInterrupt
             stop["signal"] = name
             if self.master:  # an evaluation or a long step can take minutes: say that it was heard
-                print(f"\n{name}: stopping after this step (or evaluation), with a checkpoint; Ctrl-C again stops "
-                      f"at once, without one", file=sys.stderr, flush=True)
+                again = "; Ctrl-C again stops at once, without one" if signum == signal.SIGINT else ""
+                print(f"\n{name}: stopping after this step (or evaluation), with a checkpoint{again}", file=sys.stderr,
+                      flush=True)
 
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         start_step = self.step
