@@ -243,7 +243,10 @@ def test_eval_generate_and_engine_on_an_hrm_run(plans_dir, tokenizer_dir, tmp_pa
     run_stage(_cfg(plans_dir, tokenizer_dir, tmp_path / "r", **{"train.max_iters": 2}), log=lambda m: None)
     capsys.readouterr()
     assert main(["eval", "--run", str(tmp_path / "r"), "--hrm-cases", "2", "--device", "cpu", "--json"]) == 0
-    r = json.loads(capsys.readouterr().out)
+    said = capsys.readouterr()
+    r = json.loads(said.out)
+    assert "eval: 2 functions planned, written and refined: done in" in said.err  # progress, not minutes of silence
+    assert "eval: validation of the bodies given their gold plans" in said.err
     for k in ("val_loss", "bits_per_byte", "plan_accuracy", "code_accuracy", "decision_accuracy", "avg_iterations",
               "plan_exact", "code_exact", "code_ast_f1", "syntax_valid_rate"):
         assert k in r and 0 <= r[k] < 100, k

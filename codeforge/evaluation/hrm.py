@@ -4,6 +4,8 @@ an hrm run."""
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 from collections import Counter
 
@@ -134,10 +136,12 @@ def hrm_generation_eval(model, tok, data, n: int, max_plan_tokens: int = 96, max
 
 
 def run_hrm_eval(run: str, model, tok, ck, cfg: dict, dev, precision: str, data: str | None, eval_tokens: int | None,
-                 cases: int) -> dict:
+                 cases: int, step=None) -> dict:
     """`codeforge eval` for an hrm run: the teacher-forced validation numbers training logs (val_loss and
     bits per byte of the body given the gold plan; plan_accuracy, code_accuracy, decision_accuracy as token
-    and decision accuracies) and the decoded ones (hrm_generation_eval)."""
+    and decision accuracies) and the decoded ones (hrm_generation_eval). step(what): a context manager around
+    each part (evaluation/run.py's says when it starts and ends)."""
+    step = step or (lambda what: contextlib.nullcontext())
     data = data or cfg["train"]["data"]
     val = PlanData(data, "val", tok)
     if not len(val):
@@ -148,7 +152,9 @@ def run_hrm_eval(run: str, model, tok, ck, cfg: dict, dev, precision: str, data:
     if eval_tokens is None:
         eval_tokens = cfg["train"].get("eval_tokens", 262_144)
     token_bytes = token_byte_lengths(tok, m["vocab_size"]).to(dev)
-    r = evaluate_hrm(model, batches, eval_tokens, dev, precision, token_bytes)
+    with step(f"validation of the bodies given their gold plans ({eval_tokens:,} tokens)" if eval_tokens else
+              "validation of the bodies given their gold plans (the whole split)"):
+        r = evaluate_hrm(model, batches, eval_tokens, dev, precision, token_bytes)
     extra = r.pop("extra")
     r["eval_split"] = "val"
     for k in ("plan_accuracy", "code_accuracy", "decision_accuracy"):
@@ -157,5 +163,6 @@ def run_hrm_eval(run: str, model, tok, ck, cfg: dict, dev, precision: str, data:
     r.update({f"val_{k}": v for k, v in extra.items() if k not in ("plan_accuracy", "code_accuracy",
                                                                  "decision_accuracy")})
     if cases:
-        r.update(hrm_generation_eval(model, tok, val, cases))
+        with step(f"{min(cases, len(val))} functions planned, written and refined"):
+            r.update(hrm_generation_eval(model, tok, val, cases))
     return r

@@ -45,7 +45,8 @@ def run_eval(run: str, data: str | None = None, eval_tokens: int | None = None, 
     step = int(ck.name.split("_")[-1]) if ck.name.startswith("step_") else 0
     if cfg["model"].get("arch") == "hrm":
         r = {"run": str(run), "checkpoint": str(ck), "step": step, "data": str(data or cfg["train"]["data"])}
-        r.update(run_hrm_eval(run, model, tok, ck, cfg, dev, precision, data, eval_tokens, hrm_cases))
+        r.update(run_hrm_eval(run, model, tok, ck, cfg, dev, precision, data, eval_tokens, hrm_cases,
+                                step=_step))
         return _record_eval(run, ck, step, r)
 
     r: dict = {"run": str(run), "checkpoint": str(ck), "step": step}
