@@ -441,3 +441,18 @@ def test_literal_im_end_in_user_message_stays_text(tok):
     # the typed text is still there, as ordinary tokens, and the assistant's typed copy carries loss
     assert loss_spans(tok, ids, mask) == ["It is a special token: <|im_end|>." + IM_END]
     assert tok.decode(ids[:ids.index(end)]) == "<|im_start|>user\nWhy does <|im_end|> end a turn? Also <tool_call>?"
+
+
+@pytest.mark.parametrize("text, words", [
+    ('[{"type": "function", "function": {"name": "f"}', "not JSON"),
+    ('{"name": "f"}', "expected a JSON list of tool objects"),
+    ('[{"type": "function", "function": {"parameters": {}}}]', "has no function name"),
+])
+def test_chat_tools_file_errors_name_the_file_and_show_the_shape(tmp_path, capsys, text, words):
+    """A bad --tools file is refused before any model loads, naming the file, what is wrong and an example."""
+    from codeforge.cli import main
+    bad = tmp_path / "my_tools.json"
+    bad.write_text(text)
+    assert main(["chat", "--run", str(tmp_path / "no-run"), "--tools", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and words in err and '"get_weather"' in err

@@ -282,12 +282,22 @@ def cmd_chat(a: argparse.Namespace) -> int:
     from ..engine import Engine, SamplingParams
     tools = None
     if a.tools:
+        from ..constrain import ConstraintError, _tool_specs
+        shape = ('the file holds a JSON list of OpenAI tool specs, e.g. [{"type": "function", "function": {"name": '
+                 '"get_weather", "description": "...", "parameters": {"type": "object", "properties": {"city": '
+                 '{"type": "string"}}, "required": ["city"]}}}]')
         try:
             tools = json.loads(open(a.tools, encoding="utf-8").read())
-        except (OSError, json.JSONDecodeError) as e:
+        except OSError as e:
             raise CLIError(f"--tools {a.tools}: {e}") from e
+        except json.JSONDecodeError as e:
+            raise CLIError(f"--tools {a.tools}: not JSON ({e}); {shape}") from e
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-            raise CLIError(f"--tools {a.tools}: expected a JSON list of tool schema objects")
+            raise CLIError(f"--tools {a.tools}: expected a JSON list of tool objects; {shape}")
+        try:
+            _tool_specs(tools)
+        except ConstraintError as e:
+            raise CLIError(f"--tools {a.tools}: {e}; {shape}") from e
     params = SamplingParams(a.max_new_tokens, a.temperature, a.top_k, a.top_p, seed=a.seed)
     try:
         params.validate()
