@@ -184,7 +184,7 @@ def sized_evaluation(cfg: RunConfig, run_config: dict, tokens_per_step: int, tot
     evaluations = (total // t.eval_every if t.eval_every else 0) + 1
     sized = sized_eval_tokens(t.eval_tokens, tokens_per_step * total, evaluations)
     if sized != t.eval_tokens:
-        say(f"evaluation: {sized:,} validation tokens each (of --eval-tokens {t.eval_tokens:,}): a run of "
+        say(f"evaluation: up to {sized:,} validation tokens each (of --eval-tokens {t.eval_tokens:,}): a run of "
             f"{total} steps x {tokens_per_step:,} tokens with {evaluations} evaluation(s) scores an eighth of what "
             f"it trains on; saved as eval_tokens in config.toml")
         cfg.train = replace(t, eval_tokens=sized)
