@@ -175,8 +175,6 @@ def budget(cfg: RunConfig, tokens_per_step: int, epoch_steps: int) -> int:
     return epoch_steps
 
 
-# -- the stages that continue a trained run (preference and RL) ---------------------------------------
-
 def sized_evaluation(cfg: RunConfig, run_config: dict, tokens_per_step: int, total: int, say) -> None:
     """Fewer validation tokens for a run too short to pay for --eval-tokens (evaluation/lm.py's rule), said,
     set in cfg.train and saved in the run's config (so `codeforge eval` scores the same)."""
@@ -190,6 +188,8 @@ def sized_evaluation(cfg: RunConfig, run_config: dict, tokens_per_step: int, tot
         cfg.train = replace(t, eval_tokens=sized)
         run_config["train"]["eval_tokens"] = sized
 
+
+# -- the stages that continue a trained run (preference and RL) ---------------------------------------
 
 def start_point(cfg: RunConfig, say) -> tuple[CodeTokenizer, Path, dict]:
     """(tokenizer, checkpoint, its saved config) of the run --init-from names: these stages continue one."""
