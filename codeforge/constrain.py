@@ -158,7 +158,7 @@ def _schema_block(schema: dict, what: str, bridge: _Bridge) -> str:
     return "%json " + json.dumps(schema, ensure_ascii=False)
 
 
-def _tool_specs(tools: list[dict] | None) -> list[tuple[str, dict]]:
+def tool_specs(tools: list[dict] | None) -> list[tuple[str, dict]]:
     """(name, parameters schema) of OpenAI tool specs ({"type": "function", "function": {...}}, or the inner
     object alone); a missing schema allows any object."""
     out: list[tuple[str, dict]] = []
@@ -208,11 +208,11 @@ class ToolGrammar:
                 raise ConstraintError('tool_choice object must be {"type": "function", "function": {"name": ...}}')
         if not isinstance(mode, str) or not mode:
             raise ConstraintError(f"tool_choice {mode!r} must be \"auto\", \"required\", \"none\" or a tool name")
-        specs = _tool_specs(tools)
+        specs = tool_specs(tools)
         if mode not in MODES:
             specs = [s for s in specs if s[0] == mode]
             if not specs:
-                names = [n for n, _ in _tool_specs(tools)]
+                names = [n for n, _ in tool_specs(tools)]
                 raise ConstraintError(f"tool_choice names tool {mode!r}, which is not among the tools {names}: "
                                       f"offer it in tools or choose \"auto\"")
         elif mode == "required" and not specs:

@@ -282,7 +282,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
     from ..engine import Engine, SamplingParams
     tools = None
     if a.tools:
-        from ..constrain import ConstraintError, _tool_specs
+        from ..constrain import ConstraintError, tool_specs
         shape = ('the file holds a JSON list of OpenAI tool specs, e.g. [{"type": "function", "function": {"name": '
                  '"get_weather", "description": "...", "parameters": {"type": "object", "properties": {"city": '
                  '{"type": "string"}}, "required": ["city"]}}}]')
@@ -295,7 +295,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
             raise CLIError(f"--tools {a.tools}: expected a JSON list of tool objects; {shape}")
         try:
-            _tool_specs(tools)
+            tool_specs(tools)
         except ConstraintError as e:
             raise CLIError(f"--tools {a.tools}: {e}; {shape}") from e
     params = SamplingParams(a.max_new_tokens, a.temperature, a.top_k, a.top_p, seed=a.seed)
