@@ -16,7 +16,7 @@ from pathlib import Path
 
 from . import rundir
 from .checkpoint import load_model
-from .config import ConfigError, resolve
+from .config import ConfigError, load_file, resolve
 from .corpus import CorpusOptions, CorpusStats, describe_skipped, iter_documents
 from .data.hrm_batches import PlanData
 from .data.shards import prepare
@@ -133,9 +133,8 @@ def same_corpus(out_dir: Path, src: str, langs: list[str] | None) -> None:
 def saved_step_count(run_dir: Path) -> int | None:
     """The step count a run saved once its time budget chose it (config.toml's train.max_iters with the
     budget spent), or None where the run has not chosen one yet (or its config cannot be read)."""
-    import tomllib
-    try:
-        saved = tomllib.loads((run_dir / rundir.CONFIG).read_text()).get("train", {})
+    try:  # load_file: the same checks --resume applies to a saved config (type, range, a regular file)
+        saved = load_file(run_dir / rundir.CONFIG).get("train", {})
     except (OSError, ValueError):
         return None
     steps = saved.get("max_iters")
