@@ -23,6 +23,7 @@ from .config import chat_notice
 from .constrain import Constraint, ToolGrammar, mask_logits
 from .device import autocast, choose_device, choose_precision
 from .fim import FIM_PREFIX, FIM_SUFFIX, infill_ids
+from .models.cpu_decode import stepper
 from .models.cpu_linear import decode_threads
 from .tokenizer import CodeTokenizer
 
@@ -190,7 +191,11 @@ class Engine:
                 keymask[:, L + t] = True
                 step_mask = keymask[:, None, None, :L + t + 1]
             with decode_threads(self.model, B):
-                logits = self._forward(nxt.unsqueeze(1), cache, next_pos.unsqueeze(1), step_mask)[:, -1, :]
+                fast = stepper(self.model, self.device, self.precision)
+                if fast is not None:  # numpy on the CPU (models/cpu_decode.py), the same logits
+                    logits = fast.step(nxt, cache, next_pos, step_mask)[:, -1, :]
+                else:
+                    logits = self._forward(nxt.unsqueeze(1), cache, next_pos.unsqueeze(1), step_mask)[:, -1, :]
             next_pos = next_pos + 1
 
     def _forward(self, idx, cache, pos, mask):

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from ..constrain import mask_logits
 from ..device import autocast
 from ..engine import apply_repetition_penalty, filter_logits
+from ..models.cpu_decode import stepper
 from ..models.cpu_linear import decode_threads
 
 # Temperatures below this sample greedily: dividing by a near-zero temperature overflows the logits (vLLM
@@ -544,7 +545,11 @@ class Scheduler:
         pos = torch.tensor([[r.fed] for r in rows], device=self.device)  # (n, 1)
         view, mask = self.cache.step_view()
         with autocast(self.device, self.engine.precision), decode_threads(self.model, len(rows)):
-            self.logits = self.model(idx, kv_cache=view, pos=pos, attn_mask=mask, last_only=True)[:, -1, :]
+            fast = stepper(self.model, self.device, self.engine.precision)
+            if fast is not None:  # numpy on the CPU (models/cpu_decode.py), the same logits
+                self.logits = fast.step(idx, view, pos, mask)[:, -1, :]
+            else:
+                self.logits = self.model(idx, kv_cache=view, pos=pos, attn_mask=mask, last_only=True)[:, -1, :]
         self.cache.advance()
         for r in rows:
             r.fed += 1

@@ -1,0 +1,169 @@
+"""One decoding step of a GPT on the CPU in numpy: the same arithmetic as GPT.forward, without PyTorch's
+per-operation cost.
+
+A decoding step feeds one token per sequence. Its products read every weight once (cpu_linear sends them to
+OpenBLAS); what is left is some 40 operations a layer on vectors of a few hundred numbers: norms, rotary
+turns, the residual adds, the MLP's activation, and attention of one query over the cache. PyTorch spends
+4-40 us on each of them whatever its size (its dispatcher, TensorIterator setup, F.rms_norm as seven
+operations) and its CPU attention kernel ~150-260 us a layer for one query; numpy spends ~1-3 us on such an
+operation, and attention for one query is two small products and a softmax. At 128M parameters this was 14
+of a ~45 ms token (docs/LOG.md, "a decoding step in numpy").
+
+`stepper(model, ...)` gives the engine and the server's scheduler a Stepper where it applies (`usable`): a
+GPT whose forward is GPT's (the reward model's is), on the CPU in float32, no gradient recorded, numpy's
+OpenBLAS found, and $CODEFORGE_CPU_MATMUL not `torch` (which keeps every step in PyTorch). It reads and
+writes the same KV cache as GPT.forward, with rows at their own positions behind the same padding mask, so a
+prompt's prefill runs in PyTorch and the steps after it here; the logits agree with GPT.forward to float32
+rounding (tests/test_cpu_decode.py compares both for every model option, and the engine's and the server's
+greedy tokens).
+
+The weights are numpy views of the parameters (no copy): an optimizer updating them in place is seen; a
+parameter whose storage moved (model.to(), load_state_dict with assign) rebuilds the views.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from .cpu_linear import backend
+from .gpt import GPT
+
+GELU_C = math.sqrt(2.0 / math.pi)
+
+
+def usable(model: nn.Module, device: torch.device, precision: str) -> bool:
+    """Whether Stepper can run `model`'s decoding steps (see the module's docstring)."""
+    return (isinstance(model, GPT) and type(model).forward is GPT.forward and device.type == "cpu"
+            and precision == "fp32" and not torch.is_grad_enabled()
+            and model.wte.weight.dtype == torch.float32 and backend() == "openblas")
+
+
+def stepper(model: nn.Module, device: torch.device, precision: str) -> "Stepper | None":
+    """The model's Stepper (made once, kept on the model) where `usable`, else None: PyTorch runs the step."""
+    if not usable(model, device, precision):
+        return None
+    st = model.__dict__.get("_cpu_stepper")
+    if st is None:
+        st = model.__dict__["_cpu_stepper"] = Stepper(model)
+    return st
+
+
+def _np(t: torch.Tensor | None) -> np.ndarray | None:
+    return None if t is None else t.detach().numpy()
+
+
+class Stepper:
+    """step(ids (B,) tensor, cache) -> logits (B, 1, vocab), one token per row at position cache.len."""
+
+    def __init__(self, model: GPT):
+        self.model, self.cfg = model, model.cfg
+        self._ptrs: list[int] = []
+        self._bind()
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for p in self.model.parameters()] + [b for b in self.model.buffers()]
+
+    def _bind(self) -> None:
+        """numpy views of every weight, per layer."""
+        m, cfg = self.model, self.cfg
+        self._ptrs = [p.data_ptr() for p in self._params()]
+
+        def norm(mod):
+            return (_np(mod.weight), _np(getattr(mod, "bias", None)), mod.eps)
+
+        def lin(mod):
+            return _np(mod.weight), _np(mod.bias)
+
+        self.wte, self.wpe = _np(m.wte.weight), _np(m.wpe.weight) if m.wpe is not None else None
+        self.cos = _np(m.rope_cos) if cfg.pos == "rope" else None
+        self.sin = _np(m.rope_sin) if cfg.pos == "rope" else None
+        self.layers = []
+        for b in m.blocks:
+            a = b.attn
+            self.layers.append(dict(
+                ln_1=norm(b.ln_1), ln_2=norm(b.ln_2), qkv=lin(a.c_attn), proj=lin(a.c_proj),
+                q_norm=norm(a.q_norm) if a.q_norm is not None else None,
+                k_norm=norm(a.k_norm) if a.k_norm is not None else None,
+                fc=lin(b.mlp.c_fc), fc_proj=lin(b.mlp.c_proj)))
+        self.ln_f = norm(m.ln_f)
+        self.head = _np(m.lm_head.weight)
+
+    def _norm(self, x: np.ndarray, p) -> np.ndarray:
+        w, b, eps = p
+        if self.cfg.norm == "rmsnorm":
+            ms = np.add.reduce(x * x, axis=-1, keepdims=True) / x.shape[-1]
+            return x * (1.0 / np.sqrt(ms + np.float32(eps))) * w
+        d = x - np.add.reduce(x, axis=-1, keepdims=True) / x.shape[-1]
+        var = np.add.reduce(d * d, axis=-1, keepdims=True) / x.shape[-1]
+        y = d * (1.0 / np.sqrt(var + np.float32(eps))) * w
+        return y + b if b is not None else y
+
+    @staticmethod
+    def _linear(x: np.ndarray, p) -> np.ndarray:
+        w, b = p
+        y = np.matmul(x, w.T)
+        if b is not None:
+            y += b
+        return y
+
+    def step(self, ids: torch.Tensor, cache, pos: torch.Tensor | None = None,
+             mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, 1, vocab) for ids (B,) or (B, 1), one token per row, written to the cache (a KVCache, or
+        any object with per-layer .k/.v lists of (B, n_kv_head, length, head_dim) and .len) at column
+        cache.len, as GPT.forward does. pos: each row's position ((B,) or (B, 1); default cache.len);
+        mask: (B, 1, 1, cache.len + 1) bool, True where a row may attend (default: every column)."""
+        if [p.data_ptr() for p in self._params()] != self._ptrs:
+            self._bind()
+        cfg = self.cfg
+        B, col = ids.shape[0], cache.len
+        if col + 1 > cfg.block_size:
+            raise ValueError(f"sequence of {col + 1} tokens exceeds the model's context of {cfg.block_size}")
+        H, KV, hd = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        G, half, scale = H // KV, hd // 2, np.float32(1.0 / math.sqrt(hd))
+        at = pos.reshape(B).numpy() if pos is not None else np.full(B, col)
+        x = self.wte[ids.reshape(B).numpy()]  # (B, C), a copy
+        if self.wpe is not None:
+            x += self.wpe[at]
+        cos = self.cos[at][:, None, :] if self.cos is not None else None  # (B, 1, hd)
+        sin = self.sin[at][:, None, :] if self.sin is not None else None
+        hidden = None if mask is None else ~mask.reshape(B, 1, 1, col + 1).numpy()
+        for i, L in enumerate(self.layers):
+            h = self._linear(self._norm(x, L["ln_1"]), L["qkv"]).reshape(B, H + 2 * KV, hd)
+            v = h[:, H + KV:]
+            if L["q_norm"] is not None:
+                qk = np.concatenate([self._norm(h[:, :H], L["q_norm"]), self._norm(h[:, H:H + KV], L["k_norm"])],
+                                    axis=1)
+            else:
+                qk = h[:, :H + KV]
+            if cos is not None:  # rotate-half: x cos + [x2, x1] sin (rope_tables negates sin's first half)
+                qk = qk * cos + np.concatenate([qk[..., half:], qk[..., :half]], axis=-1) * sin
+            kc, vc = cache.k[i].numpy(), cache.v[i].numpy()  # (B, KV, length, hd)
+            kc[:, :, col] = qk[:, H:]
+            vc[:, :, col] = v
+            q = qk[:, :H].reshape(B, KV, G, hd)  # query head j reads key head j // G, as SDPA's enable_gqa
+            s = np.matmul(q, kc[:, :, :col + 1].transpose(0, 1, 3, 2))  # (B, KV, G, col + 1)
+            s *= scale
+            if hidden is not None:
+                np.copyto(s, -np.inf, where=hidden)
+            s -= s.max(axis=-1, keepdims=True)
+            np.exp(s, out=s)
+            s /= np.add.reduce(s, axis=-1, keepdims=True)
+            y = np.matmul(s, vc[:, :, :col + 1]).reshape(B, H * hd)
+            x = x + self._linear(y, L["proj"])
+            f = self._linear(self._norm(x, L["ln_2"]), L["fc"])
+            if cfg.mlp == "swiglu":
+                g, u = f[:, :cfg.ffn_hidden], f[:, cfg.ffn_hidden:]
+                f = g * (0.5 + 0.5 * np.tanh(0.5 * g)) * u  # silu(g) = g sigmoid(g), without exp's overflow
+            elif cfg.mlp == "relu2":
+                f = np.maximum(f, 0)
+                f *= f
+            else:
+                f = 0.5 * f * (1.0 + np.tanh(np.float32(GELU_C) * (f + np.float32(0.044715) * f * f * f)))
+            x = x + self._linear(f, L["fc_proj"])
+        cache.len += 1
+        logits = np.matmul(self._norm(x, self.ln_f), self.head.T)
+        return torch.from_numpy(logits).view(B, 1, -1)

@@ -1,0 +1,190 @@
+"""models/cpu_decode.py: a decoding step in numpy gives GPT.forward's logits and cache (to float32 rounding) for
+every model option, batch rows at their own positions behind a padding mask, weights changed in place or moved;
+it is used only where it applies; the engine's and the server's greedy tokens do not depend on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from codeforge.models import build_model, cpu_decode, cpu_linear
+from codeforge.models.cpu_decode import Stepper, stepper, usable
+from codeforge.models.gpt import GPT, GPTConfig
+from codeforge.models.reward import RewardModel
+
+pytestmark = pytest.mark.skipif(cpu_linear.backend() != "openblas", reason="numpy has no OpenBLAS here")
+
+BASE = dict(vocab_size=96, block_size=64, n_layer=2, n_head=4, n_embd=32)
+OPTIONS = {
+    "gpt2": dict(),  # layernorm with bias, learned positions, gelu, tied
+    "llama": dict(norm="rmsnorm", pos="rope", mlp="swiglu", bias=False, n_kv_head=2, tie_embeddings=False),
+    "qwen-qknorm": dict(norm="rmsnorm", pos="rope", mlp="swiglu", bias=True, n_kv_head=1, qk_norm=True,
+                        norm_eps=1e-6),
+    "relu2-ln-nobias": dict(mlp="relu2", bias=False, qk_norm=True, pos="rope", n_kv_head=4),
+}
+
+
+def model_of(opts: dict, seed: int = 0):
+    torch.manual_seed(seed)
+    m = build_model(GPTConfig(**{**BASE, **opts})).eval()
+    with torch.no_grad():  # norm gains and biases away from their initial 1 and 0, so that they count
+        for n, p in m.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn_like(p))
+    return m
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.shape == b.shape
+    assert torch.allclose(a, b, atol=2e-5, rtol=1e-4), (a - b).abs().max().item()
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_steps_equal_gpt_forward_for_every_option(name):
+    m = model_of(OPTIONS[name])
+    st = Stepper(m)
+    with torch.inference_mode():
+        prompt = torch.randint(0, 96, (1, 9))
+        ref, ours = m.new_kv_cache(1, 32, "cpu", torch.float32), m.new_kv_cache(1, 32, "cpu", torch.float32)
+        m(prompt, kv_cache=ref), m(prompt, kv_cache=ours)
+        tok = torch.tensor([5])
+        for _ in range(12):
+            want = m(tok.view(1, 1), kv_cache=ref, last_only=True)
+            got = st.step(tok, ours)
+            close(got, want)
+            assert ours.len == ref.len
+            tok = want[0, -1].argmax().view(1)
+        for layer in range(m.cfg.n_layer):
+            close(ours.k[layer][:, :, :ref.len], ref.k[layer][:, :, :ref.len])
+            close(ours.v[layer][:, :, :ref.len], ref.v[layer][:, :, :ref.len])
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_rows_at_their_own_positions_behind_a_padding_mask(name):
+    """Three rows left-padded to one length, as the engine's batch: each row's positions start at its first
+    real token and padding keys are hidden."""
+    m = model_of(OPTIONS[name], seed=1)
+    st = Stepper(m)
+    pads = torch.tensor([0, 3, 5])
+    B, L = 3, 8
+    cols = torch.arange(L).unsqueeze(0)
+    pos = (cols - pads.unsqueeze(1)).clamp(min=0)
+    keymask = torch.zeros(B, L + 6, dtype=torch.bool)
+    keymask[:, :L] = cols >= pads.unsqueeze(1)
+    mask = ((torch.ones(L, L, dtype=torch.bool).tril() & keymask[:, None, :L]) | torch.eye(L, dtype=torch.bool))
+    with torch.inference_mode():
+        idx = torch.randint(0, 96, (B, L))
+        ref, ours = m.new_kv_cache(B, L + 6, "cpu", torch.float32), m.new_kv_cache(B, L + 6, "cpu", torch.float32)
+        m(idx, kv_cache=ref, pos=pos, attn_mask=mask.unsqueeze(1)), m(idx, kv_cache=ours, pos=pos, attn_mask=mask.unsqueeze(1))
+        nxt, p = torch.tensor([7, 8, 9]), pos[:, -1] + 1
+        for t in range(6):
+            keymask[:, L + t] = True
+            step_mask = keymask[:, None, None, :L + t + 1]
+            want = m(nxt.unsqueeze(1), kv_cache=ref, pos=p.unsqueeze(1), attn_mask=step_mask, last_only=True)
+            close(st.step(nxt, ours, p, step_mask), want)
+            nxt, p = want[:, -1].argmax(-1), p + 1
+
+
+def test_weights_changed_in_place_or_moved_are_seen():
+    m = model_of(OPTIONS["llama"])
+    st = Stepper(m)
+
+    def both():
+        with torch.inference_mode():
+            prompt = torch.randint(0, 96, (1, 4), generator=torch.Generator().manual_seed(3))
+            a, b = m.new_kv_cache(1, 8, "cpu", torch.float32), m.new_kv_cache(1, 8, "cpu", torch.float32)
+            m(prompt, kv_cache=a), m(prompt, kv_cache=b)
+            return m(torch.tensor([[1]]), kv_cache=a, last_only=True), st.step(torch.tensor([1]), b)
+
+    before = both()[1]
+    with torch.no_grad():
+        m.blocks[0].mlp.c_fc.weight.mul_(1.5)  # an optimizer step: in place
+    want, got = both()
+    close(got, want)
+    assert not torch.allclose(got, before)
+    with torch.no_grad():
+        m.blocks[1].attn.c_attn.weight = torch.nn.Parameter(m.blocks[1].attn.c_attn.weight * -1.0)  # moved
+    want, got = both()
+    close(got, want)
+
+
+def test_past_the_context_is_refused_as_gpt_forward_does():
+    m = model_of(OPTIONS["gpt2"])
+    with torch.inference_mode():
+        cache = m.new_kv_cache(1, 64, "cpu", torch.float32)
+        m(torch.zeros(1, 64, dtype=torch.long), kv_cache=cache)
+        with pytest.raises(ValueError, match="exceeds the model's context of 64"):
+            Stepper(m).step(torch.tensor([1]), cache)
+
+
+def test_used_only_where_it_applies(monkeypatch):
+    m = model_of(OPTIONS["llama"])
+    cpu = torch.device("cpu")
+    with torch.inference_mode():
+        assert usable(m, cpu, "fp32")
+        assert stepper(m, cpu, "fp32") is stepper(m, cpu, "fp32")  # made once
+        assert not usable(m, cpu, "bf16") and not usable(m, torch.device("meta"), "fp32")
+        assert stepper(m, cpu, "bf16") is None
+        assert usable(RewardModel(m.cfg), cpu, "fp32")  # GPT's forward: its logits are the language model's
+
+        class Other(GPT):
+            def forward(self, *a, **k):
+                return super().forward(*a, **k) * 2
+        assert not usable(Other(m.cfg), cpu, "fp32")  # a forward of its own
+    assert not usable(m, cpu, "fp32")  # gradients recorded: training
+    monkeypatch.setitem(cpu_linear._state, "blas", None)  # $CODEFORGE_CPU_MATMUL=torch, or no OpenBLAS
+    with torch.inference_mode():
+        assert not usable(m, cpu, "fp32")
+
+
+def server_texts(eng, prompts: list[list[int]], n: int) -> list[str]:
+    """Greedy texts of rows that join the server's scheduler together (one prefill shifts the other's columns,
+    so the steps run with per-row positions and a mask)."""
+    import threading
+
+    from codeforge.serve.batcher import Row, RowParams, Scheduler
+    sched = Scheduler(eng, max_batch=len(prompts), max_queue=8)
+    sched.start()
+    out: dict[int, str] = {}
+    done = threading.Event()
+
+    def emit(i):
+        def f(ev):
+            if ev.kind == "done":
+                out[i] = ev.text
+                if len(out) == len(prompts):
+                    done.set()
+            elif ev.kind == "error":
+                raise AssertionError(ev.text)
+        return f
+    try:
+        with sched.hold():
+            sched.submit([Row(ids, RowParams(max_new_tokens=n, temperature=0.0), emit(i)) for i, ids in enumerate(prompts)])
+        assert done.wait(60)
+    finally:
+        sched.stop()
+    return [out[i] for i in range(len(prompts))]
+
+
+def test_engine_and_server_tokens_do_not_depend_on_it(monkeypatch, tmp_path):
+    """Greedy tokens of a padded batch through the engine, and greedy texts of rows through the server's
+    scheduler, with the numpy step and with PyTorch's (usable forced off); the numpy step is really taken."""
+    from codeforge.engine import Engine, SamplingParams
+    from codeforge.tokenizer import train_tokenizer
+    tok, _ = train_tokenizer(iter(["def add(a, b):\n    return a + b\n" * 20] * 4), 300, tmp_path / "tok")
+    m = model_of(dict(OPTIONS["llama"], vocab_size=320))
+    eng = Engine(m, tok, "cpu", "fp32")
+    prompts = [tok.encode("def add(a"), tok.encode("def"), tok.encode("return a + b\n")]
+    p = SamplingParams(max_new_tokens=12, temperature=0, stop_at_eot=False)
+    calls = []
+    real = Stepper.step
+    monkeypatch.setattr(Stepper, "step", lambda self, *a: calls.append(a[3] is not None) or real(self, *a))
+    fast = list(eng.generate_ids(prompts, p))
+    assert len(calls) == 11 and all(calls)  # every step after the prefill, behind the padding mask
+    served = server_texts(eng, prompts, 10)
+    assert len(calls) > 11 and any(calls[11:])  # the server's steps, some with rows at different columns
+    monkeypatch.setattr(cpu_decode, "usable", lambda *a: False)
+    n = len(calls)
+    assert list(eng.generate_ids(prompts, p)) == fast
+    assert server_texts(eng, prompts, 10) == served
+    assert len(calls) == n
