@@ -191,7 +191,7 @@ class Engine:
                 keymask[:, L + t] = True
                 step_mask = keymask[:, None, None, :L + t + 1]
             with decode_threads(self.model, B):
-                fast = stepper(self.model, self.device, self.precision)
+                fast = stepper(self.model, self.device, self.precision, B)
                 if fast is not None:  # numpy on the CPU (models/cpu_decode.py), the same logits
                     logits = fast.step(nxt, cache, next_pos, step_mask)[:, -1, :]
                 else:

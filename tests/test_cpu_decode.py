@@ -125,6 +125,9 @@ def test_used_only_where_it_applies(monkeypatch):
         assert stepper(m, cpu, "fp32") is stepper(m, cpu, "fp32")  # made once
         assert not usable(m, cpu, "bf16") and not usable(m, torch.device("meta"), "fp32")
         assert stepper(m, cpu, "bf16") is None
+        assert stepper(m, cpu, "fp32", rows=8) is None  # a small model's batch: PyTorch's threads multiply faster
+        monkeypatch.setattr(cpu_linear, "MIN_WEIGHTS", 0)
+        assert stepper(model_of(OPTIONS["llama"]), cpu, "fp32", rows=8) is not None  # mostly large matrices
         assert usable(RewardModel(m.cfg), cpu, "fp32")  # GPT's forward: its logits are the language model's
 
         class Other(GPT):
@@ -171,6 +174,7 @@ def test_engine_and_server_tokens_do_not_depend_on_it(monkeypatch, tmp_path):
     scheduler, with the numpy step and with PyTorch's (usable forced off); the numpy step is really taken."""
     from codeforge.engine import Engine, SamplingParams
     from codeforge.tokenizer import train_tokenizer
+    monkeypatch.setattr(cpu_linear, "MIN_WEIGHTS", 0)  # the test's matrices count as large: batches take it too
     tok, _ = train_tokenizer(iter(["def add(a, b):\n    return a + b\n" * 20] * 4), 300, tmp_path / "tok")
     m = model_of(dict(OPTIONS["llama"], vocab_size=320))
     eng = Engine(m, tok, "cpu", "fp32")

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .cpu_linear import backend
+from .cpu_linear import backend, openblas_pays
 from .gpt import GPT
 
 GELU_C = math.sqrt(2.0 / math.pi)
@@ -42,9 +42,12 @@ def usable(model: nn.Module, device: torch.device, precision: str) -> bool:
             and model.wte.weight.dtype == torch.float32 and backend() == "openblas")
 
 
-def stepper(model: nn.Module, device: torch.device, precision: str) -> "Stepper | None":
-    """The model's Stepper (made once, kept on the model) where `usable`, else None: PyTorch runs the step."""
-    if not usable(model, device, precision):
+def stepper(model: nn.Module, device: torch.device, precision: str, rows: int = 1) -> "Stepper | None":
+    """The model's Stepper (made once, kept on the model) for a step of `rows` sequences where `usable` and
+    where OpenBLAS pays for the products (cpu_linear.openblas_pays: one row, or a model mostly in large
+    matrices; a small model's 8-row products ran faster in PyTorch's threads: 445-475 tokens/s against
+    780 for a 3.4M model, docs/LOG.md), else None: PyTorch runs the step."""
+    if not usable(model, device, precision) or not openblas_pays(model, rows):
         return None
     st = model.__dict__.get("_cpu_stepper")
     if st is None:
@@ -61,16 +64,18 @@ class Stepper:
 
     def __init__(self, model: GPT):
         self.model, self.cfg = model, model.cfg
-        self._ptrs: list[int] = []
         self._bind()
 
-    def _params(self) -> list[torch.Tensor]:
-        return [p for p in self.model.parameters()] + [b for b in self.model.buffers()]
+    def _current(self) -> list[tuple[int, int]]:
+        """(identity, storage address) of every parameter and buffer as the modules hold them now."""
+        return [(id(t), t.data_ptr()) for mod, name in self._slots for t in (getattr(mod, name),)]
 
     def _bind(self) -> None:
         """numpy views of every weight, per layer."""
         m, cfg = self.model, self.cfg
-        self._ptrs = [p.data_ptr() for p in self._params()]
+        self._slots = [(mod, name) for mod in m.modules()
+                       for name, _ in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]]
+        self._held = self._current()
 
         def norm(mod):
             return (_np(mod.weight), _np(getattr(mod, "bias", None)), mod.eps)
@@ -116,7 +121,7 @@ class Stepper:
         any object with per-layer .k/.v lists of (B, n_kv_head, length, head_dim) and .len) at column
         cache.len, as GPT.forward does. pos: each row's position ((B,) or (B, 1); default cache.len);
         mask: (B, 1, 1, cache.len + 1) bool, True where a row may attend (default: every column)."""
-        if [p.data_ptr() for p in self._params()] != self._ptrs:
+        if self._current() != self._held:
             self._bind()
         cfg = self.cfg
         B, col = ids.shape[0], cache.len

@@ -82,6 +82,17 @@ def openblas_share(model: nn.Module) -> float:
     return sum(n for n in sizes if n >= MIN_WEIGHTS) / max(1, sum(sizes))
 
 
+def openblas_pays(model: nn.Module, rows: int) -> bool:
+    """Whether a decoding step of `rows` sequences of `model` is worth OpenBLAS: one row, or a model whose
+    linear weights are mostly in matrices OpenBLAS multiplies (openblas_share >= 0.5)."""
+    if rows <= 1:
+        return True
+    share = model.__dict__.get("_openblas_share")
+    if share is None:
+        share = model.__dict__["_openblas_share"] = openblas_share(model)
+    return share >= 0.5
+
+
 @contextlib.contextmanager
 def decode_threads(model: nn.Module | None = None, rows: int = 1):
     """Around one decoding step of `rows` sequences on the CPU: PyTorch on one thread, OpenBLAS on the pool's
@@ -91,12 +102,8 @@ def decode_threads(model: nn.Module | None = None, rows: int = 1):
     pool has one thread."""
     n = torch.get_num_threads()
     blas = _openblas() if n > 1 and not getattr(_local, "decoding", False) else None
-    if blas is not None and rows > 1 and model is not None:
-        share = getattr(model, "_openblas_share", None)
-        if share is None:
-            share = openblas_share(model)
-            model._openblas_share = share
-        blas = blas if share >= 0.5 else None
+    if blas is not None and model is not None and not openblas_pays(model, rows):
+        blas = None
     if blas is None:
         yield
         return

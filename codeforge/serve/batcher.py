@@ -545,7 +545,7 @@ class Scheduler:
         pos = torch.tensor([[r.fed] for r in rows], device=self.device)  # (n, 1)
         view, mask = self.cache.step_view()
         with autocast(self.device, self.engine.precision), decode_threads(self.model, len(rows)):
-            fast = stepper(self.model, self.device, self.engine.precision)
+            fast = stepper(self.model, self.device, self.engine.precision, len(rows))
             if fast is not None:  # numpy on the CPU (models/cpu_decode.py), the same logits
                 self.logits = fast.step(idx, view, pos, mask)[:, -1, :]
             else:
