@@ -456,3 +456,29 @@ def test_chat_tools_file_errors_name_the_file_and_show_the_shape(tmp_path, capsy
     assert main(["chat", "--run", str(tmp_path / "no-run"), "--tools", str(bad)]) == 2
     err = capsys.readouterr().err
     assert str(bad) in err and words in err and '"get_weather"' in err
+
+
+def test_chat_commands_are_answered_and_never_sent_to_the_model(monkeypatch, capsys):
+    """At the terminal: /help, /reset, /system and an unknown /word are answered on stderr and reach no model
+    turn; // sends a line that starts with /; /quit leaves."""
+    from codeforge.cli.run import _chat_repl
+    seen: list[list[dict]] = []
+
+    class Eng:
+        def chat(self, messages, tools, params, on_text=None, constrained=True):
+            seen.append([dict(m) for m in messages])
+            return {"content": "ok", "tool_calls": [], "errors": []}
+    lines = iter(["/help", "hello", "/system be brief", "/reset", "/frobnicate", "//usr is a path", "",
+                  "/system", "again", "/quit", "never read"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert _chat_repl(Eng(), None, [], None) == 0
+    err = capsys.readouterr().err
+    assert err.count("/reset clears the history") == 2  # the banner and /help
+    assert "(system message set)" in err and "(system message removed)" in err
+    assert "(history cleared: 2 message(s) dropped; the system message is kept)" in err
+    assert "unknown command /frobnicate" in err
+    users = [[m["content"] for m in s if m["role"] == "user"] for s in seen]
+    assert users == [["hello"], ["/usr is a path"], ["/usr is a path", "again"]]
+    assert seen[1][0] == {"role": "system", "content": "be brief"}  # set, kept through /reset
+    assert all(m["role"] != "system" for m in seen[2])  # removed
+    assert next(lines) == "never read"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -343,25 +344,44 @@ def _chat_piped(eng, params, system: list[dict], tools, constrained: bool = True
     return 0
 
 
+CHAT_HELP = ("chat: /reset clears the history, /system TEXT sets the system message (/system alone removes it), "
+             "/help shows this, /quit or Ctrl-D leaves; a line starting with // is sent with one /")
+
+
 def _chat_repl(eng, params, system: list[dict], tools, constrained: bool = True) -> int:
-    """At the terminal: each line a user turn, the reply streamed, the history kept."""
+    """At the terminal: each line a user turn, the reply streamed, the history kept. Lines of the form /word
+    are commands, answered on stderr and never sent to the model (an unknown one says so)."""
     history = list(system)
-    print("chat: /reset clears the history, /system TEXT sets the system message, /quit or Ctrl-D leaves",
-          file=sys.stderr)
+    print(CHAT_HELP, file=sys.stderr)
     while True:
         try:
             line = input("> ")
         except EOFError:
             print()
             return 0
-        if line.strip() in ("/quit", "/exit"):
-            return 0
-        if line.strip() == "/reset":
-            history = list(system)
+        command = re.match(r"/([A-Za-z]+)(?:\s|$)", line.strip())
+        if line.startswith("//"):
+            line = line[1:]
+        elif command:
+            word, rest = command.group(1).lower(), line.strip()[command.end():].strip()
+            if word in ("quit", "exit"):
+                return 0
+            if word == "help":
+                print(CHAT_HELP, file=sys.stderr)
+            elif word == "reset":
+                dropped = len(history) - len(system)
+                history = list(system)
+                print(f"(history cleared: {dropped} message(s) dropped"
+                      + ("; the system message is kept)" if system else ")"), file=sys.stderr)
+            elif word == "system":
+                system = [{"role": "system", "content": rest}] if rest else []
+                history = system + [m for m in history if m["role"] != "system"]
+                print("(system message set)" if rest else "(system message removed)", file=sys.stderr)
+            else:
+                print(f"(unknown command /{command.group(1)}: /help lists them; start the line with // to send it "
+                      f"to the model)", file=sys.stderr)
             continue
-        if line.startswith("/system"):
-            system = [{"role": "system", "content": line[len("/system"):].strip()}]
-            history = system + [m for m in history if m["role"] != "system"]
+        if not line.strip():
             continue
         history.append({"role": "user", "content": line})
         r = eng.chat(history, tools, params, on_text=lambda piece: print(piece, end="", flush=True),
