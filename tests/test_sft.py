@@ -170,7 +170,11 @@ def test_cli_chat_pipeline(tmp_path, tokenizer_dir, data_dir, capsys, monkeypatc
     assert main(["chat", "--run", str(tmp_path / "sft")]) == 2
     assert "unknown_role" in capsys.readouterr().err
     assert main(["eval", "--run", str(tmp_path / "sft"), "--json", "--tool-cases", "4", "--eval-tokens", "128"]) == 0
-    r = json.loads(capsys.readouterr().out)
+    said = capsys.readouterr()
+    r = json.loads(said.out)
     assert r["chat"] is True and r["tool_cases"] == 4 and r["val_loss"] > 0
+    # the tokens read and the ones scored are told apart: only the replies count
+    assert "validation loss on the val split's replies (up to 128 tokens read" in said.err
+    assert 0 < r["eval_tokens"] < 128
     for k in ("tool_parse_rate", "tool_name_accuracy", "tool_args_exact", "no_call_accuracy", "tool_im_end_rate"):
         assert k in r

@@ -82,8 +82,10 @@ def run_eval(run: str, data: str | None = None, eval_tokens: int | None = None, 
         r.update({k: v for k, v in validation.items() if k != "validation_step"})
     else:
         try:
-            with _step(f"validation loss on {min(eval_tokens or val.tokens, val.tokens):,} tokens of the {val.split} "
-                       f"split"):
+            read = min(eval_tokens or val.tokens, val.tokens)
+            with _step(f"validation loss on {read:,} tokens of the {val.split} split" if not val.chat else
+                       f"validation loss on the {val.split} split's replies (up to {read:,} tokens read; in chat "
+                       f"data only the assistant's tokens are scored)"):
                 r.update(validation_loss(model, val, T, tok.special_ids, eval_tokens, dev, precision, token_bytes))
         except ValueError as e:
             raise EvalError(f"{e}; prepare more data (or a larger --val-fraction)") from e

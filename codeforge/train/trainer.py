@@ -209,7 +209,7 @@ class Trainer:
             return
         if self.master and not self.evals_done:  # the first one can take minutes on a CPU: say it has begun
             self.logger.message(f"step {self.step}: evaluating (validation every {self.cfg.eval_every} steps"
-                                + (f", {self.cfg.eval_tokens:,} tokens" if self.cfg.eval_tokens else "") + ")...")
+                                + (f", up to {self.cfg.eval_tokens:,} tokens" if self.cfg.eval_tokens else "") + ")...")
         r = self.evaluate_fn(self.model)  # under FSDP every rank runs it: each forward gathers the weights
         self.evals_done += 1
         self.model.train()
