@@ -134,7 +134,7 @@ def main() -> None:
             results[name]["first_rollout_reward"] = rolls[0]["reward"]
             results[name]["last_rollout_reward"] = rolls[-1]["reward"]
         print(f"{name}: {seconds[name]:.0f} s", flush=True)
-    print(f"\nheld-out tasks: first {a.eval_limit} of {w / 'tasks'}/test.jsonl, greedy; {a.steps} steps each "
+    print(f"\nheld-out tasks: first {a.eval_limit} of {w / 'tasks'}/heldout.jsonl, greedy; {a.steps} steps each "
           f"at learning rate {a.lr} from the SFT run ({a.sft_steps} steps)\n")
     print("| model | pass@1 | solved | syntax-valid | mean reward | outcomes | train seconds |")
     print("|---|---|---|---|---|---|---|")

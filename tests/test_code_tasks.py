@@ -147,7 +147,7 @@ def test_load_tasks_defaults_and_errors(tmp_path):
     with pytest.raises(TaskError, match="does not exist"):
         load_tasks(tmp_path / "nope.jsonl")
     (tmp_path / "d").mkdir()
-    with pytest.raises(TaskError, match="without train.jsonl or test.jsonl"):
+    with pytest.raises(TaskError, match="without train.jsonl or heldout.jsonl"):
         load_tasks(tmp_path / "d")
 
 
@@ -157,7 +157,7 @@ def test_write_tasks_without_sandbox_and_read_back(tmp_path):
     assert stats["kept"] == 60 and stats["train"] + stats["test"] == 60 and stats["skipped"] == 0
     meta = json.loads((out / "meta.json").read_text())
     assert meta["stats"] == stats and sum(meta["stats"]["by_split"]["test"]["kind"].values()) == stats["test"]
-    test = load_tasks(out)  # DIR -> DIR/test.jsonl
+    test = load_tasks(out)  # DIR -> DIR/heldout.jsonl
     train = load_tasks(out, split="train")
     by_id = {t["id"]: t for t in generate_tasks(60, seed=2)}
     assert all(t == by_id[t["id"]] for t in test)  # test rows are the tasks as generated
@@ -175,9 +175,13 @@ def test_write_tasks_without_sandbox_and_read_back(tmp_path):
     with pytest.raises(TaskError, match="not empty"):
         write_tasks(out, n=5, validate=False)
     write_tasks(out, n=5, validate=False, overwrite=True)
-    assert len(load_tasks(out, "train")) + len(load_tasks(out, "test")) == 5
-    with pytest.raises(TaskError, match="has no heldout.jsonl"):
-        load_tasks(out, split="heldout")
+    assert len(load_tasks(out, "train")) + len(load_tasks(out, "heldout")) == 5
+    assert (out / "heldout.jsonl").is_file() and not (out / "test.jsonl").exists()  # the other miners' name
+    held = load_tasks(out, "heldout")
+    (out / "heldout.jsonl").rename(out / "test.jsonl")  # a directory make-tasks wrote before the rename
+    assert load_tasks(out) == load_tasks(out, "test") == held
+    with pytest.raises(TaskError, match="has no dev.jsonl"):
+        load_tasks(out, split="dev")
 
 
 # -- the sandbox ----------------------------------------------------------------------------------------

@@ -220,7 +220,7 @@ def add_parsers(sub) -> None:
 
     mk = sub.add_parser("make-tasks", help="small programming tasks with hidden tests (string, list, arithmetic, "
                                            "dict; 3 levels), for --stage ppo and grpo and `eval --tasks`")
-    mk.add_argument("--out", required=True, help="directory: train.jsonl, test.jsonl (held out), meta.json")
+    mk.add_argument("--out", required=True, help="directory: train.jsonl, heldout.jsonl, meta.json")
     mk.add_argument("--count", type=int, default=2000, help="tasks in all (about a fifth are held out)")
     mk.add_argument("--seed", type=int, default=0, help="random seed: the same seed writes the same tasks (default 0)")
     mk.add_argument("--no-validate", action="store_true",

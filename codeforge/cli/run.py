@@ -219,7 +219,7 @@ def _score_files(a: argparse.Namespace) -> int:
         if not a.tasks:
             raise CLIError("--completions FILE needs --tasks TASKS (the tasks whose ids the completions name)")
         from ..evaluation.tasks import score_completions
-        tasks = load_tasks(a.tasks, split="test") if Path(a.tasks).is_dir() else load_tasks(a.tasks)
+        tasks = load_tasks(a.tasks, split="heldout") if Path(a.tasks).is_dir() else load_tasks(a.tasks)
         summary, results = score_completions(tasks, rows, a.k, a.timeout, a.unsafe_no_sandbox)
     else:
         if not a.humaneval:

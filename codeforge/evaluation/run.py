@@ -52,7 +52,7 @@ def run_eval(run: str, data: str | None = None, eval_tokens: int | None = None, 
     r: dict = {"run": str(run), "checkpoint": str(ck), "step": step}
     if tasks:
         try:
-            todo = load_tasks(tasks, split="test") if Path(tasks).is_dir() else load_tasks(tasks)
+            todo = load_tasks(tasks, split="heldout") if Path(tasks).is_dir() else load_tasks(tasks)
         except TaskError as e:
             raise EvalError(str(e)) from e
         todo = todo[:task_limit] if task_limit else todo

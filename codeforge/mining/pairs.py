@@ -566,7 +566,7 @@ def write_task_pairs(tasks_path: str | Path, out_dir: str | Path, overwrite: boo
     side run against the tests and kept only when it fails them. Written like write_pairs."""
     out, p = output_dir(out_dir, overwrite, MineError), Path(tasks_path)
     if p.is_dir():
-        splits = {"train": load_tasks(p, split="train"), "heldout": load_tasks(p, split="test")}
+        splits = {"train": load_tasks(p, split="train"), "heldout": load_tasks(p, split="heldout")}
     else:
         tasks = load_tasks(p)
         splits = {"train": [], "heldout": []}

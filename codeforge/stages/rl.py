@@ -36,7 +36,7 @@ from .. import checkpoint as ckpt_io
 from ..config import ConfigError, RunConfig, speaks_chat
 from ..device import autocast
 from ..evaluation.tasks import sample_tasks, task_eval
-from ..tasks.code_tasks import (TaskError, end_id, execution_rewards, load_tasks, split_tests, task_prompt_ids,
+from ..tasks.code_tasks import (HELDOUT_NAMES, TaskError, end_id, execution_rewards, load_tasks, split_tests, task_prompt_ids,
                                 validate_tasks)
 from ..train import losses
 from ..train.resume import jsonl_identity
@@ -48,14 +48,14 @@ MISSING_END_PENALTY = 1.0  # the reward-model score of a sample that never wrote
 
 
 def load_task_splits(path: str, say) -> tuple[list[dict], list[dict]]:
-    """(training tasks, held-out tasks): a make-tasks directory's train.jsonl and test.jsonl, or one JSONL
+    """(training tasks, held-out tasks): a make-tasks directory's train.jsonl and heldout.jsonl, or one JSONL
     file (then every 10th task is held out). Tasks whose tests do not parse, or fail on the task's own
     reference solution, are reported and skipped; so are tasks whose tests do not split into calls and
     expected values (their verdict would come from inside the box, where a program can forge it)."""
     p = Path(path)
     try:
         if p.is_dir():
-            train, held = load_tasks(p, split="train"), load_tasks(p, split="test")
+            train, held = load_tasks(p, split="train"), load_tasks(p, split="heldout")
         else:
             rows = load_tasks(p)
             train = [t for i, t in enumerate(rows) if i % 10 != 9]
@@ -303,7 +303,7 @@ def _train(run: Run, resume: bool) -> dict:
         raise ConfigError(f"no training task fits the context of {m.block_size} tokens with room for an answer")
 
     # -- the start: lock, recorded config, resume point ------------------------------------------------------
-    run_config, start_ckpt = begin(run, resume, tok, jsonl_identity(t.data, tok.hash, ("train.jsonl", "test.jsonl")),
+    run_config, start_ckpt = begin(run, resume, tok, jsonl_identity(t.data, tok.hash, ("train.jsonl", *HELDOUT_NAMES)),
                                    chat=chat)
     t = cfg.train
 

@@ -51,7 +51,7 @@ Users bring their own tasks as JSONL (`load_tasks`): "prompt" and "tests" requir
 "solution", "id", "level", "family" optional. `validate_tasks` drops tasks whose tests do not parse, that
 pass with no solution at all (they check nothing), or whose reference solution fails them.
 
-`write_tasks` writes DIR/train.jsonl and DIR/test.jsonl (one task per line) and DIR/meta.json. Train rows
+`write_tasks` writes DIR/train.jsonl and DIR/heldout.jsonl (one task per line) and DIR/meta.json. Train rows
 also carry "messages" (prompt -> reference solution), so `codeforge prepare --chat DIR/train.jsonl` reads
 them as SFT conversations; test rows do not, so pointing --chat at the whole directory cannot train on the
 held-out tasks (their lines are counted as skipped, no_messages).
@@ -930,21 +930,33 @@ def _lines(fh, path) -> Iterator[tuple[int, bytes]]:
 OPTIONAL_FIELDS = {"entry_point": str, "solution": str, "id": str, "level": int, "family": str}
 
 
-def load_tasks(path: str | Path, split: str = "test") -> list[dict]:
-    """Tasks from a JSONL file (one JSON object a line; blank lines ignored), or DIR/{split}.jsonl of a
-    directory written by `write_tasks`. Each needs "prompt" and "tests" (Python source) as strings; optional
-    "entry_point", "solution", "id" (default "line-N"), "level", "family"; other keys are kept."""
+HELDOUT_NAMES = ("heldout.jsonl", "test.jsonl")  # a make-tasks directory's held-out split: the name the other
+# miners use, then the one make-tasks wrote before (directories made then still load)
+
+
+def tasks_file(directory: Path, split: str) -> Path | None:
+    """DIR's file of `split` ("train", or "heldout"/"test": the held-out split), or None where it has none."""
+    names = HELDOUT_NAMES if split in ("heldout", "test") else (f"{split}.jsonl",)
+    return next((directory / n for n in names if (directory / n).is_file()), None)
+
+
+def load_tasks(path: str | Path, split: str = "heldout") -> list[dict]:
+    """Tasks from a JSONL file (one JSON object a line; blank lines ignored), or the `split` ("train", or
+    "heldout": DIR/heldout.jsonl, or test.jsonl in a directory from before) of a directory written by
+    `write_tasks`. Each needs "prompt" and "tests" (Python source) as strings; optional "entry_point",
+    "solution", "id" (default "line-N"), "level", "family"; other keys are kept."""
     p = Path(path)
     if not p.exists():
         raise TaskError(f"tasks file {str(p)!r} does not exist")
     if p.is_dir():
-        if not any((p / name).is_file() for name in ("train.jsonl", "test.jsonl")):
-            raise TaskError(f"{str(p)!r} is a directory without train.jsonl or test.jsonl: pass a tasks JSONL "
-                            f"file or a directory written by write_tasks")
-        if not (p / f"{split}.jsonl").is_file():
+        if tasks_file(p, "train") is None and tasks_file(p, "heldout") is None:
+            raise TaskError(f"{str(p)!r} is a directory without train.jsonl or heldout.jsonl: pass a tasks JSONL "
+                            f"file or a directory written by make-tasks")
+        found = tasks_file(p, split)
+        if found is None:
             raise TaskError(f"{str(p)!r} has no {split}.jsonl (split={split!r}); it has "
                             f"{sorted(q.name for q in p.glob('*.jsonl'))}")
-        p = p / f"{split}.jsonl"
+        p = found
     if not p.is_file():
         raise TaskError(f"{str(p)!r} is not a regular file")
     tasks: list[dict] = []
@@ -1384,7 +1396,7 @@ def task_conversation(task: dict) -> dict:
 def write_tasks(out_dir: str | Path, n: int = 2000, seed: int = 0, overwrite: bool = False, validate: bool = True,
                 levels=(1, 2, 3), **sandbox_kw) -> dict:
     """Generate n tasks, check them in the sandbox (unless validate=False; skipped ones are counted), and
-    write out_dir/train.jsonl (rows carry "messages" for `prepare --chat`), out_dir/test.jsonl and meta.json,
+    write out_dir/train.jsonl (rows carry "messages" for `prepare --chat`), out_dir/heldout.jsonl and meta.json,
     atomically. Returns the stats also stored in meta.json."""
     out = output_dir(out_dir, overwrite, TaskError)
     tasks = generate_tasks(n, seed, levels)
@@ -1401,7 +1413,7 @@ def write_tasks(out_dir: str | Path, n: int = 2000, seed: int = 0, overwrite: bo
     stats = {"generated": len(tasks) + len(skipped), "kept": len(tasks), "skipped": len(skipped),
              "skipped_tasks": skipped, "train": len(train), "test": len(test),
              "families": len({t["family"] for t in tasks}), "by_split": by}
-    write_splits(out, {"train.jsonl": train, "test.jsonl": test},
+    write_splits(out, {"train.jsonl": train, "heldout.jsonl": test},
                  {"options": {"n": n, "seed": seed, "levels": list(levels), "validate": validate},
                   "heldout_fraction": HELDOUT_FRACTION, "rewards": REWARDS, "stats": stats})
     return stats
