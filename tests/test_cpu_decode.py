@@ -87,13 +87,13 @@ def test_rows_at_their_own_positions_behind_a_padding_mask(name):
 
 def test_weights_changed_in_place_or_moved_are_seen():
     m = model_of(OPTIONS["llama"])
-    st = Stepper(m)
 
     def both():
         with torch.inference_mode():
             prompt = torch.randint(0, 96, (1, 4), generator=torch.Generator().manual_seed(3))
             a, b = m.new_kv_cache(1, 8, "cpu", torch.float32), m.new_kv_cache(1, 8, "cpu", torch.float32)
             m(prompt, kv_cache=a), m(prompt, kv_cache=b)
+            st = stepper(m, torch.device("cpu"), "fp32")
             return m(torch.tensor([[1]]), kv_cache=a, last_only=True), st.step(torch.tensor([1]), b)
 
     before = both()[1]
@@ -135,6 +135,11 @@ def test_used_only_where_it_applies(monkeypatch):
                 return super().forward(*a, **k) * 2
         assert not usable(Other(m.cfg), cpu, "fp32")  # a forward of its own
     assert not usable(m, cpu, "fp32")  # gradients recorded: training
+    with torch.inference_mode():
+        m.train()  # training mode: the same arithmetic while there is no dropout
+        assert usable(m, cpu, "fp32")
+        assert not usable(model_of(dict(OPTIONS["llama"], resid_dropout=0.1)).train(), cpu, "fp32")
+        m.eval()
     monkeypatch.setitem(cpu_linear._state, "blas", None)  # $CODEFORGE_CPU_MATMUL=torch, or no OpenBLAS
     with torch.inference_mode():
         assert not usable(m, cpu, "fp32")

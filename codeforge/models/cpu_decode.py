@@ -18,7 +18,9 @@ rounding (tests/test_cpu_decode.py compares both for every model option, and the
 greedy tokens).
 
 The weights are numpy views of the parameters (no copy): an optimizer updating them in place is seen; a
-parameter whose storage moved (model.to(), load_state_dict with assign) rebuilds the views.
+parameter whose storage moved (model.to(), load_state_dict with assign) rebuilds the Stepper (`stepper`
+checks before each step). Sharded parameters (FSDP's DTensors) have no numpy view: PyTorch runs those steps,
+as it does a model in training mode with dropout.
 """
 
 from __future__ import annotations
@@ -37,8 +39,10 @@ GELU_C = math.sqrt(2.0 / math.pi)
 
 def usable(model: nn.Module, device: torch.device, precision: str) -> bool:
     """Whether Stepper can run `model`'s decoding steps (see the module's docstring)."""
-    return (isinstance(model, GPT) and type(model).forward is GPT.forward and device.type == "cpu"
-            and precision == "fp32" and not torch.is_grad_enabled()
+    if not isinstance(model, GPT) or type(model).forward is not GPT.forward:
+        return False
+    dropout = model.training and any((model.cfg.embd_dropout, model.cfg.attn_dropout, model.cfg.resid_dropout))
+    return (device.type == "cpu" and precision == "fp32" and not torch.is_grad_enabled() and not dropout
             and model.wte.weight.dtype == torch.float32 and backend() == "openblas")
 
 
@@ -50,9 +54,11 @@ def stepper(model: nn.Module, device: torch.device, precision: str, rows: int = 
     if not usable(model, device, precision) or not openblas_pays(model, rows):
         return None
     st = model.__dict__.get("_cpu_stepper")
-    if st is None:
-        st = model.__dict__["_cpu_stepper"] = Stepper(model)
-    return st
+    if st is None or (st is not False and st._current() != st._held):  # new, or a weight's storage moved
+        # plain tensors only: a sharded (FSDP, DTensor) parameter has no numpy view
+        st = Stepper(model) if all(type(t.data) is torch.Tensor for t in model.parameters()) else False
+        model.__dict__["_cpu_stepper"] = st
+    return st or None
 
 
 def _np(t: torch.Tensor | None) -> np.ndarray | None:
@@ -121,8 +127,6 @@ class Stepper:
         any object with per-layer .k/.v lists of (B, n_kv_head, length, head_dim) and .len) at column
         cache.len, as GPT.forward does. pos: each row's position ((B,) or (B, 1); default cache.len);
         mask: (B, 1, 1, cache.len + 1) bool, True where a row may attend (default: every column)."""
-        if self._current() != self._held:
-            self._bind()
         cfg = self.cfg
         B, col = ids.shape[0], cache.len
         if col + 1 > cfg.block_size:
