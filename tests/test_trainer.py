@@ -414,3 +414,39 @@ def test_evaluation_is_sized_to_a_short_run_and_eval_scores_the_same(data_dir, t
     assert len(vals) == 3 and len({v["val_tokens"] for v in vals}) == 1  # steps 0, 2, 4: the same set each time
     r = run_eval(str(out), syntax_samples=0, humaneval=0)
     assert r["eval_tokens"] == vals[-1]["val_tokens"] and abs(r["val_loss"] - vals[-1]["val_loss"]) < 1e-5
+
+
+def test_time_budget_is_fitted_again_when_the_pace_changes(tmp_path, monkeypatch):
+    """--time-budget: the count chosen from the first steps is fitted again after each evaluation, at the pace
+    of the run so far, so load that arrives later shortens the run instead of overrunning the budget. The
+    trainer's clock is one the test moves: 0.05 s a step, then 0.5 (as if another job took the cores)."""
+    import tomllib
+    import types
+
+    from codeforge.models import build_model
+    from codeforge.train import trainer as trainer_module
+    clock = {"now": 0.0, "calls": 0}
+    monkeypatch.setattr(trainer_module, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
+    cfg = resolve([], None, [], {**TINY, "model.vocab_size": 256, "model.n_layer": 1, "model.n_embd": 32,
+                                 "model.block_size": 16, "train.batch_size": 2, "train.eval_every": 10,
+                                 "train.save_every": 0, "train.time_budget": 6.0})
+    model = build_model(cfg.model)
+
+    def loss_fn(m, batch):
+        clock["calls"] += 1
+        clock["now"] += 0.05 if clock["calls"] <= 15 else 0.5
+        return m(*batch), {}
+    said: list[str] = []
+    t = Trainer(model, ToyBatches(B=2, T=16), loss_fn, cfg.train, tmp_path / "run", device=torch.device("cpu"),
+                precision="fp32", total_steps=100_000, tokens_per_step=32, run_config=cfg.to_dict(),
+                evaluate=lambda m: {"val_loss": 1.0, "perplexity": 2.7, "bits_per_byte": 1.0}, log=said.append)
+    t.run()
+    first = next(m for m in said if m.startswith("time budget") and "measured" in m)
+    chosen = int(first.split(", so ")[1].split(" steps")[0])
+    again = [m for m in said if "instead of" in m]
+    assert chosen > 100 and again, said  # 6 s at 0.05 s a step, then fitted again once the pace fell
+    # it ends within one evaluation interval of slow steps of its budget (it checks at evaluations), where the
+    # first count would have run to ~57 s
+    assert t.step <= 31 and clock["now"] <= 6.0 + 10 * 0.5
+    saved = tomllib.loads((tmp_path / "run" / "config.toml").read_text())["train"]
+    assert saved["max_iters"] == t.step and saved["time_budget"] == 0

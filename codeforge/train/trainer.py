@@ -61,6 +61,7 @@ class Trainer:
         self.assets, self.evaluate_fn, self.sample_fn = assets or {}, evaluate, sample
         self.evals_done = 0  # evaluations this process ran
         self.budget_set = False  # --time-budget: the step count was chosen
+        self.budget_cap = total_steps  # the most steps a budget may choose (--max-iters)
         self.rank, self.world, self.master = rank, world, rank == 0
         self.ddp = world > 1  # several ranks (DDP or FSDP): they agree on stopping and average the logged loss
         self.print = log
@@ -173,24 +174,26 @@ class Trainer:
             raise TrainingError(f"training stopped at step {self.step}: {e}") from e
         self.logger.message(f"saved {path}{' (best)' if best else ''}")
 
-    def _fit_budget(self, pace: "Pace", t_run: float) -> int:
-        """--time-budget: from the measured seconds per step and the last evaluation's time, the step count
-        that ends training and its evaluations within the budget (at most --max-iters, at least one more step);
-        every rank takes the smallest; saved as max_iters (budget then off) in RUN/config.toml."""
+    def _budget_steps(self, pace: "Pace", t_run: float, cap: int, sps: float) -> tuple[int, float, float]:
+        """(steps, seconds per step, seconds per evaluation): the step count (at most `cap`, at least one more
+        step) whose steps and evaluations end within --time-budget of t_run at `sps` seconds a step; every
+        rank takes the smallest."""
         t = self.cfg
-        self.budget_set = True
-        sps = pace.seconds_per_step(self.step) or 1e-9
+        sps = sps or 1e-9
         left = t.time_budget - (time.perf_counter() - t_run)
         per_eval = pace.eval_s if self.evaluate_fn else 0.0
         # steps n and the evaluations on the way (every eval_every steps, and one at the end) fit in `left`
         per_step = sps + (per_eval / t.eval_every if t.eval_every else 0.0)
         n = int(max(0.0, left - per_eval) / per_step)
-        total = max(self.step + 1, min(self.total_steps, self.step + n))
+        total = max(self.step + 1, min(cap, self.step + n))
         if self.ddp:
             agreed = torch.tensor([total], device=self.device)
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
             total = int(agreed.item())
-        chosen_from = self.total_steps
+        return total, sps, per_eval
+
+    def _set_total(self, pace: "Pace", total: int) -> None:
+        """The run's step count from now on, saved as max_iters (budget then off) in RUN/config.toml."""
         self.total_steps = total
         pace.total = total
         self.logger.set_total(total)
@@ -198,10 +201,34 @@ class Trainer:
         if self.master:
             (self.run_dir / rundir.CONFIG).write_text(dumps_toml({k: v for k, v in self.run_config.items()
                                                                   if k in SECTIONS}))
+
+    def _fit_budget(self, pace: "Pace", t_run: float) -> int:
+        """--time-budget: from the measured seconds per step and the last evaluation's time, the step count
+        that ends training and its evaluations within the budget (at most --max-iters); saved as max_iters."""
+        t = self.cfg
+        self.budget_set = True
+        self.budget_cap = chosen_from = self.total_steps
+        total, sps, per_eval = self._budget_steps(pace, t_run, chosen_from, pace.seconds_per_step(self.step))
+        pace.mark(self.step)
+        self._set_total(pace, total)
         self.say(f"time budget {duration(t.time_budget)}: {sps:.2f} s/step measured"
                  + (f" and {duration(per_eval)} per evaluation" if per_eval else "") + f", so {total} steps"
                  + (f" (of --max-iters {chosen_from})" if total < chosen_from else " (all of --max-iters)")
                  + f"; saved as max_iters in {rundir.CONFIG}: a re-run with --max-iters {total} repeats it")
+        return total
+
+    def _refit_budget(self, pace: "Pace", t_run: float) -> int:
+        """After an evaluation: the budget fitted again at the pace since the last fit (load that came or went
+        since, the evaluation's real cost), when that moves the count by more than 5%."""
+        old = self.total_steps
+        total, sps, per_eval = self._budget_steps(pace, t_run, self.budget_cap, pace.recent(self.step))
+        pace.mark(self.step)
+        if abs(total - old) <= max(1, 0.05 * old):
+            return old
+        self._set_total(pace, total)
+        self.say(f"time budget {duration(self.cfg.time_budget)}: now {sps:.2f} s/step"
+                 + (f" and {duration(per_eval)} per evaluation" if per_eval else "")
+                 + f", so {total} steps instead of {old}; saved as max_iters in {rundir.CONFIG}")
         return total
 
     def _evaluate(self) -> None:
@@ -302,6 +329,8 @@ class Trainer:
                     t_eval = time.perf_counter()
                     self._evaluate()
                     pace.note_eval(time.perf_counter() - t_eval)
+                    if t.time_budget and self.budget_set and not last and not stopping:
+                        total = self._refit_budget(pace, t_run)
                 if fresh and t.sample_every and self.step % t.sample_every == 0 and self.step > 0:
                     self._sample()
                 if last or stopping or (t.save_every and self.step % t.save_every == 0 and self.step > start_step):
@@ -418,12 +447,24 @@ class Pace:
         self.t0 = time.perf_counter()
         self.t_first = None   # after the first step (compilation and warm-up excluded from the pace)
         self.first_step = None
+        self.t_mark = self.mark_step = None  # mark(): where the recent pace is measured from
         self.said = False
 
     def pause(self, seconds: float) -> None:
         self.t0 += seconds
         if self.t_first is not None:
             self.t_first += seconds
+        if self.t_mark is not None:
+            self.t_mark += seconds
+
+    def mark(self, step: int) -> None:
+        self.t_mark, self.mark_step = time.perf_counter(), step
+
+    def recent(self, step: int) -> float | None:
+        """Seconds per step since mark() (the whole run's pace before any mark, or with no step since)."""
+        if self.t_mark is None or step <= self.mark_step:
+            return self.seconds_per_step(step)
+        return (time.perf_counter() - self.t_mark) / (step - self.mark_step)
 
     def measured(self, step: int) -> bool:
         """Whether enough steps were timed to trust the pace (as for the pace line)."""
