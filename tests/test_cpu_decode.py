@@ -59,14 +59,14 @@ def test_steps_equal_gpt_forward_for_every_option(name):
             close(ours.v[layer][:, :, :ref.len], ref.v[layer][:, :, :ref.len])
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_rows_at_their_own_positions_behind_a_padding_mask(name):
-    """Three rows left-padded to one length, as the engine's batch: each row's positions start at its first
-    real token and padding keys are hidden."""
+@pytest.mark.parametrize("name,B", [("gpt2", 3), ("llama", 3), ("llama", 16)])
+def test_rows_at_their_own_positions_behind_a_padding_mask(name, B):
+    """Rows left-padded to one length, as the engine's batch: each row's positions start at its first real
+    token and padding keys are hidden."""
     m = model_of(OPTIONS[name], seed=1)
     st = Stepper(m)
-    pads = torch.tensor([0, 3, 5])
-    B, L = 3, 8
+    pads = torch.tensor([0, 3, 5] * (B // 3) + [7] * (B % 3))
+    L = 8
     cols = torch.arange(L).unsqueeze(0)
     pos = (cols - pads.unsqueeze(1)).clamp(min=0)
     keymask = torch.zeros(B, L + 6, dtype=torch.bool)
@@ -76,7 +76,7 @@ def test_rows_at_their_own_positions_behind_a_padding_mask(name):
         idx = torch.randint(0, 96, (B, L))
         ref, ours = m.new_kv_cache(B, L + 6, "cpu", torch.float32), m.new_kv_cache(B, L + 6, "cpu", torch.float32)
         m(idx, kv_cache=ref, pos=pos, attn_mask=mask.unsqueeze(1)), m(idx, kv_cache=ours, pos=pos, attn_mask=mask.unsqueeze(1))
-        nxt, p = torch.tensor([7, 8, 9]), pos[:, -1] + 1
+        nxt, p = torch.arange(7, 7 + B), pos[:, -1] + 1
         for t in range(6):
             keymask[:, L + t] = True
             step_mask = keymask[:, None, None, :L + t + 1]
@@ -106,6 +106,83 @@ def test_weights_changed_in_place_or_moved_are_seen():
         m.blocks[1].attn.c_attn.weight = torch.nn.Parameter(m.blocks[1].attn.c_attn.weight * -1.0)  # moved
     want, got = both()
     close(got, want)
+
+
+def test_a_replaced_module_or_a_hook_is_never_skipped():
+    """A layer swapped for another module is read again; a module of a class of its own (an adapter) or a
+    forward hook leaves the step to PyTorch, which runs them."""
+    cpu = torch.device("cpu")
+    m = model_of(OPTIONS["llama"])
+
+    def both():
+        with torch.inference_mode():
+            prompt = torch.randint(0, 96, (1, 4), generator=torch.Generator().manual_seed(3))
+            a, b = m.new_kv_cache(1, 8, "cpu", torch.float32), m.new_kv_cache(1, 8, "cpu", torch.float32)
+            m(prompt, kv_cache=a), m(prompt, kv_cache=b)
+            st = stepper(m, cpu, "fp32")
+            want = m(torch.tensor([[1]]), kv_cache=a, last_only=True)
+            return want, (st.step(torch.tensor([1]), b) if st is not None else None)
+
+    old = m.blocks[0].mlp.c_fc
+    new = cpu_linear.Linear(old.in_features, old.out_features, bias=False)
+    with torch.no_grad():
+        new.weight.copy_(old.weight * 2)
+    m.blocks[0].mlp.c_fc = new
+    want, got = both()
+    close(got, want)
+
+    class Adapter(cpu_linear.Linear):
+        def forward(self, x):
+            return super().forward(x) + 1.0
+    adapted = Adapter(old.in_features, old.out_features, bias=False)
+    m.blocks[0].mlp.c_fc = adapted
+    assert both()[1] is None
+    m.blocks[0].mlp.c_fc = new
+    hook = m.ln_f.register_forward_hook(lambda mod, args, out: out * 0.5)
+    assert both()[1] is None
+    hook.remove()
+    want, got = both()
+    close(got, want)
+
+
+def test_a_one_thread_pool_keeps_openblas_to_one_thread(monkeypatch):
+    """With PyTorch's pool at one thread the numpy step's products run on one thread too (OpenBLAS's default
+    is every core: two pools wanting every core is what docs/LOG.md measured as a collapse)."""
+    from threadpoolctl import threadpool_info
+    m = model_of(OPTIONS["llama"])
+    seen = []
+    real = Stepper.step
+    monkeypatch.setattr(Stepper, "step", lambda self, *a: seen.append(
+        [i["num_threads"] for i in threadpool_info() if i.get("internal_api") == "openblas"]) or real(self, *a))
+    before = torch.get_num_threads()
+    cpu_linear._set_blas_threads(cpu_linear._openblas()[1], 2)
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            cache = m.new_kv_cache(1, 8, "cpu", torch.float32)
+            m(torch.tensor([[1, 2]]), kv_cache=cache)
+            with cpu_linear.decode_threads(m, 1):
+                stepper(m, torch.device("cpu"), "fp32").step(torch.tensor([3]), cache)
+    finally:
+        torch.set_num_threads(before)
+    assert seen and all(n == [1] for n in seen), seen
+
+
+def test_nothing_is_kept_past_the_model_or_its_float32_weights():
+    """No views outlive a conversion (bf16 weights: the step is not used, and the float32 storage can go),
+    and the model is freed as soon as its last reference goes (no cycle through the step)."""
+    import weakref
+    cpu = torch.device("cpu")
+    m = model_of(OPTIONS["llama"])
+    with torch.inference_mode():
+        assert stepper(m, cpu, "fp32") is not None and m in cpu_decode._STEPPERS
+        m.to(torch.bfloat16)
+        assert stepper(m, cpu, "fp32") is None and m not in cpu_decode._STEPPERS
+        m.float()
+        assert stepper(m, cpu, "fp32") is not None
+    gone = weakref.ref(m)
+    del m
+    assert gone() is None
 
 
 def test_past_the_context_is_refused_as_gpt_forward_does():

@@ -18,21 +18,23 @@ rounding (tests/test_cpu_decode.py compares both for every model option, and the
 greedy tokens).
 
 The weights are numpy views of the parameters (no copy): an optimizer updating them in place is seen; a
-parameter whose storage moved (model.to(), load_state_dict with assign) rebuilds the Stepper (`stepper`
-checks before each step). Sharded parameters (FSDP's DTensors) have no numpy view: PyTorch runs those steps,
-as it does a model in training mode with dropout.
+replaced module or a parameter whose storage moved (model.to(), load_state_dict with assign) makes a new
+Stepper (`stepper` compares before each step). A module of a class of its own (an adapter around a layer), a
+forward hook, or a sharded parameter (FSDP's DTensors, which have no numpy view) leaves the step to PyTorch,
+as does a model in training mode with dropout.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 import torch
 import torch.nn as nn
 
-from .cpu_linear import backend, openblas_pays
-from .gpt import GPT
+from .cpu_linear import Linear, backend, openblas_pays
+from .gpt import GPT, MLP, Attention, Block, RMSNorm
 
 GELU_C = math.sqrt(2.0 / math.pi)
 
@@ -46,19 +48,64 @@ def usable(model: nn.Module, device: torch.device, precision: str) -> bool:
             and model.wte.weight.dtype == torch.float32 and backend() == "openblas")
 
 
+_STEPPERS: "weakref.WeakKeyDictionary[nn.Module, Stepper]" = weakref.WeakKeyDictionary()  # one per model,
+# kept beside it (not on it: a deepcopy of the model must not copy the views, nor a cycle keep the weights)
+
+
 def stepper(model: nn.Module, device: torch.device, precision: str, rows: int = 1) -> "Stepper | None":
-    """The model's Stepper (made once, kept on the model) for a step of `rows` sequences where `usable` and
-    where OpenBLAS pays for the products (cpu_linear.openblas_pays: one row, or a model mostly in large
-    matrices; a small model's 8-row products ran faster in PyTorch's threads: 445-475 tokens/s against
-    780 for a 3.4M model, docs/LOG.md), else None: PyTorch runs the step."""
+    """The model's Stepper for a step of `rows` sequences, where `usable` and where OpenBLAS pays for the
+    products (cpu_linear.openblas_pays: one row, or a model mostly in large matrices; a small model's 8-row
+    products ran faster in PyTorch's threads: 445-475 tokens/s against 780 for a 3.4M model, docs/LOG.md);
+    else None, and PyTorch runs the step. Made again when a module or a weight the step reads is not the
+    one it was made from (a replaced layer, model.to(), load_state_dict with assign); never where a module
+    is of a class of its own, has a hook, or holds a sharded (FSDP) parameter: the step would not be the
+    module's forward."""
     if not usable(model, device, precision) or not openblas_pays(model, rows):
+        _STEPPERS.pop(model, None)  # no views left holding weights the model no longer uses
         return None
-    st = model.__dict__.get("_cpu_stepper")
-    if st is None or (st is not False and st._current() != st._held):  # new, or a weight's storage moved
-        # plain tensors only: a sharded (FSDP, DTensor) parameter has no numpy view
-        st = Stepper(model) if all(type(t.data) is torch.Tensor for t in model.parameters()) else False
-        model.__dict__["_cpu_stepper"] = st
-    return st or None
+    now = fingerprint(model)
+    st = _STEPPERS.get(model)
+    if now is None:
+        _STEPPERS.pop(model, None)
+        return None
+    if st is None or st.held != now:
+        st = _STEPPERS[model] = Stepper(model)
+        st.held = now
+    return st
+
+
+def _read(m: GPT):
+    """(module, the class it must be) for every module the step reads, in the step's order."""
+    norm = RMSNorm if m.cfg.norm == "rmsnorm" else nn.LayerNorm
+    yield m, type(m)
+    yield m.wte, nn.Embedding
+    if m.wpe is not None:
+        yield m.wpe, nn.Embedding
+    for b in m.blocks:
+        yield from ((b, Block), (b.ln_1, norm), (b.attn, Attention), (b.attn.c_attn, Linear),
+                    (b.attn.c_proj, Linear), (b.ln_2, norm), (b.mlp, MLP), (b.mlp.c_fc, Linear),
+                    (b.mlp.c_proj, Linear))
+        if b.attn.q_norm is not None:
+            yield from ((b.attn.q_norm, norm), (b.attn.k_norm, norm))
+    yield m.ln_f, norm
+    yield m.lm_head, Linear
+
+
+def fingerprint(m: GPT) -> tuple | None:
+    """The identity and storage of every module and tensor the step reads, or None where the step cannot
+    stand in for forward: a module of another class, a forward hook, a tensor that is not a plain one."""
+    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        return None
+    out = []
+    for mod, kind in _read(m):
+        if type(mod) is not kind or mod._forward_hooks or mod._forward_pre_hooks:
+            return None
+        for t in (*mod._parameters.values(), *mod._buffers.values()):
+            if t is not None:
+                if type(t.data) is not torch.Tensor:
+                    return None
+                out.append((id(mod), id(t), t.data_ptr()))
+    return tuple(out)
 
 
 def _np(t: torch.Tensor | None) -> np.ndarray | None:
@@ -66,22 +113,18 @@ def _np(t: torch.Tensor | None) -> np.ndarray | None:
 
 
 class Stepper:
-    """step(ids (B,) tensor, cache) -> logits (B, 1, vocab), one token per row at position cache.len."""
+    """step(ids (B,) tensor, cache) -> logits (B, 1, vocab), one token per row at position cache.len. Its
+    inputs are the engine's and the server's (valid ids and positions, a boolean mask in which every row
+    sees at least its own key); `stepper` decides where it may run."""
 
     def __init__(self, model: GPT):
-        self.model, self.cfg = model, model.cfg
-        self._bind()
+        self.cfg = model.cfg
+        self.held: tuple | None = None  # stepper(): the fingerprint of what it was made from
+        self._bind(model)
 
-    def _current(self) -> list[tuple[int, int]]:
-        """(identity, storage address) of every parameter and buffer as the modules hold them now."""
-        return [(id(t), t.data_ptr()) for mod, name in self._slots for t in (getattr(mod, name),)]
-
-    def _bind(self) -> None:
-        """numpy views of every weight, per layer."""
-        m, cfg = self.model, self.cfg
-        self._slots = [(mod, name) for mod in m.modules()
-                       for name, _ in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]]
-        self._held = self._current()
+    def _bind(self, m: GPT) -> None:
+        """numpy views of every weight, per layer (no reference to the model itself)."""
+        cfg = self.cfg
 
         def norm(mod):
             return (_np(mod.weight), _np(getattr(mod, "bias", None)), mod.eps)

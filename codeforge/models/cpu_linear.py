@@ -98,9 +98,12 @@ def decode_threads(model: nn.Module | None = None, rows: int = 1):
     """Around one decoding step of `rows` sequences on the CPU: PyTorch on one thread, OpenBLAS on the pool's
     count (see above). Only where that pays: one row, or a model whose weights are mostly in matrices that
     OpenBLAS multiplies (with 8 rows, a 5M-parameter model's small products are worth PyTorch's threads:
-    727 tokens/s with them against 459 without, docs/LOG.md). Does nothing where OpenBLAS is not used or the
-    pool has one thread."""
+    727 tokens/s with them against 459 without, docs/LOG.md). Does nothing where OpenBLAS is not used; with
+    a pool of one thread it only holds OpenBLAS to one too (the numpy decoding step multiplies through it,
+    models/cpu_decode.py, and its default is every core)."""
     n = torch.get_num_threads()
+    if n == 1 and not getattr(_local, "decoding", False) and _openblas() is not None:
+        _set_blas_threads(_openblas()[1], 1)
     blas = _openblas() if n > 1 and not getattr(_local, "decoding", False) else None
     if blas is not None and model is not None and not openblas_pays(model, rows):
         blas = None
