@@ -85,16 +85,23 @@ def test_rows_at_their_own_positions_behind_a_padding_mask(name, B):
             nxt, p = want[:, -1].argmax(-1), p + 1
 
 
+def forward_and_step(m):
+    """(GPT.forward's logits, the chosen Stepper's, or None where stepper() leaves the step to PyTorch) for
+    one token after the same 4-token prompt."""
+    with torch.inference_mode():
+        prompt = torch.randint(0, 96, (1, 4), generator=torch.Generator().manual_seed(3))
+        a, b = m.new_kv_cache(1, 8, "cpu", torch.float32), m.new_kv_cache(1, 8, "cpu", torch.float32)
+        m(prompt, kv_cache=a), m(prompt, kv_cache=b)
+        st = stepper(m, torch.device("cpu"), "fp32")
+        want = m(torch.tensor([[1]]), kv_cache=a, last_only=True)
+        return want, (st.step(torch.tensor([1]), b) if st is not None else None)
+
+
 def test_weights_changed_in_place_or_moved_are_seen():
     m = model_of(OPTIONS["llama"])
 
     def both():
-        with torch.inference_mode():
-            prompt = torch.randint(0, 96, (1, 4), generator=torch.Generator().manual_seed(3))
-            a, b = m.new_kv_cache(1, 8, "cpu", torch.float32), m.new_kv_cache(1, 8, "cpu", torch.float32)
-            m(prompt, kv_cache=a), m(prompt, kv_cache=b)
-            st = stepper(m, torch.device("cpu"), "fp32")
-            return m(torch.tensor([[1]]), kv_cache=a, last_only=True), st.step(torch.tensor([1]), b)
+        return forward_and_step(m)
 
     before = both()[1]
     with torch.no_grad():
@@ -111,17 +118,10 @@ def test_weights_changed_in_place_or_moved_are_seen():
 def test_a_replaced_module_or_a_hook_is_never_skipped():
     """A layer swapped for another module is read again; a module of a class of its own (an adapter) or a
     forward hook leaves the step to PyTorch, which runs them."""
-    cpu = torch.device("cpu")
     m = model_of(OPTIONS["llama"])
 
     def both():
-        with torch.inference_mode():
-            prompt = torch.randint(0, 96, (1, 4), generator=torch.Generator().manual_seed(3))
-            a, b = m.new_kv_cache(1, 8, "cpu", torch.float32), m.new_kv_cache(1, 8, "cpu", torch.float32)
-            m(prompt, kv_cache=a), m(prompt, kv_cache=b)
-            st = stepper(m, cpu, "fp32")
-            want = m(torch.tensor([[1]]), kv_cache=a, last_only=True)
-            return want, (st.step(torch.tensor([1]), b) if st is not None else None)
+        return forward_and_step(m)
 
     old = m.blocks[0].mlp.c_fc
     new = cpu_linear.Linear(old.in_features, old.out_features, bias=False)
