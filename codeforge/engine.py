@@ -96,6 +96,7 @@ class Engine:
         self.pad_id = tokenizer.special_ids.get("<pad>", 0)
         self.checkpoint = None  # from_run: the checkpoint directory it loaded
         self.chat_note: str | None = None  # from_run: a notice when no chat stage trained it
+        self.tool_trained = False  # from_run: the tools stage trained it (it reaches for tools when offered none)
 
     @classmethod
     def from_run(cls, run: str, device: str = "auto", which: str = "auto") -> "Engine":
@@ -105,6 +106,7 @@ class Engine:
         model, tok, ck, saved = load_model(run, dev, which)
         eng = cls(model, tok, dev, precision)
         eng.checkpoint, eng.chat_note = ck, chat_notice(saved)
+        eng.tool_trained = saved.get("train", {}).get("stage") == "tools"
         return eng
 
     def _fit_prompt(self, ids: list[int], max_new: int, warn) -> tuple[list[int], int]:
@@ -278,14 +280,17 @@ class Engine:
         at the token budget. on_text(piece) streams the raw text as it comes.
 
         constrained (the default): with tools, every tool call the model opens is held to `{"name": <a
-        tool>, "arguments": <its schema>}` (constrain.py); tool_choice "required" / a tool's name forces
-        calls, "none" forbids them; response_format {"type": "json_object" | "json_schema", ...} makes the
+        tool>, "arguments": <its schema>}` (constrain.py); without tools there is no call to make, so the call
+        tokens are kept out (as OpenAI's API does); tool_choice "required" / a tool's name forces calls, "none"
+        forbids them; response_format {"type": "json_object" | "json_schema", ...} makes the
         reply one JSON value. constrained=False measures the bare model (tool_choice and response_format
         are then ignored)."""
         ids, _ = encode_conversation(self.tok, messages, tools, add_generation_prompt=True)
         end_id = self.tok.special_ids[IM_END]
         constraints = None
-        if constrained and (tools or response_format is not None or tool_choice != "auto"):
+        if constrained:
+            if not tools and tool_choice == "auto":
+                tool_choice = "none"  # no tools offered, no tool call: a tools-trained model would open one anyway
             constraints = [ToolGrammar(self.tok, tools, tool_choice, response_format).new()]
         out: list[int] = []
         sent, ended = 0, False

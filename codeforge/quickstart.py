@@ -28,7 +28,7 @@ from .mining.plans import write_plans
 from .mining.sft import write_sft
 from .sandbox import SandboxUnavailable, check_available
 from .stages import run as run_stage
-from .tasks.tool_calls import TOOLS as TOOL_SCHEMAS, write_tool_data
+from .tasks.tool_calls import TOOLS as TOOL_SCHEMAS, TOOLS_FILE, write_tool_data
 from .tokenizer import train_tokenizer
 
 # The recipe is two presets: the `cpu-small` model (3.4M parameters at this vocabulary) and the `lowend-cpu`
@@ -334,6 +334,9 @@ def chat_stages(out_dir: Path, src: str, langs, base_run: Path, device: str, t_s
     if not (tools_pairs / "train.jsonl").exists():
         write_tool_data(tools_pairs, TOOL_EXAMPLES, 100, seed=0)
         print(f"      make-tools: {TOOL_EXAMPLES} synthetic tool-calling conversations -> {tools_pairs}")
+    tools_file = tools_pairs / TOOLS_FILE
+    if not tools_file.exists():  # tool data from before it was written there
+        tools_file.write_text(json.dumps(TOOL_SCHEMAS, indent=2) + "\n")
     opts = CorpusOptions(val_fraction=0.05)
     # SFT sees the tool conversations too, shuffled in with the mined pairs, so tool calling trains during the
     # SFT steps as well as the tools stage's (docs/LOG.md, 2026-11-25).
@@ -393,8 +396,8 @@ def chat_stages(out_dir: Path, src: str, langs, base_run: Path, device: str, t_s
     ask = [{"role": "user", "content": "Please read the file src/parser.py"}]
     reply = eng.chat(ask, TOOL_SCHEMAS, SamplingParams(max_new_tokens=96, temperature=0.0))
     print(f"\nchat> {ask[0]['content']}\n{reply['text']}")
-    print(f"\nfinished in {(time.perf_counter() - t_start) / 60:.1f} min. Next: echo 'Write a function that adds "
-          f"two numbers' | codeforge chat --run {sft_run}   |   codeforge eval --run {tools_run} --json")
+    print(f"\nfinished in {(time.perf_counter() - t_start) / 60:.1f} min. Next: codeforge chat --run {tools_run} "
+          f"--tools {tools_file}   |   codeforge eval --run {tools_run} --json")
     return {"sft": r_sft, "tools": r_tools, "im_end_before": before, "im_end_after": after,
             "tools_before": tools_before, "tools_after": tools_after, "tools_after_constrained": tools_grammar}
 

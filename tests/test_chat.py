@@ -465,6 +465,8 @@ def test_chat_commands_are_answered_and_never_sent_to_the_model(monkeypatch, cap
     seen: list[list[dict]] = []
 
     class Eng:
+        tool_trained = False
+
         def chat(self, messages, tools, params, on_text=None, constrained=True):
             seen.append([dict(m) for m in messages])
             return {"content": "ok", "tool_calls": [], "errors": []}

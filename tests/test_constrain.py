@@ -5,6 +5,7 @@ which shows the checks can fail. Rows with different constraints share one batch
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -216,6 +217,22 @@ def test_chat_applies_tool_choice_and_response_format(eng):
     # constrained=False is the bare model: tool_choice is ignored
     assert eng.chat(msgs, TOOLS, p, constrained=False, tool_choice="required") == eng.chat(msgs, TOOLS, p,
                                                                                           constrained=False)
+
+
+def test_chat_without_tools_never_opens_a_call(eng, tok):
+    """Offered no tools, a model that reaches for a call answers in text: the call tokens are kept out of the
+    reply, as OpenAI's API does. Unconstrained, the same model opens a call at once."""
+    model = copy.deepcopy(eng.model)
+    with torch.no_grad():
+        model.lm_head.bias[tok.special_ids[CALL_OPEN]] = 30.0  # a model that calls a tool whatever it is asked
+    keen = Engine(model, tok)
+    msgs = [{"role": "user", "content": "Read the file src/parser.py"}]
+    for seed in SEEDS:
+        p = SamplingParams(max_new_tokens=40, temperature=1.0, seed=seed)
+        assert keen.chat(msgs, None, p, constrained=False)["text"].startswith(CALL_OPEN)
+        r = keen.chat(msgs, None, p)
+        assert CALL_OPEN not in r["text"] and CALL_CLOSE not in r["text"], r
+        assert not r["tool_calls"] and not r["errors"] and r["content"], r
 
 
 def test_mask_logits_padded_vocab_and_allowed(tok):

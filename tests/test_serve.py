@@ -20,10 +20,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from codeforge.chat import encode_conversation
+from codeforge.chat import CALL_OPEN, encode_conversation
 from codeforge.cli import main
 from codeforge.engine import Engine, SamplingParams
 from codeforge.fim import infill_text
@@ -86,8 +87,8 @@ class Live:
 
 
 @contextlib.contextmanager
-def serving(run, **kw):
-    engine = Engine.from_run(str(run), "cpu")
+def serving(run, engine: Engine | None = None, **kw):
+    engine = engine or Engine.from_run(str(run), "cpu")
     app = create_app(engine, ServeOptions(model_name="tiny", **kw))
     sock = bind("127.0.0.1", 0)
     port = sock.getsockname()[1]
@@ -366,6 +367,30 @@ def test_chat_tool_choice(chat):
                    {"role": "tool", "tool_call_id": "call_1", "content": "x = 1"}]
     r = c.chat.completions.create(model="tiny", messages=hist, tools=TOOLS, max_tokens=4, temperature=0)
     assert r.choices[0].message.role == "assistant"
+
+
+def test_chat_without_tools_never_calls(chat_run):
+    """A request that offers no tools gets no tool call, even from a model that reaches for one on any
+    request (biased to here): the call tokens are kept out, streamed or not; offered tools, it calls."""
+    engine = Engine.from_run(str(chat_run), "cpu")
+    bias = torch.zeros(engine.model.lm_head.out_features)
+    bias[engine.tok.special_ids[CALL_OPEN]] = 30.0
+    engine.model.lm_head.bias = torch.nn.Parameter(bias)
+    msgs = [{"role": "user", "content": "Read the file a.py"}]
+    with serving(chat_run, engine=engine) as live:
+        c = live.client
+        r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=24, temperature=0)
+        ch = r.choices[0]
+        assert ch.message.tool_calls or ch.message.content.startswith(CALL_OPEN), ch  # offered tools, it calls
+        for extra in ({}, {"tool_choice": "none", "tools": TOOLS}):
+            r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0, **extra)
+            ch = r.choices[0]
+            assert not ch.message.tool_calls and ch.message.content and CALL_OPEN not in ch.message.content, ch
+            assert ch.finish_reason in ("stop", "length")
+            chunks = [x for x in c.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0,
+                                                           stream=True, **extra) if x.choices]
+            assert "".join(x.choices[0].delta.content or "" for x in chunks) == ch.message.content
+            assert not any(x.choices[0].delta.tool_calls for x in chunks)
 
 
 def test_chat_message_content_required(chat):

@@ -152,6 +152,10 @@ def test_cli_chat_pipeline(tmp_path, tokenizer_dir, data_dir, capsys, monkeypatc
     assert main(["make-sft", "--input", str(src), "--out", str(tmp_path / "pairs")]) == 2  # never overwritten
     assert "--overwrite" in capsys.readouterr().err
     assert main(["make-tools", "--out", str(tmp_path / "tools"), "--count", "60", "--heldout", "10"]) == 0
+    tools_file = tmp_path / "tools" / "tools.json"  # the tools' schemas, for chat --tools
+    assert "tools.json" in capsys.readouterr().out
+    assert {t["function"]["name"] for t in json.loads(tools_file.read_text())} == set(
+        json.loads((tmp_path / "tools" / "meta.json").read_text())["tools"])
     assert main(["prepare", "--chat", "--input", str(tmp_path / "pairs" / "train.jsonl"),
                  str(tmp_path / "tools" / "train.jsonl"), "--tokenizer", str(tokenizer_dir), "--out",
                  str(tmp_path / "cd"), "--val-fraction", "0.1"]) == 0
@@ -169,6 +173,18 @@ def test_cli_chat_pipeline(tmp_path, tokenizer_dir, data_dir, capsys, monkeypatc
     monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps({"messages": [{"role": "robot", "content": "x"}]})))
     assert main(["chat", "--run", str(tmp_path / "sft")]) == 2
     assert "unknown_role" in capsys.readouterr().err
+    # a tools-stage run offered no tools answers in text, and chat says why; offered the file, no note
+    assert main(["train", "--stage", "tools", "--data", str(tmp_path / "cd"), "--out", str(tmp_path / "tl"),
+                 "--init-from", str(tmp_path / "sft"), "--max-iters", "1", "--no-progress", "--device", "cpu",
+                 "--eval-tokens", "128"]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr("sys.stdin", io.StringIO("Read the file a.py"))
+    assert main(["chat", "--run", str(tmp_path / "tl"), "--max-new-tokens", "8", "--seed", "0"]) == 0
+    said = capsys.readouterr()
+    assert "trained to call tools, but none are offered" in said.err and "[unparsed tool call]" not in said.out
+    monkeypatch.setattr("sys.stdin", io.StringIO("Read the file a.py"))
+    assert main(["chat", "--run", str(tmp_path / "tl"), "--tools", str(tools_file), "--max-new-tokens", "8"]) == 0
+    assert "none are offered" not in capsys.readouterr().err
     assert main(["eval", "--run", str(tmp_path / "sft"), "--json", "--tool-cases", "4", "--eval-tokens", "128"]) == 0
     said = capsys.readouterr()
     r = json.loads(said.out)

@@ -141,7 +141,8 @@ def test_score_by_hand():
 def test_write_tool_data(tmp_path):
     out = tmp_path / "tools"
     meta = write_tool_data(out, n_train=30, n_heldout=5, seed=2)
-    assert sorted(p.name for p in out.iterdir()) == ["heldout.jsonl", "meta.json", "train.jsonl"]
+    assert sorted(p.name for p in out.iterdir()) == ["heldout.jsonl", "meta.json", "tools.json", "train.jsonl"]
+    assert json.loads((out / "tools.json").read_text()) == TOOLS  # the schemas, as `chat --tools` takes them
     rows = {s: [json.loads(line) for line in (out / f"{s}.jsonl").read_text().splitlines()]
             for s in ("train", "heldout")}
     assert rows["train"] == generate(30, seed=2) and rows["heldout"] == generate(5, seed=2, split="heldout")

@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from .. import CodeforgeError
 from .args import corpus_args, corpus_opts
@@ -131,9 +132,10 @@ def cmd_make_tasks(a: argparse.Namespace) -> int:
 
 
 def cmd_make_tools(a: argparse.Namespace) -> int:
-    from ..tasks.tool_calls import write_tool_data
+    from ..tasks.tool_calls import TOOLS_FILE, write_tool_data
     meta = write_tool_data(a.out, a.count, a.heldout, seed=a.seed, overwrite=a.overwrite)
-    print(f"wrote {a.count} training and {a.heldout} held-out tool-calling conversations -> {a.out}")
+    print(f"wrote {a.count} training and {a.heldout} held-out tool-calling conversations -> {a.out} (the tools' "
+          f"schemas in {Path(a.out) / TOOLS_FILE}, for `codeforge chat --tools`)")
     if meta.get("kinds"):
         print(f"  kinds: {meta['kinds']}")
     return 0

@@ -322,6 +322,14 @@ def _show_calls(r: dict) -> None:
         print(f"[unparsed tool call] {err}")
 
 
+def _tools_note(eng, tools, constrained: bool) -> None:
+    """A run the tools stage trained, offered no tools: say why it answers in text, and how to offer some."""
+    if eng.tool_trained and not tools and constrained:
+        print("note: this run was trained to call tools, but none are offered, so tool calls are kept out and it "
+              "answers in text; offer tools with --tools FILE (a JSON list of tool schemas; `codeforge quickstart "
+              "--chat` writes the ones it trained on to tools.json beside its runs)", file=sys.stderr)
+
+
 def _chat_piped(eng, params, system: list[dict], tools, constrained: bool = True) -> int:
     """stdin is one user message, or a JSON object {"messages": [...], "tools": [...]}: print the reply."""
     text = sys.stdin.read()
@@ -338,6 +346,7 @@ def _chat_piped(eng, params, system: list[dict], tools, constrained: bool = True
         messages = messages[:-1]
     else:
         messages = system + [{"role": "user", "content": text.strip()}]
+    _tools_note(eng, tools, constrained)
     r = eng.chat(messages, tools, params, constrained=constrained)
     print(r["content"])
     _show_calls(r)
@@ -353,6 +362,7 @@ def _chat_repl(eng, params, system: list[dict], tools, constrained: bool = True)
     are commands, answered on stderr and never sent to the model (an unknown one says so)."""
     history = list(system)
     print(CHAT_HELP, file=sys.stderr)
+    _tools_note(eng, tools, constrained)
     while True:
         try:
             line = input("> ")

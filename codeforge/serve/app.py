@@ -390,9 +390,10 @@ async def chat_completions(srv: ServerState, request: Request):
     choice = b.tool_choice
     if choice not in (None, "none", "auto") and not tools:
         raise ApiError(400, "tool_choice requires tools", param="tool_choice")
-    if choice == "none":
+    if choice == "none" or not tools:
         tools = None  # the model is not told about the tools, and nothing is parsed as a call
-    mode = "none" if choice == "none" else "auto" if choice in (None, "auto") else \
+    # no tools offered: no tool call either (OpenAI's behaviour), though a tools-trained model would open one
+    mode = "none" if tools is None else "auto" if choice in (None, "auto") else \
         "required" if choice == "required" else choice.function.name
     if isinstance(choice, NamedToolChoice) and choice.function.name not in {t["function"]["name"] for t in tools}:
         raise ApiError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools",
@@ -400,8 +401,8 @@ async def chat_completions(srv: ServerState, request: Request):
     rf = b.response_format if b.response_format and b.response_format.get("type") != "text" else None
     # The grammar (constrain.py): a tool call, once opened (or from the start, tool_choice required or
     # named), can only be a JSON object naming one of the tools with arguments of its schema; a JSON
-    # response_format holds the whole reply to its schema; "none" keeps call tokens out of the reply.
-    constrained = bool(tools) or rf is not None or choice == "none"
+    # response_format holds the whole reply to its schema; "none" keeps call tokens out of the reply. Every
+    # chat reply is held to one of these.
     tools_active = bool(tools)
     names = {t["function"]["name"] for t in tools} if tools else set()
     parallel = b.parallel_tool_calls is not False
@@ -423,8 +424,7 @@ async def chat_completions(srv: ServerState, request: Request):
     try:
         ids = await srv.encode(encode)
         # the grammar compiles outside the tokenizer lock, which the generation loop needs for every token
-        grammar = await run_in_threadpool(lambda: ToolGrammar(srv.tok, tools, mode, rf, parallel)) \
-            if constrained else None
+        grammar = await run_in_threadpool(lambda: ToolGrammar(srv.tok, tools, mode, rf, parallel))
     except ConstraintError as e:  # a tool's parameters or a response_format schema the grammar cannot take
         raise ApiError(400, str(e), param="response_format" if "response_format" in str(e) else "tools",
                        code="invalid_schema") from None

@@ -453,10 +453,13 @@ def generate(n: int, seed: int = 0, split: str = "train", heldout_fraction: floa
     return _generate_splits({split: n}, seed, heldout_fraction)[split]
 
 
+TOOLS_FILE = "tools.json"  # the schemas of the tools the conversations use, beside them
+
+
 def write_tool_data(out_dir: str | Path, n_train: int, n_heldout: int, seed: int = 0,
                     overwrite: bool = False) -> dict:
-    """Write train.jsonl, heldout.jsonl and meta.json to out_dir (staged aside, then renamed into place) and
-    return the meta dict. Refuses a non-empty out_dir unless overwrite."""
+    """Write train.jsonl, heldout.jsonl, meta.json and tools.json (the tools' schemas, a JSON list to give
+    `codeforge chat --tools`) to out_dir (staged aside, then renamed into place) and return the meta dict. Refuses a non-empty out_dir unless overwrite."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ToolDataError(f"{out} exists and is not a directory; choose another output directory")
@@ -475,6 +478,7 @@ def write_tool_data(out_dir: str | Path, n_train: int, n_heldout: int, seed: int
         with open(tmp / f"{split}.jsonl", "w", encoding="utf-8") as f:
             f.writelines(json.dumps(example) + "\n" for example in data[split])
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    (tmp / TOOLS_FILE).write_text(json.dumps(TOOLS, indent=2) + "\n")  # for `chat --tools` and requests
     publish(tmp, out)
     return meta
 
