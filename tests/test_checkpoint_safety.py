@@ -210,6 +210,22 @@ def test_resume_refuses_other_batch_seed_or_data(data_dir, tmp_path):
     assert any("in effect from the resumed step on" in m and "train.learning_rate 0.003 -> 0.001" in m for m in msgs)
 
 
+def test_resume_compares_the_asked_eval_tokens_not_the_sized_ones(data_dir, tmp_path):
+    """A short run sizes its evaluation down from --eval-tokens and saves the sized number; re-running it with
+    the same --eval-tokens (as a re-run quickstart does) changes nothing, so --resume says nothing changed. A
+    different --eval-tokens is still said."""
+    run = tmp_path / "r"
+    msgs = []
+    run_stage(cfg_for(data_dir, run, train__max_iters=2, train__eval_tokens=1 << 20), log=msgs.append)
+    assert any("saved as eval_tokens" in m for m in msgs)  # sized down
+    msgs.clear()
+    run_stage(cfg_for(data_dir, run, train__max_iters=3, train__eval_tokens=1 << 20), resume=True, log=msgs.append)
+    assert not [m for m in msgs if "changed settings" in m], msgs
+    msgs.clear()
+    run_stage(cfg_for(data_dir, run, train__max_iters=4, train__eval_tokens=256), resume=True, log=msgs.append)
+    assert any("changed settings" in m and "train.eval_tokens 1048576 -> 256" in m for m in msgs), msgs
+
+
 class Touch:
     """Unpickling this creates a file: what a tampered pickle could do (here harmlessly)."""
 

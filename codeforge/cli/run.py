@@ -326,8 +326,9 @@ def _tools_note(eng, tools, constrained: bool) -> None:
     """A run the tools stage trained, offered no tools: say why it answers in text, and how to offer some."""
     if eng.tool_trained and not tools and constrained:
         print("note: this run was trained to call tools, but none are offered, so tool calls are kept out and it "
-              "answers in text; offer tools with --tools FILE (a JSON list of tool schemas; `codeforge quickstart "
-              "--chat` writes the ones it trained on to tools.json beside its runs)", file=sys.stderr)
+              "answers in text; offer tools with --tools FILE (a JSON list of tool schemas; `codeforge make-tools` "
+              "writes the ones it makes conversations with to tools.json in its output, `quickstart --chat` to "
+              "tool_pairs/tools.json)", file=sys.stderr)
 
 
 def _chat_piped(eng, params, system: list[dict], tools, constrained: bool = True) -> int:

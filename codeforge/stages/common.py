@@ -187,6 +187,7 @@ def sized_evaluation(cfg: RunConfig, run_config: dict, tokens_per_step: int, tot
             f"it trains on; saved as eval_tokens in config.toml")
         cfg.train = replace(t, eval_tokens=sized)
         run_config["train"]["eval_tokens"] = sized
+        run_config["eval_tokens_asked"] = t.eval_tokens  # what --resume compares a re-run's --eval-tokens with
 
 
 # -- the stages that continue a trained run (preference and RL) ---------------------------------------
