@@ -28,8 +28,10 @@ def test_dpo_by_hand():
     assert close(loss, math.log(1 + math.exp(-0.5))) and close(loss, 0.474077)
     assert close(m["pair_accuracy"], 1.0)
     # the reference cancels: equal policy and reference give log 2 whatever the log-probs are
-    same, _ = L.dpo_loss(torch.tensor([-3.0]), torch.tensor([-7.0]), torch.tensor([-3.0]), torch.tensor([-7.0]), 0.1)
+    same, m0 = L.dpo_loss(torch.tensor([-3.0]), torch.tensor([-7.0]), torch.tensor([-3.0]), torch.tensor([-7.0]), 0.1)
     assert close(same, math.log(2))
+    assert close(m0["pair_accuracy"], 0.0) and close(m0["pair_ties"], 1.0)  # a tie: counted, and told apart
+    assert close(m["pair_ties"], 0.0)
 
 
 def test_dpo_gradient_raises_chosen_lowers_rejected():

@@ -163,8 +163,32 @@ def test_reward_model_learns_the_preference(reward_run):
     print(f"[margin] reward model: val loss {val[0]['val_loss']:.3f} -> {val[-1]['val_loss']:.3f} (needs < 0.3), "
           f"pair accuracy {val[-1]['val_pair_accuracy']:.3f} (needs 1.0)")
     assert val[-1]["val_pair_accuracy"] == 1.0 and val[-1]["val_loss"] < 0.3
+    # step 0: the zero-initialised score head ties every pair (its line says so: see the test below)
+    assert val[0]["val_pair_ties"] == 1.0 and val[-1]["val_pair_ties"] == 0.0
     model, _, _, cfg = load_model(reward_run, torch.device("cpu"))
     assert cfg["model"]["arch"] == "reward" and hasattr(model, "score")
+
+
+def test_pair_eval_line_tells_ties_from_wrong_pairs():
+    from codeforge.stages.prefs import pair_eval
+
+    class Pairs:
+        def __len__(self):
+            return 4
+
+        def collate(self, idx, pad_id, device):
+            return idx
+
+    def tied(model, batch):
+        return torch.tensor(0.6931), {"pair_accuracy": torch.tensor(0.0), "pair_ties": torch.tensor(1.0)}
+
+    def ranked(model, batch):
+        return torch.tensor(0.2), {"pair_accuracy": torch.tensor(0.75), "pair_ties": torch.tensor(0.0)}
+    model = torch.nn.Linear(1, 1)
+    said = pair_eval(tied, model, Pairs(), 2, 0, torch.device("cpu"), "fp32")["message"]
+    assert said == "held-out loss 0.6931, pair accuracy 0.0% (100% of pairs tie, counted as not ranked right) over 4 pairs"
+    assert pair_eval(ranked, model, Pairs(), 2, 0, torch.device("cpu"), "fp32")["message"] == \
+        "held-out loss 0.2000, pair accuracy 75.0% over 4 pairs"
 
 
 def test_ppo_with_the_reward_model_raises_the_pass_rate(world, before, reward_run, tmp_path):

@@ -28,7 +28,8 @@ def reward_loss(fwd, head_model, b: dict) -> tuple[torch.Tensor, dict]:
     s = head_model.score(h[rows, b["last"]]).squeeze(-1).float()
     n = s.size(0) // 2
     loss, acc = losses.bradley_terry_loss(s[:n], s[n:])
-    return loss, {"pair_accuracy": acc, "margin": (s[:n] - s[n:]).mean().detach()}
+    return loss, {"pair_accuracy": acc, "margin": (s[:n] - s[n:]).mean().detach(),
+                  "pair_ties": (s[:n] == s[n:]).float().mean()}
 
 
 def response_logprobs(model, b: dict) -> torch.Tensor:
@@ -71,6 +72,8 @@ def pair_eval(loss_fn, model, data: PairData | None, batch_size: int, pad_id: in
     r = {k: v / n for k, v in tot.items()}
     extra = {k: v for k, v in r.items() if k != "loss"}
     acc = f", pair accuracy {r['pair_accuracy']:.1%}" if "pair_accuracy" in r else ""
+    if r.get("pair_ties"):  # the untrained start: a zero-initialised score head, a policy equal to its reference
+        acc += f" ({r['pair_ties']:.0%} of pairs tie, counted as not ranked right)"
     return {"val_loss": r["loss"], "eval_pairs": n, "extra": extra,
             "message": f"held-out loss {r['loss']:.4f}{acc} over {n} pairs"}
 
