@@ -235,6 +235,16 @@ def test_chat_without_tools_never_opens_a_call(eng, tok):
         assert not r["tool_calls"] and not r["errors"] and r["content"], r
 
 
+def test_chat_with_a_tokenizer_without_call_tokens_is_left_free(eng, tok):
+    """An imported tokenizer may lack <tool_call>: such a model cannot write a call, so a chat without tools
+    is not constrained at all (no grammar is built for tokens it does not have)."""
+    bare = copy.copy(tok)
+    bare.special_ids = {**tok.special_ids, CALL_OPEN: None, CALL_CLOSE: None}
+    msgs = [{"role": "user", "content": "Read the file src/parser.py"}]
+    p = SamplingParams(max_new_tokens=20, temperature=1.0, seed=0)
+    assert Engine(eng.model, bare).chat(msgs, None, p) == eng.chat(msgs, None, p, constrained=False)
+
+
 def test_mask_logits_padded_vocab_and_allowed(tok):
     V = tok.vocab_size
     req, none = ToolGrammar(tok, TOOLS, "required").new(), ToolGrammar(tok, TOOLS, "none").new()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import os
 import re
@@ -391,6 +392,12 @@ def test_chat_without_tools_never_calls(chat_run):
                                                            stream=True, **extra) if x.choices]
             assert "".join(x.choices[0].delta.content or "" for x in chunks) == ch.message.content
             assert not any(x.choices[0].delta.tool_calls for x in chunks)
+    # a tokenizer without the call tokens (an imported one) cannot write a call: served without a grammar
+    bare = copy.copy(engine.tok)
+    bare.special_ids = {**bare.special_ids, CALL_OPEN: None, "</tool_call>": None}
+    with serving(chat_run, engine=Engine(engine.model, bare, "cpu")) as live:
+        r = live.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0)
+        assert r.choices[0].finish_reason == "length" and r.choices[0].message.content
 
 
 def test_chat_message_content_required(chat):

@@ -37,7 +37,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
-from ..chat import CHAT_TEMPLATE, IM_END, encode_conversation
+from ..chat import CALL_OPEN, CHAT_TEMPLATE, IM_END, encode_conversation
 from ..constrain import ConstraintError, ToolGrammar
 from ..tokenizer import EOT
 from ..fim import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, infill_ids
@@ -392,8 +392,10 @@ async def chat_completions(srv: ServerState, request: Request):
         raise ApiError(400, "tool_choice requires tools", param="tool_choice")
     if choice == "none" or not tools:
         tools = None  # the model is not told about the tools, and nothing is parsed as a call
-    # no tools offered: no tool call either (OpenAI's behaviour), though a tools-trained model would open one
-    mode = "none" if tools is None else "auto" if choice in (None, "auto") else \
+    # no tools offered: no tool call either (OpenAI's behaviour), though a tools-trained model would open one;
+    # a tokenizer without the call tokens (an imported one) cannot write a call at all
+    can_call = srv.tok.special_ids.get(CALL_OPEN) is not None
+    mode = ("none" if can_call else "auto") if tools is None else "auto" if choice in (None, "auto") else \
         "required" if choice == "required" else choice.function.name
     if isinstance(choice, NamedToolChoice) and choice.function.name not in {t["function"]["name"] for t in tools}:
         raise ApiError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools",
@@ -401,8 +403,8 @@ async def chat_completions(srv: ServerState, request: Request):
     rf = b.response_format if b.response_format and b.response_format.get("type") != "text" else None
     # The grammar (constrain.py): a tool call, once opened (or from the start, tool_choice required or
     # named), can only be a JSON object naming one of the tools with arguments of its schema; a JSON
-    # response_format holds the whole reply to its schema; "none" keeps call tokens out of the reply. Every
-    # chat reply is held to one of these.
+    # response_format holds the whole reply to its schema; "none" keeps call tokens out of the reply.
+    constrained = bool(tools) or rf is not None or mode == "none"
     tools_active = bool(tools)
     names = {t["function"]["name"] for t in tools} if tools else set()
     parallel = b.parallel_tool_calls is not False
@@ -424,7 +426,8 @@ async def chat_completions(srv: ServerState, request: Request):
     try:
         ids = await srv.encode(encode)
         # the grammar compiles outside the tokenizer lock, which the generation loop needs for every token
-        grammar = await run_in_threadpool(lambda: ToolGrammar(srv.tok, tools, mode, rf, parallel))
+        grammar = await run_in_threadpool(lambda: ToolGrammar(srv.tok, tools, mode, rf, parallel)) \
+            if constrained else None
     except ConstraintError as e:  # a tool's parameters or a response_format schema the grammar cannot take
         raise ApiError(400, str(e), param="response_format" if "response_format" in str(e) else "tools",
                        code="invalid_schema") from None
