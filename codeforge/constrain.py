@@ -81,7 +81,9 @@ class _Bridge:
         # <|im_end|> (a row whose reply is finished, should it be asked for another token).
         no_calls = torch.zeros(self.words * 32, dtype=torch.bool)
         no_calls[:self.vocab] = True
-        no_calls[[tok.special_ids[CALL_OPEN], tok.special_ids[CALL_CLOSE]]] = False
+        # (an imported tokenizer may lack them: indexing with None would mask every token)
+        self.call_ids = [i for i in (tok.special_ids.get(CALL_OPEN), tok.special_ids.get(CALL_CLOSE)) if i is not None]
+        no_calls[self.call_ids] = False
         self.no_call_bits = _pack(no_calls)
         self.end_bits = _pack(torch.arange(self.words * 32) == tok.special_ids[IM_END])
 
@@ -380,19 +382,35 @@ def _fill(constraints: list[Constraint], steps: list[str], bits: torch.Tensor) -
 def mask_logits(constraints: list[Constraint | None], logits: torch.Tensor) -> torch.Tensor:
     """logits (n, V) with V >= the tokenizer's vocab_size (a padded head is fine) -> logits with -inf where a
     row's constraint forbids the token (ids >= vocab_size included); rows whose constraint is None or free
-    this step are untouched. All constrained rows' masks are computed in one call and applied in one
-    masked_fill; the input is not modified."""
+    this step are untouched. All grammar rows' masks are computed in one call and applied in one masked_fill;
+    rows that only may not call (tool_choice "none", no tools) get their two call columns set instead of a
+    mask over the whole vocabulary. The input is not modified."""
     if len(constraints) != logits.size(0):
         raise ConstraintError(f"{len(constraints)} constraints for {logits.size(0)} rows of logits")
     rows, live, steps = [], [], []
+    fixed: dict[_Bridge, list[int]] = {}  # "static" rows (no call tokens), by tokenizer: two columns, not a mask
     for i, c in enumerate(constraints):
         step = c._step() if c is not None else None
-        if step is not None:
+        if step == "static":
+            fixed.setdefault(c.grammar.bridge, []).append(i)
+        elif step is not None:
             rows.append(i)
             live.append(c)
             steps.append(step)
-    if not rows:
-        return logits
+    out = _masked(logits, rows, live, steps) if rows else logits
+    if fixed:
+        out = out.clone() if out is logits else out
+        for bridge, idx in fixed.items():
+            at = slice(None) if len(idx) == out.size(0) else torch.tensor(idx, device=out.device).unsqueeze(1)
+            if bridge.call_ids:
+                out[at, bridge.call_ids] = float("-inf")
+            if out.size(1) > bridge.vocab:
+                out[at, bridge.vocab:] = float("-inf")  # a padded head's ids past the vocabulary
+    return out
+
+
+def _masked(logits: torch.Tensor, rows: list[int], live: list[Constraint], steps: list[str]) -> torch.Tensor:
+    """logits with -inf where the bitmasks of `rows` (their constraints at `steps`) forbid a token."""
     words = live[0].grammar.bridge.words
     bits = torch.empty(len(rows), words, dtype=torch.int32)
     _fill(live, steps, bits)

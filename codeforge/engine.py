@@ -288,7 +288,8 @@ class Engine:
         ids, _ = encode_conversation(self.tok, messages, tools, add_generation_prompt=True)
         end_id = self.tok.special_ids[IM_END]
         constraints = None
-        if constrained and not tools and tool_choice == "auto" and self.tok.special_ids.get(CALL_OPEN) is not None:
+        if constrained and not tools and tool_choice == "auto" and response_format is None and \
+                self.tok.special_ids.get(CALL_OPEN) is not None:
             tool_choice = "none"  # no tools offered, no tool call: a tools-trained model would open one anyway
         if constrained and (tools or response_format is not None or tool_choice != "auto"):
             constraints = [ToolGrammar(self.tok, tools, tool_choice, response_format).new()]

@@ -24,7 +24,7 @@ import codeforge.checkpoint as ckpt_io
 import codeforge.checkpoint.save as ckpt_save
 from codeforge import rundir
 from codeforge.checkpoint import (CheckpointError, decode_state, encode_state, find_checkpoint, load_model,
-                                  load_train_state, verify_checkpoint)
+                                  load_train_state, read_config, verify_checkpoint)
 from codeforge.rundir import RunLockedError
 from codeforge.cli import main
 from codeforge.config import ConfigError
@@ -221,9 +221,14 @@ def test_resume_compares_the_asked_eval_tokens_not_the_sized_ones(data_dir, tmp_
     msgs.clear()
     run_stage(cfg_for(data_dir, run, train__max_iters=3, train__eval_tokens=1 << 20), resume=True, log=msgs.append)
     assert not [m for m in msgs if "changed settings" in m], msgs
+    sized = read_config(find_checkpoint(run, "latest"))
+    sized = sized["train"]["eval_tokens"]
+    assert sized < 1 << 20
+    run_stage(cfg_for(data_dir, run, train__max_iters=3, train__eval_tokens=sized), resume=True, log=msgs.append)
+    assert not [m for m in msgs if "changed settings" in m], msgs  # the number config.toml holds: the same
     msgs.clear()
-    run_stage(cfg_for(data_dir, run, train__max_iters=4, train__eval_tokens=256), resume=True, log=msgs.append)
-    assert any("changed settings" in m and "train.eval_tokens 1048576 -> 256" in m for m in msgs), msgs
+    run_stage(cfg_for(data_dir, run, train__max_iters=4, train__eval_tokens=100), resume=True, log=msgs.append)
+    assert any("changed settings" in m and f"train.eval_tokens {sized} -> 100" in m for m in msgs), msgs
 
 
 class Touch:

@@ -179,16 +179,25 @@ def test_pair_eval_line_tells_ties_from_wrong_pairs():
         def collate(self, idx, pad_id, device):
             return idx
 
+    class Many(Pairs):
+        def __len__(self):
+            return 300
+
     def tied(model, batch):
         return torch.tensor(0.6931), {"pair_accuracy": torch.tensor(0.0), "pair_ties": torch.tensor(1.0)}
 
     def ranked(model, batch):
         return torch.tensor(0.2), {"pair_accuracy": torch.tensor(0.75), "pair_ties": torch.tensor(0.0)}
+
+    def one_tie(model, batch):  # one tied pair in 300: said as a count, not rounded away to 0%
+        return torch.tensor(0.3), {"pair_accuracy": torch.tensor(0.5), "pair_ties": torch.tensor(1 / 300)}
     model = torch.nn.Linear(1, 1)
     said = pair_eval(tied, model, Pairs(), 2, 0, torch.device("cpu"), "fp32")["message"]
-    assert said == "held-out loss 0.6931, pair accuracy 0.0% (100% of pairs tie, counted as not ranked right) over 4 pairs"
+    assert said == "held-out loss 0.6931, pair accuracy 0.0% over 4 pairs (all tie, counted as not ranked right)"
     assert pair_eval(ranked, model, Pairs(), 2, 0, torch.device("cpu"), "fp32")["message"] == \
         "held-out loss 0.2000, pair accuracy 75.0% over 4 pairs"
+    assert pair_eval(one_tie, model, Many(), 300, 0, torch.device("cpu"), "fp32")["message"] == \
+        "held-out loss 0.3000, pair accuracy 50.0% over 300 pairs (1 tie, counted as not ranked right)"
 
 
 def test_ppo_with_the_reward_model_raises_the_pass_rate(world, before, reward_run, tmp_path):

@@ -392,15 +392,16 @@ async def chat_completions(srv: ServerState, request: Request):
         raise ApiError(400, "tool_choice requires tools", param="tool_choice")
     if choice == "none" or not tools:
         tools = None  # the model is not told about the tools, and nothing is parsed as a call
-    # no tools offered: no tool call either (OpenAI's behaviour), though a tools-trained model would open one;
-    # a tokenizer without the call tokens (an imported one) cannot write a call at all
-    can_call = srv.tok.special_ids.get(CALL_OPEN) is not None
-    mode = ("none" if can_call else "auto") if tools is None else "auto" if choice in (None, "auto") else \
+    rf = b.response_format if b.response_format and b.response_format.get("type") != "text" else None
+    # no tools offered: no tool call either (OpenAI's behaviour), though a tools-trained model would open one
+    # (a JSON reply's grammar has no call in it already; a tokenizer without the call tokens, an imported one,
+    # cannot write a call at all)
+    free_text = rf is None and srv.tok.special_ids.get(CALL_OPEN) is not None
+    mode = ("none" if free_text else "auto") if tools is None else "auto" if choice in (None, "auto") else \
         "required" if choice == "required" else choice.function.name
     if isinstance(choice, NamedToolChoice) and choice.function.name not in {t["function"]["name"] for t in tools}:
         raise ApiError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools",
                        param="tool_choice")
-    rf = b.response_format if b.response_format and b.response_format.get("type") != "text" else None
     # The grammar (constrain.py): a tool call, once opened (or from the start, tool_choice required or
     # named), can only be a JSON object naming one of the tools with arguments of its schema; a JSON
     # response_format holds the whole reply to its schema; "none" keeps call tokens out of the reply.

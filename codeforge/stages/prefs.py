@@ -72,10 +72,10 @@ def pair_eval(loss_fn, model, data: PairData | None, batch_size: int, pad_id: in
     r = {k: v / n for k, v in tot.items()}
     extra = {k: v for k, v in r.items() if k != "loss"}
     acc = f", pair accuracy {r['pair_accuracy']:.1%}" if "pair_accuracy" in r else ""
-    if r.get("pair_ties"):  # the untrained start: a zero-initialised score head, a policy equal to its reference
-        acc += f" ({r['pair_ties']:.0%} of pairs tie, counted as not ranked right)"
+    ties = round(r.get("pair_ties", 0.0) * n)  # the untrained start: a zero score head, a policy = its reference
+    tied = f" ({'all' if ties == n else ties} tie, counted as not ranked right)" if ties else ""
     return {"val_loss": r["loss"], "eval_pairs": n, "extra": extra,
-            "message": f"held-out loss {r['loss']:.4f}{acc} over {n} pairs"}
+            "message": f"held-out loss {r['loss']:.4f}{acc} over {n} pairs{tied}"}
 
 
 # -- the stages --------------------------------------------------------------------------------------------

@@ -125,8 +125,8 @@ def check_resume(ck: Path, run_config: dict, other_ranks: str = "rescale") -> tu
             f"depend on it (checkpoint -> now): {'; '.join(fixed)}. To continue that run exactly, "
             f"{' and '.join(fix)}; or start a new run from its weights with these settings: "
             f"--init-from {ck} --out NEW_RUN")
-    if "eval_tokens_asked" in saved:  # the run sized its evaluation down from this --eval-tokens: compare asks
-        st = {**st, "eval_tokens": saved["eval_tokens_asked"]}
+    if nt.get("eval_tokens") == saved.get("eval_tokens_asked"):  # the run sized its evaluation down from this
+        st = {**st, "eval_tokens": nt["eval_tokens"]}  # --eval-tokens: asked again, it is sized the same again
     changed = [f"train.{k} {st[k]!r} -> {nt[k]!r}" for k in RESUME_NOTED if k in st and st[k] != nt[k]]
     sm, nm = saved.get("model", {}), run_config["model"]
     changed += [f"model.{k} {sm[k]!r} -> {nm[k]!r}" for k in sm if k.endswith("dropout") and sm[k] != nm.get(k)]
