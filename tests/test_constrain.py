@@ -243,6 +243,8 @@ def test_chat_with_a_tokenizer_without_call_tokens_is_left_free(eng, tok):
     msgs = [{"role": "user", "content": "Read the file src/parser.py"}]
     p = SamplingParams(max_new_tokens=20, temperature=1.0, seed=0)
     assert Engine(eng.model, bare).chat(msgs, None, p) == eng.chat(msgs, None, p, constrained=False)
+    # and tool_choice "none" forbids only what exists (it masked every token: an empty reply)
+    assert Engine(eng.model, bare).chat(msgs, None, p, tool_choice="none")["text"]
 
 
 def test_mask_logits_padded_vocab_and_allowed(tok):
