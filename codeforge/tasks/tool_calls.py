@@ -459,7 +459,8 @@ TOOLS_FILE = "tools.json"  # the schemas of the tools the conversations use, bes
 def write_tool_data(out_dir: str | Path, n_train: int, n_heldout: int, seed: int = 0,
                     overwrite: bool = False) -> dict:
     """Write train.jsonl, heldout.jsonl, meta.json and tools.json (the tools' schemas, a JSON list to give
-    `codeforge chat --tools`) to out_dir (staged aside, then renamed into place) and return the meta dict. Refuses a non-empty out_dir unless overwrite."""
+    `codeforge chat --tools`) to out_dir (staged aside, then renamed into place) and return the meta dict.
+    Refuses a non-empty out_dir unless overwrite."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ToolDataError(f"{out} exists and is not a directory; choose another output directory")
