@@ -144,6 +144,43 @@ def test_muon_takes_the_hidden_matrices_and_trains():
     assert loss.item() < first - 1.0
 
 
+def _muon_steps(kind, seed: int = 0, steps: int = 4, **kw) -> tuple[list[torch.Tensor], dict]:
+    """Weights after `steps` updates of a few matrices (square, tall, wide) by Muon `kind` on fixed gradients."""
+    g = torch.Generator().manual_seed(seed)
+    ws = [torch.nn.Parameter(torch.randn(*shape, generator=g)) for shape in ((16, 16), (48, 16), (16, 40))]
+    opt = kind([{"params": ws, "weight_decay": 0.01}], lr=0.02, momentum=0.95, nesterov=True,
+               adjust_lr_fn="original", **kw)
+    for _ in range(steps):
+        for w in ws:
+            w.grad = torch.randn(w.shape, generator=g)
+        opt.step()
+    return [w.detach().clone() for w in ws], opt.state_dict()
+
+
+def test_cpu_muon_is_torch_muon_in_float32(monkeypatch):
+    """CpuMuon is torch.optim.Muon's update with the Newton-Schulz products in float32: run in bfloat16 it
+    gives torch's weights bit for bit (so the rule is the same), in float32 it stays within bfloat16's
+    rounding of them; its state loads into torch's Muon. build_optimizer takes it on a CPU without native
+    bfloat16 (forced both ways)."""
+    from codeforge.train.optim import CpuMuon
+
+    class Bf16(CpuMuon):
+        ns_dtype = torch.bfloat16
+    ref, ref_state = _muon_steps(torch.optim.Muon)
+    same, _ = _muon_steps(Bf16)
+    assert all(torch.equal(a, b) for a, b in zip(ref, same))
+    f32, state = _muon_steps(CpuMuon)
+    start, _ = _muon_steps(CpuMuon, steps=0)
+    for a, b, w0 in zip(ref, f32, start):
+        moved = (a - w0).abs().max()
+        assert not torch.equal(a, b) and (a - b).abs().max() < 0.05 * moved
+    torch.optim.Muon([torch.nn.Parameter(w) for w in f32], lr=0.02).load_state_dict(state)
+    for native, kind in (("1", torch.optim.Muon), ("0", CpuMuon)):
+        monkeypatch.setenv("CODEFORGE_CPU_BF16", native)
+        opt = build_optimizer(small(), "muon", 1e-3, 0.1, (0.9, 0.95), torch.device("cpu"), muon_lr=0.02)
+        assert type(opt.muon) is kind
+
+
 def test_muon_refused_for_models_with_their_own_groups():
     from codeforge.models.hrm import HRM, HRMConfig
     with pytest.raises(ValueError, match="optimizer muon is for GPT models"):

@@ -368,7 +368,7 @@ def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(data_dir, tmp_path, 
 def test_quickstart_recipe_on_both_kinds_of_cpu(data_dir, tmp_path, monkeypatch, native_bf16):
     """The quickstart picks bf16 autocast on a CPU with native bfloat16 and the usual fp32 elsewhere; the choice
     is forced both ways here (CODEFORGE_CPU_BF16), so each path is tested on every CPU, not only on the machine
-    that happens to have it. Its recipe (Muon, whose Newton-Schulz runs in bf16 either way) then trains."""
+    that happens to have it. Its recipe (Muon: Newton-Schulz in bf16 where native, float32 elsewhere) then trains."""
     from codeforge.device import cpu_native_bf16
     from codeforge.quickstart import PRESETS, cpu_precision
     monkeypatch.setenv("CODEFORGE_CPU_BF16", native_bf16)

@@ -7,6 +7,7 @@ import math
 import torch
 
 from .. import CodeforgeError
+from ..device import cpu_native_bf16
 
 
 class OptimizerError(CodeforgeError, ValueError):
@@ -49,6 +50,53 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
         g["lr"] = lr * g.get("lr_scale", 1.0)
 
 
+def orthogonalised(m: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """Muon's Newton-Schulz orthogonalisation of a 2-D update, computed in `dtype`: scaled to spectral norm
+    at most 1 (by its Frobenius norm), then `steps` quintic iterations X <- aX + (bA + cA^2)X with A = XX^T,
+    on the wide orientation (fewer rows than columns) so that A is the small Gram matrix."""
+    a, b, c = coefficients
+    tall = m.size(0) > m.size(1)
+    x = (m.T if tall else m).to(dtype)
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+class CpuMuon(torch.optim.Muon):
+    """torch.optim.Muon with its Newton-Schulz iterations in float32 instead of bfloat16, for a CPU that
+    multiplies bfloat16 only in emulation (AVX2 without AVX512-BF16 or AMX): there the bfloat16 products cost
+    more than the whole forward and backward pass (docs/LOG.md, 2026-11-25, fifth session). Same update rule,
+    hyperparameters and state (one "momentum_buffer" per matrix), so checkpoints move between the two."""
+
+    ns_dtype = torch.float32
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise OptimizerError("CpuMuon takes no closure")
+        for group in self.param_groups:
+            lr, mu, decay = group["lr"], group["momentum"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
+                buf = state["momentum_buffer"]
+                buf.lerp_(g, 1 - mu)
+                update = g.lerp(buf, mu) if group["nesterov"] else buf
+                update = orthogonalised(update, group["ns_coefficients"], group["ns_steps"], group["eps"],
+                                        self.ns_dtype)
+                rows, cols = p.shape[:2]
+                scale = math.sqrt(max(1, rows / cols))  # adjust_lr_fn "original", as MuonAdamW asks for
+                p.mul_(1 - lr * decay)
+                p.add_(update.to(p.dtype), alpha=-lr * scale)
+
+
 class MuonAdamW:
     """Muon (Jordan et al. 2024; torch.optim.Muon) for the hidden weight matrices, AdamW for everything else
     (embeddings, the output head, gains, biases), stepped together as one optimizer, as nanochat and the
@@ -58,13 +106,15 @@ class MuonAdamW:
     schedule drives both at their own peaks. The surface the trainer and GradScaler use: param_groups, step,
     zero_grad, add_param_group (to AdamW), state_dict/load_state_dict."""
 
-    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], momentum: float, fused: bool):
+    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], momentum: float, fused: bool,
+                 float32_ns: bool = False):
         muon = [{k: v for k, v in g.items() if k != "muon"} for g in groups if g.get("muon")]
         rest = [{k: v for k, v in g.items() if k != "muon"} for g in groups if not g.get("muon")]
         if not muon:
             raise OptimizerError("optimizer muon: the model has no hidden weight matrices for Muon")
         self.adamw = torch.optim.AdamW(rest, lr=lr, betas=betas, fused=fused)
-        self.muon = torch.optim.Muon(muon, lr=lr, momentum=momentum, nesterov=True, adjust_lr_fn="original")
+        kind = CpuMuon if float32_ns else torch.optim.Muon
+        self.muon = kind(muon, lr=lr, momentum=momentum, nesterov=True, adjust_lr_fn="original")
 
     @property
     def param_groups(self) -> list[dict]:
@@ -109,7 +159,9 @@ def build_optimizer(model, name: str, lr: float, weight_decay: float, betas: tup
         for g in groups:
             if g.get("muon"):
                 g.update(lr_scale=muon_lr / lr, weight_decay=muon_weight_decay)
-        return MuonAdamW(groups, lr, betas, muon_momentum, fused)
+        # a CPU without native bfloat16 emulates Muon's bfloat16 products: float32 is ~2.5x faster there
+        float32_ns = device.type == "cpu" and not cpu_native_bf16()
+        return MuonAdamW(groups, lr, betas, muon_momentum, fused, float32_ns)
     groups = model.optim_groups(weight_decay)
     if name == "adamw8bit":
         if device.type != "cuda":
