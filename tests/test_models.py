@@ -144,12 +144,12 @@ def test_muon_takes_the_hidden_matrices_and_trains():
     assert loss.item() < first - 1.0
 
 
-def _muon_steps(kind, seed: int = 0, steps: int = 4, **kw) -> tuple[list[torch.Tensor], dict]:
+def _muon_steps(kind, seed: int = 0, steps: int = 4, adjust_lr_fn: str = "original") -> tuple[list[torch.Tensor], dict]:
     """Weights after `steps` updates of a few matrices (square, tall, wide) by Muon `kind` on fixed gradients."""
     g = torch.Generator().manual_seed(seed)
     ws = [torch.nn.Parameter(torch.randn(*shape, generator=g)) for shape in ((16, 16), (48, 16), (16, 40))]
     opt = kind([{"params": ws, "weight_decay": 0.01}], lr=0.02, momentum=0.95, nesterov=True,
-               adjust_lr_fn="original", **kw)
+               adjust_lr_fn=adjust_lr_fn)
     for _ in range(steps):
         for w in ws:
             w.grad = torch.randn(w.shape, generator=g)
@@ -175,6 +175,8 @@ def test_cpu_muon_is_torch_muon_in_float32(monkeypatch):
         moved = (a - w0).abs().max()
         assert not torch.equal(a, b) and (a - b).abs().max() < 0.05 * moved
     torch.optim.Muon([torch.nn.Parameter(w) for w in f32], lr=0.02).load_state_dict(state)
+    with pytest.raises(ValueError, match="adjust_lr_fn 'match_rms_adamw'"):  # a rate rule it does not have
+        _muon_steps(CpuMuon, steps=1, adjust_lr_fn="match_rms_adamw")
     for native, kind in (("1", torch.optim.Muon), ("0", CpuMuon)):
         monkeypatch.setenv("CODEFORGE_CPU_BF16", native)
         opt = build_optimizer(small(), "muon", 1e-3, 0.1, (0.9, 0.95), torch.device("cpu"), muon_lr=0.02)

@@ -79,6 +79,9 @@ class CpuMuon(torch.optim.Muon):
             raise OptimizerError("CpuMuon takes no closure")
         for group in self.param_groups:
             lr, mu, decay = group["lr"], group["momentum"], group["weight_decay"]
+            if group["adjust_lr_fn"] not in (None, "original"):
+                raise OptimizerError(f"CpuMuon scales the rate as Muon's \"original\" does; adjust_lr_fn "
+                                     f"{group['adjust_lr_fn']!r} is torch.optim.Muon's only")
             for p in group["params"]:
                 if p.grad is None:
                     continue
