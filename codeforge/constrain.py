@@ -189,6 +189,14 @@ def _lark_str(s: str) -> str:
     return json.dumps(s, ensure_ascii=False)
 
 
+def calls_kept_out(tok: "CodeTokenizer", tools: list[dict] | None, response_format: dict | None) -> bool:
+    """Whether a free-text reply offered no tools must have the call tokens kept out (tool_choice "none"'s
+    mask): no tools means no tool call (OpenAI's behaviour), though a tools-trained model would open one. Not
+    for a JSON reply (its grammar has no call in it) or a tokenizer without the call tokens (an imported one
+    cannot write a call)."""
+    return not tools and response_format is None and tok.special_ids.get(CALL_OPEN) is not None
+
+
 class ToolGrammar:
     """The grammar of one request's replies (its tools, tool_choice and response_format), compiled once;
     `new()` makes a Constraint per generated row. The tokenizer bridge is cached per tokenizer.

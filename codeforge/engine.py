@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 import torch
 
 from . import CodeforgeError
-from .chat import CALL_OPEN, IM_END, encode_conversation, parse_assistant
+from .chat import IM_END, encode_conversation, parse_assistant
 from .checkpoint import load_model
 from .config import chat_notice
-from .constrain import Constraint, ToolGrammar, mask_logits
+from .constrain import Constraint, ToolGrammar, calls_kept_out, mask_logits
 from .device import autocast, choose_device, choose_precision
 from .fim import FIM_PREFIX, FIM_SUFFIX, infill_ids
 from .models.cpu_decode import stepper
@@ -288,9 +288,8 @@ class Engine:
         ids, _ = encode_conversation(self.tok, messages, tools, add_generation_prompt=True)
         end_id = self.tok.special_ids[IM_END]
         constraints = None
-        if constrained and not tools and tool_choice == "auto" and response_format is None and \
-                self.tok.special_ids.get(CALL_OPEN) is not None:
-            tool_choice = "none"  # no tools offered, no tool call: a tools-trained model would open one anyway
+        if constrained and tool_choice == "auto" and calls_kept_out(self.tok, tools, response_format):
+            tool_choice = "none"
         if constrained and (tools or response_format is not None or tool_choice != "auto"):
             constraints = [ToolGrammar(self.tok, tools, tool_choice, response_format).new()]
         out: list[int] = []

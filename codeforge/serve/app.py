@@ -37,8 +37,8 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
-from ..chat import CALL_OPEN, CHAT_TEMPLATE, IM_END, encode_conversation
-from ..constrain import ConstraintError, ToolGrammar
+from ..chat import CHAT_TEMPLATE, IM_END, encode_conversation
+from ..constrain import ConstraintError, ToolGrammar, calls_kept_out
 from ..tokenizer import EOT
 from ..fim import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, infill_ids
 from .batcher import Event, QueueFull, Row, RowParams, Scheduler
@@ -393,11 +393,7 @@ async def chat_completions(srv: ServerState, request: Request):
     if choice == "none" or not tools:
         tools = None  # the model is not told about the tools, and nothing is parsed as a call
     rf = b.response_format if b.response_format and b.response_format.get("type") != "text" else None
-    # no tools offered: no tool call either (OpenAI's behaviour), though a tools-trained model would open one
-    # (a JSON reply's grammar has no call in it already; a tokenizer without the call tokens, an imported one,
-    # cannot write a call at all)
-    free_text = rf is None and srv.tok.special_ids.get(CALL_OPEN) is not None
-    mode = ("none" if free_text else "auto") if tools is None else "auto" if choice in (None, "auto") else \
+    mode = ("none" if calls_kept_out(srv.tok, None, rf) else "auto") if tools is None else "auto" if choice in (None, "auto") else \
         "required" if choice == "required" else choice.function.name
     if isinstance(choice, NamedToolChoice) and choice.function.name not in {t["function"]["name"] for t in tools}:
         raise ApiError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools",

@@ -53,8 +53,8 @@ def dpo_loss(pi_chosen: torch.Tensor, pi_rejected: torch.Tensor, ref_chosen: tor
              beta: float) -> tuple[torch.Tensor, dict]:
     """DPO (Rafailov et al. 2023, eq. 7) from summed response log-probs (B,) under the policy and the frozen
     reference: -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))), averaged. Metrics: the implicit rewards
-    beta * (pi - ref) of each side, their margin, and the shares of pairs ranked right and tied (a tie counts as not right: at the first
-    step, where the policy is the reference, every pair ties)."""
+    beta * (pi - ref) of each side, their margin, and the shares of pairs ranked right and tied (a tie counts
+    as not right: at the first step, where the policy is the reference, every pair ties)."""
     rc, rr = beta * (pi_chosen.float() - ref_chosen.float()), beta * (pi_rejected.float() - ref_rejected.float())
     loss = -F.logsigmoid(rc - rr).mean()
     return loss, {"reward_chosen": rc.mean().detach(), "reward_rejected": rr.mean().detach(),
