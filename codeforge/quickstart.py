@@ -28,7 +28,7 @@ from .mining.plans import write_plans
 from .mining.sft import write_sft
 from .sandbox import SandboxUnavailable, check_available
 from .stages import run as run_stage
-from .tasks.tool_calls import TOOLS as TOOL_SCHEMAS, TOOLS_FILE, write_tool_data
+from .tasks.tool_calls import TOOLS as TOOL_SCHEMAS, TOOLS_FILE, write_tool_data, write_tools_file
 from .tokenizer import train_tokenizer
 
 # The recipe is two presets: the `cpu-small` model (3.4M parameters at this vocabulary) and the `lowend-cpu`
@@ -336,7 +336,7 @@ def chat_stages(out_dir: Path, src: str, langs, base_run: Path, device: str, t_s
         print(f"      make-tools: {TOOL_EXAMPLES} synthetic tool-calling conversations -> {tools_pairs}")
     tools_file = tools_pairs / TOOLS_FILE
     if not tools_file.exists():  # tool data from before it was written there
-        tools_file.write_text(json.dumps(TOOL_SCHEMAS, indent=2) + "\n")
+        write_tools_file(tools_pairs)
     opts = CorpusOptions(val_fraction=0.05)
     # SFT sees the tool conversations too, shuffled in with the mined pairs, so tool calling trains during the
     # SFT steps as well as the tools stage's (docs/LOG.md, 2026-11-25).

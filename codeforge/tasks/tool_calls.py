@@ -456,6 +456,13 @@ def generate(n: int, seed: int = 0, split: str = "train", heldout_fraction: floa
 TOOLS_FILE = "tools.json"  # the schemas of the tools the conversations use, beside them
 
 
+def write_tools_file(out_dir: str | Path) -> Path:
+    """tools.json in out_dir: the tools' schemas, a JSON list as `codeforge chat --tools` takes it."""
+    path = Path(out_dir) / TOOLS_FILE
+    path.write_text(json.dumps(TOOLS, indent=2) + "\n")
+    return path
+
+
 def write_tool_data(out_dir: str | Path, n_train: int, n_heldout: int, seed: int = 0,
                     overwrite: bool = False) -> dict:
     """Write train.jsonl, heldout.jsonl, meta.json and tools.json (the tools' schemas, a JSON list to give
@@ -479,7 +486,7 @@ def write_tool_data(out_dir: str | Path, n_train: int, n_heldout: int, seed: int
         with open(tmp / f"{split}.jsonl", "w", encoding="utf-8") as f:
             f.writelines(json.dumps(example) + "\n" for example in data[split])
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    (tmp / TOOLS_FILE).write_text(json.dumps(TOOLS, indent=2) + "\n")  # for `chat --tools` and requests
+    write_tools_file(tmp)
     publish(tmp, out)
     return meta
 
