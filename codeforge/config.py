@@ -136,6 +136,11 @@ class TrainConfig:
     compile: bool = setting(False, "torch.compile the model")
     grad_checkpointing: bool = setting(False, "recompute activations in backward (less memory)",
                                        flag="--gradient-checkpointing")
+    local_ranks: int = setting(1, "CPU: run as N processes on this machine, data parallel (DDP over gloo, as "
+                               "torchrun would start them), the cores' threads split between them; --batch-size "
+                               "and --threads are per process, as under torchrun. On cores other programs share, N one-thread "
+                               "processes keep their share where one N-thread process waits for its slowest "
+                               "thread (docs/LOG.md)", range=(1, 256))
     parallel: str = setting("auto", "data parallelism under torchrun: ddp (every rank holds the whole model, its "
                             "gradients and optimizer state) or fsdp (PyTorch FSDP2: each rank holds 1/N of them; "
                             "sharded checkpoints with DCP); auto: ddp, or fsdp on GPUs when `codeforge plan` says "

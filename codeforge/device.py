@@ -107,6 +107,41 @@ def apply_thread_policy(requested: int | None = None) -> str:
     return _POLICY
 
 
+_ALONE: int | None = None  # threads for work rank 0 does while its local ranks wait (held_threads)
+
+
+@contextlib.contextmanager
+def held_threads(n: int, why: str, alone: int | None = None):
+    """This process's intra-op threads set to n (said as `why` on the device line) for the block, and what
+    was set before restored after it: for a rank run inside the calling process (stages/local.py). alone:
+    the threads of the whole job, which `alone_threads` gives work this rank does while the others wait."""
+    global _POLICY, _ALONE
+    before = torch.get_num_threads(), _POLICY, _ALONE
+    torch.set_num_threads(n)
+    wait = os.environ.get("OMP_WAIT_POLICY", "unset")
+    _POLICY, _ALONE = f"{n} thread{'s' if n != 1 else ''} ({why}; OpenMP waits {wait.lower()})", alone
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before[0])
+        _POLICY, _ALONE = before[1:]
+
+
+@contextlib.contextmanager
+def alone_threads():
+    """For the block, the whole job's threads where held_threads gave them (rank 0's evaluation, while the
+    other local ranks sleep in a collective); a no-op otherwise."""
+    if not _ALONE:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(_ALONE)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def choose_device(requested: str = "auto", threads: int | None = None) -> tuple[torch.device, str]:
     """(device, reason). auto: CUDA (also ROCm, which PyTorch exposes as cuda), then Apple MPS, then CPU.
     On the CPU the reason includes the threads thread_policy chose (applied here)."""

@@ -28,6 +28,7 @@ from .mining.plans import write_plans
 from .mining.sft import write_sft
 from .sandbox import SandboxUnavailable, check_available
 from .stages import run as run_stage
+from .stages.local import auto_ranks
 from .tasks.tool_calls import TOOLS as TOOL_SCHEMAS, TOOLS_FILE, write_tool_data, write_tools_file
 from .tokenizer import train_tokenizer
 
@@ -179,6 +180,10 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     if budget and not chat:
         flags["train.time_budget"] = budget  # the step count follows this CPU's pace (docs/pipeline.md)
     cfg = resolve(PRESETS, None, [], flags, vocab_from_data=True)
+    ranks = 1 if chat else auto_ranks(cfg)
+    if ranks > 1:  # the same global batch over one-thread processes: they keep their pace on shared cores
+        flags.update({"train.local_ranks": ranks, "train.batch_size": cfg.train.batch_size // ranks})
+        cfg = resolve(PRESETS, None, [], flags, vocab_from_data=True)
     print(f"[4/{n}] train: {cfg.train.max_iters} steps" + (" (the count this run chose; --max-iters N trains on "
           "to N)" if kept else "") + f" -> {run_dir}" if not cfg.train.time_budget else
           f"[4/{n}] train: as many of {cfg.train.max_iters} steps as fit in {cfg.train.time_budget / 60:g} minutes "

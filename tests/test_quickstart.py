@@ -12,13 +12,19 @@ from codeforge.quickstart import corpus_path, run_quickstart
 from conftest import STDLIB
 
 
-def test_quickstart_pipeline_end_to_end(tmp_path, capsys):
+def test_quickstart_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
+    import codeforge.quickstart as qs
+    monkeypatch.setattr(qs, "auto_ranks", lambda cfg: 2)  # on any number of cores: 2 local processes
     out = tmp_path / "qs"
     r = run_quickstart(str(out), corpus=str(STDLIB / "email"), max_iters=12)
     assert r["step"] == 12 and r["val_loss"] > 0 and r["bits_per_byte"] > 0
     assert 0 <= r["syntax_valid_rate"] <= 1 and r["pass_at_1"] == 0.0
     printed = capsys.readouterr().out
     assert "[5/5]" in printed and "bits per byte" in printed and "sample:" in printed
+    # pretraining ran as 2 processes of half the batch each (stages/local.py)
+    assert "each of 2 local processes" in printed and "batch 8 x accumulation 1 x 2 rank(s)" in printed
+    conf = (out / "run" / "config.toml").read_text()
+    assert "local_ranks = 2" in conf and "batch_size = 8" in conf
     for p in ("tokenizer/tokenizer.json", "data/meta.json", "run/metrics.jsonl", "run/eval.jsonl", "run/config.toml"):
         assert (out / p).exists(), p
     # Running it again reuses the tokenizer and shards and finds the run complete.

@@ -7,15 +7,19 @@ quickstart call one function and "resume" means one thing everywhere.
 - hrm.py     the hierarchical planner/generator on mined plans
 - prefs.py   reward and dpo on preference pairs
 - rl.py      ppo and grpo on programming tasks with hidden tests
+- local.py   --local-ranks N: one run as N processes on this machine (rank 0 is the caller)
 """
 
 from __future__ import annotations
 
 from ..config import STAGE, RunConfig
-from . import hrm, lm, prefs, rl
+from . import hrm, lm, local, prefs, rl
 
 KINDS = {"lm": lm, "hrm": hrm, "prefs": prefs, "rl": rl}
 
 
 def run(cfg: RunConfig, resume: bool = False, log=print) -> dict:
-    return KINDS[STAGE[cfg.train.stage].kind].run(cfg, resume, log)
+    body = KINDS[STAGE[cfg.train.stage].kind].run
+    if local.launches(cfg):
+        return local.run_local(cfg, resume, log, body)
+    return body(cfg, resume, log)

@@ -22,7 +22,7 @@ from .. import rundir
 from .. import CodeforgeError
 from .. import checkpoint as ckpt_io
 from ..config import SECTIONS, TrainConfig, dumps_toml
-from ..device import autocast, memory_gib, peak_flops
+from ..device import alone_threads, autocast, memory_gib, peak_flops
 from . import parallel
 from .logging import RunLogger, duration
 from .optim import build_optimizer, lr_at, set_lr
@@ -237,7 +237,9 @@ class Trainer:
         if self.master and not self.evals_done:  # the first one can take minutes on a CPU: say it has begun
             self.logger.message(f"step {self.step}: evaluating (validation every {self.cfg.eval_every} steps"
                                 + (f", up to {self.cfg.eval_tokens:,} tokens" if self.cfg.eval_tokens else "") + ")...")
-        r = self.evaluate_fn(self.model)  # under FSDP every rank runs it: each forward gathers the weights
+        # local ranks (stages/local.py): the others wait for rank 0's evaluation, so it may use their threads
+        with alone_threads() if not self.sharded else contextlib.nullcontext():
+            r = self.evaluate_fn(self.model)  # under FSDP every rank runs it: each forward gathers the weights
         self.evals_done += 1
         self.model.train()
         if r is None:
@@ -389,7 +391,7 @@ class Trainer:
                 f"rank {self.rank}: lost contact with the other ranks at step {self.step} ({type(e).__name__}: "
                 f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else 'no detail'}). A rank was killed, "
                 f"crashed, ran out of memory or was stuck past --dist-timeout {self.cfg.dist_timeout}s; torchrun's "
-                f"summary names it. The job stops here; "
+                f"summary (or, with --local-ranks, the line above) names it. The job stops here; "
                 + (f"the last complete checkpoint is {latest}: continue with --resume" if latest else
                    "no checkpoint was written yet") + ".") from e
         finally:
