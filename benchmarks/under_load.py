@@ -12,6 +12,14 @@ Loads (--loads, comma-separated, each measured --repeat times, interleaved):
              same before and after any change to codeforge's own policy)
   spinN      N pure-Python busy loops (one runnable thread each), e.g. spin6 for a load of 6
 
+Sessions (--sessions): `own` (the default) starts each neighbour in a session of its own, as a program started
+from another terminal or service is; `shared` starts them in this benchmark's session, as jobs started from the
+same shell are. It matters where the kernel groups by session (Linux's autogroup, /proc/sys/kernel/
+sched_autogroup_enabled = 1, the default on most desktops and on this VM): the CPU is then shared between
+sessions first, so with `own` the measured command's whole session gets c / (1 + N) cores beside N
+single-process neighbours, whatever its threads or processes (the "of session" column); with `shared`, or
+with autogroup off, the kernel shares per thread, as the fair share below assumes.
+
 Fair share: with c cores (os.sched_getaffinity) and k competing busy threads (train: 2, spinN: N), a command
 that would use all c cores alone gets c / (c + k) of them, so its fair rate is idle * c / (c + k).
 
@@ -63,10 +71,19 @@ def rate_of(out: str, key: str) -> float:
     raise SystemExit(f"the command printed no JSON object with {key!r}; its output ends:\n{out[-2000:]}")
 
 
-def measure(cmd: list[str], load: str, key: str, settle: float) -> float:
+def autogroup() -> bool:
+    try:
+        return Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+    except OSError:
+        return False
+
+
+def measure(cmd: list[str], load: str, key: str, settle: float, sessions: str = "own") -> float:
     cmds, env, _ = competitors(load)
+    # own: a session each (start_new_session); shared: this session, a process group each (so killpg is theirs)
+    where = {"start_new_session": True} if sessions == "own" else {"process_group": 0}
     procs = [subprocess.Popen(c, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True) for c in cmds]
+                              **where) for c in cmds]
     try:
         time.sleep(settle if procs else 0)  # let the neighbours start working (a training loads its model)
         r = subprocess.run(cmd, capture_output=True, text=True)
@@ -85,6 +102,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="runs of each load, interleaved (median quoted)")
     ap.add_argument("--key", default="tokens_per_s", help="the rate in the command's JSON output")
     ap.add_argument("--settle", type=float, default=8.0, help="seconds the neighbours run before the command")
+    ap.add_argument("--sessions", choices=("own", "shared"), default="own",
+                    help="own: each neighbour in a session of its own; shared: in this one (see above)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the measured command")
     a = ap.parse_args()
@@ -96,11 +115,13 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0))
     print(f"# {time.strftime('%Y-%m-%d %H:%M')} | {cores} cores | load before: {os.getloadavg()[0]:.2f} | "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')} "
-          f"CODEFORGE_THREADS={os.environ.get('CODEFORGE_THREADS', '(unset)')} | {' '.join(cmd)}", flush=True)
+          f"CODEFORGE_THREADS={os.environ.get('CODEFORGE_THREADS', '(unset)')} | autogroup "
+          f"{'on' if autogroup() else 'off'}, neighbours' sessions: {a.sessions} | {' '.join(cmd)}", flush=True)
+    by_session = autogroup() and a.sessions == "own"
     rates: dict[str, list[float]] = {x: [] for x in loads}
     for _ in range(a.repeat):
         for load in loads:
-            rates[load].append(measure(cmd, load, a.key, a.settle))
+            rates[load].append(measure(cmd, load, a.key, a.settle, a.sessions))
             print(f"#   {load}: {rates[load][-1]:,.1f}", flush=True)
     idle = statistics.median(rates["none"]) if "none" in rates else None
     rows = []
@@ -108,17 +129,20 @@ def main() -> None:
         med = statistics.median(rates[load])
         k = competitors(load)[2]
         fair = idle * cores / (cores + k) if idle else None
+        # the kernel's own share when it groups by session: 1 / (1 + neighbour processes) of the machine
+        group = idle / (1 + len(competitors(load)[0])) if idle and by_session else None
         rows.append({"load": load, "busy_threads": k, "rate": med, "min": min(rates[load]), "max": max(rates[load]),
-                     "of_idle": med / idle if idle else None, "of_fair": med / fair if fair else None})
+                     "of_idle": med / idle if idle else None, "of_fair": med / fair if fair else None,
+                     "of_session": med / group if group else None})
     if a.json:
         print(json.dumps(rows))
         return
-    print(f"{'load':8s} {'threads':>7s} {a.key:>14s} {'min':>10s} {'max':>10s} {'of idle':>8s} {'of fair':>8s}")
+    print(f"{'load':8s} {'threads':>7s} {a.key:>14s} {'min':>10s} {'max':>10s} {'of idle':>8s} {'of fair':>8s} "
+          f"{'of session':>10s}")
+    pct = lambda v: f"{v:.0%}" if v is not None else "-"  # noqa: E731
     for r in rows:
-        share = f"{r['of_idle']:.0%}" if r["of_idle"] is not None else "-"
-        fair = f"{r['of_fair']:.0%}" if r["of_fair"] is not None else "-"
         print(f"{r['load']:8s} {r['busy_threads']:7d} {r['rate']:14,.1f} {r['min']:10,.1f} {r['max']:10,.1f} "
-              f"{share:>8s} {fair:>8s}")
+              f"{pct(r['of_idle']):>8s} {pct(r['of_fair']):>8s} {pct(r['of_session']):>10s}")
 
 
 if __name__ == "__main__":

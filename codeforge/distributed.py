@@ -24,6 +24,9 @@ def distributed_env() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
+RENDEZVOUS_ENV = "CODEFORGE_RENDEZVOUS"  # a file the ranks meet through instead of MASTER_ADDR:MASTER_PORT
+
+
 def setup_distributed(device: torch.device, timeout_s: int = 600) -> bool:
     """Join the process group when torchrun started several ranks (NCCL on GPUs, gloo on CPU); True if so.
     timeout_s: how long a collective waits for a rank that does not come (killed, stuck) before it fails,
@@ -31,8 +34,11 @@ def setup_distributed(device: torch.device, timeout_s: int = 600) -> bool:
     _, world = distributed_env()
     if world <= 1:
         return False
+    meet = os.environ.get(RENDEZVOUS_ENV)  # --local-ranks: a file, not torchrun's port (stages/local.py)
     torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                         timeout=timedelta(seconds=timeout_s))
+                                         timeout=timedelta(seconds=timeout_s),
+                                         **({"init_method": f"file://{meet}", "rank": distributed_env()[0],
+                                             "world_size": world} if meet else {}))
     global _JOINED, _STARTUP
     _JOINED = True
     if device.type == "cuda":

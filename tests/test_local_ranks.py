@@ -109,3 +109,16 @@ def test_held_and_alone_threads_restore_what_was_set():
             assert torch.get_num_threads() == 2
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == before
+
+
+def test_rank0s_own_error_is_not_blamed_on_the_other_ranks(data_dir, tmp_path):
+    """Rank 0 fails by itself (the run directory is in use by another training): the error is rank 0's, said
+    once; the other rank, which then loses rank 0, is not named as the cause and its traceback is not shown."""
+    from codeforge.rundir import run_lock
+    out = tmp_path / "run"
+    out.mkdir()
+    with run_lock(out):
+        r = local_train(data_dir, out, 2, check=False)
+    assert r.returncode != 0
+    assert "in use by another training process" in r.stderr
+    assert "rank 1 of 2" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]

@@ -2,22 +2,25 @@
 
 Why processes and not threads: one process with N threads meets at a barrier after every operation, so on
 cores other programs share, each operation waits for whichever thread the kernel has just set aside. N
-one-thread processes meet once a step (the gradients' all-reduce) and each keeps its own share of the
-cores: beside six busy programs on two cores, 2 x 1 thread trained 1.7x faster than 1 x 2 threads (the
-policy's 1 thread), and as fast on idle cores (docs/LOG.md, 2026-11-25 sixth session).
+one-thread processes meet once a step (the gradients' all-reduce). Where the kernel shares the CPU per
+thread (neighbours started from the same shell, a container, Linux without autogroup), each process keeps
+its share: beside six busy programs on two cores, 2 x 1 thread trained 1.64x faster than the one process
+the thread policy gives 1 thread. Where it shares per session first (autogroup, neighbours in sessions of
+their own), the whole job gets its session's share however it is split: there the two are within a few
+percent; on idle cores too (docs/LOG.md, 2026-11-25 sixth session).
 
 How: this process is rank 0 and runs the stage itself (so the caller gets its result, as with one
-process); ranks 1..N-1 are `python -m codeforge train --config FILE` with the run's resolved configuration,
-started in this process's session and process group (so Ctrl-C in a terminal reaches them all, and the
-kernel shares the cores with them as with this process). The environment is torchrun's (RANK, WORLD_SIZE,
-LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT on loopback), so everything after is the trainer's
-DDP path, tested under torchrun. A rank that fails ends the job: the others are stopped and the error says
-which rank and where its messages are."""
+process); ranks 1..N-1 are `codeforge train --config FILE` with the run's resolved configuration, started in
+this process's session (Ctrl-C in a terminal reaches them all, and the kernel counts them with it) and
+ended by the kernel if this process dies. They meet through a file (a FileStore, no listening port) and
+gloo on the loopback interface; the rest is the trainer's DDP path, tested under torchrun. A rank that
+fails ends the job, and its last messages are shown; the others' are kept out of the way."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -30,23 +33,19 @@ from pathlib import Path
 
 from ..config import SECTIONS, ConfigError, RunConfig, dumps_toml
 from ..device import held_threads, thread_policy
-from ..distributed import distributed_env
+from ..distributed import RENDEZVOUS_ENV, distributed_env, lost_peer
 from ..train.trainer import TrainingError
 
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent.parent  # the directory holding this codeforge package
-STOP_GRACE_S = 60
+PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent.parent)  # the directory holding this codeforge package
 STARTED_ENV = "CODEFORGE_LOCAL_RANKS"  # set in the ranks run_local starts: they are ranks, not launchers
+STOP_GRACE_S = 60  # how long ranks 1..N-1 may take to finish after rank 0 has
+FAIL_GRACE_S = 10  # after a rank fails: how long rank 0 may take to notice and fail on its own
+INTERRUPTED = (130, -signal.SIGINT)  # Ctrl-C: rank 0 hears it too and reports
 
 
 def launches(cfg: RunConfig) -> bool:
     """Whether this process starts the run's local ranks (and is their rank 0), rather than being one."""
-    return cfg.train.local_ranks > 1 and not os.environ.get(STARTED_ENV)  # how long ranks 1..N-1 may take to finish after rank 0 has
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return cfg.train.local_ranks > 1 and not os.environ.get(STARTED_ENV)
 
 
 @contextlib.contextmanager
@@ -72,8 +71,7 @@ def check(cfg: RunConfig) -> None:
                           f"{distributed_env()[1]} (torchrun): give --local-ranks 1 under torchrun, whose "
                           f"--nproc-per-node sets the ranks")
     dev = cfg.train.device
-    gpu = dev.startswith(("cuda", "mps")) or (dev == "auto" and _gpu_visible())
-    if gpu:
+    if dev.startswith(("cuda", "mps")) or (dev == "auto" and _gpu_visible()):
         raise ConfigError(f"--local-ranks {n} is for training on the CPU, and this run's device is "
                           f"{'a GPU' if dev == 'auto' else dev}: on GPUs use torchrun --nproc-per-node (one rank "
                           f"per GPU), or --device cpu")
@@ -87,7 +85,7 @@ def auto_ranks(cfg: RunConfig, most: int = 4) -> int:
     if cfg.train.device.startswith(("cuda", "mps")) or (cfg.train.device == "auto" and _gpu_visible()):
         return 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    n = min(cores, most, cfg.train.batch_size)
+    n = max(1, min(cores, most, cfg.train.batch_size))
     while cfg.train.batch_size % n:
         n -= 1
     return n
@@ -98,40 +96,68 @@ def _gpu_visible() -> bool:
     return torch.cuda.is_available() or torch.backends.mps.is_available()
 
 
+def _loopback() -> str | None:
+    """The loopback interface's name, for gloo to listen on (GLOO_SOCKET_IFNAME) rather than on the address
+    the host name resolves to."""
+    with contextlib.suppress(OSError, AttributeError):
+        names = {name for _, name in socket.if_nameindex()}
+        return next((n for n in ("lo", "lo0") if n in names), None)
+    return None
+
+
+def _die_with_parent() -> None:
+    """In a child, before it runs: the kernel kills it when the process that started it dies (Linux), so a
+    rank 0 killed outside the training loop leaves no rank waiting for it."""
+    with contextlib.suppress(Exception):
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _child_code() -> str:
+    """The -c program of a rank: this codeforge package's CLI, whatever ./codeforge the working directory
+    holds (`python -m codeforge` would import that one)."""
+    return (f"import runpy, sys; r = {PACKAGE_ROOT!r}; sys.path[0:1] = [] if r in sys.path[1:] else [r]; "
+            "runpy.run_module('codeforge', run_name='__main__')")
+
+
 def run_local(cfg: RunConfig, resume: bool, log, body: Callable[[RunConfig, bool, Callable], dict]) -> dict:
     """Run `body` (a stage's run) as rank 0 of cfg.train.local_ranks ranks, starting the others; see the
     module docstring."""
     check(cfg)
-    n = cfg.train.local_ranks
-    t = cfg.train
+    n, t = cfg.train.local_ranks, cfg.train
     if t.threads:
         per, why, total = t.threads, f"--threads, each of {n} local processes", t.threads * n
     else:
         total, why_total = thread_policy()
         per, why = max(1, total // n), f"each of {n} local processes; {why_total}"
-    env = {STARTED_ENV: str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(n),
+    work = Path(tempfile.mkdtemp(prefix="codeforge-ranks-"))
+    cfg_file = work / "config.toml"
+    cfg_file.write_text(dumps_toml({k: v for k, v in cfg.to_dict().items() if k in SECTIONS}))
+    env = {STARTED_ENV: str(n), RENDEZVOUS_ENV: str(work / "rendezvous"), "WORLD_SIZE": str(n),
            "LOCAL_WORLD_SIZE": str(n), "GROUP_RANK": "0", "ROLE_RANK": "0"}
-    fd, cfg_file = tempfile.mkstemp(prefix="codeforge-ranks-", suffix=".toml")
-    with os.fdopen(fd, "w") as f:
-        f.write(dumps_toml({k: v for k, v in cfg.to_dict().items() if k in SECTIONS}))
-    # `python -m codeforge` would import whatever ./codeforge the working directory holds: this package instead
-    argv = [sys.executable, "-c", f"import runpy, sys; sys.path.insert(0, {str(PACKAGE_ROOT)!r}); "
-            "runpy.run_module('codeforge', run_name='__main__')", "train", "--config", cfg_file, "--out", t.out] + (
+    if lo := _loopback():
+        env["GLOO_SOCKET_IFNAME"] = lo
+    argv = [sys.executable, "-c", _child_code(), "train", "--config", str(cfg_file), "--out", t.out] + (
         ["--data", t.data] if t.data else []) + (["--resume"] if resume else [])
-    procs: list[subprocess.Popen] = []
+    procs: list[tuple[subprocess.Popen, Path]] = []
     done = threading.Event()
     try:
         for r in range(1, n):
-            procs.append(subprocess.Popen(argv, env={**os.environ, **env, "RANK": str(r), "LOCAL_RANK": str(r),
-                                                     "OMP_NUM_THREADS": str(per)},
-                                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
-        threading.Thread(target=_watch, args=(procs, done), daemon=True).start()
+            errors = work / f"rank{r}.log"
+            with open(errors, "wb") as err:
+                procs.append((subprocess.Popen(
+                    argv, env={**os.environ, **env, "RANK": str(r), "LOCAL_RANK": str(r), "OMP_NUM_THREADS": str(per),
+                               "CODEFORGE_THREADS": str(per)},
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                    preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None), errors))
+        threading.Thread(target=_watch, args=(procs, done, work), daemon=True).start()
         try:
             with _environment({**env, "RANK": "0", "LOCAL_RANK": "0"}), held_threads(per, why, alone=total):
                 result = body(cfg, resume, log)
-        except BaseException:
+        except BaseException as e:
             done.set()
-            _name_failed(procs)
+            if lost_peer(e) or "lost contact" in str(e):  # the cause is another rank: say which, and its words
+                _name_failed(procs)
             raise
         done.set()
         failed = _finish(procs)
@@ -140,36 +166,42 @@ def run_local(cfg: RunConfig, resume: bool, log, body: Callable[[RunConfig, bool
         return result
     finally:
         done.set()
-        for p in procs:
+        for p, _ in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        with contextlib.suppress(OSError):
-            os.unlink(cfg_file)
+        shutil.rmtree(work, ignore_errors=True)
 
 
-def _finish(procs: list[subprocess.Popen]) -> str | None:
+def _tail(errors: Path, lines: int = 25) -> str:
+    with contextlib.suppress(OSError):
+        text = errors.read_text(errors="replace").strip().splitlines()[-lines:]
+        return "\n".join(f"  | {x}" for x in text) if text else "  (it wrote nothing)"
+    return "  (its messages could not be read)"
+
+
+def _finish(procs: list[tuple[subprocess.Popen, Path]]) -> str | None:
     """Wait for ranks 1..N-1 after rank 0 finished; what went wrong with one, if anything."""
     deadline = time.monotonic() + STOP_GRACE_S
-    for r, p in enumerate(procs, 1):
+    for r, (p, errors) in enumerate(procs, 1):
         try:
             rc = p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             return f"rank {r} of {len(procs) + 1} (pid {p.pid}) did not end within {STOP_GRACE_S}s of rank 0; stopped"
-        if rc not in (0, 130, -signal.SIGINT):
-            return f"rank {r} of {len(procs) + 1} exited with {_code(rc)}; its messages are above"
+        if rc and rc not in INTERRUPTED:
+            return f"rank {r} of {len(procs) + 1} exited with {_code(rc)}; its last messages:\n{_tail(errors)}"
     return None
 
 
-def _name_failed(procs: list[subprocess.Popen], wait_s: float = 3.0) -> None:
-    """Rank 0 failed: say which other ranks had ended badly (the usual cause: rank 0 lost contact with them)."""
+def _name_failed(procs: list[tuple[subprocess.Popen, Path]], wait_s: float = 3.0) -> None:
+    """Rank 0 lost contact with the others: say which ended badly, with its last messages."""
     deadline = time.monotonic() + wait_s
-    for r, p in enumerate(procs, 1):
+    for r, (p, errors) in enumerate(procs, 1):
         with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         rc = p.poll()
-        if rc not in (None, 0, 130, -signal.SIGINT):
-            print(f"rank {r} of {len(procs) + 1} exited with {_code(rc)}; its messages, if any, are above",
+        if rc is not None and rc and rc not in INTERRUPTED:
+            print(f"rank {r} of {len(procs) + 1} exited with {_code(rc)}; its last messages:\n{_tail(errors)}",
                   file=sys.stderr, flush=True)
 
 
@@ -177,21 +209,24 @@ def _code(rc: int) -> str:
     return f"signal {signal.Signals(-rc).name}" if rc < 0 else f"code {rc}"
 
 
-def _watch(procs: list[subprocess.Popen], done: threading.Event) -> None:
-    """While rank 0 runs: a rank that fails (not an interrupt, which rank 0 hears too) ends the job at once,
-    as torchrun would, instead of leaving rank 0 to wait for it in a collective until --dist-timeout."""
+def _watch(procs: list[tuple[subprocess.Popen, Path]], done: threading.Event, work: Path) -> None:
+    """While rank 0 runs: when another rank fails (not an interrupt, which rank 0 hears too), rank 0 usually
+    notices in its next collective and fails with a message of its own. If it has not within FAIL_GRACE_S
+    (it is waiting for a rank that died before it joined the group), the job ends here, as torchrun would
+    end it, rather than wait out --dist-timeout."""
     while not done.wait(0.5):
-        for r, p in enumerate(procs, 1):
+        for r, (p, errors) in enumerate(procs, 1):
             rc = p.poll()
-            if rc is None or rc in (0, 130, -signal.SIGINT):
+            if rc is None or rc == 0 or rc in INTERRUPTED:
                 continue
-            if done.wait(2.0):  # rank 0 finished (or failed) meanwhile: it reports
+            if done.wait(FAIL_GRACE_S):  # rank 0 finished or failed meanwhile: it reports
                 return
-            print(f"error: rank {r} of {len(procs) + 1} exited with {_code(rc)} (its messages are above); "
-                  f"stopping the job. Checkpoints already written are kept: --resume continues from the last.",
-                  file=sys.stderr, flush=True)
-            for q in procs:
+            print(f"error: rank {r} of {len(procs) + 1} exited with {_code(rc)}; its last messages:\n"
+                  f"{_tail(errors)}\nstopping the job. Checkpoints already written are kept: --resume continues "
+                  f"from the last.", file=sys.stderr, flush=True)
+            for q, _ in procs:
                 if q.poll() is None:
                     q.kill()
+            shutil.rmtree(work, ignore_errors=True)
             sys.stdout.flush()
             os._exit(1)
