@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+from pathlib import Path
 
 import torch
 
@@ -26,6 +28,42 @@ PEAK_TFLOPS = {
 
 THREADS_ENV = "CODEFORGE_THREADS"  # intra-op threads, overriding the policy below (0 or unset: the policy)
 _POLICY: str | None = None  # what thread_policy() decided, said with the device line
+
+
+def cpu_quota(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> float | None:
+    """The CPUs a cgroup quota lets this process use (a container's `--cpus`, a systemd CPUQuota), the
+    tightest along its cgroup's path (v2: cpu.max; v1: cpu.cfs_quota_us / cpu.cfs_period_us); None without
+    one. The affinity mask alone would count every core of the host."""
+    quotas = []
+    base = Path(root)
+    try:
+        rel = next((x.split(":", 2)[2].strip() for x in Path(proc_cgroup).read_text().splitlines()
+                    if x.startswith("0::")), None)
+    except OSError:
+        rel = None
+    if rel is not None:  # v2: the process's cgroup and every parent up to the root
+        p = base / rel.lstrip("/")
+        while True:
+            with contextlib.suppress(OSError, ValueError):
+                q, period = (p / "cpu.max").read_text().split()[:2]
+                if q != "max":
+                    quotas.append(int(q) / int(period))
+            if p == base or base not in p.parents:
+                break
+            p = p.parent
+    for d in ("cpu", "cpu,cpuacct"):  # v1, as a container sees its own
+        with contextlib.suppress(OSError, ValueError):
+            q = int((base / d / "cpu.cfs_quota_us").read_text())
+            if q > 0:
+                quotas.append(q / int((base / d / "cpu.cfs_period_us").read_text()))
+    return min(quotas) if quotas else None
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity), at most what a cgroup quota allows (rounded up)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = cpu_quota()
+    return max(1, min(cores, math.ceil(quota))) if quota else cores
 
 
 def _own_runnable() -> int:
@@ -67,12 +105,12 @@ def runnable_elsewhere(samples: int = 5, interval: float = 0.02) -> int:
 def thread_policy(requested: int | None = None) -> tuple[int, str]:
     """(threads, why) for PyTorch's intra-op pool, applied with torch.set_num_threads. In order: a flag or
     $CODEFORGE_THREADS; $OMP_NUM_THREADS set by the user (or torchrun, 1 a rank); else the cores this process
-    may use (its affinity, shared by the ranks on this machine under torchrun) less those other work keeps
+    may use (its affinity and any cgroup quota, shared by the ranks on this machine under torchrun) less those other work keeps
     busy at start-up, at least one. Threads that wait for each other on a core that another process holds
     make every operation as slow as the most delayed thread: on shared cores fewer threads finish sooner
     (docs/LOG.md, 2026-11-25). Waiting threads sleep rather than spin: OMP_WAIT_POLICY=PASSIVE, set by
     codeforge/__init__.py before torch loads its OpenMP runtime (an explicit setting is kept)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     env = os.environ.get(THREADS_ENV, "").strip()
     if requested:
         n, why = requested, "--threads"

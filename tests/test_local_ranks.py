@@ -91,7 +91,7 @@ def test_refusals(monkeypatch):
 
 @pytest.mark.parametrize("cores,batch,want", [(1, 16, 1), (2, 16, 2), (3, 16, 2), (8, 16, 4), (2, 3, 1), (4, 6, 3)])
 def test_auto_ranks_divide_the_batch_and_follow_the_cores(monkeypatch, cores, batch, want):
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(local, "usable_cores", lambda: cores)
     monkeypatch.setattr(local, "_gpu_visible", lambda: False)
     cfg = resolve([], None, [], {"train.batch_size": batch})
     assert local.auto_ranks(cfg) == want
@@ -122,3 +122,27 @@ def test_rank0s_own_error_is_not_blamed_on_the_other_ranks(data_dir, tmp_path):
     assert r.returncode != 0
     assert "in use by another training process" in r.stderr
     assert "rank 1 of 2" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_cpu_quota_of_a_container_bounds_the_cores(tmp_path, monkeypatch):
+    """A cgroup v2 quota on the process's cgroup or a parent (the tightest wins), v1's cfs files, none."""
+    root = tmp_path / "cg"
+    (root / "a" / "b").mkdir(parents=True)
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/a/b\n")
+    assert device.cpu_quota(str(proc), str(root)) is None
+    (root / "a" / "b" / "cpu.max").write_text("max 100000\n")
+    (root / "a" / "cpu.max").write_text("150000 100000\n")
+    assert device.cpu_quota(str(proc), str(root)) == 1.5
+    (root / "a" / "b" / "cpu.max").write_text("50000 100000\n")
+    assert device.cpu_quota(str(proc), str(root)) == 0.5
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("200000\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert device.cpu_quota(str(tmp_path / "missing"), str(v1)) == 2.0
+    monkeypatch.setattr(device, "cpu_quota", lambda: 1.5)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert device.usable_cores() == 2  # 1.5 CPUs of quota: 2 threads, not 8
+    monkeypatch.setattr(device, "cpu_quota", lambda: None)
+    assert device.usable_cores() == 8

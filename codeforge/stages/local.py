@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..config import SECTIONS, ConfigError, RunConfig, dumps_toml
-from ..device import held_threads, thread_policy
+from ..device import held_threads, thread_policy, usable_cores
 from ..distributed import RENDEZVOUS_ENV, distributed_env, lost_peer
 from ..train.trainer import TrainingError
 
@@ -79,13 +79,12 @@ def check(cfg: RunConfig) -> None:
 
 def auto_ranks(cfg: RunConfig, most: int = 4) -> int:
     """How many local ranks a CPU run of cfg's batch is best split over here (the quickstart's choice): one per
-    core this process may use, at most `most` and a divisor of the batch (so the global batch stays what it
+    core this process may use (affinity, cgroup quota), at most `most` and a divisor of the batch (so the global batch stays what it
     is, with --batch-size per rank); 1 on a GPU. Measured on 2 cores (docs/LOG.md); beyond `most` the rows
     per rank get few, and each rank holds a whole copy of the model and its optimizer state."""
     if cfg.train.device.startswith(("cuda", "mps")) or (cfg.train.device == "auto" and _gpu_visible()):
         return 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    n = max(1, min(cores, most, cfg.train.batch_size))
+    n = max(1, min(usable_cores(), most, cfg.train.batch_size))
     while cfg.train.batch_size % n:
         n -= 1
     return n
