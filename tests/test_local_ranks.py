@@ -2,6 +2,7 @@
 one process and torchrun's ranks: the same losses, the configuration a resume repeats, a killed rank ending
 the job at once, the refusals, and the choices the quickstart makes."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -146,3 +147,40 @@ def test_cpu_quota_of_a_container_bounds_the_cores(tmp_path, monkeypatch):
     assert device.usable_cores() == 2  # 1.5 CPUs of quota: 2 threads, not 8
     monkeypatch.setattr(device, "cpu_quota", lambda: None)
     assert device.usable_cores() == 8
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_other_ranks_die_with_rank0(data_dir, tmp_path):
+    """Rank 0 killed outright (no chance to stop its ranks): the kernel ends rank 1 too, rather than leave it
+    waiting in a collective."""
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "codeforge", "train", "--data", str(data_dir), "--out", str(out), *COMMON,
+            "--batch-size", "4", "--max-iters", "100000", "--local-ranks", "2"]
+    p, kids = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), []
+    try:
+        deadline = time.monotonic() + 120
+        while not kids and time.monotonic() < deadline:
+            time.sleep(0.5)
+            kids = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+        assert len(kids) == 1, kids
+        p.kill()
+        p.wait()
+        deadline = time.monotonic() + 30
+        while state(kids[0]) not in (None, "Z") and time.monotonic() < deadline:  # Z: ended, not yet reaped
+            time.sleep(0.2)
+        assert state(kids[0]) in (None, "Z"), f"rank 1 (pid {kids[0]}) outlived rank 0"
+    finally:
+        if p.poll() is None:
+            p.kill()
+        for k in kids:
+            with contextlib.suppress(OSError):
+                os.kill(int(k), signal.SIGKILL)
+
+
+def state(pid) -> str | None:
+    """A process's state letter (R, S, Z, ...), None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None

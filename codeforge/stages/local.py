@@ -104,12 +104,18 @@ def _loopback() -> str | None:
     return None
 
 
-def _die_with_parent() -> None:
-    """In a child, before it runs: the kernel kills it when the process that started it dies (Linux), so a
-    rank 0 killed outside the training loop leaves no rank waiting for it."""
-    with contextlib.suppress(Exception):
+def _die_with_parent():
+    """A preexec_fn for the ranks (Linux; None elsewhere): the kernel kills a rank when the process that
+    started it dies, so a rank 0 killed outside the training loop leaves no rank waiting for it. prctl is
+    looked up here, in the parent: the child, forked from a process with threads, only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
         import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _child_code() -> str:
@@ -139,7 +145,7 @@ def run_local(cfg: RunConfig, resume: bool, log, body: Callable[[RunConfig, bool
     argv = [sys.executable, "-c", _child_code(), "train", "--config", str(cfg_file), "--out", t.out] + (
         ["--data", t.data] if t.data else []) + (["--resume"] if resume else [])
     procs: list[tuple[subprocess.Popen, Path]] = []
-    done = threading.Event()
+    done, die_with_parent = threading.Event(), _die_with_parent()
     try:
         for r in range(1, n):
             errors = work / f"rank{r}.log"
@@ -148,7 +154,7 @@ def run_local(cfg: RunConfig, resume: bool, log, body: Callable[[RunConfig, bool
                     argv, env={**os.environ, **env, "RANK": str(r), "LOCAL_RANK": str(r), "OMP_NUM_THREADS": str(per),
                                "CODEFORGE_THREADS": str(per)},
                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
-                    preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None), errors))
+                    preexec_fn=die_with_parent), errors))
         threading.Thread(target=_watch, args=(procs, done, work), daemon=True).start()
         try:
             with _environment({**env, "RANK": "0", "LOCAL_RANK": "0"}), held_threads(per, why, alone=total):
