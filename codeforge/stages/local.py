@@ -71,7 +71,7 @@ def check(cfg: RunConfig) -> None:
                           f"{distributed_env()[1]} (torchrun): give --local-ranks 1 under torchrun, whose "
                           f"--nproc-per-node sets the ranks")
     dev = cfg.train.device
-    if dev.startswith(("cuda", "mps")) or (dev == "auto" and _gpu_visible()):
+    if _on_gpu(cfg):
         raise ConfigError(f"--local-ranks {n} is for training on the CPU, and this run's device is "
                           f"{'a GPU' if dev == 'auto' else dev}: on GPUs use torchrun --nproc-per-node (one rank "
                           f"per GPU), or --device cpu")
@@ -82,12 +82,18 @@ def auto_ranks(cfg: RunConfig, most: int = 4) -> int:
     core this process may use (affinity, cgroup quota), at most `most` and a divisor of the batch (so the global batch stays what it
     is, with --batch-size per rank); 1 on a GPU. Measured on 2 cores (docs/LOG.md); beyond `most` the rows
     per rank get few, and each rank holds a whole copy of the model and its optimizer state."""
-    if cfg.train.device.startswith(("cuda", "mps")) or (cfg.train.device == "auto" and _gpu_visible()):
+    if _on_gpu(cfg):
         return 1
     n = max(1, min(usable_cores(), most, cfg.train.batch_size))
     while cfg.train.batch_size % n:
         n -= 1
     return n
+
+
+def _on_gpu(cfg: RunConfig) -> bool:
+    """Whether the run's device is (or `auto` picks) a GPU."""
+    dev = cfg.train.device
+    return dev.startswith(("cuda", "mps")) or (dev == "auto" and _gpu_visible())
 
 
 def _gpu_visible() -> bool:
