@@ -6,10 +6,14 @@ position, cross-entropy, `torch.optim.AdamW` with its defaults (foreach), no cli
 step is `trainer.train_step` on the `fragment-lowend` preset at the same shape (4 layers x 256, 4 heads,
 context 256, vocab 10,000, dropout 0, fp32): clipping, the non-finite check and everything else it does.
 
-Each round times both, A then B then B then A, for --steps steps after --warmup; the ratio of each round is
-printed, and the median over rounds. Threads: the process's (codeforge's thread policy decides, or --threads).
+Each side runs in a process of its own, as a user would run it: the minimal trainer with PyTorch's and the C
+library's defaults (threads: one per core), codeforge's step after what `codeforge train` sets up first (the
+device module's thread policy and memory policy). Each round times both, A then B then B then A, each a fresh
+process timing --steps steps after --warmup; the ratio of each round is printed, and the median over rounds.
+--minimal-malloc keep gives the minimal trainer codeforge's memory policy too (what the policy alone is worth).
 
-    python benchmarks/step_vs_minimal.py [--rounds 3] [--steps 20] [--batch-size 4] [--threads N] [--compile] [--json]
+    python benchmarks/step_vs_minimal.py [--rounds 3] [--steps 20] [--batch-size 4] [--threads N] [--compile]
+        [--minimal-malloc system|keep] [--json]
 """
 
 from __future__ import annotations
@@ -17,7 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -119,6 +126,37 @@ def time_steps(step, n: int) -> float:
     return dt / n
 
 
+def side(a) -> None:
+    """One side's timing, in this process: print {"tokens_per_s", "threads", "device_line"} as JSON."""
+    line = ""
+    if a.side == "codeforge":
+        from codeforge.device import choose_device
+        line = choose_device("cpu", a.threads)[1]  # the thread and memory policy, as `codeforge train` applies them
+    else:
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        if a.minimal_malloc == "keep":
+            from codeforge.device import keep_freed_memory
+            line = keep_freed_memory()
+    step = minimal_stepper(a) if a.side == "minimal" else codeforge_stepper(a)
+    for _ in range(a.warmup):
+        step()
+    dt = time_steps(step, a.steps)
+    print(json.dumps({"tokens_per_s": a.batch_size * a.block_size / dt, "threads": torch.get_num_threads(),
+                      "device_line": line}))
+
+
+def timed(a, which: str) -> dict:
+    args = [sys.executable, os.path.abspath(__file__), "--side", which, "--steps", str(a.steps), "--warmup",
+            str(a.warmup), "--batch-size", str(a.batch_size), "--block-size", str(a.block_size), "--vocab-size",
+            str(a.vocab_size), "--minimal-malloc", a.minimal_malloc] + (["--threads", str(a.threads)] if a.threads
+                                                                        else []) + (["--compile"] if a.compile else [])
+    r = subprocess.run(args, capture_output=True, text=True, check=False)
+    if r.returncode:
+        raise SystemExit(f"{which} side failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -129,35 +167,37 @@ def main() -> None:
     ap.add_argument("--vocab-size", type=int, default=10000)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--compile", action="store_true", help="codeforge's model under torch.compile (train --compile)")
+    ap.add_argument("--minimal-malloc", choices=["system", "keep"], default="system",
+                    help="the minimal trainer's memory policy: the C library's (default) or codeforge's")
+    ap.add_argument("--side", choices=["minimal", "codeforge"], help=argparse.SUPPRESS)  # a child process
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    mini, cf = minimal_stepper(a), codeforge_stepper(a)
-    t0 = time.perf_counter()
-    for s in (mini, cf):
-        for _ in range(a.warmup):
-            s()
-    if not a.json:
-        print(f"warm-up (and compilation, with --compile): {time.perf_counter() - t0:.1f} s", flush=True)
+    if a.side:
+        return side(a)
     tokens = a.batch_size * a.block_size
-    rows = []
+    rows, line = [], ""
     for r in range(a.rounds):
-        m1 = time_steps(mini, a.steps)
-        c1 = time_steps(cf, a.steps)
-        c2 = time_steps(cf, a.steps)
-        m2 = time_steps(mini, a.steps)
-        tm, tc = tokens / ((m1 + m2) / 2), tokens / ((c1 + c2) / 2)
-        rows.append({"round": r, "minimal_tokens_per_s": tm, "codeforge_tokens_per_s": tc, "ratio": tc / tm})
+        m1 = timed(a, "minimal")
+        c1 = timed(a, "codeforge")
+        c2 = timed(a, "codeforge")
+        m2 = timed(a, "minimal")
+        tm = (m1["tokens_per_s"] + m2["tokens_per_s"]) / 2
+        tc = (c1["tokens_per_s"] + c2["tokens_per_s"]) / 2
+        line = c1["device_line"]
+        rows.append({"round": r, "minimal_tokens_per_s": tm, "codeforge_tokens_per_s": tc, "ratio": tc / tm,
+                     "threads": [m1["threads"], c1["threads"]]})
         if not a.json:
-            print(f"round {r}: minimal {tm:,.0f} tokens/s, codeforge {tc:,.0f} tokens/s, ratio {tc / tm:.3f}",
-                  flush=True)
+            print(f"round {r}: minimal {tm:,.0f} tokens/s, codeforge {tc:,.0f} tokens/s, ratio {tc / tm:.3f} "
+                  f"(threads {m1['threads']} / {c1['threads']})", flush=True)
     med = statistics.median(r["ratio"] for r in rows)
-    out = {"threads": torch.get_num_threads(), "compile": a.compile, "torch": torch.__version__, "rounds": rows, "median_ratio": med}
+    out = {"compile": a.compile, "minimal_malloc": a.minimal_malloc, "torch": torch.__version__,
+           "codeforge_device": line, "rounds": rows, "median_ratio": med, "tokens_per_step": tokens}
     if a.json:
         print(json.dumps(out))
     else:
-        print(f"median ratio codeforge / minimal: {med:.3f} ({torch.get_num_threads()} threads, torch {torch.__version__})")
+        print(f"codeforge's device line: {line}")
+        print(f"median ratio codeforge / minimal: {med:.3f} (torch {torch.__version__}, "
+              f"minimal trainer's memory policy: {a.minimal_malloc})")
 
 
 if __name__ == "__main__":
