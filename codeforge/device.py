@@ -164,7 +164,7 @@ def keep_freed_memory() -> str:
     The cost: the process keeps its peak heap until it exits instead of shrinking after a peak.
 
     Only on glibc (Linux); elsewhere, or with $CODEFORGE_MALLOC=system, or where the user set glibc's own
-    knobs ($MALLOC_MMAP_MAX_, $MALLOC_TRIM_THRESHOLD_, $GLIBC_TUNABLES), nothing is changed."""
+    malloc knobs ($MALLOC_MMAP_MAX_ and the like, glibc.malloc.* in $GLIBC_TUNABLES), nothing is changed."""
     global _MALLOC
     if _MALLOC is not None:
         return _MALLOC
@@ -174,14 +174,14 @@ def keep_freed_memory() -> str:
                           "system (the C library's own policy)")
     if choice == "system":
         _MALLOC = f"memory policy: the C library's (${MALLOC_ENV}=system)"
-    elif any(os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")):
+    elif any(os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")) \
+            or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         _MALLOC = "memory policy: the C library's, as its environment variables set it"
     else:
         import ctypes
-        import ctypes.util
         try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            ok = libc.gnu_get_libc_version and libc.mallopt(_M_MMAP_MAX, 0) == 1 \
+            libc = ctypes.CDLL(None)  # the symbols already loaded: the C library this process runs on
+            ok = bool(libc.gnu_get_libc_version) and libc.mallopt(_M_MMAP_MAX, 0) == 1 \
                 and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
         except (OSError, AttributeError):  # not glibc (macOS, musl): its allocator is left as it is
             ok = False
