@@ -183,7 +183,7 @@ def keep_freed_memory() -> str:
             libc = ctypes.CDLL(None)  # the symbols already loaded: the C library this process runs on
             ok = bool(libc.gnu_get_libc_version) and libc.mallopt(_M_MMAP_MAX, 0) == 1 \
                 and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
-        except (OSError, AttributeError):  # not glibc (macOS, musl): its allocator is left as it is
+        except (OSError, AttributeError, TypeError):  # not glibc (macOS, musl, Windows): left as it is
             ok = False
         _MALLOC = "freed memory kept for reuse" if ok else "memory policy: the C library's (not glibc)"
     return _MALLOC
