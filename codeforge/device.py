@@ -142,9 +142,14 @@ def apply_thread_policy(requested: int | None = None) -> str:
     if _POLICY is None or requested:
         n, why = thread_policy(requested)
         torch.set_num_threads(n)
-        wait = os.environ.get("OMP_WAIT_POLICY", "unset")
-        _POLICY = f"{n} thread{'s' if n != 1 else ''} ({why}; OpenMP waits {wait.lower()}; {keep_freed_memory()})"
+        _POLICY = _policy_words(n, why)
     return _POLICY
+
+
+def _policy_words(n: int, why: str) -> str:
+    """The device line's words for n intra-op threads chosen for `why`, the wait policy and the memory policy."""
+    wait = os.environ.get("OMP_WAIT_POLICY", "unset")
+    return f"{n} thread{'s' if n != 1 else ''} ({why}; OpenMP waits {wait.lower()}; {keep_freed_memory()})"
 
 
 # glibc's mallopt(3) parameters (malloc.h)
@@ -159,7 +164,7 @@ def keep_freed_memory() -> str:
     unmaps it on free, and returns the top of its heap past 128 KiB. A training step allocates and frees the
     same large tensors (activations, logits, gradients) every step, so each step the kernel maps and zeroes
     them again: 45,000 page faults and 80 ms of system time in a 300 ms step at 4 layers x 256, batch 4 x
-    256, vocabulary 10k (docs/LOG.md, 2026-11-26). With mmap off (M_MMAP_MAX 0) and the trim threshold at
+    256, vocabulary 10k (docs/LOG.md, 2026-11-27). With mmap off (M_MMAP_MAX 0) and the trim threshold at
     2 GiB, freed blocks stay in the heap and are reused: under 1,000 faults a step, the step 15-20% faster.
     The cost: the process keeps its peak heap until it exits instead of shrinking after a peak.
 
@@ -200,9 +205,7 @@ def held_threads(n: int, why: str, alone: int | None = None):
     global _POLICY, _ALONE
     before = torch.get_num_threads(), _POLICY, _ALONE
     torch.set_num_threads(n)
-    wait = os.environ.get("OMP_WAIT_POLICY", "unset")
-    _POLICY = f"{n} thread{'s' if n != 1 else ''} ({why}; OpenMP waits {wait.lower()}; {keep_freed_memory()})"
-    _ALONE = alone
+    _POLICY, _ALONE = _policy_words(n, why), alone
     try:
         yield
     finally:
