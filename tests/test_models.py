@@ -61,6 +61,29 @@ def test_chunked_loss_equals_plain_fp32():
     assert torch.allclose(fh, gh, atol=1e-6) and torch.allclose(fw, gw, atol=1e-6)
 
 
+def test_chunked_loss_exact_where_the_target_probability_underflows():
+    """The fused loss reads log-sum-exp back from each row's largest probability, which never underflows: a
+    target ~200 nats below the top logit (its softmax probability is 0 in float32) still gets the plain
+    path's loss and gradients; a batch with every target ignored gives 0 and zero gradients."""
+    torch.manual_seed(0)
+    h = (torch.randn(3, 8, 16) * 20).requires_grad_()
+    w = torch.randn(50, 16, requires_grad=True)
+    y = torch.randint(0, 50, (3, 8))
+    logits = torch.nn.functional.linear(h, w).detach()
+    y[0] = logits[0].argmin(-1)  # the least likely token: far below the top
+    assert (logits[0].max(-1).values - logits[0].min(-1).values).min() > 150
+    ref = lm_loss(h, w, y)
+    gh, gw = torch.autograd.grad(ref, [h, w])
+    fast = lm_loss(h, w, y, chunk_rows=5)
+    fh, fw = torch.autograd.grad(fast, [h, w])
+    assert torch.isfinite(fast) and torch.allclose(fast, ref, rtol=1e-5)
+    assert torch.allclose(fh, gh, rtol=1e-4, atol=1e-5) and torch.allclose(fw, gw, rtol=1e-4, atol=1e-5)
+    none = torch.full_like(y, -1)
+    zero = lm_loss(h, w, none, chunk_rows=5)
+    zh, zw = torch.autograd.grad(zero, [h, w])
+    assert zero.item() == 0.0 and not zh.any() and not zw.any()
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_fast_path_loss_curve_matches_plain(precision):
     """Training with the fused chunked loss follows the plain path's losses (bf16: within bf16 tolerance)."""

@@ -140,14 +140,16 @@ class Attention(nn.Module):
         cfg, hd = self.cfg, self.cfg.head_dim
         H, KV = cfg.n_head, cfg.n_kv_head
         heads = self.c_attn(x).view(B, T, H + 2 * KV, hd).transpose(1, 2)  # (B, q heads + k heads + v heads, T, hd)
-        v = heads[:, H + KV:]
+        # split, not slices: the backward of a split is one concatenation, where each slice's backward fills a
+        # gradient the size of `heads` with zeros and adds them up (docs/LOG.md, 2026-11-27, eighth session)
         if self.q_norm is not None:
-            q, k = self.q_norm(heads[:, :H]), self.k_norm(heads[:, H:H + KV])
+            q, k, v = heads.split([H, KV, KV], dim=1)
+            q, k = self.q_norm(q), self.k_norm(k)
             if rope is not None:
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         else:  # queries and keys turned in one go
-            qk = heads[:, :H + KV] if rope is None else apply_rope(heads[:, :H + KV], *rope)
-            q, k = qk[:, :H], qk[:, H:]
+            qk, v = heads.split([H + KV, KV], dim=1)
+            q, k = (qk if rope is None else apply_rope(qk, *rope)).split([H, KV], dim=1)
         if kv_cache is not None:
             start = kv_cache.len
             kv_cache.k[self.layer][:, :, start:start + T] = k

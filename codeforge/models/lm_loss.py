@@ -39,13 +39,18 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     For a row with logits z = h W^T and target t: loss = logsumexp(z) - z_t, dloss/dz = softmax(z) - onehot(t).
     Then dL/dh = (dloss/dz) W and dL/dW = sum over rows of (dloss/dz)^T h, both divided by the number of
     counted rows. The same FLOPs as the plain path (one forward and two backward matmuls), far less memory
-    and memory traffic; backward only scales the stored gradients by the incoming scalar."""
+    and memory traffic; backward only scales the stored gradients by the incoming scalar.
+
+    Each chunk makes one pass for the row maxima and one softmax; the log-sum-exp is read back from the
+    softmax at each row's largest logit m (p_max = exp(m - lse), at least 1/vocab, so never underflows):
+    lse = m - log(p_max). On the CPU that is three passes over the logits where log_softmax, its backward
+    and the zero-filled gradient of the plain path make six (docs/LOG.md, 2026-11-27, eighth session)."""
 
     @staticmethod
     def forward(ctx, h, weight, targets, chunk_rows):
         n_valid = (targets != IGNORE_INDEX).sum().clamp(min=1)
         grad_h = torch.empty_like(h)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_w = None
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
         w = weight.to(h.dtype)  # once: under autocast h is bf16/fp16 and the matmuls run in that dtype
         for i in range(0, h.size(0), chunk_rows):
@@ -53,14 +58,21 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             z = F.linear(hc, w).float()  # (rows, vocab)
             valid = tc != IGNORE_INDEX
             tsafe = tc.clamp(min=0).unsqueeze(1)
-            lse = torch.logsumexp(z, dim=-1)
-            loss += ((lse - z.gather(1, tsafe).squeeze(1)) * valid).sum()
-            g = (z - lse.unsqueeze(1)).exp_()  # softmax from the logsumexp already computed
+            top, at = z.max(dim=-1, keepdim=True)
+            z_t = z.gather(1, tsafe)
+            g = torch.softmax(z, dim=-1)
+            del z
+            row_loss = (top - z_t - g.gather(1, at).log()).squeeze(1)  # logsumexp(z) - z_t
+            loss += (row_loss * valid).sum()
             g.scatter_add_(1, tsafe, -torch.ones_like(tsafe, dtype=g.dtype))
-            g *= valid.unsqueeze(1)  # ignored rows contribute nothing
+            if h.device.type != "cpu" or not bool(valid.all()):  # ignored rows contribute nothing (no sync on GPU)
+                g *= valid.unsqueeze(1)
             g = g.to(h.dtype)
-            grad_h[i:i + chunk_rows] = g @ w
-            grad_w += g.t() @ hc  # summed in float32 across chunks
+            torch.mm(g, w, out=grad_h[i:i + chunk_rows])
+            part = g.t() @ hc
+            grad_w = part.float() if grad_w is None else grad_w.add_(part)  # summed in float32 across chunks
+        if grad_w is None:  # no rows at all
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         ctx.save_for_backward(grad_h, grad_w, n_valid)
         ctx.w_dtype = weight.dtype
         return loss / n_valid
