@@ -27,6 +27,8 @@ import subprocess
 import sys
 import time
 
+if __name__ == "__main__" and sys.argv[-2:] == ["--side", "codeforge"]:
+    import codeforge  # noqa: F401  before torch, as the CLI does: it sets OpenMP's wait policy before torch loads
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -147,10 +149,11 @@ def side(a) -> None:
 
 
 def timed(a, which: str) -> dict:
-    args = [sys.executable, os.path.abspath(__file__), "--side", which, "--steps", str(a.steps), "--warmup",
+    args = [sys.executable, os.path.abspath(__file__), "--steps", str(a.steps), "--warmup",
             str(a.warmup), "--batch-size", str(a.batch_size), "--block-size", str(a.block_size), "--vocab-size",
             str(a.vocab_size), "--minimal-malloc", a.minimal_malloc] + (["--threads", str(a.threads)] if a.threads
                                                                         else []) + (["--compile"] if a.compile else [])
+    args += ["--side", which]  # last: the child looks for it before it imports torch
     r = subprocess.run(args, capture_output=True, text=True, check=False)
     if r.returncode:
         raise SystemExit(f"{which} side failed:\n{r.stderr[-3000:]}")
