@@ -28,6 +28,7 @@ PEAK_TFLOPS = {
 
 MALLOC_ENV = "CODEFORGE_MALLOC"  # "system": leave the C library's memory policy as it is (see keep_freed_memory)
 _MALLOC: str | None = None  # what keep_freed_memory() did, said with the device line
+_MALLOC_DEFAULT: tuple[str, str] = ("keep", "")  # the policy when $CODEFORGE_MALLOC is unset, and why (system_memory_policy)
 THREADS_ENV = "CODEFORGE_THREADS"  # intra-op threads, overriding the policy below (0 or unset: the policy)
 _POLICY: str | None = None  # what thread_policy() decided, said with the device line
 
@@ -152,6 +153,7 @@ def _policy_words(n: int, why: str) -> str:
     return f"{n} thread{'s' if n != 1 else ''} ({why}; OpenMP waits {wait.lower()}; {keep_freed_memory()})"
 
 
+KEPT = "freed memory kept for reuse"  # the device line's words for keep_freed_memory's policy in force
 # glibc's mallopt(3) parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 
@@ -169,7 +171,8 @@ def keep_freed_memory() -> str:
     The cost: the process keeps its peak heap until it exits instead of shrinking after a peak.
 
     Only on glibc (Linux); elsewhere, or with $CODEFORGE_MALLOC=system, or where the user set glibc's own
-    malloc knobs ($MALLOC_MMAP_MAX_ and the like, glibc.malloc.* in $GLIBC_TUNABLES), nothing is changed."""
+    malloc knobs ($MALLOC_MMAP_MAX_ and the like, glibc.malloc.* in $GLIBC_TUNABLES), nothing is changed;
+    nor in a process that chose glibc's policy for itself (system_memory_policy: the server)."""
     global _MALLOC
     if _MALLOC is not None:
         return _MALLOC
@@ -179,6 +182,8 @@ def keep_freed_memory() -> str:
                           "system (the C library's own policy)")
     if choice == "system":
         _MALLOC = f"memory policy: the C library's (${MALLOC_ENV}=system)"
+    elif not choice and _MALLOC_DEFAULT[0] == "system":
+        _MALLOC = f"memory policy: the C library's ({_MALLOC_DEFAULT[1]}; ${MALLOC_ENV}=keep keeps freed memory)"
     elif any(os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")) \
             or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         _MALLOC = "memory policy: the C library's, as its environment variables set it"
@@ -190,8 +195,28 @@ def keep_freed_memory() -> str:
                 and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
         except (OSError, AttributeError, TypeError):  # not glibc (macOS, musl, Windows): left as it is
             ok = False
-        _MALLOC = "freed memory kept for reuse" if ok else "memory policy: the C library's (not glibc)"
+        _MALLOC = KEPT if ok else "memory policy: the C library's (not glibc)"
     return _MALLOC
+
+
+def system_memory_policy(why: str) -> None:
+    """Make the C library's own memory policy this process's default instead of keep_freed_memory's, for `why`
+    (said on the device line); $CODEFORGE_MALLOC=keep still keeps. Call it before choose_device.
+
+    For a long-running server: its steps allocate few large blocks (one token a row), so keeping freed memory
+    buys it nothing measurable (116 tokens/s and 1,123 MB at peak kept, against 123 and 1,104 with glibc's
+    policy: a 128M model under 16 streaming clients, docs/LOG.md, 2026-11-27, eighth session), while a process
+    that never hands memory back can hold several times what it uses when its threads' heaps fragment. Where
+    keep_freed_memory already acted in this process, glibc's defaults are set back (mmap for blocks over
+    128 KiB, the heap's top trimmed past 128 KiB)."""
+    global _MALLOC, _MALLOC_DEFAULT, _POLICY
+    _MALLOC_DEFAULT = ("system", why)
+    if _MALLOC == KEPT and os.environ.get(MALLOC_ENV, "").strip().lower() != "keep":
+        import ctypes
+        libc = ctypes.CDLL(None)
+        libc.mallopt(_M_MMAP_MAX, 65536)  # glibc's DEFAULT_MMAP_MAX
+        libc.mallopt(_M_TRIM_THRESHOLD, 128 * 1024)  # glibc's DEFAULT_TRIM_THRESHOLD
+    _MALLOC = _POLICY = None  # said afresh by the next device line
 
 
 _ALONE: int | None = None  # threads for work rank 0 does while its local ranks wait (held_threads)

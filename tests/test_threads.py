@@ -101,6 +101,45 @@ def test_freed_memory_is_reused_not_mapped_again(monkeypatch):
         device.keep_freed_memory()
 
 
+HANDED_BACK = """
+import sys, torch
+from codeforge import device
+if "first-keep" in sys.argv:  # the policy already in force in this process when the server chooses glibc's
+    device.keep_freed_memory()
+if "server" in sys.argv:
+    device.system_memory_policy("a long-running server")
+said = device.choose_device("cpu")[1]
+def rss():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS:")).split()[1]) >> 10
+x = torch.ones(256 << 18)  # 256 MiB, every page written
+held = rss()
+del x
+print(said); print(held - rss())
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator")
+@pytest.mark.parametrize("case", ["train", "server", "first-keep server", "server keep"])
+def test_the_server_hands_freed_memory_back(monkeypatch, case):
+    """A training keeps a freed 256 MiB tensor's pages for reuse; the server (system_memory_policy) hands them
+    back to the kernel at once, also where the keeping policy was already in force in the process, unless
+    $CODEFORGE_MALLOC=keep asks it to keep them. The device line says which."""
+    for k in ("CODEFORGE_MALLOC", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_",
+              "GLIBC_TUNABLES"):
+        monkeypatch.delenv(k, raising=False)
+    env = {"CODEFORGE_MALLOC": "keep"} if case.endswith("keep") else {}
+    r = subprocess.run([sys.executable, "-c", HANDED_BACK, *case.split()], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, **env})
+    assert r.returncode == 0, r.stderr[-3000:]
+    said, released = r.stdout.strip().split("\n")[-2:]
+    kept = case in ("train", "server keep")
+    if kept:
+        assert "freed memory kept for reuse" in said and int(released) < 16, (said, released)
+    else:
+        assert "the C library's (a long-running server; $CODEFORGE_MALLOC=keep keeps freed memory)" in said, said
+        assert int(released) > 200, (said, released)
+
+
 def test_the_policy_follows_flag_environment_and_busy_cores(monkeypatch):
     cores = len(os.sched_getaffinity(0))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

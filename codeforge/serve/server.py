@@ -15,7 +15,7 @@ from pathlib import Path
 from .. import CodeforgeError, rundir
 from ..checkpoint import load_model
 from ..config import chat_notice, speaks_chat
-from ..device import choose_device, choose_precision
+from ..device import choose_device, choose_precision, system_memory_policy
 from ..engine import Engine
 from .app import ServeOptions, create_app, parse_hosts, parse_origins
 from .connections import MAX_DEFAULT_CONNECTIONS, ConnectionGuard, ConnectionLimits, Server, connection_budget
@@ -140,6 +140,7 @@ def serve_command(a) -> int:
     import uvicorn
 
     check_options(a)
+    system_memory_policy("a long-running server")
     dev, why = choose_device(a.device, a.threads or None)
     precision, _ = choose_precision(dev, "auto")
     model, tok, ck, cfg = load_model(a.run, dev, a.checkpoint, log=lambda m: print(f"note: {m}", file=sys.stderr))
