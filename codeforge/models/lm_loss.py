@@ -68,7 +68,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             if h.device.type != "cpu" or not bool(valid.all()):  # ignored rows contribute nothing (no sync on GPU)
                 g *= valid.unsqueeze(1)
             g = g.to(h.dtype)
-            torch.mm(g, w, out=grad_h[i:i + chunk_rows])
+            grad_h[i:i + chunk_rows] = g @ w  # not mm(out=): autocast leaves out= products in float32
             part = g.t() @ hc
             grad_w = part.float() if grad_w is None else grad_w.add_(part)  # summed in float32 across chunks
         if grad_w is None:  # no rows at all
