@@ -8,8 +8,9 @@ e.g. benchmarks/train_throughput.py --json (tokens_per_s) or benchmarks/decode_s
 Loads (--loads, comma-separated, each measured --repeat times, interleaved):
   none       nothing else runs (beyond what already ran on the machine: `uptime` is printed)
   train      a second training, 2 threads: benchmarks/train_throughput.py on the quickstart's model in a loop
-             (OMP_NUM_THREADS=2, CODEFORGE_THREADS=2, OMP_WAIT_POLICY=PASSIVE, CODEFORGE_MALLOC=system: a
-             well-behaved neighbour, the same before and after any change to codeforge's own policy)
+             (OMP_NUM_THREADS=2, CODEFORGE_THREADS=2, OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=0,
+             CODEFORGE_MALLOC=system: a well-behaved neighbour, the same before and after any change to
+             codeforge's own policy)
   spinN      N pure-Python busy loops (one runnable thread each), e.g. spin6 for a load of 6
 
 Sessions (--sessions): `own` (the default) starts each neighbour in a session of its own, as a program started
@@ -52,7 +53,7 @@ def competitors(load: str) -> tuple[list[list[str]], dict, int]:
         return [], {}, 0
     if load == "train":
         return [TRAIN], {"OMP_NUM_THREADS": "2", "CODEFORGE_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE",
-                         "CODEFORGE_MALLOC": "system"}, 2
+                         "GOMP_SPINCOUNT": "0", "CODEFORGE_MALLOC": "system"}, 2
     if load.startswith("spin") and load[4:].isdigit():
         n = int(load[4:])
         return [SPIN] * n, {}, n
