@@ -28,9 +28,9 @@ PEAK_TFLOPS = {
 
 MALLOC_ENV = "CODEFORGE_MALLOC"  # "system": leave the C library's memory policy as it is (see keep_freed_memory)
 _MALLOC: str | None = None  # what keep_freed_memory() did, said with the device line
-_MALLOC_DEFAULT: tuple[str, str] = ("keep", "")  # the policy when $CODEFORGE_MALLOC is unset, and why (system_memory_policy)
+_MALLOC_DEFAULT: tuple[str, str] = ("keep", "")  # the policy when $CODEFORGE_MALLOC is unset, and why (system_memory)
 THREADS_ENV = "CODEFORGE_THREADS"  # intra-op threads, overriding the policy below (0 or unset: the policy)
-_POLICY: str | None = None  # what thread_policy() decided, said with the device line
+_THREADS: tuple[int, str] | None = None  # the threads thread_policy() chose and why, said with the device line
 
 
 def cpu_quota(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> float | None:
@@ -139,12 +139,12 @@ def thread_policy(requested: int | None = None) -> tuple[int, str]:
 def apply_thread_policy(requested: int | None = None) -> str:
     """Set the intra-op threads by thread_policy (and the memory policy, keep_freed_memory) and return the
     words for the device line (once per process; a later call with a request of its own applies that)."""
-    global _POLICY
-    if _POLICY is None or requested:
+    global _THREADS
+    if _THREADS is None or requested:
         n, why = thread_policy(requested)
         torch.set_num_threads(n)
-        _POLICY = _policy_words(n, why)
-    return _POLICY
+        _THREADS = (n, why)
+    return _policy_words(*_THREADS)
 
 
 def _policy_words(n: int, why: str) -> str:
@@ -155,7 +155,7 @@ def _policy_words(n: int, why: str) -> str:
 
 KEPT = "freed memory kept for reuse"  # the device line's words for keep_freed_memory's policy in force
 # glibc's mallopt(3) parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
 
 
 def keep_freed_memory() -> str:
@@ -172,7 +172,7 @@ def keep_freed_memory() -> str:
 
     Only on glibc (Linux); elsewhere, or with $CODEFORGE_MALLOC=system, or where the user set glibc's own
     malloc knobs ($MALLOC_MMAP_MAX_ and the like, glibc.malloc.* in $GLIBC_TUNABLES), nothing is changed;
-    nor in a process that chose glibc's policy for itself (system_memory_policy: the server)."""
+    nor inside system_memory() (the server)."""
     global _MALLOC
     if _MALLOC is not None:
         return _MALLOC
@@ -182,11 +182,11 @@ def keep_freed_memory() -> str:
                           "system (the C library's own policy)")
     if choice == "system":
         _MALLOC = f"memory policy: the C library's (${MALLOC_ENV}=system)"
-    elif not choice and _MALLOC_DEFAULT[0] == "system":
-        _MALLOC = f"memory policy: the C library's ({_MALLOC_DEFAULT[1]}; ${MALLOC_ENV}=keep keeps freed memory)"
     elif any(os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")) \
             or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         _MALLOC = "memory policy: the C library's, as its environment variables set it"
+    elif not choice and _MALLOC_DEFAULT[0] == "system":
+        _MALLOC = f"memory policy: the C library's ({_MALLOC_DEFAULT[1]}; ${MALLOC_ENV}=keep keeps freed memory)"
     else:
         import ctypes
         try:
@@ -199,24 +199,42 @@ def keep_freed_memory() -> str:
     return _MALLOC
 
 
-def system_memory_policy(why: str) -> None:
-    """Make the C library's own memory policy this process's default instead of keep_freed_memory's, for `why`
-    (said on the device line); $CODEFORGE_MALLOC=keep still keeps. Call it before choose_device.
+@contextlib.contextmanager
+def system_memory(why: str):
+    """For the block, the C library's own memory policy instead of keep_freed_memory's, for `why` (said on the
+    device line); $CODEFORGE_MALLOC=keep still keeps. After the block the policy before it is back (a server
+    run inside another process, as the tests do, leaves that process as it found it). Enter it before
+    choose_device.
 
     For a long-running server: its steps allocate few large blocks (one token a row), so keeping freed memory
     buys it nothing measurable (116 tokens/s and 1,123 MB at peak kept, against 123 and 1,104 with glibc's
     policy: a 128M model under 16 streaming clients, docs/LOG.md, 2026-11-27, eighth session), while a process
-    that never hands memory back can hold several times what it uses when its threads' heaps fragment. Where
-    keep_freed_memory already acted in this process, glibc's defaults are set back (mmap for blocks over
-    128 KiB, the heap's top trimmed past 128 KiB)."""
-    global _MALLOC, _MALLOC_DEFAULT, _POLICY
+    that never hands memory back can hold several times what it uses when its threads' heaps fragment.
+
+    Where keep_freed_memory already acted in this process, glibc's settings are set to what its own
+    defaults reach once its adaptive threshold has grown: blocks over 32 MiB mapped (and unmapped when freed),
+    the heap's top trimmed past 64 MiB. glibc cannot be given its adaptive threshold back once mallopt set one."""
+    global _MALLOC, _MALLOC_DEFAULT
+    before, was_kept = _MALLOC_DEFAULT, _MALLOC == KEPT
     _MALLOC_DEFAULT = ("system", why)
-    if _MALLOC == KEPT and os.environ.get(MALLOC_ENV, "").strip().lower() != "keep":
+    if was_kept and os.environ.get(MALLOC_ENV, "").strip().lower() != "keep":
         import ctypes
-        libc = ctypes.CDLL(None)
+        libc = ctypes.CDLL(None)  # glibc: keep_freed_memory's mallopt succeeded in this process
         libc.mallopt(_M_MMAP_MAX, 65536)  # glibc's DEFAULT_MMAP_MAX
-        libc.mallopt(_M_TRIM_THRESHOLD, 128 * 1024)  # glibc's DEFAULT_TRIM_THRESHOLD
-    _MALLOC = _POLICY = None  # said afresh by the next device line
+        libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
+        libc.mallopt(_M_TRIM_THRESHOLD, 64 << 20)  # twice that, as glibc's adaptive rule sets it
+        _MALLOC = None  # said afresh by the next device line
+    elif _MALLOC != KEPT:
+        _MALLOC = None
+    try:
+        yield
+    finally:
+        _MALLOC_DEFAULT = before
+        if was_kept:
+            _MALLOC = None
+            keep_freed_memory()  # kept again
+        elif _MALLOC != KEPT:
+            _MALLOC = None
 
 
 _ALONE: int | None = None  # threads for work rank 0 does while its local ranks wait (held_threads)
@@ -227,15 +245,15 @@ def held_threads(n: int, why: str, alone: int | None = None):
     """This process's intra-op threads set to n (said as `why` on the device line) for the block, and what
     was set before restored after it: for a rank run inside the calling process (stages/local.py). alone:
     the threads of the whole job, which `alone_threads` gives work this rank does while the others wait."""
-    global _POLICY, _ALONE
-    before = torch.get_num_threads(), _POLICY, _ALONE
+    global _THREADS, _ALONE
+    before = torch.get_num_threads(), _THREADS, _ALONE
     torch.set_num_threads(n)
-    _POLICY, _ALONE = _policy_words(n, why), alone
+    _THREADS, _ALONE = (n, why), alone
     try:
         yield
     finally:
         torch.set_num_threads(before[0])
-        _POLICY, _ALONE = before[1:]
+        _THREADS, _ALONE = before[1:]
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from pathlib import Path
 from .. import CodeforgeError, rundir
 from ..checkpoint import load_model
 from ..config import chat_notice, speaks_chat
-from ..device import choose_device, choose_precision, system_memory_policy
+from ..device import choose_device, choose_precision, system_memory
 from ..engine import Engine
 from .app import ServeOptions, create_app, parse_hosts, parse_origins
 from .connections import MAX_DEFAULT_CONNECTIONS, ConnectionGuard, ConnectionLimits, Server, connection_budget
@@ -137,10 +137,14 @@ def _loopback(host: str) -> bool:
 
 
 def serve_command(a) -> int:
+    check_options(a)
+    with system_memory("a long-running server"):  # glibc's memory policy while it serves (device.system_memory)
+        return _serve(a)
+
+
+def _serve(a) -> int:
     import uvicorn
 
-    check_options(a)
-    system_memory_policy("a long-running server")
     dev, why = choose_device(a.device, a.threads or None)
     precision, _ = choose_precision(dev, "auto")
     model, tok, ck, cfg = load_model(a.run, dev, a.checkpoint, log=lambda m: print(f"note: {m}", file=sys.stderr))
