@@ -2,7 +2,8 @@
 clipping, the preset's optimizer (AdamW, or Muon with lowend-cpu), non-finite check) for a preset on the
 current device, on random tokens.
 
-Prints a table (or one JSON object with --json): tokens/s, ms/step, peak memory, MFU (GPU devices in the
+Prints a table (or one JSON object with --json): tokens/s and ms/step (the median of the timed steps, each
+synchronised), the first step's seconds (compilation with --compile), peak memory, MFU (GPU devices in the
 peak table only). --fit GIB searches the largest micro-batch whose peak memory fits the budget.
 
     python benchmarks/train_throughput.py --preset fragment-lowend --batch-size 4 --vocab-size 10000
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -40,7 +42,7 @@ def measure(a, batch_size: int) -> dict:
     model = build_model(m).to(device)
     model.grad_checkpointing = a.gradient_checkpointing
     model.loss_chunk_rows = a.loss_chunk_rows
-    fwd = torch.compile(model) if a.compile else model
+    fwd = torch.compile(model, backend=a.compile_backend) if a.compile else model
     t = cfg.train  # --set train.optimizer=muon etc.
     opt = build_optimizer(model, t.optimizer, t.learning_rate, t.weight_decay, (t.beta1, t.beta2), device,
                           t.muon_lr, t.muon_momentum, t.muon_weight_decay)
@@ -61,27 +63,33 @@ def measure(a, batch_size: int) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    for _ in range(a.warmup):
-        train_step(fwd, model, opt, scaler, next_batch, lm_loss_fn, a.grad_accum_steps, 1.0, device, precision)
-    sync()
     t0 = time.perf_counter()
-    for _ in range(a.steps):
+    first_step_s = None
+    for _ in range(max(1, a.warmup)):  # the first step compiles (with --compile): its seconds are reported
+        train_step(fwd, model, opt, scaler, next_batch, lm_loss_fn, a.grad_accum_steps, 1.0, device, precision)
+        sync()
+        first_step_s = time.perf_counter() - t0 if first_step_s is None else first_step_s
+    times = []
+    for _ in range(a.steps):  # each step timed on its own (synchronised): the median is the figure
+        t0 = time.perf_counter()
         loss, _, _ = train_step(fwd, model, opt, scaler, next_batch, lm_loss_fn, a.grad_accum_steps, 1.0, device, precision)
-    sync()
-    dt = (time.perf_counter() - t0) / a.steps
+        sync()
+        times.append(time.perf_counter() - t0)
+    dt = statistics.median(times)
     tokens = batch_size * T * a.grad_accum_steps
     tps = tokens / dt
     peak = peak_flops(device)
     return {"preset": "+".join(a.preset), "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
             f"cpu ({torch.get_num_threads()} threads)", "precision": precision, "compile": a.compile,
             "batch_size": batch_size, "block_size": T, "vocab_size": m.vocab_size, "params": model.num_params(),
-            "tokens_per_s": tps, "ms_per_step": dt * 1e3,
+            "tokens_per_s": tps, "ms_per_step": dt * 1e3, "ms_per_step_mean": statistics.mean(times) * 1e3,
+            "first_step_s": first_step_s, "steps_timed": a.steps,
             "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
             "mfu": tps * model.flops_per_token(T) / peak if peak else None, "loss": loss,
             "torch": torch.__version__}
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", nargs="+", default=["fragment-lowend"])
     ap.add_argument("--batch-size", type=int, default=4)
@@ -99,7 +107,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--fit", type=float, default=None, metavar="GIB", help="largest micro-batch within this budget")
     ap.add_argument("--json", action="store_true")
-    a = ap.parse_args()
+    ap.add_argument("--compile-backend", default="inductor", help="torch.compile's backend (eager: trace only)")
+    return ap
+
+
+def main() -> None:
+    a = parser().parse_args()
     if a.fit is not None:
         best, b = None, 1
         while True:

@@ -27,12 +27,19 @@ def distributed_env() -> tuple[int, int]:
 RENDEZVOUS_ENV = "CODEFORGE_RENDEZVOUS"  # a file the ranks meet through instead of MASTER_ADDR:MASTER_PORT
 
 
-def setup_distributed(device: torch.device, timeout_s: int = 600) -> bool:
+def launched_by_torchrun() -> bool:
+    """True in a process torchrun started (it sets the rendezvous address), whatever the number of ranks."""
+    return "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def setup_distributed(device: torch.device, timeout_s: int = 600, alone: bool = False) -> bool:
     """Join the process group when torchrun started several ranks (NCCL on GPUs, gloo on CPU); True if so.
-    timeout_s: how long a collective waits for a rank that does not come (killed, stuck) before it fails,
-    so the job ends instead of hanging. Called at the entry point, paired with teardown_distributed."""
+    alone: join it also when torchrun started one rank (--parallel fsdp on one GPU: FSDP2 over a mesh of one,
+    for --fsdp-offload or the sharded checkpoints). timeout_s: how long a collective waits for a rank that does
+    not come (killed, stuck) before it fails, so the job ends instead of hanging. Called at the entry point,
+    paired with teardown_distributed."""
     _, world = distributed_env()
-    if world <= 1:
+    if world <= 1 and not (alone and launched_by_torchrun() and RENDEZVOUS_ENV not in os.environ):
         return False
     meet = os.environ.get(RENDEZVOUS_ENV)  # --local-ranks: a file, not torchrun's port (stages/local.py)
     torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",

@@ -26,7 +26,8 @@ from .. import rundir
 from .. import checkpoint as ckpt_io
 from ..config import FSDP_STAGES, STAGE, ConfigError, RunConfig
 from ..device import choose_device, choose_precision
-from ..distributed import distributed_env, found_by_rank0, setup_distributed, teardown_distributed
+from ..distributed import (distributed_env, found_by_rank0, launched_by_torchrun, setup_distributed,
+                           teardown_distributed)
 from ..evaluation.lm import sized_eval_tokens
 from ..models import build_model
 from ..tokenizer import CodeTokenizer
@@ -63,11 +64,11 @@ def launch(cfg: RunConfig, log) -> Iterator[Run]:
     device, why_dev = choose_device(t.device, t.threads or None)
     precision, why_prec = choose_precision(device, t.precision)
     rank, world = distributed_env()
-    if world > 1 and t.parallel == "fsdp" and not STAGE[t.stage].fsdp:
+    if t.parallel == "fsdp" and not STAGE[t.stage].fsdp and (world > 1 or launched_by_torchrun()):
         raise ConfigError(f"--parallel fsdp is for the language-model stages ({', '.join(FSDP_STAGES)}); --stage "
                           f"{t.stage} builds extra models (reference, reward, value) beside the trained one and "
                           f"runs with --parallel ddp")
-    setup_distributed(device, t.dist_timeout)
+    setup_distributed(device, t.dist_timeout, alone=t.parallel == "fsdp")
     try:
         say = log if rank == 0 else (lambda m: None)
         say(f"device: {device} ({why_dev}); precision: {precision} ({why_prec})")

@@ -39,8 +39,12 @@ def choose_mode(asked: str, world: int, device: torch.device, plan: tuple[float,
     plan: (DDP, FSDP) estimated bytes per rank (train/memory.py) and the smallest device's memory, given only where
     FSDP could run (GPUs, AdamW); auto picks FSDP when the DDP estimate does not fit and the FSDP one does."""
     if world <= 1:
+        if asked == "fsdp" and torch.distributed.is_initialized():  # torchrun with one rank joined a group
+            return "fsdp", ("--parallel fsdp on one rank: FSDP2 over a mesh of one (its checkpoints are sharded; "
+                            "with --fsdp-offload the state lives in CPU memory)")
         if asked == "fsdp":
-            return "none", "one process: nothing to shard; its checkpoints load on any number of ranks"
+            return "none", ("one process: nothing to shard; its checkpoints load on any number of ranks (under "
+                            "torchrun --nproc_per_node 1 it runs FSDP2 over one rank)")
         return "none", "one process"
     if asked == "ddp":
         return "ddp", f"--parallel ddp over {world} ranks"
