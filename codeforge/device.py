@@ -283,6 +283,8 @@ def choose_device(requested: str = "auto", threads: int | None = None) -> tuple[
             raise DeviceError(f"--device {requested}: no CUDA/ROCm device is visible; use --device cpu or auto")
         if dev.type == "mps" and not torch.backends.mps.is_available():
             raise DeviceError(f"--device {requested}: Apple MPS is not available here; use --device cpu or auto")
+        if dev.type == "cuda" and dev.index is None:  # under torchrun each rank takes its own GPU, as auto does
+            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         return dev, "requested" + (f"; {apply_thread_policy(threads)}" if dev.type == "cpu" else "")
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", 0))
