@@ -11,6 +11,8 @@ Loads (--loads, comma-separated, each measured --repeat times, interleaved):
              (OMP_NUM_THREADS=2, CODEFORGE_THREADS=2, OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=0,
              CODEFORGE_MALLOC=system: a well-behaved neighbour, the same before and after any change to
              codeforge's own policy)
+  same       the measured command itself, run again and again beside it (a second identical job: two
+             quickstarts at once); it counts as busy on every core, so the fair share is half the idle rate
   spinN      N pure-Python busy loops (one runnable thread each), e.g. spin6 for a load of 6
 
 Sessions (--sessions): `own` (the default) starts each neighbour in a session of its own, as a program started
@@ -47,17 +49,20 @@ TRAIN = [sys.executable, str(REPO / "benchmarks" / "train_throughput.py"), "--pr
 SPIN = [sys.executable, "-c", "while True: pass"]
 
 
-def competitors(load: str) -> tuple[list[list[str]], dict, int]:
-    """(commands, extra env, busy threads) of a load."""
+def competitors(load: str, cmd: list[str] = ()) -> tuple[list[list[str]], dict, int]:
+    """(commands, extra env, busy threads) of a load; `cmd`: the measured command (for `same`)."""
     if load == "none":
         return [], {}, 0
+    if load == "same":  # the measured command itself, again and again, as a second identical job would be
+        return [["bash", "-c", 'while true; do "$@" >/dev/null 2>&1; done', "same", *cmd]], {}, \
+            len(os.sched_getaffinity(0))
     if load == "train":
         return [TRAIN], {"OMP_NUM_THREADS": "2", "CODEFORGE_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE",
                          "GOMP_SPINCOUNT": "0", "CODEFORGE_MALLOC": "system"}, 2
     if load.startswith("spin") and load[4:].isdigit():
         n = int(load[4:])
         return [SPIN] * n, {}, n
-    raise SystemExit(f"unknown load {load!r}: none, train or spinN")
+    raise SystemExit(f"unknown load {load!r}: none, train, same or spinN")
 
 
 def rate_of(out: str, key: str) -> float:
@@ -81,7 +86,7 @@ def autogroup() -> bool:
 
 
 def measure(cmd: list[str], load: str, key: str, settle: float, sessions: str = "own") -> float:
-    cmds, env, _ = competitors(load)
+    cmds, env, _ = competitors(load, cmd)
     # own: a session each (start_new_session); shared: this session, a process group each (so killpg is theirs)
     where = {"start_new_session": True} if sessions == "own" else {"process_group": 0}
     procs = [subprocess.Popen(c, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -100,7 +105,7 @@ def measure(cmd: list[str], load: str, key: str, settle: float, sessions: str = 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--loads", default="none,train,spin6", help="comma-separated: none, train, spinN")
+    ap.add_argument("--loads", default="none,train,spin6", help="comma-separated: none, train, same, spinN")
     ap.add_argument("--repeat", type=int, default=3, help="runs of each load, interleaved (median quoted)")
     ap.add_argument("--key", default="tokens_per_s", help="the rate in the command's JSON output")
     ap.add_argument("--settle", type=float, default=8.0, help="seconds the neighbours run before the command")
@@ -129,10 +134,10 @@ def main() -> None:
     rows = []
     for load in loads:
         med = statistics.median(rates[load])
-        k = competitors(load)[2]
+        k = competitors(load, cmd)[2]
         fair = idle * cores / (cores + k) if idle else None
         # the kernel's own share when it groups by session: 1 / (1 + neighbour processes) of the machine
-        group = idle / (1 + len(competitors(load)[0])) if idle and by_session else None
+        group = idle / (1 + len(competitors(load, cmd)[0])) if idle and by_session else None
         rows.append({"load": load, "busy_threads": k, "rate": med, "min": min(rates[load]), "max": max(rates[load]),
                      "of_idle": med / idle if idle else None, "of_fair": med / fair if fair else None,
                      "of_session": med / group if group else None})
