@@ -25,6 +25,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16, help="sequences per step, all ranks together")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--skip", type=int, default=2, help="logged steps left out of the median (start-up)")
+    ap.add_argument("--precision", default="auto", help="fp32, bf16 (the quickstart's on a CPU with native bf16)")
     ap.add_argument("--json", action="store_true", help="(the output is JSON either way)")
     a = ap.parse_args()
     if a.batch % a.local_ranks:
@@ -34,13 +35,15 @@ def main() -> None:
         cmd = [sys.executable, "-m", "codeforge", "train", "--preset", "cpu-small", "lowend-cpu", "--data", a.data,
                "--out", str(out), "--max-iters", str(a.steps), "--batch-size", str(a.batch // a.local_ranks),
                "--local-ranks", str(a.local_ranks), "--eval-every", "0", "--eval-tokens", "4096", "--log-every", "1",
-               "--save-every", "0", "--warmup-steps", "5", "--no-progress", "--no-tensorboard"]
+               "--save-every", "0", "--warmup-steps", "5", "--no-progress", "--no-tensorboard",
+               "--precision", a.precision]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode:
             sys.exit(f"codeforge train failed ({r.returncode}):\n{r.stderr[-3000:]}")
         rates = [x["tokens_per_s"] for x in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
                  if "tokens_per_s" in x][a.skip:]
     print(json.dumps({"tokens_per_s": statistics.median(rates), "local_ranks": a.local_ranks, "steps": a.steps,
+                      "precision": a.precision,
                       "logged": len(rates)}))
 
 
