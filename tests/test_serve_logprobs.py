@@ -215,3 +215,31 @@ def test_what_a_hostile_or_careless_client_gets(base, chat_run, monkeypatch):  #
         r = live.http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "service_tier": "auto",
                                                          "prompt_cache_key": "k", "safety_identifier": "u1"})
         assert r.status_code == 200, r.text
+
+
+def test_chat_logprobs_share_the_cap_and_are_built_off_the_event_loop(chat_run, monkeypatch):  # noqa: F811
+    """Found in the second hostile review: chat's log-probs had no cap (top_logprobs 20, n 64, max_tokens 1024
+    answered 55 MB and blocked /health for 6 s) and were built on the event loop. Now the one limit of
+    /v1/completions refuses them by name, and an allowed answer is built in a worker thread."""
+    import asyncio
+
+    import codeforge.serve.app as app
+    monkeypatch.setattr(app, "MAX_LOGPROB_RECORDS", 2_000)  # this model's context of 64 cannot reach the real one
+    built_on = []
+    real = app.chat_logprobs
+
+    def spy(*a, **k):
+        built_on.append(asyncio._get_running_loop() is not None)  # True: on the event loop's thread
+        return real(*a, **k)
+    monkeypatch.setattr(app, "chat_logprobs", spy)
+    with serving(chat_run) as live:
+        msgs = [{"role": "user", "content": "Write f3."}]
+        body = {"messages": msgs, "logprobs": True, "top_logprobs": 20, "n": 16, "max_tokens": 16}
+        err = assert_error(live.http.post("/v1/chat/completions", json=body), 400, "too_many_logprobs")
+        assert err["param"] == "top_logprobs" and "5,376" in err["message"]  # 16 x 21 x 16
+        assert not built_on
+        ok = live.http.post("/v1/chat/completions", json={**body, "n": 2, "top_logprobs": 3})
+        assert ok.status_code == 200, ok.text
+        assert len(ok.json()["choices"]) == 2 and ok.json()["choices"][0]["logprobs"]["content"]
+        assert built_on and not any(built_on), built_on  # every entry written off the event loop
+        assert live.http.get("/health").status_code == 200

@@ -139,6 +139,17 @@ class ServerState:
             raise ApiError(400, f"the request asks for {n} completions (prompts x n); this server queues at most "
                                 f"{self.opts.max_queue} (--max-queue)", param="n", code="too_many_choices")
 
+    def check_logprobs(self, tokens: int, top: int, n: int, param: str) -> None:
+        """Refuse an answer of more log-prob entries than MAX_LOGPROB_RECORDS: `tokens` scored per choice (the
+        echoed prompt's and the generated), each with its own and `top` alternatives, times `n` choices. One
+        limit for /v1/completions and /v1/chat/completions: a bigger body takes seconds to build and tens of
+        megabytes to hold."""
+        entries = tokens * (top + 1) * n
+        if entries > MAX_LOGPROB_RECORDS:
+            raise ApiError(400, f"this request asks for {entries:,} log-prob entries (tokens x ({param} + 1) x n); "
+                                f"this server answers at most {MAX_LOGPROB_RECORDS:,}: lower {param}, n, "
+                                f"max_tokens or the number of prompts", param=param, code="too_many_logprobs")
+
     def row_params(self, b, max_new: int, choice: int, stop_ids: set[int], **more) -> RowParams:
         seed = None if b.seed is None else (b.seed + choice) % 2**63  # choice i of a seeded request: seed + i
         return RowParams(**more, max_new_tokens=max_new, temperature=1.0 if b.temperature is None else b.temperature,
@@ -295,11 +306,7 @@ async def completions(srv: ServerState, request: Request):
     encoded = await srv.encode(encode)
     ids = [srv.check_prompt(x, score_only=score_only) for x, _ in encoded]
     if b.logprobs is not None:
-        entries = sum((len(x) if b.echo else 0) + max_new for x in ids) * (b.logprobs + 1) * n
-        if entries > MAX_LOGPROB_RECORDS:
-            raise ApiError(400, f"this request asks for {entries:,} log-prob entries (tokens x (logprobs + 1) x n); "
-                                f"this server answers at most {MAX_LOGPROB_RECORDS:,}: lower logprobs, n or the "
-                                f"number of prompts", param="logprobs", code="too_many_logprobs")
+        srv.check_logprobs(sum((len(x) if b.echo else 0) + max_new for x in ids), b.logprobs, n, "logprobs")
     stop_ids = {srv.tok.eot_id}
     lp = {"logprobs": b.logprobs, "prompt_logprobs": b.logprobs if b.echo else None}
     specs = [(i * n + j, x, srv.row_params(b, max_new, j, stop_ids, **lp)) for i, x in enumerate(ids)
@@ -436,6 +443,8 @@ async def chat_completions(srv: ServerState, request: Request):
     ids = srv.check_prompt(ids, "messages")
     stop_ids = {srv.tok.eot_id, srv.tok.special_ids[IM_END]}
     top = b.top_logprobs or 0
+    if b.logprobs:
+        srv.check_logprobs(max_new, top, n, "top_logprobs")
     lp = {"logprobs": top if b.logprobs else None}
     specs = [(j, ids, srv.row_params(b, max_new, j, stop_ids, constraint=grammar.new() if grammar else None, **lp))
              for j in range(n)]
@@ -446,15 +455,20 @@ async def chat_completions(srv: ServerState, request: Request):
         return streaming(stream_chat(gen, request, rid, model, n, tools_active, len(ids), include_usage,
                                      names, parallel, (srv.tok, top) if b.logprobs else None), notice_headers(srv))
     done = await gen.collect(request)
-    choices = []
-    for t in sorted(done):
-        # a call the model did not complete comes back as what it wrote, finish_reason "length": the
-        # budget's outcome, not a server fault (vLLM answers the same way)
-        msg, finish = chat_message(done[t].text, done[t].finish_reason, tools_active, names, parallel)
-        lps = chat_logprobs(srv.tok, done[t].logprobs or [], top) if b.logprobs else None
-        choices.append({"index": t, "message": msg, "logprobs": lps, "finish_reason": finish})
-    body = chat_response(rid, model, choices, usage(len(ids), sum(e.completion_tokens for e in done.values())))
-    return JSONResponse(body, headers=notice_headers(srv)) if srv.opts.chat_note else body
+
+    def build() -> bytes:  # in a worker thread when log-probs are asked: their entries take a while to write
+        choices = []
+        for t in sorted(done):
+            # a call the model did not complete comes back as what it wrote, finish_reason "length": the
+            # budget's outcome, not a server fault (vLLM answers the same way)
+            msg, finish = chat_message(done[t].text, done[t].finish_reason, tools_active, names, parallel)
+            lps = chat_logprobs(srv.tok, done[t].logprobs or [], top) if b.logprobs else None
+            choices.append({"index": t, "message": msg, "logprobs": lps, "finish_reason": finish})
+        body = chat_response(rid, model, choices, usage(len(ids), sum(e.completion_tokens for e in done.values())))
+        return json.dumps(body, ensure_ascii=False).encode()
+
+    body = await run_in_threadpool(build) if b.logprobs else build()
+    return Response(body, media_type="application/json", headers=notice_headers(srv))
 
 
 async def stream_chat(gen: Generation, request: Request, rid: str, model: str, n: int,
