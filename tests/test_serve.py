@@ -673,6 +673,17 @@ def test_models_health_metrics_page(base):
         assert page.content == PLAYGROUND.read_bytes()
     else:
         assert "playground not built" in page.text
+    # the page's policy: its own inline script (by hash) and connections to this origin alone (issue 42: the
+    # stored API key went to any server named in ?base=); tests/test_playground.py checks it in a browser
+    import base64
+    import hashlib
+    import re
+    csp = dict(x.strip().split(" ", 1) for x in page.headers["content-security-policy"].split(";"))
+    assert csp["connect-src"] == "'self'" and csp["default-src"] == "'none'" and csp["frame-ancestors"] == "'none'"
+    scripts = re.findall(rb"<script>(.*?)</script>", page.content, re.S)
+    assert csp["script-src"].split() == [f"'sha256-{base64.b64encode(hashlib.sha256(x).digest()).decode()}'"
+                                         for x in scripts]
+    assert "unsafe" not in page.headers["content-security-policy"]
 
 
 def test_cli_serve_subprocess(base_run, tmp_path):

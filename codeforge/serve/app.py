@@ -17,9 +17,12 @@ which leave the batch at the next step.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import hashlib
 import hmac
 import json
+import re
 import sys
 import threading
 import time
@@ -668,6 +671,20 @@ async def infill(srv: ServerState, request: Request):
 
 # -- the app -------------------------------------------------------------------------------------------------
 
+def page_security_headers(page: bytes) -> dict:
+    """The playground's Content-Security-Policy: its own inline script and style (by hash) and nothing else,
+    connections to this origin alone (the page sends the API key with every request: a script or a `?base=`
+    that reached another server would carry it there), no framing, no forms, no plugins."""
+    def hashes(tag: str) -> str:
+        bodies = re.findall(rb"<" + tag.encode() + rb"(?:\s[^>]*)?>(.*?)</" + tag.encode() + rb">", page, re.S)
+        return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b).digest()).decode()}'" for b in bodies) \
+            or "'none'"
+    csp = (f"default-src 'none'; script-src {hashes('script')}; style-src {hashes('style')}; img-src data:; "
+           f"connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+    return {"Content-Security-Policy": csp, "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
+            "X-Frame-Options": "DENY"}
+
+
 def error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
@@ -884,6 +901,7 @@ def create_app(engine, opts: ServeOptions) -> FastAPI:
                            max_age=600)
     # read once: a file opened per request would cost a descriptor per connection (connections.py's budget)
     page = PLAYGROUND.read_bytes() if PLAYGROUND.is_file() else PLACEHOLDER.encode()
+    page_headers = page_security_headers(page)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
@@ -954,6 +972,6 @@ def create_app(engine, opts: ServeOptions) -> FastAPI:
 
     @app.get("/")
     async def playground():
-        return HTMLResponse(page)
+        return HTMLResponse(page, headers=page_headers)
 
     return app
