@@ -588,6 +588,14 @@ def test_fuzz_statuses_and_error_shape(base):
     text = h.get("/metrics").text
     assert 'codeforge_requests_total{endpoint="/v1/completions",status="422"}' in text
     assert 'codeforge_requests_total{endpoint="other",status="404"}' in text
+    # every route of the app's one table is a label of its own (these three counted as "other" before)
+    h.post("/tokenize", json={"prompt": "x"})
+    h.post("/detokenize", json={"tokens": [1]})
+    h.get("/tokenizer_info")
+    h.get("/v1/models/tiny")
+    text = h.get("/metrics").text
+    for route in ("/tokenize", "/detokenize", "/tokenizer_info", "/v1/models"):
+        assert f'codeforge_requests_total{{endpoint="{route}",status="200"}}' in text, route
 
 
 def test_dropped_connections_free_their_rows(base):
@@ -693,17 +701,22 @@ def test_cli_serve_subprocess(base_run, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "codeforge", "serve", "--run", str(base_run), "--max-batch", "0"],
                          capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "error: --max-batch 0 must be at least 1" in bad.stderr
+    fp16 = subprocess.run([sys.executable, "-m", "codeforge", "serve", "--run", str(base_run), "--device", "cpu",
+                           "--precision", "fp16"], capture_output=True, text=True, env=env)
+    assert fp16.returncode != 0 and "--precision fp16 needs a GPU" in fp16.stderr, fp16.stderr[-500:]
     p = subprocess.Popen([sys.executable, "-m", "codeforge", "serve", "--run", str(base_run), "--port", "0",
-                          "--device", "cpu", "--api-key", "k"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=env)
+                          "--device", "cpu", "--api-key", "k", "--precision", "bf16"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env)
     try:
-        url = None
+        url, said = None, []
         for line in p.stdout:
+            said.append(line)
             m = re.search(r"listening on (http://127\.0\.0\.1:\d+)/", line)
             if m:
                 url = m.group(1)
                 break
         assert url, p.stderr.read()
+        assert any("precision bf16 (requested)" in x for x in said), said  # --precision, said on the device line
         c = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
         name = f"{base_run.parent.name}-base"  # a stage-only directory name takes its parent's in front
         assert c.models.list().data[0].id == name

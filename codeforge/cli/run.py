@@ -475,6 +475,9 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--checkpoint", default="auto", choices=["auto", "best", "latest", "final"],
                    help="auto (default): best if the run has one, else latest")
     s.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N or mps")
+    s.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="the numbers the model computes in; auto (default): bf16 on a GPU that has it, fp16 on one "
+                        "that has not, fp32 on the CPU (said on the device line)")
     s.add_argument("--api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health and / (default: none; "
                         "the key shows in `ps`: prefer --api-key-file or $CODEFORGE_API_KEY)")

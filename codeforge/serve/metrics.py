@@ -19,14 +19,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/infill", "/v1/models", "/health", "/metrics", "/")
-
-
-def endpoint_label(path: str) -> str:
-    """The route a path belongs to (unknown paths share one label, so scanners cannot grow the series)."""
-    if path.startswith("/v1/models"):
-        return "/v1/models"
-    return path if path in ENDPOINTS else "other"
+def endpoint_label(path: str, routes: tuple[str, ...]) -> str:
+    """The route a path belongs to, from the app's route table (app.py): the route's own path, a templated
+    one (`/v1/models/{model_id:path}`) by the part before its first parameter; unknown paths share one label,
+    "other", so scanners cannot grow the series."""
+    if path in routes:
+        return path
+    for r in routes:
+        if "{" in r and path.startswith(r[:r.index("{")]):
+            return r[:r.index("{")].rstrip("/") or "/"
+    return "other"
 
 
 class _SchedulerCollector:
@@ -104,8 +106,12 @@ class Metrics:
     def attach_connections(self, guard) -> None:
         self.registry.register(_ConnectionCollector(guard))
 
+    def use_routes(self, paths: list[str]) -> None:
+        """The app's route table's paths: the labels requests are counted under."""
+        self.routes = tuple(paths)
+
     def observe_request(self, path: str, status: int, seconds: float) -> None:
-        ep = endpoint_label(path)
+        ep = endpoint_label(path, getattr(self, "routes", ()))
         self.requests.labels(ep, str(status)).inc()
         self.latency.labels(ep).observe(seconds)
 

@@ -146,7 +146,7 @@ def _serve(a) -> int:
     import uvicorn
 
     dev, why = choose_device(a.device, a.threads or None)
-    precision, _ = choose_precision(dev, "auto")
+    precision, why_precision = choose_precision(dev, getattr(a, "precision", "auto"))
     model, tok, ck, cfg = load_model(a.run, dev, a.checkpoint, log=lambda m: print(f"note: {m}", file=sys.stderr))
     engine = Engine(model, tok, dev, precision)
     block = engine.block_size
@@ -170,7 +170,8 @@ def _serve(a) -> int:
     kinds = "chat and tools" if speaks_chat(cfg) else "completions and fill-in-the-middle"
     print(f"serving {opts.model_name} ({model.num_params() / 1e6:.1f}M parameters, {stage} run: {kinds}; "
           f"context {block}) from {ck}")
-    print(f"device {dev} ({why}), {precision}; batch {a.max_batch} rows, queue {a.max_queue}")
+    print(f"device {dev} ({why}), precision {precision} ({why_precision}); batch {a.max_batch} rows, "
+          f"queue {a.max_queue}")
     print(f"connections: at most {limits.max_connections}; request head within {limits.header_timeout:g}s, body "
           f"within {limits.body_timeout:g}s, idle {limits.keep_alive:g}s between requests")
     print(f"listening on http://{shown}:{port}/  (OpenAI base URL http://{shown}:{port}/v1"
