@@ -25,8 +25,8 @@ def base(base_run):  # noqa: F811
 def reference(engine, ids: list[int]) -> torch.Tensor:
     """(len(ids), vocab) log-softmax of the model's next-token logits after each prefix of ids, in process."""
     with torch.inference_mode():
-        logits = engine.model(torch.tensor([ids]))[0, :, :engine.tok.vocab_size].float()
-    return torch.log_softmax(logits, -1)
+        logits = engine.model(torch.tensor([ids]))[0].float()
+    return torch.log_softmax(logits, -1)[:, :engine.tok.vocab_size]  # over every row of the head
 
 
 def test_echo_scores_the_prompt_like_the_model(base):
@@ -243,3 +243,41 @@ def test_chat_logprobs_share_the_cap_and_are_built_off_the_event_loop(chat_run, 
         assert len(ok.json()["choices"]) == 2 and ok.json()["choices"][0]["logprobs"]["content"]
         assert built_on and not any(built_on), built_on  # every entry written off the event loop
         assert live.http.get("/health").status_code == 200
+
+
+def test_logprobs_equal_transformers_on_a_padded_vocabulary(tmp_path, data_dir, tokenizer_dir):  # noqa: F811
+    """A model whose head has more rows than the tokenizer has tokens (vocabulary padded to a multiple of 64, as
+    GPU runs do): the server's echo log-probs equal transformers' on the same run's Hugging Face export, token
+    for token. Found in the second hostile review: the server normalised over the real tokens only, and every
+    log-prob was ~0.0155 nats above transformers'. Both now take the model's own distribution over every row
+    (what training's loss and validation take); padding rows are never sampled or listed."""
+    from transformers import AutoModelForCausalLM
+
+    from codeforge.cli import main
+    from codeforge.export.hf import export_hf
+    from codeforge.tokenizer import CodeTokenizer
+    n_tok = CodeTokenizer.load(tokenizer_dir).vocab_size
+    padded = (n_tok // 64 + 2) * 64
+    run = tmp_path / "padded"
+    assert main(["train", "--data", str(data_dir), "--out", str(run), "--block-size", "64", "--n-layer", "1",
+                 "--n-head", "2", "--n-embd", "32", "--max-iters", "3", "--device", "cpu", "--no-progress",
+                 "--vocab-size", str(padded)]) == 0
+    export_hf(run, tmp_path / "hf", verify=False, log=lambda *_: None)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert hf.config.vocab_size == padded > n_tok
+    text = "def add(a, b):\n    return a + b\n"
+    with serving(run) as live:
+        ids = live.engine.tok.encode(text)
+        r = live.http.post("/v1/completions", json={"prompt": ids, "echo": True, "logprobs": 2, "max_tokens": 4,
+                                                    "temperature": 0})
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        got = lp["token_logprobs"][1:len(ids)]
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+    want = [float(ref[i - 1, ids[i]]) for i in range(1, len(ids))]
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4, (got[:4], want[:4])
+    # the generated tokens' own log-probs too, and no alternative is a padding row
+    gen = lp["token_logprobs"][len(ids):]
+    assert len(gen) == 4 and all(v <= 0 for v in gen)
+    assert all(len(t) <= 3 for t in lp["top_logprobs"][len(ids):])

@@ -400,7 +400,8 @@ class Scheduler:
         """One token per active row, each with its own settings and generator (a row samples exactly as
         Engine.generate_ids would for it alone)."""
         V = self.tok.vocab_size
-        raw = logits = self.logits.float()[:, :V]  # padded vocab rows are never sampled
+        raw = self.logits.float()  # every row of the head: log-probs are normalised over them all
+        logits = raw[:, :V]  # padded vocab rows are never sampled
         rows = self.active
         out: list[int | None] = [None] * len(rows)
         constraints = [r.p.constraint for r in rows]
@@ -427,7 +428,7 @@ class Scheduler:
                     out[i] = None
                     continue
             if r.p.logprobs is not None:
-                r.lp.append(token_logprobs(raw[i], out[i], r.p.logprobs))
+                r.lp.append(token_logprobs(raw[i], out[i], r.p.logprobs, V))
         return out
 
     @staticmethod
@@ -565,23 +566,30 @@ def _deliver(items: list[tuple[Row, Event]]) -> None:
             r.cancelled = True
 
 
-def token_logprobs(logits: torch.Tensor, token: int, top: int) -> LogProb:
-    """The record of one sampled token from its row's raw logits (vocab,)."""
+# Log-probs are the model's own distribution: a log-softmax over every row of its head, the padding rows past
+# the tokenizer's vocabulary included, as training's loss and validation, transformers on the Hugging Face
+# export and llama.cpp on the GGUF all take it (a padded vocabulary normalised over the real tokens only gave
+# every token ~0.016 nats more than transformers did). Padding rows are never sampled nor listed among the
+# alternatives: they have no text.
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int, vocab: int) -> LogProb:
+    """The record of one sampled token from its row's raw logits over the model's whole head (model vocab,);
+    alternatives among the tokenizer's `vocab` tokens."""
     lsm = torch.log_softmax(logits.float(), -1)
     alts: list[tuple[int, float]] = []
     if top:
-        v, i = torch.topk(lsm, min(top, lsm.numel()))
+        v, i = torch.topk(lsm[:vocab], min(top, vocab))
         alts = list(zip(i.tolist(), v.tolist()))
     return token, float(lsm[token]), alts
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: list[int], vocab: int, top: int) -> list[LogProb]:
     """Records of prompt tokens 1.. from the prefill's logits at positions 0.. ((P-1, model vocab))."""
-    lsm = torch.log_softmax(logits[:, :vocab].float(), -1)
+    lsm = torch.log_softmax(logits.float(), -1)
     t = torch.tensor(targets, device=lsm.device)
     chosen = lsm.gather(1, t.unsqueeze(1)).squeeze(1).tolist()
     if top:
-        v, i = torch.topk(lsm, min(top, vocab), dim=-1)
+        v, i = torch.topk(lsm[:, :vocab], min(top, vocab), dim=-1)
         alts = [list(zip(a, b)) for a, b in zip(i.tolist(), v.tolist())]
     else:
         alts = [[] for _ in targets]
