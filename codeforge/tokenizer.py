@@ -17,6 +17,12 @@ decides what a token may span. Two rules (`split`):
 Then every byte is mapped to a printable symbol (byte-level), so any UTF-8 text round-trips byte for byte.
 The rule's llama.cpp name (LLAMA_CPP_PRE) is recorded in codeforge_tokenizer.json for the GGUF export.
 
+A tokenizer.json is vetted when it loads (CodeTokenizer.load: training, generating, serving, `codeforge import
+--hf`): a split regex codeforge does not know (KNOWN_SPLIT_PATTERNS) is run on probe texts first, and refused when
+the tokenizer fails or crawls on one (a rule such as `(a+)+$` backtracks catastrophically: the Rust regex engine
+gives up and tokenizers panics on a 35-character prompt); one that passes loads with a warning. Whatever still
+fails while encoding is raised as TokenizerError, never as the tokenizer's own PanicException.
+
 Special tokens get fixed ids 0..N-1 in the order of SPECIAL_TOKENS, so every tokenizer codeforge trains
 agrees on them and later stages (chat SFT, tool calls, fill-in-the-middle) need no new tokenizer.
 """
@@ -27,8 +33,9 @@ import functools
 import hashlib
 import json
 import os
+import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -63,6 +70,29 @@ LLAMA3_SPLIT_PATTERN = (
     r"""|\s+(?!\S)|\s+"""
 )
 SPLITS = {"code": CODE_SPLIT_PATTERN, "llama3": LLAMA3_SPLIT_PATTERN}
+# The split regexes of the models codeforge imports, as their tokenizer.json has them (Llama 3's is llama3's; GPT-2's
+# is ByteLevel's built-in rule, written out here for a tokenizer.json that spells it as a Split).
+QWEN2_SPLIT_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
+    r"""|\s+(?!\S)|\s+"""
+)
+GPT2_SPLIT_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# The allow-list: regexes (in tokenizer.json's normalizer, pre_tokenizer or decoder) that load without a probe.
+# Compared as exact strings, as JSON decodes them.
+KNOWN_SPLIT_PATTERNS = {
+    "Llama 3's (codeforge's llama3)": LLAMA3_SPLIT_PATTERN, "codeforge's code": CODE_SPLIT_PATTERN,
+    "Qwen2's": QWEN2_SPLIT_PATTERN, "GPT-2's": GPT2_SPLIT_PATTERN,
+}
+REGEX_FIELDS = ("normalizer", "pre_tokenizer", "decoder")  # the tokenizer.json fields that may hold a regex
+# Probe texts for a regex not in the allow-list: runs of one kind of text (letters, words and spaces, digits,
+# punctuation, whitespace, newlines, non-ASCII letters), cut short by another kind, at growing lengths. A rule that
+# backtracks catastrophically fails (onig's retry limit: a panic) or crawls on one of them; a sound one takes
+# about 0.1 s for all of them. A probe may take at most PROBE_SECONDS + PROBE_SECONDS_PER_CHAR per character
+# (a sound rule: ~5 us per character), timed twice before it counts as too slow.
+PROBE_UNITS = ("a", "a ", "ab1_", "1", "1 ", "!", "!(", " ", "\n", "\t ", "\u00e9", "'s", "\r\n")
+PROBE_ENDS = ("", "!", "a", " ", "1", "\n")
+PROBE_LENGTHS = (8, 16, 32, 64, 128, 256, 512, 2048)
+PROBE_SECONDS, PROBE_SECONDS_PER_CHAR = 0.1, 5e-5
 DEFAULT_SPLIT = "llama3"
 LLAMA_CPP_PRE = {"llama3": "llama-bpe", "code": None}  # the name llama.cpp's llama-vocab.cpp knows the rule by
 MIN_VOCAB, MAX_VOCAB = 256, 200_000
@@ -71,7 +101,115 @@ META_FILE = "codeforge_tokenizer.json"
 
 
 class TokenizerError(CodeforgeError):
-    """A tokenizer could not be trained or loaded; the message says what to do."""
+    """A tokenizer could not be trained or loaded, or cannot encode a text (its rule fails on it: a server
+    answers 400); the message says what to do."""
+
+
+def _tokenizer_failure(e: BaseException) -> bool:
+    """Whether `e`, raised by HF tokenizers, is the tokenizer failing: a Rust panic (pyo3_runtime.PanicException,
+    a BaseException, e.g. the regex engine giving up) or one of its errors (bare Exceptions); not a
+    KeyboardInterrupt, SystemExit or GeneratorExit, nor a wrong argument (TypeError) or MemoryError."""
+    if isinstance(e, Exception):
+        return not isinstance(e, (TypeError, MemoryError, CodeforgeError))
+    return _is_panic(e)
+
+
+def _is_panic(e: BaseException) -> bool:
+    return type(e).__name__ == "PanicException" and type(e).__module__ == "pyo3_runtime"
+
+
+def _failure_reason(e: BaseException) -> str:
+    if _is_panic(e):
+        return (f"the tokenizer's regex engine gave up ({str(e)[:200]}), as it does where a split rule "
+                f"backtracks catastrophically")
+    return f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def _regexes(node: object, field: str, out: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """(field, regex) for every {"Regex": ...} pattern in a tokenizer.json subtree."""
+    if isinstance(node, dict):
+        if isinstance(node.get("Regex"), str):
+            out.append((field, node["Regex"]))
+        for v in node.values():
+            _regexes(v, field, out)
+    elif isinstance(node, list):
+        for v in node:
+            _regexes(v, field, out)
+    return out
+
+
+def _probe_texts() -> Iterator[str]:
+    for n in PROBE_LENGTHS:
+        for unit in PROBE_UNITS:
+            for end in PROBE_ENDS:
+                yield (unit * (n // len(unit) + 1))[: n - len(end)] + end
+
+
+def _probe(tok: Tokenizer) -> tuple[str, str] | None:
+    """(probe text, why) for the first probe text `tok` fails on or crawls over, else None."""
+    for text in _probe_texts():
+        limit = PROBE_SECONDS + PROBE_SECONDS_PER_CHAR * len(text)
+        took = []
+        for _ in range(2):  # a slow probe is timed again: one pause of the machine is not the rule's
+            t0 = time.perf_counter()
+            try:
+                tok.decode(tok.encode(text, add_special_tokens=False).ids)
+            except BaseException as e:
+                if not _tokenizer_failure(e):
+                    raise
+                return text, _failure_reason(e)
+            took.append(time.perf_counter() - t0)
+            if took[-1] <= limit:
+                break
+        if min(took) > limit:
+            return text, (f"it took {min(took):.2f} s (at most {limit:.2f} s allowed), as it does where a split "
+                          f"rule backtracks catastrophically")
+    return None
+
+
+_VETTED: dict[str, tuple[list[tuple[str, str]], tuple[str, str] | None]] = {}  # by content hash
+
+
+def vet_rules(tok: Tokenizer, f: Path, content_hash: str, log: Callable[[str], None] | None = None) -> None:
+    """Refuse (TokenizerError naming the file, the field and the fix) a tokenizer whose regexes are not in
+    KNOWN_SPLIT_PATTERNS and that fails or crawls on a probe text; warn (`log`, default stderr) when such
+    regexes pass the probe. Known regexes are not probed; verdicts are remembered by content hash."""
+    if content_hash not in _VETTED:
+        found: list[tuple[str, str]] = []
+        for field in REGEX_FIELDS:
+            part = getattr(tok, field, None)
+            if part is not None:
+                _regexes(json.loads(part.__getstate__()), field, found)
+        known = set(KNOWN_SPLIT_PATTERNS.values())
+        unknown = [(field, r) for field, r in found if r not in known]
+        _VETTED[content_hash] = (unknown, _probe(tok) if unknown else None)
+    unknown, failed = _VETTED[content_hash]
+    if not unknown:
+        return
+    if len(unknown) == 1:
+        field, r = unknown[0]
+        what = (f"the split rule in its pre_tokenizer, {r!r}, is" if field == "pre_tokenizer" else
+                f"the regex in its {field}, {r!r}, is")
+    else:
+        what = "the regexes in its " + ", ".join(f"{field} {r!r}" for field, r in unknown) + " are"
+    fields = " and ".join(sorted({field for field, _ in unknown}))
+    known = ("Llama 3's split regex, which is codeforge's llama3, codeforge's code split, Qwen2's or GPT-2's split "
+             "regex, or GPT-2's ByteLevel pre_tokenizer")
+    if failed is not None:
+        text, why = failed
+        shown = repr(text) if len(text) <= 40 else f"{text[:20]!r}...{text[-8:]!r}"
+        raise TokenizerError(
+            f"{f}: {what} not one codeforge knows, and the tokenizer fails on a {len(text)}-character probe text "
+            f"({shown}): {why}, so prompts like it would fail too. Fix: give {f} a {fields} with a rule codeforge "
+            f"knows ({known}), e.g. save the model's original tokenizer again, or train a tokenizer with "
+            f"`codeforge tokenizer train`")
+    msg = (f"{f}: {what} not one codeforge knows ({known}); it passed codeforge's probe for catastrophic "
+           f"backtracking and is used as it is")
+    (log or _warn)(msg)
+
+
+def _warn(msg: str) -> None:
+    print(f"warning: {msg}", file=sys.stderr)
 
 
 def _build_empty(split: str = DEFAULT_SPLIT) -> Tokenizer:
@@ -108,7 +246,9 @@ class CodeTokenizer:
 
     # -- loading ------------------------------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "CodeTokenizer":
+    def load(cls, path: str | os.PathLike, log: Callable[[str], None] | None = None) -> "CodeTokenizer":
+        """The tokenizer in directory `path` (or its tokenizer.json), vetted (vet_rules): a rule that fails on
+        probe texts is refused with TokenizerError; an unknown one that passes is said to `log` (default: stderr)."""
         p = Path(path)
         if p.is_file() and p.name == TOKENIZER_FILE:
             p = p.parent
@@ -123,25 +263,62 @@ class CodeTokenizer:
             raise TokenizerError(f"{f} is not a valid tokenizer.json: {e}") from e
         if tok.token_to_id(EOT) is None:
             raise TokenizerError(f"{f} lacks the {EOT} token; it was not trained by codeforge")
-        return cls(tok, p)
+        out = cls(tok, p)
+        vet_rules(tok, f, out.hash, log)
+        return out
 
     # -- encoding -----------------------------------------------------------------------------------------
-    def encode(self, text: str, allow_special: bool = False) -> list[int]:
-        """Token ids of `text`. With allow_special, special-token strings in the text become their ids."""
-        if allow_special:
+    # Every call into the Rust tokenizer goes through _encoding/_guard: what fails there (a panic of its regex
+    # engine included, which is a BaseException) comes out as TokenizerError, which the CLI prints and the
+    # server answers with a 400.
+    def _encoding(self, text: str, allow_special: bool = False):
+        try:
+            if not allow_special:
+                return self.tok.encode(text, add_special_tokens=False)
             self.tok.encode_special_tokens = False
             try:
-                return self.tok.encode(text, add_special_tokens=False).ids
+                return self.tok.encode(text, add_special_tokens=False)
             finally:
                 self.tok.encode_special_tokens = True
-        return self.tok.encode(text, add_special_tokens=False).ids
+        except BaseException as e:
+            if not _tokenizer_failure(e):
+                raise
+            n = len(text) if isinstance(text, str) else 0
+            raise TokenizerError(f"the tokenizer cannot encode this text ({n:,} characters): "
+                                 f"{_failure_reason(e)}") from None
+
+    def encode(self, text: str, allow_special: bool = False) -> list[int]:
+        """Token ids of `text`. With allow_special, special-token strings in the text become their ids.
+        TokenizerError when the tokenizer fails on the text."""
+        return self._encoding(text, allow_special).ids
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """(ids, (start, end) character offsets of each token) of `text`, special-token strings as text."""
+        enc = self._encoding(text)
+        return enc.ids, enc.offsets
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Ids of many texts at once, in parallel over all cores (Rust threads)."""
-        return [e.ids for e in self.tok.encode_batch_fast(texts, add_special_tokens=False)]
+        """Ids of many texts at once, in parallel over all cores (Rust threads). TokenizerError (for the first
+        text it fails on) when the tokenizer fails."""
+        try:
+            return [e.ids for e in self.tok.encode_batch_fast(texts, add_special_tokens=False)]
+        except BaseException as e:
+            if not _tokenizer_failure(e):
+                raise
+            for t in texts:  # which one: the same error, one text at a time
+                self.encode(t)
+            raise TokenizerError(f"the tokenizer cannot encode these {len(texts):,} texts: "
+                                 f"{_failure_reason(e)}") from None
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=skip_special)
+        ids = list(ids)
+        try:
+            return self.tok.decode(ids, skip_special_tokens=skip_special)
+        except BaseException as e:
+            if not _tokenizer_failure(e):
+                raise
+            raise TokenizerError(f"the tokenizer cannot decode these {len(ids):,} token ids: "
+                                 f"{_failure_reason(e)}") from None
 
     def token_bytes(self, i: int) -> bytes:
         """The bytes of text one token id stands for (a special token: its name; an unknown id: none); a

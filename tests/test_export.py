@@ -291,6 +291,24 @@ def test_import_refuses_what_codeforge_does_not_compute(tmp_path, tokenizer_dir,
     shutil.rmtree(src)
 
 
+def test_import_refuses_a_tokenizer_whose_split_rule_backtracks(tmp_path, tokenizer_dir, tok, capsys):
+    """Before: imported, and `codeforge generate` on a 35-character prompt ended in the tokenizer's
+    PanicException. Now refused, naming tokenizer.json, its pre_tokenizer and the fix; nothing is written."""
+    from codeforge.export.hf import write_tokenizer_files
+    from test_tokenizer import BACKTRACKING_SPLITS, assert_raw_tokenizers_panics, with_split
+    bad = with_split(tokenizer_dir, tmp_path / "bad", BACKTRACKING_SPLITS[1])
+    assert_raw_tokenizers_panics(bad)
+    src = tmp_path / "src"
+    hf_model("llama", vocab=64 * -(-tok.vocab_size // 64)).save_pretrained(src)
+    write_tokenizer_files(bad, src)
+    assert_raw_tokenizers_panics(src)
+    assert main(["import", "--hf", str(src), "--out", str(tmp_path / "run"), "--no-verify"]) == 2
+    err = capsys.readouterr().err
+    assert f"{src / 'tokenizer.json'}: the split rule in its pre_tokenizer" in err, err
+    assert "backtrack" in err and "codeforge tokenizer train" in err and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()
+
+
 # -- GGUF --------------------------------------------------------------------------------------------------------------
 
 gguf = pytest.importorskip("gguf")

@@ -1,8 +1,42 @@
 import json
+import shutil
+from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer
 
-from codeforge.tokenizer import EOT, SPECIAL_TOKENS, CodeTokenizer, TokenizerError, evaluate_tokenizer, train_tokenizer
+import codeforge.tokenizer as tokenizer_mod
+from codeforge.tokenizer import (CODE_SPLIT_PATTERN, EOT, SPECIAL_TOKENS, CodeTokenizer, TokenizerError,
+                                 evaluate_tokenizer, train_tokenizer)
+
+# Split rules that backtrack catastrophically: on a 35-character prompt the regex engine (onig) reaches its
+# retry limit and tokenizers panics (pyo3_runtime.PanicException, a BaseException, not an Exception).
+BACKTRACKING_SPLITS = [r"(a+)+$", r"(\w+\s?)*$"]
+BACKTRACKING_PROMPT = "a" * 34 + "!"
+# Qwen2's split, as its tokenizer.json has it (Llama 3's is codeforge's llama3 rule, GPT-2's is ByteLevel's own)
+QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+
+
+def with_split(tokenizer_dir: Path, out: Path, pattern: str | None = None, pre_tokenizer: dict | None = None) -> Path:
+    """A copy of a codeforge tokenizer directory whose tokenizer.json splits by the regex `pattern` (or has
+    `pre_tokenizer` as a whole)."""
+    shutil.copytree(tokenizer_dir, out)
+    f = out / "tokenizer.json"
+    j = json.loads(f.read_text())
+    if pattern is not None:
+        j["pre_tokenizer"]["pretokenizers"][0]["pattern"] = {"Regex": pattern}
+    else:
+        j["pre_tokenizer"] = pre_tokenizer
+    f.write_text(json.dumps(j))
+    return out
+
+
+def assert_raw_tokenizers_panics(tok_dir: Path) -> None:
+    """The defect is real: Hugging Face tokenizers itself panics on the prompt."""
+    raw = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    with pytest.raises(BaseException) as e:
+        raw.encode(BACKTRACKING_PROMPT, add_special_tokens=False)
+    assert type(e.value).__name__ == "PanicException" and not isinstance(e.value, Exception)
 
 AWKWARD = [
     "\tif x {\r\n\t\treturn  \r\n\t}\r\n",
@@ -91,3 +125,82 @@ def test_train_refuses_to_replace_a_directory(tmp_path):
     with pytest.raises(TokenizerError, match="already holds a tokenizer.*--overwrite"):
         train_tokenizer(iter(["other text " * 20]), 300, tmp_path / "tok")
     train_tokenizer(iter(["other text " * 20]), 300, tmp_path / "tok", overwrite=True)
+
+
+@pytest.mark.parametrize("pattern", BACKTRACKING_SPLITS)
+def test_a_backtracking_split_rule_is_refused_at_load(pattern, tokenizer_dir, tmp_path):
+    """Before: loaded as it was, and a 35-character prompt ended in a PanicException from the Rust tokenizer."""
+    bad = with_split(tokenizer_dir, tmp_path / "bad", pattern)
+    assert_raw_tokenizers_panics(bad)
+    with pytest.raises(TokenizerError) as e:
+        CodeTokenizer.load(bad)
+    msg = str(e.value)
+    assert str(bad / "tokenizer.json") in msg and "pre_tokenizer" in msg and repr(pattern) in msg, msg
+    assert "backtrack" in msg and "codeforge tokenizer train" in msg, msg
+
+
+def test_every_encode_path_turns_a_tokenizer_panic_into_a_tokenizer_error(tokenizer_dir, tmp_path):
+    """A tokenizer built around the load-time check (CodeTokenizer(Tokenizer, ...)): encode, encode with
+    special tokens, encode_batch and encode_with_offsets raise TokenizerError (a CodeforgeError), not the
+    PanicException that is a BaseException; the tokenizer keeps working on other text."""
+    bad = with_split(tokenizer_dir, tmp_path / "bad", BACKTRACKING_SPLITS[0])
+    tok = CodeTokenizer(Tokenizer.from_file(str(bad / "tokenizer.json")), bad)
+    calls = [lambda: tok.encode(BACKTRACKING_PROMPT), lambda: tok.encode(BACKTRACKING_PROMPT, allow_special=True),
+             lambda: tok.encode_batch(["ok", BACKTRACKING_PROMPT]), lambda: tok.encode_with_offsets(BACKTRACKING_PROMPT)]
+    for call in calls:
+        with pytest.raises(TokenizerError, match=r"cannot encode this text \(35 characters\).*backtrack"):
+            call()
+    assert tok.tok.encode_special_tokens is True  # restored after the failure
+    assert tok.decode(tok.encode("aaa")) == "aaa"
+
+
+def test_interrupts_are_not_turned_into_tokenizer_errors(tokenizer_dir):
+    tok = CodeTokenizer.load(tokenizer_dir)
+
+    class Interrupted:
+        encode_special_tokens = True
+
+        def encode(self, *a, **k):
+            raise KeyboardInterrupt
+
+    tok.tok = Interrupted()
+    with pytest.raises(KeyboardInterrupt):
+        tok.encode("x")
+
+
+@pytest.mark.parametrize("rule", ["code", "llama3", "qwen2", "gpt2"])
+def test_the_split_rules_codeforge_knows_load_without_a_word(rule, tokenizer_dir, tmp_path):
+    """codeforge's own rules and those of the models it imports (Llama 3's is llama3, Qwen2's, GPT-2's
+    ByteLevel) are known: no probe, no warning."""
+    d = tmp_path / rule
+    if rule == "gpt2":
+        with_split(tokenizer_dir, d, pre_tokenizer={"type": "ByteLevel", "add_prefix_space": False,
+                                                    "trim_offsets": True, "use_regex": True})
+    elif rule == "llama3":
+        shutil.copytree(tokenizer_dir, d)
+    else:
+        with_split(tokenizer_dir, d, {"code": CODE_SPLIT_PATTERN, "qwen2": QWEN2_SPLIT}[rule])
+    said: list[str] = []
+    tok = CodeTokenizer.load(d, log=said.append)
+    assert said == [] and tok.decode(tok.encode(BACKTRACKING_PROMPT)) == BACKTRACKING_PROMPT
+
+
+def test_an_unknown_split_rule_that_survives_the_probe_loads_with_a_warning(tokenizer_dir, tmp_path, capsys):
+    pattern = r"\p{L}+|\p{N}+|\s+|[^\s\p{L}\p{N}]+"
+    d = with_split(tokenizer_dir, tmp_path / "other", pattern)
+    said: list[str] = []
+    tok = CodeTokenizer.load(d, log=said.append)
+    assert len(said) == 1 and "pre_tokenizer" in said[0] and repr(pattern) in said[0] and "not one codeforge knows" \
+        in said[0], said
+    assert tok.decode(tok.encode(BACKTRACKING_PROMPT)) == BACKTRACKING_PROMPT
+    capsys.readouterr()
+    CodeTokenizer.load(d)  # without a log: on stderr
+    assert capsys.readouterr().err.startswith(f"warning: {d / 'tokenizer.json'}: the split rule in its pre_tokenizer")
+
+
+def test_an_unknown_split_rule_too_slow_on_the_probe_is_refused(tokenizer_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(tokenizer_mod, "PROBE_SECONDS", -1.0)  # every probe is "too slow"
+    monkeypatch.setattr(tokenizer_mod, "_VETTED", {})  # verdicts are remembered: this rule passed above
+    d = with_split(tokenizer_dir, tmp_path / "slow", r"\p{L}+|\p{N}+|\s+|[^\s\p{L}\p{N}]+")
+    with pytest.raises(TokenizerError, match=r"pre_tokenizer.*fails on a 8-character probe text .*: it took -?[0-9.]+ s"):
+        CodeTokenizer.load(d)

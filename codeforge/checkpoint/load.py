@@ -121,7 +121,7 @@ def load_model(path: str | Path, device: torch.device, which: str = "auto",
         raise CheckpointError(f"{ck} has no tokenizer/ directory; copy the tokenizer the run was trained with "
                               f"to {ck / 'tokenizer'}")
     try:
-        tok = CodeTokenizer.load(ck / "tokenizer")
+        tok = CodeTokenizer.load(ck / "tokenizer", log=log)  # vetted: a split rule that fails is refused
     except TokenizerError as e:
         raise CheckpointError(str(e)) from e
     model = build_model(m)

@@ -456,9 +456,9 @@ def import_hf(hf_dir: str | Path, out: str | Path, overwrite: bool = False, veri
         raise ExportError(f"{hf_dir} has no tokenizer.json (the fast tokenizer); codeforge needs it to train and "
                           f"generate. Save it with AutoTokenizer.from_pretrained(...).save_pretrained({hf_dir})")
     try:
-        tok = CodeTokenizer.load(hf_dir)
+        tok = CodeTokenizer.load(hf_dir, log=log)  # a split rule that fails on probe texts is refused
     except TokenizerError as e:
-        raise ExportError(f"{hf_dir}: {e}") from e
+        raise ExportError(str(e)) from e
     if tok.vocab_size > m.vocab_size:
         raise ExportError(f"{hf_dir}: the tokenizer has {tok.vocab_size} tokens but the model only {m.vocab_size}")
     lacking = [t for t in SPECIAL_TOKENS if tok.special_ids.get(t) is None and not t.startswith("<|reserved")]
