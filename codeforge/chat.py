@@ -156,8 +156,7 @@ def encode_conversation(tok, messages: list[dict], tools: list[dict] | None = No
             if k == "loss":
                 loss_chars[at:at + len(t)] = b"\x01" * len(t)
             at += len(t)
-        enc = tok.tok.encode(text, add_special_tokens=False)
-        for i, (s, e) in zip(enc.ids, enc.offsets):
+        for i, (s, e) in zip(*tok.encode_with_offsets(text)):  # a tokenizer failure: TokenizerError
             ids.append(i)
             mask.append(1 if any(loss_chars[s:max(e, s + 1)]) else 0)
         run.clear()

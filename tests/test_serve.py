@@ -725,3 +725,29 @@ def test_cli_serve_subprocess(base_run, tmp_path):
         p.terminate()  # uvicorn shuts down gracefully, then ends by the signal it caught
         assert p.wait(20) in (0, -15)
         assert "server stopped after" in p.stderr.read()
+
+
+def test_a_tokenizer_failure_is_the_apis_400(base_run):
+    """Found in the second hostile review: a tokenizer whose split rule backtracks (loading now refuses one;
+    tests/test_tokenizer.py) panicked on a 35-character prompt, and four endpoints answered a plain-text 500.
+    Here the live tokenizer is given such a rule after loading: every endpoint that encodes answers the API's
+    400 error shape, and the server goes on serving."""
+    from tokenizers import Regex, pre_tokenizers
+    with serving(base_run) as live:
+        h, inner = live.http, live.engine.tok.tok
+        before = inner.pre_tokenizer
+        inner.pre_tokenizer = pre_tokenizers.Split(Regex("(a+)+$"), "isolated")
+        bad = "a" * 34 + "!"
+        try:
+            for path, body in (("/v1/completions", {"prompt": bad, "max_tokens": 2}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": bad}],
+                                                         "max_tokens": 2}),
+                               ("/infill", {"input_prefix": bad, "input_suffix": "", "n_predict": 2}),
+                               ("/tokenize", {"prompt": bad})):
+                r = h.post(path, json=body)
+                err = assert_error(r, 400, "tokenizer_failed")
+                assert "cannot encode" in err["message"], (path, err)
+        finally:
+            inner.pre_tokenizer = before
+        assert h.get("/health").json()["status"] == "ok"
+        assert h.post("/v1/completions", json={"prompt": "def", "max_tokens": 2}).status_code == 200

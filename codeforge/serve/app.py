@@ -42,7 +42,7 @@ from starlette.responses import StreamingResponse
 
 from ..chat import CHAT_TEMPLATE, IM_END, encode_conversation
 from ..constrain import ConstraintError, ToolGrammar, calls_kept_out
-from ..tokenizer import EOT
+from ..tokenizer import EOT, TokenizerError
 from ..fim import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, infill_ids
 from .batcher import Event, QueueFull, Row, RowParams, Scheduler
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
@@ -162,11 +162,15 @@ class ServerState:
                          stop_ids=frozenset(stop_ids))
 
     async def encode(self, fn):
-        """Tokenizer work off the event loop and under the tokenizer lock."""
+        """Tokenizer work off the event loop and under the tokenizer lock; a text the tokenizer fails on is
+        the request's fault (a 400), not the server's."""
         def locked():
             with self.tok_lock:
                 return fn()
-        return await run_in_threadpool(locked)
+        try:
+            return await run_in_threadpool(locked)
+        except TokenizerError as e:
+            raise ApiError(400, str(e), code="tokenizer_failed") from None
 
 
 class Generation:
@@ -916,6 +920,10 @@ def create_app(engine, opts: ServeOptions) -> FastAPI:
             return error_response(ApiError(405, f"{request.method} is not allowed on {request.url.path}",
                                            code="method_not_allowed"))
         return error_response(ApiError(e.status_code, str(e.detail)))
+
+    @app.exception_handler(TokenizerError)  # tokenizer work outside ServerState.encode: the same 400
+    async def _tokenizer_error(request: Request, e: TokenizerError):
+        return error_response(ApiError(400, str(e), code="tokenizer_failed"))
 
     @app.exception_handler(ClientGone)
     async def _gone(request: Request, e: ClientGone):
