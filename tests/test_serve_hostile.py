@@ -376,3 +376,36 @@ def test_key_not_in_ps_and_no_paths_in_models(tiny_run, tmp_path):
         assert 'codeforge_connections_closed_total{reason="header_timeout"} 0.0' in metrics
     finally:
         srv.stop()
+
+
+def test_a_body_in_a_million_pieces_is_refused_early(tiny_run):
+    """Found in the second hostile review: a 1 MB body sent as a million 1-byte chunks cost ~7 s of the event
+    loop. Now a body that comes in more pieces than an honest client sends (4,096, or one per 256 bytes of
+    --max-body-bytes) is refused by name after that many, and /health answers beside it."""
+    from codeforge.serve.connections import body_pieces
+    limits = ConnectionLimits(max_body_pieces=body_pieces(1 << 20))
+    with guarded(tiny_run, limits, max_body_bytes=1 << 20) as (url, port, guard, _):
+        n = 200_000
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+                f"Transfer-Encoding: chunked\r\n\r\n").encode()
+        s = socket.create_connection(("127.0.0.1", port))
+        s.settimeout(30)
+        t0 = time.perf_counter()
+        with contextlib.suppress(OSError):  # the server may close before it has read everything sent
+            s.sendall(head + b"1\r\n \r\n" * n + b"0\r\n\r\n")
+        got = b""
+        with contextlib.suppress(OSError):
+            while b"\r\n\r\n" not in got or b"}" not in got:
+                part = s.recv(65536)
+                if not part:
+                    break
+                got += part
+        s.close()
+        print(f"answered in {time.perf_counter() - t0:.2f} s")
+        assert got.startswith(b"HTTP/1.1 400"), got[:200]
+        assert b"body_too_fragmented" in got
+        assert health_ok(url) and guard.closed["fragmented"] == 1
+        # an honest body of the same size, sent whole, is read as before (and refused only for its content)
+        r = httpx.post(url + "/v1/completions", content=b" " * 900_000 + b"{}", timeout=30,
+                       headers={"Content-Type": "application/json"})
+        assert r.status_code != 400 or "fragmented" not in r.text

@@ -18,7 +18,8 @@ from ..config import chat_notice, speaks_chat
 from ..device import choose_device, choose_precision, system_memory
 from ..engine import Engine
 from .app import ServeOptions, create_app, parse_hosts, parse_origins
-from .connections import MAX_DEFAULT_CONNECTIONS, ConnectionGuard, ConnectionLimits, Server, connection_budget
+from .connections import (MAX_DEFAULT_CONNECTIONS, ConnectionGuard, ConnectionLimits, Server, body_pieces,
+                          connection_budget)
 
 API_KEY_ENV = "CODEFORGE_API_KEY"
 
@@ -117,6 +118,7 @@ def connection_limits(a) -> tuple[ConnectionLimits, int]:
                          f"connections; raise the limit (ulimit -n 1024)")
     cap = a.max_connections or min(MAX_DEFAULT_CONNECTIONS, safe)
     return ConnectionLimits(header_timeout=a.header_timeout, body_timeout=a.body_timeout, keep_alive=a.keep_alive,
+                            max_body_pieces=body_pieces(a.max_body_bytes),
                             max_connections=cap), backlog
 
 
