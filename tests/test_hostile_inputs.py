@@ -758,3 +758,37 @@ def test_the_shapes_a_model_declares_are_those_it_builds():
         assert declared == shapes, cfg
         assert sorted(map(sorted, declared_groups)) == sorted(map(sorted, groups)), cfg
         assert params == sum(p.numel() for p in model.parameters()), cfg
+
+
+def test_a_checkpoint_linked_from_outside_the_run_is_not_followed(tmp_path, data_dir):
+    """Found in the second hostile review: RUN/checkpoints/step_N as a link to a directory elsewhere was loaded
+    (whatever it names came into the run, its exports and its resumes). Now such a step is passed over like
+    a damaged one, and said; RUN/checkpoints itself may still be a link (to a bigger disk)."""
+    import shutil
+
+    from codeforge.checkpoint import CheckpointError, find_checkpoint
+    from codeforge.cli import main
+    run = tmp_path / "run"
+    assert main(["train", "--data", str(data_dir), "--out", str(run), "--n-layer", "1", "--n-head", "2",
+                 "--n-embd", "32", "--block-size", "32", "--max-iters", "4", "--save-every", "2", "--device", "cpu",
+                 "--no-progress", "--eval-every", "0"]) == 0
+    ckpts = run / "checkpoints"
+    newest = sorted(ckpts.glob("step_*"))[-1]
+    assert find_checkpoint(run) == newest
+    elsewhere = tmp_path / "elsewhere" / newest.name
+    elsewhere.parent.mkdir()
+    shutil.move(str(newest), elsewhere)
+    newest.symlink_to(elsewhere, target_is_directory=True)
+    said = []
+    got = find_checkpoint(run, log=said.append)
+    assert got != newest and got.name == "step_000002", got  # the link is passed over, the step before taken
+    assert "outside the run's" in " ".join(said), said
+    with pytest.raises(CheckpointError, match="outside the run's"):
+        find_checkpoint(run, "final")  # final points at the link: refused, never swapped
+    # the whole checkpoints folder on another disk, linked in: still the run's own
+    newest.unlink()
+    shutil.move(str(elsewhere), newest)
+    moved = tmp_path / "bigdisk"
+    shutil.move(str(ckpts), moved)
+    ckpts.symlink_to(moved, target_is_directory=True)
+    assert find_checkpoint(run).name == newest.name

@@ -258,6 +258,14 @@ def find_checkpoint(path: str | Path, which: str = "latest", *, train_state: boo
         raise CheckpointError(f"{p} does not exist: pass a run directory (from `codeforge train --out`) or a "
                               f"checkpoint directory")
     root = p / rundir.CHECKPOINTS
+    inside, checked = root.resolve(), check  # RUN/checkpoints may itself be a link (to a bigger disk)
+
+    def check(c: Path, state: bool) -> str | None:  # noqa: F811 - the same check; a step linked elsewhere refused
+        real = c.resolve()
+        if inside not in real.parents:
+            return (f"it is a link to {real}, outside the run's {root} (codeforge never writes one); copy that "
+                    f"checkpoint into {root} if it belongs to this run")
+        return checked(c, state)
     steps = step_dirs(root)
     if not steps and step_dirs(p):  # RUN/checkpoints itself was given
         raise CheckpointError(f"{p} is the checkpoints folder of a run: pass the run directory {p.parent} "
