@@ -18,10 +18,16 @@ the box is enforced by the kernel.
     starts dies with the box (PID namespace), setsid() or not. The whole tree is also killed through its
     cgroup when one can be made.
   * Limits: wall time (the evaluator kills the box), CPU seconds, address space per process and, where the
-    evaluator may create cgroups (root, or a delegated cgroup), memory and process count for the whole tree;
-    otherwise the process count is an rlimit counted inside the box's own user namespace, which bounds the
-    tree to processes x memory. File size and open files are rlimits; scratch is bounded by the tmpfs size.
-    Limits are set before the program runs and cannot be raised from inside (no CAP_SYS_RESOURCE).
+    evaluator may create cgroups (root, or a delegated cgroup), memory and process count for the whole tree.
+    Without a memory cgroup the asked memory is split (box_limits): at most NO_CGROUP_PROCESSES processes
+    (an rlimit counted inside the box's own user namespace, threads included) of memory / processes address
+    space each, so the tree holds no more than asked; fewer processes where one would get under
+    MIN_PROCESS_MB, and a warning (once, on stderr, and in SandboxResult.limits) where less than that was
+    asked and the box is weaker than asked. Such a box also refuses memfd_create, shmget and msgget, whose
+    memory lies in no address space. Known gap: socket buffers in the kernel stay unbounded there (one
+    process of a 512 MB box queued 0.9 GB in unix socket pairs); only a memory cgroup bounds them.
+    File size and open files are rlimits; scratch is bounded by the tmpfs size. Limits are set before the
+    program runs and cannot be raised from inside (no CAP_SYS_RESOURCE).
   * Output: stdout and stderr are read as they come and capped; the rest is read and thrown away, so a
     flood costs the evaluator nothing and the timeout holds.
   * Environment: built from nothing (PATH, HOME, TMPDIR, LANG).
@@ -83,7 +89,15 @@ from . import CodeforgeError
 OUTPUT_CAP = 64 * 1024          # bytes of stdout and of stderr kept (the head of stdout, the tail of stderr)
 SCRATCH_MB = 64                 # size of the writable /tmp inside the box
 SHM_MB = 16                     # and of /dev/shm (POSIX semaphores for multiprocessing)
-MAX_PROCESSES = 32              # processes and threads the program may have at once
+MAX_PROCESSES = 32              # processes and threads the program may have at once (with a memory cgroup)
+# Without a memory cgroup nothing in the kernel bounds a process tree's memory: each process's address space
+# (RLIMIT_AS) is bounded, and their number (RLIMIT_NPROC). So the asked memory is split: at most
+# NO_CGROUP_PROCESSES processes of memory_mb / processes each, and fewer processes where that would leave one
+# under MIN_PROCESS_MB. Processes x address space is then the asked memory, except under MIN_PROCESS_MB
+# asked, where the one process still gets MIN_PROCESS_MB (and the caller is warned). A bare `python3 -c pass`
+# peaks at 14 MB of address space in the box, with a dozen standard-library imports at 21 MB.
+NO_CGROUP_PROCESSES = 8
+MIN_PROCESS_MB = 64
 MAX_OPEN_FILES = 256
 MAX_FILE_MB = 16
 SLOT_UID_BASE = 1_719_000       # host uids used for boxes started by root (no passwd entry needed)
@@ -103,6 +117,7 @@ class SandboxResult:
     detail: str
     seconds: float
     outputs: list | None = None  # with calls: per call ("ok", value) | ("error", why) | ("not_data", type name)
+    limits: str = ""  # the memory limits the box ran under (BoxLimits.describe)
 
     @property
     def passed(self) -> bool:
@@ -400,21 +415,26 @@ DENIED_SYSCALLS = ("ptrace", "process_vm_readv", "process_vm_writev", "unshare",
                    "clock_adjtime", "adjtimex", "pidfd_getfd", "kcmp")
 # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME (linux/sched.h)
 CLONE_NEW_FLAGS = (0x20000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000, 0x80)
+# Without a memory cgroup, memory that lies in no process's address space escapes RLIMIT_AS: a memfd (one
+# process held 4 GB in 250 of them, each under the 16 MB file size limit), System V shared memory segments (kept
+# after shmdt) and message queues (32,000 of 16 KB). Boxes without a memory cgroup refuse these too.
+NO_CGROUP_DENIED_SYSCALLS = ("memfd_create", "memfd_secret", "shmget", "msgget")
 SECCOMP_ERROR: str | None = None  # why the filter could not be built here, if it could not
-_bpf: bytes | None = None
+_bpf: dict[bool, bytes] = {}
 
 
-def seccomp_program() -> bytes | None:
+def seccomp_program(no_memory_cgroup: bool = False) -> bytes | None:
     """The box's seccomp filter as a BPF program for `bwrap --seccomp FD` (built once), or None where libseccomp
     cannot be loaded (SECCOMP_ERROR says why). Denied calls fail with EPERM; clone3 with ENOSYS, so the C
-    library falls back to clone, whose namespace flags the filter can see (clone3 passes them in memory)."""
-    global _bpf, SECCOMP_ERROR
-    if _bpf is not None or SECCOMP_ERROR is not None:
-        return _bpf
+    library falls back to clone, whose namespace flags the filter can see (clone3 passes them in memory).
+    no_memory_cgroup: also NO_CGROUP_DENIED_SYSCALLS (a box whose memory no cgroup bounds)."""
+    global SECCOMP_ERROR
+    if no_memory_cgroup in _bpf or SECCOMP_ERROR is not None:
+        return _bpf.get(no_memory_cgroup)
     try:
         import pyseccomp as seccomp
         f = seccomp.SyscallFilter(defaction=seccomp.ALLOW)  # a foreign ABI's calls kill (libseccomp's default)
-        for name in DENIED_SYSCALLS:
+        for name in DENIED_SYSCALLS + (NO_CGROUP_DENIED_SYSCALLS if no_memory_cgroup else ()):
             try:
                 f.add_rule(seccomp.ERRNO(errno.EPERM), name)
             except Exception:  # a call this kernel's ABI does not have
@@ -426,11 +446,11 @@ def seccomp_program() -> bytes | None:
         with tempfile.TemporaryFile() as tf:
             f.export_bpf(tf)
             tf.seek(0)
-            _bpf = tf.read()
+            _bpf[no_memory_cgroup] = tf.read()
     except Exception as e:  # no libseccomp here: ImportError, OSError from ctypes
         SECCOMP_ERROR = f"no seccomp filter ({type(e).__name__}: {e}); install libseccomp2"
         return None
-    return _bpf
+    return _bpf[no_memory_cgroup]
 
 
 # -- cgroups: memory and process count for the whole tree, and a kill switch ------------------------------
@@ -576,6 +596,73 @@ class _Cgroups:
                     time.sleep(0.01)
 
 
+# -- memory limits: the whole tree's, with or without a cgroup ------------------------------------------------
+
+@dataclass(frozen=True)
+class BoxLimits:
+    """The memory limits of one box: `processes` (RLIMIT_NPROC, threads included) of `process_mb` address
+    space each (RLIMIT_AS), and with `cgroup` a memory cgroup of `memory_mb` over the whole tree."""
+    memory_mb: int    # asked
+    processes: int
+    process_mb: int
+    cgroup: bool
+
+    @property
+    def tree_mb(self) -> int:
+        """What the whole process tree can hold at most (resident memory is within address space)."""
+        return self.memory_mb if self.cgroup else self.processes * self.process_mb
+
+    @property
+    def weaker(self) -> bool:
+        return self.tree_mb > self.memory_mb
+
+    def describe(self) -> str:
+        if self.cgroup:
+            return (f"{self.memory_mb} MB for the whole process tree (memory cgroup), {self.processes} processes "
+                    f"of at most {self.process_mb} MB address space each")
+        text = (f"no memory cgroup: {self.processes} process{'es' if self.processes > 1 else ''} of at most "
+                f"{self.process_mb} MB address space each, {self.tree_mb} MB for the whole tree")
+        if self.weaker:
+            text += (f" (WEAKER than the {self.memory_mb} MB asked: no process is given less "
+                     f"than {MIN_PROCESS_MB} MB)")
+        return text
+
+
+def box_limits(memory_mb: int, cgroup: bool) -> BoxLimits:
+    """The limits of a box asked for `memory_mb`: with a memory cgroup, the cgroup bounds the tree and each
+    process may use all of it (MAX_PROCESSES of them); without, processes x address space <= memory_mb
+    (NO_CGROUP_PROCESSES at most, fewer below MIN_PROCESS_MB each; one of MIN_PROCESS_MB when less is asked)."""
+    if cgroup:
+        return BoxLimits(memory_mb, MAX_PROCESSES, memory_mb, True)
+    processes = max(1, min(NO_CGROUP_PROCESSES, memory_mb // MIN_PROCESS_MB))
+    return BoxLimits(memory_mb, processes, max(MIN_PROCESS_MB, memory_mb // processes), False)
+
+
+_warned_limits: set[int] = set()
+_warn_lock = threading.Lock()
+
+
+def _warn_limits(limits: BoxLimits) -> None:
+    """Once per asked size: say on stderr that the tree's memory is split over processes (no cgroup here),
+    loudly where that is weaker than asked."""
+    if limits.cgroup:
+        return
+    with _warn_lock:
+        if limits.memory_mb in _warned_limits:
+            return
+        _warned_limits.add(limits.memory_mb)
+    how = ("run the evaluator as root or in a delegated cgroup (e.g. `systemd-run --user --scope -p "
+           "Delegate=yes ...`) to bound the tree with a cgroup instead")
+    if limits.weaker:
+        print(f"WARNING: sandbox memory limit is WEAKER than asked: {limits.memory_mb} MB asked, but a box "
+              f"without a memory cgroup gives its one process {limits.process_mb} MB of address space (the "
+              f"least any process is given), so the tree may hold {limits.tree_mb} MB; {how}", file=sys.stderr)
+    else:
+        print(f"sandbox: no memory cgroup here, so a box's {limits.memory_mb} MB is split over its process tree: "
+              f"at most {limits.processes} processes (threads included) of {limits.process_mb} MB address space "
+              f"each; {how}", file=sys.stderr)
+
+
 # -- running --------------------------------------------------------------------------------------------
 
 _slots: queue.Queue[int] = queue.Queue()
@@ -626,13 +713,13 @@ def _read_capped(proc: subprocess.Popen, report_r: int, deadline: float) -> tupl
     return bytes(out), bytes(err[-OUTPUT_CAP:]), bytes(rep), timed_out
 
 
-def _command(bwrap: str | None, files: dict[str, int], report_fd: int, memory_mb: int, cpu: int,
+def _command(bwrap: str | None, files: dict[str, int], report_fd: int, box: BoxLimits, cpu: int,
              isolate_net: bool, uid: int | None, cg: _Cgroups | None, keep: list[int],
              entry: str | None = None) -> list[str]:
     """The command line that starts the box. `files` maps a name under /sandbox to a readable fd (unsafe mode:
     to a path); fds that must stay open for bwrap are appended to `keep`."""
     exe, extra = _interpreter(strangers=uid is not None)
-    limits = [str(report_fd), str(memory_mb * 2**20), str(cpu), str(MAX_PROCESSES), str(MAX_OPEN_FILES),
+    limits = [str(report_fd), str(box.process_mb * 2**20), str(cpu), str(box.processes), str(MAX_OPEN_FILES),
               str(MAX_FILE_MB * 2**20)]
     if bwrap is None:  # --unsafe-no-sandbox: the runner's limits only
         return [exe, "-I", files["runner.py"], files["program.py"]] + limits + (
@@ -655,7 +742,7 @@ def _command(bwrap: str | None, files: dict[str, int], report_fd: int, memory_mb
             "--size", str(SHM_MB * 2**20), "--tmpfs", "/dev/shm", "--dir", "/sandbox"]
     for name, fd in files.items():
         cmd += ["--perms", "0444", "--ro-bind-data", str(fd), f"/sandbox/{name}"]
-    bpf = seccomp_program()
+    bpf = seccomp_program(no_memory_cgroup=not box.cgroup)
     if bpf is not None:
         fd = _memfd_bytes("seccomp.bpf", bpf)
         keep.append(fd)
@@ -697,8 +784,9 @@ def run_python(code: str, timeout: float = 5.0, memory_mb: int = 1024, isolate_n
                unsafe_no_sandbox: bool = False, calls: tuple[str, bytes] | None = None) -> SandboxResult:
     """Run `code` as a Python program in the sandbox. passed: it ran to its end; failed: an exception, an
     early exit or a non-zero exit (the last line of stderr in detail); timeout: past `timeout` seconds of
-    wall time or of CPU time; memory: past `memory_mb` (one process's address space, or the whole tree's
-    memory where cgroups are available). isolate_net=False leaves the host network reachable.
+    wall time or of CPU time; memory: past `memory_mb` for the whole process tree (a cgroup's limit where
+    one can be made; else box_limits splits it over at most NO_CGROUP_PROCESSES processes' address spaces).
+    The result's `limits` says which. isolate_net=False leaves the host network reachable.
 
     calls: (entry, JSON) from encode_calls: after the program ran, the runner calls `entry` once per call and
     the result's `outputs` holds what came back, decoded here (`("ok", value)`, `("error", "Type: msg")` or
@@ -723,6 +811,9 @@ def run_python(code: str, timeout: float = 5.0, memory_mb: int = 1024, isolate_n
     uid = SLOT_UID_BASE + slot if (root and bwrap) else None
     workdir = None if bwrap else tempfile.mkdtemp(prefix="codeforge-sandbox-")
     cg = _Cgroups(memory_mb * 2**20, MAX_PROCESSES + 2) if bwrap else None
+    # the tree's memory: the cgroup's where a memory controller could be made, else processes x address space
+    limits = box_limits(memory_mb, cgroup=cg is not None and bool({"v2", "memory"} & set(cg.paths)))
+    _warn_limits(limits)
     token = secrets.token_hex(16).encode()
     report_r, report_w = os.pipe()
     keep: list[int] = []
@@ -744,7 +835,7 @@ def run_python(code: str, timeout: float = 5.0, memory_mb: int = 1024, isolate_n
                 with open(files[name], "wb") as f:
                     f.write(text)
             env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
-        cmd = _command(bwrap, files, report_w, memory_mb, int(timeout) + 1, isolate_net, uid, cg, keep,
+        cmd = _command(bwrap, files, report_w, limits, int(timeout) + 1, isolate_net, uid, cg, keep,
                        calls[0] if calls is not None else None)
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 env=env, cwd=workdir or "/", pass_fds=(report_w, *keep), start_new_session=True)
@@ -779,9 +870,18 @@ def run_python(code: str, timeout: float = 5.0, memory_mb: int = 1024, isolate_n
         if workdir:
             shutil.rmtree(workdir, ignore_errors=True)
     seconds = time.perf_counter() - t0
+    res = _verdict(err, rep, token, proc.returncode, timed_out, oom, calls, timeout, seconds)
+    res.limits = limits.describe()
+    if res.status == "memory" and not limits.cgroup:
+        res.detail += f" ({res.limits})"
+    return res
+
+
+def _verdict(err: bytes, rep: bytes, token: bytes, rc: int, timed_out: bool, oom: bool,
+             calls: tuple[str, bytes] | None, timeout: float, seconds: float) -> SandboxResult:
+    """What the box's exit, its stderr and its report pipe say about the run."""
     text = err.decode("utf-8", "replace").strip()
     last = text.splitlines()[-1] if text else ""
-    rc = proc.returncode
     if timed_out:
         return SandboxResult("timeout", f"exceeded {timeout}s", seconds)
     if rep[:len(token)] == token and rc == 0:
