@@ -38,3 +38,15 @@ _os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 class CodeforgeError(ValueError):
     """Base of the errors codeforge raises for bad input: the CLI prints the message and exits 2."""
+
+
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x20), 0x7F, *range(0x80, 0xA0)) if c not in (0x09, 0x0A)}
+_CONTROL.update({c: f"\\u{c:04x}" for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A))})  # bidi overrides
+
+
+def printable(text: str) -> str:
+    """`text` safe to print on a terminal or store as a label: control characters (an ESC starts a sequence
+    that can retitle the window, rewrite what is shown or hide text) and bidirectional overrides are written
+    as escapes (\\x1b). Newlines and tabs stay. For names that come from outside: directory names, run and
+    model names."""
+    return text.translate(_CONTROL)

@@ -747,3 +747,20 @@ def test_normal_file_modes_follow_the_umask(tmp_path):
     finally:
         os.umask(old)
     assert {stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()} == {0o640}
+
+
+def test_terminal_escapes_in_a_run_name_are_neither_written_nor_printed(tmp_path, tokenizer_dir, capsys):
+    """Found in the second hostile review: a run directory named with terminal escape bytes (ESC ] 0 ; ... BEL
+    retitles the window; ESC [ 2 J clears it) went raw into the GGUF's general.name and onto the terminal, and
+    into the server's model name. Now each is written as escapes."""
+    from codeforge.serve.server import run_name
+    evil = "m\x1b]0;pwned\x07\x1b[2Jodel\u202e"
+    run = make_run(tmp_path / evil, tokenizer_dir, **FAMILIES["qwen2"][1])
+    out = tmp_path / "m.gguf"
+    assert main(["export", "--run", str(run), "--format", "gguf", "--out", str(out)]) == 0
+    printed = capsys.readouterr()
+    fields, _ = read_gguf(out)
+    for text in (fields["general.name"], fields["codeforge.checkpoint"], printed.out, printed.err, run_name(str(run))):
+        assert "\x1b" not in text and "\x07" not in text and "\u202e" not in text, repr(text)
+    assert fields["general.name"] == "m\\x1b]0;pwned\\x07\\x1b[2Jodel\\u202e"
+    assert run_name(str(run)) == fields["general.name"]

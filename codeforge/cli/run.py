@@ -9,6 +9,7 @@ import re
 import sys
 from pathlib import Path
 
+from .. import printable
 from .args import CLIError, sampling_args
 
 
@@ -440,14 +441,14 @@ def cmd_export(a: argparse.Namespace) -> int:
     if a.format == "hf":
         from ..export.hf import export_hf
         r = export_hf(a.run, a.out, a.checkpoint, overwrite=a.overwrite, verify=not a.no_verify)
-        print(f"exported {r['checkpoint']} as {r['family']} -> {r['out']}")
+        print(printable(f"exported {r['checkpoint']} as {r['family']} -> {r['out']}"))
     else:
         from ..export.gguf import export_gguf
         r = export_gguf(a.run, a.out, a.checkpoint, dtype=a.dtype, overwrite=a.overwrite,
                         allow_tokenizer_mismatch=a.allow_tokenizer_mismatch,
                         verbose=(lambda m: print(m, file=sys.stderr)) if a.verbose else (lambda m: None))
-        print(f"exported {r['checkpoint']} as GGUF ({r['arch']}, {a.dtype}, pre-tokenizer {r['pre']}, "
-              f"{r['bytes'] / 2**20:,.1f} MiB) -> {r['out']}")
+        print(printable(f"exported {r['checkpoint']} as GGUF ({r['arch']}, {a.dtype}, pre-tokenizer {r['pre']}, "
+                        f"{r['bytes'] / 2**20:,.1f} MiB) -> {r['out']}"))
     if r.get("max_abs_diff") is not None:
         print(f"parity: transformers' logits equal codeforge's to {r['max_abs_diff']:.2e} (max abs) on a code sample")
     return 0

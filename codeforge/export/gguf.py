@@ -42,6 +42,7 @@ import torch
 
 from . import ExportError, check_out
 from ..chat import CHAT_TEMPLATE
+from .. import printable
 from ..checkpoint import load_model
 from ..models.gpt import GPTConfig
 from ..tokenizer import LLAMA3_SPLIT_PATTERN, META_FILE
@@ -311,7 +312,7 @@ def export_gguf(run: str | Path, out: str | Path, which: str = "auto", dtype: st
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         w = gguf.GGUFWriter(str(tmp), arch)
-        w.add_name(Path(run).resolve().name)
+        w.add_name(printable(Path(run).resolve().name))  # a directory name may hold terminal escapes
         w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype])
         w.add_context_length(m.block_size)
@@ -331,7 +332,7 @@ def export_gguf(run: str | Path, out: str | Path, which: str = "auto", dtype: st
             w.add_value_length(m.head_dim)
         w.add_vocab_size(m.vocab_size)
         write_tokenizer(w, tok, m.vocab_size, pre)
-        w.add_string("codeforge.checkpoint", str(ck))
+        w.add_string("codeforge.checkpoint", printable(str(ck)))
         w.add_string("codeforge.model", json.dumps(m.to_dict()))
         w.add_string("codeforge.tokenizer_hash", tok.hash)
         w.add_bool("codeforge.tokenizer_mismatch", mismatch is not None)

@@ -12,7 +12,7 @@ import socket
 import sys
 from pathlib import Path
 
-from .. import CodeforgeError, rundir
+from .. import CodeforgeError, printable, rundir
 from ..checkpoint import load_model
 from ..config import chat_notice, speaks_chat
 from ..device import choose_device, choose_precision, system_memory
@@ -39,8 +39,10 @@ def run_name(run: str) -> str:
     if p.parent.name == rundir.CHECKPOINTS:
         p = p.parent.parent
     if p.name in GENERIC_RUN_NAMES and p.parent.name:
-        return p.parent.name if p.name == "run" else f"{p.parent.name}-{p.name}"
-    return p.name or "codeforge"
+        name = p.parent.name if p.name == "run" else f"{p.parent.name}-{p.name}"
+    else:
+        name = p.name or "codeforge"
+    return printable(name)  # printed, and sent to clients: never a terminal escape
 
 
 def check_options(a) -> None:
