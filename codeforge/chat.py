@@ -26,7 +26,7 @@ import re
 from typing import Any
 
 from . import CodeforgeError
-from .corpus import MAX_LINE_CHARS, UnusableInput, bounded_lines, check_sources, leaves_tree, long_line_detail, open_text
+from .corpus import MAX_LINE_CHARS, UnusableInput, bounded_lines, check_sources, leaves_tree, long_line_detail, open_text, walk_tree
 
 ROLES = ("system", "user", "assistant", "tool")
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -261,7 +261,7 @@ def read_conversations(paths: list[str], stats, strict: bool = False, max_line_c
     for p in paths:
         if os.path.isdir(p):
             tree = os.path.realpath(p)
-            for d, dirnames, names in os.walk(p):
+            for d, dirnames, names in walk_tree(p):  # any depth (os.walk recurses)
                 dirnames.sort()
                 files += [(os.path.join(d, n), tree) for n in sorted(names)
                           if n.endswith((".jsonl", ".jsonl.gz", ".jsonl.zst"))]

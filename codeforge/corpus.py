@@ -649,17 +649,49 @@ def _read_file(path: str, opts: CorpusOptions, stats: CorpusStats, tree: str | N
     yield Document(text, path, len(raw))
 
 
+def walk_tree(root: str, onerror=None) -> Iterator[tuple[str, list[str], list[str]]]:
+    """os.walk(root, topdown=True, followlinks=False), without recursion: os.walk before Python 3.12 recurses
+    once per directory level, so a nest ~1,000 deep raised RecursionError before anything was read. Same
+    order (depth first, a directory before its contents) and the same contract: `dirnames` may be pruned or
+    sorted in place after each yield, and names the symlinks to directories too, which are never descended
+    into (a link loop cannot recurse). onerror(OSError) is called for a directory that cannot be listed."""
+    stack = [root]
+    while stack:
+        top = stack.pop()
+        dirnames: list[str] = []
+        filenames: list[str] = []
+        try:
+            with os.scandir(top) as it:
+                for entry in it:
+                    try:
+                        is_dir = entry.is_dir()
+                    except OSError:
+                        is_dir = False
+                    (dirnames if is_dir else filenames).append(entry.name)
+        except OSError as e:
+            if onerror is not None:
+                onerror(e)
+            continue
+        yield top, dirnames, filenames
+        # After the yield: the caller's pruning and sorting of dirnames decide what is walked, and in what order
+        for d in reversed(dirnames):
+            path = os.path.join(top, d)
+            if not os.path.islink(path):
+                stack.append(path)
+
+
 def _walk(root: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[Document]:
     """Files under `root` with a wanted extension. Symlinks to directories are not followed (counted as
     symlinked_dir), so a link loop cannot recurse; symlinks to files outside `root` are not read (counted as
-    symlink_outside); a directory that cannot be listed is counted as unreadable."""
+    symlink_outside); a directory that cannot be listed is counted as unreadable. Any depth is walked
+    (walk_tree does not recurse); a path past PATH_MAX cannot be listed, so counts as unreadable."""
     exts = opts.extensions()
     tree = os.path.realpath(root)
 
     def unlistable(e: OSError) -> None:
         stats.skip("unreadable", e.filename or root, opts.strict, f"directory not listed: {e.strerror or e}")
 
-    for dirpath, dirnames, filenames in os.walk(root, onerror=unlistable):
+    for dirpath, dirnames, filenames in walk_tree(root, onerror=unlistable):
         dirnames.sort()  # deterministic order
         rel = os.path.relpath(dirpath, root)
         parts = () if rel == "." else tuple(Path(rel).parts)

@@ -17,7 +17,7 @@ from pathlib import Path
 from . import rundir
 from .checkpoint import load_model
 from .config import ConfigError, load_file, resolve
-from .corpus import CorpusOptions, CorpusStats, describe_skipped, iter_documents
+from .corpus import CorpusOptions, CorpusStats, describe_skipped, iter_documents, walk_tree
 from .data.hrm_batches import PlanData
 from .data.shards import prepare
 from .device import choose_device, cpu_native_bf16
@@ -90,7 +90,7 @@ def corpus_language(src: str, langs: list[str] | None) -> str | None:
     if langs:
         return langs[0]
     counts = {"python": 0, "go": 0}
-    paths = [Path(src)] if os.path.isfile(src) else (Path(r) / f for r, _, fs in os.walk(src) for f in fs)
+    paths = [Path(src)] if os.path.isfile(src) else (Path(r) / f for r, _, fs in walk_tree(src) for f in fs)
     for i, f in enumerate(paths):
         if i >= 200_000:
             break

@@ -342,6 +342,56 @@ def test_resume_refuses_a_training_state_with_a_nonsense_step(data_dir, run4, tm
     assert [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_")] == ["step_000004"]
 
 
+LOADER = "loader"  # the data cursor's entry in train_state.json: BatchLoader.state_dict() for a pretrain run
+
+
+@pytest.mark.parametrize("edit,words", [
+    (lambda ld: {"cursor": -10**12, "epoch": "x"}, "loader has no pos, seed, shuffle, world_size, B, T"),
+    (lambda ld: {k: v for k, v in ld.items() if k != "seed"}, "loader has no seed"),
+    (lambda ld: {**ld, "epoch": "x"}, "loader.epoch = 'x' is not an integer"),
+    (lambda ld: {**ld, "shuffle": "yes"}, "loader.shuffle = 'yes' is not true or false"),
+    (lambda ld: {**ld, "fim_rate": 7.5}, "loader.fim_rate = 7.5 is out of range [0.0, 1.0]"),
+    (lambda ld: {**ld, "pos": -10**12}, "loader.pos = -1000000000000 is out of range [0, "),
+    (lambda ld: {**ld, "B": 0}, "loader.B = 0 is out of range [1, "),
+    (lambda ld: {**ld, "pos": 10**9}, "loader.pos = 1000000000 is beyond the data"),
+    (lambda ld: {**ld, "start": 10**15}, "loader.start = 1000000000000000 is beyond the data"),
+    (lambda ld: [1, 2], "loader is a list, not the data loader's cursor"),
+])
+def test_resume_refuses_a_damaged_loader_entry(data_dir, run4, tmp_path, capsys, edit, words):
+    """Before: a loader entry with keys missing was `KeyError: 'seed'`, a wrong type a TypeError traceback, and a
+    negative or absurd cursor was trained from (silently starting another epoch)."""
+    from test_hostile_inputs import error_line, rehash
+    run = tmp_path / "r"
+    shutil.copytree(run4, run)
+    ck = run / "checkpoints" / "step_000004"
+    state = json.loads((ck / ckpt_io.STATE_JSON).read_text())
+    state[LOADER] = edit(state[LOADER])
+    (ck / ckpt_io.STATE_JSON).write_text(json.dumps(state))
+    rehash(ck)
+    assert main(resume_args(data_dir, run)) == 2
+    line = error_line(capsys.readouterr().err)  # one line, no traceback
+    assert f"{ck / ckpt_io.STATE_JSON}: {words}" in line and "use another checkpoint" in line, line
+    assert [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_")] == ["step_000004"]
+
+
+def test_resume_takes_the_loader_entry_it_saved(data_dir, run4, tmp_path):
+    """The check refuses no loader entry codeforge writes: one without the keys the loader reads with a default
+    (`start` and `rank`, written by later versions) resumes."""
+    run = tmp_path / "r"
+    shutil.copytree(run4, run)
+    from test_hostile_inputs import rehash
+    ck = run / "checkpoints" / "step_000004"
+    state = json.loads((ck / ckpt_io.STATE_JSON).read_text())
+    assert set(state[LOADER]) == {"epoch", "pos", "seed", "shuffle", "rank", "world_size", "B", "T", "fim_rate",
+                                  "fim_spm_rate", "start"}
+    for k in ("start", "rank"):
+        del state[LOADER][k]
+    (ck / ckpt_io.STATE_JSON).write_text(json.dumps(state))
+    rehash(ck)
+    assert main(resume_args(data_dir, run)) == 0
+    assert (run / "checkpoints" / "step_000006").is_dir()
+
+
 @pytest.mark.parametrize("text,words", [('model = "x"\n', "model = 'x' is not a table of settings"),
                                         ('[model]\nn_layer = "x"\n', "model.n_layer = 'x' is not an integer"),
                                         ('[model]\nn_embd = -4\n', "model.n_embd = -4 is out of range [16, 16384]"),
@@ -369,6 +419,27 @@ def test_weights_that_do_not_fit_say_which(tmp_path, tokenizer_dir):
     with pytest.raises(CheckpointError, match=r"weights do not fit the model \(missing \['wte.weight'\], "
                                               r"unexpected \[\]\)"):
         ckpt_io.load_weights(untied, ck)
+
+
+def test_a_checkpoint_whose_tokenizer_split_backtracks_is_refused(tmp_path, tokenizer_dir, capsys):
+    """Before: loaded, and `codeforge generate` on a 35-character prompt ended in a traceback (the tokenizer's
+    PanicException). Now load_model and generate refuse it, naming the file, its pre_tokenizer and the fix."""
+    from codeforge.models import build_model
+    from test_hostile_inputs import tiny_model_cfg
+    from test_tokenizer import BACKTRACKING_PROMPT, BACKTRACKING_SPLITS, assert_raw_tokenizers_panics, with_split
+    bad = with_split(tokenizer_dir, tmp_path / "bad", BACKTRACKING_SPLITS[0])
+    assert_raw_tokenizers_panics(bad)
+    m, _ = tiny_model_cfg(tokenizer_dir)
+    ck = ckpt_io.save_checkpoint(tmp_path / "r", 1, build_model(m), {"model": m.to_dict(), "train": {}}, {},
+                                 {"tokenizer": bad}, keep_last=1)
+    with pytest.raises(CheckpointError, match=r"tokenizer\.json: the split rule in its pre_tokenizer"):
+        load_model(ck, CPU)
+    capsys.readouterr()
+    assert main(["generate", "--run", str(tmp_path / "r"), "--prompt", BACKTRACKING_PROMPT,
+                 "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert str(ck / "tokenizer" / "tokenizer.json") in err and "pre_tokenizer" in err, err
+    assert "PanicException" not in err and "Traceback" not in err, err
 
 
 def test_resume_refuses_a_declared_model_its_weights_do_not_hold(data_dir, run4, tmp_path):

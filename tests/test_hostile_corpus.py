@@ -303,3 +303,77 @@ def test_chat_directory_symlink_out_of_the_tree_is_not_read(tmp_path):
     out = run_reader("chat", [d])
     assert out["kept"] == [GOOD_CHAT["messages"]]
     assert out["skipped"] == {"symlink_outside": 1, "not_regular_file": 1}
+
+
+# -- 4. a directory nest deeper than Python's recursion limit ----------------------------------------------
+
+DEEP = 1100  # levels: past Python's default recursion limit of 1,000 (os.walk recurses per level before 3.12)
+
+
+@pytest.fixture
+def deep_tree(tmp_path):
+    """tmp_path/tree/d/d/.../d, DEEP levels, with top.py at the top and deep.py at the bottom. Built 100
+    levels at a time (os.makedirs itself recurses once per missing level) and removed level by level
+    afterwards (shutil.rmtree, and so pytest's own cleanup of tmp_path, recurses too). Single-letter names
+    keep the deepest path (2 bytes a level) under PATH_MAX."""
+    root = tmp_path / "tree"
+    root.mkdir()
+    (root / "top.py").write_text("top = 1\n")
+    for n in range(100, DEEP + 100, 100):
+        os.makedirs(root.joinpath(*["d"] * min(n, DEEP)))
+    bottom = root.joinpath(*["d"] * DEEP)
+    (bottom / "deep.py").write_text("deep = 2\n")
+    yield root
+    (bottom / "deep.py").unlink()
+    for n in range(DEEP, 0, -1):
+        os.rmdir(root.joinpath(*["d"] * n))
+
+
+def test_corpus_walk_of_a_nest_deeper_than_the_recursion_limit_reads_the_deep_file(deep_tree):
+    out = run_reader("corpus", [deep_tree])
+    assert sorted(out["kept"]) == ["deep = 2\n", "top = 1\n"]
+    assert out["skipped"] == {}
+
+
+def test_tokenizer_train_takes_a_nest_deeper_than_the_recursion_limit(tmp_path, deep_tree):
+    r = subprocess.run([sys.executable, "-m", "codeforge", "tokenizer", "train", "--input", str(deep_tree),
+                        "--vocab-size", "300", "--out", str(tmp_path / "tok")],
+                       capture_output=True, text=True, timeout=TIMEOUT, preexec_fn=_limit_memory)
+    assert r.returncode == 0 and "RecursionError" not in r.stderr, r.stderr[-2000:]
+
+
+def test_prepare_takes_a_nest_deeper_than_the_recursion_limit(tmp_path, deep_tree, tokenizer_dir):
+    data = tmp_path / "data"
+    r = subprocess.run([sys.executable, "-m", "codeforge", "prepare", "--input", str(deep_tree), "--tokenizer",
+                        str(tokenizer_dir), "--out", str(data), "--val-fraction", "0"],
+                       capture_output=True, text=True, timeout=TIMEOUT, preexec_fn=_limit_memory)
+    assert r.returncode == 0 and "RecursionError" not in r.stderr, r.stderr[-2000:]
+    from codeforge.data.shards import ShardSet
+    from codeforge.tokenizer import CodeTokenizer
+    tok, ss = CodeTokenizer.load(data / "tokenizer"), ShardSet(data, "train")
+    assert sorted(tok.decode(ss.document(i)) for i in range(ss.documents)) == ["deep = 2\n", "top = 1\n"]
+
+
+def test_walk_tree_yields_what_os_walk_yields(tmp_path):
+    """walk_tree is os.walk without recursion: same entries, same order, same pruning, links not followed."""
+    from codeforge.corpus import walk_tree
+    for d in ["a/b/c", "a/x", "b", "node_modules/m"]:
+        (tmp_path / d).mkdir(parents=True)
+    for f in ["top.py", "a/one.py", "a/b/c/two.py", "node_modules/m/skip.js"]:
+        (tmp_path / f).write_text("x = 1\n")
+    (tmp_path / "a" / "loop").symlink_to(tmp_path)  # a directory link: named, never descended into
+    os.mkfifo(tmp_path / "b" / "pipe")
+
+    def walk(it):
+        out = []
+        for dirpath, dirnames, filenames in it:
+            dirnames.sort(reverse=True)  # the caller's order decides the walk's, as with os.walk
+            if "node_modules" in dirnames:
+                dirnames.remove("node_modules")
+            out.append((dirpath, list(dirnames), sorted(filenames)))
+        return out
+
+    assert walk(walk_tree(str(tmp_path))) == walk(os.walk(str(tmp_path)))
+    errors = []
+    assert list(walk_tree(str(tmp_path / "missing"), onerror=errors.append)) == []
+    assert [e.filename for e in errors] == [str(tmp_path / "missing")]

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from .. import CodeforgeError
+from ..corpus import walk_tree
 from ..models import ARCHS, config_class, state_shapes
 
 Error = type[CodeforgeError]  # the error class a caller raises (CheckpointError, ExportError, ...)
@@ -124,7 +125,7 @@ def check_inside(path: Path, root: Path, error: Error, fix: str = "") -> None:
 
 def check_files(root: Path, error: Error, fix: str) -> None:
     """Every file under directory `root` is a regular file inside it (links that stay inside are followed)."""
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+    for dirpath, dirnames, filenames in walk_tree(str(root)):  # any depth, links not entered
         for name in dirnames + filenames:
             p = Path(dirpath) / name
             if p.is_symlink():

@@ -1,6 +1,8 @@
 """The training state as safetensors + JSON (no pickle): encode and decode, RNG states, and reading the
 state of older (train_state.pt) checkpoints with weights_only. A state read back has its counters checked
-(check_counters): a step of 10^18, -5 or "x" is refused naming the file, not trained from."""
+(check_counters): a step of 10^18, -5 or "x" is refused naming the file, not trained from, and so is a data
+cursor with a key missing, a value of the wrong type or out of range, or (on --resume: check_loader) past the
+data."""
 
 from __future__ import annotations
 
@@ -137,10 +139,121 @@ def check_counters(st, f: Path, ckpt: Path) -> dict:
         v = st.get(key)
         if v is not None and (not isinstance(v, numbers.Real) or isinstance(v, bool)):
             raise CheckpointError(f"{f}: {key} = {v!r} is not a number; {DAMAGED}")
+    if "loader" in st:
+        check_loader(st["loader"], f, ckpt)
     if STEP_RE.fullmatch(ckpt.name) and st["step"] != step_of(ckpt):
         raise CheckpointError(f"{f}: step = {st['step']!r} but the checkpoint is {ckpt.name} (it was saved at step "
                               f"{step_of(ckpt)}); {DAMAGED}")
     return st
+
+
+# The data cursor: train_state.json's "loader", the batch source's state_dict(). The keys its load_state_dict()
+# reads, per kind of training data (config.py's Stage.data), and the values every key may take: counters as a
+# signed 64-bit count, sizes as positive 32-bit ones, the seed as train.seed may be (config.py), the FIM rates as
+# fractions, flags as booleans. Keys a loader saves but reads with a default (start, rank, fim_*) are checked
+# when present, so a state written before they existed still resumes.
+LOADER_KEYS = {
+    "shards": ("epoch", "pos", "seed", "shuffle", "world_size", "B", "T"),  # data/loader.py BatchLoader
+    "chat shards": ("epoch", "pos", "seed", "shuffle", "world_size", "B", "T"),  # data/loader.py ChatBatchLoader
+    "plans": ("epoch", "pos", "drawn", "seed", "shuffle", "world_size", "B", "accum", "plan_len", "code_len"),
+    "pairs": ("epoch", "cursor"),  # data/pairs.py PairBatches
+    "tasks": ("round", "cursor"),  # stages/rl.py
+}
+_COUNT, _SIZE = (0, 2**63 - 1), (1, 2**31 - 1)
+LOADER_FIELDS: dict[str, tuple | type] = {
+    "epoch": _COUNT, "pos": _COUNT, "start": _COUNT, "drawn": _COUNT, "cursor": _COUNT, "round": _COUNT,
+    "pairs": _COUNT, "tasks": _COUNT, "seed": (0, 2**63 - 1), "rank": (0, 2**31 - 1), "world_size": _SIZE,
+    "B": _SIZE, "T": _SIZE, "accum": _SIZE, "plan_len": _SIZE, "code_len": _SIZE, "fim_rate": (0.0, 1.0),
+    "fim_spm_rate": (0.0, 1.0), "shuffle": bool, "chat": bool}
+
+
+def check_loader(loader, f: Path, ckpt: Path, data: str | None = None, tokens: int | None = None) -> dict:
+    """`loader`, the data cursor read from file `f` of checkpoint `ckpt`, once every field it has holds a value
+    of its type and range (LOADER_FIELDS). data: the kind of training data the run reads (config.py's
+    Stage.data): the keys its loader reads must be there (LOADER_KEYS). tokens: the size of the training split
+    of packed shards, which the cursor may not pass (it counts whole sequences of T+1 tokens of it)."""
+    fix = f"{DAMAGED}, or start a new run from its weights with --init-from {ckpt}"
+    if not isinstance(loader, dict):
+        raise CheckpointError(f"{f}: loader is a {type(loader).__name__}, not the data loader's cursor (an object "
+                              f"of its epoch, position and settings); {fix}")
+    missing = [k for k in LOADER_KEYS.get(data, ()) if k not in loader]
+    if missing:
+        raise CheckpointError(f"{f}: loader has no {', '.join(missing)} (a run on {data} saves "
+                              f"{', '.join(LOADER_KEYS[data])}); {fix}")
+    for key, want in LOADER_FIELDS.items():
+        if key not in loader:
+            continue
+        v = loader[key]
+        if want is bool:
+            if not isinstance(v, (bool, np.bool_)):
+                raise CheckpointError(f"{f}: loader.{key} = {v!r} is not true or false; {fix}")
+            continue
+        lo, hi = want
+        kind = numbers.Integral if isinstance(lo, int) else numbers.Real
+        if not isinstance(v, kind) or isinstance(v, bool):
+            what = "an integer" if kind is numbers.Integral else "a number"
+            raise CheckpointError(f"{f}: loader.{key} = {v!r} is not {what}; {fix}")
+        if not lo <= v <= hi:
+            raise CheckpointError(f"{f}: loader.{key} = {v!r} is out of range [{lo}, {hi}]; {fix}")
+    if "buffer" in loader and not (loader["buffer"] is None or isinstance(loader["buffer"], dict)):
+        raise CheckpointError(f"{f}: loader.buffer is a {type(loader['buffer']).__name__}, not a rollout; {fix}")
+    if tokens is not None and data in ("shards", "chat shards") and "pos" in loader:
+        _check_cursor_in_data(loader, f, data, tokens, fix)
+    return loader
+
+
+def _check_cursor_in_data(loader: dict, f: Path, data: str, tokens: int, fix: str) -> None:
+    """A packed loader has read start + pos x B x world_size sequences of T+1 tokens of one epoch's order, never
+    more than the split holds (tokens // T: fewer still, as no sequence spans two shards); a chat loader's pos
+    counts conversation pieces of at least one token each."""
+    if data == "chat shards":
+        if loader["pos"] > tokens:
+            raise CheckpointError(f"{f}: loader.pos = {loader['pos']!r} is beyond the data: it counts conversation "
+                                  f"pieces read this epoch, and the training split holds {tokens:,} tokens; {fix}")
+        return
+    most = tokens // loader["T"]
+    start = loader.get("start", 0)
+    if start > most:
+        raise CheckpointError(f"{f}: loader.start = {start!r} is beyond the data: the training split holds "
+                              f"{tokens:,} tokens, at most {most:,} sequences of T+1 = {loader['T'] + 1}; {fix}")
+    read = start + loader["pos"] * loader["B"] * loader["world_size"]
+    if read > most:
+        raise CheckpointError(f"{f}: loader.pos = {loader['pos']!r} is beyond the data: start {start} + pos x B "
+                              f"{loader['B']} x world_size {loader['world_size']} = {read:,} sequences read this "
+                              f"epoch, but the training split holds {tokens:,} tokens, at most {most:,} sequences "
+                              f"of T+1 = {loader['T'] + 1}; {fix}")
+
+
+class _Unread(dict):
+    """The tensors of a state skeleton decoded without them: each reads as None."""
+
+    def __missing__(self, key):
+        return None
+
+
+def loader_state(ckpt: Path) -> tuple[object, Path] | None:
+    """(the data cursor saved with checkpoint `ckpt`, unchecked; the file it is in), read without the state's
+    tensors where it can be (train_state.json), so --resume can check it before anything is built. None when
+    the checkpoint holds no training state at all (load_train_state refuses that, saying what to do)."""
+    ckpt = Path(ckpt)
+    if not (ckpt / STATE_JSON).exists() and not (ckpt / LEGACY_STATE).exists():
+        return None
+    if (ckpt / STATE_JSON).exists():
+        f = ckpt / STATE_JSON
+        st = read_json(f, STATE_BYTES, CheckpointError, DAMAGED)
+        if isinstance(st, dict) and "loader" in st:
+            try:  # NumPy scalars as they were saved; a tensor (a rollout's) as None, as it is not read here
+                st = {"loader": decode_state(st["loader"], _Unread())}
+            except (ValueError, TypeError, AttributeError, RecursionError) as e:
+                raise CheckpointError(f"{f}: the loader is unreadable ({type(e).__name__}: {e}); {DAMAGED}") from e
+    else:
+        st, f = load_train_state(ckpt), ckpt / LEGACY_STATE
+    if not isinstance(st, dict):
+        raise CheckpointError(f"{f} is a {type(st).__name__}, not a training state; {DAMAGED}")
+    if "loader" not in st:
+        raise CheckpointError(f"{f} has no loader (the data cursor); {DAMAGED}, or start a new run from its "
+                              f"weights with --init-from {ckpt}")
+    return st["loader"], f
 
 
 def load_train_state(ckpt: Path) -> dict:

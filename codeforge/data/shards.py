@@ -39,7 +39,7 @@ import numpy as np
 from .. import CodeforgeError, __version__
 from ..atomic import publish, staging_dir
 from ..chat import encode_conversation, read_conversations, render_text
-from ..corpus import CorpusOptions, CorpusStats, content_hash, iter_documents, line_limit, split_of
+from ..corpus import CorpusOptions, CorpusStats, content_hash, iter_documents, line_limit, split_of, walk_tree
 from ..tokenizer import CodeTokenizer, META_FILE, TOKENIZER_FILE, write_hf_config
 
 SPLITS = ("train", "val")
@@ -124,7 +124,7 @@ def _fingerprint(sources: list[str], tok_hash: str, options: dict) -> str:
         # os.fsencode: a file name need not be UTF-8 (Python holds its odd bytes as surrogates)
         h.update(os.fsencode(src if src.startswith("hf:") else os.path.abspath(src)))
         if os.path.isdir(src):
-            for dirpath, dirnames, filenames in os.walk(src):
+            for dirpath, dirnames, filenames in walk_tree(src):  # any depth (os.walk recurses)
                 dirnames.sort()
                 for name in sorted(filenames):
                     try:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 
 from ..checkpoint import STATE_JSON, read_config
+from ..checkpoint.state import check_loader, loader_state
+from ..config import STAGE
 from ..fields import ConfigError
 
 
@@ -81,7 +83,11 @@ def check_resume(ck: Path, run_config: dict, other_ranks: str = "rescale") -> tu
 
     On another number of ranks (`world_size`), other_ranks says what the stage's batches allow (config.py's
     stage table): "rescale" keeps the global batch by scaling the accumulation, which is then not the one
-    asked for; "refuse": the batches depend on the ranks, so the run resumes on as many as it saved."""
+    asked for; "refuse": the batches depend on the ranks, so the run resumes on as many as it saved.
+
+    The saved data cursor (train_state.json's loader) is checked too (checkpoint/state.py's check_loader):
+    CheckpointError naming the file and the field when it lacks a key this stage's loader reads, holds a value
+    of the wrong type or range, or points past the training data."""
     saved = read_config(ck)
     st, nt = saved.get("train", {}), run_config["train"]
     accum = nt["grad_accum_steps"]
@@ -125,6 +131,11 @@ def check_resume(ck: Path, run_config: dict, other_ranks: str = "rescale") -> tu
             f"depend on it (checkpoint -> now): {'; '.join(fixed)}. To continue that run exactly, "
             f"{' and '.join(fix)}; or start a new run from its weights with these settings: "
             f"--init-from {ck} --out NEW_RUN")
+    # The data cursor, checked against this stage's loader and (packed shards) the data it will read on from:
+    # a damaged one would otherwise be a KeyError or TypeError inside the loader, or silently another epoch
+    if (cursor := loader_state(ck)) is not None:
+        stage = STAGE.get(nt.get("stage"))
+        check_loader(*cursor, ck, stage.data if stage else None, (nd or {}).get("tokens"))
     if nt.get("eval_tokens") == saved.get("eval_tokens_asked"):  # the run sized its evaluation down from this
         st = {**st, "eval_tokens": nt["eval_tokens"]}  # --eval-tokens: asked again, it is sized the same again
     changed = [f"train.{k} {st[k]!r} -> {nt[k]!r}" for k in RESUME_NOTED if k in st and st[k] != nt[k]]
