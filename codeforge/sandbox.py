@@ -55,8 +55,9 @@ Two ways to decide "passed":
     pipe only after the program's last statement returned, so `sys.exit(0)`, `os._exit` or a signal before
     the tests finish are failures. Known limit: the runner shares the program's process, so a program
     written against it (reading the report pipe's number from /proc/self/cmdline and copying the nonce)
-    can forge a pass. Callers use this kind only where a test cannot be split into inputs and expected
-    values, and say so.
+    can forge a pass. Callers use this kind only where a test can be neither split into inputs and expected
+    values nor recorded on a reference solution (the calls a test makes, recorded in a box of their own and
+    then judged as above), mark it verdict "in_box", and report its passes apart from pass rates and pass@k.
 
 Where bubblewrap is missing, run_python refuses with the command to install it, unless the caller passes
 `unsafe_no_sandbox=True` (`--unsafe-no-sandbox` on the command line): the same limits and runner, no

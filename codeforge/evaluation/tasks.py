@@ -39,7 +39,10 @@ def task_eval(model, tok: CodeTokenizer, device, precision: str, tasks: list[dic
     at `temperature` with the unbiased pass@1. Each program runs once in the sandbox. Also the share of
     samples that parse, the mean execution reward, and the outcomes (passed, wrong, runtime_error, no_parse,
     early_exit: a program that exited before its values came back; not_data ...) and how many samples the
-    name screen flagged (task_suspect)."""
+    name screen flagged (task_suspect). task_pass_at_1, task_solved and the mean reward count only tasks
+    judged outside the box (task_judged_outside of them; None when there is none); task_judged says how many
+    samples were judged each way, task_in_box_passed how many in-box checks ran to their end (reported
+    apart: a program can forge that)."""
     if not tasks:
         raise EvalError("no tasks to evaluate")
     n = samples if temperature > 0 else 1
@@ -48,22 +51,28 @@ def task_eval(model, tok: CodeTokenizer, device, precision: str, tasks: list[dic
                             unsafe_no_sandbox=unsafe_no_sandbox)
     outcomes: dict[str, int] = dict(Counter(r["outcome"] for r in res))
     suspect = sum(r["suspect"] is not None for r in res)
-    passed = [r["outcome"] == "passed" for r in res]
-    per_task = [sum(passed[i * n:(i + 1) * n]) for i in range(len(tasks))]
-    return {"task_pass_at_1": sum(pass_at_k(n, c, 1) for c in per_task) / len(tasks),
+    outside = [i for i in range(len(tasks)) if res[i * n]["verdict"] == "outside"]  # one verdict per task
+    per_task = [sum(r["outcome"] == "passed" for r in res[i * n:(i + 1) * n]) for i in outside]
+    judged = [r for r in res if r["verdict"] == "outside"]
+    return {"task_pass_at_1": sum(pass_at_k(n, c, 1) for c in per_task) / len(per_task) if per_task else None,
             "task_solved": sum(c > 0 for c in per_task), "tasks": len(tasks), "task_samples": n,
             "task_syntax_valid": 1 - outcomes.get("no_parse", 0) / len(res),
-            "task_mean_reward": sum(r["reward"] for r in res) / len(res),
+            "task_mean_reward": sum(r["reward"] for r in judged) / len(judged) if judged else None,
             "task_mean_tokens": sum(len(o[1]) for o in out) / len(out), "task_outcomes": outcomes,
+            "task_judged": {"outside": len(judged), "in_box": len(res) - len(judged)},
+            "task_judged_outside": len(outside), "task_in_box_passed": outcomes.get("passed_in_box", 0),
             "task_suspect": suspect}
 
 
 def score_completions(tasks: list[dict], rows: list[dict], ks: list[int] = (1,), timeout: float = 5.0,
                       unsafe_no_sandbox: bool = False) -> tuple[dict, list[dict]]:
     """(summary, per-sample results) of given completions, no model: rows are {"task_id", "completion"}
-    (task_id: a task's "id"; several rows per task are several samples). pass@k over the tasks that have
-    rows (k up to the fewest samples of a task), the mean execution reward and the outcomes. Each result is
-    its row plus execution_rewards' "reward", "outcome", "detail", "verdict", "suspect" and "passed"."""
+    (task_id: a task's "id"; several rows per task are several samples). pass@k over the tasks judged
+    outside the box that have rows (k up to the fewest samples of such a task; None when there is none),
+    counting only passes judged outside; the mean execution reward of those samples; the outcomes; `judged`:
+    samples judged outside and in the box; `tasks_in_box` and `in_box_passed` (in-box checks that ran to
+    their end, reported apart: a program can forge that). Each result is its row plus execution_rewards'
+    "reward", "outcome", "detail", "verdict", "suspect" and "passed" (judged outside and passed)."""
     by_id = {t["id"]: t for t in tasks}
     for i, r in enumerate(rows):
         if r["task_id"] not in by_id:
@@ -71,16 +80,23 @@ def score_completions(tasks: list[dict], rows: list[dict], ks: list[int] = (1,),
                             f"(e.g. {next(iter(by_id))!r})")
     res = execution_rewards([by_id[r["task_id"]] for r in rows], [r["completion"] for r in rows],
                             timeout=timeout, unsafe_no_sandbox=unsafe_no_sandbox)
-    out = [r | x | {"passed": x["outcome"] == "passed"} for r, x in zip(rows, res)]
+    out = [r | x | {"passed": x["outcome"] == "passed" and x["verdict"] == "outside"} for r, x in zip(rows, res)]
     per_task: dict[str, list[bool]] = {}
     for r in out:
-        per_task.setdefault(r["task_id"], []).append(r["passed"])
-    n_min = min(len(v) for v in per_task.values())
-    summary = {f"pass@{k}": sum(pass_at_k(len(v), sum(v), k) for v in per_task.values()) / len(per_task)
-               for k in ks if k <= n_min}
-    summary.update({"tasks": len(per_task), "samples": len(out),
-                    "mean_reward": sum(r["reward"] for r in out) / len(out),
+        if r["verdict"] == "outside":
+            per_task.setdefault(r["task_id"], []).append(r["passed"])
+    n_min = min((len(v) for v in per_task.values()), default=0)
+    summary: dict = {f"pass@{k}": (sum(pass_at_k(len(v), sum(v), k) for v in per_task.values()) / len(per_task)
+                                   if per_task else None) for k in ks if k <= n_min or not per_task}
+    judged = [r for r in out if r["verdict"] == "outside"]
+    used = dict.fromkeys(r["task_id"] for r in out)
+    summary.update({"tasks": len(used), "samples": len(out),
+                    "mean_reward": sum(r["reward"] for r in judged) / len(judged) if judged else None,
                     "outcomes": dict(Counter(r["outcome"] for r in out)),
-                    "judged_outside": sum(r["verdict"] == "outside" for r in out),
+                    "judged": {"outside": len(judged), "in_box": len(out) - len(judged)},
+                    "judged_outside": len(judged),
+                    "tasks_judged_outside": len(per_task),
+                    "tasks_in_box": [t for t in used if t not in per_task],
+                    "in_box_passed": sum(r["outcome"] == "passed_in_box" for r in out),
                     "suspect": sum(r["suspect"] is not None for r in out)})
     return summary, out

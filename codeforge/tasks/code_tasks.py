@@ -38,14 +38,22 @@ compared with the expected values, which never enter the box. All programs of a 
     runtime_error  0.25  a call raised, or the program failed, timed out or hit the memory limit
     wrong          0.5   every call returned data and one value differs
     passed         1.0   every value equals the expected one
+    passed_in_box  1.0   (in-box tests only) the program ran to its end: forgeable, never counted as a pass
 
 The partial credit orders "runs but is wrong" above "crashes" so a policy has a gradient towards code that
 at least executes. A program cannot forge a pass: writing the right values means computing them. The name
 screen (`tampering`: frames, the report pipes, its own file, __eq__ ...) only counts attempts (`suspect`)
-and withholds partial credit from them. Tests that do not split (other statements, non-literal arguments)
-run inside the program as before (verdict "in_box", the reference harness's semantics, forgeable by code
-written against the runner; a flagged completion is then refused unrun, "tampering"); RL rewards refuse
-them (trusted_only).
+and withholds partial credit from them. Tests that do not split (other statements, loops, random or
+computed arguments) are judged outside too when the task has a reference "solution" (`record_tasks`): the
+tests run once in the box against the solution, with the global random generator seeded, and record every
+call they make of the entry function (its arguments, the solution's value and, where the solution changed
+an argument in place, the argument afterwards); a completion must then give the same plain values on those
+calls (floats within RECORDED_FLOAT_TOL), judged here like split tests (verdict "outside"). That is stricter
+than tests that accept several answers. Only where that cannot be done (no solution, no single entry
+function, tests that expect an exception or use more of the solution than the entry) do the tests run inside
+the program as before (verdict "in_box", the reference harness's semantics, forgeable by code written against
+the runner; a flagged completion is then refused unrun, "tampering"): a pass there is "passed_in_box", which
+pass rates and pass@k leave out and report apart. RL rewards refuse that kind (trusted_only).
 
 Users bring their own tasks as JSONL (`load_tasks`): "prompt" and "tests" required; "entry_point",
 "solution", "id", "level", "family" optional. `validate_tasks` drops tasks whose tests do not parse, that
@@ -84,7 +92,7 @@ KINDS = ("string", "list", "arithmetic", "dict")
 LEVELS = (1, 2, 3)
 HELDOUT_FRACTION = 0.2
 REWARDS = {"no_parse": 0.0, "early_exit": 0.0, "tampering": 0.0, "not_data": 0.0, "bad_report": 0.0,
-           "runtime_error": 0.25, "wrong": 0.5, "passed": 1.0}
+           "runtime_error": 0.25, "wrong": 0.5, "passed": 1.0, "passed_in_box": 1.0}
 # What a solution of a small function never needs, and what the forged passes found in review use: reading
 # the program's own file or the report pipes, walking frames, reaching into the interpreter, and objects
 # that compare equal to anything. A completion that touches one is not run; it scores 0 as "tampering".
@@ -1102,10 +1110,28 @@ def tampering(code: str) -> str | None:
 @dataclass
 class Cases:
     """A task's tests split into calls and what must come back: the box is given `calls` only; `checks`
-    (per call ("eq", expected) | ("truthy", bool) | ("is", None/True/False)) never enter it."""
+    (per call ("eq", expected) | ("truthy", bool) | ("is", None/True/False) | ("pred", a Property judged
+    here on the plain value) | ("ref", (expected value, arguments after the call or None)): the reference's
+    value, and where the reference changed its arguments in place, their state afterwards) never enter it.
+    `suffix` is code appended to the program (WRAP_CODE, for "ref" checks of arguments), `shown` the name
+    details use for `entry`, `float_tol` the least tolerance on float values (recorded references)."""
     entry: str
     calls: list[tuple[tuple, dict]]
     checks: list[tuple[str, object]]
+    suffix: str = ""
+    shown: str | None = None
+    float_tol: float = 0.0
+
+
+class Property:
+    """A check judged outside the box on a call's plain return value (HumanEval/32: a root of the polynomial,
+    not the canonical solution's root): `test(value)` -> bool, `text` says what was expected."""
+
+    def __init__(self, test: Callable[[object], bool], text: str):
+        self.test, self.text = test, text
+
+    def __call__(self, value) -> bool:
+        return bool(self.test(value))
 
 
 MAX_FOLDED = 100_000  # items of a sequence, or bits of an integer, that folding `'ab' * 3` may build
@@ -1215,13 +1241,14 @@ def _safe_repr(v, n: int = 80) -> str:
 def _shown(cases: Cases, i: int) -> str:
     args, kwargs = cases.calls[i]
     text = ", ".join([_safe_repr(a) for a in args] + [f"{k}={_safe_repr(v)}" for k, v in kwargs.items()])
-    return f"{cases.entry}({text[:80]}{'...' if len(text) > 80 else ''})"
+    return f"{cases.shown or cases.entry}({text[:80]}{'...' if len(text) > 80 else ''})"
 
 
 def judge(cases: Cases, outputs: list | None, float_tol: float = 0.0) -> tuple[str, str]:
     """(outcome, detail) of one run's return values against the checks: passed, wrong (a value differs),
     runtime_error (a call raised), not_data (a value that is not plain data came back)."""
     checks = cases.checks
+    float_tol = max(float_tol, cases.float_tol)
     if outputs is None or len(outputs) != len(checks):
         return "runtime_error", "no return values"
     for i, ((kind, want), (status, got)) in enumerate(zip(checks, outputs)):
@@ -1229,15 +1256,32 @@ def judge(cases: Cases, outputs: list | None, float_tol: float = 0.0) -> tuple[s
             return "runtime_error", f"{_shown(cases, i)} raised {got}"
         if status == "not_data":
             return "not_data", f"{_shown(cases, i)} returned a {got}, not plain data"
+        if kind == "ref" and cases.suffix and not (type(got) is list and len(got) == 3):
+            return "bad_report", f"{_shown(cases, i)}: the wrapper's record is malformed"
     for i, ((kind, want), (_, got)) in enumerate(zip(checks, outputs)):
+        after = None
+        if kind == "ref":  # the reference's value, and its arguments afterwards where it changed them
+            want, after = want
+            if cases.suffix:
+                got, got_args, got_kwargs = got
         try:
-            ok = (same(want, got, float_tol) if kind == "eq" else got is want if kind == "is"
-                  else bool(got) == want)
+            if kind in ("eq", "ref"):
+                ok = same(want, got, float_tol)
+            elif kind == "is":
+                ok = got is want
+            elif kind == "pred":
+                ok = want(got)
+            else:
+                ok = bool(got) == want
         except Exception:
             ok = False
+        if ok and after is not None and not (same(after[0], got_args, float_tol) and same(after[1], got_kwargs, float_tol)):
+            return "wrong", (f"{_shown(cases, i)} left its arguments as {_safe_repr([got_args, got_kwargs])}, "
+                             f"expected {_safe_repr(after)}")
         if not ok:
-            want_text = {"eq": _safe_repr(want), "is": repr(want), "truthy": "a true value" if want else
-                         "a false value"}[kind]
+            want_text = {"eq": _safe_repr(want), "ref": _safe_repr(want), "is": repr(want),
+                         "pred": getattr(want, "text", "a value with the checked property"),
+                         "truthy": "a true value" if want else "a false value"}[kind]
             return "wrong", f"{_shown(cases, i)} returned {_safe_repr(got)}, expected {want_text}"
     return "passed", ""
 
@@ -1251,8 +1295,8 @@ def _asserts(code: str) -> bool:
 
 def _outcome(res, own_asserts: bool = False) -> str:
     """The outcome of an in-box run (tests inside the program)."""
-    if res.passed:
-        return "passed"
+    if res.passed:  # ran to its end: forgeable, so never "passed" (reported apart from pass rates)
+        return "passed_in_box"
     if "before its end" in res.detail:  # the sandbox's words for sys.exit()/os._exit() before the last line
         return "early_exit"
     if res.status == "failed" and res.detail.startswith("AssertionError") and not own_asserts:
@@ -1271,6 +1315,163 @@ def io_outcome(res, cases: Cases, float_tol: float = 0.0) -> tuple[str, str]:
     return "runtime_error", res.detail
 
 
+# -- tests that do not split: their calls recorded on the reference, judged outside all the same -------------
+
+RECORD_ENTRY = "__codeforge_record__"   # the recording program's function that returns the record
+CALL_ENTRY = "__codeforge_call__"       # the candidate's wrapper where arguments changed in place matter
+RECORD_SEED = 0                         # random test inputs are drawn the same way every time
+# Put between the reference solution and the tests (ENTRY replaced by the function's name): ENTRY becomes a
+# wrapper that records each outermost call's arguments (copied before the call), its return value and, where
+# the call changed them in place, the arguments afterwards; the global random generator is seeded. Runs in the
+# box like any program (the reference is the task author's code), the record comes back as plain data.
+RECORD_CODE = """
+import copy as _cf_copy, random as _cf_random
+_cf_calls, _cf_depth, _cf_real = [], [0], ENTRY
+def ENTRY(*args, **kwargs):
+    if _cf_depth[0]:
+        return _cf_real(*args, **kwargs)
+    before = _cf_copy.deepcopy((args, kwargs))
+    seen = repr(before)
+    _cf_depth[0] += 1
+    try:
+        value = _cf_real(*args, **kwargs)
+    except BaseException as e:
+        _cf_calls.append(["raised", type(e).__name__])
+        raise
+    finally:
+        _cf_depth[0] -= 1
+    changed = None if repr((args, kwargs)) == seen else _cf_copy.deepcopy([args, kwargs])
+    _cf_calls.append([before[0], before[1], _cf_copy.deepcopy(value), changed])
+    return value
+def __codeforge_record__():
+    return _cf_calls
+_cf_random.seed(%d)
+""" % RECORD_SEED
+# Appended to a candidate's program when a recorded call changed its arguments: the values and the arguments
+# afterwards come back together (as plain data, like any return value).
+WRAP_CODE = """
+def __codeforge_call__(*args, **kwargs):
+    return [ENTRY(*args, **kwargs), args, kwargs]
+"""
+MAX_RECORDED_CALLS = 2000
+_recorded: dict[str, "Cases | str"] = {}  # content hash of (solution, tests, entry) -> Cases, or why none
+
+
+def record_program(reference: str, entry: str, tests: str) -> str:
+    """The program that records the calls `tests` make of `entry`, defined by `reference` (RECORD_CODE)."""
+    return reference.rstrip() + "\n\n" + RECORD_CODE.replace("ENTRY", entry) + "\n" + tests.rstrip() + "\n"
+
+
+def record_calls(jobs: list[tuple[str, str]], timeout: float = 10.0, **kw) -> list[list | str]:
+    """For each (program from record_program, entry): [(args, kwargs, value, arguments afterwards or None)] of
+    every outermost call the tests made, or why the calls cannot be judged outside (the reference failed, a
+    value is not plain data, a call raised, no call at all)."""
+    if not jobs:
+        return []
+    results = run_many([prog for prog, _ in jobs], timeout=timeout,
+                       calls=[encode_calls(RECORD_ENTRY, [((), {})])] * len(jobs), **kw)
+    out: list[list | str] = []
+    for (_, entry), res in zip(jobs, results):
+        if not res.passed:
+            out.append(f"the reference solution fails its tests: {res.status}: {res.detail}")
+            continue
+        status, rows = res.outputs[0]
+        if status != "ok":
+            out.append(f"the reference's calls of {entry} do not come back as plain data ({status}: {rows})")
+            continue
+        raised = next((r[1] for r in rows if isinstance(r, list) and len(r) == 2 and r[0] == "raised"), None)
+        if raised is not None:
+            out.append(f"the tests expect {entry} to raise ({raised}), which return values cannot show")
+        elif not rows:
+            out.append(f"the tests never call {entry}")
+        elif len(rows) > MAX_RECORDED_CALLS:
+            out.append(f"the tests call {entry} more than {MAX_RECORDED_CALLS} times")
+        elif not all(type(r) is list and len(r) == 4 and type(r[0]) is tuple and type(r[1]) is dict
+                     and all(type(k) is str for k in r[1]) and (r[3] is None or (type(r[3]) is list and len(r[3]) == 2))
+                     for r in rows):
+            out.append("malformed record of calls")
+        else:
+            out.append([(r[0], r[1], r[2], r[3]) for r in rows])
+    return out
+
+
+def recorded_cases(entry: str, rows: list, float_tol: float = 0.0, prop=None) -> Cases:
+    """Cases from record_calls' rows: each call must give the reference's value ("ref"), or pass `prop(args,
+    kwargs)` -> Property where one is given; where the reference changed an argument in place, the candidate's
+    arguments afterwards must equal the reference's too (the program then gets WRAP_CODE)."""
+    calls = [(args, kwargs) for args, kwargs, _, _ in rows]
+    wrap = prop is None and any(changed is not None for *_, changed in rows)
+    checks = [("pred", prop(args, kwargs)) if prop else ("ref", (value, changed))
+              for args, kwargs, value, changed in rows]
+    return Cases(CALL_ENTRY if wrap else entry, calls, checks, WRAP_CODE.replace("ENTRY", entry) if wrap else "",
+                 entry, float_tol)
+
+
+def task_entry(task: dict) -> str | None:
+    """The function a task's tests call: its entry_point, else the one function of its solution the tests use."""
+    ep = task.get("entry_point")
+    if isinstance(ep, str) and ep.isidentifier():
+        return ep
+    try:
+        defined = {n.name for n in ast.parse(task.get("solution") or "").body
+                   if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        used = {n.id for n in ast.walk(ast.parse(task["tests"])) if isinstance(n, ast.Name)}
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    both = defined & used
+    return next(iter(both)) if len(both) == 1 else None
+
+
+def _other_names(task: dict, entry: str) -> set[str]:
+    """Names the solution defines at its top level (functions, classes, variables) that the tests use besides
+    `entry`: recorded values of `entry` alone would not judge those."""
+    sol, tests = ast.parse(task["solution"]), ast.parse(task["tests"])
+    defined = set()
+    for n in sol.body:
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(n.name)
+        elif isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target]):
+                defined |= {x.id for x in ast.walk(t) if isinstance(x, ast.Name)}
+    own = {x.id for x in ast.walk(tests) if isinstance(x, ast.Name) and isinstance(x.ctx, ast.Store)}
+    own |= {n.name for n in ast.walk(tests) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    own |= {(a.asname or a.name).split(".")[0] for n in ast.walk(tests) if isinstance(n, (ast.Import, ast.ImportFrom))
+            for a in n.names}
+    used = {x.id for x in ast.walk(tests) if isinstance(x, ast.Name) and isinstance(x.ctx, ast.Load)}
+    return (defined & used) - own - {entry}
+
+
+RECORDED_FLOAT_TOL = 1e-6  # a float compared with a recorded reference value (the tests' own tolerance is unknown)
+
+
+def record_tasks(tasks: list[dict], timeout: float = 10.0, **kw) -> list[Cases | str]:
+    """For tasks whose tests do not split: Cases of the calls the tests make of the entry function, recorded on
+    the task's reference solution (cached per process), or why the task can only be judged in the box (no
+    solution, no single entry function, the tests use more of the solution, a call raised ...)."""
+    keys, jobs, out = [], [], []
+    for t in tasks:
+        entry = task_entry(t)
+        why = None
+        if not t.get("solution"):
+            why = "no reference solution to record the tests' calls on"
+        elif entry is None:
+            why = "no entry_point (and not one function of the solution the tests call)"
+        elif _syntax_error(t["solution"]) or _syntax_error(t["tests"]):
+            why = "the solution or the tests do not parse"
+        elif other := _other_names(t, entry):
+            why = f"the tests use {', '.join(sorted(other))} of the solution besides {entry}"
+        key = content_hash(f"{t.get('solution')}\0{t['tests']}\0{entry}").hex()
+        if why:
+            _recorded.setdefault(key, why)
+        elif key not in _recorded and key not in keys:
+            keys.append(key)
+            jobs.append((record_program(t["solution"], entry, t["tests"]), entry))
+        out.append(key)
+    for key, (_, entry), rows in zip(keys, jobs, record_calls(jobs, timeout, **kw)):
+        _recorded[key] = rows if isinstance(rows, str) else recorded_cases(entry, rows, RECORDED_FLOAT_TOL)
+    return [_recorded[k] for k in out]
+
+
 class UnsplitTask(TaskError):
     """A task whose tests cannot be split into calls and expected values, where only that verdict will do."""
 
@@ -1281,26 +1482,35 @@ def execution_rewards(tasks: list[dict], completions: list[str], timeout: float 
     """{"reward", "outcome", "detail", "verdict", "suspect"} for each (task, completion): see REWARDS in the
     module docstring. Every program that parses runs once, all of them in one parallel sandbox.run_many call.
 
-    verdict "outside": the tests split into calls and expected values (split_tests); the box returns the
-    values and they are judged here. verdict "in_box": the tests run inside the program (the reference
-    harness's semantics, which a program written against the runner can forge); a completion the name screen
-    flags is then refused unrun ("tampering"). trusted_only=True (RL rewards) raises UnsplitTask instead of
-    ever using the in-box kind. "suspect" is the name screen's reason or None: a counter of attempts, not
+    verdict "outside": the tests split into calls and expected values (split_tests), or, where they do not,
+    the calls they make of the entry function are recorded on the task's reference solution (record_tasks) and
+    the candidate must return the reference's values on them; either way the box returns the values and they
+    are judged here. verdict "in_box" (no solution to record on, a call expected to raise ...): the tests run
+    inside the program (the reference harness's semantics, which a program written against the runner can
+    forge); a completion the name screen flags is then refused unrun ("tampering"), and one that runs to its
+    end is "passed_in_box", never "passed": pass rates leave it out and report it apart. trusted_only=True
+    (RL rewards) raises UnsplitTask instead of ever using the in-box kind. "suspect" is the name screen's reason or None: a counter of attempts, not
     the defence; a suspect completion that does not pass earns 0, not partial credit."""
     if len(tasks) != len(completions):
         raise TaskError(f"{len(tasks)} tasks but {len(completions)} completions: they go in pairs")
     out: list[dict | None] = [None] * len(tasks)
     runs: list[tuple[int, str, Cases | None, str | None]] = []
     split: dict[int, Cases | str] = {}
+    for task in tasks:
+        if id(task) not in split:
+            split[id(task)] = split_tests(task["tests"], task.get("entry_point"))
+    unsplit = [t for t in {id(t): t for t in tasks}.values() if not isinstance(split[id(t)], Cases)]
+    for task, rec in zip(unsplit, record_tasks(unsplit, timeout=max(timeout, 10.0), memory_mb=memory_mb,
+                                               workers=workers, unsafe_no_sandbox=unsafe_no_sandbox)):
+        split[id(task)] = rec if isinstance(rec, Cases) else f"{split[id(task)]}; {rec}"
     for i, (task, completion) in enumerate(zip(tasks, completions)):
         key = id(task)
-        if key not in split:
-            split[key] = split_tests(task["tests"], task.get("entry_point"))
         cases = split[key] if isinstance(split[key], Cases) else None
         if cases is None and trusted_only:
             raise UnsplitTask(f"task {task.get('id')!r}: its tests cannot be split into calls and expected values "
-                              f"({split[key]}), so its verdict could be forged; rewrite them as `assert "
-                              f"f(args) == value` lines or leave the task out")
+                              f"nor recorded on a reference solution ({split[key]}), so its verdict could be forged; "
+                              f"rewrite them as `assert f(args) == value` lines, give the task a solution, or leave "
+                              f"it out")
         verdict = "outside" if cases else "in_box"
         code = extract_code(completion)
         err = _syntax_error(code)
@@ -1316,7 +1526,7 @@ def execution_rewards(tasks: list[dict], completions: list[str], timeout: float 
             out[i] = {"reward": REWARDS["tampering"], "outcome": "tampering", "detail": why, "verdict": verdict,
                       "suspect": why}
         elif cases:
-            runs.append((i, code, cases, why))
+            runs.append((i, code + ("\n\n" + cases.suffix if cases.suffix else ""), cases, why))
         else:
             runs.append((i, code + "\n\n" + task["tests"], None, None))
     if runs:
