@@ -439,3 +439,48 @@ def test_forged_passes_on_a_task_whose_tests_do_not_split_fail_and_count_for_not
     # in the box the screen-evading tricks still get through: reported apart, never as "passed"
     assert s["in_box_passed"] == sum(o["outcome"] == "passed_in_box" for o in out) >= 1, s
     assert all(o["verdict"] == "in_box" for o in out[n:]) and all(o["verdict"] == "outside" for o in out[:n])
+
+
+# Tasks whose tests check more than what the function returns: printed output, an argument left alone, `is`
+# identity, the environment, a file, a fresh object per call. Recorded calls see only the values; in review
+# (second round, after recording landed) a wrong completion of each scored a full pass, reward 1.0.
+SIDE_EFFECT_TASKS = [
+    {"id": "print", "entry_point": "greet", "solution": "def greet(n):\n    print('hello ' + n)\n",
+     "tests": "import io, contextlib\nfor n in ['a', 'b']:\n    buf = io.StringIO()\n"
+              "    with contextlib.redirect_stdout(buf):\n        greet(n)\n    assert buf.getvalue() == 'hello ' + n + '\\n'\n"},
+    {"id": "nomut", "entry_point": "sorted_copy", "solution": "def sorted_copy(xs):\n    return sorted(xs)\n",
+     "tests": "for xs in [[3, 1, 2], [5, 4]]:\n    orig = list(xs)\n    r = sorted_copy(xs)\n    assert r == sorted(orig)\n"
+              "    assert xs == orig\n"},
+    {"id": "type", "entry_point": "is_even", "solution": "def is_even(n):\n    return n % 2 == 0\n",
+     "tests": "for n in range(4):\n    assert is_even(n) is (n % 2 == 0)\n"},
+    {"id": "env", "entry_point": "setenv", "solution": "import os\ndef setenv(k, v):\n    os.environ[k] = v\n",
+     "tests": "import os\nfor k in ['A', 'B']:\n    setenv(k, 'x')\n    assert os.environ[k] == 'x'\n"},
+    {"id": "file", "entry_point": "write", "solution": "def write(p, s):\n    with open(p, 'w') as f:\n        f.write(s)\n",
+     "tests": "import tempfile, os\nd = tempfile.mkdtemp()\nfor s in ['x', 'y']:\n    p = os.path.join(d, s)\n"
+              "    write(p, s)\n    assert open(p).read() == s\n"},
+    {"id": "alias", "entry_point": "make", "solution": "def make(n):\n    return [0] * n\n",
+     "tests": "for n in [1, 2]:\n    a = make(n); b = make(n)\n    a.append(1)\n    assert b == [0] * n\n"},
+]
+SIDE_EFFECT_WRONG = ["def greet(n):\n    pass\n", "def sorted_copy(xs):\n    xs.sort()\n    return xs\n",
+                     "def is_even(n):\n    return 1 if n % 2 == 0 else 0\n", "def setenv(k, v):\n    pass\n",
+                     "def write(p, s):\n    pass\n", "_c = []\ndef make(n):\n    _c[:] = [0] * n\n    return _c\n"]
+
+
+@needs_sandbox
+def test_recorded_tasks_also_pass_their_own_tests(tmp_path):
+    """A task judged on recorded calls passes only when its own tests pass in the box too: each wrong
+    completion above fails (it scored 1.0 before), each reference solution still passes, judged outside."""
+    got = execution_rewards(SIDE_EFFECT_TASKS, SIDE_EFFECT_WRONG)
+    for t, r in zip(SIDE_EFFECT_TASKS, got):
+        if t["id"] == "file":
+            assert r["outcome"] != "passed_in_box", r  # judged in the box: its wrong answer fails there
+            continue
+        assert r["verdict"] == "outside" and r["outcome"] != "passed" and r["reward"] < 1.0, (t["id"], r)
+    good = execution_rewards(SIDE_EFFECT_TASKS, [t["solution"] for t in SIDE_EFFECT_TASKS])
+    for t, r in zip(SIDE_EFFECT_TASKS, good):
+        if t["id"] == "file":  # its calls name a directory the tests made: they do not replay, so in the box
+            assert r["verdict"] == "in_box" and r["outcome"] != "passed", r  # (and `open` is screened there)
+        else:
+            assert r["outcome"] == "passed" and r["verdict"] == "outside", (t["id"], r)
+    with pytest.raises(UnsplitTask, match="does not pass its own recorded calls"):
+        execution_rewards(SIDE_EFFECT_TASKS[4:5], SIDE_EFFECT_WRONG[4:5], trusted_only=True)

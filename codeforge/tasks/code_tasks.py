@@ -1219,6 +1219,8 @@ def same(expected, got, float_tol: float = 0.0) -> bool:
     float_tol > 0, where the expected value is a float a number within float_tol of it (absolute, as
     HumanEval's own checks write `abs(x - y) < 1e-6`) counts as equal, inside lists and tuples too."""
     try:
+        if (type(expected) is bool) != (type(got) is bool):  # True == 1 in Python; a test's `is True` would not
+            return False
         if float_tol > 0:
             if type(expected) is float:
                 return (type(got) in (int, float) and math.isfinite(expected)
@@ -1467,8 +1469,21 @@ def record_tasks(tasks: list[dict], timeout: float = 10.0, **kw) -> list[Cases |
             keys.append(key)
             jobs.append((record_program(t["solution"], entry, t["tests"]), entry))
         out.append(key)
+    solutions = {k: t["solution"] for k, t in zip(out, tasks) if t.get("solution")}
+    fresh: list[tuple[str, Cases]] = []
     for key, (_, entry), rows in zip(keys, jobs, record_calls(jobs, timeout, **kw)):
         _recorded[key] = rows if isinstance(rows, str) else recorded_cases(entry, rows, RECORDED_FLOAT_TOL)
+        if isinstance(_recorded[key], Cases):
+            fresh.append((key, _recorded[key]))
+    if fresh:  # the reference replayed on its own recording: calls whose inputs name state the tests made
+        # (a temporary directory, a file) do not replay, and such a task can only be judged in the box
+        progs = [solutions[k] + ("\n\n" + c.suffix if c.suffix else "") for k, c in fresh]
+        replays = run_many(progs, timeout=timeout, calls=[encode_calls(c.entry, c.calls) for _, c in fresh], **kw)
+        for (key, cases), res in zip(fresh, replays):
+            outcome, detail = io_outcome(res, cases)
+            if outcome != "passed":
+                _recorded[key] = (f"the reference solution does not pass its own recorded calls when they are "
+                                  f"replayed ({detail}): the tests' calls depend on state they made")
     return [_recorded[k] for k in out]
 
 
@@ -1500,9 +1515,12 @@ def execution_rewards(tasks: list[dict], completions: list[str], timeout: float 
         if id(task) not in split:
             split[id(task)] = split_tests(task["tests"], task.get("entry_point"))
     unsplit = [t for t in {id(t): t for t in tasks}.values() if not isinstance(split[id(t)], Cases)]
+    recorded: set[int] = set()  # tasks judged on recorded calls: their own tests must pass in the box too
     for task, rec in zip(unsplit, record_tasks(unsplit, timeout=max(timeout, 10.0), memory_mb=memory_mb,
                                                workers=workers, unsafe_no_sandbox=unsafe_no_sandbox)):
         split[id(task)] = rec if isinstance(rec, Cases) else f"{split[id(task)]}; {rec}"
+        if isinstance(rec, Cases):
+            recorded.add(id(task))
     for i, (task, completion) in enumerate(zip(tasks, completions)):
         key = id(task)
         cases = split[key] if isinstance(split[key], Cases) else None
@@ -1527,15 +1545,27 @@ def execution_rewards(tasks: list[dict], completions: list[str], timeout: float 
                       "suspect": why}
         elif cases:
             runs.append((i, code + ("\n\n" + cases.suffix if cases.suffix else ""), cases, why))
+            if key in recorded:  # what recording cannot see (printed output, an argument left alone, files,
+                # `is True`) only the tests themselves check: they must pass in the box as well. A forged in-box
+                # pass gains nothing: the values are judged outside all the same.
+                runs.append((~i, code + "\n\n" + task["tests"], None, None))
         else:
             runs.append((i, code + "\n\n" + task["tests"], None, None))
     if runs:
         calls = [encode_calls(c.entry, c.calls) if c else None for _, _, c, _ in runs]
         results = run_many([prog for _, prog, _, _ in runs], timeout=timeout, memory_mb=memory_mb,
                            workers=workers, calls=calls, unsafe_no_sandbox=unsafe_no_sandbox)
+        also = {~i: res for (i, _, _, _), res in zip(runs, results) if i < 0}  # the in-box runs of recorded tasks
         for (i, _, cases, why), res in zip(runs, results):
+            if i < 0:
+                continue
             if cases:
                 outcome, detail = io_outcome(res, cases)
+                box = also.get(i)
+                if outcome == "passed" and box is not None and not box.passed:
+                    outcome = _outcome(box)  # wrong, runtime_error or early_exit: the box did not pass
+                    detail = (f"it returns the reference's values, but the task's own tests fail on it: "
+                              f"{box.detail}")
                 reward = REWARDS[outcome] if (outcome == "passed" or not why) else 0.0
                 out[i] = {"reward": reward, "outcome": outcome, "detail": detail, "verdict": "outside",
                           "suspect": why}
