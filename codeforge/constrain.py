@@ -30,6 +30,24 @@ each Constraint is a copy of the compiled matcher (microseconds). Per constraine
 are computed in one call on llguidance's thread pool and applied to the logits in one masked_fill
 (benchmarks/constrain_cost.py; docs/LOG.md, 2026-11-25).
 
+Budget: a reply the grammar must complete (required or named tool_choice, a JSON response_format) has to end
+within the row's token budget (max_tokens; `Constraint.set_budget`, which the engine and the server call), and
+so does every call auto mode opens. Each grammar keeps a way to its end: a token sequence from the matcher's
+state that ends the reply (_Ways.way: a greedy walk on a copy of the matcher, forced tokens first, then the
+tokens that close the current string, number, array or object soonest; ~1-3 ms for a tool call). The way
+from the start gives `min_tokens`, the fewest tokens a reply takes (the server refuses a smaller max_tokens
+with a 400, max_tokens_too_small; auto mode opens no call with fewer than `min_call` tokens left). While a
+row writes, its way is kept (a token on it shortens it; after any other token it is checked with
+validate_tokens and searched again only when it no longer holds), and the budget left beyond it, the spare,
+decides the mask: more than WATCH spare, the grammar's mask alone; up to WATCH, tokens that may lengthen
+the way by more than one (they start a key, an item, a value or a call) are allowed only when checked to
+fit (the row's TOP likeliest ones, at most SEARCHES of them by a search); up to NEAR, only checked tokens
+(those that keep the way, or whose new way fits) and the way's next token; none spare, the way's next token
+alone. So such a reply always ends complete, `<|im_end|>` included. Cost: nothing above WATCH spare; within
+it, a top-k, a few validate_tokens and now and then a search, ~0.1 ms per token on average over a 200-token
+row (benchmarks/constrain_cost.py). A token that lengthens the way by more than WATCH at once (an optional
+property whose value is a large required structure) is not guarded against.
+
 Known gap: the grammar cannot keep a JSON string from holding the *text* "</tool_call>" written as ordinary
 tokens (the special token is never allowed there); chat.parse_assistant, which reads decoded text, would then
 cut the call short. A trained model has no reason to write it.
@@ -38,12 +56,14 @@ cut the call short. A trained model has no reason to write it.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import weakref
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 import llguidance
+import numpy as np
 import torch
 
 from . import CodeforgeError
@@ -57,6 +77,12 @@ MODES = ("auto", "required", "none")
 JSON_LAYOUT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False,
                "json_allowed_escapes": "\"\\bfnrt"}
 GRAMMAR_CACHE = 32  # compiled grammars kept per tokenizer (tool_calling_eval offers ~30 distinct tool subsets)
+# The token budget (see "Budget" in the module docstring).
+WATCH = 64  # spare tokens (budget left beyond the way to the end) below which a row is watched
+NEAR = 8  # spare tokens below which a row writes only checked tokens
+TOP = 8  # the likeliest tokens checked per watched row and step
+SEARCHES = 2  # ... of which at most this many by a search for a new way (the others must keep the way)
+PATH_LIMIT = 1024  # the longest way to the end searched for (longer: the grammar is left without a reserve)
 
 
 class ConstraintError(CodeforgeError):
@@ -86,6 +112,27 @@ class _Bridge:
         no_calls[self.call_ids] = False
         self.no_call_bits = _pack(no_calls)
         self.end_bits = _pack(torch.arange(self.words * 32) == tok.special_ids[IM_END])
+        self.tok = tok
+        self._ways: _Ways | None = None  # made on the first grammar that needs a way to its end
+        self.starts: OrderedDict[str, list[int] | None] = OrderedDict()  # a grammar's way from its start to its end
+
+    def ways(self) -> "_Ways":
+        with self.lock:
+            if self._ways is None:
+                self._ways = _Ways(self.tok, self.vocab)
+            return self._ways
+
+    def start_way(self, lark: str, m: llguidance.LLMatcher, end: bool) -> list[int] | None:
+        """A short way from a fresh matcher of this grammar to its end (computed once per grammar text)."""
+        with self.lock:
+            if lark in self.starts:
+                return self.starts[lark]
+        way = self.ways().way(m, _OUT, end)
+        with self.lock:
+            self.starts[lark] = way
+            if len(self.starts) > GRAMMAR_CACHE:
+                self.starts.popitem(last=False)
+        return way
 
     def matcher(self, lark: str, what: str) -> llguidance.LLMatcher:
         """A fresh matcher for this grammar text (compiled on first use, then copied)."""
@@ -111,6 +158,120 @@ class _Bridge:
             if len(self.matchers) > GRAMMAR_CACHE:
                 self.matchers.popitem(last=False)
         return m.deep_copy()
+
+
+_CLOSERS = re.compile(rb"[}\]]+")  # ends objects and arrays
+_VALUE = re.compile(rb'(-?[0-9]+|""|true|false|null|\[\]|\{\})([}\]]*)')  # a whole JSON value, then closers
+_QUOTE_END = re.compile(rb'([^"\\]*)"([}\]]*)')  # (inside a string) ends it, then closers
+_OUT, _IN, _ESC = 0, 1, 2  # JSON lexical states: outside a string, inside one, just after a backslash in one
+
+
+class _Ways:
+    """Short ways to the end of a grammar, for the token budget: from a matcher's state, a token sequence the
+    grammar accepts that ends the reply (or the call). A greedy walk on a copy of the matcher: forced tokens
+    first; then </tool_call> where allowed; then the allowed token that ends things soonest for the JSON
+    lexical state the text is in (inside a string: a closing quote, then closing brackets; outside one:
+    closing brackets, then a separator, then a whole short value like 0, "", [], then an opening quote or
+    bracket); then, when none of those fits (a name or an enum to spell, a minimum length), the longest
+    allowed token. Every step is checked by the matcher, so what comes back is always a way to the end; it is
+    short (the grammars' JSON has one layout, and its required parts are forced), not proven shortest."""
+
+    def __init__(self, tok: "CodeTokenizer", vocab: int):
+        self.vocab = vocab
+        ids = tok.special_ids
+        self.eos, self.close_id = ids[IM_END], ids.get(CALL_CLOSE)
+        self.special = {i for i in ids.values() if i is not None}
+        self.bytes = [b"" if i in self.special else tok.token_bytes(i) for i in range(vocab)]
+        self.exact = {}  # bytes -> id (the first id with them)
+        out, inside, size = (np.full(vocab, -1, dtype=np.int32) for _ in range(3))
+        for i, b in enumerate(self.bytes):
+            if not b:
+                continue
+            self.exact.setdefault(b, i)
+            size[i] = min(len(b), 999)
+            if _CLOSERS.fullmatch(b):
+                out[i] = 40000 + len(b)
+            elif b in (b", ", b","):
+                out[i] = 30000 + len(b)
+            elif (v := _VALUE.fullmatch(b)) is not None:
+                out[i] = 20000 + 100 * min(len(v.group(2)), 99) - min(len(v.group(1)), 99)
+            elif b in (b'"', b"[", b"{", b"-"):
+                out[i] = 10000 + (b'-{["'.index(b))
+            if (q := _QUOTE_END.fullmatch(b)) is not None:
+                inside[i] = 10000 - 1000 * min(len(q.group(1)), 9) + min(len(q.group(2)), 99)
+        for i in self.special:
+            if i < vocab:
+                size[i] = 0  # a special token only as a last resort (they are forced where needed)
+        self.out, self.inside, self.size = out, inside, size
+        self.lex: dict[tuple[int, int], int] = {}
+        # Tokens that may lengthen the way to the end by more than a token (they start or end a value, a key,
+        # an item or a call), by lexical state; any other token (inside a string or a number, a closing
+        # bracket) lengthens it by at most one (an escape).
+        marks = [any(c in b for c in b',{["\n') or i in self.special for i, b in enumerate(self.bytes)]
+        quotes = [b'"' in b or i in self.special for i, b in enumerate(self.bytes)]
+        self.structural = {_OUT: np.array(marks), _IN: np.array(quotes), _ESC: np.zeros(vocab, dtype=bool)}
+        self._on: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def structural_on(self, state: int, device: torch.device) -> torch.Tensor:
+        """`structural[state]` as a bool tensor on `device` (made once per device)."""
+        got = self._on.get((state, device))
+        if got is None:
+            got = self._on[(state, device)] = torch.from_numpy(self.structural[state]).to(device)
+        return got
+
+    def scan(self, state: int, token: int) -> int:
+        """The JSON lexical state after `token` (a special token starts a new text, outside any string)."""
+        got = self.lex.get((state, token))
+        if got is None:
+            got = state
+            if token in self.special:
+                got = _OUT
+            else:
+                for c in self.bytes[token] if 0 <= token < self.vocab else b"":
+                    if got == _ESC:
+                        got = _IN
+                    elif got == _IN:
+                        got = _ESC if c == 0x5C else _OUT if c == 0x22 else _IN
+                    elif c == 0x22:
+                        got = _IN
+            self.lex[(state, token)] = got
+        return got
+
+    def _pick(self, allowed: np.ndarray, state: int, forced: bytes) -> int | None:
+        if self.close_id is not None and allowed[self.close_id]:
+            return self.close_id
+        for k in range(len(forced), 0, -1):  # forced bytes that no one token holds: the longest token of them
+            t = self.exact.get(forced[:k])
+            if t is not None and allowed[t]:
+                return t
+        for score in ((self.inside,) if state == _IN else (self.out,) if state == _OUT else ()) + (self.size,):
+            masked = np.where(allowed, score, -1)
+            t = int(masked.argmax())
+            if masked[t] >= 0:
+                return t
+        return None
+
+    def way(self, matcher: llguidance.LLMatcher, state: int, end: bool) -> list[int] | None:
+        """Tokens from the matcher's state to the end (to an accepting state, then <|im_end|> when `end`);
+        None when the walk finds none within PATH_LIMIT tokens. The matcher is not changed."""
+        m, path = matcher.deep_copy(), []
+        while len(path) <= PATH_LIMIT and not m.is_error():
+            if m.is_accepting():
+                return path + [self.eos] if end else path
+            step = m.compute_ff_tokens()
+            if not step:
+                bits = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
+                allowed = np.unpackbits(bits, bitorder="little")[:self.vocab].astype(bool)
+                t = self._pick(allowed, state, m.compute_ff_bytes())
+                if t is None:
+                    return None
+                step = [t]
+            if not m.consume_tokens(step):
+                return None
+            for t in step:
+                state = self.scan(state, t)
+            path += step
+        return None
 
 
 def _first_line(msg: str | None, limit: int = 200) -> str:
@@ -258,6 +419,25 @@ class ToolGrammar:
         what = f"tool_choice {mode!r}" + (f" with response_format {response_format.get('type')!r}" if reply else "")
         self._template = self.bridge.matcher(lark, what) if lark is not None else None
         self.lark = lark
+        # The budget: a way from the start to the end ("whole": the reply, <|im_end|> included; "text": one
+        # call's body and </tool_call>); None where the search finds none (no reserve is kept then).
+        self.start_way = self.bridge.start_way(lark, self._template, self.kind == "whole") \
+            if lark is not None else None
+        # min_tokens: the fewest tokens a reply can have (a budget below it cannot end the reply: the server
+        # refuses it); min_call: the fewest tokens a call takes, <tool_call> included (auto mode: below it no
+        # call is opened).
+        self.min_tokens = len(self.start_way) if self.kind == "whole" and self.start_way is not None else None
+        self.min_call = 1 + len(self.start_way) if self.kind == "text" and self.start_way is not None else None
+
+    def describe(self) -> str:
+        """What a complete reply of this grammar is, for messages."""
+        if self.mode == "required":
+            return 'tool_choice "required" (a complete tool call)'
+        if self.mode not in MODES:
+            return f"tool_choice {self.mode!r} (a complete call of that tool)"
+        if self.mode == "auto" and self.tools:
+            return "response_format with tools (one complete JSON value of the schema, or a complete tool call)"
+        return "response_format (one complete JSON value of the schema)"
 
     def _reply_block(self, rf: dict | None) -> str | None:
         if rf is None:
@@ -283,7 +463,10 @@ class ToolGrammar:
 class Constraint:
     """Per-row decoding constraint (see the module docstring for the modes). `allowed()` is the set of
     tokens the row may write next (None when this step is free), `advance(token)` feeds the token it wrote,
-    `finished` says the reply is complete (<|im_end|> was written where the grammar allows it)."""
+    `finished` says the reply is complete (<|im_end|> was written where the grammar allows it).
+
+    With a budget (`set_budget(n)`: the row writes at most n tokens, <|im_end|> included; the engine and the
+    server set it), the row keeps a way to the end in reserve: see "Budget" in the module docstring."""
 
     def __init__(self, grammar: ToolGrammar):
         self.grammar = grammar
@@ -291,10 +474,21 @@ class Constraint:
         self.in_call = False  # "text" kind: inside a <tool_call> block
         self.calls = 0  # "text" kind: calls closed so far
         self._finished = False
+        self.budget: int | None = None  # tokens this row may write in all; None: no reserve is kept
+        self.written = 0  # tokens fed so far
+        self._way = list(grammar.start_way) if grammar.start_way is not None else None  # to the end, from _at
+        self._at = 0
+        self._stale = False  # a token off the way was written: the way may no longer hold
+        self._checked: dict[int, list[int] | None] = {}  # this step's checked tokens: None (the way holds) or a new way
+        self._lex = _OUT  # the JSON lexical state of the matcher's text (for finding ways)
 
     @property
     def finished(self) -> bool:
         return self._finished
+
+    def set_budget(self, n: int | None) -> None:
+        """The row writes at most n more tokens in all (<|im_end|> included); None keeps no reserve."""
+        self.budget = None if n is None else self.written + n
 
     def _step(self) -> str | None:
         """What constrains the next token: None (free), "matcher", "static" (no call tokens) or "end"."""
@@ -303,13 +497,63 @@ class Constraint:
         kind = self.grammar.kind
         if kind == "static":
             return "static"
-        if kind == "text" and not self.in_call and self.calls and not self.grammar.parallel:
-            return "static"  # one call made, and only one allowed: no more call tokens
+        if kind == "text" and not self.in_call:
+            if self.calls and not self.grammar.parallel:
+                return "static"  # one call made, and only one allowed: no more call tokens
+            if self.budget is not None and self.grammar.min_call is not None and \
+                    self.budget - self.written < self.grammar.min_call:
+                return "static"  # no room left to finish a call: none is opened
         if kind == "free" or (kind == "text" and not self.in_call):
             return None
         if self.matcher.is_error():
             raise ConstraintError(f"the constraint is broken by an earlier token ({self.matcher.get_error()})")
         return "matcher"
+
+    def _reserve(self) -> tuple[int, list[int]] | None:
+        """For a matcher step under a budget: (spare, way) when the row is watched (spare budget, beyond the
+        way to the end, at most WATCH); None when the step is the grammar's alone (no budget, plenty left,
+        or no way known)."""
+        if self.budget is None or self._way is None:
+            return None
+        left = self.budget - self.written
+        if left <= 0:
+            return None
+        if self._stale and left <= len(self._way) - self._at + WATCH:
+            self._refresh()
+            if self._way is None:
+                return None
+        way = self._way[self._at:]
+        spare = left - len(way)
+        return (spare, way) if spare <= WATCH else None
+
+    def _refresh(self) -> None:
+        """Check the way to the end after a token off it; find a new one when it no longer holds."""
+        g = self.grammar
+        way = self._way[self._at:]
+        self._stale = False
+        if way and self.matcher.validate_tokens(way) == len(way):
+            return
+        self._way, self._at = g.bridge.ways().way(self.matcher, self._lex, g.kind == "whole"), 0
+
+    def _check(self, token: int, way: list[int], search: bool) -> bool:
+        """Whether the row may write `token` and still end within its budget: the way to the end holds after
+        it, or (`search`) a new way from after it fits what will be left. Remembered for advance()."""
+        if token in self._checked:
+            return True
+        if self.matcher.validate_tokens([token] + way) == 1 + len(way):
+            self._checked[token] = None  # the way holds
+            return True
+        if not search:
+            return False
+        g = self.grammar
+        m = self.matcher.deep_copy()
+        if not m.consume_token(token):
+            return False
+        new = g.bridge.ways().way(m, g.bridge.ways().scan(self._lex, token), g.kind == "whole")
+        if new is None or len(new) > self.budget - self.written - 1:
+            return False
+        self._checked[token] = new
+        return True
 
     def allowed(self) -> torch.Tensor | None:
         """(vocab_size,) bool on the CPU: True where a token may come next; None when this step is free."""
@@ -317,8 +561,17 @@ class Constraint:
         if step is None:
             return None
         bits = torch.empty(1, self.grammar.bridge.words, dtype=torch.int32)
-        _fill([self], [step], bits)
-        return _unpack(bits)[0, :self.grammar.bridge.vocab]
+        near = _fill([self], [step], bits)
+        out = _unpack(bits)[0, :self.grammar.bridge.vocab]
+        for _, c, way, spare in near:  # the checks of _narrow, over every allowed token (no search: no logits)
+            ways = c.grammar.bridge.ways()
+            check = out.clone() if spare <= NEAR else out & torch.from_numpy(ways.structural[c._lex][:out.size(0)])
+            out = out & ~check
+            out[way[0]] = True
+            for t in check.nonzero().flatten().tolist():
+                out[t] = c._check(t, way, search=False)
+            c._checked = {}
+        return out
 
     def _shown(self, token: int) -> str:
         in_vocab = 0 <= token < self.grammar.bridge.vocab
@@ -331,21 +584,38 @@ class Constraint:
         if step == "end":
             raise ConstraintError(f"token {token} after the reply ended with {IM_END}")
         if step is None:  # free text in auto mode
+            self.written += 1
             if token == g.open_id and g.kind == "text":
                 self.in_call = True
                 self.matcher.reset()
+                self._way = list(g.start_way) if g.start_way is not None else None
+                self._at, self._stale, self._lex = 0, False, _OUT
             elif token == g.end_id:
                 self._finished = True
             return
         if step == "static":
             if token in (g.open_id, g.close_id) or not 0 <= token < g.bridge.vocab:
+                why = "allows no tool call" if g.kind == "static" or (self.calls and not g.parallel) else \
+                    "leaves no room for a whole call in the token budget"
                 raise ConstraintError(f"token {token} ({self._shown(token)}) is not allowed: tool_choice {g.mode!r} "
-                                      f"allows no tool call")
+                                      f"{why}")
+            self.written += 1
             self._finished = token == g.end_id
             return
         if not 0 <= token < g.bridge.vocab or not self.matcher.consume_token(token):
             raise ConstraintError(f"token {token} ({self._shown(token)}) is not allowed by the grammar here "
                                   f"({self.matcher.get_error() or 'rejected'}); mask the logits with mask_logits")
+        self.written += 1
+        if self._way is not None:
+            checked, self._checked = self._checked, {}
+            if not self._stale and self._at < len(self._way) and self._way[self._at] == token:
+                self._at += 1  # on the way: it still holds
+            elif not self._stale and token in checked:  # checked before it was sampled
+                if checked[token] is not None:
+                    self._way, self._at = checked[token], 0
+            else:
+                self._stale = True
+            self._lex = g.bridge.ways().scan(self._lex, token)
         if g.kind == "text":
             self.in_call = token != g.close_id
             self.calls += not self.in_call
@@ -372,11 +642,21 @@ def _unpack(bits: torch.Tensor) -> torch.Tensor:
     return ((bits.unsqueeze(-1) >> shifts) & 1).bool().view(bits.size(0), -1)  # (n, W, 32) -> (n, 32 W)
 
 
-def _fill(constraints: list[Constraint], steps: list[str], bits: torch.Tensor) -> None:
-    """Write row j of `bits` (CPU, int32, contiguous) for constraints[j]: matcher rows in one parallel call."""
-    work = []
+def _fill(constraints: list[Constraint], steps: list[str], bits: torch.Tensor) -> list[tuple]:
+    """Write row j of `bits` (CPU, int32, contiguous) for constraints[j]: matcher rows in one parallel call.
+    A row with no spare budget gets its way's next token alone; returns the watched rows, (j, constraint,
+    way, spare), whose masks are the grammar's and still to be narrowed (`_narrow`)."""
+    work, near = [], []
     for j, (c, step) in enumerate(zip(constraints, steps)):
         if step == "matcher":
+            reserve = c._reserve()
+            if reserve is not None and reserve[0] <= 0:  # the budget left is the way to the end: take it
+                bits[j] = 0
+                t = reserve[1][0]
+                bits[j, t // 32] = (1 << (t % 32)) - (1 << 32 if t % 32 == 31 else 0)
+                continue
+            if reserve is not None:
+                near.append((j, c, reserve[1], reserve[0]))
             work.append((c.matcher, j))
         else:
             bits[j] = c.grammar.bridge.no_call_bits if step == "static" else c.grammar.bridge.end_bits
@@ -385,6 +665,41 @@ def _fill(constraints: list[Constraint], steps: list[str], bits: torch.Tensor) -
         if any(c.grammar.bridge.words != words for c in constraints):
             raise ConstraintError("constraints of one batch must share one tokenizer")
         _executor().unsafe_compute_mask_ptr(work, bits.data_ptr(), words * 4, bits.size(0))
+    return near
+
+
+def _narrow(out: torch.Tensor, rows: list[int], near: list[tuple]) -> torch.Tensor:
+    """The watched rows of the masked logits `out` (in place; `out` is a fresh tensor): within NEAR spare
+    tokens, a row keeps only the tokens it was checked to be able to write and still end in its budget (its
+    TOP likeliest that pass, and the way's next token); with more spare, only the tokens that may lengthen
+    the way by more than one (structural ones) need the check. Row by row, with plain views: they are few."""
+    k = min(TOP, out.size(1))
+    for j, c, way, spare in near:
+        row = out[rows[j]]
+        top = row.topk(k)
+        ways = c.grammar.bridge.ways()
+        marks = ways.structural[c._lex]
+        searches = SEARCHES
+        ok = [way[0]]
+        for t, v in zip(top.indices.tolist(), top.values.tolist()):
+            if v == float("-inf") or t == way[0] or (spare > NEAR and not (t < marks.size and marks[t])):
+                continue
+            fits = c._check(t, way, search=False)
+            if not fits and searches > 0:
+                searches -= 1
+                fits = c._check(t, way, search=True)
+            if fits:
+                ok.append(t)
+        at = torch.tensor(ok, device=out.device)
+        kept = row[at]
+        if spare <= NEAR:
+            row.fill_(float("-inf"))
+        else:
+            structural = ways.structural_on(c._lex, out.device)
+            n = min(row.size(0), structural.size(0))
+            row[:n].masked_fill_(structural[:n], float("-inf"))
+        row[at] = kept
+    return out
 
 
 def mask_logits(constraints: list[Constraint | None], logits: torch.Tensor) -> torch.Tensor:
@@ -421,7 +736,7 @@ def _masked(logits: torch.Tensor, rows: list[int], live: list[Constraint], steps
     """logits with -inf where the bitmasks of `rows` (their constraints at `steps`) forbid a token."""
     words = live[0].grammar.bridge.words
     bits = torch.empty(len(rows), words, dtype=torch.int32)
-    _fill(live, steps, bits)
+    near = _fill(live, steps, bits)
     V = logits.size(1)
     allowed = _unpack(bits.to(logits.device, non_blocking=True))[:, :V]  # (k, min(V, 32 W))
     if allowed.size(1) < V:  # columns past the bitmask: padded vocab, never allowed
@@ -430,4 +745,5 @@ def _masked(logits: torch.Tensor, rows: list[int], live: list[Constraint], steps
         full = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
         full[torch.tensor(rows, device=logits.device)] = allowed
         allowed = full
-    return logits.masked_fill(~allowed, float("-inf"))
+    out = logits.masked_fill(~allowed, float("-inf"))
+    return _narrow(out, rows, near) if near else out

@@ -20,7 +20,7 @@ from . import CodeforgeError
 from .chat import IM_END, encode_conversation, parse_assistant
 from .checkpoint import load_model
 from .config import chat_notice
-from .constrain import Constraint, ToolGrammar, calls_kept_out, mask_logits
+from .constrain import Constraint, ConstraintError, ToolGrammar, calls_kept_out, mask_logits
 from .device import autocast, choose_device, choose_precision
 from .fim import FIM_PREFIX, FIM_SUFFIX, infill_ids
 from .models.cpu_decode import stepper
@@ -137,6 +137,10 @@ class Engine:
         B, L = len(prompts), max(map(len, prompts))
         # The cache is shared: every row has the padded length L, so no row may run past block_size - L.
         budgets = [min(b, self.block_size - L) for b in budgets]
+        if constrained:  # each grammar keeps the tokens that end its reply in reserve (constrain.py, "Budget")
+            for c, b in zip(constraints, budgets):
+                if c is not None:
+                    c.set_budget(b)
         steps = max(budgets)
         pads = [L - len(x) for x in prompts]
         idx = torch.tensor([[self.pad_id] * pd + x for pd, x in zip(pads, prompts)], device=self.device)
@@ -292,6 +296,11 @@ class Engine:
             tool_choice = "none"
         if constrained and (tools or response_format is not None or tool_choice != "auto"):
             constraints = [ToolGrammar(self.tok, tools, tool_choice, response_format).new()]
+            g, room = constraints[0].grammar, min(p.max_new_tokens, self.block_size - min(len(ids), self.block_size - 1))
+            if g.min_tokens is not None and room < g.min_tokens:  # no complete reply fits: refused, as the server does
+                raise ConstraintError(f"{room} new tokens (max_new_tokens {p.max_new_tokens}, context "
+                                      f"{self.block_size}) are too few for {g.describe()}: the shortest one takes "
+                                      f"{g.min_tokens}; allow at least {g.min_tokens}")
         out: list[int] = []
         sent, ended = 0, False
         for step in self.generate_ids([ids], p, warn, constraints):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -37,11 +38,15 @@ def tok(tokenizer_dir) -> CodeTokenizer:
 
 @pytest.fixture(scope="module")
 def eng(tok) -> Engine:
+    return biased_engine(tok)
+
+
+def biased_engine(tok, block_size: int = 256) -> Engine:
     """A random 2-layer model, nudged (an output bias) to open tool calls, end replies and write quotes often,
     so that calls happen and strings end within the budget; what it writes is still noise."""
     torch.manual_seed(0)
     V = tok.vocab_size
-    model = GPT(GPTConfig(vocab_size=V + PAD, block_size=256, n_layer=2, n_head=2, n_embd=32)).eval()
+    model = GPT(GPTConfig(vocab_size=V + PAD, block_size=block_size, n_layer=2, n_head=2, n_embd=32)).eval()
     bias = torch.zeros(V + PAD)
     bias[[i for i in range(V) if '"' in tok.decode([i])]] = 3.0
     bias[tok.special_ids[CALL_OPEN]] = 4.0
@@ -121,8 +126,15 @@ def check_calls(text: str, names: list[str]) -> list[dict]:
     for body, call in zip(blocks, calls["tool_calls"]):
         assert call["name"] in names, text
         assert not schema_errors(call["arguments"], SCHEMAS[call["name"]]), (call, text)
-        assert body == json.dumps({"name": call["name"], "arguments": call["arguments"]}, ensure_ascii=False)
+        assert numbers_as_0(body) == numbers_as_0(json.dumps({"name": call["name"], "arguments": call["arguments"]},
+                                                             ensure_ascii=False))
     return calls["tool_calls"]
+
+
+def numbers_as_0(text: str) -> str:
+    """JSON text with every number written as 0: the layout (separators, spacing, escapes) is what is compared;
+    a number need not read back as written (json reads -7E7599 as -Infinity, 1E2 as 100.0)."""
+    return re.sub(r"-?Infinity|NaN|-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?", "0", text)
 
 
 ROWS = ("auto", "auto", "required", "required", "search_code", "json", "json", None)
@@ -176,6 +188,65 @@ def test_json_schema_reply_is_json_of_the_schema(batched):
             assert body == json.dumps(value, ensure_ascii=False)  # the layout training data has
 
 
+OPEN_REPLY = {  # unbounded strings, arrays and numbers: left to itself, a random model never ends this reply
+    "type": "object", "required": ["title", "tags", "n"], "additionalProperties": False,
+    "properties": {"title": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}},
+                   "n": {"type": "integer"}, "sub": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("extra", [0, 1, 3, 12, 40])
+def test_every_reply_ends_within_its_budget(eng, tok, extra):
+    """The budget holds the way to the end: with max_new_tokens from the shortest complete reply up, every
+    required, named and json_schema row of a batch (temperature 1, several seeds) ends complete: calls that
+    parse and match their schema, JSON of the schema; an auto row closes every call it opens."""
+    json_open = {"type": "json_schema", "json_schema": {"name": "open", "schema": OPEN_REPLY}}
+    grammars = {"required": ToolGrammar(tok, TOOLS, "required"), "search_code": ToolGrammar(tok, TOOLS, "search_code"),
+                "json": ToolGrammar(tok, None, "auto", json_open), "auto": ToolGrammar(tok, TOOLS, "auto")}
+    least = max(g.min_tokens for g in grammars.values() if g.min_tokens is not None)
+    assert grammars["auto"].min_tokens is None and grammars["auto"].min_call > 10  # any text will do in auto
+    kinds = ("required", "search_code", "json", "auto") * 2
+    for seed in SEEDS:
+        cs = [grammars[k].new() for k in kinds]
+        texts = sample(eng, cs, seed, max_new=least + extra)
+        for kind, text, c in zip(kinds, texts, cs):
+            if kind == "auto":
+                assert text.count(CALL_OPEN) == text.count(CALL_CLOSE), text  # no call left open
+                check_calls(text, list(SCHEMAS))
+                continue
+            assert c.finished and text.endswith(IM_END), (kind, text)
+            if kind == "json":
+                assert not schema_errors(json.loads(text[:-len(IM_END)]), OPEN_REPLY), text
+            else:
+                assert check_calls(text, list(SCHEMAS) if kind == "required" else [kind]), text
+
+
+def test_the_budget_left_forces_the_way_to_the_end(tok):
+    """At the shortest budget the whole reply is forced; a budget too small for any call keeps auto mode from
+    opening one; the fewest tokens a reply takes is the length of the way found (and no longer than the
+    canonical tokenization of the shortest call)."""
+    g = ToolGrammar(tok, TOOLS, "search_code")
+    shortest = json.dumps({"name": "search_code", "arguments": {"query": ""}})
+    assert g.min_tokens <= len(tok.encode(shortest)) + 3
+    c = g.new()
+    c.set_budget(g.min_tokens)
+    wrote = []
+    while not c.finished:
+        allowed = c.allowed().nonzero().flatten().tolist()
+        assert len(allowed) == 1, len(allowed)  # no spare token: only the way's next one
+        c.advance(allowed[0])
+        wrote += allowed
+    assert tok.decode(wrote) == CALL_OPEN + shortest + CALL_CLOSE + IM_END
+    auto = ToolGrammar(tok, TOOLS, "auto").new()
+    auto.set_budget(auto.grammar.min_call - 1)
+    logits = torch.zeros(1, tok.vocab_size)
+    assert torch.isinf(mask_logits([auto], logits)[0, tok.special_ids[CALL_OPEN]])
+    auto.set_budget(auto.grammar.min_call)
+    assert torch.isfinite(mask_logits([auto], logits)[0, tok.special_ids[CALL_OPEN]])
+    # without a budget (a caller that sets none) nothing is reserved: the grammar's mask alone
+    free = g.new()
+    assert free.allowed().sum() == 1 and free.budget is None
+
+
 def test_free_row_in_the_batch_is_untouched(eng, batched):
     """The unconstrained row of the mixed batch writes the same tokens as in a batch of free rows (same
     seed, same shapes: the same random draws)."""
@@ -204,14 +275,21 @@ def test_no_constraints_change_nothing(eng, tok):
     assert list(eng.generate_ids(prompts, greedy, constraints=[None, None])) == list(eng.generate_ids(prompts, greedy))
 
 
-def test_chat_applies_tool_choice_and_response_format(eng):
+def test_chat_applies_tool_choice_and_response_format(eng, tok):
     msgs = [{"role": "user", "content": "Search for parse_header"}]
     p = SamplingParams(max_new_tokens=200, temperature=1.0, seed=1)
-    r = eng.chat(msgs, TOOLS, p, tool_choice={"type": "function", "function": {"name": "read_file"}})
-    assert r["text"].startswith(CALL_OPEN), r
-    assert all(c["name"] == "read_file" for c in r["tool_calls"])
-    if r["ended"]:
-        assert r["tool_calls"] and not r["errors"], r
+    roomy = biased_engine(tok, block_size=1024)  # the five tools' prompt alone is longer than eng's context
+    for seed in SEEDS:
+        q = SamplingParams(max_new_tokens=60, temperature=1.0, seed=seed)
+        r = roomy.chat(msgs, TOOLS, q, tool_choice={"type": "function", "function": {"name": "read_file"}})
+        assert r["text"].startswith(CALL_OPEN) and r["ended"], r  # the budget always holds the whole call
+        assert [c["name"] for c in r["tool_calls"]] and all(c["name"] == "read_file" for c in r["tool_calls"]), r
+        assert not r["errors"] and not schema_errors(r["tool_calls"][0]["arguments"], SCHEMAS["read_file"]), r
+    # too few tokens for any call (or a prompt that leaves too few of the context): refused, not cut short
+    with pytest.raises(ConstraintError, match="at least"):
+        roomy.chat(msgs, TOOLS, SamplingParams(max_new_tokens=5), tool_choice="required")
+    with pytest.raises(ConstraintError, match="context 256"):
+        eng.chat(msgs, TOOLS, p, tool_choice="required")
     r = eng.chat(msgs, None, p, response_format=JSON_REPLY)
     assert r["ended"] and not schema_errors(json.loads(r["text"]), REPLY_SCHEMA)
     # constrained=False is the bare model: tool_choice is ignored

@@ -332,33 +332,23 @@ def test_chat_tool_choice(chat):
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
     r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice="none", max_tokens=4, temperature=0)
     assert r.usage.prompt_tokens == without  # "none" hides the tools from the model
-    # "required": the grammar makes the reply start with <tool_call>. A call cut short by the token budget
-    # (one token here) is a 200 with what was written as the content, no tool_calls and finish_reason
-    # "length" (as vLLM answers), streamed or not
-    for choice, start in (("required", "<tool_call>"),
-                          ({"type": "function", "function": {"name": "read_file"}}, "<tool_call>")):
-        r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice=choice, max_tokens=1,
-                                      temperature=0)
-        ch = r.choices[0]
-        assert ch.finish_reason in ("length", "stop") and not ch.message.tool_calls, ch
-        assert ch.message.content.startswith(start)
-        chunks = [x for x in c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice=choice,
-                                                       max_tokens=1, temperature=0, stream=True) if x.choices]
-        assert "".join(x.choices[0].delta.content or "" for x in chunks) == ch.message.content
-        assert chunks[-1].choices[0].finish_reason == ch.finish_reason
-    # with room to write it, a call that parses is message.tool_calls
-    def forced(choice):
-        r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice=choice, max_tokens=8,
-                                      temperature=0)
-        if r.choices[0].message.tool_calls:
-            assert r.choices[0].finish_reason == "tool_calls"
-        else:
-            assert r.choices[0].finish_reason in ("length", "stop") and r.choices[0].message.content
-        return r
-    forced("required")
-    r = forced({"type": "function", "function": {"name": "read_file"}})
-    if r.choices[0].message.tool_calls:
-        assert r.choices[0].message.tool_calls[0].function.name == "read_file"
+    # "required" and a named tool: the reply is a whole call, so a budget too small for the shortest one is
+    # refused up front (400 max_tokens_too_small, naming the minimum), streamed or not, rather than cut short
+    for choice in ("required", {"type": "function", "function": {"name": "read_file"}}):
+        for stream in (False, True):
+            resp = chat.http.post("/v1/chat/completions", json={"model": "tiny", "messages": msgs, "tools": TOOLS,
+                                                                 "tool_choice": choice, "max_tokens": 1, "stream": stream})
+            err = assert_error(resp, 400, "max_tokens_too_small")
+            assert err["param"] == "max_tokens" and "at least" in err["message"], err
+        least = int(re.search(r"at least (\d+)", err["message"]).group(1))
+        # with room for it, the call is message.tool_calls, whole, even at temperature 0 on an untrained model
+        for max_tokens in (least, least + 8):
+            r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice=choice,
+                                          max_tokens=max_tokens, temperature=0)
+            ch = r.choices[0]
+            assert ch.finish_reason == "tool_calls" and ch.message.tool_calls and ch.message.content is None, ch
+            assert ch.message.tool_calls[0].function.name == "read_file"  # the only tool
+            assert r.usage.completion_tokens <= max_tokens
     with pytest.raises(openai.BadRequestError, match="not among the tools"):
         c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice={"type": "function", "function": {
             "name": "nope"}})
@@ -380,9 +370,13 @@ def test_chat_without_tools_never_calls(chat_run):
     msgs = [{"role": "user", "content": "Read the file a.py"}]
     with serving(chat_run, engine=engine) as live:
         c = live.client
-        r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=24, temperature=0)
+        r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=64, temperature=0)
         ch = r.choices[0]
-        assert ch.message.tool_calls or ch.message.content.startswith(CALL_OPEN), ch  # offered tools, it calls
+        assert ch.message.tool_calls and ch.finish_reason == "tool_calls", ch  # offered tools, it calls
+        # a call is opened only with room to close it: in fewer tokens than the shortest call, it answers in text
+        r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=12, temperature=0)
+        ch = r.choices[0]
+        assert not ch.message.tool_calls and CALL_OPEN not in ch.message.content and ch.finish_reason == "length"
         for extra in ({}, {"tool_choice": "none", "tools": TOOLS}):
             r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0, **extra)
             ch = r.choices[0]

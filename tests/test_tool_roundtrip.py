@@ -11,10 +11,12 @@ tests/test_constrain.py shows that)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from codeforge.chat import CALL_OPEN, IM_END, encode_conversation, render_text
+from test_constrain import schema_errors
 from test_serve import chat_run, serving  # noqa: F401  (module fixtures, reused)
 
 TOOLS = [
@@ -61,10 +63,6 @@ def test_required_calls_always_parse_and_render_back(live):
         for ch in r.choices:
             wrote = generated_text(ch)
             assert wrote.startswith(CALL_OPEN)
-            if ch.finish_reason == "length":  # the budget ran out inside a call: that one stays text
-                assert ch.message.content and wrote.endswith(ch.message.content)
-                assert all(valid(call) for call in ch.message.tool_calls or [])
-                continue
             finished += 1
             assert ch.finish_reason == "tool_calls" and ch.message.tool_calls, ch
             assert all(valid(call) for call in ch.message.tool_calls), ch.message.tool_calls
@@ -77,7 +75,7 @@ def test_required_calls_always_parse_and_render_back(live):
             assert render_text(MSGS + [reply], TOOLS) == prompt_text + wrote + "\n"
             ids, mask = encode_conversation(tok, MSGS + [reply], TOOLS)
             assert tok.decode([i for i, m in zip(ids, mask) if m]) == wrote
-    assert finished >= 6, f"only {finished} of 12 calls finished within 120 tokens"
+    assert finished == 12  # the budget keeps the tokens that close a call in reserve: none is cut short
 
 
 def test_named_and_auto_calls_and_streaming(live):
@@ -86,9 +84,8 @@ def test_named_and_auto_calls_and_streaming(live):
     r = c.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, tool_choice=named, n=4, temperature=1.0,
                                   seed=1, max_tokens=60)
     for ch in r.choices:
-        # integers 0-9 and an enum: the first call always fits in 60 tokens (an untrained model may go on to
-        # call again and again until the budget; parallel_tool_calls false allows one call)
-        assert ch.finish_reason in ("tool_calls", "length") and ch.message.tool_calls, ch
+        # an untrained model may call again and again, but every call closes within the budget
+        assert ch.finish_reason == "tool_calls" and ch.message.tool_calls, ch
         assert [x.function.name for x in ch.message.tool_calls] == ["set_level"] * len(ch.message.tool_calls)
         assert all(valid(x) for x in ch.message.tool_calls)
     # parallel_tool_calls false: exactly one call, then the reply ends
@@ -104,10 +101,7 @@ def test_named_and_auto_calls_and_streaming(live):
         content = "".join(x.choices[0].delta.content or "" for x in chunks)
         calls = [t for x in chunks for t in (x.choices[0].delta.tool_calls or [])]
         assert calls and all(valid(t) for t in calls)
-        if chunks[-1].choices[0].finish_reason == "tool_calls":
-            assert CALL_OPEN not in content
-        else:  # cut by the budget inside a later call: that call's text comes last, as written
-            assert chunks[-1].choices[0].finish_reason == "length" and content.startswith(CALL_OPEN)
+        assert chunks[-1].choices[0].finish_reason == "tool_calls" and CALL_OPEN not in content
     # auto mode (a call only once the model opens one) is tested on the Constraint itself, where the call
     # token can be made likely: tests/test_constrain.py
 
@@ -132,3 +126,87 @@ def test_response_format_json(live):
         bad = [{**TOOLS[1], "function": {**TOOLS[1]["function"], "parameters": {"type": "object", "properties": {
             "x": {"$ref": "#/nowhere"}}}}}]
         c.chat.completions.create(model="tiny", messages=MSGS, tools=bad, tool_choice="required")
+
+
+# -- the token budget: a call (or a JSON reply) always closes within max_tokens ------------------------------
+
+OPEN_TOOLS = [  # unbounded strings and arrays: an untrained model, left to itself, writes one until the budget ends
+    {"type": "function", "function": {"name": "read_file", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}},
+    {"type": "function", "function": {"name": "grep", "parameters": {
+        "type": "object", "properties": {"pattern": {"type": "string"}, "paths": {"type": "array", "items": {
+            "type": "string"}}, "ignore_case": {"type": "boolean"}},
+        "required": ["pattern", "paths"], "additionalProperties": False}}},
+]
+OPEN_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in OPEN_TOOLS}
+
+
+def minimum_budget(c, **kw) -> int:
+    """The shortest budget the server takes for this request: it refuses max_tokens 1 with a 400 that names it."""
+    import openai
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=1, **kw)
+    err = e.value.body
+    assert err["code"] == "max_tokens_too_small" and err["param"] == "max_tokens", err
+    return int(re.search(r"at least (\d+)", err["message"]).group(1))
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "grep"}}])
+def test_a_forced_call_always_closes_within_the_budget(live, choice):
+    """tool_choice required or named, temperature 1, an untrained model and a budget just above the
+    shortest call (and a roomier one): every reply is one complete call of an offered tool whose arguments
+    match its schema, never a call cut short and returned as text."""
+    c = live.client
+    least = minimum_budget(c, tools=OPEN_TOOLS, tool_choice=choice)
+    shortest = {"name": "read_file", "arguments": {"path": ""}} if choice == "required" else \
+        {"name": "grep", "arguments": {"pattern": "", "paths": []}}
+    assert 10 < least <= len(live.engine.tok.encode(json.dumps(shortest))) + 3  # + <tool_call> </tool_call> <|im_end|>
+    names = list(OPEN_SCHEMAS) if choice == "required" else ["grep"]
+    for max_tokens in (least, least + 3, 96):
+        complete = 0
+        for seed in range(2):
+            r = c.chat.completions.create(model="tiny", messages=MSGS, tools=OPEN_TOOLS, tool_choice=choice, n=5,
+                                          temperature=1.0, seed=seed, max_tokens=max_tokens)
+            for ch in r.choices:
+                calls = ch.message.tool_calls or []
+                if ch.finish_reason == "tool_calls" and calls and ch.message.content is None and all(
+                        x.function.name in names and not schema_errors(json.loads(x.function.arguments),
+                                                                       OPEN_SCHEMAS[x.function.name])
+                        for x in calls):
+                    complete += 1
+            assert r.usage.completion_tokens <= 5 * max_tokens
+        assert complete == 10, f"max_tokens {max_tokens}: {complete} of 10 replies are complete calls"
+    # streamed, the same: the call arrives whole
+    chunks = [x for x in c.chat.completions.create(model="tiny", messages=MSGS, tools=OPEN_TOOLS, tool_choice=choice,
+                                                   temperature=1.0, seed=5, max_tokens=least, stream=True)
+              if x.choices]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert [t for x in chunks for t in (x.choices[0].delta.tool_calls or [])]
+    assert CALL_OPEN not in "".join(x.choices[0].delta.content or "" for x in chunks)
+
+
+def test_too_small_a_budget_is_refused(live):
+    import openai
+    c = live.client
+    for kw in ({"tools": OPEN_TOOLS, "tool_choice": "required"},
+               {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": OPEN_SCHEMAS["grep"]}}}):
+        least = minimum_budget(c, **kw)
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="tiny", messages=MSGS, max_completion_tokens=least - 1, **kw)
+        assert e.value.body["code"] == "max_tokens_too_small" and e.value.body["param"] == "max_completion_tokens"
+        assert str(least) in e.value.body["message"]
+    # auto: any reply fits (text), so a small budget is taken; a call just cannot be opened in it
+    r = c.chat.completions.create(model="tiny", messages=MSGS, tools=OPEN_TOOLS, max_tokens=2, temperature=1.0, seed=0)
+    assert r.choices[0].finish_reason in ("stop", "length") and not r.choices[0].message.tool_calls
+
+
+def test_a_json_reply_is_complete_within_the_budget(live):
+    c = live.client
+    rf = {"type": "json_schema", "json_schema": {"name": "grep", "schema": OPEN_SCHEMAS["grep"]}}
+    least = minimum_budget(c, response_format=rf)
+    for max_tokens in (least, least + 3, 64):
+        r = c.chat.completions.create(model="tiny", messages=MSGS, n=10, temperature=1.0, seed=3,
+                                      max_tokens=max_tokens, response_format=rf)
+        done = [ch for ch in r.choices if ch.finish_reason == "stop"
+                and not schema_errors(json.loads(ch.message.content), OPEN_SCHEMAS["grep"])]
+        assert len(done) == 10, f"max_tokens {max_tokens}: {len(done)} of 10 replies are complete JSON"

@@ -448,6 +448,19 @@ async def chat_completions(srv: ServerState, request: Request):
         raise ApiError(400, "a tool call's arguments in messages are nested too deeply to read",
                        param="messages", code="tool_call_not_json") from None
     ids = srv.check_prompt(ids, "messages")
+    # A reply the grammar must complete (a forced call, a JSON reply) keeps the tokens that end it in reserve
+    # within the budget (constrain.py); a budget too small for the shortest such reply is refused up front.
+    need = grammar.min_tokens if grammar is not None else None
+    room = min(max_new, srv.block_size - len(ids))
+    if need is not None and room < need:
+        param = "max_completion_tokens" if b.max_completion_tokens else "max_tokens"
+        if max_new < need:
+            raise ApiError(400, f"{param} {max_new} is too small for {grammar.describe()}: the shortest one takes "
+                                f"{need} tokens; set {param} to at least {need}", param=param,
+                           code="max_tokens_too_small")
+        raise ApiError(400, f"the prompt of {len(ids)} tokens leaves {room} of the model's context of "
+                            f"{srv.block_size} for the reply, and {grammar.describe()} takes at least {need}: "
+                            f"shorten the messages", param="messages", code="context_length_exceeded")
     stop_ids = {srv.tok.eot_id, srv.tok.special_ids[IM_END]}
     top = b.top_logprobs or 0
     if b.logprobs:

@@ -64,7 +64,9 @@ class RowParams:
     stop_ids: frozenset[int] = frozenset()  # tokens that end the row (end of text, <|im_end|>), not in the text
     logprobs: int | None = None  # report each generated token's log-prob and the top N alternatives (0: none)
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo), from the prefill's logits
-    constraint: object | None = None  # constrain.Constraint: the tokens this row may sample, step by step
+    constraint: object | None = None  # constrain.Constraint: the tokens this row may sample, step by step;
+    # given max_new_tokens (as the context cuts it) as its budget when the row is admitted, so that a tool call
+    # or JSON reply always ends within it
 
 
 # One log-prob record: (token id, log-prob of that token, [(id, log-prob) of the top N, most likely first]);
@@ -357,6 +359,9 @@ class Scheduler:
             self._fail(r, 400, f"prompt of {P} tokens does not fit the context of {self.block_size}")
             return
         r.p.max_new_tokens = min(r.p.max_new_tokens, self.block_size - P)
+        if r.p.constraint is not None and not score_only:
+            # the grammar keeps the tokens that end its reply in reserve within this budget (constrain.py)
+            r.p.constraint.set_budget(r.p.max_new_tokens)
         if score_only and r.p.prompt_logprobs is None:
             self.stats["rows_admitted"] += 1
             self._finish(r, "length", stop_type="limit")
