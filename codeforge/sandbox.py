@@ -97,7 +97,8 @@ MAX_PROCESSES = 32              # processes and threads the program may have at 
 # under MIN_PROCESS_MB. Processes x address space is then the asked memory, except under MIN_PROCESS_MB
 # asked, where the one process still gets MIN_PROCESS_MB (and the caller is warned). A bare `python3 -c pass`
 # peaks at 14 MB of address space in the box, with a dozen standard-library imports at 21 MB.
-NO_CGROUP_PROCESSES = 8
+NO_CGROUP_PROCESSES = 4  # 8 left a single process of an RL box (512 MB) 64 MB: a 12M-element list or sorting
+# 2M floats failed (review); with 4 it has 128 MB, and a program may still start 3 more threads or processes
 MIN_PROCESS_MB = 64
 MAX_OPEN_FILES = 256
 MAX_FILE_MB = 16

@@ -805,7 +805,7 @@ def no_cgroup(monkeypatch):
     monkeypatch.setattr(sandbox, "_warned_limits", set())
 
 
-def test_memory_limit_bounds_the_tree_without_a_cgroup(no_cgroup, capsys):
+def test_memory_limit_bounds_the_tree_without_a_cgroup(no_cgroup, capsys, monkeypatch):
     """Review: without a (delegated) cgroup, 6 forked children of a memory_mb=512 box held 1,474 MB between them
     (each under its own 512 MB address space, up to 32 processes). Now the processes x per-process product is
     the asked memory: the tree cannot hold more."""
@@ -819,6 +819,7 @@ def test_memory_limit_bounds_the_tree_without_a_cgroup(no_cgroup, capsys):
     assert "no memory cgroup here" in capsys.readouterr().err  # said once ...
     # positive control: with room for it the same program's children do hold 6 x 200 MB at once, and the
     # sampler sees it (so the bound above is the limit at work)
+    monkeypatch.setattr(sandbox, "NO_CGROUP_PROCESSES", 8)  # room for the parent and its 6 children
     held_c, peak_c, rc = _hog(_marker(), 2048)
     assert held_c == 6 * 200 and peak_c > 6 * 200 * 0.75, (rc, peak_c)
     assert "a box's 2048 MB is split" in capsys.readouterr().err  # ... per asked size
@@ -854,7 +855,7 @@ def test_limits_weaker_than_asked_are_said(no_cgroup, capsys):
     # and with a memory cgroup nothing changes: the cgroup bounds the tree, each process may use all of it
     assert sandbox.box_limits(512, cgroup=True) == sandbox.BoxLimits(512, sandbox.MAX_PROCESSES, 512, True)
     split = [sandbox.box_limits(m, cgroup=False) for m in (128, 512, 1024, 16384)]
-    assert [(b.processes, b.process_mb) for b in split] == [(2, 64), (8, 64), (8, 128), (8, 2048)]
+    assert [(b.processes, b.process_mb) for b in split] == [(2, 64), (4, 128), (4, 256), (4, 4096)]
 
 
 # -- timeouts -------------------------------------------------------------------------------------------------
