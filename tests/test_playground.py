@@ -441,6 +441,17 @@ def test_the_key_never_goes_to_another_origin(server, browser):
         time.sleep(0.5)
         assert reached == [], reached  # nothing, not even a connection, reached the other origin
         assert _severe_console(browser) == [] or all("steal" in m for m in _severe_console(browser))
+        # the server's own origin followed by "//other": fetch would read "//127.0.0.1:PORT/..." as another host
+        # (found in review; only the CSP stopped it); the page now keeps one leading slash of the path
+        browser.get(f"{server}/?base={server}//127.0.0.1:{port}")
+        WebDriverWait(browser, 30).until(lambda d: _by_id(d, "model").text not in ("", "loading…"))
+        browser.execute_script(INSTRUMENT)
+        _set(browser, "prompt", "x")
+        _send_and_wait(browser)
+        urls = browser.execute_script("return window.__requests.map((r) => r.url)")
+        assert urls and all(u.startswith("/") and not u.startswith("//") for u in urls), urls
+        time.sleep(0.3)
+        assert reached == [], reached
         # a base of this same origin (a path prefix) is still taken
         browser.get(f"{server}/?base={server}/")
         WebDriverWait(browser, 30).until(lambda d: _by_id(d, "model").text not in ("", "loading…"))
