@@ -33,6 +33,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -89,7 +90,8 @@ REGEX_FIELDS = ("normalizer", "pre_tokenizer", "decoder")  # the tokenizer.json 
 # backtracks catastrophically fails (onig's retry limit: a panic) or crawls on one of them; a sound one takes
 # about 0.1 s for all of them. A probe may take at most PROBE_SECONDS + PROBE_SECONDS_PER_CHAR per character
 # (a sound rule: ~5 us per character), timed twice before it counts as too slow.
-PROBE_UNITS = ("a", "a ", "ab1_", "1", "1 ", "!", "!(", " ", "\n", "\t ", "\u00e9", "'s", "\r\n")
+PROBE_UNITS = ("a", "a ", "ab1_", "A", "Ab ", "1", "1 ", "!", "!(", " ", "\n", "\t ", "\u00e9", "\u00c9", "'s",
+               "\r\n", "\u4e2d", "\U0001f600")
 PROBE_ENDS = ("", "!", "a", " ", "1", "\n")
 PROBE_LENGTHS = (8, 16, 32, 64, 128, 256, 512, 2048)
 PROBE_SECONDS, PROBE_SECONDS_PER_CHAR = 0.1, 5e-5
@@ -138,16 +140,33 @@ def _regexes(node: object, field: str, out: list[tuple[str, str]]) -> list[tuple
     return out
 
 
-def _probe_texts() -> Iterator[str]:
+def _probe_texts(extra: tuple[str, ...] = ()) -> Iterator[str]:
+    """The probe texts; `extra`: characters the rule names itself, as units and ends of their own (a rule keyed
+    on a character no fixed unit holds, `(c+c+)+d`, passed the fixed probes and panicked on "c" * 40)."""
     for n in PROBE_LENGTHS:
-        for unit in PROBE_UNITS:
-            for end in PROBE_ENDS:
+        for unit in PROBE_UNITS + extra:
+            for end in PROBE_ENDS + extra[:8]:
                 yield (unit * (n // len(unit) + 1))[: n - len(end)] + end
 
 
-def _probe(tok: Tokenizer) -> tuple[str, str] | None:
+REGEX_SYNTAX = re.compile(r"\\[pP]\{[^}]*\}|\\[pPdDwWsSbBAzZGhHRXNnrtfve]|\{\d*,?\d*\}"
+                          r"|\(\?(?:[a-zA-Z-]*:|[=!]|<[=!]|[a-zA-Z-]*\))|[][(){}|*+?^$.\\]")
+
+
+def rule_characters(regexes: list[str], most: int = 24) -> tuple[str, ...]:
+    """The literal characters rules name (their syntax and classes left out), in order of first use, at most
+    `most`: probe units a backtracking rule keyed on them cannot miss."""
+    seen: dict[str, None] = {}
+    for r in regexes:
+        for c in REGEX_SYNTAX.sub("", r):
+            if c.isprintable() and not c.isspace():
+                seen.setdefault(c, None)
+    return tuple(seen)[:most]
+
+
+def _probe(tok: Tokenizer, extra: tuple[str, ...] = ()) -> tuple[str, str] | None:
     """(probe text, why) for the first probe text `tok` fails on or crawls over, else None."""
-    for text in _probe_texts():
+    for text in _probe_texts(extra):
         limit = PROBE_SECONDS + PROBE_SECONDS_PER_CHAR * len(text)
         took = []
         for _ in range(2):  # a slow probe is timed again: one pause of the machine is not the rule's
@@ -182,7 +201,8 @@ def vet_rules(tok: Tokenizer, f: Path, content_hash: str, log: Callable[[str], N
                 _regexes(json.loads(part.__getstate__()), field, found)
         known = set(KNOWN_SPLIT_PATTERNS.values())
         unknown = [(field, r) for field, r in found if r not in known]
-        _VETTED[content_hash] = (unknown, _probe(tok) if unknown else None)
+        extra = tuple(c for c in rule_characters([r for _, r in unknown]) if c not in "".join(PROBE_UNITS))
+        _VETTED[content_hash] = (unknown, _probe(tok, extra) if unknown else None)
     unknown, failed = _VETTED[content_hash]
     if not unknown:
         return

@@ -204,3 +204,16 @@ def test_an_unknown_split_rule_too_slow_on_the_probe_is_refused(tokenizer_dir, t
     d = with_split(tokenizer_dir, tmp_path / "slow", r"\p{L}+|\p{N}+|\s+|[^\s\p{L}\p{N}]+")
     with pytest.raises(TokenizerError, match=r"pre_tokenizer.*fails on a 8-character probe text .*: it took -?[0-9.]+ s"):
         CodeTokenizer.load(d)
+
+
+def test_a_rule_keyed_on_its_own_characters_is_probed_with_them(tokenizer_dir, tmp_path):
+    """Found in review: `(c+c+)+d` passed the fixed probe texts (none is a run of "c") and then panicked on
+    "c" * 40. The characters a rule names are now probe units of their own."""
+    from codeforge.tokenizer import rule_characters
+    assert rule_characters([r"(c+c+)+d", r"(?i:foo)\p{L}+[0-9]"]) == ("c", "d", "f", "o", "0", "-", "9")
+    bad = with_split(tokenizer_dir, tmp_path / "bad", r"(c+c+)+d")
+    raw = Tokenizer.from_file(str(bad / "tokenizer.json"))
+    with pytest.raises(BaseException):  # the defect is real: the Rust tokenizer panics
+        raw.encode("c" * 40, add_special_tokens=False)
+    with pytest.raises(TokenizerError, match="probe text"):
+        CodeTokenizer.load(bad)
