@@ -484,3 +484,36 @@ def test_recorded_tasks_also_pass_their_own_tests(tmp_path):
             assert r["outcome"] == "passed" and r["verdict"] == "outside", (t["id"], r)
     with pytest.raises(UnsplitTask, match="does not pass its own recorded calls"):
         execution_rewards(SIDE_EFFECT_TASKS[4:5], SIDE_EFFECT_WRONG[4:5], trusted_only=True)
+
+
+@needs_sandbox
+def test_recorded_tasks_other_accepted_answers_and_forged_boxes():
+    """Second review of recording: (1) answers the tests accept but whose values differ from the reference's
+    (any order, a tuple for a list, a count from elsewhere, rounded) were "wrong"; now a pass only the box saw,
+    reported apart (verdict in_box, never in pass@k), and still "wrong" where only a trusted verdict will do
+    (RL); (2) forging the in-box run of a recorded task (a frame walk to the report pipe, an always-equal
+    string) scored 1.0; now the name screen refuses it unrun, as for in-box tasks."""
+    def task(i, entry, sol, tests):
+        return {"id": i, "entry_point": entry, "solution": sol, "tests": tests}
+    other = [
+        (task("perm", "uniq", "def uniq(xs):\n    return sorted(set(xs))\n",
+              "for xs in [[3, 1, 3, 2], [5, 5, 4]]:\n    r = uniq(xs)\n"
+              "    assert sorted(r) == sorted(set(xs)) and len(r) == len(set(xs))\n"),
+         "def uniq(xs):\n    return list(dict.fromkeys(reversed(xs)))\n"),
+        (task("tl", "pair", "def pair(a):\n    return [a, a]\n", "for a in [1, 2]:\n    assert list(pair(a)) == [a, a]\n"),
+         "def pair(a):\n    return (a, a)\n"),
+        (task("ctr", "nxt", "_n = 0\ndef nxt():\n    global _n\n    _n += 1\n    return _n\n",
+              "a = nxt(); b = nxt()\nassert b == a + 1\n"),
+         "import itertools\n_c = itertools.count(100)\ndef nxt():\n    return next(_c)\n"),
+    ]
+    got = execution_rewards([t for t, _ in other], [c for _, c in other])
+    for (t, _), r in zip(other, got):
+        assert (r["outcome"], r["verdict"]) == ("passed_in_box", "in_box"), (t["id"], r)
+    strict = execution_rewards([t for t, _ in other], [c for _, c in other], trusted_only=True)
+    assert all(r["outcome"] == "wrong" and r["reward"] < 1.0 for r in strict), strict
+    greet = SIDE_EFFECT_TASKS[0]
+    forged = ["import sys\ndef greet(n):\n    f = sys._getframe(1)\n    return None\n",
+              "import io\nclass S(str):\n    def __eq__(self, o):\n        return True\n"
+              "io.StringIO.getvalue = lambda self: S('')\ndef greet(n):\n    pass\n"]
+    for r in execution_rewards([greet] * len(forged), forged, trusted_only=True):
+        assert r["outcome"] == "tampering" and r["reward"] == 0.0, r

@@ -1540,14 +1540,15 @@ def execution_rewards(tasks: list[dict], completions: list[str], timeout: float 
             why = tampering(code)
         except (RecursionError, MemoryError):
             why = "too deeply nested to screen"
-        if why and not cases:
+        if why and (not cases or key in recorded):  # a recorded task's verdict leans on an in-box run too
             out[i] = {"reward": REWARDS["tampering"], "outcome": "tampering", "detail": why, "verdict": verdict,
                       "suspect": why}
         elif cases:
             runs.append((i, code + ("\n\n" + cases.suffix if cases.suffix else ""), cases, why))
             if key in recorded:  # what recording cannot see (printed output, an argument left alone, files,
-                # `is True`) only the tests themselves check: they must pass in the box as well. A forged in-box
-                # pass gains nothing: the values are judged outside all the same.
+                # `is True`) only the tests themselves check: they must pass in the box as well. That run is as
+                # forgeable as any in-box run (the name screen above is its defence, as for in-box tasks); what
+                # it cannot forge is the values, judged outside all the same.
                 runs.append((~i, code + "\n\n" + task["tests"], None, None))
         else:
             runs.append((i, code + "\n\n" + task["tests"], None, None))
@@ -1566,9 +1567,14 @@ def execution_rewards(tasks: list[dict], completions: list[str], timeout: float 
                     outcome = _outcome(box)  # wrong, runtime_error or early_exit: the box did not pass
                     detail = (f"it returns the reference's values, but the task's own tests fail on it: "
                               f"{box.detail}")
+                elif outcome == "wrong" and box is not None and box.passed and not trusted_only:
+                    # other values than the reference's, which the tests accept (any order, a tuple for a list,
+                    # a count from elsewhere): a pass only the box saw, reported apart and never in pass@k
+                    outcome, detail = "passed_in_box", (f"its values differ from the reference's ({detail}), but "
+                                                        f"the task's own tests pass in the box")
                 reward = REWARDS[outcome] if (outcome == "passed" or not why) else 0.0
-                out[i] = {"reward": reward, "outcome": outcome, "detail": detail, "verdict": "outside",
-                          "suspect": why}
+                out[i] = {"reward": reward, "outcome": outcome, "detail": detail,
+                          "verdict": "in_box" if outcome == "passed_in_box" else "outside", "suspect": why}
             else:
                 outcome = _outcome(res, _asserts(extract_code(completions[i])))
                 out[i] = {"reward": REWARDS[outcome], "outcome": outcome, "detail": res.detail,
