@@ -34,19 +34,31 @@ Budget: a reply the grammar must complete (required or named tool_choice, a JSON
 within the row's token budget (max_tokens; `Constraint.set_budget`, which the engine and the server call), and
 so does every call auto mode opens. Each grammar keeps a way to its end: a token sequence from the matcher's
 state that ends the reply (_Ways.way: a greedy walk on a copy of the matcher, forced tokens first, then the
-tokens that close the current string, number, array or object soonest; ~1-3 ms for a tool call). The way
+tokens that close the current string, number, array or object soonest; inside a string that no allowed token
+ends, a key, an enum value or a tool's name to spell, the fewest tokens that end it by a small breadth-first
+search, and for the way from the start the end whose whole way is shortest; ~1-3 ms for a tool call). The way
 from the start gives `min_tokens`, the fewest tokens a reply takes (the server refuses a smaller max_tokens
-with a 400, max_tokens_too_small; auto mode opens no call with fewer than `min_call` tokens left). While a
-row writes, its way is kept (a token on it shortens it; after any other token it is checked with
-validate_tokens and searched again only when it no longer holds), and the budget left beyond it, the spare,
-decides the mask: more than WATCH spare, the grammar's mask alone; up to WATCH, tokens that may lengthen
-the way by more than one (they start a key, an item, a value or a call) are allowed only when checked to
-fit (the row's TOP likeliest ones, at most SEARCHES of them by a search); up to NEAR, only checked tokens
-(those that keep the way, or whose new way fits) and the way's next token; none spare, the way's next token
-alone. So such a reply always ends complete, `<|im_end|>` included. Cost: nothing above WATCH spare; within
-it, a top-k, a few validate_tokens and now and then a search, ~0.1 ms per token on average over a 200-token
-row (benchmarks/constrain_cost.py). A token that lengthens the way by more than WATCH at once (an optional
-property whose value is a large required structure) is not guarded against.
+with a 400, max_tokens_too_small; auto mode opens no call with fewer than `min_call` tokens left).
+
+The way is kept exact after every token, so the spare (the budget left beyond it) is always that of a real way
+to the end, however deep the text has nested: a token on the way shortens it; after any other token the old
+way is checked to still hold (a character of a free string), or its rest past a few tokens (a value other than
+the way's), or the token's split realigned, else a few greedy steps rejoin it (a bracket opened: its closer,
+then the old way), else it is searched again (_Ways.after; validate_tokens, and a mask per greedy step). The
+spare decides the mask: more than WATCH, the grammar's mask alone; up to WATCH, inside a string (where one
+character may pick a longer key, enum value or tool name) and within NEAR spare everywhere, only checked
+tokens (the row's TOP likeliest that keep a way that fits what will be left, at most SEARCHES of them found
+by a search) and the way's next token; outside a string, only the tokens that may lengthen the way by more
+than one (they start a key, an item, a value or a call) need the check; none spare, the way's next token
+alone. Beyond WATCH spare one token may still lengthen the way past the spare at once (an optional key whose
+value is a large required object): so the samplers (Engine.generate_ids, the server's batcher) check the token
+they drew (`fit_tokens`: the check advance needs anyway) and replace one that does not fit by the likeliest
+that does. So such a reply always ends complete, `<|im_end|>` included. Cost: a validate_tokens for most
+tokens off the way, a few masks for a bracket or a new item, now and then a search: the mask, advance and
+fit_tokens together ~0.1-0.3 ms per constrained token with a 96- or 200-token budget on
+benchmarks/constrain_cost.py's model (8192 tokens). A caller that masks with mask_logits but samples without
+fit_tokens keeps the guarantee within WATCH spare only. Stop sequences do not apply inside a grammar's reply
+(the server's batcher: serve/batcher.py, _stops_of).
 
 Known gap: the grammar cannot keep a JSON string from holding the *text* "</tool_call>" written as ordinary
 tokens (the special token is never allowed there); chat.parse_assistant, which reads decoded text, would then
@@ -55,6 +67,7 @@ cut the call short. A trained model has no reason to write it.
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 import threading
@@ -83,6 +96,11 @@ NEAR = 8  # spare tokens below which a row writes only checked tokens
 TOP = 8  # the likeliest tokens checked per watched row and step
 SEARCHES = 2  # ... of which at most this many by a search for a new way (the others must keep the way)
 PATH_LIMIT = 1024  # the longest way to the end searched for (longer: the grammar is left without a reserve)
+JOIN_STEPS = 4  # a way repaired after a token off it: greedy steps before it must rejoin the old way ...
+JOIN_SKIP = 3  # ... skipping at most this many of the old way's tokens (else a whole new walk)
+LOOK_WIDTH = 64  # inside a string that no allowed token ends: a search for the fewest tokens that end it, where
+LOOK_NODES = 64  # each step allows at most LOOK_WIDTH tokens, through at most LOOK_NODES matchers;
+LOOK_ENDS = 8  # for a grammar's start way, the ends of such a string each walked on to the end (the best kept)
 
 
 class ConstraintError(CodeforgeError):
@@ -127,7 +145,7 @@ class _Bridge:
         with self.lock:
             if lark in self.starts:
                 return self.starts[lark]
-        way = self.ways().way(m, _OUT, end)
+        way = self.ways().way(m, _OUT, end, best=True)
         with self.lock:
             self.starts[lark] = way
             if len(self.starts) > GRAMMAR_CACHE:
@@ -172,9 +190,13 @@ class _Ways:
     first; then </tool_call> where allowed; then the allowed token that ends things soonest for the JSON
     lexical state the text is in (inside a string: a closing quote, then closing brackets; outside one:
     closing brackets, then a separator, then a whole short value like 0, "", [], then an opening quote or
-    bracket); then, when none of those fits (a name or an enum to spell, a minimum length), the longest
-    allowed token. Every step is checked by the matcher, so what comes back is always a way to the end; it is
-    short (the grammars' JSON has one layout, and its required parts are forced), not proven shortest."""
+    bracket); inside a string that no allowed token ends (a key, an enum value or a tool's name to spell), the
+    fewest tokens that end it, by a small breadth-first search (`_close_soon`); failing that (a minimum
+    length), the longest allowed token. Every step is checked by the matcher, so what comes back is always a
+    way to the end; it is short (the grammars' JSON has one layout, and its required parts are forced), not
+    proven shortest. `after` keeps a way up to date after a token off it: the old way where it still holds
+    (or its rest past a few tokens, or the token's split realigned), else a few greedy steps that rejoin it,
+    else a new walk."""
 
     def __init__(self, tok: "CodeTokenizer", vocab: int):
         self.vocab = vocab
@@ -204,19 +226,19 @@ class _Ways:
                 size[i] = 0  # a special token only as a last resort (they are forced where needed)
         self.out, self.inside, self.size = out, inside, size
         self.lex: dict[tuple[int, int], int] = {}
-        # Tokens that may lengthen the way to the end by more than a token (they start or end a value, a key,
-        # an item or a call), by lexical state; any other token (inside a string or a number, a closing
-        # bracket) lengthens it by at most one (an escape).
+        # Tokens that may lengthen the way to the end by more than a token outside a string (they start or
+        # end a value, a key, an item or a call); any other token there (a number's digits, a literal's
+        # letters, a closing bracket) lengthens it by at most one. Inside a string any token may (a character
+        # that picks a longer key, enum value or tool name): every one is checked there.
         marks = [any(c in b for c in b',{["\n') or i in self.special for i, b in enumerate(self.bytes)]
-        quotes = [b'"' in b or i in self.special for i, b in enumerate(self.bytes)]
-        self.structural = {_OUT: np.array(marks), _IN: np.array(quotes), _ESC: np.zeros(vocab, dtype=bool)}
-        self._on: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self.structural = np.array(marks)
+        self._on: dict[torch.device, torch.Tensor] = {}
 
-    def structural_on(self, state: int, device: torch.device) -> torch.Tensor:
-        """`structural[state]` as a bool tensor on `device` (made once per device)."""
-        got = self._on.get((state, device))
+    def structural_on(self, device: torch.device) -> torch.Tensor:
+        """`structural` as a bool tensor on `device` (made once per device)."""
+        got = self._on.get(device)
         if got is None:
-            got = self._on[(state, device)] = torch.from_numpy(self.structural[state]).to(device)
+            got = self._on[device] = torch.from_numpy(self.structural).to(device)
         return got
 
     def scan(self, state: int, token: int) -> int:
@@ -237,41 +259,135 @@ class _Ways:
             self.lex[(state, token)] = got
         return got
 
-    def _pick(self, allowed: np.ndarray, state: int, forced: bytes) -> int | None:
+    def _allowed(self, m: llguidance.LLMatcher) -> np.ndarray:
+        bits = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
+        return np.unpackbits(bits, bitorder="little")[:self.vocab].astype(bool)
+
+    def _pick(self, m: llguidance.LLMatcher, allowed: np.ndarray, state: int, forced: bytes,
+              end: bool, best: bool) -> tuple[list[int], bool] | None:
+        """The next tokens of the walk: (tokens, whether they reach the end)."""
         if self.close_id is not None and allowed[self.close_id]:
-            return self.close_id
+            return [self.close_id], False
         for k in range(len(forced), 0, -1):  # forced bytes that no one token holds: the longest token of them
             t = self.exact.get(forced[:k])
             if t is not None and allowed[t]:
-                return t
-        for score in ((self.inside,) if state == _IN else (self.out,) if state == _OUT else ()) + (self.size,):
+                return [t], False
+        for score in (self.inside,) if state == _IN else (self.out,) if state == _OUT else ():
             masked = np.where(allowed, score, -1)
             t = int(masked.argmax())
             if masked[t] >= 0:
-                return t
-        return None
+                return [t], False
+        if state == _IN and (got := self._close_soon(m, allowed, end, best)) is not None:
+            return got
+        masked = np.where(allowed, self.size, -1)
+        t = int(masked.argmax())
+        return ([t], False) if masked[t] >= 0 else None
 
-    def way(self, matcher: llguidance.LLMatcher, state: int, end: bool) -> list[int] | None:
+    def _close_soon(self, m: llguidance.LLMatcher, allowed: np.ndarray, end: bool,
+                    best: bool) -> tuple[list[int], bool] | None:
+        """Inside a string that no allowed token ends with a closing quote (a key, an enum value or a tool's
+        name to spell): the fewest tokens that end it, by a breadth-first search over the allowed tokens
+        (longest first, one matcher per text reached: `"b"` before `"alpha_beta..."`); with `best`, each of the
+        first LOOK_ENDS strings found is walked on to the end, and the shortest whole way comes back (what
+        follows a tool's name or a key differs). None when no end is found through LOOK_NODES matchers, where
+        each step allows at most LOOK_WIDTH tokens (wider: a free string with a minimum length, where the
+        longest token does best)."""
+        if int(allowed.sum()) > LOOK_WIDTH:
+            return None
+        queue, nodes, seen = collections.deque([(m, allowed, _IN, [], b"")]), 0, set()
+        out = [t for t in np.flatnonzero(allowed).tolist() if self.scan(_IN, t) == _OUT]  # (quotes then more)
+        ends = [(m.deep_copy(), [], max(out, key=lambda u: self.inside[u]))] if out else []
+        if ends and not best:
+            queue.clear()
+        while queue and nodes < LOOK_NODES:
+            mm, ok, state, path, text = queue.popleft()
+            for t in sorted(np.flatnonzero(ok).tolist(), key=lambda t: -self.size[t]):
+                reached = text + self.bytes[t]
+                if self.scan(state, t) == _OUT or reached in seen or nodes >= LOOK_NODES:
+                    continue
+                c = mm.deep_copy()
+                if not c.consume_token(t):
+                    continue
+                seen.add(reached)
+                nodes += 1
+                after, inner = self._allowed(c), self.scan(state, t)
+                cands = np.flatnonzero(after).tolist()
+                out = [u for u in cands if self.scan(inner, u) == _OUT] if len(cands) <= LOOK_WIDTH else \
+                    np.flatnonzero(after & (self.inside >= 0)).tolist() if inner == _IN else []
+                if out:  # ends here: the quote with the most closers after it (checked on making: breadth-first)
+                    ends.append((c, path + [t], max(out, key=lambda u: self.inside[u])))
+                    if not best or len(ends) >= LOOK_ENDS:
+                        queue.clear()
+                        break
+                if len(cands) <= LOOK_WIDTH:
+                    queue.append((c, after, inner, path + [t], reached))
+        if not ends:
+            return None
+        if not best:
+            return ends[0][1], False
+        whole = []
+        for c, path, last in ends:
+            if c.consume_token(last) and (rest := self.way(c, _OUT, end)) is not None:
+                whole.append(path + [last] + rest)
+        return (min(whole, key=len), True) if whole else (ends[0][1], False)
+
+    def way(self, matcher: llguidance.LLMatcher, state: int, end: bool,
+            old: list[int] | None = None, best: bool = False) -> list[int] | None:
         """Tokens from the matcher's state to the end (to an accepting state, then <|im_end|> when `end`);
-        None when the walk finds none within PATH_LIMIT tokens. The matcher is not changed."""
-        m, path = matcher.deep_copy(), []
+        None when the walk finds none within PATH_LIMIT tokens. With `old` (a way from before the last token),
+        the walk ends, within its first JOIN_STEPS steps, where the old way rejoins (`_join`). With `best`
+        (the way from a grammar's start, which gives min_tokens), the first string to spell whose ends lead
+        on differently picks the end with the shortest way after it (`_close_soon`). The matcher is not
+        changed."""
+        m, path, steps = matcher.deep_copy(), [], 0
         while len(path) <= PATH_LIMIT and not m.is_error():
+            if old is not None and 0 < steps <= JOIN_STEPS and (rest := self._join(m, state, old)) is not None:
+                return path + rest
             if m.is_accepting():
                 return path + [self.eos] if end else path
             step = m.compute_ff_tokens()
             if not step:
-                bits = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
-                allowed = np.unpackbits(bits, bitorder="little")[:self.vocab].astype(bool)
-                t = self._pick(allowed, state, m.compute_ff_bytes())
-                if t is None:
+                got = self._pick(m, self._allowed(m), state, m.compute_ff_bytes(), end, best)
+                if got is None:
                     return None
-                step = [t]
+                step, whole = got
+                if whole:
+                    return path + step if len(path) + len(step) <= PATH_LIMIT else None
             if not m.consume_tokens(step):
                 return None
             for t in step:
                 state = self.scan(state, t)
             path += step
+            steps += 1
         return None
+
+    def _join(self, m: llguidance.LLMatcher, state: int, old: list[int]) -> list[int] | None:
+        """The rest of the way `old` past its first j tokens (j <= JOIN_SKIP, the most that holds) where it
+        holds from the matcher's state; inside a string the whole of it is tried first (a character of the
+        string leaves the way as it was)."""
+        js = range(min(JOIN_SKIP, len(old) - 1), -1, -1)
+        for j in (0, *js[:-1]) if state != _OUT else js:
+            rest = old[j:]
+            if m.validate_tokens(rest) == len(rest):
+                return rest
+        return None
+
+    def after(self, m: llguidance.LLMatcher, state: int, token: int, old: list[int], end: bool,
+              search: bool) -> list[int] | None:
+        """A way to the end from the matcher `m`, which has just consumed `token` off the way `old` (in lexical
+        state `state` now): `old` realigned (the token is the start of old's first token: the rest of that
+        token's bytes, then old's rest), or `_join`; else (`search`) a walk that rejoins old within a few
+        steps, or a new way. None when none is found (without `search`: none cheaply)."""
+        if old:
+            b, first = self.bytes[token], self.bytes[old[0]]
+            if b and len(first) > len(b) and first.startswith(b):
+                t = self.exact.get(first[len(b):])
+                if t is not None and m.validate_tokens([t, *old[1:]]) == len(old):
+                    return [t, *old[1:]]
+            rest = self._join(m, state, old)
+            if rest is not None:
+                return rest
+        return self.way(m, state, end, old or None) if search else None
 
 
 def _first_line(msg: str | None, limit: int = 200) -> str:
@@ -476,10 +592,11 @@ class Constraint:
         self._finished = False
         self.budget: int | None = None  # tokens this row may write in all; None: no reserve is kept
         self.written = 0  # tokens fed so far
-        self._way = list(grammar.start_way) if grammar.start_way is not None else None  # to the end, from _at
+        # A way to the end from the matcher's state, _way[_at:] (always one that holds); None: none known
+        self._way = list(grammar.start_way) if grammar.start_way is not None else None
         self._at = 0
-        self._stale = False  # a token off the way was written: the way may no longer hold
-        self._checked: dict[int, list[int] | None] = {}  # this step's checked tokens: None (the way holds) or a new way
+        self._dropped = False  # the way was let go while there was no budget (set_budget finds a new one)
+        self._checked: dict[int, list[int] | None] = {}  # this step: token -> the way after it (None: none found)
         self._lex = _OUT  # the JSON lexical state of the matcher's text (for finding ways)
 
     @property
@@ -489,6 +606,10 @@ class Constraint:
     def set_budget(self, n: int | None) -> None:
         """The row writes at most n more tokens in all (<|im_end|> included); None keeps no reserve."""
         self.budget = None if n is None else self.written + n
+        g = self.grammar
+        if n is not None and self._dropped and (g.kind == "whole" or self.in_call) and not self._finished:
+            self._dropped = False
+            self._way, self._at = g.bridge.ways().way(self.matcher, self._lex, g.kind == "whole"), 0
 
     def _step(self) -> str | None:
         """What constrains the next token: None (free), "matcher", "static" (no call tokens) or "end"."""
@@ -516,44 +637,41 @@ class Constraint:
         if self.budget is None or self._way is None:
             return None
         left = self.budget - self.written
-        if left <= 0:
-            return None
-        if self._stale and left <= len(self._way) - self._at + WATCH:
-            self._refresh()
-            if self._way is None:
-                return None
-        way = self._way[self._at:]
-        spare = left - len(way)
-        return (spare, way) if spare <= WATCH else None
+        spare = left - (len(self._way) - self._at)
+        return (spare, self._way[self._at:]) if left > 0 and spare <= WATCH else None
 
-    def _refresh(self) -> None:
-        """Check the way to the end after a token off it; find a new one when it no longer holds."""
-        g = self.grammar
-        way = self._way[self._at:]
-        self._stale = False
-        if way and self.matcher.validate_tokens(way) == len(way):
-            return
-        self._way, self._at = g.bridge.ways().way(self.matcher, self._lex, g.kind == "whole"), 0
-
-    def _check(self, token: int, way: list[int], search: bool) -> bool:
-        """Whether the row may write `token` and still end within its budget: the way to the end holds after
-        it, or (`search`) a new way from after it fits what will be left. Remembered for advance()."""
+    def _after(self, token: int, search: bool) -> list[int] | None:
+        """The way to the end after writing `token` next (off the way): see _Ways.after. Remembered for this
+        step (advance uses it); a cheap check that finds none is not (a search may still find one)."""
         if token in self._checked:
-            return True
-        if self.matcher.validate_tokens([token] + way) == 1 + len(way):
-            self._checked[token] = None  # the way holds
-            return True
-        if not search:
-            return False
+            return self._checked[token]
         g = self.grammar
         m = self.matcher.deep_copy()
-        if not m.consume_token(token):
-            return False
-        new = g.bridge.ways().way(m, g.bridge.ways().scan(self._lex, token), g.kind == "whole")
-        if new is None or len(new) > self.budget - self.written - 1:
-            return False
-        self._checked[token] = new
-        return True
+        new = None
+        if m.consume_token(token):
+            ways = g.bridge.ways()
+            new = ways.after(m, ways.scan(self._lex, token), token, self._way[self._at:], g.kind == "whole", search)
+        if new is not None or search:
+            self._checked[token] = new
+        return new
+
+    def _check(self, token: int, search: bool) -> bool:
+        """Whether the row may write `token` and still end within its budget: a way from after it (the way
+        kept, or with `search` a new one) fits what will be left."""
+        if self._at < len(self._way) and self._way[self._at] == token:
+            return True
+        new = self._after(token, search)
+        return new is not None and len(new) <= self.budget - self.written - 1
+
+    def fits(self, token: int) -> bool:
+        """Whether the row may write `token` (which its grammar allows) and still end within its budget;
+        True where no reserve is kept (no budget, a free step, no way known). The samplers ask it of the token
+        they drew (`fit_tokens`): beyond WATCH spare the mask checks nothing, and one token may lengthen the
+        way a lot (an optional key whose value is a large required structure)."""
+        if self.budget is None or self._way is None or self.budget - self.written <= 0 or \
+                self._step() != "matcher":
+            return True
+        return self._check(token, search=True)
 
     def allowed(self) -> torch.Tensor | None:
         """(vocab_size,) bool on the CPU: True where a token may come next; None when this step is free."""
@@ -565,11 +683,12 @@ class Constraint:
         out = _unpack(bits)[0, :self.grammar.bridge.vocab]
         for _, c, way, spare in near:  # the checks of _narrow, over every allowed token (no search: no logits)
             ways = c.grammar.bridge.ways()
-            check = out.clone() if spare <= NEAR else out & torch.from_numpy(ways.structural[c._lex][:out.size(0)])
+            strict = spare <= NEAR or c._lex != _OUT
+            check = out.clone() if strict else out & torch.from_numpy(ways.structural[:out.size(0)])
             out = out & ~check
             out[way[0]] = True
             for t in check.nonzero().flatten().tolist():
-                out[t] = c._check(t, way, search=False)
+                out[t] = c._check(t, search=False)
             c._checked = {}
         return out
 
@@ -589,7 +708,7 @@ class Constraint:
                 self.in_call = True
                 self.matcher.reset()
                 self._way = list(g.start_way) if g.start_way is not None else None
-                self._at, self._stale, self._lex = 0, False, _OUT
+                self._at, self._lex, self._dropped = 0, _OUT, False
             elif token == g.end_id:
                 self._finished = True
             return
@@ -606,16 +725,19 @@ class Constraint:
             raise ConstraintError(f"token {token} ({self._shown(token)}) is not allowed by the grammar here "
                                   f"({self.matcher.get_error() or 'rejected'}); mask the logits with mask_logits")
         self.written += 1
+        checked, self._checked = self._checked, {}
+        ways = g.bridge.ways()
+        self._lex = ways.scan(self._lex, token)
         if self._way is not None:
-            checked, self._checked = self._checked, {}
-            if not self._stale and self._at < len(self._way) and self._way[self._at] == token:
+            if self._at < len(self._way) and self._way[self._at] == token:
                 self._at += 1  # on the way: it still holds
-            elif not self._stale and token in checked:  # checked before it was sampled
-                if checked[token] is not None:
-                    self._way, self._at = checked[token], 0
-            else:
-                self._stale = True
-            self._lex = g.bridge.ways().scan(self._lex, token)
+            elif token in checked:
+                self._way, self._at = checked[token], 0
+            elif self.budget is None:  # no reserve to keep: the way is found again if a budget comes
+                self._way, self._dropped = None, True
+            else:  # kept exact after every token: a stale way would hide how far the text has gone
+                self._way = ways.after(self.matcher, self._lex, token, self._way[self._at:], g.kind == "whole", True)
+                self._at = 0
         if g.kind == "text":
             self.in_call = token != g.close_id
             self.calls += not self.in_call
@@ -669,36 +791,55 @@ def _fill(constraints: list[Constraint], steps: list[str], bits: torch.Tensor) -
 
 
 def _narrow(out: torch.Tensor, rows: list[int], near: list[tuple]) -> torch.Tensor:
-    """The watched rows of the masked logits `out` (in place; `out` is a fresh tensor): within NEAR spare
-    tokens, a row keeps only the tokens it was checked to be able to write and still end in its budget (its
-    TOP likeliest that pass, and the way's next token); with more spare, only the tokens that may lengthen
-    the way by more than one (structural ones) need the check. Row by row, with plain views: they are few."""
+    """The watched rows of the masked logits `out` (in place; `out` is a fresh tensor): inside a string, or
+    within NEAR spare tokens, a row keeps only the tokens it was checked to be able to write and still end in
+    its budget (its TOP likeliest that pass, and the way's next token); outside a string with more spare,
+    only the tokens that may lengthen the way by more than one (structural ones) need the check. Row by row,
+    with plain views: they are few."""
     k = min(TOP, out.size(1))
     for j, c, way, spare in near:
         row = out[rows[j]]
         top = row.topk(k)
         ways = c.grammar.bridge.ways()
-        marks = ways.structural[c._lex]
+        strict = spare <= NEAR or c._lex != _OUT
+        marks = ways.structural
         searches = SEARCHES
         ok = [way[0]]
         for t, v in zip(top.indices.tolist(), top.values.tolist()):
-            if v == float("-inf") or t == way[0] or (spare > NEAR and not (t < marks.size and marks[t])):
+            if v == float("-inf") or t == way[0] or (not strict and not (t < marks.size and marks[t])):
                 continue
-            fits = c._check(t, way, search=False)
+            fits = c._check(t, search=False)
             if not fits and searches > 0:
                 searches -= 1
-                fits = c._check(t, way, search=True)
+                fits = c._check(t, search=True)
             if fits:
                 ok.append(t)
         at = torch.tensor(ok, device=out.device)
         kept = row[at]
-        if spare <= NEAR:
+        if strict:
             row.fill_(float("-inf"))
         else:
-            structural = ways.structural_on(c._lex, out.device)
+            structural = ways.structural_on(out.device)
             n = min(row.size(0), structural.size(0))
             row[:n].masked_fill_(structural[:n], float("-inf"))
         row[at] = kept
+    return out
+
+
+def fit_tokens(constraints: list[Constraint | None], logits: torch.Tensor, tokens: list[int | None]) -> list[int | None]:
+    """The tokens sampled from the masked `logits` (one per row; None: a row that wrote none), each checked
+    with its constraint's `fits`: one that would leave its row too little budget to end (it lengthens the
+    way to the end past the spare at once) is replaced by the likeliest of the row's TOP tokens that fits,
+    or else by the way's next token. Call it between sampling and `advance` (Engine.generate_ids and the
+    server's batcher do); the checks it makes are the ones advance needs, so it costs little more."""
+    out = list(tokens)
+    for i, (c, t) in enumerate(zip(constraints, tokens)):
+        if c is None or t is None or c.fits(t):
+            continue
+        row = logits[i]
+        top = row.topk(min(TOP, row.size(0)))
+        out[i] = next((u for u, v in zip(top.indices.tolist(), top.values.tolist())
+                       if v != float("-inf") and u != t and c.fits(u)), c._way[c._at])
     return out
 
 

@@ -20,7 +20,7 @@ from . import CodeforgeError
 from .chat import IM_END, encode_conversation, parse_assistant
 from .checkpoint import load_model
 from .config import chat_notice
-from .constrain import Constraint, ConstraintError, ToolGrammar, calls_kept_out, mask_logits
+from .constrain import Constraint, ConstraintError, ToolGrammar, calls_kept_out, fit_tokens, mask_logits
 from .device import autocast, choose_device, choose_precision
 from .fim import FIM_PREFIX, FIM_SUFFIX, infill_ids
 from .models.cpu_decode import stepper
@@ -178,7 +178,12 @@ class Engine:
                 nxt = torch.multinomial(probs, 1, generator=gen).squeeze(1)
             finished_now = done | (budget <= t)
             ids, fin = nxt.tolist(), finished_now.tolist()  # one host transfer per step
-            if constrained:  # fed before the token is yielded: a token the grammar refuses is never seen
+            if constrained:  # a drawn token that leaves its row no room to end is replaced (constrain.py)
+                fitted = fit_tokens(constraints, logits, [None if f else i for i, f in zip(ids, fin)])
+                if any(u is not None and u != i for u, i in zip(fitted, ids)):
+                    ids = [i if u is None else u for u, i in zip(fitted, ids)]
+                    nxt = torch.tensor(ids, device=self.device)
+                # fed before the token is yielded: a token the grammar refuses is never seen
                 for c, i, f in zip(constraints, ids, fin):
                     if c is not None and not f:
                         c.advance(i)

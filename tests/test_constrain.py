@@ -41,14 +41,17 @@ def eng(tok) -> Engine:
     return biased_engine(tok)
 
 
-def biased_engine(tok, block_size: int = 256) -> Engine:
+def biased_engine(tok, block_size: int = 256, prefer: dict[str, float] | None = None) -> Engine:
     """A random 2-layer model, nudged (an output bias) to open tool calls, end replies and write quotes often,
-    so that calls happen and strings end within the budget; what it writes is still noise."""
+    so that calls happen and strings end within the budget; what it writes is still noise. `prefer`: more
+    bias on the tokens that hold each given text."""
     torch.manual_seed(0)
     V = tok.vocab_size
     model = GPT(GPTConfig(vocab_size=V + PAD, block_size=block_size, n_layer=2, n_head=2, n_embd=32)).eval()
     bias = torch.zeros(V + PAD)
     bias[[i for i in range(V) if '"' in tok.decode([i])]] = 3.0
+    for text, extra in (prefer or {}).items():
+        bias[[i for i in range(V) if text in tok.decode([i])]] += extra
     bias[tok.special_ids[CALL_OPEN]] = 4.0
     bias[tok.special_ids[IM_END]] = 2.0
     model.lm_head.bias = torch.nn.Parameter(bias)
@@ -126,9 +129,21 @@ def check_calls(text: str, names: list[str]) -> list[dict]:
     for body, call in zip(blocks, calls["tool_calls"]):
         assert call["name"] in names, text
         assert not schema_errors(call["arguments"], SCHEMAS[call["name"]]), (call, text)
-        assert numbers_as_0(body) == numbers_as_0(json.dumps({"name": call["name"], "arguments": call["arguments"]},
+        # (a schema that allows extra keys allows one twice: the pairs are compared as written)
+        assert numbers_as_0(body) == numbers_as_0(json.dumps(json.loads(body, object_pairs_hook=Pairs),
                                                              ensure_ascii=False))
     return calls["tool_calls"]
+
+
+class Pairs(dict):
+    """A JSON object as its pairs, a key written twice included (json.dumps writes them back as they were)."""
+
+    def __init__(self, pairs: list[tuple]):
+        super().__init__(pairs)
+        self.pairs = pairs
+
+    def items(self):
+        return self.pairs
 
 
 def numbers_as_0(text: str) -> str:
@@ -218,6 +233,92 @@ def test_every_reply_ends_within_its_budget(eng, tok, extra):
                 assert not schema_errors(json.loads(text[:-len(IM_END)]), OPEN_REPLY), text
             else:
                 assert check_calls(text, list(SCHEMAS) if kind == "required" else [kind]), text
+
+
+def strings(n: int) -> dict:
+    """An object of n required strings (the way to its end takes ~4 tokens a string)."""
+    return {"type": "object", "properties": {f"r{i}": {"type": "string"} for i in range(n)},
+            "required": [f"r{i}" for i in range(n)], "additionalProperties": False}
+
+
+def json_reply(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+
+
+def ends_complete(eng, grammar: ToolGrammar, budgets, rows: int = 4) -> list[str]:
+    """Every row of every budget and seed (temperature 1) ends complete; the texts."""
+    texts = []
+    for budget in budgets:
+        for seed in SEEDS:
+            cs = [grammar.new() for _ in range(rows)]
+            for c, text in zip(cs, sample(eng, cs, seed, max_new=budget)):
+                assert c.finished and text.endswith(IM_END), (budget, seed, text)
+                texts.append(text[:-len(IM_END)])
+    return texts
+
+
+def test_a_character_that_picks_a_longer_branch_is_checked(tok):
+    """Inside a key or a tool's name, a character may pick a branch whose way to the end is much longer
+    (`"ky"` with 8 or 12 required strings after it, ~70 or ~100 tokens with the test tokenizer, where `"kx"`
+    has a number; `grep_all` where the way took `read`): such a character is written only where that way
+    fits the budget left, whatever the spare (up to WATCH the mask checks it, beyond it the sampled token is
+    checked: fit_tokens). A model that prefers `y` and `g`, temperature 1, budgets on both sides of the
+    one where the long branch fits."""
+    eng = biased_engine(tok, prefer={"y": 4.0, "g": 4.0})
+    for n, budgets in ((8, range(30, 100, 10)), (12, range(70, 150, 20))):
+        schema = {"type": "object", "properties": {"kx": {"type": "integer"}, "ky": strings(n)},
+                  "additionalProperties": False}
+        texts = ends_complete(eng, ToolGrammar(tok, None, "auto", json_reply(schema)), budgets)
+        assert all(not schema_errors(json.loads(t), schema) for t in texts)
+        assert sum('"ky"' in t for t in texts) >= 4  # the long branch is taken where it fits
+    tools = [{"type": "function", "function": {"name": "read", "parameters": strings(1)}},
+             {"type": "function", "function": {"name": "grep_all", "parameters": strings(8)}}]
+    g = ToolGrammar(tok, tools, "required")
+    texts = ends_complete(eng, g, range(g.min_tokens, g.min_tokens + 80, 10))
+    assert sum("grep_all" in t for t in texts) >= 4
+    for t in texts:
+        for call in parse_assistant(t)["tool_calls"]:
+            assert not schema_errors(call["arguments"], strings(1 if call["name"] == "read" else 8)), t
+
+
+def test_nesting_is_counted_as_it_grows(tok):
+    """Each bracket opened lengthens the way to the end by its closer: the way is kept exact after every
+    token, so a model that prefers `[` (a recursive $ref of arrays, any JSON value) still ends within the
+    budget, however deep it has gone."""
+    eng = biased_engine(tok, prefer={"[": 6.0})
+    nest = {"type": "object", "properties": {"x": {"$ref": "#/$defs/n"}}, "required": ["x"],
+            "$defs": {"n": {"type": "array", "items": {"$ref": "#/$defs/n"}}}}
+    anything = {"type": "object", "properties": {"x": {}}, "required": ["x"]}
+    grammars = [ToolGrammar(tok, [{"type": "function", "function": {"name": "f", "parameters": nest}}], "required"),
+                ToolGrammar(tok, None, "auto", json_reply(anything))]
+    for g in grammars:
+        texts = ends_complete(eng, g, (120, 200), rows=2)
+        assert max(t.count("[") for t in texts) > 40  # deep: more than WATCH tokens of closers in all
+        for t in texts:
+            value = parse_assistant(t)["tool_calls"][0]["arguments"] if g.mode == "required" else json.loads(t)
+            assert "x" in value
+
+
+@pytest.mark.parametrize("schema, shortest", [
+    ({"enum": ["alpha_beta_gamma_delta_epsilon_zeta_eta_theta", "b"]}, "b"),
+    ({"enum": ["b", "alpha_beta_gamma_delta_epsilon_zeta_eta_theta"]}, "b"),
+    ({"type": "string", "pattern": "^(aaaaaaaaaaaaaaaaaaaaaaaa|b)$"}, "b"),
+    ({"const": "only_this_one_value"}, "only_this_one_value")])
+def test_min_tokens_is_the_shortest_value(tok, eng, schema, shortest):
+    """min_tokens takes the value that ends the string soonest (a search over the few tokens allowed
+    inside it), not the longest token: a budget that fits `{"e": "b"}` is taken and the reply ends in it."""
+    g = ToolGrammar(tok, None, "auto", json_reply({"type": "object", "properties": {"e": schema}, "required": ["e"]}))
+    assert g.min_tokens <= len(tok.encode(json.dumps({"e": shortest}))) + 1
+    assert ends_complete(eng, g, [g.min_tokens]) == [json.dumps({"e": shortest})] * 4 * len(SEEDS)
+
+
+def test_min_tokens_takes_the_tool_whose_call_is_shortest(tok):
+    """Between tools, the one whose whole call is shortest (not the name that ends soonest)."""
+    tools = [{"type": "function", "function": {"name": "go", "parameters": strings(6)}},
+             {"type": "function", "function": {"name": "read_the_file", "parameters": strings(1)}}]
+    g = ToolGrammar(tok, tools, "required")
+    short = json.dumps({"name": "read_the_file", "arguments": {"r0": ""}})
+    assert g.min_tokens <= len(tok.encode(short)) + 3
 
 
 def test_the_budget_left_forces_the_way_to_the_end(tok):

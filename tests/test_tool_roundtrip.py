@@ -210,3 +210,59 @@ def test_a_json_reply_is_complete_within_the_budget(live):
         done = [ch for ch in r.choices if ch.finish_reason == "stop"
                 and not schema_errors(json.loads(ch.message.content), OPEN_SCHEMAS["grep"])]
         assert len(done) == 10, f"max_tokens {max_tokens}: {len(done)} of 10 replies are complete JSON"
+
+
+def test_a_key_that_picks_a_longer_branch_still_ends_within_the_budget(live):
+    """An optional key whose value is a large required object (`ky`, ~100 tokens of it with the test
+    tokenizer) against a short one (`kx`, a number): the character that picks the branch is written only
+    where its way fits the budget left, checked in the mask near the end and as the sampled token beyond it
+    (the server's batcher calls constrain.fit_tokens), so every reply is whole JSON at every budget."""
+    c = live.client
+    big = {"type": "object", "properties": {f"r{i}": {"type": "string"} for i in range(12)},
+           "required": [f"r{i}" for i in range(12)], "additionalProperties": False}
+    schema = {"type": "object", "properties": {"kx": {"type": "integer"}, "ky": big}, "additionalProperties": False}
+    rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    whole = 0
+    for max_tokens in (30, 60, 90, 120):
+        r = c.chat.completions.create(model="tiny", messages=MSGS, n=8, temperature=1.0, seed=max_tokens,
+                                      max_tokens=max_tokens, response_format=rf)
+        for ch in r.choices:
+            assert ch.finish_reason == "stop", (max_tokens, ch.message.content)
+            assert not schema_errors(json.loads(ch.message.content), schema), ch.message.content
+            whole += '"ky"' in ch.message.content
+    assert whole  # the long branch, where it fits
+
+
+def test_stop_sequences_never_cut_a_grammar(live):
+    """A stop sequence would cut what a grammar keeps whole (`"` right after `{`, `<tool_call>` before the
+    call): where a grammar holds the whole reply (a JSON response_format, tool_choice required or named),
+    stop sequences are ignored and the reply is complete; free text still stops at them."""
+    c = live.client
+    rf = {"type": "json_schema", "json_schema": {"name": "grep", "schema": OPEN_SCHEMAS["grep"]}}
+    for stop in (['"'], ["<tool_call>"], ["}", ", "]):
+        r = c.chat.completions.create(model="tiny", messages=MSGS, n=3, temperature=1.0, seed=1, max_tokens=48,
+                                      stop=stop, response_format=rf)
+        for ch in r.choices:
+            assert ch.finish_reason == "stop", (stop, ch.message.content)
+            assert not schema_errors(json.loads(ch.message.content), OPEN_SCHEMAS["grep"])
+        for choice in ("required", {"type": "function", "function": {"name": "grep"}}):
+            r = c.chat.completions.create(model="tiny", messages=MSGS, tools=OPEN_TOOLS, tool_choice=choice, n=3,
+                                          temperature=1.0, seed=1, max_tokens=48, stop=stop)
+            for ch in r.choices:
+                assert ch.finish_reason == "tool_calls" and ch.message.tool_calls, (stop, ch)
+                assert ch.message.content is None
+    r = c.chat.completions.create(model="tiny", messages=MSGS, n=3, temperature=1.0, seed=1, max_tokens=48, stop=["e"])
+    assert all(ch.finish_reason == "stop" and "e" not in ch.message.content for ch in r.choices)
+
+
+def test_in_auto_mode_a_stop_is_looked_for_outside_calls():
+    """Auto mode with tools (free text, calls the model opens): a stop sequence ends the reply where it
+    appears in the text, never inside a call (from <tool_call> to </tool_call>, or to the end while open)."""
+    from codeforge.serve.batcher import _first_stop
+    text = 'say "hi" <tool_call>{"name": "x"}</tool_call> and "bye"'
+    assert _first_stop(text, ['"'], 0, calls=True) == 4
+    assert _first_stop(text, ['"'], 8, calls=True) == text.rindex('and "') + 4  # the quotes of the call are passed
+    assert _first_stop(text, ["<tool_call>", "x"], 0, calls=True) is None
+    assert _first_stop(text, ['"'], 8) == text.index('{"') + 1  # (a row without a grammar: anywhere)
+    assert _first_stop('<tool_call>{"name": "x', ['"', "}"], 0, calls=True) is None  # a call still open
+    assert _first_stop('a "<tool_call>{}</tool_call>', ['"<tool'], 0, calls=True) is None  # overlaps the call

@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..constrain import mask_logits
+from ..chat import CALL_CLOSE, CALL_OPEN
+from ..constrain import fit_tokens, mask_logits
 from ..device import autocast
 from ..engine import apply_repetition_penalty, filter_logits
 from ..models.cpu_decode import stepper
@@ -420,6 +421,8 @@ class Scheduler:
                     out[i] = self._sample_row(r, logits[i:i + 1], V)
                 except Exception as e:  # this row's settings failed it; the batch goes on without it
                     self._fail(r, 400, f"sampling failed with these settings: {type(e).__name__}: {e}")
+        if any(c is not None for c in constraints):  # a drawn token that leaves no room to end is replaced
+            out = fit_tokens(constraints, logits, [None if r.done else t for r, t in zip(rows, out)])
         for i, r in enumerate(rows):
             if out[i] is None or r.done:
                 continue
@@ -476,9 +479,10 @@ class Scheduler:
             before = len(r.text)
             r.text += new[len(prev):]
             r._prefix_off, r._read_off = r._read_off, len(r.out)
-            if r.p.stop:
-                longest = max(len(s) for s in r.p.stop)
-                hit = _first_stop(r.text, r.p.stop, max(0, before - longest + 1))
+            stops, calls = _stops_of(r.p)
+            if stops:
+                longest = max(len(s) for s in stops)
+                hit = _first_stop(r.text, stops, max(0, before - longest + 1), calls)
                 if hit is not None:
                     r.text = r.text[:hit]
                     self._finish(r, "stop", decoded=True, stop_type="word")
@@ -486,7 +490,7 @@ class Scheduler:
         if len(r.out) >= r.p.max_new_tokens:
             self._finish(r, "length", stop_type="limit")
             return
-        hold = max((len(s) for s in r.p.stop), default=1) - 1
+        hold = max((len(s) for s in _stops_of(r.p)[0]), default=1) - 1
         safe = len(r.text) - hold
         if safe > r.sent:
             piece, r.sent = r.text[r.sent:safe], safe
@@ -501,7 +505,8 @@ class Scheduler:
         if not decoded:
             with self.tok_lock:
                 text = self.tok.decode(r.out[:-1] if drop_last else r.out)
-            cut = _first_stop(text, r.p.stop, 0) if r.p.stop else None
+            stops, calls = _stops_of(r.p)
+            cut = _first_stop(text, stops, 0, calls) if stops else None
             if cut is not None:
                 text, reason, stop_type = text[:cut], "stop", "word"
             r.text = text if text.startswith(r.text[:r.sent]) else r.text
@@ -601,6 +606,29 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], vocab: int, top: i
     return [(tok, lp, alt) for tok, lp, alt in zip(targets, chosen, alts)]
 
 
-def _first_stop(text: str, stops: list[str], start: int) -> int | None:
-    hits = [i for i in (text.find(s, start) for s in stops if s) if i >= 0]
+def _stops_of(p: RowParams) -> tuple[list[str], bool]:
+    """(the stop sequences that apply to a row, whether a hit inside a tool call is passed over). A grammar
+    that holds the whole reply (a JSON response_format, tool_choice "required" or a named tool) ignores them:
+    a stop would cut the JSON or the call it keeps whole (and within the budget). In auto mode with tools
+    they apply to the text outside calls: a call, from <tool_call> to </tool_call>, is never cut."""
+    kind = getattr(getattr(p.constraint, "grammar", None), "kind", None)
+    return ([], False) if kind == "whole" else (p.stop, kind == "text")
+
+
+def _first_stop(text: str, stops: list[str], start: int, calls: bool = False) -> int | None:
+    """Where the first stop sequence starts in text[start:] (with `calls`, one that overlaps no tool call)."""
+    spans = []
+    at = text.find(CALL_OPEN) if calls else -1
+    while at >= 0:
+        close = text.find(CALL_CLOSE, at)
+        end = len(text) if close < 0 else close + len(CALL_CLOSE)  # a call still open runs to the end
+        spans.append((at, end))
+        at = text.find(CALL_OPEN, end) if close >= 0 else -1
+    hits = []
+    for s in stops:
+        i = text.find(s, start) if s else -1
+        while i >= 0 and any(a < i + len(s) and i < b for a, b in spans):
+            i = text.find(s, i + 1)
+        if i >= 0:
+            hits.append(i)
     return min(hits) if hits else None
