@@ -296,28 +296,9 @@ def job_fsdp(p: dict) -> dict:
             "log_tail": "\n".join(log)[-1500:]}
 
 
-async def _stream(client, prompt: str, max_tokens: int, seed: int) -> tuple[int, int, float | None]:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "seed": seed, "stream": True,
-            "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    first, tokens = None, 0
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            await r.aread()
-            return r.status_code, 0, None
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            d = json.loads(line[6:])
-            if first is None and d.get("choices") and d["choices"][0]["text"]:
-                first = time.perf_counter() - t0
-            if d.get("usage"):
-                tokens = d["usage"]["completion_tokens"]
-    return 200, tokens, first
-
-
 async def _clients(url: str, clients: int, per_client: int, max_tokens: int) -> dict:
     import httpx
+    from serve_load import one as _stream  # one streamed completion: (status, tokens, seconds to first text)
     prompts = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():\n", "class Stack:\n    def __init__(self):\n",
                "for i in range(10):\n", "# Parse a JSON config file\n", "def read_lines(path):\n    with open(path) as f:\n"]
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=256)) as client:
