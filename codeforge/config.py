@@ -125,7 +125,9 @@ class TrainConfig:
     syntax_cases: int = setting(8, "hrm stage: held-out functions planned, written and parsed at each evaluation "
                                 "(syntax-valid rate, avg iterations in metrics.jsonl)", range=(0, 10**6),
                                 zero_means="off")
-    save_every: int = setting(500, "checkpoint every N steps", range=(0, 10**9), zero_means="only at the end")
+    save_every: int = setting(500, "checkpoint every N steps (and at every evaluation that beats the best so far, "
+                              "so the `best` checkpoint is the best evaluated weights)", range=(0, 10**9),
+                              zero_means="only at the end and at improving evaluations")
     keep_last: int = setting(3, "periodic checkpoints kept (plus best and final)", range=(1, 10**6))
     log_every: int = setting(10, "log a training line every N steps", range=(1, 10**9))
     seed: int = setting(1337, "seed of weights, data order and dropout", range=(0, 2**63 - 1))

@@ -8,6 +8,7 @@ identical shards) and resumes the training run.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import sysconfig
@@ -15,11 +16,12 @@ import time
 from pathlib import Path
 
 from . import rundir
-from .checkpoint import load_model
+from .checkpoint import find_checkpoint, load_model
 from .config import ConfigError, load_file, resolve
-from .corpus import CorpusOptions, CorpusStats, describe_skipped, iter_documents, walk_tree
+from .corpus import (EXT_TO_LANG, CorpusOptions, CorpusStats, describe_skipped, iter_documents, sized_val_fraction,
+                     walk_tree)
 from .data.hrm_batches import PlanData
-from .data.shards import prepare
+from .data.shards import ShardError, prepare
 from .device import choose_device, cpu_native_bf16
 from .engine import Engine, SamplingParams
 from .evaluation.run import run_eval
@@ -84,21 +86,40 @@ def corpus_path(corpus: str) -> tuple[str, list[str]]:
     return corpus, None
 
 
-def corpus_language(src: str, langs: list[str] | None) -> str | None:
-    """The corpus's language for prompts, benchmarks and hints: the named corpus's, else the language most
-    of a user's files are in (by extension: python or go), else None."""
+def corpus_languages(src: str, langs: list[str] | None) -> dict[str, int]:
+    """Files per known language in a corpus, most first (a named corpus: its own language alone, uncounted)."""
     if langs:
-        return langs[0]
-    counts = {"python": 0, "go": 0}
+        return {lang: 0 for lang in langs}
+    counts: dict[str, int] = {}
     paths = [Path(src)] if os.path.isfile(src) else (Path(r) / f for r, _, fs in walk_tree(src) for f in fs)
     for i, f in enumerate(paths):
         if i >= 200_000:
             break
-        lang = {".py": "python", ".go": "go"}.get(f.suffix)
+        lang = EXT_TO_LANG.get(f.suffix)
         if lang:
-            counts[lang] += 1
-    best = max(counts, key=counts.get)
-    return best if counts[best] else None
+            counts[lang] = counts.get(lang, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def corpus_language(src: str, langs: list[str] | None) -> str | None:
+    """The corpus's language for prompts, benchmarks and hints: the named corpus's, else the language most
+    of a user's files are in when it is one the prompts know (python or go), else None."""
+    if langs:
+        return langs[0]
+    counts = corpus_languages(src, langs)
+    best = next(iter(counts), None)
+    return best if best in ("python", "go") else None
+
+
+def describe_corpus(src: str, langs: list[str] | None) -> str:
+    """The corpus line's parenthesis: what will be read, in the words of what is there."""
+    if langs:
+        return f"{', '.join(langs)}, test files excluded"
+    counts = corpus_languages(src, langs)
+    if not counts:
+        return "no file of a known language found"
+    found = ", ".join(f"{n:,} {lang}" for lang, n in list(counts.items())[:4]) + (" ..." if len(counts) > 4 else "")
+    return f"{found} file(s) by extension, test files excluded"
 
 
 CORPUS_RECORD = "quickstart.json"  # in --out: the corpus the quickstart there was made from
@@ -108,7 +129,6 @@ def same_corpus(out_dir: Path, src: str, langs: list[str] | None) -> None:
     """Refuse a corpus other than the one --out was made from (its tokenizer, shards and run would be mixed with
     the new corpus's, and the old run's data overwritten); record the corpus on first use. A directory made
     before the record is judged by the sources its shards name."""
-    import json
     record = out_dir / CORPUS_RECORD
     now = {"corpus": os.path.realpath(src), "languages": langs}
     try:
@@ -131,6 +151,72 @@ def same_corpus(out_dir: Path, src: str, langs: list[str] | None) -> None:
         record.write_text(json.dumps(now) + "\n")
 
 
+QUICK_VAL = 0.02  # the least share of files kept for validation; a small corpus gets more (corpus.sized_val_fraction)
+
+
+def _prepared_meta(data_dir: Path) -> dict | None:
+    try:
+        meta = json.loads((data_dir / "meta.json").read_text())
+        return meta if isinstance(meta.get("options"), dict) and "val_fraction" in meta["options"] else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _sized_split(src: str, langs: list[str] | None, val_fraction: float | None) -> float:
+    """The share of files kept for validation: val_fraction when given, else QUICK_VAL, or more where that
+    leaves a validation split too small to score on. Stops here, at step 1, when the corpus holds no code."""
+    stats = CorpusStats()
+    docs, code = [], 0
+    for d in iter_documents([src], CorpusOptions(languages=langs, exclude_tests=True), stats):
+        docs.append((d.digest, d.nbytes))
+        code += d.nbytes if EXT_TO_LANG.get(Path(d.source).suffix) != "text" else 0  # README.md is not code
+    if not code:
+        raise ConfigError(f"no code found in {src}: the quickstart reads source files by extension (.py, .go, .rs, "
+                          f".js, ...; test files left out) and found none it could use (skipped: "
+                          f"{describe_skipped(stats.skipped)}). Point --corpus at a directory of source code")
+    return val_fraction if val_fraction is not None else sized_val_fraction(docs, QUICK_VAL)
+
+
+def _enough(meta: dict, cfg, src: str) -> None:
+    """Stop before training when the training split cannot fill one step, in the quickstart's words (the
+    trainer's own message names flags the quickstart does not have)."""
+    need = cfg.train.batch_size * cfg.train.local_ranks * (cfg.model.block_size + 1)
+    have = meta["splits"]["train"]["tokens"]
+    if have < need:
+        raise ConfigError(f"{src} gives {have:,} training tokens, fewer than one training step reads ({need:,}): "
+                          f"too little code to train on. Point --corpus at a larger directory")
+
+
+def _same_split(out_dir: Path, old: dict, opts: CorpusOptions) -> None:
+    """Refuse to prepare the data of a run that has trained on it with other options (another --val-fraction
+    would move documents it trained on into validation, and every later score would flatter it)."""
+    want = opts.to_dict()
+    diff = [f"{k.replace('_', '-')} {old['options'].get(k)!r} -> {v!r}" for k, v in want.items()
+            if old["options"].get(k) != v]
+    if diff:
+        raise ConfigError(f"{out_dir / 'run'} trained on data prepared with other settings ({'; '.join(diff)}); "
+                          f"preparing it again would move files between its training and validation splits, so later "
+                          f"scores could count files it trained on. Give the new "
+                          f"settings their own directory (--out {out_dir}-new), or drop --val-fraction to go on "
+                          f"with this run (nothing was changed)")
+
+
+def _prepare(out_dir: Path, src: str, tok_dir: Path, opts: CorpusOptions, keep: bool) -> dict:
+    """The shards (a no-op when unchanged). keep: a run has trained on OUT/data, so it is never rewritten:
+    if the corpus changed since, the run goes on with the data it started on, and says so."""
+    data_dir = out_dir / "data"
+    try:
+        return prepare([src], tok_dir, data_dir, opts, overwrite=not keep,
+                       log=lambda m: print(f"      {m}") if m.startswith("warning") else None)
+    except ShardError:
+        if not keep or not (data_dir / "meta.json").exists():
+            raise
+    print(f"      note: files in {src} changed since {data_dir} was prepared; the run in {out_dir / 'run'} goes on "
+          f"with the data it started on, so its scores stay on files it never trained on. To train on the "
+          f"changed files, give them a new run (--out {out_dir}-new) or delete {out_dir}")
+    return json.loads((data_dir / "meta.json").read_text())
+
+
 def saved_step_count(run_dir: Path) -> int | None:
     """The step count a run saved once its time budget chose it (config.toml's train.max_iters with the
     budget spent), or None where the run has not chosen one yet (or its config cannot be read)."""
@@ -143,7 +229,7 @@ def saved_step_count(run_dir: Path) -> int | None:
 
 
 def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | None = None,
-                   device: str = "auto", chat: bool = False, hrm: bool = False, val_fraction: float = 0.02,
+                   device: str = "auto", chat: bool = False, hrm: bool = False, val_fraction: float | None = None,
                    time_budget: float | None = None) -> dict:
     """The pipeline; with chat, then chat SFT on pairs mined from the same corpus, then tool calling; with
     hrm, the hierarchical planner/generator model on plans mined from the corpus instead. time_budget:
@@ -154,22 +240,30 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     src, langs = corpus_path(corpus)
     same_corpus(out_dir, src, langs)
     lang = corpus_language(src, langs)
-    opts = CorpusOptions(languages=langs, exclude_tests=True, val_fraction=val_fraction)
     n = 8 if chat else 5  # the steps it announces: the chat stages are 5-8
-    print(f"[1/{n}] corpus: {src} ({', '.join(langs or ['all known languages'])}, test files excluded)")
+    print(f"[1/{n}] corpus: {src} ({describe_corpus(src, langs)})")
+    data_dir, run_dir = out_dir / "data", out_dir / "run"
+    trained = (run_dir / rundir.CHECKPOINTS).exists()
+    old = _prepared_meta(data_dir)
+    if val_fraction is None and trained and old:
+        val_fraction = old["options"]["val_fraction"]  # the split the run trained on
+    elif not trained:
+        val_fraction = _sized_split(src, langs, val_fraction)
+    opts = CorpusOptions(languages=langs, exclude_tests=True, val_fraction=val_fraction)
+    if trained and old and not hrm:
+        _same_split(out_dir, old, opts)
     tok_dir = _tokenizer(out_dir, src, opts, n)
     if hrm:
         return hrm_quickstart(out_dir, src, langs, tok_dir, max_iters, device, t_start)
 
-    data_dir = out_dir / "data"
-    meta = prepare([src], tok_dir, data_dir, opts, overwrite=True,  # a no-op when unchanged
-                   log=lambda m: print(f"      {m}") if m.startswith("warning") else None)
+    meta = _prepare(out_dir, src, tok_dir, opts, keep=trained)
+    val = meta["splits"]["val"]
     print(f"[3/{n}] prepare: {meta['documents']} files -> {meta['tokens']:,} tokens "
-          f"(train {meta['splits']['train']['tokens']:,}, val {meta['splits']['val']['tokens']:,}); "
-          f"-> {data_dir}\n      skipped: {describe_skipped(meta['skipped'])}")
+          f"(train {meta['splits']['train']['tokens']:,}; validation {val['documents']} file(s), {val['tokens']:,} "
+          f"tokens: --val-fraction {opts.val_fraction:g}); -> {data_dir}\n"
+          f"      skipped: {describe_skipped(meta['skipped'])}")
 
-    run_dir = out_dir / "run"
-    resume = (run_dir / rundir.CHECKPOINTS).exists()
+    resume = trained
     kept = saved_step_count(run_dir) if resume and not chat and max_iters is None and time_budget is None else None
     max_iters = max_iters or kept  # a re-run keeps the count the first run's time budget chose
     train = {**RUN, **(CHAT_TRAIN if chat else {}), "precision": cpu_precision(device)}
@@ -184,6 +278,7 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     if ranks > 1:  # the same global batch over one-thread processes: they keep their pace on shared cores
         flags.update({"train.local_ranks": ranks, "train.batch_size": cfg.train.batch_size // ranks})
         cfg = resolve(PRESETS, None, [], flags, vocab_from_data=True)
+    _enough(meta, cfg, src)
     print(f"[4/{n}] train: {cfg.train.max_iters} steps" + (" (the count this run chose; --max-iters N trains on "
           "to N)" if kept else "") + f" -> {run_dir}" if not cfg.train.time_budget else
           f"[4/{n}] train: as many of {cfg.train.max_iters} steps as fit in {cfg.train.time_budget / 60:g} minutes "
@@ -195,7 +290,7 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
 
     if chat:
         return {**result, **chat_stages(out_dir, src, langs, run_dir, device, t_start)}
-    print("[5/5] eval and sample (the validation loss is training's last; syntax and HumanEval are new)")
+    print("[5/5] eval and sample (the validation loss is training's; syntax and HumanEval are new)")
     he, he_skip = 0, ""
     if lang != "python":
         he_skip = f"its problems are Python, and this corpus is {lang or 'in another language'}"
@@ -207,44 +302,65 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
         except SandboxUnavailable as e:
             he_skip = "no sandbox: see above"
             print(f"      HumanEval skipped: {e}")
-    ev = run_eval(str(run_dir), syntax_samples=8, humaneval=he, ks=[1, 5], samples_per_problem=5,
-                  max_new_tokens=128, timeout=5.0, device=device, language=lang,
-                  validation=last_validation(run_dir))
-    eng = Engine.from_run(str(run_dir), device)
+    evals = validations(run_dir)
+    best = find_checkpoint(run_dir, "auto")
+    best_step = int(best.name.split("_")[-1]) if best.name.startswith("step_") else None
+    ev = run_eval(str(best), syntax_samples=8, humaneval=he, ks=[1, 5], samples_per_problem=5,
+                  max_new_tokens=128, timeout=5.0, device=device, language=lang, validation=evals.get(best_step))
+    eng = Engine.from_run(str(best), device)
     prompt = {"python": "def fibonacci(n):\n", "go": "func fibonacci(n int) int {\n"}.get(lang, "")
     sample = eng.generate([prompt], SamplingParams(max_new_tokens=96, temperature=0.7, top_k=40, seed=0))[0]
-    print(f"\nvalidation loss {ev['val_loss']:.3f} (perplexity {ev['perplexity']:.1f}), "
-          f"{ev['bits_per_byte']:.3f} bits per byte")
+    print(f"\n{scored_checkpoint(ev['step'], result['step'], evals)}:\nvalidation loss {ev['val_loss']:.3f} "
+          f"(perplexity {ev['perplexity']:.1f}), {ev['bits_per_byte']:.3f} bits per byte")
     sv = ev["syntax_valid_rate"]
-    sv_text = "n/a" if sv is None else f"{sv:.0%} of {ev['syntax_samples']}"
+    sv_text = "n/a (no function in the validation files to prompt with)" if sv is None else share(
+        round(sv * ev["syntax_samples"]), ev["syntax_samples"])
     he_text = (f"HumanEval not run ({he_skip or 'no problems scored'})" if ev["pass_at_1"] is None else
                f"HumanEval pass@1 {ev['pass_at_1']:.3f}, pass@5 {ev['pass_at_k'].get('5', 0.0):.3f} "
                f"on {ev['humaneval_problems']} problems (a model this small is not expected to pass any)")
     print(f"syntax-valid completions: {sv_text}; {he_text}")
-    print(f"sample:\n{prompt}{sample}\n")
+    print(f"sample (step {ev['step']}):\n{prompt}{sample}\n")
     hint = {"python": "def ", "go": "func "}.get(lang, "")
     print(f"finished in {(time.perf_counter() - t_start) / 60:.1f} min. Next: codeforge generate --run {run_dir} "
           f"--prompt {hint!r}   |   codeforge eval --run {run_dir}   |   tensorboard --logdir {run_dir}/tensorboard")
     return {**result, **ev}
 
 
-def last_validation(run_dir: Path) -> dict | None:
-    """Training's last evaluation (RUN/metrics.jsonl) in run_eval's names, so the quickstart's last stage does
-    not score the same checkpoint on the same tokens again; None when there is none."""
-    import json
-    last = None
+def validations(run_dir: Path) -> dict[int, dict]:
+    """Training's evaluations (RUN/metrics.jsonl) by step, in run_eval's names, so the quickstart's last stage
+    does not score a checkpoint training already scored on the same tokens; the last record of a step wins
+    (a resumed run may have evaluated it again)."""
+    out: dict[int, dict] = {}
     try:
         with open(run_dir / rundir.METRICS) as f:
             for line in f:
-                rec = json.loads(line)
-                if "val_loss" in rec:
-                    last = rec
-    except (OSError, ValueError):
-        return None
-    if last is None or "val_bpb" not in last:
-        return None
-    return {"val_loss": last["val_loss"], "perplexity": last.get("val_perplexity"), "bits_per_byte": last["val_bpb"],
-            "eval_tokens": last.get("val_tokens"), "validation_step": last["step"]}
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue  # a line cut by a crash
+                if isinstance(rec, dict) and "val_loss" in rec and "val_bpb" in rec and isinstance(rec.get("step"), int):
+                    out[rec["step"]] = {"val_loss": rec["val_loss"], "perplexity": rec.get("val_perplexity"),
+                                        "bits_per_byte": rec["val_bpb"], "eval_tokens": rec.get("val_tokens"),
+                                        "validation_step": rec["step"]}
+    except OSError:
+        pass
+    return out
+
+
+def scored_checkpoint(step: int, at: int, evals: dict[int, dict]) -> str:
+    """Which weights the summary scores, by step, and where the run's last evaluation stands beside them."""
+    if step == at:
+        return f"the checkpoint at step {step} (the run's last, and its best on validation)"
+    last = max(evals) if evals else None
+    tail = (f"; the last evaluation, at step {last}, scored {evals[last]['val_loss']:.3f}: validation loss rose "
+            f"after step {step} (the model memorising its training files, when there are few)"
+            if last is not None and last > step else "")
+    return f"the best checkpoint: step {step} of the run's {at}{tail}"
+
+
+def share(k: int, n: int) -> str:
+    """'k of n' where n is too small for a percentage to mean much, else 'p% of n'."""
+    return f"{k} of {n} parse" if n < 10 else f"{k / n:.0%} of {n}"
 
 
 def _tokenizer(out_dir: Path, src: str, opts: CorpusOptions, n: int = 5) -> Path:
@@ -326,7 +442,6 @@ def chat_stages(out_dir: Path, src: str, langs, base_run: Path, device: str, t_s
     """SFT on instruction pairs mined from the corpus mixed with synthetic tool-calling conversations, then a
     tools stage on the tool conversations alone; each stage's run directory holds its tokenizer with the chat
     template. Prints what changed at each stage and how long it took."""
-    import json
 
     tok_dir = out_dir / "tokenizer"
     pairs = out_dir / "sft_pairs"

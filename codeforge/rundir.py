@@ -22,6 +22,8 @@ EVAL = "eval.jsonl"  # one JSON object per `codeforge eval`
 TENSORBOARD = "tensorboard"  # TensorBoard event files (training and `codeforge eval`)
 SAMPLES = "samples.jsonl"  # the samples training writes at each evaluation
 ROLLOUTS = "rollouts.jsonl"  # the RL stages' rollout statistics
+TRAINED = "trained_documents.npy"  # sorted uint64 content-hash keys of every document the run (and the runs it
+# started from with --init-from) trained on: evaluation checks its validation split against it
 LOCK_FILE = ".train.lock"  # flock()ed by the training process (run_lock)
 
 

@@ -32,7 +32,8 @@ from codeforge.stages import run as run_stage
 from codeforge.train.trainer import TrainingError
 from test_trainer import cfg_for, losses, train_run
 
-CONST = {"train__schedule": "constant"}  # the learning rate does not depend on the budget: 8 + 4 steps == 12
+CONST = {"train__schedule": "constant",  # the learning rate does not depend on the budget: 8 + 4 steps == 12
+         "train__eval_every": 4}  # evaluated where saved, so an improving evaluation adds no checkpoint
 CPU = torch.device("cpu")
 
 
@@ -57,15 +58,16 @@ def straight12(data_dir, tmp_path_factory):
                                         ("train_state.json", "flip")])
 def test_resume_skips_damaged_latest_and_equals_straight(data_dir, tmp_path, straight12, victim, how):
     run = tmp_path / "r"
-    train_run(cfg_for(data_dir, run, train__max_iters=8, **CONST))  # saves steps 4 and 8
+    train_run(cfg_for(data_dir, run, train__max_iters=8, **CONST))  # saves steps 4 and 8 (and 5 if it was best)
     ck8 = run / "checkpoints" / "step_000008"
+    before = sorted(p.name for p in (run / "checkpoints").glob("step_*"))[-2]  # the newest one before step 8
     damage(ck8 / victim, how)
     assert victim in verify_checkpoint(ck8)
     msgs = []
     run_stage(cfg_for(data_dir, run, train__max_iters=12, **CONST), resume=True, log=msgs.append)
     text = "\n".join(msgs)
-    assert f"{ck8} is damaged: {victim}" in text and "using step_000004, the newest intact checkpoint" in text
-    assert "resumed from" in text and "step_000004 at step 4" in text
+    assert f"{ck8} is damaged: {victim}" in text and f"using {before}, the newest intact checkpoint" in text
+    assert "resumed from" in text and f"{before} at step {int(before[5:])}" in text
     resumed = losses(run)
     assert sorted(resumed) == sorted(straight12) == list(range(1, 13))
     assert all(resumed[s] == straight12[s] for s in straight12)
@@ -74,7 +76,7 @@ def test_resume_skips_damaged_latest_and_equals_straight(data_dir, tmp_path, str
 
 def test_damaged_checkpoints_for_inference(data_dir, tmp_path, capsys):
     run = tmp_path / "r"
-    train_run(cfg_for(data_dir, run, train__max_iters=8))
+    train_run(cfg_for(data_dir, run, train__max_iters=8, train__eval_every=4))  # evaluated and saved at 4 and 8
     root = run / "checkpoints"
     ck4, ck8 = root / "step_000004", root / "step_000008"
     assert (root / "final").read_text().strip() == "step_000008"
@@ -134,7 +136,7 @@ def test_disk_full_during_save_loses_nothing(data_dir, tmp_path, monkeypatch, st
     assert "needs about" in msg and "MiB are free there" in msg
     assert "the unfinished step_000008 was removed, `latest` still names step_000004" in msg
     assert "then continue with --resume" in msg
-    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000004"]  # no staging directory left
+    assert sorted(p.name for p in root.iterdir()) == ["best", "latest", "step_000004"]  # no staging directory left
     assert verify_checkpoint(root / "step_000004") is None
     monkeypatch.setattr(ckpt_save, "st_save_file", real)
     train_run(cfg_for(data_dir, run, train__max_iters=12, **CONST), resume=True)

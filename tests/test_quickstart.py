@@ -176,3 +176,75 @@ def test_quickstart_chat_stops_when_a_chat_stage_is_interrupted(tmp_path, capsys
     assert r["interrupted"] and asked == ["sft"]
     printed = capsys.readouterr().out
     assert "interrupted; run the quickstart again to resume" in printed and "[7/8]" not in printed
+
+
+def _small_library(root, files=40):
+    """A small Go library: `files` distinct files of a few hundred tokens each."""
+    root.mkdir()
+    for i in range(files):
+        body = "".join(f"// F{i}_{j} returns {j} times x plus {i}.\nfunc F{i}_{j}(x int) int {{\n\treturn x*{j} + {i}\n}}\n\n"
+                       for j in range(3 + i % 5))
+        (root / f"file{i}.go").write_text(f"package lib\n\n{body}")
+    return root
+
+
+def test_a_small_repository_gets_an_honest_split_that_nothing_changes_under_its_run(tmp_path, capsys):
+    """The newcomer's walk on a small library: the validation split is sized to hold several files, the plan
+    says how many passes it makes and warns when they are many; a second run with another --val-fraction
+    is refused before anything is rewritten (naming the quickstart's own fix); data prepared again under
+    the run with another split makes `eval --run` say loudly how many validation files the run trained on."""
+    src = _small_library(tmp_path / "golib")
+    out = tmp_path / "qs"
+    r = run_quickstart(str(out), corpus=str(src), max_iters=30)
+    printed = capsys.readouterr().out
+    meta = json.loads((out / "data" / "meta.json").read_text())
+    val_docs = meta["splits"]["val"]["documents"]
+    assert val_docs >= 3 and meta["options"]["val_fraction"] > 0.02  # a 2% split of 40 files would hold 0-1
+    assert "40 go file(s) by extension" in printed and "all known languages" not in printed
+    assert f"validation {val_docs} file(s)" in printed
+    assert "passes over the training split" in printed and "warning:" in printed and "will memorise" in printed
+    assert "--max-iters" in printed.split("will memorise")[1]
+    assert r["step"] == 30 and "step " in printed and "sample (step " in printed
+    # the run recorded every document it trained on
+    trained = np.load(out / "run" / "trained_documents.npy")
+    assert len(trained) == meta["splits"]["train"]["documents"]
+
+    # the README's advice for small libraries, into the same directory: refused at step 1, nothing rewritten
+    before = {p.name: p.read_bytes() for p in (out / "data").iterdir() if p.is_file()}
+    with pytest.raises(ConfigError) as e:
+        run_quickstart(str(out), corpus=str(src), val_fraction=0.3)
+    msg = str(e.value)
+    assert "val-fraction" in msg and f"--out {out}-new" in msg and "drop --val-fraction" in msg
+    assert "--init-from" not in msg and "sha256" not in msg and len(msg.replace(str(out), "OUT")) < 320
+    print(msg)
+    assert {p.name: p.read_bytes() for p in (out / "data").iterdir() if p.is_file()} == before
+
+    # the data prepared again by hand with another split: the old run's score says it is not honest
+    assert main(["prepare", "--input", str(src), "--tokenizer", str(out / "tokenizer"), "--out", str(out / "data"),
+                 "--val-fraction", "0.5", "--overwrite"]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--run", str(out / "run"), "--eval-tokens", "256", "--syntax-samples", "0", "--json"]) == 0
+    said = capsys.readouterr()
+    rec = json.loads(said.out)
+    assert rec["val_trained_on"] > 0 and rec["val_documents"] > rec["val_trained_on"] - 1
+    assert f"{rec['val_trained_on']} of the {rec['val_documents']} documents" in said.err and "WARNING" in said.err
+    # on the data it trained with, nothing to say
+    assert main(["prepare", "--input", str(src), "--tokenizer", str(out / "tokenizer"), "--out", str(out / "data"),
+                 "--val-fraction", str(meta["options"]["val_fraction"]), "--overwrite"]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--run", str(out / "run"), "--eval-tokens", "256", "--syntax-samples", "0", "--json"]) == 0
+    said = capsys.readouterr()
+    assert json.loads(said.out)["val_trained_on"] == 0 and "WARNING" not in said.err
+
+
+def test_a_directory_without_code_stops_at_step_one(tmp_path, capsys):
+    src = tmp_path / "notes"
+    src.mkdir()
+    (src / "README.txt").write_text("no code here\n")
+    with pytest.raises(ConfigError, match=r"no code found in .*notes.*--corpus"):
+        run_quickstart(str(tmp_path / "qs"), corpus=str(src))
+    assert "[1/5]" in capsys.readouterr().out and not (tmp_path / "qs" / "tokenizer").exists()
+    (src / "a.go").write_text("package a\n\nfunc A() int { return 1 }\n")  # code, but far too little
+    with pytest.raises(ConfigError, match=r"gives \d+ training tokens, fewer than one training step reads .*--corpus"):
+        run_quickstart(str(tmp_path / "qs"), corpus=str(src))
+    assert "[4/5]" not in capsys.readouterr().out

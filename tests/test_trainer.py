@@ -280,6 +280,31 @@ def test_best_only_for_evaluated_steps(data_dir, tmp_path):
     assert best in ("step_000004", "step_000008")  # steps 2 and 6 were saved but never evaluated
 
 
+def test_best_is_kept_when_evaluated_not_only_at_saves(tmp_path):
+    """A small corpus is memorised: validation is best early and rises after. The weights of the best evaluated
+    step are kept (saved when evaluated) although no periodic save falls on that step, and `best` names them."""
+    from codeforge.checkpoint import load_train_state
+    from codeforge.models import build_model
+    cfg = resolve([], None, [], {**TINY, "model.vocab_size": 256, "train.eval_every": 2, "train.save_every": 100})
+    model = build_model(cfg.model)
+    scripted = iter([9.0, 5.0, 3.0, 4.0, 6.0, 7.0, 8.0])  # steps 0, 2, 4 (the best), 6, 8, 10, 12
+
+    def evaluate(m):
+        v = next(scripted)
+        return {"val_loss": v, "perplexity": math.exp(v), "bits_per_byte": v / 2}
+    t = Trainer(model, ToyBatches(vocab=256), lambda m, b: (m(*b), {}), cfg.train, tmp_path / "run",
+                device=torch.device("cpu"), precision="fp32", total_steps=12, tokens_per_step=64,
+                run_config=cfg.to_dict(), evaluate=evaluate, log=lambda m: None)
+    t.run()
+    root = tmp_path / "run" / "checkpoints"
+    assert (root / "best").read_text().strip() == "step_000004"
+    assert (root / "final").read_text().strip() == "step_000012"
+    st = load_train_state(root / "step_000004")
+    assert st["step"] == 4 and st["last_val"] == 3.0 and st["best_val"] == 3.0
+    # steps 2 and 4 improved and were saved; 6-10 did not improve and fell on no save step
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_000002", "step_000004", "step_000012"]
+
+
 def test_progress_lines_without_a_terminal(data_dir, tmp_path, capsys):
     """Output redirected (pytest's capture is not a tty): no bar, but compact progress lines with loss,
     tokens/s and ETA, and a measured pace with the estimate for the rest of the run."""

@@ -229,19 +229,22 @@ def cmd_presets(a: argparse.Namespace) -> int:
 
 
 def add_quickstart_parser(sub) -> None:
-    q = sub.add_parser("quickstart", help="the whole pipeline on a built-in corpus: tokenizer, prepare, train, "
-                                          "eval, sample")
+    q = sub.add_parser("quickstart", help="the whole pipeline on your code (a directory) or a corpus this "
+                                          "machine has (Python's or Go's standard library): tokenizer, prepare, "
+                                          "train, eval, sample")
     q.add_argument("--out", default=None, help="default runs/quickstart (runs/quickstart-chat with --chat, "
                    "-hrm with --hrm); another --corpus adds its name: runs/quickstart-go, runs/quickstart-NAME")
-    q.add_argument("--corpus", default="python-stdlib", help="python-stdlib | go | PATH")
+    q.add_argument("--corpus", default="python-stdlib", help="python-stdlib (the default: Python's standard "
+                   "library) | go (Go's, where installed) | PATH (your code: a directory or a file)")
     q.add_argument("--max-iters", type=int, default=None,
                    help="pretraining steps, a fixed count (default: as many of 560 as fit in --time-budget)")
     q.add_argument("--time-budget", type=float, default=None, metavar="MINUTES",
                    help="minutes pretraining may take on this CPU; the step count follows the pace it measures "
                         "(default 8; ignored with --max-iters)")
-    q.add_argument("--val-fraction", type=float, default=0.02,
-                   help="share of the corpus's files kept for validation (default 0.02; a small library needs "
-                        "more, e.g. 0.1)")
+    q.add_argument("--val-fraction", type=float, default=None,
+                   help="share of the corpus's files kept for validation (default: 0.02, or more for a small "
+                        "corpus, so validation holds at least ~20k tokens (at most a tenth of the code) in 3+ "
+                        "files; a run that has trained keeps the split it trained on)")
     q.add_argument("--device", default="auto",
                    help="auto (a GPU if there is one, else the CPU), cpu, cuda, cuda:N or mps (default auto)")
     q.add_argument("--chat", action="store_true", help="then chat SFT on pairs mined from the corpus and tool "

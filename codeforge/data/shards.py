@@ -6,6 +6,9 @@ Layout of a prepared directory:
   train_000000.bin ...      raw token ids (uint16 when the vocab fits, else uint32), documents back to back,
   val_000000.bin ...        each followed by the end-of-text token
   train_docs.npy, val_docs.npy   int64 start offset of every document in the split's token stream
+  train_digests.npy, val_digests.npy   uint64: the first 8 bytes of every document's content hash, in order,
+                            so a run can record what it trained on and an evaluation can check its split
+                            against it (data prepared before these files existed lacks them)
   train_000000.mask ...     chat data only (meta "chat": true): one uint8 per token, 1 where the token is
                             written by an assistant and carries loss as a target (chat.py)
 
@@ -64,6 +67,7 @@ class _SplitWriter:
         self._m = None
         self.shards: list[dict] = []
         self.doc_starts = array.array("q")  # 8 bytes per document, not a Python int object each
+        self.digests = array.array("Q")  # the documents' content hashes (first 8 bytes), in the same order
         self.tokens = 0
         self.bytes = 0
         self._f = None
@@ -81,9 +85,11 @@ class _SplitWriter:
             self._m = open(self.out / name.replace(".bin", ".mask"), "wb")
         self._in_shard = 0
 
-    def add(self, docs: list[list[int]], n_bytes: int, masks: list[list[int]] | None = None) -> None:
-        """Append documents (id lists already ending in end-of-text) in one write per shard touched.
-        A document never straddles two shards: one larger than a shard gets a shard of its own."""
+    def add(self, docs: list[list[int]], n_bytes: int, masks: list[list[int]] | None = None,
+            digests: list[bytes] = ()) -> None:
+        """Append documents (id lists already ending in end-of-text) in one write per shard touched, and their
+        content hashes. A document never straddles two shards: one larger than a shard gets a shard of its own."""
+        self.digests.extend(digest_key(d) for d in digests)
         flat = np.fromiter(itertools.chain.from_iterable(docs), dtype=self.dtype)
         flat_m = np.fromiter(itertools.chain.from_iterable(masks), dtype=np.uint8) if self.with_mask else None
         lens = [len(d) for d in docs]
@@ -112,8 +118,28 @@ class _SplitWriter:
         if self._m:
             self._m.close()
         np.save(self.out / f"{self.split}_docs.npy", np.frombuffer(self.doc_starts, dtype=np.int64))
+        np.save(self.out / f"{self.split}_digests.npy", np.frombuffer(self.digests, dtype=np.uint64))
         return {"shards": self.shards, "tokens": self.tokens, "documents": len(self.doc_starts),
                 "bytes": self.bytes}
+
+
+def digest_key(digest: bytes) -> int:
+    """A document's content hash as the uint64 the *_digests.npy files hold."""
+    return int.from_bytes(digest[:8], "big")
+
+
+def split_digests(data_dir: str | os.PathLike, split: str) -> np.ndarray | None:
+    """The sorted, unique content-hash keys of a prepared split's documents, or None for data prepared before
+    they were recorded (or a split file that does not match its document count)."""
+    d = Path(data_dir)
+    try:
+        keys = np.load(d / f"{split}_digests.npy", allow_pickle=False)
+        docs = json.loads((d / "meta.json").read_text())["splits"][split]["documents"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if keys.dtype != np.uint64 or keys.ndim != 1 or len(keys) != docs:
+        return None
+    return np.unique(keys)
 
 
 def _fingerprint(sources: list[str], tok_hash: str, options: dict) -> str:
@@ -216,15 +242,16 @@ def _write(sources, tok: CodeTokenizer, tmp: Path, opts: CorpusOptions, shard_to
     th = threading.Thread(target=reader, daemon=True)
     th.start()
     while (batch := q.get()) is not None:
-        out: dict[str, tuple[list, list]] = {s: ([], []) for s in SPLITS}
+        out: dict[str, tuple[list, list, list]] = {s: ([], [], []) for s in SPLITS}
         for doc, ids in zip(batch, tok.encode_batch([d.text for d in batch])):
             ids.append(tok.eot_id)
-            docs, nb = out[split_of(doc.digest, opts.val_fraction)]
+            docs, nb, dg = out[split_of(doc.digest, opts.val_fraction)]
             docs.append(ids)
             nb.append(doc.nbytes)
-        for s, (docs, nb) in out.items():
+            dg.append(doc.digest)
+        for s, (docs, nb, dg) in out.items():
             if docs:
-                writers[s].add(docs, sum(nb))
+                writers[s].add(docs, sum(nb), digests=dg)
     th.join()
     if failure:
         raise failure[0]
@@ -274,7 +301,7 @@ def _write_chat(sources, tok: CodeTokenizer, tmp: Path, opts: CorpusOptions, sha
         stats.documents += 1
         nbytes = len(text.encode("utf-8"))
         stats.bytes += nbytes
-        writers[split_of(digest, opts.val_fraction)].add([ids + [tok.eot_id]], nbytes, [mask + [0]])
+        writers[split_of(digest, opts.val_fraction)].add([ids + [tok.eot_id]], nbytes, [mask + [0]], [digest])
     splits = {s: w.close() for s, w in writers.items()}
     if stats.documents == 0:
         raise ShardError(f"no usable conversation in {list(sources)} (skipped: {dict(stats.skipped) or 'nothing found'}); "

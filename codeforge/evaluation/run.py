@@ -12,6 +12,7 @@ from .. import rundir
 from ..checkpoint import load_model
 from ..config import speaks_chat
 from ..data.shards import ShardSet
+from ..data.trained import data_identity, seen_in_training
 from ..device import choose_device, choose_precision
 from ..engine import Engine
 from ..tasks.code_tasks import TaskError, load_tasks
@@ -73,6 +74,7 @@ def run_eval(run: str, data: str | None = None, eval_tokens: int | None = None, 
         val = ShardSet(data, "train")
     val.check_tokenizer(tok.hash, f"the checkpoint's tokenizer ({ck})")
     r.update({"data": str(data), "eval_split": val.split})
+    r.update(_unseen_check(ck.parent.parent, data, val.split, cfg))
     T = cfg["model"]["block_size"]
     token_bytes = token_byte_lengths(tok, cfg["model"]["vocab_size"])
     if eval_tokens is None:
@@ -114,6 +116,31 @@ def run_eval(run: str, data: str | None = None, eval_tokens: int | None = None, 
     else:
         r.update({"pass_at_1": None, "pass_at_k": {}})
     return _record_eval(run, ck, step, r)
+
+
+def _unseen_check(run_dir: Path, data: str, split: str, cfg: dict) -> dict:
+    """Whether the documents scored were kept out of the run's training, said loudly when they were not (or
+    cannot be known): {"val_documents", "val_trained_on"} where both sides recorded their documents."""
+    seen = seen_in_training(run_dir, data, split)
+    if seen is not None:
+        if seen["trained_on"]:
+            print(f"WARNING: {seen['trained_on']} of the {seen['documents']} documents in {data}'s {split} split "
+                  f"were in this run's training data, so the scores below flatter the model (the data was prepared "
+                  f"again with another split or corpus, or --data names other data). Score a run on the data it "
+                  f"was trained with, or on documents it never saw.", file=sys.stderr, flush=True)
+        return {"val_documents": seen["documents"], "val_trained_on": seen["trained_on"]}
+    saved = cfg.get("data_identity")
+    if saved and Path(data).resolve() == Path(cfg["train"].get("data", "")).resolve():
+        try:
+            changed = data_identity(data) != saved
+        except (OSError, ValueError, KeyError):
+            changed = True
+        if changed:
+            print(f"WARNING: {data} changed since this run trained on it (prepared again?), and neither records "
+                  f"its documents, so whether the {split} split holds documents the run trained on cannot be "
+                  f"checked: the scores below may flatter the model", file=sys.stderr, flush=True)
+            return {"val_trained_on": "unknown: the data changed since training"}
+    return {}
 
 
 @contextlib.contextmanager

@@ -12,16 +12,17 @@ from pathlib import Path
 
 import torch
 
+from .. import rundir
 from ..config import STAGE, ConfigError, RunConfig
 from ..data.loader import batch_source
 from ..data.shards import ShardSet
+from ..data.trained import data_identity, record_trained
 from ..engine import Engine, SamplingParams
 from ..evaluation.lm import validation_loss
 from ..tokenizer import CodeTokenizer, token_byte_lengths
 from ..train import parallel
 from ..train.losses import lm_loss_fn
 from ..train.memory import estimate
-from ..train.resume import data_identity
 from ..train.trainer import Trainer
 from .common import Run, begin, budget, built, check_init_from, init_from, launch, sized_evaluation, vocabulary
 
@@ -60,6 +61,9 @@ def _train(run: Run, resume: bool, sampler: Callable[..., str]) -> dict:
     # -- the start: lock, recorded config, resume point ------------------------------------------------------
     run_config, start_ckpt = begin(run, resume, tok, data_identity(t.data))
     t, m = cfg.train, cfg.model
+    if rank == 0 and (start_ckpt is None or not (run.dir / rundir.TRAINED).exists()):
+        # the documents this run trains on (and its --init-from run did), so a later score can be checked
+        record_trained(run.dir, t.data, t.init_from or None)
 
     # -- model: under FSDP only rank 0 builds the whole model (parallel.wrap fills the other ranks) ----------
     plan = None
@@ -95,6 +99,7 @@ def _train(run: Run, resume: bool, sampler: Callable[..., str]) -> dict:
             f"split at turn boundaries, {batches.dropped} dropped (a single turn longer than the context)")
     tokens_per_step = t.batch_size * m.block_size * t.grad_accum_steps * world
     total = budget(cfg, tokens_per_step, max(1, math.ceil((t.epochs or 1.0) * batches.per_epoch / t.grad_accum_steps)))
+    say(passes_note(total, tokens_per_step, train_set.tokens, bool(t.time_budget)))
 
     # -- evaluation and samples -----------------------------------------------------------------------------
     sized_evaluation(cfg, run_config, tokens_per_step, total, say)  # a short run scores fewer tokens
@@ -121,6 +126,26 @@ def _train(run: Run, resume: bool, sampler: Callable[..., str]) -> dict:
                       evaluate=evaluate, sample=lambda mdl, step: sampler(mdl, tok, device, precision, step, t.sample_tokens),
                       start_checkpoint=start_ckpt, rank=rank, world=world, log=say, mode=mode)
     return trainer.run()
+
+
+MANY_PASSES = 4  # beyond ~4 passes, repeated data is worth much less than new (Muennighoff et al. 2023), and a
+# small model on a small repository starts to memorise: validation loss turns up
+
+
+def passes_note(total: int, tokens_per_step: int, train_tokens: int, budgeted: bool) -> str:
+    """The plan in passes over the training split, with a warning and what to do where they are many."""
+    passes = total * tokens_per_step / max(train_tokens, 1)
+    up_to = "up to " if budgeted else ""
+    line = (f"plan: {up_to}{total:,} steps x {tokens_per_step:,} tokens = {up_to}{passes:.1f} passes over the "
+            f"training split ({train_tokens:,} tokens)")
+    if passes <= MANY_PASSES:
+        return line
+    fewer = max(1, int(MANY_PASSES * train_tokens / tokens_per_step))
+    return (f"{line}\nwarning: {passes:.0f} passes over the same {train_tokens:,} tokens: the model will memorise "
+            f"them (training loss falls toward 0 while validation loss rises after the first few passes; the "
+            f"`best` checkpoint keeps the weights from before that). More code helps most: train on a larger corpus "
+            f"of the same language first, then on this one with --init-from (docs/pipeline.md, \"A small "
+            f"repository\"); or train less: --max-iters {fewer} is {MANY_PASSES} passes")
 
 
 def plain_sample(model, tok, device, precision, step: int, max_new_tokens: int = 64) -> str:

@@ -32,26 +32,6 @@ RESUME_NOTED = ("learning_rate", "min_lr_ratio", "schedule", "warmup_steps", "de
 RESUME_BUDGET = ("max_iters", "max_tokens", "epochs")
 
 
-def data_identity(data_dir: str | Path, sample: int = 1 << 16) -> dict:
-    """What the training split of a prepared data directory is, cheaply enough to take at every start: the
-    tokenizer, the kind of data, its token and document counts, and for every train_* file its size and the
-    sha256 of three `sample`-byte pieces (start, middle, end): a changed, added or removed shard shows."""
-    d = Path(data_dir)
-    meta = json.loads((d / "meta.json").read_text())
-    files = {}
-    for f in sorted(d.glob("train_*")):
-        n = f.stat().st_size
-        h = hashlib.sha256()
-        with open(f, "rb") as fh:
-            for off in sorted({0, max(0, n // 2 - sample // 2), max(0, n - sample)}):
-                fh.seek(off)
-                h.update(fh.read(sample))
-        files[f.name] = f"{n} bytes, sha256 of samples {h.hexdigest()[:16]}"
-    tr = meta["splits"]["train"]
-    return {"tokenizer_hash": meta.get("tokenizer_hash"), "chat": bool(meta.get("chat")), "tokens": tr["tokens"],
-            "documents": tr["documents"], "files": files}
-
-
 def jsonl_identity(path: str | Path, tok_hash: str, names: tuple[str, ...] = ("train.jsonl",)) -> dict:
     """data_identity for stages that read JSONL (hrm, reward, dpo, ppo, grpo): the size and sha256 of the
     file, or of the named files in a directory, so --resume refuses other data."""

@@ -335,7 +335,11 @@ class Trainer:
                         total = self._refit_budget(pace, t_run)
                 if fresh and t.sample_every and self.step % t.sample_every == 0 and self.step > 0:
                     self._sample()
-                if last or stopping or (t.save_every and self.step % t.save_every == 0 and self.step > start_step):
+                # the best weights are kept when they are evaluated, not only at the next periodic save
+                better = (self.last_val is not None and self.last_val_step == self.step and self.step > start_step
+                          and self.last_val < self.best_val)
+                if last or stopping or better or (t.save_every and self.step % t.save_every == 0
+                                                  and self.step > start_step):
                     self._save(final=last, now=last or stopping)
                 if last or stopping:
                     break
