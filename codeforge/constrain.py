@@ -437,6 +437,14 @@ def _schema_block(schema: dict, what: str, bridge: _Bridge) -> str:
     return "%json " + json.dumps(schema, ensure_ascii=False)
 
 
+def open_tools(tools: list[dict] | None) -> list[str]:
+    """Names of the tools whose parameters admit keys they do not list (an object schema with "properties"
+    but without "additionalProperties": false, at the top). The grammar follows the schema, so for these it
+    lets a model write extra argument keys; `"additionalProperties": false` keeps calls to the listed ones."""
+    return [name for name, schema in tool_specs(tools)
+            if schema.get("properties") and schema.get("additionalProperties", True) is not False]
+
+
 def tool_specs(tools: list[dict] | None) -> list[tuple[str, dict]]:
     """(name, parameters schema) of OpenAI tool specs ({"type": "function", "function": {...}}, or the inner
     object alone); a missing schema allows any object."""

@@ -258,7 +258,8 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
 
     meta = _prepare(out_dir, src, tok_dir, opts, keep=trained)
     val = meta["splits"]["val"]
-    print(f"[3/{n}] prepare: {meta['documents']} files -> {meta['tokens']:,} tokens "
+    reused = "reusing " if old and meta.get("fingerprint") == old.get("fingerprint") else ""
+    print(f"[3/{n}] prepare: {reused}{meta['documents']} files -> {meta['tokens']:,} tokens "
           f"(train {meta['splits']['train']['tokens']:,}; validation {val['documents']} file(s), {val['tokens']:,} "
           f"tokens: --val-fraction {opts.val_fraction:g}); -> {data_dir}\n"
           f"      skipped: {describe_skipped(meta['skipped'])}")

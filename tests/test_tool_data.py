@@ -9,6 +9,7 @@ import random
 import pytest
 
 from codeforge import CodeforgeError
+from codeforge.constrain import open_tools
 from codeforge.tasks.tool_calls import (TOOL_BY_NAME, TOOLS, ToolDataError, eval_cases, evaluate_expression,
                                         example_kind, generate, make_example, score, write_tool_data)
 
@@ -143,6 +144,12 @@ def test_write_tool_data(tmp_path):
     meta = write_tool_data(out, n_train=30, n_heldout=5, seed=2)
     assert sorted(p.name for p in out.iterdir()) == ["heldout.jsonl", "meta.json", "tools.json", "train.jsonl"]
     assert json.loads((out / "tools.json").read_text()) == TOOLS  # the schemas, as `chat --tools` takes them
+    # strict: a constrained call can carry no argument key the tool does not list
+    assert all(t["function"]["parameters"]["additionalProperties"] is False for t in TOOLS)
+    assert open_tools(TOOLS) == []
+    loose = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "string"}}}}}]
+    assert open_tools(loose) == ["f"]
     rows = {s: [json.loads(line) for line in (out / f"{s}.jsonl").read_text().splitlines()]
             for s in ("train", "heldout")}
     assert rows["train"] == generate(30, seed=2) and rows["heldout"] == generate(5, seed=2, split="heldout")
@@ -159,8 +166,8 @@ def test_write_tool_data(tmp_path):
 def test_schemas_are_compact():
     """Every offered schema sits in the system turn, before the first token that carries loss: one short
     description per tool and none per parameter keep five of them at ~360 tokens (528 with the descriptions
-    this data first had; docs/LOG.md, 2026-11-25)."""
-    assert sum(len(json.dumps(t)) for t in TOOLS) <= 1100
+    this data first had; docs/LOG.md, 2026-11-25), ~400 with "additionalProperties": false in each."""
+    assert sum(len(json.dumps(t)) for t in TOOLS) <= 1300
     for t in TOOLS:
         fn = t["function"]
         assert 0 < len(fn["description"]) <= 40

@@ -284,7 +284,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
     from ..engine import Engine, SamplingParams
     tools = None
     if a.tools:
-        from ..constrain import ConstraintError, tool_specs
+        from ..constrain import ConstraintError, open_tools
         shape = ('the file holds a JSON list of OpenAI tool specs, e.g. [{"type": "function", "function": {"name": '
                  '"get_weather", "description": "...", "parameters": {"type": "object", "properties": {"city": '
                  '{"type": "string"}}, "required": ["city"]}}}]')
@@ -297,9 +297,14 @@ def cmd_chat(a: argparse.Namespace) -> int:
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
             raise CLIError(f"--tools {a.tools}: expected a JSON list of tool objects; {shape}")
         try:
-            tool_specs(tools)
+            loose = open_tools(tools)
         except ConstraintError as e:
             raise CLIError(f"--tools {a.tools}: {e}; {shape}") from e
+        if loose and not a.no_constrain:
+            print(f"note: --tools {a.tools}: {', '.join(loose)} accept(s) argument keys their schema does not list "
+                  f"(no \"additionalProperties\": false), and the grammar follows the schema, so the model may add "
+                  f"keys; add \"additionalProperties\": false to a tool's parameters to keep calls to its own keys",
+                  file=sys.stderr)
     params = SamplingParams(a.max_new_tokens, a.temperature, a.top_k, a.top_p, seed=a.seed)
     try:
         params.validate()

@@ -46,8 +46,10 @@ class ToolDataError(CodeforgeError):
 
 
 def _tool(name: str, description: str, properties: dict, required: list[str]) -> dict:
+    """A tool whose arguments are exactly the listed ones ("additionalProperties": false), so the grammar
+    that constrains a call (constrain.py) lets no other key in."""
     return {"type": "function", "function": {"name": name, "description": description, "parameters": {
-        "type": "object", "properties": properties, "required": required}}}
+        "type": "object", "properties": properties, "required": required, "additionalProperties": False}}}
 
 
 # Compact schemas: one short description per tool and none per parameter. The system turn holds every offered

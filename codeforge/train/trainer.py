@@ -283,10 +283,12 @@ class Trainer:
         left = max(total - self.step, 0)
         where = f"steps {self.step + 1}-{total} ({left} left)" if self.step else f"{total} steps"
         if self.step and not left:
-            where = f"nothing: the run is at step {self.step} and --max-iters asks for {total}; raise it to go on,"
-        self.say(f"training {where} of {self.tokens_per_step:,} tokens "
-                 f"(batch {t.batch_size} x accumulation {t.grad_accum_steps} x {self.world} rank(s)); "
-                 f"run directory {self.run_dir}")
+            self.say(f"the run is already at step {self.step} of {total}: nothing to train (--max-iters N trains on "
+                     f"to N); run directory {self.run_dir}")
+        else:
+            self.say(f"training {where} of {self.tokens_per_step:,} tokens "
+                     f"(batch {t.batch_size} x accumulation {t.grad_accum_steps} x {self.world} rank(s)); "
+                     f"run directory {self.run_dir}")
         if t.warmup_steps > total and left and t.learning_rate > 0:
             self.say(f"warning: --warmup-steps {t.warmup_steps} is longer than the run's {total} steps, so the "
                      f"learning rate climbs to only {total / t.warmup_steps:.0%} of --learning-rate "
@@ -338,8 +340,9 @@ class Trainer:
                 # the best weights are kept when they are evaluated, not only at the next periodic save
                 better = (self.last_val is not None and self.last_val_step == self.step and self.step > start_step
                           and self.last_val < self.best_val)
-                if last or stopping or better or (t.save_every and self.step % t.save_every == 0
-                                                  and self.step > start_step):
+                trained = self.step > start_step or start_step == 0  # a finished run resumed: nothing new to save
+                periodic = t.save_every and self.step % t.save_every == 0 and self.step > start_step
+                if trained and (last or stopping or better or periodic):
                     self._save(final=last, now=last or stopping)
                 if last or stopping:
                     break
