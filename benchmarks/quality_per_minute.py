@@ -65,9 +65,9 @@ BASELINE = {
 
 
 def default_recipe() -> dict:
-    """What `codeforge quickstart` trains: its presets, plus bf16 where this CPU has it natively."""
+    """What `codeforge quickstart` trains: its presets (bf16 where this CPU has it natively), in one process."""
     return {"vocab": quickstart.VOCAB, "split": "code", "presets": list(quickstart.PRESETS), "model": {},
-            "train": {"precision": quickstart.cpu_precision("cpu")}}
+            "train": {"local_ranks": 1}}
 
 
 def heldout_sources(lang: str) -> list[str]:

@@ -22,7 +22,7 @@ from .corpus import (EXT_TO_LANG, CorpusOptions, CorpusStats, describe_skipped, 
                      walk_tree)
 from .data.hrm_batches import PlanData
 from .data.shards import ShardError, prepare
-from .device import choose_device, cpu_native_bf16
+from .device import choose_device
 from .engine import Engine, SamplingParams
 from .evaluation.run import run_eval
 from .evaluation.tool_calls import chat_end_rate, tool_calling_eval
@@ -30,7 +30,7 @@ from .mining.plans import write_plans
 from .mining.sft import write_sft
 from .sandbox import SandboxUnavailable, check_available
 from .stages import run as run_stage
-from .stages.local import auto_ranks
+from .stages.local import resolve_auto
 from .tasks.tool_calls import TOOLS as TOOL_SCHEMAS, TOOLS_FILE, write_tool_data, write_tools_file
 from .tokenizer import train_tokenizer
 
@@ -58,12 +58,6 @@ SFT = {"learning_rate": 1e-3, "warmup_steps": 10, "max_iters": 150, "eval_every"
        "eval_tokens": 32_768, "batch_size": 3}
 TOOLS = {"learning_rate": 3e-3, "warmup_steps": 10, "max_iters": 400, "eval_every": 200, "save_every": 200,
          "eval_tokens": 32_768, "batch_size": 3}
-
-
-def cpu_precision(device: str) -> str:
-    """bf16 when training runs on a CPU that multiplies bfloat16 in hardware (~30% more tokens/s, no loss per
-    token measured), else the usual auto choice."""
-    return "bf16" if choose_device(device)[0].type == "cpu" and cpu_native_bf16() else "auto"
 
 
 def corpus_path(corpus: str) -> tuple[str, list[str]]:
@@ -267,7 +261,10 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     resume = trained
     kept = saved_step_count(run_dir) if resume and not chat and max_iters is None and time_budget is None else None
     max_iters = max_iters or kept  # a re-run keeps the count the first run's time budget chose
-    train = {**RUN, **(CHAT_TRAIN if chat else {}), "precision": cpu_precision(device)}
+    # precision and processes come from the lowend-cpu profile (`fastest`: bf16 where the CPU multiplies it
+    # natively; local_ranks 0: one process per core, up to 4): the same recipe as `train --preset cpu-small
+    # lowend-cpu`. --chat trains in one process (its batch of 3 does not split).
+    train = {**RUN, **(CHAT_TRAIN if chat else {}), **({"local_ranks": 1} if chat else {})}
     flags = {**{f"model.{k}": v for k, v in (CHAT_MODEL if chat else {}).items()},
              **{f"train.{k}": v for k, v in train.items()},
              "train.data": str(data_dir), "train.out": str(run_dir), "train.max_iters": max_iters or (CHAT_STEPS if chat else STEPS), "train.device": device}
@@ -275,10 +272,7 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     if budget and not chat:
         flags["train.time_budget"] = budget  # the step count follows this CPU's pace (docs/pipeline.md)
     cfg = resolve(PRESETS, None, [], flags, vocab_from_data=True)
-    ranks = 1 if chat else auto_ranks(cfg)
-    if ranks > 1:  # the same global batch over one-thread processes: they keep their pace on shared cores
-        flags.update({"train.local_ranks": ranks, "train.batch_size": cfg.train.batch_size // ranks})
-        cfg = resolve(PRESETS, None, [], flags, vocab_from_data=True)
+    resolve_auto(cfg)  # the same global batch over one-thread processes: they keep their pace on shared cores
     _enough(meta, cfg, src)
     print(f"[4/{n}] train: {cfg.train.max_iters} steps" + (" (the count this run chose; --max-iters N trains on "
           "to N)" if kept else "") + f" -> {run_dir}" if not cfg.train.time_budget else
@@ -416,7 +410,7 @@ def hrm_quickstart(out_dir: Path, src: str, langs, tok_dir: Path, max_iters: int
             ("code AST node F1 (generated)", ev.get("code_ast_f1")),
             ("syntax-valid rate (generated)", ev.get("syntax_valid_rate")),
             ("average refinement iterations", ev.get("avg_iterations"))]
-    print("\nseed 001's metrics, measured:")
+    print("\nthe hierarchical model's metrics, measured:")
     for name, v in rows:
         print(f"  {name:48s} {'n/a' if v is None else f'{v:.3f}'}")
     dev, _ = choose_device(device)

@@ -13,8 +13,8 @@ from conftest import STDLIB
 
 
 def test_quickstart_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
-    import codeforge.quickstart as qs
-    monkeypatch.setattr(qs, "auto_ranks", lambda cfg: 2)  # on any number of cores: 2 local processes
+    from codeforge.stages import local
+    monkeypatch.setattr(local, "auto_ranks", lambda cfg: 2)  # on any number of cores: 2 local processes
     out = tmp_path / "qs"
     r = run_quickstart(str(out), corpus=str(STDLIB / "email"), max_iters=12)
     assert r["step"] == 12 and r["val_loss"] > 0 and r["bits_per_byte"] > 0

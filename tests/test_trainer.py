@@ -305,6 +305,31 @@ def test_best_is_kept_when_evaluated_not_only_at_saves(tmp_path):
     assert sorted(p.name for p in root.glob("step_*")) == ["step_000002", "step_000004", "step_000012"]
 
 
+def test_a_run_far_too_big_for_the_cpu_says_so_before_its_first_evaluation(tmp_path):
+    """A GPU-sized plan on a CPU: the estimate and its warning come from the model's FLOPs and a measured matrix
+    product before the first evaluation (which alone can take minutes at that size), not after the first steps."""
+    from codeforge.models import build_model
+    cfg = resolve([], None, [], {**TINY, "model.vocab_size": 256, "train.eval_every": 0})
+    model = build_model(cfg.model)
+    model.flops_per_token = lambda: 1e12  # as if 160B parameters
+    said: list[str] = []
+    first_eval: list[int] = []
+
+    def evaluate(m):
+        first_eval.append(len(said)) if not first_eval else None
+        return {"val_loss": 1.0, "perplexity": 2.7, "bits_per_byte": 1.0}
+    t = Trainer(model, ToyBatches(vocab=256), lambda m, b: (m(*b), {}), cfg.train, tmp_path / "run",
+                device=torch.device("cpu"), precision="fp32", total_steps=2, tokens_per_step=64 * 1024,
+                run_config=cfg.to_dict(), evaluate=evaluate, log=said.append)
+    t.run()
+    i = next(i for i, m in enumerate(said) if m.startswith("estimate:"))
+    assert i < first_eval[0] and "GFLOP/s" in said[i] and "days" in said[i]
+    assert "warning: that is far beyond what a CPU does" in said[i] and "--max-iters" in said[i]
+    # a run the CPU does in seconds measures nothing and says nothing before its steps
+    assert Trainer and __import__("codeforge.train.trainer", fromlist=["Pace"]).Pace.estimate(
+        100, 100 * 4096, 2e7, torch.device("cpu"), "fp32") is None
+
+
 def test_progress_lines_without_a_terminal(data_dir, tmp_path, capsys):
     """Output redirected (pytest's capture is not a tty): no bar, but compact progress lines with loss,
     tokens/s and ETA, and a measured pace with the estimate for the rest of the run."""
@@ -393,26 +418,44 @@ def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(data_dir, tmp_path, 
 
 @pytest.mark.parametrize("native_bf16", ["1", "0"])
 def test_quickstart_recipe_on_both_kinds_of_cpu(data_dir, tmp_path, monkeypatch, native_bf16):
-    """The quickstart picks bf16 autocast on a CPU with native bfloat16 and the usual fp32 elsewhere; the choice
-    is forced both ways here (CODEFORGE_CPU_BF16), so each path is tested on every CPU, not only on the machine
-    that happens to have it. Its recipe (Muon: Newton-Schulz in bf16 where native, float32 elsewhere) then trains."""
-    from codeforge.device import cpu_native_bf16
-    from codeforge.quickstart import PRESETS, cpu_precision
+    """The quickstart's recipe, `--preset cpu-small lowend-cpu`, picks bf16 autocast on a CPU with native bfloat16
+    and fp32 elsewhere (precision "fastest"); the choice is forced both ways here (CODEFORGE_CPU_BF16), so each
+    path is tested on every CPU, not only on the machine that happens to have it. Its recipe (Muon: Newton-Schulz
+    in bf16 where native, float32 elsewhere) then trains."""
+    from codeforge.device import choose_precision, cpu_native_bf16
+    from codeforge.quickstart import PRESETS
     monkeypatch.setenv("CODEFORGE_CPU_BF16", native_bf16)
     assert cpu_native_bf16() is (native_bf16 == "1")
-    precision = cpu_precision("cpu")
-    assert precision == ("bf16" if native_bf16 == "1" else "auto")
     flags = {**TINY, "train.data": str(data_dir), "train.out": str(tmp_path / "run"), "train.max_iters": 30,
-             "train.precision": precision, "train.eval_every": 0, "train.save_every": 0}
+             "train.eval_every": 0, "train.save_every": 0, "train.local_ranks": 1}
     cfg = resolve(PRESETS, None, [], flags, vocab_from_data=True)
-    assert cfg.train.optimizer == "muon"
-    r = train_run(cfg)
+    assert cfg.train.optimizer == "muon" and cfg.train.precision == "fastest"
+    precision, why = choose_precision(torch.device("cpu"), cfg.train.precision)
+    assert precision == ("bf16" if native_bf16 == "1" else "fp32") and why.startswith("fastest")
+    assert choose_precision(torch.device("cpu"), "auto")[0] == "fp32"  # auto stays fp32 on every CPU
+    msgs = []
+    r = run_stage(cfg, log=msgs.append)
+    assert f"precision: {precision} (fastest" in "\n".join(msgs)
     ls = losses(tmp_path / "run")
     assert r["step"] == 30 and all(math.isfinite(v) for v in ls.values())
     first, last = sum(ls[s] for s in range(1, 4)) / 3, sum(ls[s] for s in range(28, 31)) / 3
     assert last < first - 1.0, (precision, first, last)
-    saved = (tmp_path / "run" / "config.toml").read_text()
-    assert f'precision = "{precision}"' in saved
+
+
+def test_the_lowend_cpu_profile_is_the_quickstarts_processes(monkeypatch):
+    """`--preset cpu-small lowend-cpu` splits its batch of 16 over one process per usable core (up to 4), as
+    the quickstart does; on a GPU, or with --local-ranks given, nothing changes."""
+    from codeforge.stages import local
+    from codeforge.quickstart import PRESETS
+    for cores, want in ((2, 2), (3, 2), (8, 4), (1, 1)):
+        monkeypatch.setattr(local, "usable_cores", lambda c=cores: c)
+        cfg = resolve(PRESETS, None, [], {"train.device": "cpu"})
+        assert cfg.train.local_ranks == 0 and cfg.train.batch_size == 16
+        local.resolve_auto(cfg)
+        assert (cfg.train.local_ranks, cfg.train.batch_size) == (want, 16 // want)
+    cfg = resolve(PRESETS, None, ["train.local_ranks=3", "train.batch_size=6"], {"train.device": "cpu"})
+    local.resolve_auto(cfg)
+    assert (cfg.train.local_ranks, cfg.train.batch_size) == (3, 6)
 
 
 def test_cpu_bf16_switch_refuses_a_typo(monkeypatch):

@@ -70,7 +70,7 @@ class HRMConfig:
     plan_len: int = setting(512, "planner context: prompt + plan tokens", range=(8, 65_536))
     code_len: int = setting(1024, "code context: body tokens (and draft tokens) with their markers",
                             range=(8, 65_536))
-    refine_iters: int = setting(5, "refinement iterations at most at inference (seed 001: 5)", range=(0, 100))
+    refine_iters: int = setting(5, "refinement iterations at most at inference", range=(0, 100))
     mlp: str = setting("gelu", "MLP activation", choices=("gelu", "swiglu", "relu2"))
     ffn_hidden: int = setting(0, "MLP hidden width", range=(1, 1 << 20),
                               zero_means="4 x n_embd (gelu, relu2) or 8/3 x n_embd rounded up to 64 (swiglu)")
@@ -83,9 +83,9 @@ class HRMConfig:
     embd_dropout: float = setting(0.0, "dropout after the embedding", range=(0.0, 0.9))
     attn_dropout: float = setting(0.0, "dropout on attention weights", range=(0.0, 0.9))
     resid_dropout: float = setting(0.0, "dropout on residual branches", range=(0.0, 0.9))
-    plan_weight: float = setting(0.4, "loss weight of the plan (seed 001)", range=(0.0, 100.0))
-    code_weight: float = setting(0.4, "loss weight of the code (seed 001)", range=(0.0, 100.0))
-    refine_weight: float = setting(0.2, "loss weight of refinement: its LM loss plus the decision CE (seed 001)",
+    plan_weight: float = setting(0.4, "loss weight of the plan", range=(0.0, 100.0))
+    code_weight: float = setting(0.4, "loss weight of the code", range=(0.0, 100.0))
+    refine_weight: float = setting(0.2, "loss weight of refinement: its LM loss plus the decision CE",
                                    range=(0.0, 100.0))
     refine_warmup_steps: int = setting(500, "optimizer steps with the refinement loss off", range=(0, 10**9))
     ss_start_step: int = setting(500, "scheduled sampling: the step the generator starts seeing the planner's "

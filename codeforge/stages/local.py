@@ -29,6 +29,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from ..config import SECTIONS, ConfigError, RunConfig, dumps_toml
@@ -88,6 +89,16 @@ def auto_ranks(cfg: RunConfig, most: int = 4) -> int:
     while cfg.train.batch_size % n:
         n -= 1
     return n
+
+
+def resolve_auto(cfg: RunConfig) -> None:
+    """--local-ranks 0 (auto, the lowend-cpu profile's): as many ranks as auto_ranks chooses, each with its
+    share of --batch-size (the global batch), set in cfg before anything reads them."""
+    t = cfg.train
+    if t.local_ranks != 0:
+        return
+    n = 1 if distributed_env()[1] > 1 or os.environ.get(STARTED_ENV) else auto_ranks(cfg)
+    cfg.train = replace(t, local_ranks=n, batch_size=t.batch_size // n)
 
 
 def _on_gpu(cfg: RunConfig) -> bool:

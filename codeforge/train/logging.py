@@ -14,13 +14,15 @@ from .. import rundir
 
 
 def duration(s: float) -> str:
-    """4s, 12m05s, 3h20m."""
+    """4s, 12m05s, 3h20m, 20.4 days."""
     s = max(int(round(s)), 0)
     if s < 90:
         return f"{s}s"
     if s < 5400:
         return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s < 2 * 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s / 86400:,.1f} days"
 
 
 class RunLogger:

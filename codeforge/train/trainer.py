@@ -22,7 +22,7 @@ from .. import rundir
 from .. import CodeforgeError
 from .. import checkpoint as ckpt_io
 from ..config import SECTIONS, TrainConfig, dumps_toml
-from ..device import alone_threads, autocast, memory_gib, peak_flops
+from ..device import alone_threads, autocast, matmul_flops, memory_gib, peak_flops
 from . import parallel
 from .logging import RunLogger, duration
 from .optim import build_optimizer, lr_at, set_lr
@@ -289,6 +289,11 @@ class Trainer:
             self.say(f"training {where} of {self.tokens_per_step:,} tokens "
                      f"(batch {t.batch_size} x accumulation {t.grad_accum_steps} x {self.world} rank(s)); "
                      f"run directory {self.run_dir}")
+        if left and self.master:
+            note = Pace.estimate(left, self.tokens_per_step * left, self.flops_per_token, self.device, self.precision,
+                                 self.world, t.eval_every, t.eval_tokens)
+            if note:
+                self.say(note)
         if t.warmup_steps > total and left and t.learning_rate > 0:
             self.say(f"warning: --warmup-steps {t.warmup_steps} is longer than the run's {total} steps, so the "
                      f"learning rate climbs to only {total / t.warmup_steps:.0%} of --learning-rate "
@@ -458,6 +463,34 @@ class Pace:
         self.first_step = None
         self.t_mark = self.mark_step = None  # mark(): where the recent pace is measured from
         self.said = False
+
+    CPU_BOUND = 2e11  # FLOP/s per CPU thread no CPU exceeds in training (AVX-512 bf16 peaks near 1e11)
+    TRAIN_SHARE = 0.5  # of the matmul rate a training step reaches at best (attention, norms, optimizer)
+
+    @classmethod
+    def estimate(cls, steps: int, tokens: int, flops_per_token: float, device: torch.device, precision: str,
+                 world: int = 1, eval_every: int = 0, eval_tokens: int = 0) -> str | None:
+        """Before anything slow (the first evaluation can take minutes where a run is too big for the device):
+        on a CPU, the least time `steps` of `tokens` can take, from the model's FLOPs and a measured matrix
+        product rate, with the warning when that is far beyond what the CPU does in reasonable time. None
+        where a CPU could do it within ten minutes even at a bound no CPU reaches (not worth measuring)."""
+        if device.type != "cpu" or not flops_per_token:
+            return None
+        evals = (steps // eval_every if eval_every else 0) + 1
+        flops = flops_per_token * tokens + flops_per_token / 3 * eval_tokens * evals  # an evaluation: forward only
+        if flops / (cls.CPU_BOUND * torch.get_num_threads() * world) < 600:
+            return None
+        rate = matmul_flops(device, precision) * world
+        need = flops / (rate * cls.TRAIN_SHARE)
+        msg = (f"estimate: {steps:,} steps of {tokens // steps:,} tokens at {flops_per_token / 1e6:,.0f} MFLOPs a token"
+               f" (and {evals} evaluation(s)) are {flops:.2g} FLOPs; this CPU multiplies at ~{rate / 1e9:,.0f} "
+               f"GFLOP/s, so at least ~{duration(need)} (the measured pace follows after the first steps)")
+        if need > cls.WARN_SECONDS.get("cpu", cls.WARN_ANY):
+            msg += ("\nwarning: that is far beyond what a CPU does in reasonable time. To finish sooner: a smaller "
+                    "model (a CPU preset: `codeforge presets`; --preset cpu-small lowend-cpu is the quickstart's), a "
+                    "shorter context (--block-size), fewer steps (--max-iters), or a GPU. Ctrl-C saves a checkpoint; "
+                    "--resume continues it.")
+        return msg
 
     def pause(self, seconds: float) -> None:
         self.t0 += seconds
