@@ -224,11 +224,12 @@ def saved_step_count(run_dir: Path) -> int | None:
 
 def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | None = None,
                    device: str = "auto", chat: bool = False, hrm: bool = False, val_fraction: float | None = None,
-                   time_budget: float | None = None) -> dict:
+                   time_budget: float | None = None, base_dir: str | None = None) -> dict:
     """The pipeline; with chat, then chat SFT on pairs mined from the same corpus, then tool calling; with
     hrm, the hierarchical planner/generator model on plans mined from the corpus instead. time_budget:
     minutes pretraining may take (None: TIME_BUDGET; it sets the step count from the measured pace, up to
-    STEPS); max_iters pins the steps instead."""
+    STEPS); max_iters pins the steps instead. base_dir: with chat, the plain quickstart's directory for the
+    same corpus, whose tokenizer and shards are reused when it has them."""
     t_start = time.perf_counter()
     out_dir = Path(out)
     src, langs = corpus_path(corpus)
@@ -238,6 +239,8 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     print(f"[1/{n}] corpus: {src} ({describe_corpus(src, langs)})")
     data_dir, run_dir = out_dir / "data", out_dir / "run"
     trained = (run_dir / rundir.CHECKPOINTS).exists()
+    if chat and not trained:
+        _from_plain(out_dir, Path(base_dir) if base_dir else None, src, langs)
     old = _prepared_meta(data_dir)
     if val_fraction is None and trained and old:
         val_fraction = old["options"]["val_fraction"]  # the split the run trained on
@@ -356,6 +359,35 @@ def scored_checkpoint(step: int, at: int, evals: dict[int, dict]) -> str:
 def share(k: int, n: int) -> str:
     """'k of n' where n is too small for a percentage to mean much, else 'p% of n'."""
     return f"{k} of {n} parse" if n < 10 else f"{k / n:.0%} of {n}"
+
+
+def _from_plain(out_dir: Path, base: Path | None, src: str, langs: list[str] | None) -> None:
+    """--chat pretrains a base model of its own: its context (768 tokens) holds a tool-calling conversation,
+    and the plain quickstart's model (256 tokens, learned positions) cannot be stretched to it. Said, and the
+    plain quickstart's tokenizer and shards of the same corpus are copied in when they are there."""
+    say = ("      --chat pretrains its own base model: tool conversations need a context of 768 tokens, and the plain "
+           "quickstart's model has 256")
+    same = base is not None and base.resolve() != out_dir.resolve() and _corpus_of(base) == _corpus_of(out_dir, src, langs)
+    if not same or not (base / "tokenizer" / "tokenizer.json").exists():
+        print(f"{say}.")
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for part in ("tokenizer", "data"):
+        if (base / part).is_dir() and not (out_dir / part).exists():
+            shutil.copytree(base / part, out_dir / part, symlinks=True)
+            copied.append(part)
+    print(f"{say}; it reuses {base}'s {' and '.join(copied) or 'nothing (its own are there)'}.")
+
+
+def _corpus_of(out_dir: Path, src: str | None = None, langs: list[str] | None = None) -> dict | None:
+    """The corpus record of a quickstart directory (what same_corpus wrote), or the one src would make."""
+    if src is not None:
+        return {"corpus": os.path.realpath(src), "languages": langs}
+    try:
+        return json.loads((out_dir / CORPUS_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _tokenizer(out_dir: Path, src: str, opts: CorpusOptions, n: int = 5) -> Path:

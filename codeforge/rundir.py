@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from . import CodeforgeError
+from . import CodeforgeError, printable
 
 # RUN/ (`codeforge train --out RUN`): every command that reads or writes a run names its files from here
 CHECKPOINTS = "checkpoints"  # step_NNNNNN/ directories and the latest/best/final pointers (checkpoint/)
@@ -25,6 +25,23 @@ ROLLOUTS = "rollouts.jsonl"  # the RL stages' rollout statistics
 TRAINED = "trained_documents.npy"  # sorted uint64 content-hash keys of every document the run (and the runs it
 # started from with --init-from) trained on: evaluation checks its validation split against it
 LOCK_FILE = ".train.lock"  # flock()ed by the training process (run_lock)
+
+
+GENERIC_RUN_NAMES = ("run", "base", "pretrain", "sft", "tools", "dpo", "rl", "ppo", "grpo", "hrm", "code")
+
+
+def model_name(run: str | Path) -> str:
+    """The model's name (what the server calls it, and the name an exported file carries): the run directory's name (also when a checkpoint directory is given).
+    A name that says only the stage (the quickstart's run/, sft/, tools/) takes its parent's name in front:
+    runs/quickstart/run serves `quickstart`, runs/quickstart-chat/tools `quickstart-chat-tools`."""
+    p = Path(run).resolve()
+    if p.parent.name == CHECKPOINTS:
+        p = p.parent.parent
+    if p.name in GENERIC_RUN_NAMES and p.parent.name:
+        name = p.parent.name if p.name == "run" else f"{p.parent.name}-{p.name}"
+    else:
+        name = p.name or "codeforge"
+    return printable(name)  # printed, and sent to clients: never a terminal escape
 
 
 class RunDirError(CodeforgeError):

@@ -753,7 +753,7 @@ def test_terminal_escapes_in_a_run_name_are_neither_written_nor_printed(tmp_path
     """Found in the second hostile review: a run directory named with terminal escape bytes (ESC ] 0 ; ... BEL
     retitles the window; ESC [ 2 J clears it) went raw into the GGUF's general.name and onto the terminal, and
     into the server's model name. Now each is written as escapes."""
-    from codeforge.serve.server import run_name
+    from codeforge.rundir import model_name as run_name
     evil = "m\x1b]0;pwned\x07\x1b[2Jodel\u202e"
     run = make_run(tmp_path / evil, tokenizer_dir, **FAMILIES["qwen2"][1])
     out = tmp_path / "m.gguf"

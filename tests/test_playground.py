@@ -180,7 +180,34 @@ def test_page_shows_model_name_and_context_length(server, browser):
     assert ctx == 64, f"the server does not say the run's context length (64): {m}"
     assert _by_id(browser, "context-length").text == "64"
     assert _by_id(browser, "error").text == ""
+    # the examples follow the run's language; a pretrained-only run says in chat mode what it can and cannot do
+    want = {"python": "def fibonacci(n):", "go": "func Fibonacci(n int) int {"}[m["language"]]
+    assert _by_id(browser, "prompt").get_attribute("placeholder") == want and m["chat"] is False
+    assert not _by_id(browser, "chat-note").is_displayed()
+    _mode(browser, "chat")
+    assert _by_id(browser, "chat-note").is_displayed() and "only pretrained" in _by_id(browser, "chat-note").text
+    _mode(browser, "completion")
     assert _severe_console(browser) == []
+
+
+def test_run_language_follows_the_data(tmp_path, tokenizer_dir):
+    """What /v1/models reports as the run's language: the one language the data was prepared with, else what
+    most of its documents are written in (a user's Go repository is read as every known language)."""
+    from codeforge.corpus import CorpusOptions
+    from codeforge.data.shards import prepare
+    from codeforge.serve.server import run_language
+    from codeforge.tokenizer import CodeTokenizer
+    src = tmp_path / "golib"
+    src.mkdir()
+    for i in range(12):
+        (src / f"f{i}.go").write_text(f"package lib\n\n// F{i} returns x.\nfunc F{i}(x int) int {{\n\treturn x + {i}\n}}\n")
+    (src / "README.md").write_text("# lib\n\nA small library.\n")
+    tok = CodeTokenizer.load(tokenizer_dir)
+    for langs, name in ((None, "any"), (["go"], "go")):
+        data = tmp_path / f"data-{name}"
+        prepare([str(src)], tokenizer_dir, data, CorpusOptions(languages=langs, val_fraction=0.3), log=lambda m: None)
+        assert run_language({"train": {"data": str(data)}}, tok) == "go"
+    assert run_language({"train": {"data": str(tmp_path / "gone")}}, tok) is None
 
 
 def test_completion_streams_into_output_in_steps(server, browser, tmp_path):

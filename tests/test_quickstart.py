@@ -42,6 +42,18 @@ def test_quickstart_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
     assert main(["export", "--run", str(out / "run"), "--format", "gguf", "--out", str(tmp_path / "q.gguf"),
                  "--dtype", "q8_0"]) == 0
     assert "pre-tokenizer llama-bpe" in capsys.readouterr().out
+    import gguf
+    name = gguf.GGUFReader(str(tmp_path / "q.gguf")).fields["general.name"].contents()
+    assert name == "qs"  # the name `codeforge serve --run qs/run` gives the model, not "run"
+    # --chat on the same corpus says why it pretrains its own model, and reuses this tokenizer and these shards
+    from codeforge.quickstart import _from_plain
+    _from_plain(tmp_path / "qs-chat", out, str(STDLIB / "email"), None)
+    said = capsys.readouterr().out
+    assert "--chat pretrains its own base model" in said and "768" in said and "reuses" in said
+    for part in ("tokenizer/tokenizer.json", "data/meta.json", "data/train_000000.bin"):
+        assert (tmp_path / "qs-chat" / part).read_bytes() == (out / part).read_bytes()
+    _from_plain(tmp_path / "qs-other", out, str(STDLIB / "json"), None)  # another corpus: nothing copied
+    assert "reuses" not in capsys.readouterr().out and not (tmp_path / "qs-other" / "tokenizer").exists()
 
 
 def test_quickstart_chat_stages_end_to_end(tmp_path, capsys, monkeypatch):

@@ -151,7 +151,7 @@ def test_names_and_notices_a_user_sees(base_run, chat_run, tmp_path, capsys, mon
     from codeforge.checkpoint import find_checkpoint, read_config
     from codeforge.cli import main
     from codeforge.config import chat_notice
-    from codeforge.serve.server import run_name
+    from codeforge.rundir import model_name as run_name
     assert run_name("runs/quickstart/run") == "quickstart"
     assert run_name("runs/quickstart-chat/tools") == "quickstart-chat-tools"
     assert run_name("runs/go-coder") == "go-coder"

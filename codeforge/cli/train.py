@@ -262,7 +262,8 @@ def cmd_quickstart(a: argparse.Namespace) -> int:
         if a.chat and a.hrm:
             raise CLIError("--chat and --hrm are two different quickstarts: pick one")
         r = run_quickstart(a.out or default_out(a.corpus, a.chat, a.hrm), a.corpus, a.max_iters, a.device, chat=a.chat, hrm=a.hrm,
-                           val_fraction=a.val_fraction, time_budget=a.time_budget)
+                           val_fraction=a.val_fraction, time_budget=a.time_budget,
+                           base_dir=default_out(a.corpus) if a.chat else None)
     except FileNotFoundError as e:
         raise CLIError(str(e)) from e
     return stopped_code(r)

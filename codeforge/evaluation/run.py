@@ -101,7 +101,7 @@ def run_eval(run: str, data: str | None = None, eval_tokens: int | None = None, 
         docs = [tok.decode(val.document(i).tolist()) for i in range(min(200, val.documents))]
         if language:
             docs = [d for d in docs if guess_language(d) == language]
-        with _step(f"syntax of {syntax_samples} sampled completions"):
+        with _step(f"syntax of up to {syntax_samples} completions of functions in {len(docs)} validation file(s)"):
             r.update(syntax_validity(eng, docs, syntax_samples, max_new_tokens=min(max_new_tokens, 128)))
     else:
         r["syntax_valid_rate"] = None

@@ -42,7 +42,7 @@ import torch
 
 from . import ExportError, check_out
 from ..chat import CHAT_TEMPLATE
-from .. import printable
+from .. import printable, rundir
 from ..checkpoint import load_model
 from ..models.gpt import GPTConfig
 from ..tokenizer import LLAMA3_SPLIT_PATTERN, META_FILE
@@ -312,7 +312,7 @@ def export_gguf(run: str | Path, out: str | Path, which: str = "auto", dtype: st
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         w = gguf.GGUFWriter(str(tmp), arch)
-        w.add_name(printable(Path(run).resolve().name))  # a directory name may hold terminal escapes
+        w.add_name(rundir.model_name(run))  # the name `codeforge serve` gives it (printable: no terminal escapes)
         w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype])
         w.add_context_length(m.block_size)

@@ -73,6 +73,7 @@ class ServeOptions:
     stage: str = "pretrain"
     checkpoint: str = ""  # the checkpoint's name (step_000100), never its path: /v1/models shows it
     chat_note: str | None = None  # a run no chat stage trained: said at start and on every chat answer
+    language: str | None = None  # the language the run was trained on (the playground's examples follow it)
     host: str = ""  # the --host the server is bound to: a name in the Host header it answers to
     allowed_hosts: tuple[str, ...] = ()  # more Host names (NAME or NAME:PORT) to answer to; "*": any
     allowed_origins: tuple[str, ...] = ()  # web pages (scheme://host[:port]) allowed besides its own; "*": any
@@ -945,7 +946,7 @@ def create_app(engine, opts: ServeOptions) -> FastAPI:
     def model_card() -> dict:
         return {"id": opts.model_name, "object": "model", "created": srv.created, "owned_by": "codeforge",
                 "max_model_len": srv.block_size, "stage": opts.stage, "checkpoint": opts.checkpoint,
-                "chat": opts.chat_note is None}
+                "chat": opts.chat_note is None, "language": opts.language}
 
     async def health():
         if not srv.sched.thread.is_alive():

@@ -10,10 +10,13 @@ import ipaddress
 import os
 import socket
 import sys
+from collections import Counter
 from pathlib import Path
 
-from .. import CodeforgeError, printable, rundir
+from .. import CodeforgeError, rundir
 from ..checkpoint import load_model
+from ..data.shards import ShardSet
+from ..syntax import guess_language
 from ..config import chat_notice, speaks_chat
 from ..device import choose_device, choose_precision, system_memory
 from ..engine import Engine
@@ -26,23 +29,6 @@ API_KEY_ENV = "CODEFORGE_API_KEY"
 
 class ServeError(CodeforgeError):
     """A serve option that cannot work; the message names it and the fix."""
-
-
-GENERIC_RUN_NAMES = ("run", "base", "pretrain", "sft", "tools", "dpo", "rl", "ppo", "grpo", "hrm", "code")
-
-
-def run_name(run: str) -> str:
-    """The model's name in the API: the run directory's name (also when a checkpoint directory is given).
-    A name that says only the stage (the quickstart's run/, sft/, tools/) takes its parent's name in front:
-    runs/quickstart/run serves `quickstart`, runs/quickstart-chat/tools `quickstart-chat-tools`."""
-    p = Path(run).resolve()
-    if p.parent.name == rundir.CHECKPOINTS:
-        p = p.parent.parent
-    if p.name in GENERIC_RUN_NAMES and p.parent.name:
-        name = p.parent.name if p.name == "run" else f"{p.parent.name}-{p.name}"
-    else:
-        name = p.name or "codeforge"
-    return printable(name)  # printed, and sent to clients: never a terminal escape
 
 
 def check_options(a) -> None:
@@ -124,6 +110,29 @@ def connection_limits(a) -> tuple[ConnectionLimits, int]:
                             max_connections=cap), backlog
 
 
+def run_language(cfg: dict, tok, sample: int = 24) -> str | None:
+    """The programming language a run was trained on, for the playground's examples: the one language its data
+    was prepared with, else the one most of a sample of its validation (or training) documents are in; None
+    when the data is not at hand or not code."""
+    data = cfg.get("train", {}).get("data")
+    if not data:
+        return None
+    try:
+        meta = ShardSet(data, "train").meta
+        langs = meta.get("options", {}).get("languages") or []
+        if len(langs) == 1:
+            return langs[0]
+        split = "val" if meta["splits"]["val"]["documents"] else "train"
+        docs = ShardSet(data, split)
+        if docs.chat:
+            return None
+        seen = Counter(guess_language(tok.decode(docs.document(i).tolist())) for i in range(min(sample, docs.documents)))
+    except (CodeforgeError, OSError, ValueError, KeyError, TypeError):
+        return None
+    seen.pop(None, None)
+    return seen.most_common(1)[0][0] if seen else None
+
+
 def bind(host: str, port: int) -> socket.socket:
     try:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -158,10 +167,10 @@ def _serve(a) -> int:
         raise ServeError(f"--max-prompt-tokens {a.max_prompt_tokens} must be below the model's context of {block} "
                          f"(one position is left for the reply)")
     stage = cfg.get("train", {}).get("stage", "pretrain")
-    opts = ServeOptions(model_name=a.model_name or run_name(a.run), api_key=a.api_key, max_batch=a.max_batch,
+    opts = ServeOptions(model_name=a.model_name or rundir.model_name(a.run), api_key=a.api_key, max_batch=a.max_batch,
                         max_queue=a.max_queue, max_prompt_tokens=a.max_prompt_tokens, max_tokens_cap=a.max_tokens_cap,
                         request_timeout=a.request_timeout, max_body_bytes=a.max_body_bytes, stage=stage,
-                        chat_note=chat_notice(cfg),
+                        chat_note=chat_notice(cfg), language=run_language(cfg, tok),
                         checkpoint=Path(ck).name, host=a.host, allowed_hosts=split_list(a.allowed_hosts),
                         allowed_origins=split_list(a.allowed_origins))
     sock = bind(a.host, a.port)
