@@ -321,7 +321,7 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     hint = {"python": "def ", "go": "func "}.get(lang, "")
     print(f"finished in {(time.perf_counter() - t_start) / 60:.1f} min. Next: codeforge generate --run {run_dir} "
           f"--prompt {hint!r}   |   codeforge eval --run {run_dir}   |   tensorboard --logdir {run_dir}/tensorboard")
-    return {**result, **ev}
+    return {**result, **ev, "step": result["step"], "scored_step": ev["step"]}  # step: training's; scored: the checkpoint's
 
 
 def validations(run_dir: Path) -> dict[int, dict]:

@@ -39,7 +39,7 @@ def test_eval_json_keys(run_dir, capsys):
     said = capsys.readouterr()
     r = json.loads(said.out)
     # each part says when it starts and how long it took, on stderr (stdout stays one JSON object)
-    for part in ("validation loss on 128 tokens", "syntax of 2 sampled", "HumanEval: 1 problems"):
+    for part in ("validation loss on 128 tokens", "syntax of up to 2 completions", "HumanEval: 1 problems"):
         assert f"eval: {part}" in said.err and said.err.count(part) == 2, said.err
     for k in ("val_loss", "perplexity", "bits_per_byte", "syntax_valid_rate", "pass_at_1", "pass_at_k"):
         assert k in r

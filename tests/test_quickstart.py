@@ -224,6 +224,12 @@ def test_a_small_repository_gets_an_honest_split_that_nothing_changes_under_its_
     # the run recorded every document it trained on
     trained = np.load(out / "run" / "trained_documents.npy")
     assert len(trained) == meta["splits"]["train"]["documents"]
+    # resumed with more steps: the summary is the new run's, and names the step it scores
+    r = run_quickstart(str(out), corpus=str(src), max_iters=40)
+    printed = capsys.readouterr().out
+    assert r["step"] == 40 and "steps 31-40" in printed
+    assert f"sample (step {r['scored_step']})" in printed and r["checkpoint"].endswith(f"{r['scored_step']:06d}")
+    assert "at step 40 (the run's last" in printed or "of the run's 40" in printed
 
     # the README's advice for small libraries, into the same directory: refused at step 1, nothing rewritten
     before = {p.name: p.read_bytes() for p in (out / "data").iterdir() if p.is_file()}

@@ -157,3 +157,25 @@ def test_an_empty_validation_split_is_said_with_the_fix(tmp_path, tokenizer_dir)
     fraction = float(note.split("--val-fraction ")[2].split()[0])
     meta = prepare([str(src)], tokenizer_dir, tmp_path / "b", CorpusOptions(val_fraction=fraction), log=said.append)
     assert meta["splits"]["val"]["documents"] > 0
+
+
+def test_a_small_validation_split_is_said_with_the_fix(tmp_path, tokenizer_dir):
+    """One validation file of a few hundred tokens scores nothing worth reading (a newcomer's library got one
+    of 256 tokens): prepare says the split is small and names a fraction that gives it several files."""
+    from codeforge.corpus import content_hash
+    src = tmp_path / "lib"
+    src.mkdir()
+    texts = []
+    for i in range(40):
+        text = "".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}\n\n" for j in range(40))
+        (src / f"m{i}.py").write_text(text)
+        texts.append(text)
+    marks = sorted(int.from_bytes(content_hash(t)[:8], "big") / 2**64 for t in texts)
+    one = (marks[0] + marks[1]) / 2  # exactly one file below it
+    said = []
+    meta = prepare([str(src)], tokenizer_dir, tmp_path / "a", CorpusOptions(val_fraction=one), log=said.append)
+    assert meta["splits"]["val"]["documents"] == 1
+    note = next(m for m in said if "validation split is small" in m)
+    fraction = float(note.split("--val-fraction ")[2].split()[0])
+    meta = prepare([str(src)], tokenizer_dir, tmp_path / "b", CorpusOptions(val_fraction=fraction), log=said.append)
+    assert meta["splits"]["val"]["documents"] >= 3

@@ -200,17 +200,26 @@ def prepare(sources: list[str], tokenizer_dir: str | os.PathLike, out_dir: str |
     return meta
 
 
+SMALL_VALIDATION_TOKENS = 4096  # fewer validation tokens than one quickstart step reads: a noisy, easily flattered score
+
+
 def empty_validation_note(meta: dict, val_fraction: float) -> str | None:
-    """A warning when the validation split came out empty (a small corpus at a small --val-fraction), with
-    the fraction that would give it a few documents."""
-    docs = meta["splits"].get("val", {}).get("documents", 0)
-    total = meta.get("documents", 0)
-    if docs or total < 2:
+    """A warning when the validation split came out empty or too small to score on (a small corpus at a small
+    --val-fraction), with the fraction that would give it a few documents and some thousands of tokens."""
+    val = meta["splits"].get("val", {})
+    docs, tokens = val.get("documents", 0), val.get("tokens", 0)
+    total, all_tokens = meta.get("documents", 0), meta.get("tokens", 0)
+    if total < 2 or val_fraction <= 0 or (docs >= 3 and (tokens >= SMALL_VALIDATION_TOKENS or tokens >= 0.1 * all_tokens)):
         return None
-    want = min(0.5, max(0.05, round(3 / total, 2)))
-    return (f"warning: the validation split is empty: {total} documents at --val-fraction {val_fraction:g} left none "
-            f"for it, so evaluation would score the training split (which flatters the model). Prepare again "
-            f"with --val-fraction {want:g} (about {max(1, round(want * total))} documents) or with more files")
+    share = max(3 / total, 5 * SMALL_VALIDATION_TOKENS / max(all_tokens, 1))
+    want = min(0.5, max(0.05, round(share, 2)))
+    if not docs:
+        return (f"warning: the validation split is empty: {total} documents at --val-fraction {val_fraction:g} left "
+                f"none for it, so evaluation would score the training split (which flatters the model). Prepare "
+                f"again with --val-fraction {want:g} (about {max(1, round(want * total))} documents) or with more files")
+    return (f"warning: the validation split is small: {docs} document(s), {tokens:,} tokens at --val-fraction "
+            f"{val_fraction:g}, too few to tell a model that learns from one that memorises. Prepare again with "
+            f"--val-fraction {want:g} (about {max(1, round(want * total))} documents) or with more files")
 
 
 def _write(sources, tok: CodeTokenizer, tmp: Path, opts: CorpusOptions, shard_tokens: int,
