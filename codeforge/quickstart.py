@@ -244,7 +244,7 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     old = _prepared_meta(data_dir)
     if val_fraction is None and trained and old:
         val_fraction = old["options"]["val_fraction"]  # the split the run trained on
-    elif not trained:
+    elif not trained or val_fraction is None:
         val_fraction = _sized_split(src, langs, val_fraction)
     opts = CorpusOptions(languages=langs, exclude_tests=True, val_fraction=val_fraction)
     if trained and old and not hrm:
