@@ -780,12 +780,14 @@ def split_of(digest: bytes, val_fraction: float) -> str:
 VAL_LEAST_BYTES = 64 * 1024  # a validation split of ~20k tokens: enough for a loss that moves by its noise less
 VAL_MOST_SHARE = 0.1  # ... but never more than a tenth of a small corpus's bytes
 VAL_LEAST_DOCS = 3  # and a few files, not one
+VAL_CAP_SHARE = 0.25  # whole files are taken: never more than a quarter of the bytes (one large file can be most)
 
 
 def sized_val_fraction(docs: list[tuple[bytes, int]], least: float) -> float:
     """The --val-fraction that gives a validation split of at least `least` of the documents and enough
     bytes to score on: min(VAL_LEAST_BYTES, VAL_MOST_SHARE of the corpus) and min(VAL_LEAST_DOCS, a tenth of
-    the files, at least one). docs: every document's (content hash, bytes), as split_of sees them. Large
+    the files, at least one), not past VAL_CAP_SHARE of the bytes (files are whole: one large file can be
+    most of a small corpus; only `least` itself may take more). docs: every document's (content hash, bytes), as split_of sees them. Large
     corpora keep `least`; a small repository gets a larger share, so its validation split is not one file
     of a few hundred tokens. The split stays split_of's rule (the documents whose hash falls below the
     fraction), so the same corpus always splits the same way."""
@@ -797,8 +799,12 @@ def sized_val_fraction(docs: list[tuple[bytes, int]], least: float) -> float:
     want_docs = max(1, min(VAL_LEAST_DOCS, len(ranked) // 10))
     got, k = 0, 0
     while k < len(ranked) - 1 and (got < want_bytes or k < want_docs):
+        if got + ranked[k][1] > VAL_CAP_SHARE * total:  # this whole file would take too much of the code
+            break
         got += ranked[k][1]
         k += 1
+    if k == 0:  # the first file alone is over the cap: the least share, however few files that gives
+        return least
     a, b = ranked[k - 1][0], ranked[k][0]  # the last document taken and the next: the cut goes between
     cut = next((f for f in (round((a + b) / 2, d) for d in range(2, 18)) if a < f <= b), (a + b) / 2)
     return max(least, min(0.5, cut))

@@ -367,8 +367,9 @@ def matmul_flops(device: torch.device, precision: str = "fp32", seconds: float =
     if key not in _MATMUL_RATE:
         n = 512 if device.type == "cpu" else 4096
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
-        a = torch.randn(n, n, device=device).to(dtype)
-        b = torch.randn(n, n, device=device).to(dtype)
+        g = torch.Generator(device).manual_seed(0)  # never the global generator: a resumed run's draws stay its own
+        a = torch.randn(n, n, device=device, generator=g).to(dtype)
+        b = torch.randn(n, n, device=device, generator=g).to(dtype)
         a @ b  # warm-up
         done, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds or done < 2:

@@ -13,6 +13,7 @@ import os
 import shutil
 import sysconfig
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from . import rundir
@@ -31,6 +32,7 @@ from .mining.sft import write_sft
 from .sandbox import SandboxUnavailable, check_available
 from .stages import run as run_stage
 from .stages.local import resolve_auto
+from .stages.lm import MANY_PASSES
 from .tasks.tool_calls import TOOLS as TOOL_SCHEMAS, TOOLS_FILE, write_tool_data, write_tools_file
 from .tokenizer import train_tokenizer
 
@@ -171,6 +173,17 @@ def _sized_split(src: str, langs: list[str] | None, val_fraction: float | None) 
     return val_fraction if val_fraction is not None else sized_val_fraction(docs, QUICK_VAL)
 
 
+def eval_cadence(cfg, train_tokens: int) -> int:
+    """Evaluations every RUN's 100 steps; on a corpus the run passes over many times (a small repository, which
+    it starts to memorise within a few passes), every two passes (at least every 20 steps), so the best
+    weights are found near where validation turns up rather than up to 100 steps past it."""
+    t = cfg.train
+    per_pass = max(train_tokens, 1) / (t.batch_size * max(t.local_ranks, 1) * cfg.model.block_size)
+    if t.max_iters <= MANY_PASSES * per_pass:
+        return t.eval_every
+    return max(20, min(t.eval_every, int(round(2 * per_pass / 10)) * 10))
+
+
 def _enough(meta: dict, cfg, src: str) -> None:
     """Stop before training when the training split cannot fill one step, in the quickstart's words (the
     trainer's own message names flags the quickstart does not have)."""
@@ -242,6 +255,10 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     if chat and not trained:
         _from_plain(out_dir, Path(base_dir) if base_dir else None, src, langs)
     old = _prepared_meta(data_dir)
+    if trained and not old and not hrm:
+        raise ConfigError(f"{data_dir}, the data {run_dir} trained on, is gone (or unreadable): preparing it again could "
+                          f"split the files differently and score the run on files it trained on. Restore it, give "
+                          f"a new run its own directory (--out {out_dir}-new), or delete {out_dir} to start over")
     if val_fraction is None and trained and old:
         val_fraction = old["options"]["val_fraction"]  # the split the run trained on
     elif not trained or val_fraction is None:
@@ -275,6 +292,7 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     if budget and not chat:
         flags["train.time_budget"] = budget  # the step count follows this CPU's pace (docs/pipeline.md)
     cfg = resolve(PRESETS, None, [], flags, vocab_from_data=True)
+    cfg.train = replace(cfg.train, eval_every=eval_cadence(cfg, meta["splits"]["train"]["tokens"]))
     resolve_auto(cfg)  # the same global batch over one-thread processes: they keep their pace on shared cores
     _enough(meta, cfg, src)
     print(f"[4/{n}] train: {cfg.train.max_iters} steps" + (" (the count this run chose; --max-iters N trains on "
@@ -308,8 +326,13 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     eng = Engine.from_run(str(best), device)
     prompt = {"python": "def fibonacci(n):\n", "go": "func fibonacci(n int) int {\n"}.get(lang, "")
     sample = eng.generate([prompt], SamplingParams(max_new_tokens=96, temperature=0.7, top_k=40, seed=0))[0]
-    print(f"\n{scored_checkpoint(ev['step'], result['step'], evals)}:\nvalidation loss {ev['val_loss']:.3f} "
-          f"(perplexity {ev['perplexity']:.1f}), {ev['bits_per_byte']:.3f} bits per byte")
+    if ev.get("eval_split") == "train":
+        print(f"\nthe checkpoint at step {ev['step']}; there is no validation split, so this scores the training "
+              f"split, which the model has seen (a corpus of more files gives one):\ntraining-split loss "
+              f"{ev['val_loss']:.3f} (perplexity {ev['perplexity']:.1f}), {ev['bits_per_byte']:.3f} bits per byte")
+    else:
+        print(f"\n{scored_checkpoint(ev['step'], result['step'], evals)}:\nvalidation loss {ev['val_loss']:.3f} "
+              f"(perplexity {ev['perplexity']:.1f}), {ev['bits_per_byte']:.3f} bits per byte")
     sv = ev["syntax_valid_rate"]
     sv_text = "n/a (no function in the validation files to prompt with)" if sv is None else share(
         round(sv * ev["syntax_samples"]), ev["syntax_samples"])

@@ -113,3 +113,27 @@ def test_file_vanishing_mid_run_is_counted(code_corpus, tmp_path):
         next(it)
         sorted(root.glob("*.go"))[-1].unlink()
         list(it)
+
+
+def test_sized_validation_split_takes_enough_whole_files_and_not_most_of_the_code():
+    """The quickstart's split for a small corpus: several files and ~20k tokens where there are many, the
+    least share where the corpus is large, and never most of the code because one large file ranks early."""
+    import random
+
+    from codeforge.corpus import VAL_CAP_SHARE, sized_val_fraction, split_of
+    rng = random.Random(0)
+    small = [(rng.randbytes(32), 2000) for _ in range(50)]
+    f = sized_val_fraction(small, 0.02)
+    val = [n for d, n in small if split_of(d, f) == "val"]
+    assert len(val) >= 3 and sum(val) >= 0.1 * 50 * 2000 * 0.99 and f > 0.02
+    big = [(rng.randbytes(32), 20_000) for _ in range(2000)]
+    assert sized_val_fraction(big, 0.02) == 0.02
+    over = 0
+    for t in range(100):
+        rng = random.Random(t)
+        docs = [(rng.randbytes(32), 3000) for _ in range(30)] + [(rng.randbytes(32), 300_000)]
+        f = sized_val_fraction(docs, 0.02)
+        share = sum(n for d, n in docs if split_of(d, f) == "val") / sum(n for _, n in docs)
+        # past the cap only when the least share itself holds the large file (as plain prepare would)
+        over += share > VAL_CAP_SHARE and split_of(docs[-1][0], 0.02) != "val"
+    assert over == 0

@@ -221,6 +221,9 @@ def test_a_small_repository_gets_an_honest_split_that_nothing_changes_under_its_
     assert "passes over the training split" in printed and "warning:" in printed and "will memorise" in printed
     assert "--max-iters" in printed.split("will memorise")[1]
     assert r["step"] == 30 and "step " in printed and "sample (step " in printed
+    # many passes: evaluated every 20 steps (every two passes, at least 20), not every 100, to catch the best
+    import tomllib
+    assert tomllib.loads((out / "run" / "config.toml").read_text())["train"]["eval_every"] == 20
     # the run recorded every document it trained on
     trained = np.load(out / "run" / "trained_documents.npy")
     assert len(trained) == meta["splits"]["train"]["documents"]
@@ -231,6 +234,12 @@ def test_a_small_repository_gets_an_honest_split_that_nothing_changes_under_its_
     assert f"sample (step {r['scored_step']})" in printed and r["checkpoint"].endswith(f"{r['scored_step']:06d}")
     assert "at step 40 (the run's last" in printed or "of the run's 40" in printed
 
+    # the data a trained run used, gone: refused, not prepared again with a split the run may have trained on
+    (out / "data").rename(out / "data-aside")
+    with pytest.raises(ConfigError, match=r"the data .* trained on, is gone.*Restore it"):
+        run_quickstart(str(out), corpus=str(src))
+    assert not (out / "data").exists()
+    (out / "data-aside").rename(out / "data")
     # the README's advice for small libraries, into the same directory: refused at step 1, nothing rewritten
     before = {p.name: p.read_bytes() for p in (out / "data").iterdir() if p.is_file()}
     with pytest.raises(ConfigError) as e:
@@ -248,7 +257,8 @@ def test_a_small_repository_gets_an_honest_split_that_nothing_changes_under_its_
     assert main(["eval", "--run", str(out / "run"), "--eval-tokens", "256", "--syntax-samples", "0", "--json"]) == 0
     said = capsys.readouterr()
     rec = json.loads(said.out)
-    assert rec["val_trained_on"] > 0 and rec["val_documents"] > rec["val_trained_on"] - 1
+    val_keys = np.load(out / "data" / "val_digests.npy")
+    assert rec["val_trained_on"] == int(np.isin(val_keys, trained).sum()) > 0 and rec["val_documents"] == len(val_keys)
     assert f"{rec['val_trained_on']} of the {rec['val_documents']} documents" in said.err and "WARNING" in said.err
     # on the data it trained with, nothing to say
     assert main(["prepare", "--input", str(src), "--tokenizer", str(out / "tokenizer"), "--out", str(out / "data"),

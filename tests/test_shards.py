@@ -179,3 +179,23 @@ def test_a_small_validation_split_is_said_with_the_fix(tmp_path, tokenizer_dir):
     fraction = float(note.split("--val-fraction ")[2].split()[0])
     meta = prepare([str(src)], tokenizer_dir, tmp_path / "b", CorpusOptions(val_fraction=fraction), log=said.append)
     assert meta["splits"]["val"]["documents"] >= 3
+
+
+def test_a_run_records_what_it_trained_on_or_nothing_when_it_cannot_know(tmp_path, data_dir):
+    """RUN/trained_documents.npy: the training split's keys, with the starting run's; a starting run that
+    recorded nothing makes the record unknowable (found in review: it was this split alone, and eval then
+    said 0 of the validation files had been trained on when the base run had seen them)."""
+    from codeforge.data.shards import split_digests
+    from codeforge.data.trained import record_trained, seen_in_training, trained_documents
+    keys = split_digests(data_dir, "train")
+    assert record_trained(tmp_path / "a", data_dir) == len(keys) > 0
+    assert np.array_equal(trained_documents(tmp_path / "a"), keys)
+    assert seen_in_training(tmp_path / "a", data_dir, "val")["trained_on"] == 0
+    assert seen_in_training(tmp_path / "a", data_dir, "train")["trained_on"] == len(keys)
+    (tmp_path / "b" / "checkpoints" / "step_000001").mkdir(parents=True)
+    np.save(tmp_path / "b" / "trained_documents.npy", np.array([1, 2, 3], dtype=np.uint64))
+    n = record_trained(tmp_path / "c", data_dir, tmp_path / "b" / "checkpoints" / "step_000001")
+    assert n == len(keys) + 3  # the base run's documents too
+    (tmp_path / "old").mkdir()  # a base run from before the records: nothing known, nothing written
+    assert record_trained(tmp_path / "c", data_dir, tmp_path / "old") is None
+    assert not (tmp_path / "c" / "trained_documents.npy").exists() and trained_documents(tmp_path / "c") is None

@@ -330,6 +330,17 @@ def test_a_run_far_too_big_for_the_cpu_says_so_before_its_first_evaluation(tmp_p
         100, 100 * 4096, 2e7, torch.device("cpu"), "fp32") is None
 
 
+def test_the_matmul_measurement_leaves_the_random_stream_alone():
+    """Found in review: the estimate's matmul drew its matrices from the global generator, after a resumed
+    run had restored its random state, so dropout masks after a resume differed from a straight run's."""
+    from codeforge import device as dev
+    dev._MATMUL_RATE.clear()
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    assert dev.matmul_flops(torch.device("cpu"), "fp32", seconds=0.01) > 0
+    assert torch.equal(before, torch.get_rng_state())
+
+
 def test_progress_lines_without_a_terminal(data_dir, tmp_path, capsys):
     """Output redirected (pytest's capture is not a tty): no bar, but compact progress lines with loss,
     tokens/s and ETA, and a measured pace with the estimate for the rest of the run."""

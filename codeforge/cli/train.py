@@ -144,9 +144,15 @@ def cmd_plan(a: argparse.Namespace) -> int:
         cfg.model = replace(cfg.model, vocab_size=round_up(tok.vocab_size, 64))
     gpu = a.gpu_memory * 2**30 if a.gpu_memory else (
         torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None)
+    from ..device import cpu_native_bf16
+    from ..stages.local import resolve_auto
+    resolve_auto(cfg)  # --local-ranks 0 (the lowend-cpu profile's): the processes and batch this machine gets
     t = cfg.train
-    precision = t.precision if t.precision != "auto" else ("fp32" if t.device == "cpu" or not gpu else "bf16")
-    plan = estimate(cfg.model, t, a.world_size, precision, t.fsdp_offload)
+    on_cpu = t.device == "cpu" or not gpu
+    precision = t.precision if t.precision not in ("auto", "fastest") else (
+        ("bf16" if t.precision == "fastest" and cpu_native_bf16() else "fp32") if on_cpu else "bf16")
+    world = a.world_size if a.world_size > 1 else max(1, t.local_ranks)  # --local-ranks N: N processes here
+    plan = estimate(cfg.model, t, world, precision, t.fsdp_offload)
     print(report(plan, cfg.model, t, precision, gpu, " + ".join(a.preset)))
     return 0
 

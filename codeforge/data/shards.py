@@ -30,6 +30,7 @@ import array
 import hashlib
 import itertools
 import json
+import math
 import os
 import queue
 import shutil
@@ -211,8 +212,8 @@ def empty_validation_note(meta: dict, val_fraction: float) -> str | None:
     total, all_tokens = meta.get("documents", 0), meta.get("tokens", 0)
     if total < 2 or val_fraction <= 0 or (docs >= 3 and (tokens >= SMALL_VALIDATION_TOKENS or tokens >= 0.1 * all_tokens)):
         return None
-    share = max(3 / total, 5 * SMALL_VALIDATION_TOKENS / max(all_tokens, 1))
-    want = min(0.5, max(0.05, round(share, 2)))
+    share = max(3 / total, 5 * SMALL_VALIDATION_TOKENS / max(all_tokens, 1), 1.5 * val_fraction)  # always more
+    want = min(0.5, max(0.05, math.ceil(share * 100) / 100))
     if not docs:
         return (f"warning: the validation split is empty: {total} documents at --val-fraction {val_fraction:g} left "
                 f"none for it, so evaluation would score the training split (which flatters the model). Prepare "

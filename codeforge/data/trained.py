@@ -37,20 +37,19 @@ def trained_documents(run_dir: str | os.PathLike) -> np.ndarray | None:
 def record_trained(run_dir: str | os.PathLike, data_dir: str | os.PathLike,
                    started_from: str | os.PathLike | None = None) -> int | None:
     """Write RUN/trained_documents.npy: the training split's document keys, with those of the run
-    `started_from` names (a run directory or one of its checkpoints) when it recorded any. Returns the
-    number of documents recorded, or None when the data holds no keys (prepared before they were
-    recorded: nothing is written, and evaluation says it cannot check)."""
-    keys = split_digests(data_dir, "train")
-    if keys is None:
-        return None
-    if started_from:
-        p = Path(started_from)
-        for d in (p, p.parent.parent):  # a run directory, or RUN/checkpoints/step_N
-            before = trained_documents(d)
-            if before is not None:
-                keys = np.union1d(keys, before)
-                break
+    `started_from` names (a run directory or one of its checkpoints). Returns the number of documents
+    recorded, or None when that cannot be known (data prepared before keys were recorded, or a starting run
+    that recorded none): then nothing is written, and evaluation says it cannot check."""
     run = Path(run_dir)
+    keys = split_digests(data_dir, "train")
+    if keys is not None and started_from:
+        p = Path(started_from)
+        before = trained_documents(p.parent.parent if p.parent.name == rundir.CHECKPOINTS else p)
+        # a starting run that recorded nothing makes this run's record unknowable, not its own split alone
+        keys = None if before is None else np.union1d(keys, before)
+    if keys is None:
+        (run / rundir.TRAINED).unlink(missing_ok=True)  # no stale record from an earlier start in this directory
+        return None
     run.mkdir(parents=True, exist_ok=True)
     tmp = run / f".{rundir.TRAINED}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:

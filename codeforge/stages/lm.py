@@ -144,8 +144,8 @@ def passes_note(total: int, tokens_per_step: int, train_tokens: int, budgeted: b
     return (f"{line}\nwarning: {passes:.0f} passes over the same {train_tokens:,} tokens: the model will memorise "
             f"them (training loss falls toward 0 while validation loss rises after the first few passes; the "
             f"`best` checkpoint keeps the weights from before that). More code helps most: train on a larger corpus "
-            f"of the same language first, then on this one with --init-from (docs/pipeline.md, \"A small "
-            f"repository\"); or train less: --max-iters {fewer} is {MANY_PASSES} passes")
+            f"of the same language first, then on this one (docs/pipeline.md, \"A small repository\"); or train "
+            f"less: --max-iters {fewer} is {MANY_PASSES} passes")
 
 
 def plain_sample(model, tok, device, precision, step: int, max_new_tokens: int = 64) -> str:
