@@ -90,7 +90,7 @@ def test_freed_memory_is_reused_not_mapped_again(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     said, faults = run(FAULTS)[0].split("\n")[:2]
     assert said == "freed memory kept for reuse"
-    assert float(faults) < 1000, faults
+    assert float(faults) < 2000, faults  # 0 usually; 1,024 (one 4 MiB block) seen on some runs; ~20,000 without
     said = run(FAULTS, CODEFORGE_MALLOC="system")[0].split("\n")[0]
     assert said == "memory policy: the C library's ($CODEFORGE_MALLOC=system)"
     said = run(FAULTS, GLIBC_TUNABLES="glibc.malloc.trim_threshold=131072")[0].split("\n")[0]
