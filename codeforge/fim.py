@@ -10,7 +10,9 @@ document's `<|endoftext|>` stays in place, so the model learns to end the middle
 function of (seed, epoch, chunk id), so a resumed run sees the same permutations.
 
 Inference: `infill_ids(tok, prefix, suffix)` is the PSM prompt; the model writes the middle and ends it with
-`<|endoftext|>`. Raw prompts holding the FIM tokens (what editor plugins send) work as well.
+`<|endoftext|>`. Raw prompts holding the FIM tokens (what editor plugins send) work as well. An editor's other
+files go before it as `repo_infill_ids` lays them out: the repo-level prompt llama.cpp's server builds, with
+`<|repo_name|>` and `<|file_sep|>` (tokenizers made before those two existed have reserved tokens there).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 import numpy as np
 
 FIM_PREFIX, FIM_MIDDLE, FIM_SUFFIX = "<fim_prefix>", "<fim_middle>", "<fim_suffix>"
+FIM_REPO, FIM_FILE_SEP = "<|repo_name|>", "<|file_sep|>"
+SNIPPET_SEPARATOR = "\n\n--- snippet ---\n\n"  # llama.cpp's chunk separator for a vocabulary without a file separator
 
 
 def fim_ids(special_ids: dict[str, int]) -> tuple[int, int, int]:
@@ -28,6 +32,50 @@ def infill_ids(tok, prefix: str, suffix: str) -> list[int]:
     """The PSM prompt for filling the middle between `prefix` and `suffix`."""
     pre, mid, suf = fim_ids(tok.special_ids)
     return [pre] + tok.encode(prefix) + [suf] + tok.encode(suffix) + [mid]
+
+
+def repo_infill_ids(tok, prefix: str, suffix: str, extra=(), prompt: str = "", **budget) -> list[int]:
+    """repo_infill's prompt alone."""
+    return repo_infill(tok, prefix, suffix, extra, prompt, **budget)[0]
+
+
+def repo_infill(tok, prefix: str, suffix: str, extra: list[tuple[str | None, str]] = (), prompt: str = "", *,
+                n_ctx: int, n_batch: int, n_predict: int, project: str = "myproject",
+                filename: str = "filename") -> tuple[list[int], bool]:
+    """The repo-level FIM prompt llama.cpp's `llama-server /infill` builds (tools/server: format_prompt_infill;
+    Qwen2.5-Coder's report, arXiv 2409.12186), token for token given the same n_ctx, n_batch and n_predict:
+
+        <|repo_name|>project\\n <|file_sep|>name\\n text ... <|file_sep|>filename\\n
+        <fim_prefix> prefix prompt <fim_suffix> suffix <fim_middle>
+
+    Each piece is tokenized on its own. At most 3/4 of n_batch of the prefix (its end), n_batch/4 - 2 - len(prompt)
+    of the suffix (its start), and n_ctx - n_batch - 2 n_predict of the extra context (its end) are kept. Without
+    <|repo_name|>/<|file_sep|> in the vocabulary (a tokenizer from before they were added) the chunks are
+    joined with llama.cpp's snippet separator and no names. extra: (file name or None for "tmp", text).
+    Returns (prompt ids, whether anything was cut)."""
+    sp = tok.special_ids
+    rep, sep = sp.get(FIM_REPO), sp.get(FIM_FILE_SEP)
+    pre_t, suf_t, prompt_t = tok.encode(prefix), tok.encode(suffix), tok.encode(prompt)
+    extra_t: list[int] = []
+    if rep is not None:
+        extra_t += [rep] + tok.encode(project + "\n")
+    for name, text in extra:
+        if sep is not None:
+            extra_t += [sep] + tok.encode((name if name is not None else "tmp") + "\n")
+        else:
+            extra_t += tok.encode(SNIPPET_SEPARATOR)
+        extra_t += tok.encode(text)
+    if sep is not None:
+        extra_t += [sep] + tok.encode(filename + "\n")
+    n_pre = min(len(pre_t), 3 * (n_batch // 4))
+    n_suf = min(len(suf_t), max(0, n_batch // 4 - (2 + len(prompt_t))))
+    n_extra = min(max(0, n_ctx - n_batch - 2 * n_predict), len(extra_t))
+    cut = n_pre < len(pre_t) or n_suf < len(suf_t) or (bool(extra) and n_extra < len(extra_t))
+    pre_t = pre_t[len(pre_t) - n_pre:]
+    suf_t = suf_t[:n_suf]
+    head = extra_t[len(extra_t) - n_extra:] if n_extra else []
+    ids = head + [sp[FIM_PREFIX]] + pre_t + prompt_t + [sp[FIM_SUFFIX]] + suf_t + [sp[FIM_MIDDLE]]
+    return ids, cut
 
 
 def infill_text(prefix: str, suffix: str) -> str:

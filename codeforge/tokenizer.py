@@ -57,7 +57,9 @@ SPECIAL_TOKENS = [
     "<|im_start|>", "<|im_end|>",  # ChatML, seed 004
     "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",  # seed 003 stage 3
     "<fim_prefix>", "<fim_middle>", "<fim_suffix>",  # fill-in-the-middle
-] + [f"<|reserved_{i}|>" for i in range(8)]
+] + [f"<|reserved_{i}|>" for i in range(6)] + [
+    "<|repo_name|>", "<|file_sep|>",  # repo-level FIM (llama.cpp's fim_rep / fim_sep; once reserved_6 and _7)
+]
 
 CODE_SPLIT_PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}_]?[\p{L}_][\p{L}\p{N}_]*|\p{N}{1,3}"""

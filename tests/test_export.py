@@ -764,3 +764,114 @@ def test_terminal_escapes_in_a_run_name_are_neither_written_nor_printed(tmp_path
         assert "\x1b" not in text and "\x07" not in text and "\u202e" not in text, repr(text)
     assert fields["general.name"] == "m\\x1b]0;pwned\\x07\\x1b[2Jodel\\u202e"
     assert run_name(str(run)) == fields["general.name"]
+
+
+GO_RENDER = r'''package main
+
+import (
+	"encoding/json"
+	"os"
+	"strings"
+	"text/template"
+)
+
+// The fields of Ollama's template data that a Modelfile TEMPLATE reads.
+type Message struct {
+	Role    string
+	Content string
+}
+type Data struct {
+	Prompt   string
+	Suffix   string
+	Messages []Message
+}
+
+func main() {
+	raw, _ := os.ReadFile(os.Args[1])
+	s := string(raw)
+	i := strings.Index(s, "TEMPLATE \"\"\"") + len("TEMPLATE \"\"\"")
+	j := strings.Index(s[i:], "\"\"\"")
+	t := template.Must(template.New("modelfile").Parse(s[i : i+j]))
+	var cases []Data
+	in, _ := os.ReadFile(os.Args[2])
+	if err := json.Unmarshal(in, &cases); err != nil {
+		panic(err)
+	}
+	var out []string
+	for _, c := range cases {
+		var b strings.Builder
+		if err := t.Execute(&b, c); err != nil {
+			panic(err)
+		}
+		out = append(out, b.String())
+	}
+	enc, _ := json.Marshal(out)
+	os.Stdout.Write(enc)
+}
+'''
+
+
+def go_render(modelfile: Path, cases: list[dict], tmp: Path) -> list[str]:
+    """Each case rendered by Go's text/template (the engine Ollama renders a Modelfile TEMPLATE with)."""
+    import os
+    import shutil
+    import subprocess
+    go = shutil.which("go")
+    if go is None:
+        pytest.skip("Go is not installed (apt-get install golang-go)")
+    (tmp / "render.go").write_text(GO_RENDER)
+    (tmp / "cases.json").write_text(json.dumps(cases))
+    env = {**os.environ, "GOCACHE": str(tmp / "gocache"), "GOPATH": str(tmp / "gopath"), "GO111MODULE": "off",
+           "GOFLAGS": "", "CGO_ENABLED": "0"}
+    r = subprocess.run([go, "run", str(tmp / "render.go"), str(modelfile), str(tmp / "cases.json")],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_the_ollama_modelfile_renders_codeforges_prompts_in_go(tmp_path, tokenizer_dir, chat):
+    """`export --format gguf` writes NAME.Modelfile beside NAME.gguf; its TEMPLATE, rendered by Go's
+    text/template as Ollama does, gives fim.infill_text's PSM prompt for an editor's prefix and suffix (token
+    for token the prompt codeforge infills with), the prompt itself for plain completion, and for a chat run
+    chat.py's ChatML with the generation prompt."""
+    from codeforge.chat import render_text
+    from codeforge.fim import infill_ids, infill_text
+    run = make_run(tmp_path / "run", tokenizer_dir)
+    if chat:  # a run a chat stage trained
+        cfg_path = next((run / "checkpoints").glob("step_*")) / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg["train"]["stage"] = "sft"
+        cfg_path.write_text(json.dumps(cfg))
+        man = next((run / "checkpoints").glob("step_*")) / "manifest.json"
+        if man.exists():  # the manifest records the config's sha256: record the edited one
+            import hashlib
+            m = json.loads(man.read_text())
+            for k, v in m.get("files", {}).items():
+                if k == "config.json":
+                    v["sha256"] = hashlib.sha256(cfg_path.read_bytes()).hexdigest()
+                    v["bytes"] = cfg_path.stat().st_size
+            man.write_text(json.dumps(m))
+    out = tmp_path / "m.q8_0.gguf"
+    assert main(["export", "--run", str(run), "--format", "gguf", "--out", str(out), "--dtype", "q8_0"]) == 0
+    fields, _ = read_gguf(out)  # the ids llama-server's /infill builds its repo-level prompt with
+    sp = CodeTokenizer.load(tokenizer_dir).special_ids
+    assert fields["tokenizer.ggml.fim_rep_token_id"] == sp["<|repo_name|>"]
+    assert fields["tokenizer.ggml.fim_sep_token_id"] == sp["<|file_sep|>"]
+    assert fields["tokenizer.ggml.fim_pre_token_id"] == sp["<fim_prefix>"]
+    modelfile = tmp_path / "m.q8_0.Modelfile"
+    text = modelfile.read_text()
+    assert "FROM ./m.q8_0.gguf" in text and 'PARAMETER stop "<|endoftext|>"' in text and "num_ctx 192" in text
+    assert ('PARAMETER stop "<|im_end|>"' in text) == chat
+    prefix, suffix = "def add(a, b):\n    return ", "\n\nprint(add(1, 2))\n"
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Reverse a string."}]
+    cases = [{"Prompt": prefix, "Suffix": suffix}, {"Prompt": "def f(x):"}]
+    if chat:
+        cases.append({"Messages": [{"Role": m["role"], "Content": m["content"]} for m in msgs]})
+    got = go_render(modelfile, cases, tmp_path)
+    tok = CodeTokenizer.load(tokenizer_dir)
+    assert got[0] == infill_text(prefix, suffix)
+    assert tok.encode(got[0], allow_special=True) == infill_ids(tok, prefix, suffix)
+    assert got[1] == "def f(x):"
+    if chat:
+        assert got[2] == render_text(msgs, add_generation_prompt=True)

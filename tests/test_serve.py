@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from codeforge.chat import CALL_OPEN, encode_conversation
 from codeforge.cli import main
 from codeforge.engine import Engine, SamplingParams
-from codeforge.fim import infill_text
+from codeforge.fim import infill_text, repo_infill_ids
 from codeforge.serve import ServeOptions, create_app
 from codeforge.serve.app import PLAYGROUND, stream_chat
 from codeforge.serve.batcher import Event, Row, RowParams, Scheduler
@@ -287,7 +287,15 @@ def test_infill_llamacpp_shape(base):
                                 "temperature": 0})
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body["content"] == eng.infill(["def f(x):\n    return "], ["\n"], greedy(6))[0] and body["stop"] is True
+    # the prompt is llama-server's repo-level one (fim.repo_infill_ids; -c 64 -b 32 for this 64-token model)
+    ids = repo_infill_ids(eng.tok, "def f(x):\n    return ", "\n", n_ctx=64, n_batch=32, n_predict=6)
+    assert body["tokens_evaluated"] == len(ids) and ids[0] == eng.tok.special_ids["<|repo_name|>"]
+    out = []
+    for step in eng.generate_ids([ids], greedy(6)):
+        if step[0] is None or step[0] == eng.tok.eot_id:
+            break
+        out.append(step[0])
+    assert body["content"] == eng.tok.decode(out, skip_special=True) and body["stop"] is True
     extra = h.post("/infill", json={"input_prefix": "x", "input_extra": [{"filename": "a.py", "text": "y = 2"}],
                                     "n_predict": 2}).json()
     assert extra["tokens_evaluated"] > body["tokens_evaluated"] - 8 and not extra["truncated"]

@@ -453,7 +453,7 @@ def cmd_export(a: argparse.Namespace) -> int:
                         allow_tokenizer_mismatch=a.allow_tokenizer_mismatch,
                         verbose=(lambda m: print(m, file=sys.stderr)) if a.verbose else (lambda m: None))
         print(printable(f"exported {r['checkpoint']} as GGUF ({r['arch']}, {a.dtype}, pre-tokenizer {r['pre']}, "
-                        f"{r['bytes'] / 2**20:,.1f} MiB) -> {r['out']}"))
+                        f"{r['bytes'] / 2**20:,.1f} MiB) -> {r['out']}; for Ollama: {r['modelfile']}"))
     if r.get("max_abs_diff") is not None:
         print(f"parity: transformers' logits equal codeforge's to {r['max_abs_diff']:.2e} (max abs) on a code sample")
     return 0
@@ -504,6 +504,10 @@ def add_serve_parser(sub) -> None:
                    help="longest prompt accepted (default 0: the model's context minus one)")
     s.add_argument("--max-tokens-cap", type=int, default=0, metavar="N",
                    help="largest max_tokens accepted (default 0: the model's context)")
+    s.add_argument("--infill-batch", type=int, default=0, metavar="N",
+                   help="/infill keeps what llama-server keeps with -b N (3/4 of N prefix tokens, N/4 suffix, the "
+                        "context less N less twice n_predict of other files), so the two build the same prompt "
+                        "(default 0: half the context; run llama-server with -c CONTEXT -b N -ub N to match)")
     s.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
                    help="seconds from arrival to the last token before a request is stopped with 504 (default 600; "
                         "0: none)")

@@ -42,10 +42,11 @@ import torch
 
 from . import ExportError, check_out
 from ..chat import CHAT_TEMPLATE
+from ..config import speaks_chat
 from .. import printable, rundir
 from ..checkpoint import load_model
 from ..models.gpt import GPTConfig
-from ..tokenizer import LLAMA3_SPLIT_PATTERN, META_FILE
+from ..tokenizer import EOT, LLAMA3_SPLIT_PATTERN, META_FILE
 from .families import expand, splits
 from .hf import SAMPLE, choose_family
 
@@ -232,7 +233,8 @@ def write_tokenizer(w, tok, vocab_size: int, pre: str) -> None:
 
     for key, name in ((gguf.Keys.Tokenizer.EOT_ID, "<|im_end|>"), (gguf.Keys.Tokenizer.PAD_ID, "<pad>"),
                       (gguf.Keys.Tokenizer.UNK_ID, "<unk>"), (gguf.Keys.Tokenizer.FIM_PRE_ID, "<fim_prefix>"),
-                      (gguf.Keys.Tokenizer.FIM_SUF_ID, "<fim_suffix>"), (gguf.Keys.Tokenizer.FIM_MID_ID, "<fim_middle>")):
+                      (gguf.Keys.Tokenizer.FIM_SUF_ID, "<fim_suffix>"), (gguf.Keys.Tokenizer.FIM_MID_ID, "<fim_middle>"),
+                      (gguf.Keys.Tokenizer.FIM_REP_ID, "<|repo_name|>"), (gguf.Keys.Tokenizer.FIM_SEP_ID, "<|file_sep|>")):
         if sid.get(name) is not None:
             w.add_uint32(key, sid[name])
     tc = tok.path / "tokenizer_config.json" if tok.path is not None else None
@@ -353,5 +355,35 @@ def export_gguf(run: str | Path, out: str | Path, which: str = "auto", dtype: st
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    modelfile = write_modelfile(out, tok, cfg, m.block_size)
     return {"arch": arch, "pre": pre, "checkpoint": str(ck), "out": str(out), "bytes": out.stat().st_size,
-            "tokenizer_mismatch": mismatch}
+            "tokenizer_mismatch": mismatch, "modelfile": str(modelfile)}
+
+
+# Ollama's TEMPLATE (Go's text/template): .Suffix set (an editor's fill-in-the-middle request, `ollama`'s
+# /api/generate with "suffix") gives the PSM prompt fim.infill_text writes; .Messages (chat) the ChatML turns
+# chat.py renders; else the prompt as it is. Ollama offers "insert" only for a template that mentions .Suffix.
+FIM_TEMPLATE = ("{{- if .Suffix }}<fim_prefix>{{ .Prompt }}<fim_suffix>{{ .Suffix }}<fim_middle>")
+CHAT_TEMPLATE_GO = ("{{- else if .Messages }}{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n"
+                    "{{ end }}<|im_start|>assistant\n")
+MODELFILE_SAMPLING = {"temperature": 0.2, "top_k": 20}  # what `codeforge eval` samples completions with
+
+
+def modelfile_text(gguf_name: str, tok, chat: bool, context: int) -> str:
+    """An Ollama Modelfile for the GGUF file `gguf_name` beside it: FROM, a TEMPLATE that fills the middle
+    for editors (and speaks ChatML for a chat run), the stop tokens, the context and sampling."""
+    # "{{ else }}" after the chat branch: a dash would trim the newline that ends its generation prompt
+    template = FIM_TEMPLATE + (CHAT_TEMPLATE_GO + "{{ else }}" if chat else "{{- else }}") + "{{ .Prompt }}{{ end }}"
+    stops = [EOT] + (["<|im_end|>"] if chat and tok.special_ids.get("<|im_end|>") is not None else [])
+    lines = [f"# Ollama: ollama create NAME -f {gguf_name.removesuffix('.gguf')}.Modelfile (codeforge export)",
+             f"FROM ./{gguf_name}", f'TEMPLATE """{template}"""']
+    lines += [f'PARAMETER stop "{s}"' for s in stops]
+    lines += [f"PARAMETER num_ctx {context}"] + [f"PARAMETER {k} {v}" for k, v in MODELFILE_SAMPLING.items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_modelfile(out: Path, tok, cfg: dict, context: int) -> Path:
+    """OUT's Ollama Modelfile, beside it as NAME.Modelfile (NAME: the file's name without .gguf)."""
+    path = out.with_name(out.name.removesuffix(".gguf") + ".Modelfile")
+    path.write_text(modelfile_text(out.name, tok, speaks_chat(cfg), context))
+    return path

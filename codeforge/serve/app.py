@@ -43,7 +43,7 @@ from starlette.responses import StreamingResponse
 from ..chat import CHAT_TEMPLATE, IM_END, encode_conversation
 from ..constrain import ConstraintError, ToolGrammar, calls_kept_out
 from ..tokenizer import EOT, TokenizerError
-from ..fim import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, infill_ids
+from ..fim import FIM_PREFIX, infill_ids, repo_infill
 from .batcher import Event, QueueFull, Row, RowParams, Scheduler
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
 from .protocol import (ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, InfillRequest, NamedToolChoice,
@@ -74,6 +74,7 @@ class ServeOptions:
     checkpoint: str = ""  # the checkpoint's name (step_000100), never its path: /v1/models shows it
     chat_note: str | None = None  # a run no chat stage trained: said at start and on every chat answer
     language: str | None = None  # the language the run was trained on (the playground's examples follow it)
+    infill_batch: int = 0  # /infill's budget rule as llama-server's -b (0: half the context; fim.repo_infill)
     host: str = ""  # the --host the server is bound to: a name in the Host header it answers to
     allowed_hosts: tuple[str, ...] = ()  # more Host names (NAME or NAME:PORT) to answer to; "*": any
     allowed_origins: tuple[str, ...] = ()  # web pages (scheme://host[:port]) allowed besides its own; "*": any
@@ -95,6 +96,7 @@ class ServerState:
                                on_first_token=self.metrics.observe_ttft)
         self.metrics.attach(self.sched)
         self.max_prompt = min(opts.max_prompt_tokens or self.block_size - 1, self.block_size - 1)
+        self.infill_batch = opts.infill_batch or self.block_size // 2
         self.max_tokens_cap = opts.max_tokens_cap or self.block_size
         self.created = int(time.time())
         self.max_token_chars = max(len(self.tok.decode([i])) for i in range(self.tok.vocab_size))
@@ -613,47 +615,51 @@ def tokenizer_info(srv: ServerState) -> dict:
             "special_tokens": {t: i for t, i in sp.items() if i is not None}}
 
 
-def _extra_context(chunks) -> str:
-    """input_extra as text before the prefix: each file under a comment line naming it."""
-    out = []
-    for c in chunks:
-        mark = "#" if c.filename.endswith((".py", ".sh", ".rb", ".toml", ".yaml", ".yml", ".r")) else "//"
-        out.append((f"{mark} {c.filename}\n" if c.filename else "") + c.text.rstrip("\n") + "\n\n")
-    return "".join(out)
+def _clip_extra(chunks, chars: int) -> list[tuple[str | None, str]]:
+    """input_extra as (filename, text), the last `chars` characters of it in all (the prompt keeps the end of
+    the extra context, so what is clipped here is never what llama.cpp's rule would keep)."""
+    out: list[tuple[str | None, str]] = []
+    for c in reversed(chunks):
+        if chars <= 0:
+            break
+        out.append((c.filename, c.text[-chars:]))
+        chars -= len(c.text) + len(c.filename or "") + 1
+    return out[::-1]
 
 
 async def infill(srv: ServerState, request: Request):
-    """llama.cpp's /infill: the middle between input_prefix (+ prompt) and input_suffix, files of
-    input_extra as context before the prefix. Too long a prompt is cut (extra context first, then the start
-    of the prefix and the end of the suffix), as an editor plugin expects, and "truncated" says so."""
+    """llama.cpp's /infill: the middle between input_prefix (+ prompt) and input_suffix, with the files of
+    input_extra before it in the repo-level layout llama-server builds (fim.repo_infill_ids: the same tokens for
+    the same request, given --infill-batch as llama-server's -b and the model's context as its -c). A prompt
+    still too long for the context loses extra context first, then the start of the prefix; "truncated" says
+    when anything was cut. Special tokens are never part of the text returned (as in llama-server)."""
     b = parse_body(InfillRequest, await request.body())
     srv.check_model(b.model)
     max_new = srv.max_tokens_cap if b.n_predict < 0 else min(b.n_predict, srv.max_tokens_cap)
-    # keep room for the reply (n_predict, or a quarter of the context when unbounded), as llama.cpp does
+    # keep room for the reply (n_predict, or a quarter of the context when unbounded)
     want = max_new if b.n_predict >= 0 else srv.block_size // 4
-    room = max(8, min(srv.max_prompt, srv.block_size - want)) - 3  # the three FIM tokens
-    chars = (room + 1) * srv.max_token_chars  # more characters than `room` tokens can hold: never encoded
-    prefix_text = (b.input_prefix + b.prompt)[-chars:]
+    room = max(8, min(srv.max_prompt, srv.block_size - want))
+    chars = (srv.block_size + 1) * srv.max_token_chars  # more characters than the context holds: never encoded
+    prefix_text = b.input_prefix[-chars:]
     suffix_text = b.input_suffix[:chars]
-    clipped = len(prefix_text) < len(b.input_prefix + b.prompt) or len(suffix_text) < len(b.input_suffix)
+    prompt_text = b.prompt[-chars:]
+    clipped = (len(prefix_text), len(suffix_text), len(prompt_text)) != (len(b.input_prefix), len(b.input_suffix),
+                                                                         len(b.prompt))
 
     def encode():
-        tok = srv.tok
-        pre, suf = tok.encode(prefix_text), tok.encode(suffix_text)
-        extra = _extra_context(b.input_extra)[-chars:]
-        cut = False
-        if extra:
-            with_extra = tok.encode(extra + prefix_text)
-            if len(with_extra) + len(suf) <= room:
-                pre = with_extra
-            else:
-                cut = True
-        if len(pre) + len(suf) > room:
+        extra = _clip_extra(b.input_extra, chars)
+        ids, cut = repo_infill(srv.tok, prefix_text, suffix_text, extra, prompt_text, n_ctx=srv.block_size,
+                               n_batch=srv.infill_batch, n_predict=b.n_predict)
+        if len(ids) > room:  # past the context: extra context first (it comes first), then the prefix's start
             cut = True
-            suf = suf[:max(room // 4, room - len(pre))]
-            pre = pre[len(pre) - (room - len(suf)):]
-        sp = tok.special_ids
-        return [sp[FIM_PREFIX]] + pre + [sp[FIM_SUFFIX]] + suf + [sp[FIM_MIDDLE]], cut or clipped
+            sp = srv.tok.special_ids
+            start = ids.index(sp[FIM_PREFIX])
+            drop = min(start, len(ids) - room)
+            ids = ids[drop:]
+            if len(ids) > room:
+                at = ids.index(sp[FIM_PREFIX]) + 1
+                ids = ids[:at] + ids[at + len(ids) - room:]
+        return ids, cut or clipped
 
     ids, truncated = await srv.encode(encode)
     ids = srv.check_prompt(ids)
@@ -663,7 +669,7 @@ async def infill(srv: ServerState, request: Request):
         return {"content": "", **final, "tokens_predicted": 0, "stop_type": "limit"}
     p = RowParams(max_new_tokens=max_new, temperature=b.temperature, top_p=b.top_p, top_k=max(0, b.top_k),
                   seed=None if b.seed == -1 else b.seed % 2**63, stop=[s for s in b.stop if s],
-                  stop_ids=frozenset({srv.tok.eot_id}))
+                  stop_ids=frozenset({srv.tok.eot_id}), hide_special=True)
     gen = Generation(srv, [(0, ids, p)])
     if b.stream:
         async def events() -> AsyncIterator[bytes]:

@@ -65,6 +65,7 @@ class RowParams:
     stop_ids: frozenset[int] = frozenset()  # tokens that end the row (end of text, <|im_end|>), not in the text
     logprobs: int | None = None  # report each generated token's log-prob and the top N alternatives (0: none)
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo), from the prefill's logits
+    hide_special: bool = False  # special tokens written but not shown in the text (llama-server's /infill)
     constraint: object | None = None  # constrain.Constraint: the tokens this row may sample, step by step;
     # given max_new_tokens (as the context cuts it) as its budget when the row is admitted, so that a tool call
     # or JSON reply always ends within it
@@ -473,8 +474,8 @@ class Scheduler:
         if r.seen is not None:
             r.seen[t] = True
         with self.tok_lock:
-            prev = self.tok.decode(r.out[r._prefix_off:r._read_off])
-            new = self.tok.decode(r.out[r._prefix_off:])
+            prev = self.tok.decode(r.out[r._prefix_off:r._read_off], skip_special=r.p.hide_special)
+            new = self.tok.decode(r.out[r._prefix_off:], skip_special=r.p.hide_special)
         if len(new) > len(prev) and not new.endswith("\ufffd"):
             before = len(r.text)
             r.text += new[len(prev):]
@@ -504,7 +505,7 @@ class Scheduler:
             return
         if not decoded:
             with self.tok_lock:
-                text = self.tok.decode(r.out[:-1] if drop_last else r.out)
+                text = self.tok.decode(r.out[:-1] if drop_last else r.out, skip_special=r.p.hide_special)
             stops, calls = _stops_of(r.p)
             cut = _first_stop(text, stops, 0, calls) if stops else None
             if cut is not None:
