@@ -299,6 +299,9 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
           "to N)" if kept else "") + f" -> {run_dir}" if not cfg.train.time_budget else
           f"[4/{n}] train: as many of {cfg.train.max_iters} steps as fit in {cfg.train.time_budget / 60:g} minutes "
           f"on this CPU (--max-iters N pins the count) -> {run_dir}")
+    if cfg.train.fim_rate and not chat:
+        print(f"      fill-in-the-middle, as editors ask for completions: {cfg.train.fim_rate:.0%} of the documents are "
+              f"cut in three and trained middle-last ({cfg.train.fim_spm_rate:.0%} of those suffix first)")
     result = run_stage(cfg, resume=resume)
     if result["interrupted"]:
         print("interrupted; run the quickstart again to resume")

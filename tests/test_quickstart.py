@@ -21,6 +21,7 @@ def test_quickstart_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
     assert 0 <= r["syntax_valid_rate"] <= 1 and r["pass_at_1"] == 0.0
     printed = capsys.readouterr().out
     assert "[5/5]" in printed and "bits per byte" in printed and "sample (step 12):" in printed
+    assert "fill-in-the-middle, as editors ask for completions: 50% of the documents" in printed
     # pretraining ran as 2 processes of half the batch each (stages/local.py)
     assert "each of 2 local processes" in printed and "batch 8 x accumulation 1 x 2 rank(s)" in printed
     conf = (out / "run" / "config.toml").read_text()

@@ -288,7 +288,7 @@ def test_infill_llamacpp_shape(base):
     assert r.status_code == 200, r.text
     body = r.json()
     # the prompt is llama-server's repo-level one (fim.repo_infill_ids; -c 64 -b 32 for this 64-token model)
-    ids = repo_infill_ids(eng.tok, "def f(x):\n    return ", "\n", n_ctx=64, n_batch=32, n_predict=6)
+    ids = repo_infill_ids(eng.tok, "def f(x):\n    return ", "\n", n_ctx=64, n_batch=32, n_predict=-1)
     assert body["tokens_evaluated"] == len(ids) and ids[0] == eng.tok.special_ids["<|repo_name|>"]
     out = []
     for step in eng.generate_ids([ids], greedy(6)):
@@ -301,7 +301,7 @@ def test_infill_llamacpp_shape(base):
     assert extra["tokens_evaluated"] > body["tokens_evaluated"] - 8 and not extra["truncated"]
     big = h.post("/infill", json={"input_prefix": "a = 1\n" * 100, "input_suffix": "b\n" * 100, "n_predict": 2})
     assert big.status_code == 200 and big.json()["truncated"] is True  # cut to fit, as editors expect
-    # the cut leaves room for the reply: n_predict tokens come back (unless the model ends the text first)
+    # llama-server's budget leaves room for the reply here: n_predict tokens come back (unless the model ends first)
     big = h.post("/infill", json={"input_prefix": "a = 1\n" * 100, "input_suffix": "b\n" * 100, "n_predict": 8,
                                   "temperature": 0}).json()
     assert big["tokens_evaluated"] + 8 <= 64 and (big["tokens_predicted"] == 8 or big["stop_type"] == "eos")

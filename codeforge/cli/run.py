@@ -508,6 +508,10 @@ def add_serve_parser(sub) -> None:
                    help="/infill keeps what llama-server keeps with -b N (3/4 of N prefix tokens, N/4 suffix, the "
                         "context less N less twice n_predict of other files), so the two build the same prompt "
                         "(default 0: half the context; run llama-server with -c CONTEXT -b N -ub N to match)")
+    s.add_argument("--infill-predict", type=int, default=-1, metavar="N",
+                   help="/infill leaves other files the context less --infill-batch less 2 x N tokens, as llama-server "
+                        "does with -n N (default -1, llama-server's default; give both the same N, e.g. 16, so a "
+                        "request with long other files still fits the context)")
     s.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
                    help="seconds from arrival to the last token before a request is stopped with 504 (default 600; "
                         "0: none)")

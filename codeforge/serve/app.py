@@ -75,6 +75,7 @@ class ServeOptions:
     chat_note: str | None = None  # a run no chat stage trained: said at start and on every chat answer
     language: str | None = None  # the language the run was trained on (the playground's examples follow it)
     infill_batch: int = 0  # /infill's budget rule as llama-server's -b (0: half the context; fim.repo_infill)
+    infill_predict: int = -1  # ... and as its -n (default -1): other files get context - batch - 2 x this
     host: str = ""  # the --host the server is bound to: a name in the Host header it answers to
     allowed_hosts: tuple[str, ...] = ()  # more Host names (NAME or NAME:PORT) to answer to; "*": any
     allowed_origins: tuple[str, ...] = ()  # web pages (scheme://host[:port]) allowed besides its own; "*": any
@@ -630,15 +631,13 @@ def _clip_extra(chunks, chars: int) -> list[tuple[str | None, str]]:
 async def infill(srv: ServerState, request: Request):
     """llama.cpp's /infill: the middle between input_prefix (+ prompt) and input_suffix, with the files of
     input_extra before it in the repo-level layout llama-server builds (fim.repo_infill_ids: the same tokens for
-    the same request, given --infill-batch as llama-server's -b and the model's context as its -c). A prompt
-    still too long for the context loses extra context first, then the start of the prefix; "truncated" says
-    when anything was cut. Special tokens are never part of the text returned (as in llama-server)."""
+    the same request, given --infill-batch and --infill-predict as llama-server's -b and -n, and the model's
+    context as its -c). A prompt still too long for the context (llama-server refuses it) loses extra context first, then the
+    start of the prefix; "truncated" says when anything was cut. Special tokens are never part of the text returned (as in llama-server)."""
     b = parse_body(InfillRequest, await request.body())
     srv.check_model(b.model)
     max_new = srv.max_tokens_cap if b.n_predict < 0 else min(b.n_predict, srv.max_tokens_cap)
-    # keep room for the reply (n_predict, or a quarter of the context when unbounded)
-    want = max_new if b.n_predict >= 0 else srv.block_size // 4
-    room = max(8, min(srv.max_prompt, srv.block_size - want))
+    room = srv.max_prompt  # as llama-server: the reply gets what the prompt leaves of the context
     chars = (srv.block_size + 1) * srv.max_token_chars  # more characters than the context holds: never encoded
     prefix_text = b.input_prefix[-chars:]
     suffix_text = b.input_suffix[:chars]
@@ -648,8 +647,9 @@ async def infill(srv: ServerState, request: Request):
 
     def encode():
         extra = _clip_extra(b.input_extra, chars)
+        # n_predict: the server's --infill-predict, as llama-server's rule reads its own -n, not the request's
         ids, cut = repo_infill(srv.tok, prefix_text, suffix_text, extra, prompt_text, n_ctx=srv.block_size,
-                               n_batch=srv.infill_batch, n_predict=b.n_predict)
+                               n_batch=srv.infill_batch, n_predict=srv.opts.infill_predict)
         if len(ids) > room:  # past the context: extra context first (it comes first), then the prefix's start
             cut = True
             sp = srv.tok.special_ids

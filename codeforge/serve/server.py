@@ -34,7 +34,8 @@ class ServeError(CodeforgeError):
 def check_options(a) -> None:
     for flag, value, lo in (("--max-batch", a.max_batch, 1), ("--max-queue", a.max_queue, 1),
                             ("--max-prompt-tokens", a.max_prompt_tokens, 0), ("--max-tokens-cap", a.max_tokens_cap, 0),
-                            ("--max-body-bytes", a.max_body_bytes, 1024), ("--infill-batch", a.infill_batch, 0)):
+                            ("--max-body-bytes", a.max_body_bytes, 1024), ("--infill-batch", a.infill_batch, 0),
+                            ("--infill-predict", a.infill_predict, -1)):
         if value < lo:
             raise ServeError(f"{flag} {value} must be at least {lo}")
     if a.max_batch > 256:
@@ -171,6 +172,7 @@ def _serve(a) -> int:
                         max_queue=a.max_queue, max_prompt_tokens=a.max_prompt_tokens, max_tokens_cap=a.max_tokens_cap,
                         request_timeout=a.request_timeout, max_body_bytes=a.max_body_bytes, stage=stage,
                         chat_note=chat_notice(cfg), language=run_language(cfg, tok), infill_batch=a.infill_batch,
+                        infill_predict=a.infill_predict,
                         checkpoint=Path(ck).name, host=a.host, allowed_hosts=split_list(a.allowed_hosts),
                         allowed_origins=split_list(a.allowed_origins))
     sock = bind(a.host, a.port)

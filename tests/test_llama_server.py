@@ -1,0 +1,121 @@
+"""The other side of /infill: llama.cpp's own `llama-server`, built from the pinned llama-cpp-python's sources
+(benchmarks/build_llama_server.py), serves codeforge's GGUF export to an editor's /infill request with other
+files in `input_extra`; codeforge's own /infill must build the same prompt (the same number of tokens
+evaluated) and, greedy, write the same middle. Slow: it needs the built binary (skipped without it)."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from codeforge.cli import main
+from test_export import make_run
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from build_llama_server import binary_path  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def llama_server() -> str:
+    path = os.environ.get("CODEFORGE_LLAMA_SERVER") or (str(binary_path()) if binary_path().exists() else None) \
+        or shutil.which("llama-server")
+    if not path:
+        pytest.skip("llama-server is not built: python benchmarks/build_llama_server.py")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.load(r)
+    except urllib.error.HTTPError as e:
+        pytest.fail(f"{url}: HTTP {e.code}: {e.read().decode(errors='replace')[:1000]}")
+
+
+def wait_up(proc: subprocess.Popen, url: str, log: Path) -> None:
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.3)
+    pytest.fail(f"the server did not answer /health in 180 s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, tokenizer_dir):
+    """llama-server on the GGUF (f32, so greedy is not moved by quantization) and codeforge serve on the run,
+    both keeping what llama-server keeps with -c 192 -b 64 -n 16."""
+    binary = llama_server()
+    tmp = tmp_path_factory.mktemp("llama-server")
+    run = make_run(tmp / "run", tokenizer_dir, seed=3)
+    gguf = tmp / "m.gguf"
+    assert main(["export", "--run", str(run), "--format", "gguf", "--out", str(gguf)]) == 0
+    procs = []
+    urls = []
+    try:
+        for name, argv in (("llama", [binary, "-m", str(gguf), "-c", "192", "-b", "64", "-ub", "64", "-n", "16",
+                                      "-t", "2",
+                                      "--host", "127.0.0.1"]),
+                           ("codeforge", [sys.executable, "-m", "codeforge", "serve", "--run", str(run),
+                                          "--infill-batch", "64", "--infill-predict", "16", "--device", "cpu",
+                                          "--host", "127.0.0.1"])):
+            port = free_port()
+            log = tmp / f"{name}.log"
+            with open(log, "wb") as f:
+                procs.append(subprocess.Popen(argv + ["--port", str(port)], stdout=f, stderr=subprocess.STDOUT))
+            urls.append(f"http://127.0.0.1:{port}")
+            wait_up(procs[-1], urls[-1], log)
+        yield urls
+    finally:
+        for p in procs:
+            p.terminate()
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+REQUESTS = [
+    {"input_prefix": "def add(a, b):\n    ", "input_suffix": "\n\nprint(add(1, 2))\n"},
+    {"input_prefix": "import os\n\ndef main():\n    path = ", "input_suffix": "\n    return path\n",
+     "input_extra": [{"filename": "util.py", "text": "def helper(x):\n    return x * 2\n"},
+                     {"filename": "config.py", "text": "ROOT = '/srv'\nDEBUG = False\n"}]},
+    {"input_prefix": "x = 1\n" * 60, "input_suffix": "y = 2\n" * 30, "prompt": "z = ",
+     "input_extra": [{"filename": "big.py", "text": "w = 3\n" * 80}]},  # every part cut by the budget
+]
+
+
+@pytest.mark.parametrize("i", range(len(REQUESTS)))
+def test_infill_builds_llama_servers_prompt_and_writes_its_middle(servers, i):
+    llama, ours = servers
+    body = {**REQUESTS[i], "n_predict": 12, "temperature": 0, "top_k": 1, "seed": 0, "cache_prompt": False}
+    theirs, mine = post(llama + "/infill", body), post(ours + "/infill", body)
+    print(f"\nrequest {i}: llama-server {theirs['tokens_evaluated']} tokens -> {theirs['content']!r}; codeforge "
+          f"{mine['tokens_evaluated']} -> {mine['content']!r} (truncated: {mine['truncated']})")
+    assert theirs["tokens_predicted"] > 0 and mine["tokens_predicted"] == theirs["tokens_predicted"]
+    assert mine["tokens_evaluated"] == theirs["tokens_evaluated"], (theirs, mine)
+    assert mine["content"] == theirs["content"], (theirs, mine)
+    for special in ("<fim_middle>", "<fim_prefix>", "<|file_sep|>", "<|endoftext|>"):
+        assert special not in mine["content"]
