@@ -181,6 +181,21 @@ def add_eval_parser(sub) -> None:
     e.add_argument("--task-limit", type=int, default=0, metavar="N", help="only the first N tasks (0: all)")
     e.add_argument("--device", default="auto",
                    help="auto (a GPU if there is one, else the CPU), cpu, cuda, cuda:N or mps (default auto)")
+    e.add_argument("--repo", default=None, metavar="DIR",
+                   help="fill-in-the-middle on your own code as an editor asks: held-out files of DIR (any the run "
+                        "trained on are left out) give masked lines, spans and block bodies, each request with other "
+                        "files of DIR as context; exact match, edit similarity, syntax of the filled file per kind")
+    e.add_argument("--repo-cases", type=int, default=20, metavar="N", help="--repo: cases of each kind (default 20)")
+    e.add_argument("--repo-context", type=int, default=4, metavar="K",
+                   help="--repo: other files sent with each request (default 4; 0: none)")
+    e.add_argument("--repo-both", action="store_true", help="--repo: score with and without the other files")
+    e.add_argument("--repo-seed", type=int, default=0, help="--repo: which cases (default 0)")
+    e.add_argument("--endpoint", default=None, metavar="URL",
+                   help="--repo: score a server instead of a run: llama-server on a GGUF or codeforge serve "
+                        "(--endpoint-api infill, the default), or any OpenAI-compatible server that takes `suffix` "
+                        "(--endpoint-api completions); with --run too, the run's training files are left out")
+    e.add_argument("--endpoint-api", default="infill", choices=["infill", "completions"], help="--endpoint's API")
+    e.add_argument("--endpoint-model", default=None, help="--endpoint-api completions: the model name to send")
     e.add_argument("--json", action="store_true", help="print the results as one JSON object")
     e.set_defaults(func=cmd_eval)
 
@@ -188,6 +203,8 @@ def add_eval_parser(sub) -> None:
 def cmd_eval(a: argparse.Namespace) -> int:
     if a.completions or a.samples:
         return _score_files(a)
+    if a.repo:
+        return _score_repo(a)
     if not a.run:
         raise CLIError("eval needs --run RUN (or --tasks TASKS --completions FILE, or --humaneval --samples FILE "
                          "to score completions without a model)")
@@ -203,6 +220,38 @@ def cmd_eval(a: argparse.Namespace) -> int:
         print(json.dumps(r))
     else:
         print(format_report(r))
+    return 0
+
+
+def _score_repo(a: argparse.Namespace) -> int:
+    """eval --repo DIR: FIM on held-out files of a repository, for a run or an endpoint."""
+    from ..evaluation.repo import run_repo_eval
+    if not a.run and not a.endpoint:
+        raise CLIError("eval --repo DIR scores a run (--run RUN) or a server (--endpoint URL)")
+    if a.endpoint and not a.run:
+        print("note: without --run, whether these files were trained on cannot be checked", file=sys.stderr)
+    r = run_repo_eval(a.repo, a.run, a.endpoint, a.endpoint_api, a.endpoint_model, a.repo_cases, a.repo_context,
+                      a.repo_seed, max_new=min(a.max_new_tokens, 64), device=a.device, which=a.checkpoint,
+                      both=a.repo_both)
+    if a.run and not a.out:
+        from ..evaluation.run import record_eval
+        record_eval(a.run, {"repo_eval": r})
+    if a.out:
+        Path(a.out).write_text(json.dumps(r, indent=1) + "\n")
+    if a.json:
+        print(json.dumps(r))
+        return 0
+    print(f"eval --repo {r['repo']}: {r['cases']} cases from {r['held_out_files']} held-out files of {r['files']}"
+          + (f" ({r['trained_on_files']} left out: the run trained on them)" if r["trained_on_files"] else "")
+          + ("" if r["held_out_checked"] else " (not checked against training)")
+          + f"; {r['backend']}; {r['context_files']} other file(s) as context")
+    for title, scores in (("", r["scores"]), (" without context", r.get("scores_without_context"))):
+        if not scores:
+            continue
+        print(f"{'kind' + title:24s} {'cases':>6s} {'exact':>7s} {'edit sim':>9s} {'syntax':>7s}")
+        for kind, v in scores.items():
+            print(f"{kind:24s} {v['cases']:6d} {v['exact_match']:7.1%} {v['edit_similarity']:9.3f} "
+                  f"{v['syntax_valid']:7.1%}")
     return 0
 
 

@@ -163,6 +163,16 @@ def _is_prepared(data: str) -> bool:
         return False
 
 
+def record_eval(run: str, r: dict) -> dict:
+    """Stamp a result and append it to RUN/eval.jsonl (a run directory, or one of its checkpoints)."""
+    r["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    p = Path(run)
+    run_dir = p if (p / rundir.CHECKPOINTS).exists() else p.parent.parent
+    with open(run_dir / rundir.EVAL, "a") as f:
+        f.write(json.dumps(r) + "\n")
+    return r
+
+
 def _record_eval(run: str, ck, step: int, r: dict) -> dict:
     """Stamp the result, append it to RUN/eval.jsonl and TensorBoard, return it."""
     r["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")

@@ -1,0 +1,265 @@
+"""`codeforge eval --repo DIR`: fill-in-the-middle on your own code, the way an editor asks for it.
+
+Held-out files of a repository (files the run never trained on: each file's content hash is checked against
+RUN/trained_documents.npy, data/trained.py) become FIM cases of three kinds, chosen by a seeded generator:
+  line   one line of code, the rest of the file as prefix and suffix
+  span   2-4 consecutive lines
+  block  the body of a function or other block (the indented lines under a line ending in ":" or "{"), up to 8
+Each request carries, like llama.vscode's `input_extra`, up to `context_files` other files of the repository
+(same directory first) as repo-level context, laid out as llama-server lays them out (fim.repo_infill).
+
+A fill is cut to the number of lines of the true middle and scored by exact match (ends' whitespace ignored),
+edit similarity (difflib's ratio of the two texts, 0-1) and whether the filled file still parses (tree-sitter),
+per kind. Greedy, so deterministic for a seed.
+
+Three backends answer the same cases: a codeforge run (in process), a server's llama.cpp-style `/infill`
+(llama-server on the exported GGUF, or `codeforge serve`), and an OpenAI-compatible `/v1/completions` that takes
+`suffix` (no repo context: that API has no field for it).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import random
+import urllib.error
+import urllib.request
+
+import torch
+
+from ..checkpoint import find_checkpoint, load_model
+from ..corpus import CorpusOptions, CorpusStats, content_hash, iter_documents
+from ..data.shards import digest_key
+from ..data.trained import trained_documents
+from ..device import choose_device, choose_precision
+from ..engine import Engine, SamplingParams
+from ..fim import repo_infill
+from ..syntax import guess_language, is_valid_syntax
+from .lm import EvalError
+
+KINDS = ("line", "span", "block")
+MAX_FILE_CHARS = 12_000  # a target file longer than this is skipped (prefix and suffix are cut to the budget anyway)
+CONTEXT_CHARS = 4_000  # of each other file sent as context
+INFILL_PREDICT = 16  # the -n the docs give llama-server and codeforge serve: other files get context/2 - 32 tokens
+
+
+def repo_files(root: str) -> list[tuple[str, str]]:
+    """(path relative to root, text) of every code file codeforge's readers take from root (its filters and
+    bounds on hostile input apply)."""
+    if not os.path.isdir(root):
+        raise EvalError(f"--repo {root} is not a directory: give the root of a repository of code files")
+    out = []
+    for d in iter_documents([root], CorpusOptions(val_fraction=0.0, dedup="exact"), CorpusStats()):
+        out.append((os.path.relpath(d.source, root), d.text))
+    return out
+
+
+def held_out(files: list[tuple[str, str]], run_dir: str | None) -> tuple[list[tuple[str, str]], int, bool]:
+    """(files the run never trained on, how many were left out as trained on, whether that could be checked)."""
+    trained = trained_documents(run_dir) if run_dir else None
+    if trained is None:
+        return files, 0, False
+    keys = set(trained.tolist())
+    kept = [(p, t) for p, t in files if digest_key(content_hash(t)) not in keys]
+    return kept, len(files) - len(kept), True
+
+
+def _block(lines: list[str], i: int) -> int:
+    """The end (exclusive) of the block whose header is line i: the following lines indented deeper, at most 8."""
+    indent = len(lines[i]) - len(lines[i].lstrip())
+    j = i + 1
+    while j < len(lines) and j - i <= 8 and (not lines[j].strip() or len(lines[j]) - len(lines[j].lstrip()) > indent):
+        j += 1
+    while j > i + 1 and not lines[j - 1].strip():
+        j -= 1
+    return j
+
+
+def repo_cases(files: list[tuple[str, str]], n: int, seed: int = 0, context_files: int = 4) -> list[dict]:
+    """Up to n cases of each kind from the files that parse: {"kind", "path", "prefix", "middle", "suffix",
+    "language", "extra": [(path, text), ...]}."""
+    rng = random.Random(seed)
+    usable = []
+    for path, text in files:
+        lang = guess_language(text)
+        if len(text) > MAX_FILE_CHARS or not is_valid_syntax(text, lang):
+            continue
+        lines = text.splitlines(keepends=True)
+        code = [i for i in range(1, len(lines) - 1)
+                if lines[i].strip() and not lines[i].lstrip().startswith(("#", "//"))]
+        heads = [i for i in code if lines[i].rstrip().endswith((":", "{")) and _block(lines, i) > i + 1]
+        if len(code) >= 4:
+            usable.append((path, lines, code, heads, lang))
+    rng.shuffle(usable)
+    cases: list[dict] = []
+    counts = dict.fromkeys(KINDS, 0)
+    seen: set = set()
+    for _ in range(4 * n):
+        if not usable or all(c >= n for c in counts.values()):
+            break
+        for path, lines, code, heads, lang in usable:
+            for kind in KINDS:
+                if counts[kind] >= n:
+                    continue
+                if kind == "block":
+                    if not heads:
+                        continue
+                    h = rng.choice(heads)
+                    i, j = h + 1, _block(lines, h)
+                else:
+                    width = 1 if kind == "line" else rng.randint(2, 4)
+                    i = rng.choice(code[:max(1, len(code) - width)])
+                    j = min(i + width, len(lines) - 1)
+                if (path, kind, i) in seen or j <= i:
+                    continue
+                seen.add((path, kind, i))
+                counts[kind] += 1
+                cases.append({"kind": kind, "path": path, "prefix": "".join(lines[:i]),
+                              "middle": "".join(lines[i:j]), "suffix": "".join(lines[j:]), "language": lang,
+                              "extra": _context(path, files, context_files)})
+    return cases
+
+
+def _context(path: str, files: list[tuple[str, str]], k: int) -> list[tuple[str, str]]:
+    """Up to k other files as repo-level context, those in the same directory first (as an editor's open
+    and nearby files), each cut to its first CONTEXT_CHARS characters."""
+    here = os.path.dirname(path)
+    others = [(p, t) for p, t in files if p != path]
+    others.sort(key=lambda pt: (os.path.dirname(pt[0]) != here, pt[0]))
+    return [(p, t[:CONTEXT_CHARS]) for p, t in others[:k]]
+
+
+# -- backends: (prefix, suffix, extra, max_new) -> the fill ------------------------------------------------------
+
+def engine_backend(engine, n_batch: int | None = None):
+    """A codeforge run in process: the prompt codeforge serve's /infill builds (llama-server's), greedy."""
+    tok, ctx = engine.tok, engine.block_size
+
+    def fill(prefix: str, suffix: str, extra, max_new: int) -> str:
+        # the budget codeforge serve's /infill uses with the documented --infill-predict 16 (llama-server's -n)
+        ids, _ = repo_infill(tok, prefix, suffix, extra, n_ctx=ctx, n_batch=n_batch or ctx // 2,
+                             n_predict=INFILL_PREDICT)
+        ids = ids[-(ctx - 1):]
+        out: list[int] = []
+        p = SamplingParams(max_new_tokens=min(max_new, ctx - len(ids)), temperature=0.0)
+        for step in engine.generate_ids([ids], p, warn=lambda m: None):
+            t = step[0]
+            if t is None or t == tok.eot_id:
+                break
+            out.append(t)
+        return tok.decode(out, skip_special=True)
+    return fill
+
+
+def _post(url: str, body: dict, what: str) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return json.load(r)
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")[:500]
+        raise EvalError(f"{url} answered HTTP {e.code} to {what}: {detail}") from None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise EvalError(f"{url}: {e}; is the server running there?") from None
+
+
+def infill_backend(url: str):
+    """A server's llama.cpp-style /infill (llama-server on a GGUF, or codeforge serve), greedy."""
+    url = url.rstrip("/") + "/infill"
+
+    def fill(prefix: str, suffix: str, extra, max_new: int) -> str:
+        r = _post(url, {"input_prefix": prefix, "input_suffix": suffix, "n_predict": max_new, "temperature": 0,
+                        "top_k": 1, "seed": 0, "cache_prompt": False,
+                        "input_extra": [{"filename": p, "text": t} for p, t in extra]}, "/infill")
+        if "content" not in r:
+            raise EvalError(f"{url} answered without `content`: not llama.cpp's /infill")
+        return r["content"]
+    return fill
+
+
+def completions_backend(url: str, model: str | None):
+    """An OpenAI-compatible /v1/completions with `suffix` (no repo context: the API has no field for it)."""
+    base = url.rstrip("/")
+    url = base + ("/completions" if base.endswith("/v1") else "/v1/completions")
+
+    def fill(prefix: str, suffix: str, extra, max_new: int) -> str:
+        body = {"prompt": prefix, "suffix": suffix, "max_tokens": max_new, "temperature": 0}
+        if model:
+            body["model"] = model
+        try:
+            r = _post(url, body, "a completion with `suffix`")
+        except EvalError as e:
+            if "suffix" in str(e).lower():
+                raise EvalError(f"{e}\nthis endpoint does not take `suffix` (fill-in-the-middle); use its /infill "
+                                f"with --endpoint-api infill, or another server") from None
+            raise
+        try:
+            return r["choices"][0]["text"]
+        except (KeyError, IndexError, TypeError):
+            raise EvalError(f"{url} answered without choices[0].text: not an OpenAI completions endpoint") from None
+    return fill
+
+
+def score_repo(fill, cases: list[dict], max_new: int = 64, with_context: bool = True) -> dict:
+    """Exact match, edit similarity and syntax validity per kind (and over all cases)."""
+    per: dict[str, list[tuple[int, float, int]]] = {}
+    for c in cases:
+        got = fill(c["prefix"], c["suffix"], c["extra"] if with_context else [], max_new)
+        want_lines = c["middle"].count("\n") or 1
+        got = "".join(got.splitlines(keepends=True)[:want_lines])
+        if c["middle"].endswith("\n") and not got.endswith("\n"):
+            got += "\n"
+        exact = int(got.strip() == c["middle"].strip())
+        sim = difflib.SequenceMatcher(None, got.strip(), c["middle"].strip()).ratio()
+        valid = int(is_valid_syntax(c["prefix"] + got + c["suffix"], c["language"]))
+        per.setdefault(c["kind"], []).append((exact, sim, valid))
+        per.setdefault("all", []).append((exact, sim, valid))
+    out: dict = {}
+    for kind in [k for k in KINDS if k in per] + ["all"]:
+        rows = per.get(kind)
+        if not rows:
+            continue
+        k = len(rows)
+        out[kind] = {"cases": k, "exact_match": sum(r[0] for r in rows) / k,
+                     "edit_similarity": sum(r[1] for r in rows) / k, "syntax_valid": sum(r[2] for r in rows) / k}
+    return out
+
+
+def run_repo_eval(repo: str, run: str | None = None, endpoint: str | None = None, api: str = "infill",
+                  model: str | None = None, n: int = 20, context_files: int = 4, seed: int = 0, max_new: int = 64,
+                  device: str = "auto", which: str = "auto", both: bool = False) -> dict:
+    """Everything `eval --repo` reports. both: score with and without the repository context."""
+    files = repo_files(repo)
+    run_dir = None
+    if run:
+        ck = find_checkpoint(run, which)
+        run_dir = str(ck.parent.parent)
+    kept, trained_on, checked = held_out(files, run_dir)
+    if not files:
+        raise EvalError(f"--repo {repo}: no code files found (Go, Python and other languages by extension)")
+    if not kept:
+        raise EvalError(f"--repo {repo}: all {len(files)} files were in the run's training data, so no score on "
+                        f"them would be honest; give a directory of files it never trained on (its validation "
+                        f"files, or code written since)")
+    cases = repo_cases(kept, n, seed, context_files)
+    if not cases:
+        raise EvalError(f"--repo {repo}: none of its {len(kept)} held-out files gives a case (files that parse, "
+                        f"with 4+ lines of code, up to {MAX_FILE_CHARS:,} characters; Go and Python)")
+    if endpoint:
+        fill = infill_backend(endpoint) if api == "infill" else completions_backend(endpoint, model)
+        if api != "infill":
+            context_files, both = 0, False
+    else:
+        dev, _ = choose_device(device)
+        mdl, tok, ck, cfg = load_model(run, dev, which)
+        precision, _ = choose_precision(dev, cfg.get("train", {}).get("precision", "auto"))
+        fill = engine_backend(Engine(mdl, tok, dev, precision))
+    r = {"repo": str(repo), "files": len(files), "held_out_files": len(kept), "trained_on_files": trained_on,
+         "held_out_checked": checked, "cases": len(cases), "context_files": context_files, "seed": seed,
+         "backend": endpoint and f"{api} {endpoint}" or f"run {run}"}
+    with torch.no_grad():
+        r["scores"] = score_repo(fill, cases, max_new, with_context=context_files > 0)
+        if both and context_files:
+            r["scores_without_context"] = score_repo(fill, cases, max_new, with_context=False)
+    return r
