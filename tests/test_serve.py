@@ -305,6 +305,16 @@ def test_infill_llamacpp_shape(base):
     big = h.post("/infill", json={"input_prefix": "a = 1\n" * 100, "input_suffix": "b\n" * 100, "n_predict": 8,
                                   "temperature": 0}).json()
     assert big["tokens_evaluated"] + 8 <= 64 and (big["tokens_predicted"] == 8 or big["stop_type"] == "eos")
+    # a tokenizer without FIM tokens (an imported one): a 400 that says so, not a crash
+    from codeforge.fim import FIM_MIDDLE
+    saved = eng.tok.special_ids[FIM_MIDDLE]
+    eng.tok.special_ids[FIM_MIDDLE] = None
+    try:
+        no = h.post("/infill", json={"input_prefix": "x", "n_predict": 2})
+    finally:
+        eng.tok.special_ids[FIM_MIDDLE] = saved
+    assert no.status_code == 400 and no.json()["error"]["code"] == "infill_not_supported"
+    assert "<fim_middle>" in no.json()["error"]["message"]
     with h.stream("POST", "/infill", json={"input_prefix": "def", "n_predict": 5, "stream": True}) as s:
         events = [json.loads(x[6:]) for x in s.read().decode().split("\n\n") if x]
     assert events[-1]["stop"] is True and all("content" in e for e in events)

@@ -43,7 +43,7 @@ from starlette.responses import StreamingResponse
 from ..chat import CHAT_TEMPLATE, IM_END, encode_conversation
 from ..constrain import ConstraintError, ToolGrammar, calls_kept_out
 from ..tokenizer import EOT, TokenizerError
-from ..fim import FIM_PREFIX, infill_ids, repo_infill
+from ..fim import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, infill_ids, repo_infill
 from .batcher import Event, QueueFull, Row, RowParams, Scheduler
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
 from .protocol import (ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, InfillRequest, NamedToolChoice,
@@ -632,10 +632,16 @@ async def infill(srv: ServerState, request: Request):
     """llama.cpp's /infill: the middle between input_prefix (+ prompt) and input_suffix, with the files of
     input_extra before it in the repo-level layout llama-server builds (fim.repo_infill_ids: the same tokens for
     the same request, given --infill-batch and --infill-predict as llama-server's -b and -n, and the model's
-    context as its -c). A prompt still too long for the context (llama-server refuses it) loses extra context first, then the
-    start of the prefix; "truncated" says when anything was cut. Special tokens are never part of the text returned (as in llama-server)."""
+    context as its -c). A prompt still too long for the context (llama-server refuses it) loses extra context
+    first, then the start of the prefix; "truncated" says when anything was cut. Special tokens are never part
+    of the text returned (as in llama-server)."""
     b = parse_body(InfillRequest, await request.body())
     srv.check_model(b.model)
+    missing = [t for t in (FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE) if srv.tok.special_ids.get(t) is None]
+    if missing:
+        raise ApiError(400, f"this model's tokenizer has no {', '.join(missing)} token, so it cannot fill in the "
+                            f"middle: /infill needs a codeforge tokenizer (every `codeforge tokenizer train` has them) "
+                            f"or an imported one with FIM tokens", code="infill_not_supported")
     max_new = srv.max_tokens_cap if b.n_predict < 0 else min(b.n_predict, srv.max_tokens_cap)
     room = srv.max_prompt  # as llama-server: the reply gets what the prompt leaves of the context
     chars = (srv.block_size + 1) * srv.max_token_chars  # more characters than the context holds: never encoded
