@@ -55,7 +55,8 @@ def repo_infill(tok, prefix: str, suffix: str, extra: list[tuple[str | None, str
     Returns (prompt ids, whether anything was cut)."""
     sp = tok.special_ids
     rep, sep = sp.get(FIM_REPO), sp.get(FIM_FILE_SEP)
-    pre_t, suf_t, prompt_t = tok.encode(prefix), tok.encode(suffix), tok.encode(prompt)
+    # the prompt field is read with its special tokens, as llama-server reads it; the rest as plain text
+    pre_t, suf_t, prompt_t = tok.encode(prefix), tok.encode(suffix), tok.encode(prompt, allow_special=True)
     extra_t: list[int] = []
     if rep is not None:
         extra_t += [rep] + tok.encode(project + "\n")
@@ -76,6 +77,38 @@ def repo_infill(tok, prefix: str, suffix: str, extra: list[tuple[str | None, str
     head = extra_t[len(extra_t) - n_extra:] if n_extra else []
     ids = head + [sp[FIM_PREFIX]] + pre_t + prompt_t + [sp[FIM_SUFFIX]] + suf_t + [sp[FIM_MIDDLE]]
     return ids, cut
+
+
+def fit_infill(ids: list[int], room: int, special_ids: dict[str, int]) -> list[int]:
+    """A repo_infill prompt cut to `room` tokens: the other files first (they come first), then the start of
+    the prefix, then the end of the suffix; the three FIM tokens always stay."""
+    a, b = ids.index(special_ids[FIM_PREFIX]), ids.index(special_ids[FIM_SUFFIX])
+    head, pre, suf = ids[:a], ids[a + 1:b], ids[b + 1:-1]
+    over = len(ids) - room
+    for part in ("head", "pre", "suf"):
+        if over <= 0:
+            break
+        if part == "head":
+            k = min(over, len(head))
+            head = head[k:]
+        elif part == "pre":
+            k = min(over, len(pre))
+            pre = pre[k:]
+        else:
+            k = min(over, len(suf))
+            suf = suf[:len(suf) - k]
+        over -= k
+    return head + [special_ids[FIM_PREFIX]] + pre + [special_ids[FIM_SUFFIX]] + suf + [special_ids[FIM_MIDDLE]]
+
+
+# where llama.cpp ends a fill too (its end-of-generation tokens): the end of the text, a next file or repository,
+# the end of a chat turn
+INFILL_STOPS = ("<|endoftext|>", FIM_FILE_SEP, FIM_REPO, "<|im_end|>", "</s>")
+
+
+def infill_stop_ids(tok) -> frozenset[int]:
+    """The ids of INFILL_STOPS this tokenizer has."""
+    return frozenset(i for t in INFILL_STOPS if (i := tok.special_ids.get(t)) is not None) | {tok.eot_id}
 
 
 def infill_text(prefix: str, suffix: str) -> str:

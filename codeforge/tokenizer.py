@@ -357,10 +357,17 @@ class CodeTokenizer:
 def write_hf_config(tok_dir: str | os.PathLike) -> None:
     """tokenizer_config.json for `transformers` (PreTrainedTokenizerFast): special tokens and the chat
     template (chat.py), so AutoTokenizer.apply_chat_template renders conversations as codeforge does."""
+    present = set(SPECIAL_TOKENS)
+    try:  # only the special tokens this tokenizer has (one made before <|repo_name|> existed has reserved ones)
+        added = json.loads((Path(tok_dir) / TOKENIZER_FILE).read_text()).get("added_tokens", [])
+        present = {a.get("content") for a in added if isinstance(a, dict)}
+    except (OSError, ValueError, AttributeError):
+        pass
     (Path(tok_dir) / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1_000_000,
         "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>",
-        "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in ("<s>", "</s>", "<pad>", "<unk>")],
+        "additional_special_tokens": [t for t in SPECIAL_TOKENS
+                                      if t not in ("<s>", "</s>", "<pad>", "<unk>") and t in present],
         "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE,
     }, indent=2))
 

@@ -115,3 +115,20 @@ def test_infill_cases_cut_files_at_several_lines():
         assert c["prefix"] + c["middle"] + c["suffix"] == doc and c["middle"].strip()
     assert len({(c["kind"], len(c["prefix"])) for c in cases}) == len(cases)  # each at another place
     assert infill_cases(["def broken(:\n"] * 3, 4) == []  # files that do not parse are never used
+
+
+def test_a_prompt_cut_to_the_context_keeps_its_fim_tokens(tokenizer_dir):
+    """Found in review: the last resort cut could run through <fim_suffix>. Now other files go first, then the
+    prefix's start, then the suffix's end, and the three FIM tokens always stay; fills end where llama.cpp's do."""
+    from codeforge.fim import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, fit_infill, infill_stop_ids, repo_infill_ids
+    from codeforge.tokenizer import CodeTokenizer
+    tok = CodeTokenizer.load(tokenizer_dir)
+    sp = tok.special_ids
+    ids = repo_infill_ids(tok, "a = 1\n" * 50, "b = 2\n" * 50, [("u.py", "c = 3\n" * 50)], n_ctx=4096,
+                          n_batch=2048, n_predict=-1)
+    for room in (len(ids) - 5, 60, 12, 3):
+        cut = fit_infill(ids, room, sp)
+        assert len(cut) == max(room, 3) and [t for t in cut if t in (sp[FIM_PREFIX], sp[FIM_SUFFIX], sp[FIM_MIDDLE])] \
+            == [sp[FIM_PREFIX], sp[FIM_SUFFIX], sp[FIM_MIDDLE]]
+    assert cut == [sp[FIM_PREFIX], sp[FIM_SUFFIX], sp[FIM_MIDDLE]]
+    assert {sp["<|file_sep|>"], sp["<|repo_name|>"], tok.eot_id, sp["<|im_end|>"]} <= infill_stop_ids(tok)

@@ -146,3 +146,19 @@ def test_eval_repo_on_a_run_prints_and_records(repo, tmp_path, tokenizer_dir, ca
     assert main(["eval", "--run", str(run), "--repo", str(repo), "--repo-cases", "1"]) == 0
     printed = capsys.readouterr().out
     assert "eval --repo" in printed and "edit sim" in printed and "block" in printed
+
+
+def test_review_fixes_budgets_indentation_and_line_breaks(repo):
+    """Found in review: every case gets its own budget (a perfect model was cut short on 8-line blocks), a
+    fill with its indentation lost is neither exact nor valid Python, and only "\\n" breaks lines."""
+    from codeforge.evaluation.repo import parses, split_lines
+    cases = repo_cases(repo_files(str(repo)), 3)
+    for i, c in enumerate(cases):
+        c["budget"] = 100 + i
+    asked = []
+    score_repo(lambda p, s, extra, n: asked.append(n) or "", cases)
+    assert asked == [100 + i for i in range(len(cases))]
+    flat = score_repo(lambda p, s, extra, n: next(c["middle"].lstrip() for c in cases if c["prefix"] == p), cases)
+    assert flat["block"]["exact_match"] == 0.0 and flat["block"]["syntax_valid"] < 1.0
+    assert not parses("def f():\nreturn 1\n", "python") and parses("def f():\n    return 1\n", "python")
+    assert split_lines("a = '\x0c'\nb\u2028c\nd") == ["a = '\x0c'\n", "b\u2028c\n", "d"]

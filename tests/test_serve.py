@@ -305,6 +305,15 @@ def test_infill_llamacpp_shape(base):
     big = h.post("/infill", json={"input_prefix": "a = 1\n" * 100, "input_suffix": "b\n" * 100, "n_predict": 8,
                                   "temperature": 0}).json()
     assert big["tokens_evaluated"] + 8 <= 64 and (big["tokens_predicted"] == 8 or big["stop_type"] == "eos")
+    # review fixes: a chunk without a file name is "tmp", as in llama-server; long other files leave the reply room
+    named = h.post("/infill", json={"input_prefix": "x", "input_extra": [{"filename": "tmp", "text": "y = 2"}],
+                                    "n_predict": 2}).json()
+    unnamed = h.post("/infill", json={"input_prefix": "x", "input_extra": [{"text": "y = 2"}], "n_predict": 2}).json()
+    assert named["tokens_evaluated"] == unnamed["tokens_evaluated"]
+    long = h.post("/infill", json={"input_prefix": "a = 1\n" * 100, "input_suffix": "b\n" * 50, "n_predict": 12,
+                                   "temperature": 0, "input_extra": [{"filename": "u.py", "text": "c = 3\n" * 80}]})
+    assert long.status_code == 200 and long.json()["truncated"] is True
+    assert long.json()["tokens_evaluated"] + 12 <= 64  # at least min(n_predict, 16) tokens of room for the reply
     # a tokenizer without FIM tokens (an imported one): a 400 that says so, not a crash
     from codeforge.fim import FIM_MIDDLE
     saved = eng.tok.special_ids[FIM_MIDDLE]

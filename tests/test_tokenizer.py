@@ -217,3 +217,21 @@ def test_a_rule_keyed_on_its_own_characters_is_probed_with_them(tokenizer_dir, t
         raw.encode("c" * 40, add_special_tokens=False)
     with pytest.raises(TokenizerError, match="probe text"):
         CodeTokenizer.load(bad)
+
+
+def test_hf_config_lists_only_the_special_tokens_a_tokenizer_has(tmp_path, tokenizer_dir):
+    """Found in review: a tokenizer made before <|repo_name|> and <|file_sep|> existed (reserved slots there)
+    was written to transformers with both names, which it then added past the model's vocabulary."""
+    import json
+    import shutil
+
+    from codeforge.tokenizer import TOKENIZER_FILE, write_hf_config
+    old = tmp_path / "old"
+    shutil.copytree(tokenizer_dir, old)
+    tj = (old / TOKENIZER_FILE).read_text()
+    (old / TOKENIZER_FILE).write_text(tj.replace("<|repo_name|>", "<|reserved_6|>").replace("<|file_sep|>", "<|reserved_7|>"))
+    write_hf_config(old)
+    listed = json.loads((old / "tokenizer_config.json").read_text())["additional_special_tokens"]
+    assert "<|repo_name|>" not in listed and "<|reserved_6|>" in listed and "<fim_prefix>" in listed
+    write_hf_config(tokenizer_dir)
+    assert "<|file_sep|>" in json.loads((tokenizer_dir / "tokenizer_config.json").read_text())["additional_special_tokens"]

@@ -231,7 +231,7 @@ def _score_repo(a: argparse.Namespace) -> int:
     if a.endpoint and not a.run:
         print("note: without --run, whether these files were trained on cannot be checked", file=sys.stderr)
     r = run_repo_eval(a.repo, a.run, a.endpoint, a.endpoint_api, a.endpoint_model, a.repo_cases, a.repo_context,
-                      a.repo_seed, max_new=min(a.max_new_tokens, 64), device=a.device, which=a.checkpoint,
+                      a.repo_seed, device=a.device, which=a.checkpoint,
                       both=a.repo_both)
     if a.run and not a.out:
         from ..evaluation.run import record_eval

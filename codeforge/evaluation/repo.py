@@ -8,9 +8,10 @@ RUN/trained_documents.npy, data/trained.py) become FIM cases of three kinds, cho
 Each request carries, like llama.vscode's `input_extra`, up to `context_files` other files of the repository
 (same directory first) as repo-level context, laid out as llama-server lays them out (fim.repo_infill).
 
-A fill is cut to the number of lines of the true middle and scored by exact match (ends' whitespace ignored),
-edit similarity (difflib's ratio of the two texts, 0-1) and whether the filled file still parses (tree-sitter),
-per kind. Greedy, so deterministic for a seed.
+Each case may use as many tokens as its true middle plus 8 (so a model that writes it exactly is never cut
+short); a fill is cut to the number of lines of the true middle and scored by exact match (indentation counts;
+trailing spaces and blank end lines do not), edit similarity (difflib's ratio of the two texts, 0-1) and whether
+the filled file still parses (Python's compiler, tree-sitter for Go), per kind. Greedy, so deterministic.
 
 Three backends answer the same cases: a codeforge run (in process), a server's llama.cpp-style `/infill`
 (llama-server on the exported GGUF, or `codeforge serve`), and an OpenAI-compatible `/v1/completions` that takes
@@ -23,6 +24,7 @@ import difflib
 import json
 import os
 import random
+import re
 import urllib.error
 import urllib.request
 
@@ -34,13 +36,14 @@ from ..data.shards import digest_key
 from ..data.trained import trained_documents
 from ..device import choose_device, choose_precision
 from ..engine import Engine, SamplingParams
-from ..fim import repo_infill
+from ..fim import fit_infill, infill_stop_ids, repo_infill
 from ..syntax import guess_language, is_valid_syntax
 from .lm import EvalError
 
 KINDS = ("line", "span", "block")
 MAX_FILE_CHARS = 12_000  # a target file longer than this is skipped (prefix and suffix are cut to the budget anyway)
 CONTEXT_CHARS = 4_000  # of each other file sent as context
+MAX_FILL = 256  # tokens a case may use at most
 INFILL_PREDICT = 16  # the -n the docs give llama-server and codeforge serve: other files get context/2 - 32 tokens
 
 
@@ -65,6 +68,29 @@ def held_out(files: list[tuple[str, str]], run_dir: str | None) -> tuple[list[tu
     return kept, len(files) - len(kept), True
 
 
+def split_lines(text: str) -> list[str]:
+    """Lines ending in "\n" (their ends kept), and no other line break: str.splitlines also breaks at form
+    feeds and U+2028, which a file's text may hold inside a line."""
+    return [x for x in re.split(r"(?<=\n)", text) if x]
+
+
+def _norm(text: str) -> str:
+    """A fill or middle as compared: each line without trailing spaces, no blank lines at either end;
+    indentation counts."""
+    return "\n".join(line.rstrip() for line in text.split("\n")).strip("\n")
+
+
+def parses(code: str, language: str) -> bool:
+    """Python: the compiler's verdict (tree-sitter recovers from a wrongly indented line); Go: tree-sitter."""
+    if language == "python":
+        try:
+            compile(code, "<filled>", "exec", dont_inherit=True)
+            return True
+        except (SyntaxError, ValueError):
+            return False
+    return is_valid_syntax(code, language)
+
+
 def _block(lines: list[str], i: int) -> int:
     """The end (exclusive) of the block whose header is line i: the following lines indented deeper, at most 8."""
     indent = len(lines[i]) - len(lines[i].lstrip())
@@ -83,9 +109,9 @@ def repo_cases(files: list[tuple[str, str]], n: int, seed: int = 0, context_file
     usable = []
     for path, text in files:
         lang = guess_language(text)
-        if len(text) > MAX_FILE_CHARS or not is_valid_syntax(text, lang):
+        if len(text) > MAX_FILE_CHARS or not parses(text, lang):
             continue
-        lines = text.splitlines(keepends=True)
+        lines = split_lines(text)
         code = [i for i in range(1, len(lines) - 1)
                 if lines[i].strip() and not lines[i].lstrip().startswith(("#", "//"))]
         heads = [i for i in code if lines[i].rstrip().endswith((":", "{")) and _block(lines, i) > i + 1]
@@ -136,16 +162,21 @@ def engine_backend(engine, n_batch: int | None = None):
     """A codeforge run in process: the prompt codeforge serve's /infill builds (llama-server's), greedy."""
     tok, ctx = engine.tok, engine.block_size
 
+    stops = infill_stop_ids(tok)
+
     def fill(prefix: str, suffix: str, extra, max_new: int) -> str:
-        # the budget codeforge serve's /infill uses with the documented --infill-predict 16 (llama-server's -n)
+        # the budget codeforge serve's /infill uses with the documented --infill-predict 16 (llama-server's -n);
+        # then the other files give way until the whole middle has room
         ids, _ = repo_infill(tok, prefix, suffix, extra, n_ctx=ctx, n_batch=n_batch or ctx // 2,
                              n_predict=INFILL_PREDICT)
-        ids = ids[-(ctx - 1):]
+        max_new = min(max_new, ctx // 2)
+        if len(ids) + max_new > ctx:
+            ids = fit_infill(ids, ctx - max_new, tok.special_ids)
         out: list[int] = []
-        p = SamplingParams(max_new_tokens=min(max_new, ctx - len(ids)), temperature=0.0)
+        p = SamplingParams(max_new_tokens=max_new, temperature=0.0)
         for step in engine.generate_ids([ids], p, warn=lambda m: None):
             t = step[0]
-            if t is None or t == tok.eot_id:
+            if t is None or t in stops:
                 break
             out.append(t)
         return tok.decode(out, skip_special=True)
@@ -205,14 +236,14 @@ def score_repo(fill, cases: list[dict], max_new: int = 64, with_context: bool = 
     """Exact match, edit similarity and syntax validity per kind (and over all cases)."""
     per: dict[str, list[tuple[int, float, int]]] = {}
     for c in cases:
-        got = fill(c["prefix"], c["suffix"], c["extra"] if with_context else [], max_new)
+        got = fill(c["prefix"], c["suffix"], c["extra"] if with_context else [], c.get("budget", max_new))
         want_lines = c["middle"].count("\n") or 1
-        got = "".join(got.splitlines(keepends=True)[:want_lines])
+        got = "".join(split_lines(got)[:want_lines])
         if c["middle"].endswith("\n") and not got.endswith("\n"):
             got += "\n"
-        exact = int(got.strip() == c["middle"].strip())
-        sim = difflib.SequenceMatcher(None, got.strip(), c["middle"].strip()).ratio()
-        valid = int(is_valid_syntax(c["prefix"] + got + c["suffix"], c["language"]))
+        exact = int(_norm(got) == _norm(c["middle"]))
+        sim = difflib.SequenceMatcher(None, _norm(got), _norm(c["middle"])).ratio()
+        valid = int(parses(c["prefix"] + got + c["suffix"], c["language"]))
         per.setdefault(c["kind"], []).append((exact, sim, valid))
         per.setdefault("all", []).append((exact, sim, valid))
     out: dict = {}
@@ -227,9 +258,12 @@ def score_repo(fill, cases: list[dict], max_new: int = 64, with_context: bool = 
 
 
 def run_repo_eval(repo: str, run: str | None = None, endpoint: str | None = None, api: str = "infill",
-                  model: str | None = None, n: int = 20, context_files: int = 4, seed: int = 0, max_new: int = 64,
+                  model: str | None = None, n: int = 20, context_files: int = 4, seed: int = 0, max_new: int = MAX_FILL,
                   device: str = "auto", which: str = "auto", both: bool = False) -> dict:
     """Everything `eval --repo` reports. both: score with and without the repository context."""
+    if n < 1 or context_files < 0:
+        raise EvalError(f"--repo-cases {n} / --repo-context {context_files}: give at least 1 case of each kind and 0 "
+                        f"or more other files")
     files = repo_files(repo)
     run_dir = None
     if run:
@@ -247,6 +281,8 @@ def run_repo_eval(repo: str, run: str | None = None, endpoint: str | None = None
         raise EvalError(f"--repo {repo}: none of its {len(kept)} held-out files gives a case (files that parse, "
                         f"with 4+ lines of code, up to {MAX_FILE_CHARS:,} characters; Go and Python)")
     if endpoint:
+        for c in cases:  # no tokenizer at hand: about 2 bytes a token, generous for code
+            c["budget"] = min(MAX_FILL, len(c["middle"].encode()) // 2 + 8)
         fill = infill_backend(endpoint) if api == "infill" else completions_backend(endpoint, model)
         if api != "infill":
             context_files, both = 0, False
@@ -254,6 +290,8 @@ def run_repo_eval(repo: str, run: str | None = None, endpoint: str | None = None
         dev, _ = choose_device(device)
         mdl, tok, ck, cfg = load_model(run, dev, which)
         precision, _ = choose_precision(dev, cfg.get("train", {}).get("precision", "auto"))
+        for c in cases:
+            c["budget"] = min(MAX_FILL, len(tok.encode(c["middle"])) + 8)
         fill = engine_backend(Engine(mdl, tok, dev, precision))
     r = {"repo": str(repo), "files": len(files), "held_out_files": len(kept), "trained_on_files": trained_on,
          "held_out_checked": checked, "cases": len(cases), "context_files": context_files, "seed": seed,

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from pathlib import Path
 from typing import Callable
 
@@ -375,7 +376,8 @@ def modelfile_text(gguf_name: str, tok, chat: bool, context: int) -> str:
     # "{{ else }}" after the chat branch: a dash would trim the newline that ends its generation prompt
     template = FIM_TEMPLATE + (CHAT_TEMPLATE_GO + "{{ else }}" if chat else "{{- else }}") + "{{ .Prompt }}{{ end }}"
     stops = [EOT] + (["<|im_end|>"] if chat and tok.special_ids.get("<|im_end|>") is not None else [])
-    lines = [f"# Ollama: ollama create NAME -f {gguf_name.removesuffix('.gguf')}.Modelfile (codeforge export)",
+    lines = [f"# Ollama: ollama create NAME -f {shlex.quote(gguf_name.removesuffix('.gguf') + '.Modelfile')} "
+             f"(written by codeforge export)",
              f"FROM ./{gguf_name}", f'TEMPLATE """{template}"""']
     lines += [f'PARAMETER stop "{s}"' for s in stops]
     lines += [f"PARAMETER num_ctx {context}"] + [f"PARAMETER {k} {v}" for k, v in MODELFILE_SAMPLING.items()]

@@ -51,6 +51,7 @@ from ..checkpoint.guard import (CONFIG_BYTES, check_inside, check_memory, check_
 from ..config import TrainConfig
 from ..models import build_model, state_shapes
 from ..models.gpt import GPTConfig
+from ..fim import FIM_FILE_SEP, FIM_REPO
 from ..tokenizer import (CodeTokenizer, META_FILE, SPECIAL_TOKENS, TOKENIZER_FILE, TokenizerError,
                          write_hf_config)
 from .families import ARCEE_KEYS, GPT2_CONV1D, GPT2_KEYS, LLAMA_KEYS, expand, splits
@@ -461,7 +462,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, overwrite: bool = False, veri
         raise ExportError(str(e)) from e
     if tok.vocab_size > m.vocab_size:
         raise ExportError(f"{hf_dir}: the tokenizer has {tok.vocab_size} tokens but the model only {m.vocab_size}")
-    lacking = [t for t in SPECIAL_TOKENS if tok.special_ids.get(t) is None and not t.startswith("<|reserved")]
+    lacking = [t for t in SPECIAL_TOKENS if tok.special_ids.get(t) is None and not t.startswith("<|reserved")
+               and t not in (FIM_REPO, FIM_FILE_SEP)]  # without them /infill joins other files as llama.cpp does
     if lacking:
         log(f"note: the tokenizer lacks codeforge's special tokens {lacking}: what uses them (FIM, chat with "
             f"tools, ...) will not work with this model")

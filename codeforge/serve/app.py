@@ -43,7 +43,7 @@ from starlette.responses import StreamingResponse
 from ..chat import CHAT_TEMPLATE, IM_END, encode_conversation
 from ..constrain import ConstraintError, ToolGrammar, calls_kept_out
 from ..tokenizer import EOT, TokenizerError
-from ..fim import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, infill_ids, repo_infill
+from ..fim import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, fit_infill, infill_ids, infill_stop_ids, repo_infill
 from .batcher import Event, QueueFull, Row, RowParams, Scheduler
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
 from .protocol import (ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, InfillRequest, NamedToolChoice,
@@ -643,11 +643,16 @@ async def infill(srv: ServerState, request: Request):
                             f"middle: /infill needs a codeforge tokenizer (every `codeforge tokenizer train` has them) "
                             f"or an imported one with FIM tokens", code="infill_not_supported")
     max_new = srv.max_tokens_cap if b.n_predict < 0 else min(b.n_predict, srv.max_tokens_cap)
-    room = srv.max_prompt  # as llama-server: the reply gets what the prompt leaves of the context
+    # the reply keeps some room even where llama-server's rule would fill the context (its -n -1)
+    reserve = min(max_new, max(srv.opts.infill_predict, 16))
+    room = max(8, min(srv.max_prompt, srv.block_size - reserve))
     chars = (srv.block_size + 1) * srv.max_token_chars  # more characters than the context holds: never encoded
     prefix_text = b.input_prefix[-chars:]
     suffix_text = b.input_suffix[:chars]
     prompt_text = b.prompt[-chars:]
+    for c in b.input_extra:
+        if c.filename is not None and len(c.filename) > 4096:  # a name is a path, not a file's worth of text
+            c.filename = c.filename[:4096]
     clipped = (len(prefix_text), len(suffix_text), len(prompt_text)) != (len(b.input_prefix), len(b.input_suffix),
                                                                          len(b.prompt))
 
@@ -656,15 +661,8 @@ async def infill(srv: ServerState, request: Request):
         # n_predict: the server's --infill-predict, as llama-server's rule reads its own -n, not the request's
         ids, cut = repo_infill(srv.tok, prefix_text, suffix_text, extra, prompt_text, n_ctx=srv.block_size,
                                n_batch=srv.infill_batch, n_predict=srv.opts.infill_predict)
-        if len(ids) > room:  # past the context: extra context first (it comes first), then the prefix's start
-            cut = True
-            sp = srv.tok.special_ids
-            start = ids.index(sp[FIM_PREFIX])
-            drop = min(start, len(ids) - room)
-            ids = ids[drop:]
-            if len(ids) > room:
-                at = ids.index(sp[FIM_PREFIX]) + 1
-                ids = ids[:at] + ids[at + len(ids) - room:]
+        if len(ids) > room:
+            ids, cut = fit_infill(ids, room, srv.tok.special_ids), True
         return ids, cut or clipped
 
     ids, truncated = await srv.encode(encode)
@@ -675,7 +673,7 @@ async def infill(srv: ServerState, request: Request):
         return {"content": "", **final, "tokens_predicted": 0, "stop_type": "limit"}
     p = RowParams(max_new_tokens=max_new, temperature=b.temperature, top_p=b.top_p, top_k=max(0, b.top_k),
                   seed=None if b.seed == -1 else b.seed % 2**63, stop=[s for s in b.stop if s],
-                  stop_ids=frozenset({srv.tok.eot_id}), hide_special=True)
+                  stop_ids=infill_stop_ids(srv.tok), hide_special=True)
     gen = Generation(srv, [(0, ids, p)])
     if b.stream:
         async def events() -> AsyncIterator[bytes]:

@@ -233,7 +233,7 @@ class ChatRequest(_Sampling):
 
 
 class ExtraChunk(_Body):
-    filename: str = ""
+    filename: str | None = None  # absent: llama-server names the chunk "tmp" (fim.repo_infill); "" stays ""
     text: str = ""
 
 

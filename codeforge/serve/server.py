@@ -167,6 +167,9 @@ def _serve(a) -> int:
     if a.max_prompt_tokens >= block:
         raise ServeError(f"--max-prompt-tokens {a.max_prompt_tokens} must be below the model's context of {block} "
                          f"(one position is left for the reply)")
+    if a.infill_batch > block:
+        raise ServeError(f"--infill-batch {a.infill_batch} is larger than the model's context of {block}: give at most "
+                         f"{block} (half of it, the default, leaves room for other files)")
     stage = cfg.get("train", {}).get("stage", "pretrain")
     opts = ServeOptions(model_name=a.model_name or rundir.model_name(a.run), api_key=a.api_key, max_batch=a.max_batch,
                         max_queue=a.max_queue, max_prompt_tokens=a.max_prompt_tokens, max_tokens_cap=a.max_tokens_cap,
