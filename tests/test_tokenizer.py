@@ -232,6 +232,6 @@ def test_hf_config_lists_only_the_special_tokens_a_tokenizer_has(tmp_path, token
     (old / TOKENIZER_FILE).write_text(tj.replace("<|repo_name|>", "<|reserved_6|>").replace("<|file_sep|>", "<|reserved_7|>"))
     write_hf_config(old)
     listed = json.loads((old / "tokenizer_config.json").read_text())["additional_special_tokens"]
-    assert "<|repo_name|>" not in listed and "<|reserved_6|>" in listed and "<fim_prefix>" in listed
+    assert "<|repo_name|>" not in listed and "<|file_sep|>" not in listed and "<fim_prefix>" in listed
     write_hf_config(tokenizer_dir)
     assert "<|file_sep|>" in json.loads((tokenizer_dir / "tokenizer_config.json").read_text())["additional_special_tokens"]
