@@ -111,6 +111,22 @@ def infill_stop_ids(tok) -> frozenset[int]:
     return frozenset(i for t in INFILL_STOPS if (i := tok.special_ids.get(t)) is not None) | {tok.eot_id}
 
 
+def repo_fim_document(tok, repo: str, context: list[tuple[str, str]], path: str, text: str,
+                      cut: tuple[int, int]) -> list[int]:
+    """A repo-level FIM training document (Qwen2.5-Coder's format, the one llama-server's /infill builds at
+    inference): <|repo_name|>repo, each context file as <|file_sep|>path + text, then the target file's
+    <|file_sep|>path and the target in PSM order, cut at character positions `cut`, ending in end-of-text.
+    Each piece is tokenized on its own, as llama-server does."""
+    sp = tok.special_ids
+    a, b = cut
+    ids = [sp[FIM_REPO]] + tok.encode(repo + "\n")
+    for p, ctx in context:
+        ids += [sp[FIM_FILE_SEP]] + tok.encode(p + "\n") + tok.encode(ctx)
+    ids += [sp[FIM_FILE_SEP]] + tok.encode(path + "\n")
+    ids += [sp[FIM_PREFIX]] + tok.encode(text[:a]) + [sp[FIM_SUFFIX]] + tok.encode(text[b:]) + [sp[FIM_MIDDLE]]
+    return ids + tok.encode(text[a:b]) + [tok.eot_id]
+
+
 def infill_text(prefix: str, suffix: str) -> str:
     """The same prompt as text with the FIM tokens written out (for /v1/completions with raw prompts)."""
     return f"{FIM_PREFIX}{prefix}{FIM_SUFFIX}{suffix}{FIM_MIDDLE}"
@@ -128,7 +144,8 @@ def permute_window(window: np.ndarray, eot: int, fim: tuple[int, int, int], rate
     out, start = [], 0
     for end in list(cuts) + [n]:
         piece = window[start:end]
-        if len(piece) >= 2 and rng.random() < rate:
+        # a piece that holds a FIM token already (a repo-level FIM document, made at prepare time) stays as it is
+        if len(piece) >= 2 and rng.random() < rate and not (piece == pre).any():
             a, b = sorted(rng.integers(0, len(piece) + 1, size=2))
             p, m, s = piece[:a], piece[a:b], piece[b:]
             if rng.random() < spm_rate:

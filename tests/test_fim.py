@@ -132,3 +132,48 @@ def test_a_prompt_cut_to_the_context_keeps_its_fim_tokens(tokenizer_dir):
             == [sp[FIM_PREFIX], sp[FIM_SUFFIX], sp[FIM_MIDDLE]]
     assert cut == [sp[FIM_PREFIX], sp[FIM_SUFFIX], sp[FIM_MIDDLE]]
     assert {sp["<|file_sep|>"], sp["<|repo_name|>"], tok.eot_id, sp["<|im_end|>"]} <= infill_stop_ids(tok)
+
+
+def test_repo_level_fim_documents_are_made_at_prepare_time(tmp_path, tokenizer_dir):
+    """prepare --repo-fim: chosen training files get a second document in llama-server's repo-level layout,
+    context from earlier training files of the same directory only; validation is untouched; the same inputs
+    give the same bytes; the loader's own FIM leaves these documents alone; without the option the options
+    (and so the fingerprint of data prepared before it) are unchanged."""
+    import numpy as np
+
+    from codeforge.corpus import CorpusOptions
+    from codeforge.data.shards import ShardSet, prepare
+    from codeforge.fim import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, fim_ids, permute_window
+    from codeforge.tokenizer import CodeTokenizer
+    src = tmp_path / "proj"
+    for d in ("a", "b"):
+        (src / d).mkdir(parents=True)
+        for i in range(6):
+            (src / d / f"m{i}.py").write_text(f"def f_{d}{i}(x):\n    y = x + {i}\n    return y * {i + 1}\n")
+    opts = CorpusOptions(val_fraction=0.2)
+    plain = prepare([str(src)], tokenizer_dir, tmp_path / "plain", opts, log=lambda m: None)
+    assert "repo_fim" not in plain["options"]
+    meta = prepare([str(src)], tokenizer_dir, tmp_path / "repo", opts, log=lambda m: None, repo_fim=1.0)
+    prepare([str(src)], tokenizer_dir, tmp_path / "again", opts, log=lambda m: None, repo_fim=1.0)
+    assert meta["options"]["repo_fim"] == 1.0 and meta["repo_fim_documents"] == plain["splits"]["train"]["documents"]
+    for f in ("train_000000.bin", "val_000000.bin"):
+        assert (tmp_path / "repo" / f).read_bytes() == (tmp_path / "again" / f).read_bytes()
+    assert (tmp_path / "repo" / "val_000000.bin").read_bytes() == (tmp_path / "plain" / "val_000000.bin").read_bytes()
+    tok = CodeTokenizer.load(tokenizer_dir)
+    sp = tok.special_ids
+    train = ShardSet(tmp_path / "repo", "train")
+    val_texts = {tok.decode(ShardSet(tmp_path / "plain", "val").document(i).tolist())
+                 for i in range(plain["splits"]["val"]["documents"])}
+    repo_docs = [train.document(i).tolist() for i in range(train.documents) if train.document(i)[0] == sp["<|repo_name|>"]]
+    assert len(repo_docs) == meta["repo_fim_documents"] > 0
+    for ids in repo_docs:
+        assert tok.decode(ids[1:ids.index(sp["<|file_sep|>"])]) == "proj\n"  # the repository's name
+        a, b, c = ids.index(sp[FIM_PREFIX]), ids.index(sp[FIM_SUFFIX]), ids.index(sp[FIM_MIDDLE])
+        assert a < b < c and ids[a - 1] != sp["<|file_sep|>"]
+        whole = tok.decode(ids[a + 1:b]) + tok.decode(ids[c + 1:]) + tok.decode(ids[b + 1:c])  # prefix middle suffix
+        assert whole not in val_texts and whole.startswith("def f_")
+        contexts = [tok.decode(ids[i + 1:]).split("\n", 1) for i, t in enumerate(ids[:a]) if t == sp["<|file_sep|>"]]
+        assert 1 <= len(contexts) <= 3 and all(name.startswith(("a/", "b/")) for name, _ in contexts)
+    window = np.array(repo_docs[0] + [tok.eot_id] + repo_docs[-1][:5], dtype=np.int64)
+    out = permute_window(window, tok.eot_id, fim_ids(sp), 1.0, 0.5, np.random.default_rng(0))
+    assert out[:len(repo_docs[0])].tolist() == repo_docs[0]  # left as it is

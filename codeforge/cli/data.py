@@ -60,7 +60,7 @@ def cmd_prepare(a: argparse.Namespace) -> int:
         os.environ["RAYON_NUM_THREADS"] = str(a.workers)
     opts = corpus_opts(a, dedup=a.dedup, val_fraction=a.val_fraction)
     meta = prepare(a.input, a.tokenizer, a.out, opts, overwrite=a.overwrite, shard_tokens=a.shard_tokens,
-                   chat=a.chat)
+                   chat=a.chat, repo_fim=a.repo_fim)
     _print_data_info(meta, a.out, sample=False)
     return 0
 
@@ -174,6 +174,11 @@ def add_parsers(sub) -> None:
     pr.add_argument("--tokenizer", required=True, help="directory holding tokenizer.json")
     pr.add_argument("--out", required=True,
                     help="directory to write the token shards, the tokenizer copy and meta.json to")
+    pr.add_argument("--repo-fim", type=float, default=0.0, metavar="SHARE",
+                    help="also train repo-level fill-in-the-middle: this share of the training files (chosen by "
+                         "hash) gets a second document with up to 2 earlier files of its directory as context, in "
+                         "the layout llama-server's /infill builds for editors (<|repo_name|>, <|file_sep|>; "
+                         "default 0: off)")
     pr.add_argument("--val-fraction", type=float, default=0.01,
                     help="share of documents kept for validation, chosen by a stable hash of each document "
                          "(default 0.01)")

@@ -33,6 +33,7 @@ import json
 import math
 import os
 import queue
+import random
 import shutil
 import threading
 import time
@@ -44,6 +45,7 @@ from .. import CodeforgeError, __version__
 from ..atomic import publish, staging_dir
 from ..chat import encode_conversation, read_conversations, render_text
 from ..corpus import CorpusOptions, CorpusStats, content_hash, iter_documents, line_limit, split_of, walk_tree
+from ..fim import repo_fim_document
 from ..tokenizer import CodeTokenizer, META_FILE, TOKENIZER_FILE, write_hf_config
 
 SPLITS = ("train", "val")
@@ -167,15 +169,21 @@ def _fingerprint(sources: list[str], tok_hash: str, options: dict) -> str:
 
 def prepare(sources: list[str], tokenizer_dir: str | os.PathLike, out_dir: str | os.PathLike,
             opts: CorpusOptions | None = None, overwrite: bool = False, shard_tokens: int = 100_000_000,
-            batch_docs: int = 512, log=print, chat: bool = False) -> dict:
+            batch_docs: int = 512, log=print, chat: bool = False, repo_fim: float = 0.0) -> dict:
     """Read, filter, dedup, split and tokenize `sources` into shards under `out_dir`; return meta.
     chat: the sources are chat JSONL (chat.py); conversations are rendered with ChatML and a loss mask is
-    written beside the tokens."""
+    written beside the tokens. repo_fim: the share of training files that also become a repo-level FIM
+    document (fim.repo_fim_document: up to REPO_CONTEXT_FILES earlier files of the same directory as context,
+    the file in PSM order after them), the layout llama-server's /infill builds for editors."""
     opts = opts or CorpusOptions()
     opts.validate()
     tok = CodeTokenizer.load(tokenizer_dir)
     out = Path(out_dir)
+    if not 0.0 <= repo_fim <= 1.0:
+        raise ShardError(f"--repo-fim {repo_fim}: give a share of the training files between 0 and 1")
     options = {**opts.to_dict(), "shard_tokens": shard_tokens, "chat": chat}
+    if repo_fim:  # only when asked: data prepared before this option keeps its fingerprint
+        options["repo_fim"] = repo_fim
     fp = _fingerprint(sources, tok.hash, options)
     if out.exists() and any(out.iterdir()):
         old = out / "meta.json"
@@ -189,7 +197,10 @@ def prepare(sources: list[str], tokenizer_dir: str | os.PathLike, out_dir: str |
 
     tmp = staging_dir(out)
     try:
-        meta = (_write_chat if chat else _write)(sources, tok, tmp, opts, shard_tokens, batch_docs, log)
+        if chat:
+            meta = _write_chat(sources, tok, tmp, opts, shard_tokens, batch_docs, log)
+        else:
+            meta = _write(sources, tok, tmp, opts, shard_tokens, batch_docs, log, repo_fim)
         meta.update(fingerprint=fp, options=options)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         publish(tmp, out)  # only when complete: an interrupted run never leaves a directory that looks done
@@ -223,8 +234,42 @@ def empty_validation_note(meta: dict, val_fraction: float) -> str | None:
             f"--val-fraction {want:g} (about {max(1, round(want * total))} documents) or with more files")
 
 
+REPO_CONTEXT_FILES, REPO_CONTEXT_CHARS = 2, 1500  # a repo-level document's context: files, characters each
+
+
+class _RepoDocs:
+    """Repo-level FIM documents for training files (prepare's repo_fim): each chosen file (by its content
+    hash) with up to REPO_CONTEXT_FILES of the training files read just before it from the same directory.
+    Deterministic: the walk's order, the hash's choice and cut."""
+
+    def __init__(self, tok: CodeTokenizer, sources, rate: float):
+        self.tok, self.rate = tok, rate
+        self.roots = [os.path.abspath(s) for s in sources if os.path.isdir(s)]
+        self.dir, self.recent = None, []
+        self.made = 0
+
+    def after(self, doc) -> list[int] | None:
+        """The repo-level document for this training file, or None; remembers it as context for the next."""
+        src = os.path.abspath(doc.source)
+        root = next((r for r in self.roots if src.startswith(r + os.sep)), None)
+        if root is None:
+            return None
+        rel = os.path.relpath(src, root)
+        here = (root, os.path.dirname(rel))
+        if here != self.dir:
+            self.dir, self.recent = here, []
+        out = None
+        if int.from_bytes(doc.digest[8:16], "big") / 2**64 < self.rate and len(doc.text) >= 2:
+            rng = random.Random(doc.digest)
+            cut = tuple(sorted(rng.randint(0, len(doc.text)) for _ in range(2)))
+            out = repo_fim_document(self.tok, os.path.basename(root), list(self.recent), rel, doc.text, cut)
+            self.made += 1
+        self.recent = (self.recent + [(rel, doc.text[:REPO_CONTEXT_CHARS])])[-REPO_CONTEXT_FILES:]
+        return out
+
+
 def _write(sources, tok: CodeTokenizer, tmp: Path, opts: CorpusOptions, shard_tokens: int,
-           batch_docs: int, log) -> dict:
+           batch_docs: int, log, repo_fim: float = 0.0) -> dict:
     dtype = dtype_for(tok.vocab_size)
     stats = CorpusStats()
     writers = {s: _SplitWriter(tmp, s, dtype, shard_tokens) for s in SPLITS}
@@ -251,14 +296,22 @@ def _write(sources, tok: CodeTokenizer, tmp: Path, opts: CorpusOptions, shard_to
     t0 = time.perf_counter()
     th = threading.Thread(target=reader, daemon=True)
     th.start()
+    repo = _RepoDocs(tok, sources, repo_fim) if repo_fim else None
     while (batch := q.get()) is not None:
         out: dict[str, tuple[list, list, list]] = {s: ([], [], []) for s in SPLITS}
         for doc, ids in zip(batch, tok.encode_batch([d.text for d in batch])):
             ids.append(tok.eot_id)
-            docs, nb, dg = out[split_of(doc.digest, opts.val_fraction)]
+            split = split_of(doc.digest, opts.val_fraction)
+            docs, nb, dg = out[split]
             docs.append(ids)
             nb.append(doc.nbytes)
             dg.append(doc.digest)
+            if repo is not None and split == "train":  # never built from (or around) a validation file
+                extra = repo.after(doc)
+                if extra is not None:
+                    docs.append(extra)
+                    nb.append(0)  # its bytes are the file's, counted once
+                    dg.append(doc.digest)
         for s, (docs, nb, dg) in out.items():
             if docs:
                 writers[s].add(docs, sum(nb), digests=dg)
@@ -270,7 +323,10 @@ def _write(sources, tok: CodeTokenizer, tmp: Path, opts: CorpusOptions, shard_to
     if stats.documents == 0:
         raise ShardError(f"the corpus is empty after filtering (skipped: {dict(stats.skipped) or 'nothing found'});"
                          f" check --languages, --max-file-bytes and the inputs")
-    return _finish(tok, tmp, stats, splits, sources, seconds)
+    meta = _finish(tok, tmp, stats, splits, sources, seconds)
+    if repo is not None:
+        meta["repo_fim_documents"] = repo.made
+    return meta
 
 
 def _finish(tok: CodeTokenizer, tmp: Path, stats: CorpusStats, splits: dict, sources, seconds: float) -> dict:
