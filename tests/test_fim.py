@@ -142,7 +142,7 @@ def test_repo_level_fim_documents_are_made_at_prepare_time(tmp_path, tokenizer_d
     import numpy as np
 
     from codeforge.corpus import CorpusOptions
-    from codeforge.data.shards import ShardSet, prepare
+    from codeforge.data.shards import ShardError, ShardSet, prepare
     from codeforge.fim import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, fim_ids, permute_window
     from codeforge.tokenizer import CodeTokenizer
     src = tmp_path / "proj"
@@ -174,6 +174,12 @@ def test_repo_level_fim_documents_are_made_at_prepare_time(tmp_path, tokenizer_d
         assert whole not in val_texts and whole.startswith("def f_")
         contexts = [tok.decode(ids[i + 1:]).split("\n", 1) for i, t in enumerate(ids[:a]) if t == sp["<|file_sep|>"]]
         assert 1 <= len(contexts) <= 3 and all(name.startswith(("a/", "b/")) for name, _ in contexts)
+    old = tmp_path / "oldtok"  # a tokenizer from before the two tokens: refused with the fix
+    import shutil
+    shutil.copytree(tokenizer_dir, old)
+    (old / "tokenizer.json").write_text((old / "tokenizer.json").read_text().replace("<|repo_name|>", "<|reserved_6|>"))
+    with pytest.raises(ShardError, match="--repo-fim needs the tokenizer's <\\|repo_name\\|>.*tokenizer train"):
+        prepare([str(src)], old, tmp_path / "x", opts, log=lambda m: None, repo_fim=0.5)
     window = np.array(repo_docs[0] + [tok.eot_id] + repo_docs[-1][:5], dtype=np.int64)
     out = permute_window(window, tok.eot_id, fim_ids(sp), 1.0, 0.5, np.random.default_rng(0))
     assert out[:len(repo_docs[0])].tolist() == repo_docs[0]  # left as it is

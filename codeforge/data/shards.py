@@ -184,6 +184,11 @@ def prepare(sources: list[str], tokenizer_dir: str | os.PathLike, out_dir: str |
     options = {**opts.to_dict(), "shard_tokens": shard_tokens, "chat": chat}
     if repo_fim:  # only when asked: data prepared before this option keeps its fingerprint
         options["repo_fim"] = repo_fim
+        missing = [t for t in ("<|repo_name|>", "<|file_sep|>", "<fim_prefix>") if tok.special_ids.get(t) is None]
+        if missing:
+            raise ShardError(f"--repo-fim needs the tokenizer's {', '.join(missing)} token(s), which {tokenizer_dir} "
+                             f"lacks (it was trained before they existed): train a tokenizer again (`codeforge "
+                             f"tokenizer train`), or leave out --repo-fim")
     fp = _fingerprint(sources, tok.hash, options)
     if out.exists() and any(out.iterdir()):
         old = out / "meta.json"
