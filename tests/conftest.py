@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 import sysconfig
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -68,6 +72,31 @@ def data_dir(tmp_path_factory, code_corpus, tokenizer_dir) -> Path:
     prepare([str(code_corpus), str(STDLIB / "json"), str(STDLIB / "asyncio"), str(STDLIB / "email")],
             tokenizer_dir, out, CorpusOptions(languages=["go", "python"], val_fraction=0.1), log=lambda *a: None)
     return out
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now, on the loopback interface."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(proc, url: str, log: Path, name: str, seconds: float = 120) -> None:
+    """Wait until the server `proc` started answers GET url/health with 200; fail with the end of its log if
+    it exits first or does not answer in `seconds`."""
+    deadline = time.monotonic() + seconds
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"{name} exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"{name} did not answer /health in {seconds:.0f} s:\n{log.read_text()[-4000:]}")
+        time.sleep(0.25)
 
 
 def has_cuda() -> bool:

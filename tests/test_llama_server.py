@@ -6,10 +6,8 @@ evaluated) and, greedy, write the same middle. Slow: it needs the built binary (
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -17,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from codeforge.cli import main
+from conftest import free_port, wait_healthy
 from test_export import make_run
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -33,12 +32,6 @@ def llama_server() -> str:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def post(url: str, body: dict) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     try:
@@ -46,21 +39,6 @@ def post(url: str, body: dict) -> dict:
             return json.load(r)
     except urllib.error.HTTPError as e:
         pytest.fail(f"{url}: HTTP {e.code}: {e.read().decode(errors='replace')[:1000]}")
-
-
-def wait_up(proc: subprocess.Popen, url: str, log: Path) -> None:
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"the server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.3)
-    pytest.fail(f"the server did not answer /health in 180 s:\n{log.read_text()[-3000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +64,7 @@ def servers(tmp_path_factory, tokenizer_dir):
             with open(log, "wb") as f:
                 procs.append(subprocess.Popen(argv + ["--port", str(port)], stdout=f, stderr=subprocess.STDOUT))
             urls.append(f"http://127.0.0.1:{port}")
-            wait_up(procs[-1], urls[-1], log)
+            wait_healthy(procs[-1], urls[-1], log, name, seconds=180)
         yield urls
     finally:
         for p in procs:

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import free_port, wait_healthy
+
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
 CHROMEDRIVER = shutil.which("chromedriver")
 
@@ -56,12 +58,6 @@ new MutationObserver(() => window.__lengths.push(document.getElementById('output
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get_json(url: str):
     with urllib.request.urlopen(url, timeout=10) as r:
         return json.load(r)
@@ -80,7 +76,7 @@ def run_dir(tmp_path_factory, data_dir) -> Path:
 @pytest.fixture(scope="module")
 def server(run_dir, tmp_path_factory):
     """The real server as a subprocess; yields its base URL once /health answers."""
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path_factory.mktemp("serve-log") / "serve.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(log_path, "wb") as log:
@@ -88,19 +84,7 @@ def server(run_dir, tmp_path_factory):
                                  "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"codeforge serve exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"codeforge serve did not answer /health in 120 s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.25)
+        wait_healthy(proc, base, log_path, "codeforge serve")
         yield base
     finally:
         proc.terminate()
