@@ -97,21 +97,17 @@ def corpus_languages(src: str, langs: list[str] | None) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
-def corpus_language(src: str, langs: list[str] | None) -> str | None:
-    """The corpus's language for prompts, benchmarks and hints: the named corpus's, else the language most
-    of a user's files are in when it is one the prompts know (python or go), else None."""
-    if langs:
-        return langs[0]
-    counts = corpus_languages(src, langs)
+def corpus_language(counts: dict[str, int]) -> str | None:
+    """The corpus's language for prompts, benchmarks and hints (counts: corpus_languages'): the one most files
+    are in when it is one the prompts know (python or go), else None."""
     best = next(iter(counts), None)
     return best if best in ("python", "go") else None
 
 
-def describe_corpus(src: str, langs: list[str] | None) -> str:
+def describe_corpus(counts: dict[str, int], langs: list[str] | None) -> str:
     """The corpus line's parenthesis: what will be read, in the words of what is there."""
     if langs:
         return f"{', '.join(langs)}, test files excluded"
-    counts = corpus_languages(src, langs)
     if not counts:
         return "no file of a known language found"
     found = ", ".join(f"{n:,} {lang}" for lang, n in list(counts.items())[:4]) + (" ..." if len(counts) > 4 else "")
@@ -247,9 +243,10 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     out_dir = Path(out)
     src, langs = corpus_path(corpus)
     same_corpus(out_dir, src, langs)
-    lang = corpus_language(src, langs)
+    counts = corpus_languages(src, langs)  # one walk of the tree for the language and the corpus line
+    lang = corpus_language(counts)
     n = 8 if chat else 5  # the steps it announces: the chat stages are 5-8
-    print(f"[1/{n}] corpus: {src} ({describe_corpus(src, langs)})")
+    print(f"[1/{n}] corpus: {src} ({describe_corpus(counts, langs)})")
     data_dir, run_dir = out_dir / "data", out_dir / "run"
     trained = (run_dir / rundir.CHECKPOINTS).exists()
     if chat and not trained:

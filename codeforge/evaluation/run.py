@@ -163,22 +163,20 @@ def _is_prepared(data: str) -> bool:
         return False
 
 
-def record_eval(run: str, r: dict) -> dict:
-    """Stamp a result and append it to RUN/eval.jsonl (a run directory, or one of its checkpoints)."""
+def record_eval(run: str, r: dict, ck: Path | None = None) -> Path:
+    """Stamp a result and append it to RUN/eval.jsonl; returns RUN. run: a run directory, or one of its
+    checkpoints (ck: the checkpoint it was scored at, when known)."""
     r["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     p = Path(run)
-    run_dir = p if (p / rundir.CHECKPOINTS).exists() else p.parent.parent
+    run_dir = p if (p / rundir.CHECKPOINTS).exists() else (ck or p).parent.parent
     with open(run_dir / rundir.EVAL, "a") as f:
         f.write(json.dumps(r) + "\n")
-    return r
+    return run_dir
 
 
 def _record_eval(run: str, ck, step: int, r: dict) -> dict:
     """Stamp the result, append it to RUN/eval.jsonl and TensorBoard, return it."""
-    r["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    run_dir = Path(run) if (Path(run) / rundir.CHECKPOINTS).exists() else ck.parent.parent
-    with open(run_dir / rundir.EVAL, "a") as f:
-        f.write(json.dumps(r) + "\n")
+    run_dir = record_eval(run, r, ck)
     try:
         from torch.utils.tensorboard import SummaryWriter
         with SummaryWriter(str(run_dir / rundir.TENSORBOARD)) as w:
