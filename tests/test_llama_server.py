@@ -97,3 +97,27 @@ def test_infill_builds_llama_servers_prompt_and_writes_its_middle(servers, i):
     assert mine["content"] == theirs["content"], (theirs, mine)
     for special in ("<fim_middle>", "<fim_prefix>", "<|file_sep|>", "<|endoftext|>"):
         assert special not in mine["content"]
+
+
+def test_eval_repo_scores_the_gguf_in_llama_server_as_the_run(tmp_path, tokenizer_dir):
+    """`eval --repo --gguf` starts the real llama-server itself; greedy on the f32 export, its scores equal the
+    run's own, with the other files as context and without."""
+    from test_repo_eval import py_file
+    binary = llama_server()
+    repo = tmp_path / "myrepo"
+    repo.mkdir()
+    for i in range(5):
+        (repo / f"m{i}.py").write_text(py_file(i))
+    run = make_run(tmp_path / "run", tokenizer_dir, seed=4)
+    gguf = tmp_path / "m.gguf"
+    assert main(["export", "--run", str(run), "--format", "gguf", "--out", str(gguf)]) == 0
+    scores = {}
+    for name, extra in (("gguf", ["--gguf", str(gguf), "--llama-server", binary]), ("run", [])):
+        out = tmp_path / f"{name}.json"
+        assert main(["eval", "--repo", str(repo), "--run", str(run), "--repo-cases", "3", "--repo-both",
+                     "--device", "cpu", "--out", str(out)] + extra) == 0
+        scores[name] = json.loads(out.read_text())
+    assert scores["gguf"]["backend"].startswith("llama-server") and scores["gguf"]["cases"] == 9
+    print(json.dumps({k: v["scores"]["all"] for k, v in scores.items()}))
+    assert scores["gguf"]["scores_without_context"] == scores["run"]["scores_without_context"]
+    assert scores["gguf"]["scores"] == scores["run"]["scores"]

@@ -162,3 +162,92 @@ def test_review_fixes_budgets_indentation_and_line_breaks(repo):
     assert flat["block"]["exact_match"] == 0.0 and flat["block"]["syntax_valid"] < 1.0
     assert not parses("def f():\nreturn 1\n", "python") and parses("def f():\n    return 1\n", "python")
     assert split_lines("a = '\x0c'\nb\u2028c\nd") == ["a = '\x0c'\n", "b\u2028c\n", "d"]
+
+
+FAKE_LLAMA_SERVER = r'''#!{python}
+# stands in for llama-server: records its arguments, answers /health and /infill with one fixed middle
+import json, sys, http.server
+argv = sys.argv[1:]
+open({log!r}, "w").write(json.dumps(argv))
+if {exit_code}:
+    print("error: failed to load model", file=sys.stderr)
+    sys.exit({exit_code})
+port = int(argv[argv.index("--port") + 1])
+class H(http.server.BaseHTTPRequestHandler):
+    def reply(self, obj):
+        b = json.dumps(obj).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(b))); self.end_headers()
+        self.wfile.write(b)
+    def do_GET(self):
+        self.reply({{"status": "ok"}})
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.reply({{"content": "    return None\n", "extra": len(body["input_extra"])}})
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+def fake_llama_server(tmp_path, exit_code: int = 0):
+    import sys
+    exe, log = tmp_path / "llama-server", tmp_path / "argv.json"
+    exe.write_text(FAKE_LLAMA_SERVER.format(python=sys.executable, log=str(log), exit_code=exit_code))
+    exe.chmod(0o755)
+    return exe, log
+
+
+def test_eval_repo_gguf_starts_llama_server_with_the_documented_settings(repo, tmp_path, tokenizer_dir, capsys):
+    run = make_run(tmp_path / "run", tokenizer_dir)  # block_size 192
+    gguf_file = tmp_path / "m.gguf"
+    assert main(["export", "--run", str(run), "--format", "gguf", "--out", str(gguf_file)]) == 0
+    exe, log = fake_llama_server(tmp_path)
+    out = tmp_path / "scores.json"
+    assert main(["eval", "--repo", str(repo), "--gguf", str(gguf_file), "--run", str(run), "--llama-server", str(exe),
+                 "--repo-cases", "2", "--out", str(out)]) == 0
+    argv = json.loads(log.read_text())
+    flags = dict(zip(argv[::2], argv[1::2]))
+    assert flags["-m"] == str(gguf_file) and flags["-c"] == "192" and flags["-b"] == flags["-ub"] == "96"
+    assert flags["-n"] == "16" and flags["--host"] == "127.0.0.1"
+    r = json.loads(out.read_text())
+    assert r["backend"] == f"llama-server {gguf_file}" and r["cases"] == 6
+    assert r["scores"]["all"]["cases"] == 6 and r["scores"]["all"]["edit_similarity"] > 0
+    assert "eval --repo" in capsys.readouterr().out
+
+
+def test_eval_repo_gguf_bad_inputs_say_what_to_do(repo, tmp_path, tokenizer_dir, monkeypatch):
+    import gguf
+    with pytest.raises(EvalError, match="no such file"):
+        run_repo_eval(str(repo), gguf=str(tmp_path / "missing.gguf"))
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf at all" * 10)
+    with pytest.raises(EvalError, match="not a GGUF file"):
+        run_repo_eval(str(repo), gguf=str(junk))
+    # a GGUF without fill-in-the-middle ids: llama-server's /infill would refuse it, so it is not even started
+    nofim = tmp_path / "nofim.gguf"
+    w = gguf.GGUFWriter(str(nofim), "llama")
+    w.add_context_length(128)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(EvalError, match=r"no fill-in-the-middle token ids.*codeforge export --run RUN --format gguf"):
+        run_repo_eval(str(repo), gguf=str(nofim), llama_server="/bin/false")
+    # a server that cannot start: its own words come back
+    run = make_run(tmp_path / "run", tokenizer_dir)
+    ok = tmp_path / "m.gguf"
+    assert main(["export", "--run", str(run), "--format", "gguf", "--out", str(ok)]) == 0
+    exe, _ = fake_llama_server(tmp_path, exit_code=3)
+    with pytest.raises(EvalError, match=r"(?s)exited \(3\).*failed to load model"):
+        run_repo_eval(str(repo), gguf=str(ok), llama_server=str(exe))
+    monkeypatch.setenv("CODEFORGE_LLAMA_SERVER", str(tmp_path / "nowhere"))
+    with pytest.raises(EvalError, match="not an executable file"):
+        run_repo_eval(str(repo), gguf=str(ok))
+
+
+def test_infill_endpoint_without_fim_names_the_export_that_fixes_it(stub):
+    # llama-server's words for a GGUF without FIM ids
+    Stub.reply = (501, {"error": {"code": 501, "message": "Infill is not supported by this model: prefix token is "
+                                  "missing"}})
+    with pytest.raises(EvalError, match="no fill-in-the-middle tokens: export the run again"):
+        infill_backend(stub)("a", "b", [], 4)

@@ -194,6 +194,13 @@ def add_eval_parser(sub) -> None:
                    help="--repo: score a server instead of a run: llama-server on a GGUF or codeforge serve "
                         "(--endpoint-api infill, the default), or any OpenAI-compatible server that takes `suffix` "
                         "(--endpoint-api completions); with --run too, the run's training files are left out")
+    e.add_argument("--gguf", default=None, metavar="FILE",
+                   help="--repo: score an exported GGUF in llama.cpp: starts llama-server on it (-c its context, -b "
+                        "half of it, -n 16), sends each case to its /infill; with --run too, the run's training files "
+                        "are left out")
+    e.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="--gguf: the llama-server binary (default $CODEFORGE_LLAMA_SERVER, the one "
+                        "benchmarks/build_llama_server.py built, or llama-server on the PATH)")
     e.add_argument("--endpoint-api", default="infill", choices=["infill", "completions"], help="--endpoint's API")
     e.add_argument("--endpoint-model", default=None, help="--endpoint-api completions: the model name to send")
     e.add_argument("--json", action="store_true", help="print the results as one JSON object")
@@ -226,13 +233,14 @@ def cmd_eval(a: argparse.Namespace) -> int:
 def _score_repo(a: argparse.Namespace) -> int:
     """eval --repo DIR: FIM on held-out files of a repository, for a run or an endpoint."""
     from ..evaluation.repo import run_repo_eval
-    if not a.run and not a.endpoint:
-        raise CLIError("eval --repo DIR scores a run (--run RUN) or a server (--endpoint URL)")
-    if a.endpoint and not a.run:
+    if not a.run and not a.endpoint and not a.gguf:
+        raise CLIError("eval --repo DIR scores a run (--run RUN), a GGUF in llama-server (--gguf FILE) or a server "
+                       "(--endpoint URL)")
+    if (a.endpoint or a.gguf) and not a.run:
         print("note: without --run, whether these files were trained on cannot be checked", file=sys.stderr)
     r = run_repo_eval(a.repo, a.run, a.endpoint, a.endpoint_api, a.endpoint_model, a.repo_cases, a.repo_context,
-                      a.repo_seed, device=a.device, which=a.checkpoint,
-                      both=a.repo_both)
+                      a.repo_seed, device=a.device, which=a.checkpoint, both=a.repo_both, gguf=a.gguf,
+                      llama_server=a.llama_server, log=lambda m: print(m, file=sys.stderr))
     if a.run and not a.out:
         from ..evaluation.run import record_eval
         record_eval(a.run, {"repo_eval": r})

@@ -38,6 +38,7 @@ from ..device import choose_device, choose_precision
 from ..engine import Engine, SamplingParams
 from ..fim import fit_infill, infill_stop_ids, repo_infill
 from ..syntax import guess_language, is_valid_syntax
+from ..tokenizer import CodeTokenizer
 from .lm import EvalError
 
 KINDS = ("line", "span", "block")
@@ -200,9 +201,16 @@ def infill_backend(url: str):
     url = url.rstrip("/") + "/infill"
 
     def fill(prefix: str, suffix: str, extra, max_new: int) -> str:
-        r = _post(url, {"input_prefix": prefix, "input_suffix": suffix, "n_predict": max_new, "temperature": 0,
-                        "top_k": 1, "seed": 0, "cache_prompt": False,
-                        "input_extra": [{"filename": p, "text": t} for p, t in extra]}, "/infill")
+        try:
+            r = _post(url, {"input_prefix": prefix, "input_suffix": suffix, "n_predict": max_new, "temperature": 0,
+                            "top_k": 1, "seed": 0, "cache_prompt": False,
+                            "input_extra": [{"filename": p, "text": t} for p, t in extra]}, "/infill")
+        except EvalError as e:
+            if "not supported" in str(e).lower():  # llama-server's and codeforge serve's words for a model without FIM
+                raise EvalError(f"{e}\nthe model it serves has no fill-in-the-middle tokens: export the run again "
+                                f"with `codeforge export --run RUN --format gguf` (it writes their ids) from a run "
+                                f"whose tokenizer has them, or score the run itself with --run") from None
+            raise
         if "content" not in r:
             raise EvalError(f"{url} answered without `content`: not llama.cpp's /infill")
         return r["content"]
@@ -259,13 +267,24 @@ def score_repo(fill, cases: list[dict], max_new: int = 64, with_context: bool = 
 
 def run_repo_eval(repo: str, run: str | None = None, endpoint: str | None = None, api: str = "infill",
                   model: str | None = None, n: int = 20, context_files: int = 4, seed: int = 0, max_new: int = MAX_FILL,
-                  device: str = "auto", which: str = "auto", both: bool = False) -> dict:
-    """Everything `eval --repo` reports. both: score with and without the repository context."""
+                  device: str = "auto", which: str = "auto", both: bool = False, gguf: str | None = None,
+                  llama_server: str | None = None, log=print) -> dict:
+    """Everything `eval --repo` reports. both: score with and without the repository context. gguf: start
+    llama.cpp's llama-server on that file (binary: llama_server, or as evaluation/llama_server.py finds it) and
+    score it through its /infill; a run given beside it or an endpoint only says which files are held out."""
+    if gguf:
+        from .llama_server import running
+
+        if endpoint:
+            raise EvalError("--gguf FILE starts its own llama-server: give it or --endpoint URL, not both")
+        with running(gguf, llama_server, log=log) as url:
+            r = run_repo_eval(repo, run, url, "infill", None, n, context_files, seed, max_new, device, which, both)
+        return {**r, "backend": f"llama-server {gguf}"}
     if n < 1 or context_files < 0:
         raise EvalError(f"--repo-cases {n} / --repo-context {context_files}: give at least 1 case of each kind and 0 "
                         f"or more other files")
     files = repo_files(repo)
-    run_dir = None
+    run_dir = ck = None
     if run:
         ck = find_checkpoint(run, which)
         run_dir = str(ck.parent.parent)
@@ -281,8 +300,12 @@ def run_repo_eval(repo: str, run: str | None = None, endpoint: str | None = None
         raise EvalError(f"--repo {repo}: none of its {len(kept)} held-out files gives a case (files that parse, "
                         f"with 4+ lines of code, up to {MAX_FILE_CHARS:,} characters; Go and Python)")
     if endpoint:
-        for c in cases:  # no tokenizer at hand: about 2 bytes a token, generous for code
-            c["budget"] = min(MAX_FILL, len(c["middle"].encode()) // 2 + 8)
+        # the run's tokenizer where there is one: the budgets of scoring the run itself, so the numbers compare;
+        # without one, about 2 bytes a token, generous for code
+        tok = CodeTokenizer.load(ck / "tokenizer") if ck and (ck / "tokenizer" / "tokenizer.json").exists() else None
+        for c in cases:
+            need = len(tok.encode(c["middle"])) if tok else len(c["middle"].encode()) // 2
+            c["budget"] = min(MAX_FILL, need + 8)
         fill = infill_backend(endpoint) if api == "infill" else completions_backend(endpoint, model)
         if api != "infill":
             context_files, both = 0, False
