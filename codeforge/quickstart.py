@@ -34,7 +34,7 @@ from .stages import run as run_stage
 from .stages.local import resolve_auto
 from .stages.lm import MANY_PASSES
 from .tasks.tool_calls import TOOLS as TOOL_SCHEMAS, TOOLS_FILE, write_tool_data, write_tools_file
-from .tokenizer import train_tokenizer
+from .tokenizer import CodeTokenizer, train_tokenizer
 
 # The recipe is two presets: the `cpu-small` model (3.4M parameters at this vocabulary) and the `lowend-cpu`
 # training profile (Muon, batch 16 x 256 tokens, learning rates for a run this short), chosen for held-out
@@ -45,6 +45,10 @@ STEPS = 560
 TIME_BUDGET = 8.0  # minutes of pretraining by default: 560 steps fit on a CPU with native bfloat16 (~7.3 min)
 RUN = {"eval_every": 100, "eval_tokens": 32_768, "save_every": 200, "log_every": 10}
 VOCAB = 8192
+# repo-level fill-in-the-middle: this share of the training files also becomes a document in the layout
+# llama-server's /infill builds from an editor's request (prepare --repo-fim); the mix measured in
+# benchmarks/fim_mix.py (docs/LOG.md, 2026-11-27)
+REPO_FIM = 0.5
 # --chat: a context that holds a tool-calling conversation (up to ~600 tokens with five tool schemas; at 512,
 # 347 of 1,500 were dropped), ~2,300 tokens per step. Then SFT and tools start from it at learning rates for a 5M
 # model (the seeds' 5e-5 and 3e-6 are for 100M+ models). Fewer pretraining steps than the plain quickstart's 560
@@ -204,12 +208,17 @@ def _same_split(out_dir: Path, old: dict, opts: CorpusOptions) -> None:
                           f"with this run (nothing was changed)")
 
 
-def _prepare(out_dir: Path, src: str, tok_dir: Path, opts: CorpusOptions, keep: bool) -> dict:
+def _has_repo_tokens(tok_dir: Path) -> bool:
+    special = CodeTokenizer.load(tok_dir).special_ids
+    return all(special.get(t) is not None for t in ("<|repo_name|>", "<|file_sep|>"))
+
+
+def _prepare(out_dir: Path, src: str, tok_dir: Path, opts: CorpusOptions, keep: bool, repo_fim: float = 0.0) -> dict:
     """The shards (a no-op when unchanged). keep: a run has trained on OUT/data, so it is never rewritten:
     if the corpus changed since, the run goes on with the data it started on, and says so."""
     data_dir = out_dir / "data"
     try:
-        return prepare([src], tok_dir, data_dir, opts, overwrite=not keep,
+        return prepare([src], tok_dir, data_dir, opts, overwrite=not keep, repo_fim=repo_fim,
                        log=lambda m: print(f"      {m}") if m.startswith("warning") else None)
     except ShardError:
         if not keep or not (data_dir / "meta.json").exists():
@@ -267,7 +276,13 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     if hrm:
         return hrm_quickstart(out_dir, src, langs, tok_dir, max_iters, device, t_start)
 
-    meta = _prepare(out_dir, src, tok_dir, opts, keep=trained)
+    # a run that has trained keeps the documents it trained on (data prepared before repo-level FIM had none)
+    repo_fim = old["options"].get("repo_fim", 0.0) if trained and old else REPO_FIM
+    if repo_fim and not _has_repo_tokens(tok_dir):
+        print(f"      note: {tok_dir} was trained before <|repo_name|> and <|file_sep|> existed, so no repo-level "
+              f"fill-in-the-middle; delete it (and {data_dir}) to train a tokenizer that has them")
+        repo_fim = 0.0
+    meta = _prepare(out_dir, src, tok_dir, opts, keep=trained, repo_fim=repo_fim)
     val = meta["splits"]["val"]
     reused = "reusing " if old and meta.get("fingerprint") == old.get("fingerprint") else ""
     print(f"[3/{n}] prepare: {reused}{meta['documents']} files -> {meta['tokens']:,} tokens "
@@ -299,6 +314,10 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     if cfg.train.fim_rate and not chat:
         print(f"      fill-in-the-middle, as editors ask for completions: {cfg.train.fim_rate:.0%} of the documents are "
               f"cut in three and trained middle-last ({cfg.train.fim_spm_rate:.0%} of those suffix first)")
+    if meta.get("repo_fim_documents"):
+        print(f"      and {meta['repo_fim_documents']:,} repo-level ones ({meta['options']['repo_fim']:.0%} of the training "
+              f"files, each after up to two files of its directory, as llama-server's /infill lays out an editor's "
+              f"request with other files)")
     result = run_stage(cfg, resume=resume)
     if result["interrupted"]:
         print("interrupted; run the quickstart again to resume")

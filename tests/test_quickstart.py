@@ -22,6 +22,10 @@ def test_quickstart_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
     printed = capsys.readouterr().out
     assert "[5/5]" in printed and "bits per byte" in printed and "sample (step 12):" in printed
     assert "fill-in-the-middle, as editors ask for completions: 50% of the documents" in printed
+    from codeforge import quickstart
+    meta = json.loads((out / "data" / "meta.json").read_text())
+    assert meta["options"]["repo_fim"] == quickstart.REPO_FIM and meta["repo_fim_documents"] > 0
+    assert f"and {meta['repo_fim_documents']:,} repo-level ones" in printed
     # pretraining ran as 2 processes of half the batch each (stages/local.py)
     assert "each of 2 local processes" in printed and "batch 8 x accumulation 1 x 2 rank(s)" in printed
     conf = (out / "run" / "config.toml").read_text()
@@ -205,14 +209,17 @@ def _small_library(root, files=40):
     return root
 
 
-def test_a_small_repository_gets_an_honest_split_that_nothing_changes_under_its_run(tmp_path, capsys):
+def test_a_small_repository_gets_an_honest_split_that_nothing_changes_under_its_run(tmp_path, capsys, monkeypatch):
     """The newcomer's walk on a small library: the validation split is sized to hold several files, the plan
     says how many passes it makes and warns when they are many; a second run with another --val-fraction
     is refused before anything is rewritten (naming the quickstart's own fix); data prepared again under
     the run with another split makes `eval --run` say loudly how many validation files the run trained on."""
     src = _small_library(tmp_path / "golib")
     out = tmp_path / "qs"
-    r = run_quickstart(str(out), corpus=str(src), max_iters=30)
+    from codeforge import quickstart
+    with monkeypatch.context() as m:  # a run whose data was prepared before repo-level FIM was the default
+        m.setattr(quickstart, "REPO_FIM", 0.0)
+        r = run_quickstart(str(out), corpus=str(src), max_iters=30)
     printed = capsys.readouterr().out
     meta = json.loads((out / "data" / "meta.json").read_text())
     val_docs = meta["splits"]["val"]["documents"]
@@ -232,6 +239,7 @@ def test_a_small_repository_gets_an_honest_split_that_nothing_changes_under_its_
     r = run_quickstart(str(out), corpus=str(src), max_iters=40)
     printed = capsys.readouterr().out
     assert r["step"] == 40 and "steps 31-40" in printed
+    assert "prepare: reusing" in printed and "repo-level ones" not in printed  # it goes on with the data it had
     assert f"sample (step {r['scored_step']})" in printed and r["checkpoint"].endswith(f"{r['scored_step']:06d}")
     assert "at step 40 (the run's last" in printed or "of the run's 40" in printed
 
