@@ -781,13 +781,15 @@ VAL_LEAST_BYTES = 64 * 1024  # a validation split of ~20k tokens: enough for a l
 VAL_MOST_SHARE = 0.1  # ... but never more than a tenth of a small corpus's bytes
 VAL_LEAST_DOCS = 3  # and a few files, not one
 VAL_CAP_SHARE = 0.25  # whole files are taken: never more than a quarter of the bytes (one large file can be most)
+VAL_ALONE_SHARE = 0.5  # ... unless the first file alone is over it: up to half, rather than no validation at all
 
 
 def sized_val_fraction(docs: list[tuple[bytes, int]], least: float) -> float:
     """The --val-fraction that gives a validation split of at least `least` of the documents and enough
     bytes to score on: min(VAL_LEAST_BYTES, VAL_MOST_SHARE of the corpus) and min(VAL_LEAST_DOCS, a tenth of
     the files, at least one), not past VAL_CAP_SHARE of the bytes (files are whole: one large file can be
-    most of a small corpus; only `least` itself may take more). docs: every document's (content hash, bytes), as split_of sees them. Large
+    most of a small corpus; only `least` itself may take more, or the first file alone when it is at most
+    VAL_ALONE_SHARE: one file of validation is better than none). docs: every document's (content hash, bytes), as split_of sees them. Large
     corpora keep `least`; a small repository gets a larger share, so its validation split is not one file
     of a few hundred tokens. The split stays split_of's rule (the documents whose hash falls below the
     fraction), so the same corpus always splits the same way."""
@@ -803,7 +805,9 @@ def sized_val_fraction(docs: list[tuple[bytes, int]], least: float) -> float:
             break
         got += ranked[k][1]
         k += 1
-    if k == 0:  # the first file alone is over the cap: the least share, however few files that gives
+    if k == 0 and ranked[0][1] <= VAL_ALONE_SHARE * total:  # over the cap alone, but no split at all is worse
+        k = 1
+    if k == 0:  # the first file alone is most of the code: the least share, however few files that gives
         return least
     a, b = ranked[k - 1][0], ranked[k][0]  # the last document taken and the next: the cut goes between
     cut = next((f for f in (round((a + b) / 2, d) for d in range(2, 18)) if a < f <= b), (a + b) / 2)

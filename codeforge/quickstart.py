@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import shutil
 import sysconfig
@@ -25,6 +26,8 @@ from .data.hrm_batches import PlanData
 from .data.shards import ShardError, prepare
 from .device import choose_device
 from .engine import Engine, SamplingParams
+from .evaluation.lm import EvalError
+from .evaluation.repo import run_repo_eval
 from .evaluation.run import run_eval
 from .evaluation.tool_calls import chat_end_rate, tool_calling_eval
 from .mining.plans import write_plans
@@ -40,7 +43,8 @@ from .tokenizer import CodeTokenizer, train_tokenizer
 # training profile (Muon, batch 16 x 256 tokens, learning rates for a run this short), chosen for held-out
 # bits per byte at equal CPU seconds (benchmarks/quality_per_minute.py; docs/LOG.md, 2026-11-23). On 2 cores
 # with native bfloat16, 560 steps of 4,096 tokens take about 7.3 minutes (~5,200 tokens/s).
-PRESETS = ["cpu-small", "lowend-cpu"]
+MODEL_PRESET = "cpu-small"
+PRESETS = [MODEL_PRESET, "lowend-cpu"]
 STEPS = 560
 TIME_BUDGET = 8.0  # minutes of pretraining by default: 560 steps fit on a CPU with native bfloat16 (~7.3 min)
 RUN = {"eval_every": 100, "eval_tokens": 32_768, "save_every": 200, "log_every": 10}
@@ -147,6 +151,17 @@ def same_corpus(out_dir: Path, src: str, langs: list[str] | None) -> None:
         record.write_text(json.dumps(now) + "\n")
 
 
+# A small repository (the default run would pass over its training files more than MANY_PASSES times, and
+# learn them by heart) first trains a base on a public corpus of its language, then goes on on the repository
+# from the base's best weights, at a lower learning rate, for at most MANY_PASSES passes; the tokenizer is
+# trained on both, the repository's files weighted REPO_TOKENIZER_WEIGHT times, so its identifiers stay whole
+# (docs/LOG.md, 2026-11-27: repository alone against base then repository, at equal time).
+BASE_OF = {"python": "python-stdlib", "go": "go"}
+RUN_TOKENS_PER_STEP = 16 * 256  # the quickstart recipe's batch x context (cpu-small + lowend-cpu; tested)
+BASE_SHARE = 0.75  # of the pretraining time (or --max-iters) the base takes; the repository stage the rest
+REPO_STAGE = {"learning_rate": 0.004, "muon_lr": 0.006, "warmup_steps": 10}
+REPO_TOKENIZER_WEIGHT = 4
+BYTES_PER_TOKEN = 3.5  # code per token of the quickstart's 8k tokenizer (3.8 on the Python standard library)
 QUICK_VAL = 0.02  # the least share of files kept for validation; a small corpus gets more (corpus.sized_val_fraction)
 
 
@@ -208,6 +223,57 @@ def _same_split(out_dir: Path, old: dict, opts: CorpusOptions) -> None:
                           f"with this run (nothing was changed)")
 
 
+def pretrain_config(data_dir: Path, run_dir: Path, meta: dict, steps: int, budget: float, device: str,
+                    chat: bool = False, over: dict | None = None):
+    """The quickstart's pretraining config: the presets, RUN's cadence, steps (or as many as fit in budget
+    seconds, when budget > 0), evaluations every two passes on a small corpus."""
+    train = {**RUN, **(CHAT_TRAIN if chat else {}), **({"local_ranks": 1} if chat else {})}
+    flags = {**{f"model.{k}": v for k, v in (CHAT_MODEL if chat else {}).items()},
+             **{f"train.{k}": v for k, v in train.items()},
+             "train.data": str(data_dir), "train.out": str(run_dir), "train.max_iters": steps, "train.device": device,
+             **(over or {})}
+    if budget:
+        flags["train.time_budget"] = budget  # the step count follows this CPU's pace (docs/pipeline.md)
+    # going on from a base: the model is the base's (the model preset would override its vocabulary), the
+    # recipe still the hardware profile's
+    presets = [p for p in PRESETS if p != MODEL_PRESET] if "train.init_from" in flags else PRESETS
+    cfg = resolve(presets, None, [], flags, vocab_from_data=True)
+    cfg.train = replace(cfg.train, eval_every=eval_cadence(cfg, meta["splits"]["train"]["tokens"]))
+    resolve_auto(cfg)  # the same global batch over one-thread processes: they keep their pace on shared cores
+    return cfg
+
+
+def base_stage(out_dir: Path, base: tuple[str, list[str]], tok_dir: Path, repo_fim: float, max_iters: int | None,
+               total: float, device: str, n: int, kept: int | None) -> tuple[Path | None, float]:
+    """Step 4 of a small repository's quickstart: prepare the base corpus (OUT/base/data) and train the base
+    (OUT/base/run) for BASE_SHARE of the time or of --max-iters; a re-run resumes it or finds it done.
+    (the base run, or None when interrupted; seconds it trained this time)."""
+    bdir = out_dir / "base"
+    src, langs = base
+    b_run = bdir / "run"
+    b_trained = (b_run / rundir.CHECKPOINTS).exists()
+    bdir.mkdir(parents=True, exist_ok=True)
+    (bdir / CORPUS_RECORD).write_text(json.dumps({"corpus": src, "languages": langs}))
+    old = _prepared_meta(bdir / "data")
+    opts = CorpusOptions(languages=langs, exclude_tests=True, val_fraction=old["options"]["val_fraction"]
+                         if b_trained and old else _sized_split(src, langs, None))
+    meta = _prepare(bdir, src, tok_dir, opts, keep=b_trained,
+                    repo_fim=old["options"].get("repo_fim", 0.0) if b_trained and old else repo_fim)
+    if kept or b_trained and max_iters is None:  # done before (or resumed as it was)
+        steps, budget = saved_step_count(b_run) or STEPS, 0.0
+    elif max_iters:
+        steps, budget = max(1, round(BASE_SHARE * max_iters)), 0.0
+    else:
+        steps, budget = STEPS, BASE_SHARE * total
+    cfg = pretrain_config(bdir / "data", b_run, meta, steps, budget, device)
+    print(f"[4/{n}] base: {meta['documents']} files of {src} -> {meta['splits']['train']['tokens']:,} training tokens; "
+          + (f"as many of {steps} steps as fit in {budget / 60:.3g} minutes" if budget else f"{steps} steps")
+          + f" -> {b_run}")
+    t0 = time.perf_counter()
+    result = run_stage(cfg, resume=b_trained)
+    return (None if result["interrupted"] else b_run), time.perf_counter() - t0
+
+
 def _has_repo_tokens(tok_dir: Path) -> bool:
     special = CodeTokenizer.load(tok_dir).special_ids
     return all(special.get(t) is not None for t in ("<|repo_name|>", "<|file_sep|>"))
@@ -242,20 +308,19 @@ def saved_step_count(run_dir: Path) -> int | None:
 
 def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | None = None,
                    device: str = "auto", chat: bool = False, hrm: bool = False, val_fraction: float | None = None,
-                   time_budget: float | None = None, base_dir: str | None = None) -> dict:
+                   time_budget: float | None = None, base_dir: str | None = None, base: str = "auto") -> dict:
     """The pipeline; with chat, then chat SFT on pairs mined from the same corpus, then tool calling; with
     hrm, the hierarchical planner/generator model on plans mined from the corpus instead. time_budget:
     minutes pretraining may take (None: TIME_BUDGET; it sets the step count from the measured pace, up to
     STEPS); max_iters pins the steps instead. base_dir: with chat, the plain quickstart's directory for the
-    same corpus, whose tokenizer and shards are reused when it has them."""
+    same corpus, whose tokenizer and shards are reused when it has them. base: a small repository's base corpus
+    ("auto": the built-in corpus of its language; "none"; or python-stdlib, go, a path): choose_base."""
     t_start = time.perf_counter()
     out_dir = Path(out)
     src, langs = corpus_path(corpus)
     same_corpus(out_dir, src, langs)
     counts = corpus_languages(src, langs)  # one walk of the tree for the language and the corpus line
     lang = corpus_language(counts)
-    n = 8 if chat else 5  # the steps it announces: the chat stages are 5-8
-    print(f"[1/{n}] corpus: {src} ({describe_corpus(counts, langs)})")
     data_dir, run_dir = out_dir / "data", out_dir / "run"
     trained = (run_dir / rundir.CHECKPOINTS).exists()
     if chat and not trained:
@@ -272,7 +337,13 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     opts = CorpusOptions(languages=langs, exclude_tests=True, val_fraction=val_fraction)
     if trained and old and not hrm:
         _same_split(out_dir, old, opts)
-    tok_dir = _tokenizer(out_dir, src, opts, n)
+    base_corpus = None if chat or hrm else choose_base(base, corpus, src, langs, lang, out_dir, trained, val_fraction)
+    n = 8 if chat else 6 if base_corpus else 5  # the steps it announces: the chat stages are 5-8
+    print(f"[1/{n}] corpus: {src} ({describe_corpus(counts, langs)})")
+    if base_corpus:
+        print(f"      a small repository: a base model trains on {base_corpus[0]} first, then goes on on your files "
+              f"(--base none: your files alone)")
+    tok_dir = _tokenizer(out_dir, src, opts, n, base=base_corpus)
     if hrm:
         return hrm_quickstart(out_dir, src, langs, tok_dir, max_iters, device, t_start)
 
@@ -292,25 +363,38 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
 
     resume = trained
     kept = saved_step_count(run_dir) if resume and not chat and max_iters is None and time_budget is None else None
-    max_iters = max_iters or kept  # a re-run keeps the count the first run's time budget chose
+    total = 60 * (time_budget if time_budget is not None else TIME_BUDGET)  # seconds of pretraining
+    over: dict = {}
+    if base_corpus:  # the base first; the repository stage gets the rest, for at most MANY_PASSES passes
+        base_run, used = base_stage(out_dir, base_corpus, tok_dir, repo_fim, max_iters, total, device, n, kept)
+        if base_run is None:
+            print("interrupted; run the quickstart again to resume")
+            return {"interrupted": True, "step": 0}
+        if kept:  # a re-run keeps the count the first run chose
+            steps, budget = kept, 0.0
+        elif max_iters:  # a pinned count is the two stages' total
+            steps, budget = max(1, max_iters - round(BASE_SHARE * max_iters)), 0.0
+        else:
+            steps = max(1, math.ceil(MANY_PASSES * meta["splits"]["train"]["tokens"] / RUN_TOKENS_PER_STEP))
+            budget = max(60.0, total - used)
+        over = {**{f"train.{k}": v for k, v in REPO_STAGE.items()}, "train.init_from": str(base_run)}
+    else:
+        steps = max_iters or kept or (CHAT_STEPS if chat else STEPS)  # a re-run keeps the count it chose
+        budget = 0.0 if max_iters or kept or chat else total
     # precision and processes come from the lowend-cpu profile (`fastest`: bf16 where the CPU multiplies it
     # natively; local_ranks 0: one process per core, up to 4): the same recipe as `train --preset cpu-small
     # lowend-cpu`. --chat trains in one process (its batch of 3 does not split).
-    train = {**RUN, **(CHAT_TRAIN if chat else {}), **({"local_ranks": 1} if chat else {})}
-    flags = {**{f"model.{k}": v for k, v in (CHAT_MODEL if chat else {}).items()},
-             **{f"train.{k}": v for k, v in train.items()},
-             "train.data": str(data_dir), "train.out": str(run_dir), "train.max_iters": max_iters or (CHAT_STEPS if chat else STEPS), "train.device": device}
-    budget = 0.0 if max_iters else 60 * (time_budget if time_budget is not None else TIME_BUDGET)
-    if budget and not chat:
-        flags["train.time_budget"] = budget  # the step count follows this CPU's pace (docs/pipeline.md)
-    cfg = resolve(PRESETS, None, [], flags, vocab_from_data=True)
-    cfg.train = replace(cfg.train, eval_every=eval_cadence(cfg, meta["splits"]["train"]["tokens"]))
-    resolve_auto(cfg)  # the same global batch over one-thread processes: they keep their pace on shared cores
+    cfg = pretrain_config(data_dir, run_dir, meta, steps, budget, device, chat, over)
     _enough(meta, cfg, src)
-    print(f"[4/{n}] train: {cfg.train.max_iters} steps" + (" (the count this run chose; --max-iters N trains on "
-          "to N)" if kept else "") + f" -> {run_dir}" if not cfg.train.time_budget else
-          f"[4/{n}] train: as many of {cfg.train.max_iters} steps as fit in {cfg.train.time_budget / 60:g} minutes "
-          f"on this CPU (--max-iters N pins the count) -> {run_dir}")
+    step_no = 5 if base_corpus else 4
+    on = " on your files" if base_corpus else ""
+    print(f"[{step_no}/{n}] train{on}: {cfg.train.max_iters} steps" + (" (the count this run chose; --max-iters N "
+          "trains on to N)" if kept else "") + f" -> {run_dir}" if not cfg.train.time_budget else
+          f"[{step_no}/{n}] train{on}: as many of {cfg.train.max_iters} steps as fit in "
+          f"{cfg.train.time_budget / 60:.3g} minutes on this CPU (--max-iters N pins the count) -> {run_dir}")
+    if base_corpus:
+        print(f"      from the base's best weights ({base_run}), at learning rate {cfg.train.learning_rate:g}, "
+              f"at most {MANY_PASSES} passes over your training files")
     if cfg.train.fim_rate and not chat:
         print(f"      fill-in-the-middle, as editors ask for completions: {cfg.train.fim_rate:.0%} of the documents are "
               f"cut in three and trained middle-last ({cfg.train.fim_spm_rate:.0%} of those suffix first)")
@@ -325,7 +409,7 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
 
     if chat:
         return {**result, **chat_stages(out_dir, src, langs, run_dir, device, t_start)}
-    print("[5/5] eval and sample (the validation loss is training's; syntax and HumanEval are new)")
+    print(f"[{n}/{n}] eval and sample (the validation loss is training's; syntax and HumanEval are new)")
     he, he_skip = 0, ""
     if lang != "python":
         he_skip = f"its problems are Python, and this corpus is {lang or 'in another language'}"
@@ -359,11 +443,31 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
                f"HumanEval pass@1 {ev['pass_at_1']:.3f}, pass@5 {ev['pass_at_k'].get('5', 0.0):.3f} "
                f"on {ev['humaneval_problems']} problems (a model this small is not expected to pass any)")
     print(f"syntax-valid completions: {sv_text}; {he_text}")
+    fim = repo_fim_score(src, best, device) if not langs else None  # your own code: as an editor asks
     print(f"sample (step {ev['step']}):\n{prompt}{sample}\n")
     hint = {"python": "def ", "go": "func "}.get(lang, "")
     print(f"finished in {(time.perf_counter() - t_start) / 60:.1f} min. Next: codeforge generate --run {run_dir} "
           f"--prompt {hint!r}   |   codeforge eval --run {run_dir}   |   tensorboard --logdir {run_dir}/tensorboard")
-    return {**result, **ev, "step": result["step"], "scored_step": ev["step"]}  # step: training's; scored: the checkpoint's
+    return {**result, **ev, "step": result["step"], "scored_step": ev["step"],  # step: training's; scored: the checkpoint's
+            **({"repo_eval": fim} if fim else {})}
+
+
+REPO_CASES = 10  # eval --repo cases of each kind the quickstart scores on your held-out files
+
+
+def repo_fim_score(src: str, best: Path, device: str) -> dict | None:
+    """`eval --repo` on your held-out files (the validation split: files the run trained on are left out), with
+    the other files as context, printed in a line; None (and said) when no held-out file gives a case."""
+    try:
+        r = run_repo_eval(src, run=str(best), n=REPO_CASES, device=device)
+    except EvalError as e:
+        print(f"fill-in-the-middle on your held-out files: not scored ({str(e).splitlines()[0]})")
+        return None
+    a = r["scores"]["all"]
+    print(f"fill-in-the-middle on your held-out files (as an editor asks, with other files as context): "
+          f"{r['cases']} cases from {r['held_out_files']} files, exact {a['exact_match']:.0%}, edit similarity "
+          f"{a['edit_similarity']:.3f}, {a['syntax_valid']:.0%} of filled files parse (codeforge eval --repo)")
+    return r
 
 
 def validations(run_dir: Path) -> dict[int, dict]:
@@ -432,16 +536,59 @@ def _corpus_of(out_dir: Path, src: str | None = None, langs: list[str] | None = 
         return None
 
 
-def _tokenizer(out_dir: Path, src: str, opts: CorpusOptions, n: int = 5) -> Path:
+def _tokenizer(out_dir: Path, src: str, opts: CorpusOptions, n: int = 5, base: tuple[str, list[str]] | None = None) -> Path:
+    """OUT/tokenizer, trained on the corpus (and, with a base corpus, on both: the corpus's files
+    REPO_TOKENIZER_WEIGHT times over, so a small repository's own names get their merges)."""
     tok_dir = out_dir / "tokenizer"
     if (tok_dir / "tokenizer.json").exists():
         print(f"[2/{n}] tokenizer: reusing {tok_dir}")
-    else:
-        stats = CorpusStats()
-        _, meta = train_tokenizer((d.text for d in iter_documents([src], opts, stats)), VOCAB, tok_dir)
-        print(f"[2/{n}] tokenizer: vocab {meta['vocab_size']} trained on {meta['train_documents']} files "
-              f"({meta['train_bytes'] / 1e6:.1f} MB) in {meta['train_seconds']:.1f}s -> {tok_dir}")
+        return tok_dir
+    stats = CorpusStats()
+
+    def texts():
+        for _ in range(REPO_TOKENIZER_WEIGHT if base else 1):
+            yield from (d.text for d in iter_documents([src], opts, stats))
+        if base:
+            yield from (d.text for d in iter_documents([base[0]], CorpusOptions(languages=base[1], exclude_tests=True),
+                                                       CorpusStats()))
+    _, meta = train_tokenizer(texts(), VOCAB, tok_dir)
+    both = f", your files {REPO_TOKENIZER_WEIGHT} times over and {base[0]}" if base else ""
+    print(f"[2/{n}] tokenizer: vocab {meta['vocab_size']} trained on {meta['train_documents']} files{both} "
+          f"({meta['train_bytes'] / 1e6:.1f} MB) in {meta['train_seconds']:.1f}s -> {tok_dir}")
     return tok_dir
+
+
+def choose_base(base: str, corpus: str, src: str, langs: list[str] | None, lang: str | None, out_dir: Path,
+                trained: bool, val_fraction: float) -> tuple[str, list[str]] | None:
+    """(path, languages) of the base corpus a repository trains on first, or None. base: "auto" (a small
+    repository of a language with a built-in corpus), "none", or a corpus (python-stdlib, go, a path)."""
+    if base == "none" or (langs and base == "auto"):  # a built-in corpus is its own base
+        return None
+    if (out_dir / "base" / "run" / rundir.CHECKPOINTS).exists():
+        return corpus_path(_base_record(out_dir) or BASE_OF.get(lang or "", base))
+    if trained:  # a run that trained on the repository alone goes on alone
+        return None
+    if base != "auto":
+        return corpus_path(base)
+    if lang not in BASE_OF:
+        return None
+    code = sum(d.nbytes for d in iter_documents([src], CorpusOptions(languages=langs, exclude_tests=True), CorpusStats())
+               if EXT_TO_LANG.get(Path(d.source).suffix) != "text")
+    tokens = code * (1 - val_fraction) / BYTES_PER_TOKEN
+    if tokens * MANY_PASSES >= STEPS * RUN_TOKENS_PER_STEP:
+        return None
+    try:
+        return corpus_path(BASE_OF[lang])
+    except FileNotFoundError as e:
+        print(f"      note: a base of {lang} code would help this small repository, but {e}")
+        return None
+
+
+def _base_record(out_dir: Path) -> str | None:
+    try:
+        return json.loads((out_dir / "base" / CORPUS_RECORD).read_text())["corpus"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 # --hrm: seed 001's hierarchical model at a CPU's size (hrm-tiny's shape at this tokenizer's 8k vocabulary);

@@ -16,12 +16,15 @@ def test_quickstart_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
     from codeforge.stages import local
     monkeypatch.setattr(local, "auto_ranks", lambda cfg: 2)  # on any number of cores: 2 local processes
     out = tmp_path / "qs"
-    r = run_quickstart(str(out), corpus=str(STDLIB / "email"), max_iters=12)
+    r = run_quickstart(str(out), corpus=str(STDLIB / "email"), max_iters=12, base="none")
     assert r["step"] == 12 and r["val_loss"] > 0 and r["bits_per_byte"] > 0
     assert 0 <= r["syntax_valid_rate"] <= 1 and r["pass_at_1"] == 0.0
     printed = capsys.readouterr().out
     assert "[5/5]" in printed and "bits per byte" in printed and "sample (step 12):" in printed
     assert "fill-in-the-middle, as editors ask for completions: 50% of the documents" in printed
+    # your own code gets a score as an editor asks for completions, on the files it never trained on
+    assert "fill-in-the-middle on your held-out files" in printed and r["repo_eval"]["trained_on_files"] > 0
+    assert r["repo_eval"]["held_out_checked"] and r["repo_eval"]["cases"] > 0
     from codeforge import quickstart
     meta = json.loads((out / "data" / "meta.json").read_text())
     assert meta["options"]["repo_fim"] == quickstart.REPO_FIM and meta["repo_fim_documents"] > 0
@@ -33,7 +36,7 @@ def test_quickstart_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
     for p in ("tokenizer/tokenizer.json", "data/meta.json", "run/metrics.jsonl", "run/eval.jsonl", "run/config.toml"):
         assert (out / p).exists(), p
     # Running it again reuses the tokenizer and shards and finds the run complete.
-    r2 = run_quickstart(str(out), corpus=str(STDLIB / "email"), max_iters=12)
+    r2 = run_quickstart(str(out), corpus=str(STDLIB / "email"), max_iters=12, base="none")
     again = capsys.readouterr().out
     assert "tokenizer: reusing" in again and "prepare: reusing" in again and r2["step"] == 12
     # ... without training nothing, rewriting the final checkpoint, or a garbled plan line
@@ -101,7 +104,7 @@ def test_quickstart_runs_in_llama_cpp_with_the_same_greedy_tokens(corpus, tmp_pa
     else:
         src, prompt = str(STDLIB / "email"), "def parse_header(line):\n    "
     out = tmp_path / "qs"
-    run_quickstart(str(out), corpus=src, max_iters=60)
+    run_quickstart(str(out), corpus=src, max_iters=60, base="none")
     gguf = tmp_path / "q.gguf"
     assert main(["export", "--run", str(out / "run"), "--format", "gguf", "--out", str(gguf), "--dtype", "q8_0"]) == 0
     capsys.readouterr()
@@ -146,7 +149,7 @@ def test_quickstart_on_a_small_go_library_speaks_go_and_keeps_its_time_budget(tm
             f"package lib\n\n// Sum{i} adds the numbers of xs and {i}.\nfunc Sum{i}(xs []int) int {{\n"
             f"\ttotal := {i}\n\tfor _, x := range xs {{\n\t\ttotal += x\n\t}}\n\treturn total\n}}\n" * 4)
     out = tmp_path / "qs"
-    r = run_quickstart(str(out), corpus=str(src), val_fraction=0.25, time_budget=0.1)
+    r = run_quickstart(str(out), corpus=str(src), val_fraction=0.25, time_budget=0.1, base="none")
     said = capsys.readouterr()
     printed = said.out
     assert "eval: syntax" in said.err and "eval: validation loss" not in said.err  # scored once, by training
@@ -161,7 +164,7 @@ def test_quickstart_on_a_small_go_library_speaks_go_and_keeps_its_time_budget(tm
     assert r["val_loss"] == last_val["val_loss"] and r["bits_per_byte"] == last_val["val_bpb"]
     assert json.loads((out / "data" / "meta.json").read_text())["splits"]["val"]["documents"] > 0
     # run again, as the README says: the run keeps the count its budget chose (it does not train on to 560)
-    again = run_quickstart(str(out), corpus=str(src), val_fraction=0.25)
+    again = run_quickstart(str(out), corpus=str(src), val_fraction=0.25, base="none")
     printed = capsys.readouterr().out
     assert f"train: {saved['max_iters']} steps (the count this run chose" in printed
     assert again["step"] == saved["max_iters"] and "val_loss" in again
@@ -171,7 +174,7 @@ def test_quickstart_on_a_small_go_library_speaks_go_and_keeps_its_time_budget(tm
     other.mkdir()
     (other / "a.go").write_text("package a\n")
     with pytest.raises(ConfigError, match="holds a quickstart made from .*golib.*--out"):
-        run_quickstart(str(out), corpus=str(other))
+        run_quickstart(str(out), corpus=str(other), base="none")
     assert (out / "data" / "meta.json").read_bytes() == meta
 
 
@@ -219,7 +222,7 @@ def test_a_small_repository_gets_an_honest_split_that_nothing_changes_under_its_
     from codeforge import quickstart
     with monkeypatch.context() as m:  # a run whose data was prepared before repo-level FIM was the default
         m.setattr(quickstart, "REPO_FIM", 0.0)
-        r = run_quickstart(str(out), corpus=str(src), max_iters=30)
+        r = run_quickstart(str(out), corpus=str(src), max_iters=30, base="none")
     printed = capsys.readouterr().out
     meta = json.loads((out / "data" / "meta.json").read_text())
     val_docs = meta["splits"]["val"]["documents"]
@@ -236,7 +239,7 @@ def test_a_small_repository_gets_an_honest_split_that_nothing_changes_under_its_
     trained = np.load(out / "run" / "trained_documents.npy")
     assert len(trained) == meta["splits"]["train"]["documents"]
     # resumed with more steps: the summary is the new run's, and names the step it scores
-    r = run_quickstart(str(out), corpus=str(src), max_iters=40)
+    r = run_quickstart(str(out), corpus=str(src), max_iters=40, base="none")
     printed = capsys.readouterr().out
     assert r["step"] == 40 and "steps 31-40" in printed
     assert "prepare: reusing" in printed and "repo-level ones" not in printed  # it goes on with the data it had
@@ -246,13 +249,13 @@ def test_a_small_repository_gets_an_honest_split_that_nothing_changes_under_its_
     # the data a trained run used, gone: refused, not prepared again with a split the run may have trained on
     (out / "data").rename(out / "data-aside")
     with pytest.raises(ConfigError, match=r"the data .* trained on, is gone.*Restore it"):
-        run_quickstart(str(out), corpus=str(src))
+        run_quickstart(str(out), corpus=str(src), base="none")
     assert not (out / "data").exists()
     (out / "data-aside").rename(out / "data")
     # the README's advice for small libraries, into the same directory: refused at step 1, nothing rewritten
     before = {p.name: p.read_bytes() for p in (out / "data").iterdir() if p.is_file()}
     with pytest.raises(ConfigError) as e:
-        run_quickstart(str(out), corpus=str(src), val_fraction=0.3)
+        run_quickstart(str(out), corpus=str(src), val_fraction=0.3, base="none")
     msg = str(e.value)
     assert "val-fraction" in msg and f"--out {out}-new" in msg and "drop --val-fraction" in msg
     assert "--init-from" not in msg and "sha256" not in msg and len(msg.replace(str(out), "OUT")) < 400
@@ -283,9 +286,73 @@ def test_a_directory_without_code_stops_at_step_one(tmp_path, capsys):
     src.mkdir()
     (src / "README.txt").write_text("no code here\n")
     with pytest.raises(ConfigError, match=r"no code found in .*notes.*--corpus"):
-        run_quickstart(str(tmp_path / "qs"), corpus=str(src))
+        run_quickstart(str(tmp_path / "qs"), corpus=str(src), base="none")
     assert "[1/5]" in capsys.readouterr().out and not (tmp_path / "qs" / "tokenizer").exists()
     (src / "a.go").write_text("package a\n\nfunc A() int { return 1 }\n")  # code, but far too little
     with pytest.raises(ConfigError, match=r"gives \d+ training tokens, fewer than one training step reads .*--corpus"):
-        run_quickstart(str(tmp_path / "qs"), corpus=str(src))
+        run_quickstart(str(tmp_path / "qs"), corpus=str(src), base="none")
     assert "[4/5]" not in capsys.readouterr().out
+
+
+def test_a_small_repository_trains_on_a_base_first_then_on_its_own_files(tmp_path, capsys):
+    """A small Python repository: a base on a public corpus of its language (here a small one, given), then the
+    repository from the base's weights; one tokenizer for both; the repository's validation files stay held
+    out of both stages; the time (here the steps) is split, and a re-run finds both stages done."""
+    out = tmp_path / "qs"
+    r = run_quickstart(str(out), corpus=str(STDLIB / "wsgiref"), max_iters=16, base=str(STDLIB / "json"))
+    printed = capsys.readouterr().out
+    assert "[4/6] base:" in printed and "[5/6] train on your files: 4 steps" in printed and "[6/6] eval" in printed
+    assert "your files 4 times over" in printed and "from the base's best weights" in printed
+    assert (out / "base" / "run" / "checkpoints" / "step_000012").exists() and r["step"] == 4
+    import tomllib
+    conf = tomllib.loads((out / "run" / "config.toml").read_text())
+    assert conf["train"]["init_from"] == str(out / "base" / "run") and conf["train"]["learning_rate"] == 0.004
+    base_conf = tomllib.loads((out / "base" / "run" / "config.toml").read_text())
+    assert conf["model"] == base_conf["model"]
+    # what the run trained on: both stages' training files, never the repository's validation files
+    trained = np.load(out / "run" / "trained_documents.npy")
+    repo_train, base_train = (np.load(out / d / "train_digests.npy") for d in ("data", "base/data"))
+    assert set(np.unique(repo_train)) | set(np.unique(base_train)) == set(trained)
+    assert not set(np.load(out / "data" / "val_digests.npy")) & set(trained)
+    # again: both stages found done, nothing prepared or trained again
+    r2 = run_quickstart(str(out), corpus=str(STDLIB / "wsgiref"), base=str(STDLIB / "json"))
+    again = capsys.readouterr().out
+    assert "[4/6] base:" in again and "prepare: reusing" in again and r2["step"] == 4
+    assert "training nothing" not in again and f"saved {out}" not in again
+
+
+def test_which_repositories_get_a_base_first(tmp_path, monkeypatch):
+    from codeforge import quickstart
+    small = tmp_path / "small"
+    small.mkdir()
+    (small / "a.py").write_text("def f(x):\n    return x + 1\n" * 50)
+    go = tmp_path / "gosmall"
+    go.mkdir()
+    (go / "a.go").write_text("package a\n\nfunc F(x int) int {\n\treturn x + 1\n}\n" * 20)
+    rust = tmp_path / "rs"
+    rust.mkdir()
+    (rust / "a.rs").write_text("fn f(x: i32) -> i32 { x + 1 }\n" * 50)
+
+    def choose(src, lang, base="auto", langs=None, trained=False):
+        return quickstart.choose_base(base, str(src), str(src), langs, lang, tmp_path / "out", trained, 0.1)
+    assert choose(small, "python") == quickstart.corpus_path("python-stdlib")  # small Python: the standard library
+    assert choose(small, "python", base="none") is None
+    assert choose(small, "python", trained=True) is None  # a run that trained on its files alone goes on alone
+    assert choose(rust, None) is None  # no built-in corpus of its language
+    assert choose(small, "python", base=str(rust)) == (str(rust), None)  # or the one you name
+    stdlib, langs = quickstart.corpus_path("python-stdlib")
+    assert choose(stdlib, "python", langs=langs) is None  # a built-in corpus is its own base
+    monkeypatch.setattr(quickstart, "STEPS", 1)  # a repository the run would pass over fewer than 4 times
+    monkeypatch.setattr(quickstart, "RUN_TOKENS_PER_STEP", 100)
+    assert choose(small, "python") is None
+    monkeypatch.setattr(quickstart, "STEPS", 560)
+    monkeypatch.setattr(quickstart, "RUN_TOKENS_PER_STEP", 4096)
+    monkeypatch.setattr(quickstart, "corpus_path", lambda c: (_ for _ in ()).throw(FileNotFoundError("no Go")))
+    assert choose(go, "go") is None  # Go's standard library not installed: said, and the repository alone
+
+
+def test_the_quickstart_recipe_reads_the_tokens_a_step_the_base_rule_assumes():
+    from codeforge import quickstart
+    from codeforge.config import resolve
+    cfg = resolve(quickstart.PRESETS, None, [], {})
+    assert cfg.train.batch_size * cfg.model.block_size == quickstart.RUN_TOKENS_PER_STEP

@@ -253,6 +253,10 @@ def add_quickstart_parser(sub) -> None:
                         "files; a run that has trained keeps the split it trained on)")
     q.add_argument("--device", default="auto",
                    help="auto (a GPU if there is one, else the CPU), cpu, cuda, cuda:N or mps (default auto)")
+    q.add_argument("--base", default="auto", metavar="CORPUS",
+                   help="a small repository of yours (one the run would pass over more than 4 times) first trains "
+                        "a base on a public corpus of its language, then goes on on your files: auto (the default: "
+                        "Python's or Go's standard library), none (your files alone), python-stdlib, go or a PATH")
     q.add_argument("--chat", action="store_true", help="then chat SFT on pairs mined from the corpus and tool "
                    "calling (about 20 CPU minutes; default --out runs/quickstart-chat)")
     q.add_argument("--hrm", action="store_true",
@@ -269,7 +273,7 @@ def cmd_quickstart(a: argparse.Namespace) -> int:
             raise CLIError("--chat and --hrm are two different quickstarts: pick one")
         r = run_quickstart(a.out or default_out(a.corpus, a.chat, a.hrm), a.corpus, a.max_iters, a.device, chat=a.chat, hrm=a.hrm,
                            val_fraction=a.val_fraction, time_budget=a.time_budget,
-                           base_dir=default_out(a.corpus) if a.chat else None)
+                           base_dir=default_out(a.corpus) if a.chat else None, base=a.base)
     except FileNotFoundError as e:
         raise CLIError(str(e)) from e
     return stopped_code(r)

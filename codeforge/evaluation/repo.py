@@ -39,6 +39,7 @@ from ..engine import Engine, SamplingParams
 from ..fim import fit_infill, infill_stop_ids, repo_infill
 from ..syntax import guess_language, is_valid_syntax
 from ..tokenizer import CodeTokenizer
+from .llama_server import running
 from .lm import EvalError
 
 KINDS = ("line", "span", "block")
@@ -273,8 +274,6 @@ def run_repo_eval(repo: str, run: str | None = None, endpoint: str | None = None
     llama.cpp's llama-server on that file (binary: llama_server, or as evaluation/llama_server.py finds it) and
     score it through its /infill; a run given beside it or an endpoint only says which files are held out."""
     if gguf:
-        from .llama_server import running
-
         if endpoint:
             raise EvalError("--gguf FILE starts its own llama-server: give it or --endpoint URL, not both")
         with running(gguf, llama_server, log=log) as url:
