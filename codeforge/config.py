@@ -198,6 +198,14 @@ class TrainConfig:
                               range=(0, 10**6), zero_means="all of them")
     init_from: str = setting("", "start from another run's weights (staged training); a run or checkpoint dir",
                              metavar="RUN")
+    lora_rank: int = setting(0, "LoRA: train adapters of this rank on the blocks' linear layers, the --init-from "
+                                "weights frozen (models/lora.py, with PEFT); checkpoints hold the merged weights "
+                                "and the adapter alone", range=(1, 4096), zero_means="full fine-tuning")
+    lora_alpha: float = setting(16.0, "LoRA: the adapters' scale is alpha / rank", range=(0.0, 1e6), open_low=True)
+    lora_dropout: float = setting(0.0, "LoRA: dropout on the adapters' input", range=(0.0, 1.0))
+    lora_targets: str = setting("c_attn,c_proj,c_fc", "LoRA: the linear layers that get adapters, by name "
+                                "(comma-separated: c_attn is attention's q/k/v, c_proj both output projections, "
+                                "c_fc the MLP's input)")
     tensorboard: bool = setting(True, "write TensorBoard events")
     wandb: bool = setting(False, "log to Weights & Biases")
     wandb_project: str = setting("codeforge", "W&B project")

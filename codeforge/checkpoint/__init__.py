@@ -63,11 +63,11 @@ from .state import decode_state, encode_state, load_train_state, rng_state, set_
 from .store import (LEGACY_STATE, MANIFEST, MANIFEST_FORMAT, POINTERS, SHARDED, STATE_JSON, STATE_TENSORS,
                     STEP_PREFIX, CheckpointError, CheckpointWriteError, NoCheckpointError, check_compatible,
                     find_checkpoint, is_sharded, latest_step, read_config, shape_diff, verify_checkpoint,
-                    vet_checkpoint)
+                    vet_checkpoint, weights_sha256)
 
 __all__ = ["CheckpointError", "CheckpointWriteError", "LEGACY_STATE", "MANIFEST", "MANIFEST_FORMAT", "NoCheckpointError",
            "POINTERS", "SHARDED", "STATE_JSON", "STATE_TENSORS", "STEP_PREFIX", "ShardedSave", "check_compatible",
            "decode_state", "encode_state", "find_checkpoint", "is_sharded", "latest_step", "load_model",
            "load_sharded_state", "load_train_state", "load_weights", "load_whole_into_sharded", "read_config",
            "rng_state", "save_checkpoint", "save_sharded_checkpoint", "set_rng_state", "shape_diff",
-           "verify_checkpoint", "vet_checkpoint"]
+           "verify_checkpoint", "vet_checkpoint", "weights_sha256"]

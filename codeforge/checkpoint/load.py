@@ -14,7 +14,7 @@ from safetensors.torch import load_model as st_load_model
 
 from .guard import check_regular, model_shapes, safetensors_header, weights_problem
 from .store import DAMAGED, SHARDED, CheckpointError, find_checkpoint, is_sharded, read_config, vet_checkpoint
-from ..models import build_model
+from ..models import build_model, lora
 from ..tokenizer import CodeTokenizer, TokenizerError
 
 
@@ -91,6 +91,12 @@ def load_weights(model: torch.nn.Module, ckpt: Path, new_ok: tuple[str, ...] = (
         state = {"model": sd}
         _dcp_load(state, Path(ckpt), alone=True)  # a whole model in this process, whatever other ranks do
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not new_ok))
+        return
+    if lora.is_lora(model):  # --resume of a LoRA run: its starting weights are in; the adapters come from here
+        try:
+            lora.load_adapter(model, lora.read_adapter(Path(ckpt))[1], str(ckpt))
+        except lora.LoraError as e:
+            raise CheckpointError(str(e)) from e
         return
     f = Path(ckpt) / "model.safetensors"
     problem = weights_problem(safetensors_header(f, CheckpointError, DAMAGED), *model_shapes(model), new_ok)

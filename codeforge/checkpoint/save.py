@@ -17,6 +17,7 @@ from safetensors.torch import save_model as st_save_model
 from .. import rundir
 from ..atomic import publish, staging_dir
 from ..distributed import lost_peer
+from ..models import lora
 from .state import encode_state
 from .store import (POINTERS, SHARDED, STATE_JSON, STATE_TENSORS, STEP_PREFIX, CheckpointWriteError, file_entries,
                     pointer_target, read_pointer, step_dirs, write_manifest, write_pointer)
@@ -77,7 +78,12 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, conf
     tmp = None
     try:
         tmp = staging_dir(root / name)
-        st_save_model(model, str(tmp / "model.safetensors"))
+        if lora.is_lora(model):  # merged weights under the model's own names, and the adapter alone beside them
+            st_save_file(lora.merged_state(model), str(tmp / "model.safetensors"))
+            st_save_file(lora.adapter_state(model), str(tmp / lora.ADAPTER_FILE))
+            (tmp / lora.ADAPTER_CONFIG).write_text(lora.adapter_json(model))
+        else:
+            st_save_model(model, str(tmp / "model.safetensors"))
         _write_rest(tmp, step, config, skeleton, tensors, assets)
         publish(tmp, root / name)  # replaces the same step saved earlier (e.g. on SIGTERM right after a periodic save)
     except BaseException as e:

@@ -107,6 +107,16 @@ def sha256(f: Path) -> str:
         return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
+def weights_sha256(ck: Path) -> str | None:
+    """The sha256 of a checkpoint's model.safetensors as its manifest records it (hashed here for a
+    checkpoint without one); None where there is neither."""
+    try:
+        return str(json.loads((Path(ck) / MANIFEST).read_text())["files"]["model.safetensors"]["sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        f = Path(ck) / "model.safetensors"
+        return sha256(f) if f.is_file() else None
+
+
 def file_entries(d: Path, files) -> dict:
     return {f.relative_to(d).as_posix(): {"bytes": f.stat().st_size, "sha256": sha256(f)} for f in files}
 

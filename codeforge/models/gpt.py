@@ -329,7 +329,9 @@ class GPT(nn.Module):
         blocks' weight matrices form a third group marked "muon" (embeddings, the output head and any head a
         subclass adds stay with AdamW). Every parameter is in exactly one group (asserted)."""
         params = {n: p for n, p in self.named_parameters() if p.requires_grad}
-        hidden = {id(p) for p in self.blocks.parameters() if p.dim() == 2} if muon else set()
+        # LoRA's low-rank factors (models/lora.py) stay with AdamW: Muon's orthogonalised steps are for full matrices
+        hidden = ({id(p) for n, p in self.blocks.named_parameters() if p.dim() == 2 and ".lora_" not in n}
+                  if muon else set())
         matrices = [p for p in params.values() if p.dim() == 2 and id(p) in hidden]
         decay = [p for p in params.values() if p.dim() >= 2 and id(p) not in hidden]
         no_decay = [p for p in params.values() if p.dim() < 2]

@@ -29,7 +29,7 @@ from ..device import choose_device, choose_precision
 from ..distributed import (distributed_env, found_by_rank0, launched_by_torchrun, setup_distributed,
                            teardown_distributed)
 from ..evaluation.lm import sized_eval_tokens
-from ..models import build_model
+from ..models import build_model, lora
 from ..tokenizer import CodeTokenizer
 from ..train.resume import check_resume
 
@@ -163,6 +163,40 @@ def init_from(run: Run, model: torch.nn.Module, tok: CodeTokenizer, ck: Path | N
         ckpt_io.load_weights(model, ck, new_ok=new_ok)
     run.say(f"initialised weights from {ck}{why}")
     return ck
+
+
+def adapters(run: Run, model: torch.nn.Module, run_config: dict, start_ckpt: Path | None, began: Path | None,
+             mode: str) -> None:
+    """--lora-rank: LoRA adapters on the starting weights, the rest frozen (models/lora.py). The starting
+    checkpoint (`began`, the one --init-from loaded) is recorded in the run's config with its weights' sha256;
+    a --resume loads that very checkpoint again (refused if it is gone or changed), and the Trainer then the
+    adapters saved beside the merged weights."""
+    t = run.cfg.train
+    if not t.init_from:
+        raise ConfigError("--lora-rank trains adapters on trained weights: pass --init-from RUN (a codeforge run, "
+                          "or a Hugging Face model brought in with `codeforge import --hf DIR`)")
+    if mode == "fsdp":
+        raise ConfigError("--lora-rank trains with --parallel ddp (or one process): the adapters are small, and the "
+                          "frozen weights are not sharded; a model too large for one device is not LoRA-trained "
+                          "here yet")
+    if start_ckpt is not None:  # resume: the same starting weights as the straight run
+        saved = ckpt_io.read_config(start_ckpt).get("lora_base") or {}
+        began = Path(saved.get("checkpoint", ""))
+        sha = ckpt_io.weights_sha256(began) if began.is_dir() else None
+        if not saved or sha != saved.get("sha256"):
+            raise ConfigError(f"--resume {start_ckpt}: the LoRA run started from {saved.get('checkpoint', '?')}, "
+                              f"which is {'gone' if sha is None else 'changed since'}; its adapters mean something "
+                              f"only on those weights. Restore that checkpoint, or start a new run")
+        ckpt_io.load_weights(model, began)
+    run_config["lora_base"] = {"checkpoint": str(began.resolve()), "sha256": ckpt_io.weights_sha256(began)}
+    targets = [x.strip() for x in t.lora_targets.split(",") if x.strip()]
+    try:
+        lora.attach(model, t.lora_rank, t.lora_alpha, t.lora_dropout, targets)
+    except lora.LoraError as e:
+        raise ConfigError(f"--lora-targets {t.lora_targets}: {e}") from e
+    trainable, total = lora.counts(model)
+    run.say(f"LoRA: rank {t.lora_rank}, alpha {t.lora_alpha:g} on {', '.join(targets)}: {trainable:,} trainable "
+            f"parameters of {total:,} ({trainable / total:.2%}); the starting weights are frozen")
 
 
 def budget(cfg: RunConfig, tokens_per_step: int, epoch_steps: int) -> int:

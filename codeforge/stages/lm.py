@@ -24,7 +24,8 @@ from ..train import parallel
 from ..train.losses import lm_loss_fn
 from ..train.memory import estimate
 from ..train.trainer import Trainer
-from .common import Run, begin, budget, built, check_init_from, init_from, launch, sized_evaluation, vocabulary
+from .common import (Run, adapters, begin, budget, built, check_init_from, init_from, launch, sized_evaluation,
+                     vocabulary)
 
 
 def run(cfg: RunConfig, resume: bool = False, log=print) -> dict:
@@ -78,9 +79,10 @@ def _train(run: Run, resume: bool, sampler: Callable[..., str]) -> dict:
     model = built(cfg, on_meta=not own)  # on the host: the trainer's parallel.wrap places it (FSDP: shard by shard)
     model.grad_checkpointing = t.grad_checkpointing
     model.loss_chunk_rows = t.loss_chunk_rows
-    if t.init_from and start_ckpt is None:
-        init_from(run, model, tok, load=own)
-    elif chat_stage and start_ckpt is None:
+    began = init_from(run, model, tok, load=own) if t.init_from and start_ckpt is None else None
+    if t.lora_rank:
+        adapters(run, model, run_config, start_ckpt, began, mode[0])
+    if chat_stage and not t.init_from and start_ckpt is None:
         say(f"note: --stage {t.stage} without --init-from trains a chat model from random weights; pass "
             f"--init-from PRETRAINED_RUN to fine-tune one")
     say(f"model: {model.num_params():,} parameters ({model.num_params(True):,} non-embedding), "

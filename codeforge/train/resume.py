@@ -19,13 +19,14 @@ from ..fields import ConfigError
 # betas and weight decay (they would silently override new ones).
 # muon_*: the optimizer state restores its groups' rate ratio, momentum and decay, so a change would not apply
 RESUME_FIXED = ("stage", "batch_size", "grad_accum_steps", "seed", "optimizer", "weight_decay", "beta1", "beta2",
-                "fim_rate", "fim_spm_rate", "muon_lr", "muon_momentum", "muon_weight_decay")
+                "fim_rate", "fim_spm_rate", "muon_lr", "muon_momentum", "muon_weight_decay",
+                "lora_rank", "lora_alpha", "lora_targets")  # lora_*: the adapters' shapes and scale
 
 
 # Applied step by step from the configuration, so a change takes effect from the resumed step on; the run is
 # then no longer the one a straight run would give, which --resume says.
 RESUME_NOTED = ("learning_rate", "min_lr_ratio", "schedule", "warmup_steps", "decay_fraction", "grad_clip",
-                "precision", "eval_tokens")
+                "precision", "eval_tokens", "lora_dropout")
 
 
 # The budget: extending a run is what --resume is for; only the schedule's shape follows it.
