@@ -50,6 +50,15 @@ if TYPE_CHECKING:
     import torch
 
 EOT = "<|endoftext|>"
+# Other spellings of a special token in tokenizers codeforge imports (Qwen2.5-Coder, StarCoder 2 and
+# DeepSeek-Coder style), used under codeforge's name when the tokenizer lacks codeforge's own
+SPECIAL_ALIASES = {
+    "<fim_prefix>": ("<|fim_prefix|>", "<｜fim▁begin｜>"),
+    "<fim_suffix>": ("<|fim_suffix|>", "<｜fim▁hole｜>"),
+    "<fim_middle>": ("<|fim_middle|>", "<｜fim▁end｜>"),
+    "<|repo_name|>": ("<repo_name>", "<reponame>"),
+    "<|file_sep|>": ("<file_sep>",),
+}
 SPECIAL_TOKENS = [
     EOT,  # separates documents in the shards
     "<s>", "</s>", "<pad>", "<unk>",  # seed 000
@@ -262,9 +271,17 @@ class CodeTokenizer:
         self.hash = file_hash(path / TOKENIZER_FILE) if path is not None else ""
         self.vocab_size = tok.get_vocab_size()
         self.special_ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+        for name, others in SPECIAL_ALIASES.items():  # an imported tokenizer's own FIM tokens do the same job
+            if self.special_ids.get(name) is None:
+                self.special_ids[name] = next((i for o in others if (i := tok.token_to_id(o)) is not None), None)
         self.eot_id = self.special_ids[EOT]
         # added tokens (codeforge's specials, an imported tokenizer's own) are text as written, not byte-level
         self._special_set = frozenset(tok.get_added_tokens_decoder())
+
+    def special_text(self, name: str) -> str | None:
+        """The text of special token `name` in this tokenizer (an alias's spelling where it uses one)."""
+        i = self.special_ids.get(name)
+        return None if i is None else self.tok.id_to_token(i)
 
     # -- loading ------------------------------------------------------------------------------------------
     @classmethod

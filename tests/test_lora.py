@@ -92,3 +92,56 @@ def test_lora_bad_settings_say_what_to_do(data_dir, base, tmp_path):
         train_run(cfg_for(data_dir, tmp_path / "x", train__lora_rank=4, train__max_iters=2))
     with pytest.raises(ConfigError, match=r"--lora-targets q_proj.*no linear layer of that name"):
         train_run(lora_cfg(data_dir, tmp_path / "y", base, train__max_iters=2, train__lora_targets="q_proj"))
+
+
+def test_lora_on_an_imported_qwen2_with_its_own_fim_tokens_exports_merged(tmp_path, tokenizer_dir, code_corpus):
+    """The path of a downloaded open code model, at tiny size: a Qwen2 checkpoint whose tokenizer spells its FIM
+    tokens Qwen2.5-Coder's way (<|fim_prefix|>), imported; its data prepared with its tokenizer; LoRA with FIM
+    on the same loader; the merged HF export computes in transformers what codeforge computes, and the GGUF and
+    the Ollama Modelfile carry the model's own FIM tokens."""
+    import transformers
+
+    from codeforge.cli import main
+    from codeforge.export.hf import write_tokenizer_files
+    from codeforge.tokenizer import CodeTokenizer
+    from test_export import hf_model
+    tok = CodeTokenizer.load(tokenizer_dir)
+    src = tmp_path / "qwen"
+    hf = hf_model("qwen2", vocab=64 * -(-tok.vocab_size // 64))
+    hf.save_pretrained(src)
+    write_tokenizer_files(tokenizer_dir, src)
+    text = (src / "tokenizer.json").read_text()
+    for ours in ("fim_prefix", "fim_suffix", "fim_middle"):
+        text = text.replace(f'"<{ours}>"', f'"<|{ours}|>"')
+    (src / "tokenizer.json").write_text(text)
+    for f in src.glob("*.json"):  # and wherever else transformers' files name them
+        f.write_text(f.read_text().replace("<fim_", "<|fim_").replace("_prefix>", "_prefix|>")
+                     .replace("_suffix>", "_suffix|>").replace("_middle>", "_middle|>"))
+    assert main(["import", "--hf", str(src), "--out", str(tmp_path / "imp"), "--no-verify"]) == 0
+    imp_tok = CodeTokenizer.load(find_checkpoint(tmp_path / "imp", "auto") / "tokenizer")
+    fim_id = imp_tok.tok.token_to_id("<|fim_prefix|>")
+    assert fim_id is not None and imp_tok.special_ids["<fim_prefix>"] == fim_id
+    assert imp_tok.tok.token_to_id("<fim_prefix>") is None
+    data = tmp_path / "data"
+    assert main(["prepare", "--input", str(code_corpus), "--tokenizer", str(find_checkpoint(tmp_path / "imp", "auto")
+                                                                              / "tokenizer"),
+                 "--out", str(data), "--val-fraction", "0.2"]) == 0
+    assert main(["train", "--data", str(data), "--out", str(tmp_path / "ft"), "--init-from", str(tmp_path / "imp"),
+                 "--lora-rank", "4", "--lora-alpha", "8", "--fim-rate", "0.5", "--max-iters", "3", "--batch-size", "2",
+                 "--eval-every", "0", "--learning-rate", "0.01", "--no-tensorboard", "--no-progress",
+                 "--device", "cpu"]) == 0
+    merged, _, ck, cfg = load_model(tmp_path / "ft", torch.device("cpu"), "latest")
+    assert cfg["train"]["lora_rank"] == 4 and (ck / lora.ADAPTER_FILE).exists()
+    out = tmp_path / "hf"
+    assert main(["export", "--run", str(tmp_path / "ft"), "--format", "hf", "--out", str(out), "--no-verify"]) == 0
+    again = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    idx = torch.tensor([imp_tok.encode("def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n")[:20]])
+    with torch.no_grad():
+        assert (again(idx).logits - merged(idx)).abs().max().item() <= 1e-4
+        assert (again(idx).logits - hf(idx).logits).abs().max().item() > 1e-3  # the adapters moved it
+    import gguf
+    g = tmp_path / "m.gguf"
+    assert main(["export", "--run", str(tmp_path / "ft"), "--format", "gguf", "--out", str(g)]) == 0
+    fields = gguf.GGUFReader(str(g)).fields
+    assert fields["tokenizer.ggml.fim_pre_token_id"].contents() == fim_id
+    assert "<|fim_prefix|>{{ .Prompt }}<|fim_suffix|>" in (tmp_path / "m.Modelfile").read_text()

@@ -374,7 +374,10 @@ def modelfile_text(gguf_name: str, tok, chat: bool, context: int) -> str:
     """An Ollama Modelfile for the GGUF file `gguf_name` beside it: FROM, a TEMPLATE that fills the middle
     for editors (and speaks ChatML for a chat run), the stop tokens, the context and sampling."""
     # "{{ else }}" after the chat branch: a dash would trim the newline that ends its generation prompt
-    template = FIM_TEMPLATE + (CHAT_TEMPLATE_GO + "{{ else }}" if chat else "{{- else }}") + "{{ .Prompt }}{{ end }}"
+    fim = FIM_TEMPLATE
+    for name in ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"):  # an imported tokenizer's own spelling
+        fim = fim.replace(name, tok.special_text(name) or name)
+    template = fim + (CHAT_TEMPLATE_GO + "{{ else }}" if chat else "{{- else }}") + "{{ .Prompt }}{{ end }}"
     stops = [EOT] + (["<|im_end|>"] if chat and tok.special_ids.get("<|im_end|>") is not None else [])
     lines = [f"# Ollama: ollama create NAME -f {shlex.quote(gguf_name.removesuffix('.gguf') + '.Modelfile')} "
              f"(written by codeforge export)",
