@@ -145,3 +145,23 @@ def test_lora_on_an_imported_qwen2_with_its_own_fim_tokens_exports_merged(tmp_pa
     fields = gguf.GGUFReader(str(g)).fields
     assert fields["tokenizer.ggml.fim_pre_token_id"].contents() == fim_id
     assert "<|fim_prefix|>{{ .Prompt }}<|fim_suffix|>" in (tmp_path / "m.Modelfile").read_text()
+
+
+def test_plan_counts_the_adapters_alone_as_trained():
+    """`codeforge plan --lora-rank`: gradients and optimizer state are the adapters' alone (a 1.5B Qwen2 shape
+    on a 12 GB card: fits with LoRA, not with full fine-tuning, at the same batch and checkpointing)."""
+    from codeforge.config import resolve
+    from codeforge.train.memory import GIB, estimate, fits, report
+    shape = {"model.n_layer": 28, "model.n_embd": 1536, "model.n_head": 12, "model.n_kv_head": 2,
+             "model.ffn_hidden": 8960, "model.vocab_size": 151936, "model.block_size": 2048, "train.batch_size": 1,
+             "train.grad_checkpointing": True, "train.loss_chunk_rows": 512}
+    full = resolve(["qwen-small", "12gb-card"], None, [], shape)
+    lo = resolve(["qwen-small", "12gb-card"], None, [], {**shape, "train.lora_rank": 16})
+    pf, pl = estimate(full.model, full.train, 1, "fp16"), estimate(lo.model, lo.train, 1, "fp16")
+    # rank 16 on q/k/v, both output projections and the MLP's input, 28 blocks
+    C, kv, H = 1536, 2 * 128, 8960
+    assert pl.adapters == 28 * 16 * ((C + C + 2 * kv) + (C + C) + (C + 2 * H) + (H + C))
+    assert pl.rows["gradients"][0] == 4 * pl.adapters and pl.rows["optimizer state"][0] == 8 * pl.adapters
+    assert pl.rows["activations"] == pf.rows["activations"]
+    assert fits(pl, 12 * GIB)[0] and not fits(pf, 12 * GIB)[0]
+    assert "LoRA rank 16: 16,400,384 trainable" in report(pl, lo.model, lo.train, "fp16", 12 * GIB)

@@ -32,8 +32,16 @@ class LoraError(ValueError):
     pass
 
 
+def _peft():
+    try:
+        import peft
+    except ImportError as e:
+        raise LoraError(f"LoRA needs Hugging Face's PEFT library ({e}): pip install 'codeforge[lora]'") from None
+    return peft
+
+
 def lora_config(rank: int, alpha: float, dropout: float, targets: tuple[str, ...] | list[str]):
-    from peft import LoraConfig
+    LoraConfig = _peft().LoraConfig
 
     return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets), bias="none")
 
@@ -41,14 +49,14 @@ def lora_config(rank: int, alpha: float, dropout: float, targets: tuple[str, ...
 def attach(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0,
            targets: tuple[str, ...] | list[str] = TARGETS) -> nn.Module:
     """Adapters of `rank` on every linear layer named in `targets` (in place); everything else frozen."""
-    from peft import inject_adapter_in_model
-
+    inject_adapter_in_model = _peft().inject_adapter_in_model
     if rank < 1:
-        raise LoraError(f"lora rank {rank}: give 1 or more (0 means no LoRA: full fine-tuning)")
+        raise LoraError(f"--lora-rank {rank}: give 1 or more (0 means no LoRA: full fine-tuning)")
     names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     unknown = sorted(set(targets) - names)
     if unknown:
-        raise LoraError(f"lora targets {unknown}: the model has no linear layer of that name (its: {sorted(names)})")
+        raise LoraError(f"--lora-targets {','.join(unknown)}: the model has no linear layer of that name (its: "
+                        f"{', '.join(sorted(names))})")
     inject_adapter_in_model(lora_config(rank, alpha, dropout, targets), model, adapter_name=NAME)
     for n, p in model.named_parameters():
         p.requires_grad_(".lora_" in n)  # PEFT's rule too; said here so the contract does not rest on a default
@@ -89,8 +97,7 @@ def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapters alone, in PEFT's adapter file names (`blocks.0.attn.c_attn.lora_A.weight`, ...)."""
-    from peft import get_peft_model_state_dict
-
+    get_peft_model_state_dict = _peft().get_peft_model_state_dict
     return {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(model, adapter_name=NAME).items()}
 
 
@@ -120,8 +127,7 @@ def read_adapter(d: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 def load_adapter(model: nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
     """The adapter tensors into a model with adapters attached; every adapter matched, shapes equal."""
-    from peft import set_peft_model_state_dict
-
+    set_peft_model_state_dict = _peft().set_peft_model_state_dict
     want = adapter_state(model)
     missing, unexpected = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
     other = sorted(k for k in set(want) & set(tensors) if want[k].shape != tensors[k].shape)

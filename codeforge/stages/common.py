@@ -193,7 +193,7 @@ def adapters(run: Run, model: torch.nn.Module, run_config: dict, start_ckpt: Pat
     try:
         lora.attach(model, t.lora_rank, t.lora_alpha, t.lora_dropout, targets)
     except lora.LoraError as e:
-        raise ConfigError(f"--lora-targets {t.lora_targets}: {e}") from e
+        raise ConfigError(str(e)) from e
     trainable, total = lora.counts(model)
     run.say(f"LoRA: rank {t.lora_rank}, alpha {t.lora_alpha:g} on {', '.join(targets)}: {trainable:,} trainable "
             f"parameters of {total:,} ({trainable / total:.2%}); the starting weights are frozen")

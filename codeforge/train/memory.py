@@ -5,7 +5,8 @@ An estimate from the model's shapes, not a measurement: `benchmarks/fsdp_memory.
 CPU ranks against it (docs/LOG.md has the comparison). The terms:
   - parameters, gradients: fp32, 4 bytes each; FSDP keeps 1/N of them per rank.
   - optimizer state: AdamW two fp32 moments (8 bytes per parameter); Muon one momentum for the hidden
-    matrices; 8-bit AdamW 2 bytes. FSDP: 1/N.
+    matrices; 8-bit AdamW 2 bytes. FSDP: 1/N. With LoRA (train.lora_rank) gradients and optimizer state are
+    the adapters' alone (AdamW), and the frozen weights stay fp32 beside them.
   - gathered (FSDP only): the weights of the blocks being computed are all-gathered whole, and their
     gradients are whole until reduce-scattered: two blocks (the one running and the one prefetched), the
     last block (kept gathered between forward and backward) and the root's own weights (embeddings,
@@ -37,6 +38,7 @@ class Plan:
     world: int
     rows: dict[str, tuple[float, float]]  # term -> (DDP bytes, FSDP bytes) per rank
     no_fsdp: str = ""  # why FSDP is not an option for this run ("" when it is)
+    adapters: int = 0  # LoRA's trainable parameters (0: every parameter trains)
 
     def total(self, mode: str) -> float:
         i = 0 if mode == "ddp" else 1
@@ -57,10 +59,16 @@ def estimate(model_cfg, train_cfg, world: int, precision: str = "fp32", offload:
     half = precision in ("bf16", "fp16")
     cdt = 2 if half else 4  # bytes of a compute-dtype value
 
-    opt_bytes = 8 * params
-    if t.optimizer == "adamw8bit":
+    # LoRA (train.lora_rank): the weights are frozen; gradients and optimizer state are the adapters' alone
+    rank = getattr(t, "lora_rank", 0)
+    targets = {x.strip() for x in getattr(t, "lora_targets", "").split(",") if x.strip()}
+    adapters = sum(rank * (mod.in_features + mod.out_features) for b in blocks for name, mod in b.named_modules()
+                   if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets) if rank else 0
+    trained = adapters if rank else params
+    opt_bytes = 8 * trained  # AdamW; the adapters train with it whatever the optimizer (Muon skips LoRA's factors)
+    if t.optimizer == "adamw8bit" and not rank:
         opt_bytes = 2 * params
-    elif t.optimizer == "muon":
+    elif t.optimizer == "muon" and not rank:
         hidden = sum(p.numel() for b in blocks for p in b.parameters() if p.dim() == 2)
         opt_bytes = 4 * hidden + 8 * (params - hidden)
 
@@ -83,8 +91,8 @@ def estimate(model_cfg, train_cfg, world: int, precision: str = "fp32", offload:
     shard = 0 if offload else 1
     gathered_blocks = 3 * block_params  # running + prefetched + the last one kept between forward and backward
     r = {
-        "parameters": (4 * params, shard * 4 * params / n),
-        "gradients": (4 * params, shard * 4 * params / n),
+        "parameters": (4 * (params + adapters), shard * 4 * params / n),
+        "gradients": (4 * trained, shard * 4 * params / n),
         "optimizer state": (opt_bytes, shard * opt_bytes / n),
         "gathered weights + gradients": (0, (gathered_blocks + root_params) * (cdt + 4)),
         "autocast weight copies": (cdt * params if half else 0, 0),
@@ -92,8 +100,9 @@ def estimate(model_cfg, train_cfg, world: int, precision: str = "fp32", offload:
     }
     no_fsdp = ("FSDP shards per transformer block and this model has none" if not len(blocks) or
                getattr(model_cfg, "arch", "gpt") != "gpt" else
+               "LoRA trains with DDP or one process" if rank else
                f"FSDP trains with AdamW, not {t.optimizer}" if t.optimizer != "adamw" else "")
-    return Plan(params, block_params, root_params, world, r, no_fsdp)
+    return Plan(params, block_params, root_params, world, r, no_fsdp, adapters)
 
 
 def fits(plan: Plan, device_bytes: float) -> tuple[bool, bool]:
@@ -107,7 +116,9 @@ def report(plan: Plan, model_cfg, train_cfg, precision: str, device_bytes: float
     lines = [f"plan: {name or 'model'}: {plan.params:,} parameters ({m.n_layer} layers x {m.n_embd}, context "
              f"{m.block_size}, vocab {m.vocab_size}); micro-batch {t.batch_size} x {m.block_size} tokens per rank, "
              f"{t.optimizer}, {precision}{', gradient checkpointing' if t.grad_checkpointing else ''}"
-             f"{', FSDP CPU offload' if t.fsdp_offload else ''}; {plan.world} rank(s)",
+             f"{', FSDP CPU offload' if t.fsdp_offload else ''}; {plan.world} rank(s)"
+             + (f"; LoRA rank {t.lora_rank}: {plan.adapters:,} trainable ({plan.adapters / plan.params:.2%}), the "
+                f"rest frozen" if plan.adapters else ""),
              f"  {'per rank':30s} {'DDP':>12s} {'FSDP':>12s}"]
     for k, (d, f) in plan.rows.items():
         lines.append(f"  {k:30s} {gib(d)} {gib(f)}")
