@@ -56,6 +56,9 @@ def test_only_the_adapters_train_and_the_checkpoint_is_an_ordinary_model(data_di
     x = torch.tensor([tok.encode("def add(a, b):\n    return a + b\n")[:24]])
     with torch.no_grad():
         torch.testing.assert_close(merged(x), peft_model(x), rtol=1e-4, atol=1e-4)
+    # the numpy decoding step reads the weights itself: it must not stand in for a model with adapters
+    from codeforge.models import cpu_decode
+    assert cpu_decode.fingerprint(peft_model) is None and cpu_decode.fingerprint(merged) is not None
 
 
 def test_a_resumed_lora_run_is_the_straight_one(data_dir, base, tmp_path, monkeypatch):
@@ -165,3 +168,28 @@ def test_plan_counts_the_adapters_alone_as_trained():
     assert pl.rows["activations"] == pf.rows["activations"]
     assert fits(pl, 12 * GIB)[0] and not fits(pf, 12 * GIB)[0]
     assert "LoRA rank 16: 16,400,384 trainable" in report(pl, lo.model, lo.train, "fp16", 12 * GIB)
+
+
+def test_the_adapter_alone_goes_out_small_and_comes_back_merged(data_dir, base, tmp_path, capsys):
+    from codeforge.cli import main
+    run = tmp_path / "ft"
+    train_run(lora_cfg(data_dir, run, base, train__max_iters=4))
+    out = tmp_path / "adapter"
+    assert main(["export", "--run", str(run), "--format", "adapter", "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted([lora.ADAPTER_FILE, lora.ADAPTER_CONFIG,
+                                                            "codeforge_adapter.json"])
+    assert sum(p.stat().st_size for p in out.iterdir()) < (find_checkpoint(run, "auto") / "model.safetensors").stat().st_size
+    assert main(["import", "--adapter", str(out), "--base", str(base), "--out", str(tmp_path / "merged")]) == 0
+    capsys.readouterr()
+    a = load_model(run, torch.device("cpu"), "auto")[0].state_dict()
+    b = load_model(tmp_path / "merged", torch.device("cpu"), "auto")[0].state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # onto other weights than it was trained on: refused, naming the right ones
+    other = tmp_path / "other"
+    train_run(cfg_for(data_dir, other, train__max_iters=2, train__save_every=2))
+    assert main(["import", "--adapter", str(out), "--base", str(other), "--out", str(tmp_path / "m2")]) == 2
+    assert "adapters mean something only on the weights they were trained on" in capsys.readouterr().err
+    assert main(["export", "--run", str(base), "--format", "adapter", "--out", str(tmp_path / "a2")]) == 2
+    assert "not trained with --lora-rank" in capsys.readouterr().err
+    assert main(["import", "--adapter", str(out), "--out", str(tmp_path / "m3")]) == 2
+    assert "needs --base RUN" in capsys.readouterr().err

@@ -476,10 +476,11 @@ def add_export_parser(sub) -> None:
                                    "does not map); the logits are checked against transformers when it is installed. "
                                    "GGUF: llama.cpp's gpt2/llama/qwen2/qwen3/arcee architectures.")
     e.add_argument("--run", required=True, metavar="RUN", help="run directory or checkpoint directory")
-    e.add_argument("--format", required=True, choices=["hf", "gguf"],
+    e.add_argument("--format", required=True, choices=["hf", "gguf", "adapter"],
                    help="hf: a Hugging Face model directory (safetensors + config, loads in transformers); gguf: "
-                        "one file for llama.cpp")
-    e.add_argument("--out", required=True, metavar="PATH", help="hf: a directory; gguf: a file (.gguf)")
+                        "one file for llama.cpp; adapter: a LoRA run's adapter alone (a directory of a few MB; "
+                        "`codeforge import --adapter DIR --base RUN` merges it back)")
+    e.add_argument("--out", required=True, metavar="PATH", help="hf, adapter: a directory; gguf: a file (.gguf)")
     e.add_argument("--checkpoint", default="auto", choices=["auto", "best", "latest", "final"],
                    help="auto: best if the run has one, else latest")
     e.add_argument("--dtype", default="f32", choices=["f32", "f16", "q8_0"], help="gguf: tensor type of the matrices")
@@ -492,7 +493,10 @@ def add_export_parser(sub) -> None:
     e.set_defaults(func=cmd_export)
     i = sub.add_parser("import", help="a codeforge run from a local Hugging Face model directory (GPT-2, Llama, "
                                       "Qwen2, Qwen3, Arcee), to train from with --init-from RUN")
-    i.add_argument("--hf", required=True, metavar="DIR", help="directory with config.json, *.safetensors, tokenizer.json")
+    i.add_argument("--hf", default=None, metavar="DIR", help="directory with config.json, *.safetensors, tokenizer.json")
+    i.add_argument("--adapter", default=None, metavar="DIR",
+                   help="instead of --hf: a LoRA adapter (`export --format adapter`), merged onto --base")
+    i.add_argument("--base", default=None, metavar="RUN", help="--adapter: the run (or checkpoint) it was trained on")
     i.add_argument("--out", required=True, metavar="RUN", help="the run directory to create from the imported model")
     i.add_argument("--overwrite", action="store_true", help="replace what --out holds")
     i.add_argument("--no-verify", action="store_true", help="skip the logits check against transformers")
@@ -500,6 +504,11 @@ def add_export_parser(sub) -> None:
 
 
 def cmd_export(a: argparse.Namespace) -> int:
+    if a.format == "adapter":
+        from ..export.adapter import export_adapter
+        r = export_adapter(a.run, a.out, a.checkpoint, overwrite=a.overwrite)
+        print(printable(f"exported the LoRA adapter of {r['checkpoint']} ({r['bytes'] / 2**20:,.1f} MiB) -> {r['out']}"))
+        return 0
     if a.format == "hf":
         from ..export.hf import export_hf
         r = export_hf(a.run, a.out, a.checkpoint, overwrite=a.overwrite, verify=not a.no_verify)
@@ -517,6 +526,15 @@ def cmd_export(a: argparse.Namespace) -> int:
 
 
 def cmd_import(a: argparse.Namespace) -> int:
+    if bool(a.hf) == bool(a.adapter):
+        raise CLIError("import needs --hf DIR (a Hugging Face model) or --adapter DIR --base RUN (a LoRA adapter)")
+    if a.adapter:
+        if not a.base:
+            raise CLIError("--adapter DIR needs --base RUN: the run (or checkpoint) the adapter was trained on")
+        from ..export.adapter import import_adapter
+        r = import_adapter(a.adapter, a.base, a.out, overwrite=a.overwrite)
+        print(printable(f"merged the rank-{r['rank']} adapter {a.adapter} onto {a.base} -> {r['checkpoint']}"))
+        return 0
     from ..export.hf import import_hf
     r = import_hf(a.hf, a.out, overwrite=a.overwrite, verify=not a.no_verify)
     print(f"imported {a.hf} ({r['family']}, {r['params']:,} parameters) -> {r['checkpoint']}")
