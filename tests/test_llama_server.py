@@ -121,3 +121,35 @@ def test_eval_repo_scores_the_gguf_in_llama_server_as_the_run(tmp_path, tokenize
     print(json.dumps({k: v["scores"]["all"] for k, v in scores.items()}))
     assert scores["gguf"]["scores_without_context"] == scores["run"]["scores_without_context"]
     assert scores["gguf"]["scores"] == scores["run"]["scores"]
+
+
+def test_a_lora_runs_merged_gguf_continues_as_codeforge_does(tmp_path, tokenizer_dir, data_dir):
+    """A LoRA run's checkpoint is its merged weights: the GGUF export, in llama.cpp's own server, continues
+    greedily with the tokens codeforge computes (f32, so quantization moves nothing)."""
+    import torch
+
+    from codeforge.checkpoint import load_model
+    from codeforge.engine import Engine, SamplingParams
+    from codeforge.evaluation.llama_server import running
+    binary = llama_server()
+    base = make_run(tmp_path / "base", tokenizer_dir, seed=5)
+    assert main(["train", "--data", str(data_dir), "--out", str(tmp_path / "ft"), "--init-from", str(base),
+                 "--lora-rank", "8", "--lora-alpha", "32", "--learning-rate", "0.05", "--max-iters", "4",
+                 "--batch-size", "2", "--eval-every", "0", "--no-tensorboard", "--no-progress",
+                 "--device", "cpu", "--local-ranks", "1"]) == 0
+    gguf = tmp_path / "ft.gguf"
+    assert main(["export", "--run", str(tmp_path / "ft"), "--format", "gguf", "--out", str(gguf)]) == 0
+    model, tok, _, _ = load_model(tmp_path / "ft", torch.device("cpu"), "latest")
+    start = load_model(base, torch.device("cpu"), "latest")[0]
+    eng, eng0 = Engine(model, tok, torch.device("cpu"), "fp32"), Engine(start, tok, torch.device("cpu"), "fp32")
+    p = SamplingParams(max_new_tokens=24, temperature=0, stop_at_eot=False)
+    moved = 0
+    with running(str(gguf), binary, log=lambda m: None) as url:
+        for text in ("def add(a, b):\n    return", "import os\n\nclass Store:\n    def __init__(self, root):\n"):
+            prompt = tok.encode(text)
+            ours = [s[0] for s in eng.generate_ids([prompt], p)]
+            moved += ours != [s[0] for s in eng0.generate_ids([prompt], p)]
+            theirs = post(url + "/completion", {"prompt": prompt, "n_predict": 24, "temperature": 0, "top_k": 1,
+                                                "cache_prompt": False, "return_tokens": True, "ignore_eos": True})
+            assert theirs["tokens"] == ours, (text, theirs["tokens"], ours)
+    assert moved  # the adapters changed what the model writes
