@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from . import rundir
-from .checkpoint import find_checkpoint, load_model
+from .checkpoint import find_checkpoint, load_model, read_config
 from .config import ConfigError, load_file, resolve
 from .corpus import (EXT_TO_LANG, CorpusOptions, CorpusStats, describe_skipped, iter_documents, sized_val_fraction,
                      walk_tree)
@@ -27,6 +27,7 @@ from .data.shards import ShardError, prepare
 from .device import choose_device
 from .engine import Engine, SamplingParams
 from .evaluation.lm import EvalError
+from .export.hf import import_hf
 from .evaluation.repo import run_repo_eval
 from .evaluation.run import run_eval
 from .evaluation.tool_calls import chat_end_rate, tool_calling_eval
@@ -223,6 +224,30 @@ def _same_split(out_dir: Path, old: dict, opts: CorpusOptions) -> None:
                           f"with this run (nothing was changed)")
 
 
+# --from-hf: fine-tuning an open model on your code, whole or with LoRA (the usual rates: LoRA's adapters
+# take a larger one)
+FULL_TUNE = {"learning_rate": 1e-4, "warmup_steps": 10, "min_lr_ratio": 0.1, "weight_decay": 0.0}
+LORA_TUNE = {"learning_rate": 1e-3, "warmup_steps": 10, "min_lr_ratio": 0.1, "weight_decay": 0.0}
+
+
+def imported_model(out_dir: Path, hf_dir: str) -> Path:
+    """--from-hf, before the tokenizer step: the open model imported into OUT/imported (once), its tokenizer copied to
+    OUT/tokenizer (the one the data is prepared with). Returns the imported run."""
+    run = out_dir / "imported"
+    if not (run / rundir.CHECKPOINTS).exists():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        r = import_hf(hf_dir, run, log=lambda m: print(f"      {m}"))
+        print(f"      model: imported {hf_dir} ({r['family']}, {r['params']:,} parameters) -> {run}"
+              + (f"; its logits equal transformers' to {r['max_abs_diff']:.1e}" if r["max_abs_diff"] is not None
+                 else ""))
+    else:
+        print(f"      model: reusing {run}")
+    tok_dir = out_dir / "tokenizer"
+    if not (tok_dir / "tokenizer.json").exists():
+        shutil.copytree(find_checkpoint(run, "auto") / "tokenizer", tok_dir)
+    return run
+
+
 def pretrain_config(data_dir: Path, run_dir: Path, meta: dict, steps: int, budget: float, device: str,
                     chat: bool = False, over: dict | None = None):
     """The quickstart's pretraining config: the presets, RUN's cadence, steps (or as many as fit in budget
@@ -308,13 +333,16 @@ def saved_step_count(run_dir: Path) -> int | None:
 
 def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | None = None,
                    device: str = "auto", chat: bool = False, hrm: bool = False, val_fraction: float | None = None,
-                   time_budget: float | None = None, base_dir: str | None = None, base: str = "auto") -> dict:
+                   time_budget: float | None = None, base_dir: str | None = None, base: str = "auto",
+                   from_hf: str | None = None, lora_rank: int = 0) -> dict:
     """The pipeline; with chat, then chat SFT on pairs mined from the same corpus, then tool calling; with
     hrm, the hierarchical planner/generator model on plans mined from the corpus instead. time_budget:
     minutes pretraining may take (None: TIME_BUDGET; it sets the step count from the measured pace, up to
     STEPS); max_iters pins the steps instead. base_dir: with chat, the plain quickstart's directory for the
     same corpus, whose tokenizer and shards are reused when it has them. base: a small repository's base corpus
-    ("auto": the built-in corpus of its language; "none"; or python-stdlib, go, a path): choose_base."""
+    ("auto": the built-in corpus of its language; "none"; or python-stdlib, go, a path): choose_base.
+    from_hf: an open model's Hugging Face directory, imported and fine-tuned on the corpus with its own
+    tokenizer (lora_rank > 0: LoRA adapters of that rank; 0: every weight) instead of a model from scratch."""
     t_start = time.perf_counter()
     out_dir = Path(out)
     src, langs = corpus_path(corpus)
@@ -337,12 +365,16 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     opts = CorpusOptions(languages=langs, exclude_tests=True, val_fraction=val_fraction)
     if trained and old and not hrm:
         _same_split(out_dir, old, opts)
-    base_corpus = None if chat or hrm else choose_base(base, corpus, src, langs, lang, out_dir, trained, val_fraction)
+    if from_hf and (chat or hrm):
+        raise ConfigError("--from-hf fine-tunes an open model on your code; --chat and --hrm train codeforge's own")
+    base_corpus = None if chat or hrm or from_hf else choose_base(base, corpus, src, langs, lang, out_dir, trained,
+                                                                  val_fraction)
     n = 8 if chat else 6 if base_corpus else 5  # the steps it announces: the chat stages are 5-8
     print(f"[1/{n}] corpus: {src} ({describe_corpus(counts, langs)})")
     if base_corpus:
         print(f"      a small repository: a base model trains on {base_corpus[0]} first, then goes on on your files "
               f"(--base none: your files alone)")
+    imported = imported_model(out_dir, from_hf) if from_hf else None
     tok_dir = _tokenizer(out_dir, src, opts, n, base=base_corpus)
     if hrm:
         return hrm_quickstart(out_dir, src, langs, tok_dir, max_iters, device, t_start)
@@ -378,6 +410,15 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
             steps = max(1, math.ceil(MANY_PASSES * meta["splits"]["train"]["tokens"] / RUN_TOKENS_PER_STEP))
             budget = max(60.0, total - used)
         over = {**{f"train.{k}": v for k, v in REPO_STAGE.items()}, "train.init_from": str(base_run)}
+    elif imported:  # an open model on your code: as many passes as fit, at most MANY_PASSES (STEPS at most)
+        block = read_config(find_checkpoint(imported, "auto"))["model"]["block_size"]
+        batch = max(1, RUN_TOKENS_PER_STEP // block)
+        steps = max_iters or kept or min(STEPS, max(1, math.ceil(MANY_PASSES * meta["splits"]["train"]["tokens"]
+                                                                 / (batch * block))))
+        budget = 0.0 if max_iters or kept else total
+        over = {"train.init_from": str(imported), "train.batch_size": batch, "train.optimizer": "adamw",
+                **{f"train.{k}": v for k, v in (LORA_TUNE if lora_rank else FULL_TUNE).items()},
+                **({"train.lora_rank": lora_rank, "train.lora_alpha": 2.0 * lora_rank} if lora_rank else {})}
     else:
         steps = max_iters or kept or (CHAT_STEPS if chat else STEPS)  # a re-run keeps the count it chose
         budget = 0.0 if max_iters or kept or chat else total
@@ -387,7 +428,7 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     cfg = pretrain_config(data_dir, run_dir, meta, steps, budget, device, chat, over)
     _enough(meta, cfg, src)
     step_no = 5 if base_corpus else 4
-    on = " on your files" if base_corpus else ""
+    on = " on your files" if base_corpus or imported else ""
     print(f"[{step_no}/{n}] train{on}: {cfg.train.max_iters} steps" + (" (the count this run chose; --max-iters N "
           "trains on to N)" if kept else "") + f" -> {run_dir}" if not cfg.train.time_budget else
           f"[{step_no}/{n}] train{on}: as many of {cfg.train.max_iters} steps as fit in "
@@ -395,6 +436,10 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     if base_corpus:
         print(f"      from the base's best weights ({base_run}), at learning rate {cfg.train.learning_rate:g}, "
               f"at most {MANY_PASSES} passes over your training files")
+    if imported:
+        print(f"      from {imported}, " + (f"LoRA adapters of rank {lora_rank}" if lora_rank else "every weight")
+              + f", AdamW at learning rate {cfg.train.learning_rate:g}, batch {cfg.train.batch_size} x "
+              f"{cfg.model.block_size} tokens")
     if cfg.train.fim_rate and not chat:
         print(f"      fill-in-the-middle, as editors ask for completions: {cfg.train.fim_rate:.0%} of the documents are "
               f"cut in three and trained middle-last ({cfg.train.fim_spm_rate:.0%} of those suffix first)")

@@ -193,3 +193,27 @@ def test_the_adapter_alone_goes_out_small_and_comes_back_merged(data_dir, base, 
     assert "not trained with --lora-rank" in capsys.readouterr().err
     assert main(["import", "--adapter", str(out), "--out", str(tmp_path / "m3")]) == 2
     assert "needs --base RUN" in capsys.readouterr().err
+
+
+def test_quickstart_from_an_open_model_with_lora_in_one_command(tmp_path, tokenizer_dir, capsys):
+    """`codeforge quickstart --corpus MYREPO --from-hf DIR --lora-rank R`: import, prepare with the model's own
+    tokenizer, LoRA on the code, the scores on the held-out files (bits per byte and eval --repo's line)."""
+    from codeforge.export.hf import write_tokenizer_files
+    from codeforge.quickstart import run_quickstart
+    from codeforge.tokenizer import CodeTokenizer
+    from conftest import STDLIB
+    from test_export import hf_model
+    tok = CodeTokenizer.load(tokenizer_dir)
+    src = tmp_path / "qwen"
+    hf_model("qwen2", vocab=64 * -(-tok.vocab_size // 64)).save_pretrained(src)
+    write_tokenizer_files(tokenizer_dir, src)
+    out = tmp_path / "qs"
+    r = run_quickstart(str(out), corpus=str(STDLIB / "wsgiref"), max_iters=3, from_hf=str(src), lora_rank=4,
+                       device="cpu")
+    printed = capsys.readouterr().out
+    assert "model: imported" in printed and "LoRA adapters of rank 4" in printed and r["step"] == 3
+    assert "fill-in-the-middle on your held-out files" in printed and "base:" not in printed
+    assert (out / "tokenizer" / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+    ck = find_checkpoint(out / "run", "latest")
+    assert (ck / lora.ADAPTER_FILE).exists() and json.loads((ck / "config.json").read_text())["model"]["n_kv_head"] == 2
+    assert r["bits_per_byte"] > 0

@@ -257,6 +257,11 @@ def add_quickstart_parser(sub) -> None:
                    help="a small repository of yours (one the run would pass over more than 4 times) first trains "
                         "a base on a public corpus of its language, then goes on on your files: auto (the default: "
                         "Python's or Go's standard library), none (your files alone), python-stdlib, go or a PATH")
+    q.add_argument("--from-hf", default=None, metavar="DIR",
+                   help="fine-tune an open code model you downloaded (a Hugging Face directory: Qwen2.5-Coder, "
+                        "Llama, GPT-2, ...) on your code with its own tokenizer, instead of training one from scratch")
+    q.add_argument("--lora-rank", type=int, default=0, metavar="R",
+                   help="--from-hf: train LoRA adapters of rank R (e.g. 16), the model frozen (default 0: every weight)")
     q.add_argument("--chat", action="store_true", help="then chat SFT on pairs mined from the corpus and tool "
                    "calling (about 20 CPU minutes; default --out runs/quickstart-chat)")
     q.add_argument("--hrm", action="store_true",
@@ -273,7 +278,8 @@ def cmd_quickstart(a: argparse.Namespace) -> int:
             raise CLIError("--chat and --hrm are two different quickstarts: pick one")
         r = run_quickstart(a.out or default_out(a.corpus, a.chat, a.hrm), a.corpus, a.max_iters, a.device, chat=a.chat, hrm=a.hrm,
                            val_fraction=a.val_fraction, time_budget=a.time_budget,
-                           base_dir=default_out(a.corpus) if a.chat else None, base=a.base)
+                           base_dir=default_out(a.corpus) if a.chat else None, base=a.base, from_hf=a.from_hf,
+                           lora_rank=a.lora_rank)
     except FileNotFoundError as e:
         raise CLIError(str(e)) from e
     return stopped_code(r)
