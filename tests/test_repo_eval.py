@@ -208,7 +208,7 @@ def test_eval_repo_gguf_starts_llama_server_with_the_documented_settings(repo, t
     argv = json.loads(log.read_text())
     flags = dict(zip(argv[::2], argv[1::2]))
     assert flags["-m"] == str(gguf_file) and flags["-c"] == "192" and flags["-b"] == flags["-ub"] == "96"
-    assert flags["-n"] == "16" and flags["--host"] == "127.0.0.1"
+    assert flags["-n"] == "24" and flags["--host"] == "127.0.0.1"  # an eighth of the context: fills and other files both fit
     r = json.loads(out.read_text())
     assert r["backend"] == f"llama-server {gguf_file}" and r["cases"] == 6
     assert r["scores"]["all"]["cases"] == 6 and r["scores"]["all"]["edit_similarity"] > 0

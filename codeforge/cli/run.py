@@ -196,7 +196,7 @@ def add_eval_parser(sub) -> None:
                         "(--endpoint-api completions); with --run too, the run's training files are left out")
     e.add_argument("--gguf", default=None, metavar="FILE",
                    help="--repo: score an exported GGUF in llama.cpp: starts llama-server on it (-c its context, -b "
-                        "half of it, -n 16), sends each case to its /infill; with --run too, the run's training files "
+                        "half of it, -n an eighth of it), sends each case to its /infill; with --run too, the run's training files "
                         "are left out")
     e.add_argument("--llama-server", default=None, metavar="PATH",
                    help="--gguf: the llama-server binary (default $CODEFORGE_LLAMA_SERVER, the one "

@@ -4,7 +4,8 @@ The binary comes from `--llama-server PATH`, $CODEFORGE_LLAMA_SERVER, the cache 
 `python benchmarks/build_llama_server.py` builds into ($CODEFORGE_CACHE, default ~/.cache/codeforge:
 llama-server-VERSION/bin/llama-server), or the PATH, in that order. It is started with the settings
 docs/serving.md names for a small model: `-c` the model's context, `-b`/`-ub` half of it (what codeforge
-serve's /infill keeps by default), `-n 16`, on a free local port, and stopped when the scoring is done.
+serve's /infill keeps by default), `-n` infill_predict(context), on a free local port, and stopped when the
+scoring is done.
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ from pathlib import Path
 
 from .lm import EvalError
 
-INFILL_PREDICT = 16  # llama-server's -n, as docs/serving.md advises for both servers
+
+
+def infill_predict(ctx: int) -> int:
+    """The tokens a fill may take (llama-server's -n, which caps every request's n_predict and sets aside 2 n of
+    the context in /infill's prompt layout): an eighth of the context, 16 to 128, so other files keep room."""
+    return max(16, min(128, ctx // 8))
 FIM_KEYS = ("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.fim_suf_token_id", "tokenizer.ggml.fim_mid_token_id")
 
 
@@ -87,7 +93,7 @@ def running(gguf_path: str, binary: str | None = None, threads: int | None = Non
     batch = max(32, ctx // 2)
     port = _free_port()
     argv = [exe, "-m", str(gguf_path), "-c", str(ctx), "-b", str(batch), "-ub", str(batch), "-n",
-            str(INFILL_PREDICT), "-t", str(threads or max(1, os.cpu_count() or 1)), "--host", "127.0.0.1",
+            str(infill_predict(ctx)), "-t", str(threads or max(1, os.cpu_count() or 1)), "--host", "127.0.0.1",
             "--port", str(port)]
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile() as out:

@@ -8,10 +8,12 @@ RUN/trained_documents.npy, data/trained.py) become FIM cases of three kinds, cho
 Each request carries, like llama.vscode's `input_extra`, up to `context_files` other files of the repository
 (same directory first) as repo-level context, laid out as llama-server lays them out (fim.repo_infill).
 
-Each case may use as many tokens as its true middle plus 8 (so a model that writes it exactly is never cut
-short); a fill is cut to the number of lines of the true middle and scored by exact match (indentation counts;
-trailing spaces and blank end lines do not), edit similarity (difflib's ratio of the two texts, 0-1) and whether
-the filled file still parses (Python's compiler, tree-sitter for Go), per kind. Greedy, so deterministic.
+Each case may use as many tokens as its true middle plus 8 (so a model that writes it exactly is not cut short
+by the budget), up to what a server allows a fill: llama-server's -n, which `--gguf` sets to an eighth of the
+context (16 to 128; llama_server.infill_predict) and the run is held to alike; a fill is cut to the number of
+lines of the true middle and scored by exact match (indentation counts; trailing spaces and blank end lines
+do not), edit similarity (difflib's ratio of the two texts, 0-1) and whether the filled file still parses
+(Python's compiler, tree-sitter for Go), per kind. Greedy, so deterministic.
 
 Three backends answer the same cases: a codeforge run (in process), a server's llama.cpp-style `/infill`
 (llama-server on the exported GGUF, or `codeforge serve`), and an OpenAI-compatible `/v1/completions` that takes
@@ -30,7 +32,7 @@ import urllib.request
 
 import torch
 
-from ..checkpoint import find_checkpoint, load_model
+from ..checkpoint import find_checkpoint, load_model, read_config
 from ..corpus import CorpusOptions, CorpusStats, content_hash, iter_documents
 from ..data.shards import digest_key
 from ..data.trained import trained_documents
@@ -39,14 +41,13 @@ from ..engine import Engine, SamplingParams
 from ..fim import fit_infill, infill_stop_ids, repo_infill
 from ..syntax import guess_language, is_valid_syntax
 from ..tokenizer import CodeTokenizer
-from .llama_server import running
+from .llama_server import gguf_facts, infill_predict, running
 from .lm import EvalError
 
 KINDS = ("line", "span", "block")
 MAX_FILE_CHARS = 12_000  # a target file longer than this is skipped (prefix and suffix are cut to the budget anyway)
 CONTEXT_CHARS = 4_000  # of each other file sent as context
 MAX_FILL = 256  # tokens a case may use at most
-INFILL_PREDICT = 16  # the -n the docs give llama-server and codeforge serve: other files get context/2 - 32 tokens
 
 
 def repo_files(root: str) -> list[tuple[str, str]]:
@@ -166,12 +167,13 @@ def engine_backend(engine, n_batch: int | None = None):
 
     stops = infill_stop_ids(tok)
 
+    n = infill_predict(ctx)
+
     def fill(prefix: str, suffix: str, extra, max_new: int) -> str:
-        # the budget codeforge serve's /infill uses with the documented --infill-predict 16 (llama-server's -n);
-        # then the other files give way until the whole middle has room
-        ids, _ = repo_infill(tok, prefix, suffix, extra, n_ctx=ctx, n_batch=n_batch or ctx // 2,
-                             n_predict=INFILL_PREDICT)
-        max_new = min(max_new, ctx // 2)
+        # the prompt llama-server lays out with -n n (what `--gguf` starts it with), and never more than n
+        # tokens, as it allows; then the other files give way until the middle has room
+        ids, _ = repo_infill(tok, prefix, suffix, extra, n_ctx=ctx, n_batch=n_batch or ctx // 2, n_predict=n)
+        max_new = min(max_new, n)
         if len(ids) + max_new > ctx:
             ids = fit_infill(ids, ctx - max_new, tok.special_ids)
         out: list[int] = []
@@ -269,15 +271,17 @@ def score_repo(fill, cases: list[dict], max_new: int = 64, with_context: bool = 
 def run_repo_eval(repo: str, run: str | None = None, endpoint: str | None = None, api: str = "infill",
                   model: str | None = None, n: int = 20, context_files: int = 4, seed: int = 0, max_new: int = MAX_FILL,
                   device: str = "auto", which: str = "auto", both: bool = False, gguf: str | None = None,
-                  llama_server: str | None = None, log=print) -> dict:
+                  llama_server: str | None = None, log=print, cap: int | None = None) -> dict:
     """Everything `eval --repo` reports. both: score with and without the repository context. gguf: start
     llama.cpp's llama-server on that file (binary: llama_server, or as evaluation/llama_server.py finds it) and
-    score it through its /infill; a run given beside it or an endpoint only says which files are held out."""
+    score it through its /infill; a run given beside it or an endpoint only says which files are held out.
+    cap: tokens a fill may take at most (the server's -n; by default infill_predict of the run's context)."""
     if gguf:
         if endpoint:
             raise EvalError("--gguf FILE starts its own llama-server: give it or --endpoint URL, not both")
         with running(gguf, llama_server, log=log) as url:
-            r = run_repo_eval(repo, run, url, "infill", None, n, context_files, seed, max_new, device, which, both)
+            r = run_repo_eval(repo, run, url, "infill", None, n, context_files, seed, max_new, device, which, both,
+                              cap=infill_predict(gguf_facts(gguf)["context"] or 2048))
         return {**r, "backend": f"llama-server {gguf}"}
     if n < 1 or context_files < 0:
         raise EvalError(f"--repo-cases {n} / --repo-context {context_files}: give at least 1 case of each kind and 0 "
@@ -302,9 +306,11 @@ def run_repo_eval(repo: str, run: str | None = None, endpoint: str | None = None
         # the run's tokenizer where there is one: the budgets of scoring the run itself, so the numbers compare;
         # without one, about 2 bytes a token, generous for code
         tok = CodeTokenizer.load(ck / "tokenizer") if ck and (ck / "tokenizer" / "tokenizer.json").exists() else None
+        if cap is None and ck is not None:
+            cap = infill_predict(read_config(ck)["model"]["block_size"])
         for c in cases:
             need = len(tok.encode(c["middle"])) if tok else len(c["middle"].encode()) // 2
-            c["budget"] = min(MAX_FILL, need + 8)
+            c["budget"] = min(MAX_FILL, need + 8, cap or MAX_FILL)
         fill = infill_backend(endpoint) if api == "infill" else completions_backend(endpoint, model)
         if api != "infill":
             context_files, both = 0, False
@@ -313,7 +319,7 @@ def run_repo_eval(repo: str, run: str | None = None, endpoint: str | None = None
         mdl, tok, ck, cfg = load_model(run, dev, which)
         precision, _ = choose_precision(dev, cfg.get("train", {}).get("precision", "auto"))
         for c in cases:
-            c["budget"] = min(MAX_FILL, len(tok.encode(c["middle"])) + 8)
+            c["budget"] = min(MAX_FILL, len(tok.encode(c["middle"])) + 8, infill_predict(mdl.context_length))
         fill = engine_backend(Engine(mdl, tok, dev, precision))
     r = {"repo": str(repo), "files": len(files), "held_out_files": len(kept), "trained_on_files": trained_on,
          "held_out_checked": checked, "cases": len(cases), "context_files": context_files, "seed": seed,
