@@ -255,6 +255,14 @@ class RunConfig:
             raise ConfigError(f"model.n_head = {m.n_head} is not divisible by model.n_kv_head = {m.n_kv_head}")
         if m.pos == "rope" and m.head_dim % 2:
             raise ConfigError(f"rotary positions need an even head size; n_embd/n_head = {m.head_dim}")
+        t = self.train
+        if t.lora_rank and STAGE[t.stage].kind != "lm":
+            lm = ", ".join(s.name for s in STAGE_TABLE if s.kind == "lm")
+            raise ConfigError(f"--lora-rank trains adapters in the language-model stages ({lm}); --stage {t.stage} "
+                              f"fine-tunes every weight: drop --lora-rank")
+        if t.lora_rank and not [x for x in t.lora_targets.split(",") if x.strip()]:
+            raise ConfigError("--lora-targets is empty: name the linear layers that get adapters (default "
+                              "c_attn,c_proj,c_fc)")
         return self
 
 

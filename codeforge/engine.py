@@ -226,7 +226,9 @@ class Engine:
     def _encode_prompt(self, text: str) -> list[int]:
         """A prompt that starts with a FIM token (PSM or SPM, as editor plugins send them) is read with its
         special tokens; any other text is plain text, whatever it mentions."""
-        return self.tok.encode(text, allow_special=text.lstrip().startswith((FIM_PREFIX, FIM_SUFFIX)))
+        fim = tuple(t for t in {FIM_PREFIX, FIM_SUFFIX, self.tok.special_text(FIM_PREFIX),
+                                self.tok.special_text(FIM_SUFFIX)} if t)  # and an imported tokenizer's spelling
+        return self.tok.encode(text, allow_special=text.lstrip().startswith(fim))
 
     def complete_ids(self, ids: list[list[int]], p: SamplingParams, warn=None) -> list[str]:
         """generate() over token-id prompts."""

@@ -95,6 +95,15 @@ def test_lora_bad_settings_say_what_to_do(data_dir, base, tmp_path):
         train_run(cfg_for(data_dir, tmp_path / "x", train__lora_rank=4, train__max_iters=2))
     with pytest.raises(ConfigError, match=r"--lora-targets q_proj.*no linear layer of that name"):
         train_run(lora_cfg(data_dir, tmp_path / "y", base, train__max_iters=2, train__lora_targets="q_proj"))
+    # the output head is read by the loss directly: an adapter there would never train (and a tied one would
+    # be saved twice), so it is not a target
+    with pytest.raises(ConfigError, match=r"--lora-targets lm_head.*the blocks have no linear layer"):
+        train_run(lora_cfg(data_dir, tmp_path / "z", base, train__max_iters=2, train__lora_targets="lm_head"))
+    with pytest.raises(ConfigError, match="--lora-targets is empty"):
+        lora_cfg(data_dir, tmp_path / "w", base, train__lora_targets=" , ")
+    # stages that do not train adapters refuse the option rather than fine-tune every weight
+    with pytest.raises(ConfigError, match=r"language-model stages \(pretrain, code, sft, tools\); --stage dpo"):
+        lora_cfg(data_dir, tmp_path / "v", base, train__stage="dpo")
 
 
 def test_lora_on_an_imported_qwen2_with_its_own_fim_tokens_exports_merged(tmp_path, tokenizer_dir, code_corpus):
@@ -135,6 +144,10 @@ def test_lora_on_an_imported_qwen2_with_its_own_fim_tokens_exports_merged(tmp_pa
                  "--device", "cpu"]) == 0
     merged, _, ck, cfg = load_model(tmp_path / "ft", torch.device("cpu"), "latest")
     assert cfg["train"]["lora_rank"] == 4 and (ck / lora.ADAPTER_FILE).exists()
+    # an editor's raw FIM prompt in the model's own spelling is read as its FIM tokens (serve's completions)
+    from codeforge.engine import Engine
+    ids = Engine(merged, imp_tok, torch.device("cpu"), "fp32")._encode_prompt("<|fim_prefix|>a = <|fim_suffix|>\n<|fim_middle|>")
+    assert ids[0] == fim_id and imp_tok.special_ids["<fim_middle>"] == ids[-1]
     out = tmp_path / "hf"
     assert main(["export", "--run", str(tmp_path / "ft"), "--format", "hf", "--out", str(out), "--no-verify"]) == 0
     again = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()

@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -52,12 +53,19 @@ def attach(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0,
     inject_adapter_in_model = _peft().inject_adapter_in_model
     if rank < 1:
         raise LoraError(f"--lora-rank {rank}: give 1 or more (0 means no LoRA: full fine-tuning)")
-    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    # the blocks' layers only: the output head's weight is read directly by the loss (models/lm_loss.py), so
+    # an adapter on it would never train, and a tied head would be saved twice
+    blocks = getattr(model, "blocks", None)
+    if blocks is None:
+        raise LoraError(f"{type(model).__name__} has no transformer blocks to put adapters on")
+    names = {n.rsplit(".", 1)[-1] for n, m in blocks.named_modules() if isinstance(m, nn.Linear)}
     unknown = sorted(set(targets) - names)
-    if unknown:
-        raise LoraError(f"--lora-targets {','.join(unknown)}: the model has no linear layer of that name (its: "
-                        f"{', '.join(sorted(names))})")
-    inject_adapter_in_model(lora_config(rank, alpha, dropout, targets), model, adapter_name=NAME)
+    if unknown or not targets:
+        raise LoraError(f"--lora-targets {','.join(unknown) or '(none)'}: the blocks have no linear layer of that "
+                        f"name (theirs: {', '.join(sorted(names))})")
+    wanted = {f"blocks.{n}" for n, m in blocks.named_modules()
+              if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in targets}
+    inject_adapter_in_model(lora_config(rank, alpha, dropout, sorted(wanted)), model, adapter_name=NAME)
     for n, p in model.named_parameters():
         p.requires_grad_(".lora_" in n)  # PEFT's rule too; said here so the contract does not rest on a default
     return model
@@ -84,9 +92,9 @@ def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
             continue
         plain = name.replace(".base_layer.", ".")
         layer = plain.rsplit(".", 1)[0]
-        if layer in wrapped and plain.endswith(".weight"):
-            m = wrapped[layer]
-            t = m.base_layer.weight + m.get_delta_weight(NAME).to(m.base_layer.weight.dtype)
+        if layer in wrapped and plain.endswith(".weight"):  # merged layer by layer, each straight to the host:
+            m = wrapped[layer]  # no second copy of the model on the device at a save
+            t = (m.base_layer.weight + m.get_delta_weight(NAME).to(m.base_layer.weight.dtype)).cpu()
         elif id(t) in seen:
             continue  # a tied tensor, already written under its first name
         else:
@@ -114,8 +122,6 @@ def adapter_json(model: nn.Module) -> str:
 
 def read_adapter(d: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(adapter_config.json, the adapter tensors) of a checkpoint or adapter directory."""
-    from safetensors.torch import load_file
-
     d = Path(d)
     try:
         conf = json.loads((d / ADAPTER_CONFIG).read_text())
