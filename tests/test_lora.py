@@ -62,6 +62,8 @@ def test_only_the_adapters_train_and_the_checkpoint_is_an_ordinary_model(data_di
 
 
 def test_a_resumed_lora_run_is_the_straight_one(data_dir, base, tmp_path, monkeypatch):
+    import shutil
+    base = shutil.copytree(base, tmp_path / "base")  # this test damages its starting weights at the end
     over = dict(train__max_iters=8, train__save_every=2, train__optimizer="adamw")
     train_run(lora_cfg(data_dir, tmp_path / "a", base, **over))
     straight = losses(tmp_path / "a")
@@ -88,6 +90,13 @@ def test_a_resumed_lora_run_is_the_straight_one(data_dir, base, tmp_path, monkey
     with pytest.raises(ConfigError, match="lora_rank"):
         train_run(cfg_for(data_dir, tmp_path / "b", train__init_from=str(base), train__lora_rank=8,
                           train__lora_alpha=8, train__learning_rate=1e-2, **over), resume=True)
+    # the starting weights changed on disk: a resume would put the adapters on other weights, so it is refused
+    f = find_checkpoint(base, "auto") / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-8] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match=r"started from .*does not match the sha256.*--init-from"):
+        train_run(lora_cfg(data_dir, tmp_path / "b", base, **{**over, "train__max_iters": 10}), resume=True)
 
 
 def test_lora_bad_settings_say_what_to_do(data_dir, base, tmp_path):

@@ -181,14 +181,24 @@ def adapters(run: Run, model: torch.nn.Module, run_config: dict, start_ckpt: Pat
                           "here yet")
     if start_ckpt is not None:  # resume: the same starting weights as the straight run
         saved = ckpt_io.read_config(start_ckpt).get("lora_base") or {}
-        began = Path(saved.get("checkpoint", ""))
-        sha = ckpt_io.weights_sha256(began) if began.is_dir() else None
-        if not saved or sha != saved.get("sha256"):
-            raise ConfigError(f"--resume {start_ckpt}: the LoRA run started from {saved.get('checkpoint', '?')}, "
-                              f"which is {'gone' if sha is None else 'changed since'}; its adapters mean something "
-                              f"only on those weights. Restore that checkpoint, or start a new run")
+        if not saved:
+            raise ConfigError(f"--resume {start_ckpt}: that checkpoint was not written by a LoRA run, so there are "
+                              f"no adapters to go on with; drop --lora-rank, or start a new run")
+        began = Path(saved["checkpoint"])
+        # the manifest's hashes are checked against the files first, so the recorded sha256 can be trusted
+        problem = ckpt_io.verify_checkpoint(began, train_state=False) if began.is_dir() else "it is gone"
+        sha = None if problem else ckpt_io.weights_sha256(began)
+        if sha != saved.get("sha256"):
+            raise ConfigError(f"--resume {start_ckpt}: the LoRA run started from {began}, and {problem or 'its weights changed since'}; "
+                              f"the adapters mean something only on those weights. Restore that checkpoint, or "
+                              f"start a new run from this one's merged weights (--init-from {start_ckpt})")
         ckpt_io.load_weights(model, began)
-    run_config["lora_base"] = {"checkpoint": str(began.resolve()), "sha256": ckpt_io.weights_sha256(began)}
+    sha = ckpt_io.weights_sha256(began)
+    if sha is None:
+        raise ConfigError(f"--lora-rank starts from a whole-model checkpoint (model.safetensors); {began} is sharded "
+                          f"(an FSDP run's): export it (`codeforge export --format hf`) and import it back "
+                          f"(`codeforge import --hf`), then start from that")
+    run_config["lora_base"] = {"checkpoint": str(began.resolve()), "sha256": sha}
     targets = [x.strip() for x in t.lora_targets.split(",") if x.strip()]
     try:
         lora.attach(model, t.lora_rank, t.lora_alpha, t.lora_dropout, targets)
