@@ -269,13 +269,18 @@ def pretrain_config(data_dir: Path, run_dir: Path, meta: dict, steps: int, budge
 
 
 def base_stage(out_dir: Path, base: tuple[str, list[str]], tok_dir: Path, repo_fim: float, max_iters: int | None,
-               total: float, device: str, n: int, kept: int | None) -> tuple[Path | None, float]:
+               total: float, device: str, n: int, done: bool) -> tuple[Path | None, float]:
     """Step 4 of a small repository's quickstart: prepare the base corpus (OUT/base/data) and train the base
-    (OUT/base/run) for BASE_SHARE of the time or of --max-iters; a re-run resumes it or finds it done.
-    (the base run, or None when interrupted; seconds it trained this time)."""
+    (OUT/base/run) for BASE_SHARE of the time or of --max-iters; a re-run resumes it where it stopped. done:
+    the repository stage has trained from it, so it is left as it is (nothing prepared or trained: training
+    it further would change nothing the repository run started from). (the base run, or None when
+    interrupted; seconds it trained this time)."""
     bdir = out_dir / "base"
     src, langs = base
     b_run = bdir / "run"
+    if done:
+        print(f"[4/{n}] base: done ({b_run}); your files' run goes on from where it is")
+        return b_run, 0.0
     b_trained = (b_run / rundir.CHECKPOINTS).exists()
     bdir.mkdir(parents=True, exist_ok=True)
     (bdir / CORPUS_RECORD).write_text(json.dumps({"corpus": src, "languages": langs}))
@@ -284,11 +289,12 @@ def base_stage(out_dir: Path, base: tuple[str, list[str]], tok_dir: Path, repo_f
                          if b_trained and old else _sized_split(src, langs, None))
     meta = _prepare(bdir, src, tok_dir, opts, keep=b_trained,
                     repo_fim=old["options"].get("repo_fim", 0.0) if b_trained and old else repo_fim)
-    if kept or b_trained and max_iters is None:  # done before (or resumed as it was)
-        steps, budget = saved_step_count(b_run) or STEPS, 0.0
-    elif max_iters:
+    chosen = saved_step_count(b_run) if b_trained else None  # the count an earlier time budget chose
+    if max_iters:
         steps, budget = max(1, round(BASE_SHARE * max_iters)), 0.0
-    else:
+    elif chosen:
+        steps, budget = chosen, 0.0
+    else:  # first run, or one stopped before its pace chose a count: the budget again
         steps, budget = STEPS, BASE_SHARE * total
     cfg = pretrain_config(bdir / "data", b_run, meta, steps, budget, device)
     print(f"[4/{n}] base: {meta['documents']} files of {src} -> {meta['splits']['train']['tokens']:,} training tokens; "
@@ -398,7 +404,7 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     total = 60 * (time_budget if time_budget is not None else TIME_BUDGET)  # seconds of pretraining
     over: dict = {}
     if base_corpus:  # the base first; the repository stage gets the rest, for at most MANY_PASSES passes
-        base_run, used = base_stage(out_dir, base_corpus, tok_dir, repo_fim, max_iters, total, device, n, kept)
+        base_run, used = base_stage(out_dir, base_corpus, tok_dir, repo_fim, max_iters, total, device, n, trained)
         if base_run is None:
             print("interrupted; run the quickstart again to resume")
             return {"interrupted": True, "step": 0}
@@ -609,8 +615,9 @@ def choose_base(base: str, corpus: str, src: str, langs: list[str] | None, lang:
     repository of a language with a built-in corpus), "none", or a corpus (python-stdlib, go, a path)."""
     if base == "none" or (langs and base == "auto"):  # a built-in corpus is its own base
         return None
-    if (out_dir / "base" / "run" / rundir.CHECKPOINTS).exists():
-        return corpus_path(_base_record(out_dir) or BASE_OF.get(lang or "", base))
+    if (out_dir / "base" / "run" / rundir.CHECKPOINTS).exists():  # the base this directory trained (its corpus
+        rec = _base_record(out_dir)  # need not be there any more: its data is prepared)
+        return (rec["corpus"], rec.get("languages")) if rec else corpus_path(BASE_OF.get(lang or "", base))
     if trained:  # a run that trained on the repository alone goes on alone
         return None
     if base != "auto":
@@ -623,16 +630,22 @@ def choose_base(base: str, corpus: str, src: str, langs: list[str] | None, lang:
     if tokens * MANY_PASSES >= STEPS * RUN_TOKENS_PER_STEP:
         return None
     try:
-        return corpus_path(BASE_OF[lang])
+        found = corpus_path(BASE_OF[lang])
     except FileNotFoundError as e:
         print(f"      note: a base of {lang} code would help this small repository, but {e}")
         return None
+    inside = os.path.realpath(src) + os.sep
+    if inside.startswith(os.path.realpath(found[0]) + os.sep):  # its validation files would train the base
+        print(f"      note: {src} is inside {found[0]}, so no base on it: your validation files would be in it")
+        return None
+    return found
 
 
-def _base_record(out_dir: Path) -> str | None:
+def _base_record(out_dir: Path) -> dict | None:
     try:
-        return json.loads((out_dir / "base" / CORPUS_RECORD).read_text())["corpus"]
-    except (OSError, ValueError, KeyError, TypeError):
+        rec = json.loads((out_dir / "base" / CORPUS_RECORD).read_text())
+        return rec if isinstance(rec, dict) and isinstance(rec.get("corpus"), str) else None
+    except (OSError, ValueError):
         return None
 
 

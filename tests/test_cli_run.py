@@ -270,3 +270,14 @@ def test_stopped_runs_exit_with_the_signal_status():
     assert stopped_code({"interrupted": "SIGINT"}) == 130
     assert stopped_code({"interrupted": "SIGTERM"}) == 143
     assert stopped_code({"sft": {"interrupted": None}, "tools": {"interrupted": "SIGINT"}}) == 130  # quickstart --chat
+
+
+def test_options_that_would_be_ignored_are_refused(capsys):
+    from codeforge.cli import main
+    for argv, said in ((["eval", "--run", "r", "--gguf", "m.gguf"], "give --repo DIR"),
+                       (["eval", "--repo", ".", "--gguf", "m.gguf", "--endpoint-api", "completions"],
+                        "--endpoint-api completions is for --endpoint URL"),
+                       (["quickstart", "--chat", "--base", "none"], "not --chat or --hrm"),
+                       (["quickstart", "--lora-rank", "4"], "give --from-hf DIR")):
+        assert main(argv) == 2, argv
+        assert said in capsys.readouterr().err, argv

@@ -317,8 +317,15 @@ def test_a_small_repository_trains_on_a_base_first_then_on_its_own_files(tmp_pat
     # again: both stages found done, nothing prepared or trained again
     r2 = run_quickstart(str(out), corpus=str(STDLIB / "wsgiref"), base=str(STDLIB / "json"))
     again = capsys.readouterr().out
-    assert "[4/6] base:" in again and "prepare: reusing" in again and r2["step"] == 4
+    assert "[4/6] base: done" in again and "prepare: reusing" in again and r2["step"] == 4
     assert "training nothing" not in again and f"saved {out}" not in again
+    # the base corpus gone (a Python upgrade moved it): the finished directory still works
+    import shutil
+    moved = tmp_path / "json-copy"
+    shutil.copytree(STDLIB / "json", moved)
+    (out / "base" / "quickstart.json").write_text(json.dumps({"corpus": str(tmp_path / "gone"), "languages": None}))
+    r3 = run_quickstart(str(out), corpus=str(STDLIB / "wsgiref"), base=str(moved))
+    assert r3["step"] == 4 and "[4/6] base: done" in capsys.readouterr().out
 
 
 def test_which_repositories_get_a_base_first(tmp_path, monkeypatch):
@@ -342,6 +349,7 @@ def test_which_repositories_get_a_base_first(tmp_path, monkeypatch):
     assert choose(small, "python", base=str(rust)) == (str(rust), None)  # or the one you name
     stdlib, langs = quickstart.corpus_path("python-stdlib")
     assert choose(stdlib, "python", langs=langs) is None  # a built-in corpus is its own base
+    assert choose(STDLIB / "json", "python") is None  # inside the base corpus: its validation files would train it
     monkeypatch.setattr(quickstart, "STEPS", 1)  # a repository the run would pass over fewer than 4 times
     monkeypatch.setattr(quickstart, "RUN_TOKENS_PER_STEP", 100)
     assert choose(small, "python") is None

@@ -212,6 +212,9 @@ def cmd_eval(a: argparse.Namespace) -> int:
         return _score_files(a)
     if a.repo:
         return _score_repo(a)
+    if a.gguf or a.endpoint:
+        raise CLIError(f"{'--gguf' if a.gguf else '--endpoint'} scores fill-in-the-middle on your files: give "
+                       f"--repo DIR (the other scores are the run's: --run RUN)")
     if not a.run:
         raise CLIError("eval needs --run RUN (or --tasks TASKS --completions FILE, or --humaneval --samples FILE "
                          "to score completions without a model)")
@@ -236,6 +239,8 @@ def _score_repo(a: argparse.Namespace) -> int:
     if not a.run and not a.endpoint and not a.gguf:
         raise CLIError("eval --repo DIR scores a run (--run RUN), a GGUF in llama-server (--gguf FILE) or a server "
                        "(--endpoint URL)")
+    if a.gguf and a.endpoint_api != "infill":
+        raise CLIError("--gguf scores llama-server's /infill; --endpoint-api completions is for --endpoint URL")
     if (a.endpoint or a.gguf) and not a.run:
         print("note: without --run, whether these files were trained on cannot be checked", file=sys.stderr)
     r = run_repo_eval(a.repo, a.run, a.endpoint, a.endpoint_api, a.endpoint_model, a.repo_cases, a.repo_context,

@@ -276,6 +276,12 @@ def cmd_quickstart(a: argparse.Namespace) -> int:
     try:
         if a.chat and a.hrm:
             raise CLIError("--chat and --hrm are two different quickstarts: pick one")
+        if (a.chat or a.hrm) and (a.base != "auto" or a.from_hf or a.lora_rank):
+            raise CLIError("--base, --from-hf and --lora-rank are for the plain quickstart on your code, not --chat "
+                           "or --hrm")
+        if a.lora_rank and not a.from_hf:
+            raise CLIError("--lora-rank adapts an open model: give --from-hf DIR (a model trained from scratch "
+                           "trains every weight)")
         r = run_quickstart(a.out or default_out(a.corpus, a.chat, a.hrm), a.corpus, a.max_iters, a.device, chat=a.chat, hrm=a.hrm,
                            val_fraction=a.val_fraction, time_budget=a.time_budget,
                            base_dir=default_out(a.corpus) if a.chat else None, base=a.base, from_hf=a.from_hf,
