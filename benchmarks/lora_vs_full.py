@@ -110,6 +110,24 @@ def parity(run: Path, data: Path, out: Path) -> dict:
     return res
 
 
+def random_qwen2(base_run: str, out: Path, width: int, layers: int) -> None:
+    import transformers
+
+    from codeforge.checkpoint import find_checkpoint
+    from codeforge.export.hf import write_tokenizer_files
+    from codeforge.tokenizer import CodeTokenizer
+    tok_dir = find_checkpoint(base_run, "auto") / "tokenizer"
+    vocab = 64 * -(-CodeTokenizer.load(tok_dir).vocab_size // 64)
+    heads = max(1, width // 64)
+    cfg = transformers.Qwen2Config(vocab_size=vocab, hidden_size=width, intermediate_size=width * 8 // 3 // 64 * 64,
+                                   num_hidden_layers=layers, num_attention_heads=heads,
+                                   num_key_value_heads=max(1, heads // 4), max_position_embeddings=256,
+                                   tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.Qwen2ForCausalLM(cfg).save_pretrained(out)
+    write_tokenizer_files(tok_dir, out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base-run", required=True, help="a codeforge run to stand in for a downloaded model")
@@ -118,14 +136,21 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--full-lr", type=float, default=1e-3)
     ap.add_argument("--lora-lr", type=float, default=5e-3)
+    ap.add_argument("--random-qwen2", default=None, metavar="WIDTH:LAYERS",
+                    help="instead of the base run's weights: a random Qwen2 of this shape (with the base run's "
+                         "tokenizer), for memory and tokens/s at a size where the weights dominate (its losses "
+                         "mean nothing)")
     ap.add_argument("--out", default="/tmp/lora_bench")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     hf, imported, data = out / "hf", out / "imported", out / "data"
     if not (imported / "checkpoints").exists():
-        sh([sys.executable, "-m", "codeforge", "export", "--run", a.base_run, "--format", "hf", "--out", str(hf)])
-        sh([sys.executable, "-m", "codeforge", "import", "--hf", str(hf), "--out", str(imported)])
+        if a.random_qwen2:
+            random_qwen2(a.base_run, hf, *(int(x) for x in a.random_qwen2.split(":")))
+        else:
+            sh([sys.executable, "-m", "codeforge", "export", "--run", a.base_run, "--format", "hf", "--out", str(hf)])
+        sh([sys.executable, "-m", "codeforge", "import", "--hf", str(hf), "--out", str(imported), "--no-verify"])
     lib = Path(a.lib) if "/" in a.lib else Path(sysconfig.get_paths()["purelib"]) / a.lib
     if not (data / "meta.json").exists():
         from codeforge.checkpoint import find_checkpoint
