@@ -51,9 +51,11 @@ TIME_BUDGET = 8.0  # minutes of pretraining by default: 560 steps fit on a CPU w
 RUN = {"eval_every": 100, "eval_tokens": 32_768, "save_every": 200, "log_every": 10}
 VOCAB = 8192
 # repo-level fill-in-the-middle: this share of the training files also becomes a document in the layout
-# llama-server's /infill builds from an editor's request (prepare --repo-fim); the mix measured in
-# benchmarks/fim_mix.py (docs/LOG.md, 2026-11-27)
-REPO_FIM = 0.5
+# llama-server's /infill builds from an editor's request (prepare --repo-fim). benchmarks/fim_mix.py, 2 seeds x
+# 3 held-out libraries (docs/LOG.md, 2026-11-27, eleventh session): edit similarity with other files as context
+# 0.219 (file-level FIM alone) / 0.236 (0.25) / 0.211 (0.5), parseable fills 13% / 17% / 16%, held-out bits per
+# byte +1.2% for either share
+REPO_FIM = 0.25
 # --chat: a context that holds a tool-calling conversation (up to ~600 tokens with five tool schemas; at 512,
 # 347 of 1,500 were dropped), ~2,300 tokens per step. Then SFT and tools start from it at learning rates for a 5M
 # model (the seeds' 5e-5 and 3e-6 are for 100M+ models). Fewer pretraining steps than the plain quickstart's 560
@@ -367,7 +369,11 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     if val_fraction is None and trained and old:
         val_fraction = old["options"]["val_fraction"]  # the split the run trained on
     elif not trained or val_fraction is None:
-        val_fraction = _sized_split(src, langs, val_fraction)
+        try:
+            val_fraction = _sized_split(src, langs, val_fraction)
+        except ConfigError:  # no code: said at step 1, after the line that says what was read
+            print(f"[1/{8 if chat else 5}] corpus: {src} ({describe_corpus(counts, langs)})")
+            raise
     opts = CorpusOptions(languages=langs, exclude_tests=True, val_fraction=val_fraction)
     if trained and old and not hrm:
         _same_split(out_dir, old, opts)

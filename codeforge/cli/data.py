@@ -178,7 +178,7 @@ def add_parsers(sub) -> None:
                     help="also train repo-level fill-in-the-middle: this share of the training files (chosen by "
                          "hash) gets a second document with up to 2 earlier files of its directory as context, in "
                          "the layout llama-server's /infill builds for editors (<|repo_name|>, <|file_sep|>; "
-                         "default 0: off)")
+                         "default 0: off; the quickstart uses 0.25, the measured best)")
     pr.add_argument("--val-fraction", type=float, default=0.01,
                     help="share of documents kept for validation, chosen by a stable hash of each document "
                          "(default 0.01)")
