@@ -239,3 +239,21 @@ def test_quickstart_from_an_open_model_with_lora_in_one_command(tmp_path, tokeni
     ck = find_checkpoint(out / "run", "latest")
     assert (ck / lora.ADAPTER_FILE).exists() and json.loads((ck / "config.json").read_text())["model"]["n_kv_head"] == 2
     assert r["bits_per_byte"] > 0
+
+
+def test_codeforge_serve_serves_a_lora_run_as_its_adapters_compute(data_dir, base, tmp_path):
+    """`codeforge serve --run LORA_RUN` serves the merged weights: its greedy completion is the one the
+    unmerged model (the base with PEFT's adapters attached) writes."""
+    from codeforge.engine import Engine, SamplingParams
+    from test_serve import serving
+    run = tmp_path / "ft"
+    train_run(lora_cfg(data_dir, run, base, train__max_iters=4, train__learning_rate=5e-2))
+    ck = find_checkpoint(run, "latest")
+    unmerged, tok, _, _ = load_model(base, torch.device("cpu"), "latest")
+    lora.attach(unmerged, 4, 8)
+    lora.load_adapter(unmerged, lora.read_adapter(ck)[1], str(ck))
+    want = Engine(unmerged, tok, torch.device("cpu"), "fp32").generate(
+        ["def add(a, b):"], SamplingParams(max_new_tokens=12, temperature=0))[0]
+    with serving(run) as live:
+        r = live.client.completions.create(model="tiny", prompt="def add(a, b):", max_tokens=12, temperature=0)
+    assert r.choices[0].text == want
