@@ -158,7 +158,7 @@ def same_corpus(out_dir: Path, src: str, langs: list[str] | None) -> None:
 # learn them by heart) first trains a base on a public corpus of its language, then goes on on the repository
 # from the base's best weights, at a lower learning rate, for at most MANY_PASSES passes; the tokenizer is
 # trained on both, the repository's files weighted REPO_TOKENIZER_WEIGHT times, so its identifiers stay whole
-# (docs/LOG.md, 2026-11-27: repository alone against base then repository, at equal time).
+# (docs/LOG.md, 2026-11-27, eleventh session: held-out bits per byte -9% and -14% on two libraries at equal steps).
 BASE_OF = {"python": "python-stdlib", "go": "go"}
 RUN_TOKENS_PER_STEP = 16 * 256  # the quickstart recipe's batch x context (cpu-small + lowend-cpu; tested)
 BASE_SHARE = 0.75  # of the pretraining time (or --max-iters) the base takes; the repository stage the rest
