@@ -203,7 +203,7 @@ class TrainConfig:
                                 "and the adapter alone", range=(1, 4096), zero_means="full fine-tuning")
     lora_alpha: float = setting(16.0, "LoRA: the adapters' scale is alpha / rank", range=(0.0, 1e6), open_low=True)
     lora_dropout: float = setting(0.0, "LoRA: dropout on the adapters' input", range=(0.0, 1.0))
-    lora_targets: str = setting("c_attn,c_proj,c_fc", "LoRA: the linear layers that get adapters, by name "
+    lora_targets: str = setting("c_attn,c_fc,c_proj", "LoRA: the linear layers that get adapters, by name "
                                 "(comma-separated: c_attn is attention's q/k/v, c_proj both output projections, "
                                 "c_fc the MLP's input)")
     tensorboard: bool = setting(True, "write TensorBoard events")
@@ -262,7 +262,7 @@ class RunConfig:
                               f"fine-tunes every weight: drop --lora-rank")
         if t.lora_rank and not [x for x in t.lora_targets.split(",") if x.strip()]:
             raise ConfigError("--lora-targets is empty: name the linear layers that get adapters (default "
-                              "c_attn,c_proj,c_fc)")
+                              "c_attn,c_fc,c_proj)")
         return self
 
 
@@ -460,6 +460,10 @@ def resolve(presets: list[str] = (), file: str | None = None, sets: list[str] = 
         sec, name = key.split(".")
         default = next(f.default for f in fields(sections[sec]) if f.name == name)
         values[sec][name] = _coerce(key, v, default)
+    # one spelling of a set of layer names, so a resume that lists them in another order is the same run
+    targets = values["train"].get("lora_targets")
+    if isinstance(targets, str):
+        values["train"]["lora_targets"] = ",".join(sorted({x.strip() for x in targets.split(",") if x.strip()}))
     try:
         cfg = RunConfig(model_cls.from_dict(values["model"]), TrainConfig(**values["train"]))
     except (TypeError, ValueError) as e:

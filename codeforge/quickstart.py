@@ -276,7 +276,7 @@ def base_stage(out_dir: Path, base: tuple[str, list[str]], tok_dir: Path, repo_f
     (OUT/base/run) for BASE_SHARE of the time or of --max-iters; a re-run resumes it where it stopped. done:
     the repository stage has trained from it, so it is left as it is (nothing prepared or trained: training
     it further would change nothing the repository run started from). (the base run, or None when
-    interrupted; seconds it trained this time)."""
+    interrupted; seconds it has trained, over every invocation)."""
     bdir = out_dir / "base"
     src, langs = base
     b_run = bdir / "run"
@@ -285,7 +285,13 @@ def base_stage(out_dir: Path, base: tuple[str, list[str]], tok_dir: Path, repo_f
         return b_run, 0.0
     b_trained = (b_run / rundir.CHECKPOINTS).exists()
     bdir.mkdir(parents=True, exist_ok=True)
-    (bdir / CORPUS_RECORD).write_text(json.dumps({"corpus": src, "languages": langs}))
+    # the seconds the base has trained so far, over every invocation: a stopped and resumed base keeps to its
+    # share of the time, and the repository stage gets the rest
+    before = float((_base_record(out_dir) or {}).get("seconds", 0.0)) if b_trained else 0.0
+
+    def record(seconds: float) -> None:
+        (bdir / CORPUS_RECORD).write_text(json.dumps({"corpus": src, "languages": langs, "seconds": seconds}))
+    record(before)
     old = _prepared_meta(bdir / "data")
     opts = CorpusOptions(languages=langs, exclude_tests=True, val_fraction=old["options"]["val_fraction"]
                          if b_trained and old else _sized_split(src, langs, None))
@@ -296,15 +302,17 @@ def base_stage(out_dir: Path, base: tuple[str, list[str]], tok_dir: Path, repo_f
         steps, budget = max(1, round(BASE_SHARE * max_iters)), 0.0
     elif chosen:
         steps, budget = chosen, 0.0
-    else:  # first run, or one stopped before its pace chose a count: the budget again
-        steps, budget = STEPS, BASE_SHARE * total
+    else:  # first run, or one stopped before its pace chose a count: what is left of its share
+        steps, budget = STEPS, max(60.0, BASE_SHARE * total - before)
     cfg = pretrain_config(bdir / "data", b_run, meta, steps, budget, device)
     print(f"[4/{n}] base: {meta['documents']} files of {src} -> {meta['splits']['train']['tokens']:,} training tokens; "
           + (f"as many of {steps} steps as fit in {budget / 60:.3g} minutes" if budget else f"{steps} steps")
           + f" -> {b_run}")
     t0 = time.perf_counter()
     result = run_stage(cfg, resume=b_trained)
-    return (None if result["interrupted"] else b_run), time.perf_counter() - t0
+    used = before + time.perf_counter() - t0
+    record(used)
+    return (None if result["interrupted"] else b_run), used
 
 
 def _has_repo_tokens(tok_dir: Path) -> bool:

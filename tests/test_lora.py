@@ -86,6 +86,9 @@ def test_a_resumed_lora_run_is_the_straight_one(data_dir, base, tmp_path, monkey
     a = load_model(tmp_path / "a", torch.device("cpu"), "latest")[0].state_dict()
     b = load_model(tmp_path / "b", torch.device("cpu"), "latest")[0].state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # the same targets listed in another order are the same run (one spelling of the set)
+    assert lora_cfg(data_dir, tmp_path / "b", base, train__lora_targets="c_proj, c_fc,c_attn").train.lora_targets \
+        == "c_attn,c_fc,c_proj"
     # another rank asked on resume: refused, the adapters' shapes are the run's
     with pytest.raises(ConfigError, match="lora_rank"):
         train_run(cfg_for(data_dir, tmp_path / "b", train__init_from=str(base), train__lora_rank=8,

@@ -304,6 +304,7 @@ def test_a_small_repository_trains_on_a_base_first_then_on_its_own_files(tmp_pat
     assert "[4/6] base:" in printed and "[5/6] train on your files: 4 steps" in printed and "[6/6] eval" in printed
     assert "your files 4 times over" in printed and "from the base's best weights" in printed
     assert (out / "base" / "run" / "checkpoints" / "step_000012").exists() and r["step"] == 4
+    assert json.loads((out / "base" / "quickstart.json").read_text())["seconds"] > 0  # carried to a resumed base
     import tomllib
     conf = tomllib.loads((out / "run" / "config.toml").read_text())
     assert conf["train"]["init_from"] == str(out / "base" / "run") and conf["train"]["learning_rate"] == 0.004
