@@ -58,6 +58,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import CodeforgeError
+from .decontam import benchmarks
 
 LANGUAGES: dict[str, tuple[str, ...]] = {
     "go": (".go",), "python": (".py", ".pyi"), "c": (".c", ".h"), "cpp": (".cc", ".cpp", ".cxx", ".hpp", ".hh"),
@@ -84,6 +85,7 @@ REASON_WORDS = {
     "directory symlinks (not followed)", "corrupt_compressed": "damaged .gz/.zst", "corrupt_parquet":
     "damaged parquet", "bad_json": "lines that are not JSON", "missing_field": "records without the text field",
     "vanished": "gone before they were read",
+    "benchmark": "sharing a 13-token run with a benchmark (--decontaminate: HumanEval by default)",
     "symlink_outside": "file symlinks pointing out of the input tree (not followed)",
     "oversized_record": "records over the read limits (JSONL lines over 12 x --max-file-bytes characters, rows "
                         "of parquet row groups with a page over 64 MiB)",
@@ -98,7 +100,7 @@ def describe_skipped(skipped: dict) -> str:
 
 # Reasons that are a corpus filter doing its job (counted quietly); any other reason is malformed input.
 FILTER_REASONS = frozenset({"binary", "non_utf8", "empty", "too_large", "minified", "generated", "vendored",
-                            "test_file", "duplicate", "near_duplicate", "unknown_extension"})
+                            "test_file", "duplicate", "near_duplicate", "unknown_extension", "benchmark"})
 
 
 class CorpusError(CodeforgeError):
@@ -125,6 +127,9 @@ class CorpusOptions:
     near_threshold: float = 0.85
     val_fraction: float = 0.01
     strict: bool = False
+    # benchmark sources a document must not overlap (decontam.py: "humaneval", a JSONL file, a directory);
+    # `codeforge prepare` and the quickstart give ["humaneval"] by default
+    decontaminate: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
         if self.dedup not in DEDUP_MODES:
@@ -142,7 +147,10 @@ class CorpusOptions:
         return {ext for lang in langs for ext in LANGUAGES[lang]}
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not self.decontaminate:  # data prepared before the option keeps its fingerprint
+            del d["decontaminate"]
+        return d
 
 
 @dataclass
@@ -819,12 +827,15 @@ def iter_documents(paths: list[str], opts: CorpusOptions, stats: CorpusStats) ->
     opts.validate()
     check_sources(paths)
     dedup = Deduper(opts.dedup, opts.near_threshold)
+    bench = benchmarks(opts.decontaminate) if opts.decontaminate else None
     for src in paths:
         for doc in read_source(src, opts, stats):
             reason = reject_reason(doc.text, opts)
             if not reason:
                 doc.digest = content_hash(doc.text)
                 reason = dedup.reason(doc.text, doc.digest)
+            if not reason and bench is not None and bench.hit(doc.text):
+                reason = "benchmark"
             if reason:
                 stats.skip(reason, doc.source)
                 continue

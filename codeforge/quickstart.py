@@ -165,6 +165,7 @@ BASE_SHARE = 0.75  # of the pretraining time (or --max-iters) the base takes; th
 REPO_STAGE = {"learning_rate": 0.004, "muon_lr": 0.006, "warmup_steps": 10}
 REPO_TOKENIZER_WEIGHT = 4
 BYTES_PER_TOKEN = 3.5  # code per token of the quickstart's 8k tokenizer (3.8 on the Python standard library)
+DECONTAMINATE = ("humaneval",)  # benchmark sources no training document may overlap (decontam.py)
 QUICK_VAL = 0.02  # the least share of files kept for validation; a small corpus gets more (corpus.sized_val_fraction)
 
 
@@ -294,7 +295,9 @@ def base_stage(out_dir: Path, base: tuple[str, list[str]], tok_dir: Path, repo_f
     record(before)
     old = _prepared_meta(bdir / "data")
     opts = CorpusOptions(languages=langs, exclude_tests=True, val_fraction=old["options"]["val_fraction"]
-                         if b_trained and old else _sized_split(src, langs, None))
+                         if b_trained and old else _sized_split(src, langs, None),
+                         decontaminate=old["options"].get("decontaminate", []) if b_trained and old
+                         else list(DECONTAMINATE))
     meta = _prepare(bdir, src, tok_dir, opts, keep=b_trained,
                     repo_fim=old["options"].get("repo_fim", 0.0) if b_trained and old else repo_fim)
     chosen = saved_step_count(b_run) if b_trained else None  # the count an earlier time budget chose
@@ -382,7 +385,10 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
         except ConfigError:  # no code: said at step 1, after the line that says what was read
             print(f"[1/{8 if chat else 5}] corpus: {src} ({describe_corpus(counts, langs)})")
             raise
-    opts = CorpusOptions(languages=langs, exclude_tests=True, val_fraction=val_fraction)
+    # benchmarks out (decontam.py): HumanEval, which the quickstart scores; a run that has trained keeps the
+    # options its data was prepared with
+    decon = old["options"].get("decontaminate", []) if trained and old else list(DECONTAMINATE)
+    opts = CorpusOptions(languages=langs, exclude_tests=True, val_fraction=val_fraction, decontaminate=decon)
     if trained and old and not hrm:
         _same_split(out_dir, old, opts)
     if from_hf and (chat or hrm):

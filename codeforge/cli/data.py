@@ -58,7 +58,11 @@ def cmd_prepare(a: argparse.Namespace) -> int:
     if a.workers:
         # Rust's thread pool reads this once, before the first parallel encode.
         os.environ["RAYON_NUM_THREADS"] = str(a.workers)
-    opts = corpus_opts(a, dedup=a.dedup, val_fraction=a.val_fraction)
+    opts = corpus_opts(a, dedup=a.dedup, val_fraction=a.val_fraction,
+                       decontaminate=[] if a.no_decontaminate else list(dict.fromkeys(a.decontaminate)))
+    if a.no_decontaminate:
+        print("warning: --no-decontaminate: documents that overlap HumanEval or other benchmarks stay in the data, "
+              "so scores on those benchmarks may count what the model read", file=sys.stderr)
     meta = prepare(a.input, a.tokenizer, a.out, opts, overwrite=a.overwrite, shard_tokens=a.shard_tokens,
                    chat=a.chat, repo_fim=a.repo_fim)
     _print_data_info(meta, a.out, sample=False)
@@ -174,6 +178,12 @@ def add_parsers(sub) -> None:
     pr.add_argument("--tokenizer", required=True, help="directory holding tokenizer.json")
     pr.add_argument("--out", required=True,
                     help="directory to write the token shards, the tokenizer copy and meta.json to")
+    pr.add_argument("--decontaminate", nargs="+", default=["humaneval"], metavar="SRC",
+                    help="drop every document that shares a 13-token run with a benchmark: humaneval (the default), "
+                         "a JSONL file of benchmark records (every string field), or a directory of held-out files "
+                         "(those `eval --repo` will score); counted in the report")
+    pr.add_argument("--no-decontaminate", action="store_true",
+                    help="keep documents that overlap benchmarks (their later scores may then be inflated)")
     pr.add_argument("--repo-fim", type=float, default=0.0, metavar="SHARE",
                     help="also train repo-level fill-in-the-middle: this share of the training files (chosen by "
                          "hash) gets a second document with up to 2 earlier files of its directory as context, in "
