@@ -59,6 +59,7 @@ from pathlib import Path
 
 from . import CodeforgeError
 from .decontam import benchmarks
+from .redact import redact
 
 LANGUAGES: dict[str, tuple[str, ...]] = {
     "go": (".go",), "python": (".py", ".pyi"), "c": (".c", ".h"), "cpp": (".cc", ".cpp", ".cxx", ".hpp", ".hh"),
@@ -98,6 +99,11 @@ def describe_skipped(skipped: dict) -> str:
     return "; ".join(f"{n:,} {REASON_WORDS.get(k, k.replace('_', ' '))}" for k, n in items if n) or "nothing"
 
 
+def describe_secrets(found: dict) -> str:
+    """'2 AWS Access Key, 1 Private Key' (most first)."""
+    return ", ".join(f"{n:,} {k}" for k, n in sorted(found.items(), key=lambda kv: -kv[1])) or "none"
+
+
 # Reasons that are a corpus filter doing its job (counted quietly); any other reason is malformed input.
 FILTER_REASONS = frozenset({"binary", "non_utf8", "empty", "too_large", "minified", "generated", "vendored",
                             "test_file", "duplicate", "near_duplicate", "unknown_extension", "benchmark"})
@@ -130,6 +136,9 @@ class CorpusOptions:
     # benchmark sources a document must not overlap (decontam.py: "humaneval", a JSONL file, a directory);
     # `codeforge prepare` and the quickstart give ["humaneval"] by default
     decontaminate: list[str] = field(default_factory=list)
+    # secrets replaced by a placeholder per kind (redact.py, detect-secrets); `prepare` and the quickstart
+    # turn it on by default (--keep-secrets turns it off)
+    redact_secrets: bool = False
 
     def validate(self) -> None:
         if self.dedup not in DEDUP_MODES:
@@ -148,8 +157,9 @@ class CorpusOptions:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        if not self.decontaminate:  # data prepared before the option keeps its fingerprint
-            del d["decontaminate"]
+        for k in ("decontaminate", "redact_secrets"):
+            if not d[k]:  # data prepared before the option keeps its fingerprint
+                del d[k]
         return d
 
 
@@ -171,6 +181,7 @@ class CorpusStats:
     bytes: int = 0
     skipped: Counter = field(default_factory=Counter)
     examples: dict = field(default_factory=dict)  # reason -> first offending input
+    secrets: Counter = field(default_factory=Counter)  # kind -> values replaced (redact.py)
 
     def skip(self, reason: str, where: str, strict: bool = False, detail: str = "", n: int = 1) -> None:
         """Count `n` inputs (a file, a record, the rows of a parquet row group) skipped for `reason`."""
@@ -839,6 +850,11 @@ def iter_documents(paths: list[str], opts: CorpusOptions, stats: CorpusStats) ->
             if reason:
                 stats.skip(reason, doc.source)
                 continue
+            if opts.redact_secrets:  # after the content hash: the split and the records stay the file's
+                text, found = redact(doc.text, doc.source)
+                if found:
+                    stats.secrets.update(found)
+                    doc = Document(text, doc.source, digest=doc.digest)
             stats.documents += 1
             stats.bytes += doc.nbytes
             yield doc

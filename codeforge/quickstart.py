@@ -20,7 +20,7 @@ from pathlib import Path
 from . import rundir
 from .checkpoint import find_checkpoint, load_model, read_config
 from .config import ConfigError, load_file, resolve
-from .corpus import (EXT_TO_LANG, CorpusOptions, CorpusStats, describe_skipped, iter_documents, sized_val_fraction,
+from .corpus import (EXT_TO_LANG, CorpusOptions, CorpusStats, describe_secrets, describe_skipped, iter_documents, sized_val_fraction,
                      walk_tree)
 from .data.hrm_batches import PlanData
 from .data.shards import ShardError, prepare
@@ -297,7 +297,8 @@ def base_stage(out_dir: Path, base: tuple[str, list[str]], tok_dir: Path, repo_f
     opts = CorpusOptions(languages=langs, exclude_tests=True, val_fraction=old["options"]["val_fraction"]
                          if b_trained and old else _sized_split(src, langs, None),
                          decontaminate=old["options"].get("decontaminate", []) if b_trained and old
-                         else list(DECONTAMINATE))
+                         else list(DECONTAMINATE),
+                         redact_secrets=bool(old["options"].get("redact_secrets")) if b_trained and old else True)
     meta = _prepare(bdir, src, tok_dir, opts, keep=b_trained,
                     repo_fim=old["options"].get("repo_fim", 0.0) if b_trained and old else repo_fim)
     chosen = saved_step_count(b_run) if b_trained else None  # the count an earlier time budget chose
@@ -388,7 +389,9 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     # benchmarks out (decontam.py): HumanEval, which the quickstart scores; a run that has trained keeps the
     # options its data was prepared with
     decon = old["options"].get("decontaminate", []) if trained and old else list(DECONTAMINATE)
-    opts = CorpusOptions(languages=langs, exclude_tests=True, val_fraction=val_fraction, decontaminate=decon)
+    redact = bool(old["options"].get("redact_secrets")) if trained and old else True  # secrets out (redact.py)
+    opts = CorpusOptions(languages=langs, exclude_tests=True, val_fraction=val_fraction, decontaminate=decon,
+                         redact_secrets=redact)
     if trained and old and not hrm:
         _same_split(out_dir, old, opts)
     if from_hf and (chat or hrm):
@@ -417,7 +420,9 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     print(f"[3/{n}] prepare: {reused}{meta['documents']} files -> {meta['tokens']:,} tokens "
           f"(train {meta['splits']['train']['tokens']:,}; validation {val['documents']} file(s), {val['tokens']:,} "
           f"tokens: --val-fraction {opts.val_fraction:g}); -> {data_dir}\n"
-          f"      skipped: {describe_skipped(meta['skipped'])}")
+          f"      skipped: {describe_skipped(meta['skipped'])}"
+          + (f"\n      secrets replaced: {describe_secrets(meta['secrets_replaced'])}" if meta.get("secrets_replaced")
+             else ""))
 
     resume = trained
     kept = saved_step_count(run_dir) if resume and not chat and max_iters is None and time_budget is None else None

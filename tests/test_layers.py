@@ -41,6 +41,7 @@ LAYERS: list[tuple[str, int]] = [
     ("codeforge.rundir", 0),
     ("codeforge.corpus", 1),
     ("codeforge.decontam", 1),
+    ("codeforge.redact", 1),
     ("codeforge.tokenizer", 1),
     ("codeforge.chat", 1),
     ("codeforge.constrain", 1),

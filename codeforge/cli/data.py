@@ -59,7 +59,11 @@ def cmd_prepare(a: argparse.Namespace) -> int:
         # Rust's thread pool reads this once, before the first parallel encode.
         os.environ["RAYON_NUM_THREADS"] = str(a.workers)
     opts = corpus_opts(a, dedup=a.dedup, val_fraction=a.val_fraction,
-                       decontaminate=[] if a.no_decontaminate else list(dict.fromkeys(a.decontaminate)))
+                       decontaminate=[] if a.no_decontaminate else list(dict.fromkeys(a.decontaminate)),
+                       redact_secrets=not a.keep_secrets)
+    if a.keep_secrets:
+        print("WARNING: --keep-secrets: keys, tokens and passwords in these files go into the training data as "
+              "they are; a model trained on it can complete them for anyone who prompts it", file=sys.stderr)
     if a.no_decontaminate:
         print("warning: --no-decontaminate: documents that overlap HumanEval or other benchmarks stay in the data, "
               "so scores on those benchmarks may count what the model read", file=sys.stderr)
@@ -77,6 +81,9 @@ def _print_data_info(meta: dict, path: str, sample: bool = True) -> None:
     if meta.get("skipped"):
         from ..corpus import describe_skipped
         print("  skipped: " + describe_skipped(meta["skipped"]))
+    if meta.get("secrets_replaced"):
+        from ..corpus import describe_secrets
+        print("  secrets replaced: " + describe_secrets(meta["secrets_replaced"]))
     print(f"  prepared in {meta['seconds']}s ({meta['mb_per_s']} MB/s, {meta['tokens_per_s']:,} tokens/s)")
     if sample:
         from ..data.shards import ShardSet
@@ -184,6 +191,10 @@ def add_parsers(sub) -> None:
                          "(those `eval --repo` will score); counted in the report")
     pr.add_argument("--no-decontaminate", action="store_true",
                     help="keep documents that overlap benchmarks (their later scores may then be inflated)")
+    pr.add_argument("--keep-secrets", action="store_true",
+                    help="keep API keys, tokens, private keys and passwords found in the code (by default each is "
+                         "replaced with a placeholder per kind, REDACTED_AWS_ACCESS_KEY, ..., and counted): a model "
+                         "learns them and completes them for anyone")
     pr.add_argument("--repo-fim", type=float, default=0.0, metavar="SHARE",
                     help="also train repo-level fill-in-the-middle: this share of the training files (chosen by "
                          "hash) gets a second document with up to 2 earlier files of its directory as context, in "

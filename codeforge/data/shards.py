@@ -346,6 +346,7 @@ def _finish(tok: CodeTokenizer, tmp: Path, stats: CorpusStats, splits: dict, sou
         "vocab_size": tok.vocab_size, "eot_id": tok.eot_id, "dtype": dtype_for(tok.vocab_size).name, "splits": splits,
         "documents": stats.documents, "tokens": total_tokens, "bytes": total_bytes,
         "skipped": dict(sorted(stats.skipped.items())), "skipped_examples": stats.examples,
+        "secrets_replaced": dict(sorted(stats.secrets.items())),
         "sources": list(sources), "seconds": round(seconds, 2),
         "mb_per_s": round(total_bytes / 1e6 / max(seconds, 1e-9), 2),
         "tokens_per_s": round(total_tokens / max(seconds, 1e-9)),

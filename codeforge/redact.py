@@ -1,0 +1,108 @@
+"""Secrets out of the training data: API keys, tokens, private keys, passwords in configs, credentials in
+connection strings, found by Yelp's detect-secrets (its plugins and false-positive filters), each replaced
+with a fixed placeholder per kind (`REDACTED_AWS_ACCESS_KEY`), so the code around it stays whole and a model
+never learns to complete the value.
+
+- Only lines a cheap pattern marks (a secret-ish word, a long token, a URL with credentials) go to
+  detect-secrets: most code has none, and its plugins cost ~0.3 ms a line.
+- A high-entropy string alone (hex or base64) is a secret only in an assignment whose name says so (key,
+  secret, token, password, ...): hash constants and test vectors in crypto code are not secrets.
+- A finding is widened to the whole token around it (`ghp` -> the GitHub token it starts), and PEM private
+  key blocks are replaced whole (detect-secrets flags only their first line).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+from detect_secrets.core.scan import _process_line_based_plugins  # its own line scan, filters included
+from detect_secrets.settings import default_settings
+
+PEM = re.compile(r"-----BEGIN ((?:[A-Z0-9]+ )*)PRIVATE KEY-----.*?-----END \1PRIVATE KEY-----", re.S)
+# where a secret can be: a secret-ish name assigned a value, credentials in a URL, a long quoted token, or the
+# prefix of a known token format; one scan of the whole text finds the lines to hand to detect-secrets
+PREFILTER = re.compile(r"""(?i:(?:secret|token|passw|pwd|api_?key|access_?key|private_?key|auth|credential|bearer)"""
+                       r"""\w*['"]?\s*(?::=|=|:|,)\s*\S)|://[^\s/@]*:[^\s/@]*@|['"`][A-Za-z0-9+/=_\-.]{20,}['"`]"""
+                       r"""|\b(?:A[KS]IA|A(?:GP|ID|RO|IP|NP|NV)A|gh[pousr]_|github_pat_|glpat-|xox[abposr]-|[sr]k_live|"""
+                       r"""AIza|SG\.|eyJ|npm_|pypi-|sk-)""")
+NAMED = re.compile(r"(?i)(secret|token|passw|pwd|api_?key|access_?key|private_?key|auth|credential|bearer)"
+                   r"\w*['\"]?\s*(?::=|=|:)")
+TOKEN_CHARS = re.compile(r"[A-Za-z0-9_\-+/.~]+={0,2}")  # a token, with base64 padding at its end
+ENTROPY_KINDS = ("Hex High Entropy String", "Base64 High Entropy String")
+# kinds that name no format of their own (a keyword's value, a high-entropy string): replaced only where the value
+# is a string literal, or a config file's value, never an identifier (`hs.masterSecret = hs.session.masterSecret`)
+LOOSE_KINDS = ENTROPY_KINDS + ("Secret Keyword",)
+CONFIG_EXT = (".env", ".ini", ".cfg", ".conf", ".properties", ".yaml", ".yml", ".toml", ".json", ".txt")
+ENV_LIKE = (".env", ".properties", ".cfg", ".conf")
+CONFIG_VALUE = re.compile(r"^\s*[\w.\-]+\s*[:=]\s*\S+\s*$")
+
+
+def placeholder(kind: str) -> str:
+    return "REDACTED_" + re.sub(r"[^A-Z0-9]+", "_", kind.upper()).strip("_")
+
+
+def _widen(line: str, value: str) -> tuple[int, int] | None:
+    """The span of the whole token that holds `value` in `line`."""
+    i = line.find(value)
+    if i < 0:
+        return None
+    for m in TOKEN_CHARS.finditer(line):
+        if m.start() <= i < m.end():
+            # a secret begins its token (`ghp_...`, `AKIA...`); one found inside a longer token is a chance match
+            # in other data (`...AIABIAFQ...` in a base64 certificate is no AWS key)
+            return (i, max(m.end(), i + len(value))) if m.start() == i else None
+    return i, i + len(value)
+
+
+def _literal(line: str, span: tuple[int, int], filename: str) -> bool:
+    """Whether the span is a whole string literal (quotes on both sides), or the value of a config file's line."""
+    a, b = span
+    if 0 < a and b < len(line) and line[a - 1] in "'\"`" and line[b] == line[a - 1]:
+        return True
+    return filename.lower().endswith(CONFIG_EXT) and bool(CONFIG_VALUE.match(line)) and line.rstrip().endswith(line[a:b])
+
+
+def redact(text: str, filename: str = "file") -> tuple[str, Counter]:
+    """(the text with each secret replaced by its kind's placeholder, how many of each kind)."""
+    found: Counter = Counter()
+
+    def pem(m: re.Match) -> str:
+        found["Private Key"] += 1
+        return f"-----BEGIN {m.group(1)}PRIVATE KEY-----\n{placeholder('Private Key')}\n-----END {m.group(1)}PRIVATE KEY-----"
+    if "PRIVATE KEY-----" in text:
+        text = PEM.sub(pem, text)
+    marks = {text.count("\n", 0, m.start()) for m in PREFILTER.finditer(text)}  # lines with a mark, 0-based
+    if not marks:
+        return text, found
+    lines = text.split("\n")
+    candidates = [(i + 1, lines[i]) for i in sorted(marks)]
+    spans: dict[int, list[tuple[int, int, str]]] = {}
+    # detect-secrets reads KEY=value files by their extension: .env and the like are scanned as the .ini
+    # files they are (under their own name it finds nothing in them)
+    base = filename.rsplit("/", 1)[-1].lower()
+    scan_as = "config.ini" if base.startswith(".env") or base.endswith(ENV_LIKE) else filename
+    with default_settings():
+        for secret in _process_line_based_plugins(candidates, scan_as):
+            line = lines[secret.line_number - 1]
+            if secret.type in ENTROPY_KINDS and not NAMED.search(line):
+                continue  # a hash constant or test vector, not a credential
+            if secret.type == "Private Key":
+                continue  # whole blocks are replaced above; a lone header line is no key
+            span = _widen(line, secret.secret_value or "")
+            if span and secret.type in LOOSE_KINDS and not _literal(line, span, filename):
+                continue
+            if span and span[1] - span[0] >= 4:
+                spans.setdefault(secret.line_number - 1, []).append((*span, secret.type))
+    for i, got in spans.items():
+        line = lines[i]
+        got.sort(key=lambda s: (s[0], -(s[1] - s[0])))
+        out, at = [], 0
+        for a, b, kind in got:
+            if a < at:
+                continue  # inside a span already replaced (two plugins on one token: the first kind names it)
+            out += [line[at:a], placeholder(kind)]
+            found[kind] += 1
+            at = b
+        lines[i] = "".join(out) + line[at:]
+    return "\n".join(lines), found

@@ -1,0 +1,76 @@
+"""Secrets out of the training data (redact.py, with detect-secrets): planted keys, tokens, passwords,
+connection strings and private keys are replaced by their kind's placeholder in the shards, counted; hash
+constants and identifiers that merely mention a secret stay as they are; --keep-secrets keeps them, loudly."""
+
+import json
+
+import numpy as np
+
+from codeforge.cli import main
+from codeforge.redact import redact
+from codeforge.tokenizer import CodeTokenizer
+
+PLANTED = {  # value -> a line of code or config that holds it
+    "AKIAIOSFODNN7EXAMPLE": 'aws_access_key_id = "AKIAIOSFODNN7EXAMPLE"',
+    "ghp_0123456789abcdefghijABCDEFGHIJ012345": 'GITHUB = "ghp_0123456789abcdefghijABCDEFGHIJ012345"',
+    "xoxb-123456789012-1234567890123-AbCdEfGhIjKlMnOpQrStUvWx":
+        'slack = "xoxb-123456789012-1234567890123-AbCdEfGhIjKlMnOpQrStUvWx"',
+    "sk_live_4eC39HqLyjWDarjtT1zdp7dc": 'stripe.api_key = "sk_live_4eC39HqLyjWDarjtT1zdp7dc"',
+    "hunter2isverysecret": 'DB_PASSWORD = "hunter2isverysecret"',
+    "p4ssw0rdQ7": 'DATABASE_URL = "postgres://app:p4ssw0rdQ7@db.internal:5432/app"',
+    "9f8e7d6c5b4a39281706f5e4d3c2b1a0": 'api_key: "9f8e7d6c5b4a39281706f5e4d3c2b1a0"',
+    "eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U":
+        'JWT = "eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U"',
+    "MIIEpAIBAAKCAQEA75Kb0cn3lZb7Ij0X6q5k8b0v1wYH0Y2nGqZt": (
+        'KEY = """-----BEGIN RSA PRIVATE KEY-----\nMIIEpAIBAAKCAQEA75Kb0cn3lZb7Ij0X6q5k8b0v1wYH0Y2nGqZt\n'
+        'bW9yZSBrZXkgbWF0ZXJpYWwgaGVyZQ==\n-----END RSA PRIVATE KEY-----"""'),
+}
+KEPT = [  # not secrets: a hash constant, a test vector, identifiers that say "secret"
+    'EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"',
+    'md5_of_hello = "5d41402abc4b2a76b9719d911017c592"',
+    "hs.masterSecret = hs.session.masterSecret if hs else None",
+    'secret = os.environ["APP_SECRET"]',
+    "def check_password(user, password): return user",
+]
+
+
+def test_each_planted_secret_becomes_its_placeholder_and_the_rest_stays():
+    text = "\n".join(list(PLANTED.values()) + KEPT) + "\n"
+    out, found = redact(text, "settings.py")
+    for value in PLANTED:
+        assert value not in out, value
+    for line in KEPT:
+        assert line in out, line
+    assert 'aws_access_key_id = "REDACTED_AWS_ACCESS_KEY"' in out and "REDACTED_PRIVATE_KEY" in out
+    assert "postgres://app:REDACTED_BASIC_AUTH_CREDENTIALS@db.internal" in out
+    assert sum(found.values()) == len(PLANTED) and found["Private Key"] == 1
+    compile(out, "settings.py", "exec")  # the code around each value is whole
+    # a config file's unquoted value, and a key inside a base64 blob that is no key
+    env, n = redact("API_KEY=9f8e7d6c5b4a39281706f5e4d3c2b1a0\nCERT=VABNAEcAIABIAFQAVABQAFMAIABJAG4Ac\n", "app.env")
+    assert "9f8e7d6c5b4a39281706f5e4d3c2b1a0" not in env and "VABNAEcAIABIAFQAVABQAFMAIABJAG4Ac" in env
+
+
+def test_prepare_writes_no_secret_into_the_shards(tmp_path, code_corpus, tokenizer_dir, capsys):
+    tok = CodeTokenizer.load(tokenizer_dir)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, line in enumerate(PLANTED.values()):
+        (corpus / f"config_{i}.py").write_text(f"import os\n\n\n{line}\n\ndef main():\n    return {i}\n")
+    out = tmp_path / "data"
+    assert main(["prepare", "--input", str(corpus), "--tokenizer", str(tokenizer_dir), "--out", str(out),
+                 "--val-fraction", "0"]) == 0
+    printed = capsys.readouterr().out
+    meta = json.loads((out / "meta.json").read_text())
+    assert sum(meta["secrets_replaced"].values()) == len(PLANTED) and "secrets replaced:" in printed
+    assert meta["options"]["redact_secrets"] is True
+    ids = np.fromfile(out / meta["splits"]["train"]["shards"][0]["file"], dtype=meta["dtype"])
+    text = tok.decode(ids.tolist())
+    assert "REDACTED_" in text and not any(v in text for v in PLANTED)
+    out2 = tmp_path / "data2"
+    assert main(["prepare", "--input", str(corpus), "--tokenizer", str(tokenizer_dir), "--out", str(out2),
+                 "--val-fraction", "0", "--keep-secrets"]) == 0
+    assert "WARNING: --keep-secrets" in capsys.readouterr().err
+    meta2 = json.loads((out2 / "meta.json").read_text())
+    assert not meta2["secrets_replaced"] and "redact_secrets" not in meta2["options"]
+    text2 = tok.decode(np.fromfile(out2 / meta2["splits"]["train"]["shards"][0]["file"], dtype=meta2["dtype"]).tolist())
+    assert "AKIAIOSFODNN7EXAMPLE" in text2
