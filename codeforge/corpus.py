@@ -182,6 +182,15 @@ class CorpusStats:
     skipped: Counter = field(default_factory=Counter)
     examples: dict = field(default_factory=dict)  # reason -> first offending input
     secrets: Counter = field(default_factory=Counter)  # kind -> values replaced (redact.py)
+    steps: dict = field(default_factory=dict)  # step -> [documents in, bytes in, documents out, bytes out]
+
+    def step(self, name: str, bytes_in: int, kept: bool, bytes_out: int | None = None) -> None:
+        """One document through step `name`: kept or not, with its bytes out (default: as it came in)."""
+        row = self.steps.setdefault(name, [0, 0, 0, 0])
+        row[0] += 1
+        row[1] += bytes_in
+        row[2] += kept
+        row[3] += (bytes_in if bytes_out is None else bytes_out) if kept else 0
 
     def skip(self, reason: str, where: str, strict: bool = False, detail: str = "", n: int = 1) -> None:
         """Count `n` inputs (a file, a record, the rows of a parquet row group) skipped for `reason`."""
@@ -839,22 +848,38 @@ def iter_documents(paths: list[str], opts: CorpusOptions, stats: CorpusStats) ->
     check_sources(paths)
     dedup = Deduper(opts.dedup, opts.near_threshold)
     bench = benchmarks(opts.decontaminate) if opts.decontaminate else None
+    # the report per step (stats.steps: documents and bytes in and out), in the order a document meets them
+    steps = {"read": None, "quality filters": "quality", "deduplication": "dedup"}
+    if bench is not None:
+        steps["benchmarks out"] = "benchmark"
+    if opts.redact_secrets:
+        steps["secrets replaced"] = "secrets"
+    for name in steps:
+        stats.steps.setdefault(name, [0, 0, 0, 0])
     for src in paths:
         for doc in read_source(src, opts, stats):
+            stats.step("read", doc.nbytes, True)
             reason = reject_reason(doc.text, opts)
-            if not reason:
-                doc.digest = content_hash(doc.text)
-                reason = dedup.reason(doc.text, doc.digest)
-            if not reason and bench is not None and bench.hit(doc.text):
-                reason = "benchmark"
+            stats.step("quality filters", doc.nbytes, not reason)
+            if reason:
+                stats.skip(reason, doc.source)
+                continue
+            doc.digest = content_hash(doc.text)
+            reason = dedup.reason(doc.text, doc.digest)
+            stats.step("deduplication", doc.nbytes, not reason)
+            if not reason and bench is not None:
+                reason = "benchmark" if bench.hit(doc.text) else None
+                stats.step("benchmarks out", doc.nbytes, not reason)
             if reason:
                 stats.skip(reason, doc.source)
                 continue
             if opts.redact_secrets:  # after the content hash: the split and the records stay the file's
                 text, found = redact(doc.text, doc.source)
+                before = doc.nbytes
                 if found:
                     stats.secrets.update(found)
                     doc = Document(text, doc.source, digest=doc.digest)
+                stats.step("secrets replaced", before, True, doc.nbytes)
             stats.documents += 1
             stats.bytes += doc.nbytes
             yield doc

@@ -61,6 +61,13 @@ def test_benchmark_files_are_dropped_by_default_and_counted(tmp_path, code_corpu
         assert p["canonical_solution"].strip().splitlines()[0].strip() not in text
     assert "skipping negative ones" not in text and "def f(a, b)" not in text
     assert meta["documents"] == 12  # the ordinary files all kept
+    # the report says where the corpus went, step by step
+    steps = meta["steps"]
+    assert list(steps) == ["read", "quality filters", "deduplication", "benchmarks out", "secrets replaced"]
+    b = steps["benchmarks out"]
+    assert b["documents_in"] - b["documents_out"] == 4 and b["bytes_in"] > b["bytes_out"]
+    assert steps["read"]["documents_out"] == steps["quality filters"]["documents_in"] == 16
+    assert "benchmarks out" in printed and "documents in -> out" in printed
 
     # the default is HumanEval alone; --no-decontaminate keeps everything, loudly
     out2 = tmp_path / "data2"

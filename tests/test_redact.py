@@ -63,6 +63,8 @@ def test_prepare_writes_no_secret_into_the_shards(tmp_path, code_corpus, tokeniz
     meta = json.loads((out / "meta.json").read_text())
     assert sum(meta["secrets_replaced"].values()) == len(PLANTED) and "secrets replaced:" in printed
     assert meta["options"]["redact_secrets"] is True
+    step = meta["steps"]["secrets replaced"]
+    assert step["documents_in"] == step["documents_out"] == len(PLANTED) and step["bytes_out"] != step["bytes_in"]
     ids = np.fromfile(out / meta["splits"]["train"]["shards"][0]["file"], dtype=meta["dtype"])
     text = tok.decode(ids.tolist())
     assert "REDACTED_" in text and not any(v in text for v in PLANTED)

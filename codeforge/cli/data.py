@@ -81,6 +81,11 @@ def _print_data_info(meta: dict, path: str, sample: bool = True) -> None:
     if meta.get("skipped"):
         from ..corpus import describe_skipped
         print("  skipped: " + describe_skipped(meta["skipped"]))
+    if meta.get("steps"):  # where the corpus went, step by step
+        print(f"  {'step':18s} {'documents in -> out':>24s} {'MB in -> out':>22s}")
+        for k, v in meta["steps"].items():
+            print(f"  {k:18s} {v['documents_in']:>11,} -> {v['documents_out']:<9,} "
+                  f"{v['bytes_in'] / 1e6:>10.2f} -> {v['bytes_out'] / 1e6:<8.2f}")
     if meta.get("secrets_replaced"):
         from ..corpus import describe_secrets
         print("  secrets replaced: " + describe_secrets(meta["secrets_replaced"]))

@@ -347,6 +347,8 @@ def _finish(tok: CodeTokenizer, tmp: Path, stats: CorpusStats, splits: dict, sou
         "documents": stats.documents, "tokens": total_tokens, "bytes": total_bytes,
         "skipped": dict(sorted(stats.skipped.items())), "skipped_examples": stats.examples,
         "secrets_replaced": dict(sorted(stats.secrets.items())),
+        "steps": {k: dict(zip(("documents_in", "bytes_in", "documents_out", "bytes_out"), v))
+                  for k, v in stats.steps.items()},
         "sources": list(sources), "seconds": round(seconds, 2),
         "mb_per_s": round(total_bytes / 1e6 / max(seconds, 1e-9), 2),
         "tokens_per_s": round(total_tokens / max(seconds, 1e-9)),
