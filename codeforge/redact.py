@@ -84,7 +84,11 @@ def redact(text: str, filename: str = "file") -> tuple[str, Counter]:
         return f"-----BEGIN {m.group(1)}PRIVATE KEY-----\n{placeholder('Private Key')}\n-----END {m.group(1)}PRIVATE KEY-----"
     if "PRIVATE KEY-----" in text:
         text = PEM.sub(pem, text)
-    marks = {text.count("\n", 0, m.start()) for m in PREFILTER.finditer(text)}  # lines with a mark, 0-based
+    marks, line, at = set(), 0, 0  # the 0-based numbers of lines with a mark, counted once through the text
+    for m in PREFILTER.finditer(text):
+        line += text.count("\n", at, m.start())
+        at = m.start()
+        marks.add(line)
     if not marks:
         return text, found
     lines = text.split("\n")
