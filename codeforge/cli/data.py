@@ -58,10 +58,12 @@ def cmd_prepare(a: argparse.Namespace) -> int:
     if a.workers:
         # Rust's thread pool reads this once, before the first parallel encode.
         os.environ["RAYON_NUM_THREADS"] = str(a.workers)
+    # benchmarks and secrets are taken out of code documents; chat JSONL (--chat) is read as conversations,
+    # which these steps do not see yet, so its options do not claim them
     opts = corpus_opts(a, dedup=a.dedup, val_fraction=a.val_fraction,
-                       decontaminate=[] if a.no_decontaminate else list(dict.fromkeys(a.decontaminate)),
-                       redact_secrets=not a.keep_secrets)
-    if a.keep_secrets:
+                       decontaminate=[] if a.no_decontaminate or a.chat else list(dict.fromkeys(a.decontaminate)),
+                       redact_secrets=not a.keep_secrets and not a.chat)
+    if a.keep_secrets and not a.chat:
         print("WARNING: --keep-secrets: keys, tokens and passwords in these files go into the training data as "
               "they are; a model trained on it can complete them for anyone who prompts it", file=sys.stderr)
     if a.no_decontaminate:
