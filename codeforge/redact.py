@@ -19,13 +19,20 @@ from collections import Counter
 from detect_secrets.core.scan import _process_line_based_plugins  # its own line scan, filters included
 from detect_secrets.settings import default_settings
 
-PEM = re.compile(r"-----BEGIN ((?:[A-Z0-9]+ )*)PRIVATE KEY-----.*?-----END \1PRIVATE KEY-----", re.S)
+# a PEM private key block: a body of base64, whitespace, quotes and \n escapes only (so it never runs across
+# code, and a key written as string literals keeps its quotes), at most 16 KB (so a header without a footer
+# costs a bounded scan); only the base64 runs in it are replaced, every separator stays
+PEM = re.compile(r"-----BEGIN ((?:[A-Z0-9]+ )*)PRIVATE KEY( BLOCK|)-----([A-Za-z0-9+/=\s\"'\\]{0,16384}?)"
+                 r"-----END \1PRIVATE KEY\2-----")
+B64_RUN = re.compile(r"(?:(?<=\\n)|(?<![\\A-Za-z0-9+/=]))[A-Za-z0-9+/]{16,}={0,2}")  # after a \n escape too
 # where a secret can be: a secret-ish name assigned a value, credentials in a URL, a long quoted token, or the
 # prefix of a known token format; one scan of the whole text finds the lines to hand to detect-secrets
 PREFILTER = re.compile(r"""(?i:(?:secret|token|passw|pwd|api_?key|access_?key|private_?key|auth|credential|bearer)"""
                        r"""\w*['"]?\s*(?::=|=|:|,)\s*\S)|://[^\s/@]*:[^\s/@]*@|['"`][A-Za-z0-9+/=_\-.]{20,}['"`]"""
                        r"""|\b(?:A[KS]IA|A(?:GP|ID|RO|IP|NP|NV)A|gh[pousr]_|github_pat_|glpat-|xox[abposr]-|[sr]k_live|"""
-                       r"""AIza|SG\.|eyJ|npm_|pypi-|sk-)|hooks\.slack\.com/|AccountKey=|Bearer\s|\b\d{8,10}:AA""")
+                       r"""AIza|SG\.|eyJ|npm_|pypi-|sk-)|hooks\.slack\.com/|AccountKey=|Bearer\s|\b\d{8,10}:AA"""
+                       r"""|\b(?:SK|AC)[0-9a-f]{32}\b|[0-9a-f]{32}-us\d|sq0(?:atp|csp)-|AKC[A-Za-z0-9]{10}"""
+                       r"""|\b[MNO][A-Za-z0-9_\-]{23,25}\.[A-Za-z0-9_\-]{6}\.""")
 # formats detect-secrets 1.5.0 has no plugin for (measured: benchmarks/secrets_planted.py), as (kind, pattern
 # whose group 1 is the value); the value is replaced exactly, wherever it stands
 EXTRA = [(kind, re.compile(rx)) for kind, rx in (
@@ -45,34 +52,43 @@ ENTROPY_KINDS = ("Hex High Entropy String", "Base64 High Entropy String")
 # kinds that name no format of their own (a keyword's value, a high-entropy string): replaced only where the value
 # is a string literal, or a config file's value, never an identifier (`hs.masterSecret = hs.session.masterSecret`)
 LOOSE_KINDS = ENTROPY_KINDS + ("Secret Keyword",)
-CONFIG_EXT = (".env", ".ini", ".cfg", ".conf", ".properties", ".yaml", ".yml", ".toml", ".json", ".txt")
-ENV_LIKE = (".env", ".properties", ".cfg", ".conf")
-CONFIG_VALUE = re.compile(r"^\s*[\w.\-]+\s*[:=]\s*\S+\s*$")
+CONFIG_EXT = (".env", ".ini", ".cfg", ".conf", ".properties", ".yaml", ".yml", ".toml", ".json", ".txt", ".sh",
+              ".bash", ".md", ".rst")
+# KEY=value text: config files, and the shell scripts, notes and JSONL records a corpus does read
+ENV_LIKE = (".env", ".properties", ".cfg", ".conf", ".sh", ".bash", ".txt", ".md", ".rst")
+CONFIG_VALUE = re.compile(r"^\s*(?:export\s+)?[\w.\-]+\s*[:=]\s*\S+\s*$")
 
 
 def placeholder(kind: str) -> str:
     return "REDACTED_" + re.sub(r"[^A-Z0-9]+", "_", kind.upper()).strip("_")
 
 
-def _widen(line: str, value: str) -> tuple[int, int] | None:
-    """The span of the whole token that holds `value` in `line`."""
-    i = line.find(value)
-    if i < 0:
-        return None
-    for m in TOKEN_CHARS.finditer(line):
-        if m.start() <= i < m.end():
-            # a secret begins its token (`ghp_...`, `AKIA...`); one found inside a longer token is a chance match
-            # in other data (`...AIABIAFQ...` in a base64 certificate is no AWS key)
-            return (i, max(m.end(), i + len(value))) if m.start() == i else None
-    return i, i + len(value)
+def _widen(line: str, value: str) -> list[tuple[int, int]]:
+    """The spans of the whole tokens `value` begins in `line`, every occurrence: a secret begins its token
+    (`ghp_...`, `AKIA...`); one found inside a longer token is a chance match in other data (`...AIABIAFQ...` in
+    a base64 certificate is no AWS key). A value that ends in a backslash is not cut (an escaped quote follows)."""
+    if not value or value.endswith("\\"):
+        return []
+    starts = {m.start(): m.end() for m in TOKEN_CHARS.finditer(line)}
+    out = []
+    for m in re.finditer(re.escape(value), line):
+        i = m.start()
+        if i in starts:
+            out.append((i, max(starts[i], m.end())))
+        elif not TOKEN_CHARS.match(line, i):  # a value that starts with other characters: itself
+            out.append((i, m.end()))
+    return out
 
 
 def _literal(line: str, span: tuple[int, int], filename: str) -> bool:
-    """Whether the span is a whole string literal (quotes on both sides), or the value of a config file's line."""
+    """Whether the span is a whole string literal (quotes on both sides, the closing one not escaped), or the
+    value of a config file's line."""
     a, b = span
-    if 0 < a and b < len(line) and line[a - 1] in "'\"`" and line[b] == line[a - 1]:
+    if 0 < a and b < len(line) and line[a - 1] in "'\"`" and line[b] == line[a - 1] and line[b - 1] != "\\":
         return True
-    return filename.lower().endswith(CONFIG_EXT) and bool(CONFIG_VALUE.match(line)) and line.rstrip().endswith(line[a:b])
+    name = re.sub(r":\d+$", "", filename.lower())
+    return (name.endswith(CONFIG_EXT + (".jsonl",)) and bool(CONFIG_VALUE.match(line))
+            and line.rstrip().endswith(line[a:b]))
 
 
 def redact(text: str, filename: str = "file") -> tuple[str, Counter]:
@@ -80,9 +96,12 @@ def redact(text: str, filename: str = "file") -> tuple[str, Counter]:
     found: Counter = Counter()
 
     def pem(m: re.Match) -> str:
+        body, n = B64_RUN.subn(placeholder("Private Key"), m.group(3))
+        if not n:
+            return m.group(0)  # a header and a footer with no key between them (PEM constants in code)
         found["Private Key"] += 1
-        return f"-----BEGIN {m.group(1)}PRIVATE KEY-----\n{placeholder('Private Key')}\n-----END {m.group(1)}PRIVATE KEY-----"
-    if "PRIVATE KEY-----" in text:
+        return m.group(0)[:m.start(3) - m.start()] + body + m.group(0)[m.end(3) - m.start():]
+    if "PRIVATE KEY" in text:
         text = PEM.sub(pem, text)
     marks, line, at = set(), 0, 0  # the 0-based numbers of lines with a mark, counted once through the text
     for m in PREFILTER.finditer(text):
@@ -96,8 +115,8 @@ def redact(text: str, filename: str = "file") -> tuple[str, Counter]:
     spans: dict[int, list[tuple[int, int, str]]] = {}
     # detect-secrets reads KEY=value files by their extension: .env and the like are scanned as the .ini
     # files they are (under their own name it finds nothing in them)
-    base = filename.rsplit("/", 1)[-1].lower()
-    scan_as = "config.ini" if base.startswith(".env") or base.endswith(ENV_LIKE) else filename
+    base = re.sub(r":\d+$", "", filename.rsplit("/", 1)[-1].lower())  # a JSONL record's name is FILE:LINE
+    scan_as = "config.ini" if base.startswith(".env") or base.endswith(ENV_LIKE + (".jsonl",)) else filename
     with default_settings():
         for secret in _process_line_based_plugins(candidates, scan_as):
             line = lines[secret.line_number - 1]
@@ -105,11 +124,11 @@ def redact(text: str, filename: str = "file") -> tuple[str, Counter]:
                 continue  # a hash constant or test vector, not a credential
             if secret.type == "Private Key":
                 continue  # whole blocks are replaced above; a lone header line is no key
-            span = _widen(line, secret.secret_value or "")
-            if span and secret.type in LOOSE_KINDS and not _literal(line, span, filename):
-                continue
-            if span and span[1] - span[0] >= 4:
-                spans.setdefault(secret.line_number - 1, []).append((*span, secret.type))
+            for span in _widen(line, secret.secret_value or ""):
+                if secret.type in LOOSE_KINDS and not _literal(line, span, filename):
+                    continue
+                if span[1] - span[0] >= 4:
+                    spans.setdefault(secret.line_number - 1, []).append((*span, secret.type))
     for n, line in candidates:
         for kind, rx in EXTRA:
             for m in rx.finditer(line):
