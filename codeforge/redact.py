@@ -59,6 +59,9 @@ ENV_LIKE = (".env", ".properties", ".cfg", ".conf", ".sh", ".bash", ".txt", ".md
 CONFIG_VALUE = re.compile(r"^\s*(?:export\s+)?[\w.\-]+\s*[:=]\s*\S+\s*$")
 
 
+RULES = "2"  # the version of what is replaced (patterns, widening, PEM): in the data's fingerprint
+
+
 def placeholder(kind: str) -> str:
     return "REDACTED_" + re.sub(r"[^A-Z0-9]+", "_", kind.upper()).strip("_")
 

@@ -69,6 +69,12 @@ def test_benchmark_files_are_dropped_by_default_and_counted(tmp_path, code_corpu
     assert steps["read"]["documents_out"] == steps["quality filters"]["documents_in"] == 16
     assert "benchmarks out" in printed and "documents in -> out" in printed
 
+    # a held-out file added since: the same command does not call the old shards this dataset
+    (heldout / "g.py").write_text("def g():\n    return 2\n")
+    assert main(["prepare", "--input", str(corpus), "--tokenizer", str(tokenizer_dir), "--out", str(out),
+                 "--val-fraction", "0.1", "--decontaminate", "humaneval", str(tasks), str(heldout)]) == 2
+    assert "already holds a different dataset" in capsys.readouterr().err
+
     # the default is HumanEval alone; --no-decontaminate keeps everything, loudly
     out2 = tmp_path / "data2"
     assert main(["prepare", "--input", str(corpus), "--tokenizer", str(tokenizer_dir), "--out", str(out2),

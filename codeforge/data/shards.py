@@ -45,7 +45,9 @@ from .. import CodeforgeError, __version__
 from ..atomic import publish, staging_dir
 from ..chat import encode_conversation, read_conversations, render_text
 from ..corpus import CorpusOptions, CorpusStats, content_hash, iter_documents, line_limit, split_of, walk_tree
+from ..decontam import sources_state
 from ..fim import repo_fim_document
+from ..redact import RULES as REDACT_RULES
 from ..tokenizer import CodeTokenizer, META_FILE, TOKENIZER_FILE, write_hf_config
 
 SPLITS = ("train", "val")
@@ -182,6 +184,10 @@ def prepare(sources: list[str], tokenizer_dir: str | os.PathLike, out_dir: str |
     if not 0.0 <= repo_fim <= 1.0:
         raise ShardError(f"--repo-fim {repo_fim}: give a share of the training files between 0 and 1")
     options = {**opts.to_dict(), "shard_tokens": shard_tokens, "chat": chat}
+    if opts.decontaminate:  # what the benchmark sources hold now, and the rules secrets are replaced by
+        options["decontaminate_state"] = sources_state(opts.decontaminate)
+    if opts.redact_secrets:
+        options["redact_rules"] = REDACT_RULES
     if repo_fim:  # only when asked: data prepared before this option keeps its fingerprint
         options["repo_fim"] = repo_fim
         missing = [t for t in ("<|repo_name|>", "<|file_sep|>", "<fim_prefix>") if tok.special_ids.get(t) is None]

@@ -445,8 +445,9 @@ def mine_pairs(sources: list[str], languages: list[str] | None = None, max_pairs
         raise MineError(f"max_pairs {max_pairs} must be >= 0, max_chars {max_chars} > 0 and per_function "
                         f"{per_function} >= 1")
     kinds = _check_kinds(kinds)
+    # mined from code with its secrets replaced and benchmark copies left out, as `prepare` does
     opts = CorpusOptions(languages=languages or ["go", "python"], exclude_tests=exclude_tests, dedup="exact",
-                         val_fraction=0.0)
+                         val_fraction=0.0, redact_secrets=True, decontaminate=["humaneval"])
     cstats = CorpusStats()
     skipped: Counter = Counter()
     by_kind: Counter = Counter()

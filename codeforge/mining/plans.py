@@ -352,8 +352,9 @@ def mine_plans(sources: list[str], languages: list[str] | None = None, max_examp
     if max_plan_words < 2 or min_plan_words < 1:
         raise PlanMineError(f"max_plan_words {max_plan_words} must be >= 2 (room for `...`) and "
                             f"min_plan_words {min_plan_words} >= 1")
+    # mined from code with its secrets replaced and benchmark copies left out, as `prepare` does
     opts = CorpusOptions(languages=languages or ["go", "python"], exclude_tests=exclude_tests, dedup="exact",
-                         val_fraction=0.0)
+                         val_fraction=0.0, redact_secrets=True, decontaminate=["humaneval"])
     cstats = CorpusStats()
     skipped: Counter = Counter()
     seen: set[bytes] = set()

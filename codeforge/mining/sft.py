@@ -82,8 +82,9 @@ def mine_sft(sources: list[str], languages: list[str] | None = None, max_example
         raise MineError(f"heldout_fraction {heldout_fraction} must be in [0, 1)")
     if max_examples < 0 or max_chars <= 0:
         raise MineError(f"max_examples {max_examples} must be >= 0 and max_chars {max_chars} > 0")
+    # mined from code with its secrets replaced and benchmark copies left out, as `prepare` does
     opts = CorpusOptions(languages=languages or ["go", "python"], exclude_tests=exclude_tests, dedup="exact",
-                         val_fraction=0.0)
+                         val_fraction=0.0, redact_secrets=True, decontaminate=["humaneval"])
     cstats = CorpusStats()
     skipped: Counter = Counter()
     seen: set[bytes] = set()
