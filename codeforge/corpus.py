@@ -709,12 +709,19 @@ def walk_tree(root: str, onerror=None) -> Iterator[tuple[str, list[str], list[st
 
 
 def _walk(root: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[Document]:
-    """Files under `root` with a wanted extension. Symlinks to directories are not followed (counted as
-    symlinked_dir), so a link loop cannot recurse; symlinks to files outside `root` are not read (counted as
-    symlink_outside); a directory that cannot be listed is counted as unreadable. Any depth is walked
-    (walk_tree does not recurse); a path past PATH_MAX cannot be listed, so counts as unreadable."""
-    exts = opts.extensions()
+    """Documents of the files under `root` with a wanted extension (walk_files), each read by _read_file."""
     tree = os.path.realpath(root)
+    for path in walk_files(root, opts, stats):
+        yield from _read_file(path, opts, stats, tree)
+
+
+def walk_files(root: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[str]:
+    """Paths of the files under `root` with a wanted extension, in a deterministic order; nothing is read.
+    Symlinks to directories are not followed (counted as symlinked_dir), so a link loop cannot recurse;
+    _read_file later refuses symlinks to files outside `root` (symlink_outside); a directory that cannot be
+    listed is counted as unreadable. Any depth is walked (walk_tree does not recurse); a path past PATH_MAX
+    cannot be listed, so counts as unreadable."""
+    exts = opts.extensions()
 
     def unlistable(e: OSError) -> None:
         stats.skip("unreadable", e.filename or root, opts.strict, f"directory not listed: {e.strerror or e}")
@@ -740,7 +747,35 @@ def _walk(root: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[Docume
             if opts.exclude_tests and _is_test_path(parts + (name,)):
                 stats.skip("test_file", path)
                 continue
-            yield from _read_file(path, opts, stats, tree)
+            yield path
+
+
+def source_units(src: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[tuple[str, str | None, int]]:
+    """The units one source is read in, in reading order, as (path, tree, bytes on disk): one per file of a
+    walked directory (tree: the directory's real path), else the whole source (tree None). Nothing is read;
+    read_unit reads one unit exactly as read_source would, so units split a corpus among tasks."""
+    if not src.startswith("hf:") and os.path.isdir(src):
+        tree = os.path.realpath(src)
+        for path in walk_files(src, opts, stats):
+            try:
+                size = os.lstat(path).st_size
+            except OSError:
+                size = 0
+            yield path, tree, size
+    else:
+        try:
+            size = 0 if src.startswith("hf:") else os.stat(src).st_size
+        except OSError:
+            size = 0
+        yield src, None, size
+
+
+def read_unit(path: str, tree: str | None, opts: CorpusOptions, stats: CorpusStats) -> Iterator[Document]:
+    """Raw documents of one unit of source_units."""
+    if tree is not None:
+        yield from _read_file(path, opts, stats, tree)
+    else:
+        yield from read_source(path, opts, stats)
 
 
 def read_source(src: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[Document]:

@@ -75,8 +75,10 @@ def test_empty_corpus_refused_and_nothing_written(tmp_path, code_corpus, tokeniz
 
 
 def test_interrupted_run_leaves_no_complete_looking_dir(tmp_path, code_corpus, tokenizer_dir, monkeypatch):
-    import codeforge.data.shards as shards
-    real = shards._SplitWriter.add
+    """Interrupted while encoding: OUT does not appear; the work directory stays, and the same call resumes
+    from it (the finished tasks are not redone) to the same dataset a clean run writes."""
+    import codeforge.data.writer as writer
+    real = writer.SplitWriter.add
     calls = {"n": 0}
 
     def boom(self, *a, **k):
@@ -85,10 +87,24 @@ def test_interrupted_run_leaves_no_complete_looking_dir(tmp_path, code_corpus, t
             raise KeyboardInterrupt
         return real(self, *a, **k)
 
-    monkeypatch.setattr(shards._SplitWriter, "add", boom)
+    monkeypatch.setattr(writer.SplitWriter, "add", boom)
     with pytest.raises(KeyboardInterrupt):
-        prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(), batch_docs=4, log=_quiet)
-    assert not (tmp_path / "d").exists() and list(tmp_path.iterdir()) == []
+        prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(), batch_docs=4, log=_quiet,
+                workers=1, tasks=4)
+    assert not (tmp_path / "d").exists()
+    work = [p for p in tmp_path.iterdir() if p.name.startswith(".d.prepare-")]
+    assert len(work) == 1 and (work[0] / "logs" / "read" / "completions").is_dir()
+    monkeypatch.setattr(writer.SplitWriter, "add", real)
+    said = []
+    meta = prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(), log=said.append, workers=1,
+                   tasks=4)
+    assert any("resuming" in m for m in said)
+    assert not work[0].exists()  # removed once the dataset is published
+    clean = prepare([str(code_corpus)], tokenizer_dir, tmp_path / "clean", CorpusOptions(), log=_quiet, workers=1,
+                    tasks=4)
+    assert meta["splits"] == clean["splits"]
+    for f in sorted((tmp_path / "clean").glob("*_0*.bin")) + sorted((tmp_path / "clean").glob("*.npy")):
+        assert (tmp_path / "d" / f.name).read_bytes() == f.read_bytes(), f.name
 
 
 def test_tokenizer_mismatch_named(tmp_path, data_dir):

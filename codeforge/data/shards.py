@@ -26,111 +26,27 @@ holds at most 1 MiB plus one document, so at most two documents of --max-file-by
 
 from __future__ import annotations
 
-import array
 import hashlib
-import itertools
 import json
 import math
 import os
-import queue
-import random
 import shutil
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
-from .. import CodeforgeError, __version__
-from ..atomic import publish, staging_dir
+from .. import CodeforgeError
+from ..atomic import clean_stale, publish, staging_dir
 from ..chat import encode_conversation, read_conversations, render_text
-from ..corpus import CorpusOptions, CorpusStats, content_hash, iter_documents, line_limit, split_of, walk_tree
+from ..corpus import CorpusOptions, CorpusStats, content_hash, line_limit, split_of, walk_tree
 from ..decontam import sources_state
-from ..fim import repo_fim_document
 from ..redact import RULES as REDACT_RULES
-from ..tokenizer import CodeTokenizer, META_FILE, TOKENIZER_FILE, write_hf_config
+from ..tokenizer import CodeTokenizer
+from . import pipeline
+from .writer import FORMAT, SPLITS, ShardError, SplitWriter, digest_key, dtype_for, finish_meta
 
-SPLITS = ("train", "val")
-FORMAT = "codeforge-shards-v1"
-BATCH_BYTES = 1 << 20  # text per encoded batch (see Memory above)
-
-
-class ShardError(CodeforgeError):
-    """Prepared data is missing, incomplete or does not fit what it is used with."""
-
-
-def dtype_for(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
-
-
-class _SplitWriter:
-    """Appends documents' token ids to numbered shard files of at most `shard_tokens` tokens."""
-
-    def __init__(self, out: Path, split: str, dtype: np.dtype, shard_tokens: int, with_mask: bool = False):
-        self.out, self.split, self.dtype, self.shard_tokens = out, split, dtype, shard_tokens
-        self.with_mask = with_mask
-        self._m = None
-        self.shards: list[dict] = []
-        self.doc_starts = array.array("q")  # 8 bytes per document, not a Python int object each
-        self.digests = array.array("Q")  # the documents' content hashes (first 8 bytes), in the same order
-        self.tokens = 0
-        self.bytes = 0
-        self._f = None
-        self._in_shard = 0
-
-    def _open_next(self) -> None:
-        if self._f:
-            self._f.close()
-        name = f"{self.split}_{len(self.shards):06d}.bin"
-        self.shards.append({"file": name, "tokens": 0})
-        self._f = open(self.out / name, "wb")
-        if self.with_mask:
-            if self._m:
-                self._m.close()
-            self._m = open(self.out / name.replace(".bin", ".mask"), "wb")
-        self._in_shard = 0
-
-    def add(self, docs: list[list[int]], n_bytes: int, masks: list[list[int]] | None = None,
-            digests: list[bytes] = ()) -> None:
-        """Append documents (id lists already ending in end-of-text) in one write per shard touched, and their
-        content hashes. A document never straddles two shards: one larger than a shard gets a shard of its own."""
-        self.digests.extend(digest_key(d) for d in digests)
-        flat = np.fromiter(itertools.chain.from_iterable(docs), dtype=self.dtype)
-        flat_m = np.fromiter(itertools.chain.from_iterable(masks), dtype=np.uint8) if self.with_mask else None
-        lens = [len(d) for d in docs]
-        i = 0  # first document not yet written
-        while i < len(docs):
-            if self._f is None or (self._in_shard and self._in_shard + lens[i] > self.shard_tokens):
-                self._open_next()
-            j, room, n = i, self.shard_tokens - self._in_shard, 0
-            while j < len(docs) and (n + lens[j] <= room or (j == i and self._in_shard == 0)):
-                self.doc_starts.append(self.tokens + n)
-                n += lens[j]
-                j += 1
-            start = sum(lens[:i]) if i else 0
-            flat[start:start + n].tofile(self._f)
-            if flat_m is not None:
-                flat_m[start:start + n].tofile(self._m)
-            self._in_shard += n
-            self.shards[-1]["tokens"] += n
-            self.tokens += n
-            i = j
-        self.bytes += n_bytes
-
-    def close(self) -> dict:
-        if self._f:
-            self._f.close()
-        if self._m:
-            self._m.close()
-        np.save(self.out / f"{self.split}_docs.npy", np.frombuffer(self.doc_starts, dtype=np.int64))
-        np.save(self.out / f"{self.split}_digests.npy", np.frombuffer(self.digests, dtype=np.uint64))
-        return {"shards": self.shards, "tokens": self.tokens, "documents": len(self.doc_starts),
-                "bytes": self.bytes}
-
-
-def digest_key(digest: bytes) -> int:
-    """A document's content hash as the uint64 the *_digests.npy files hold."""
-    return int.from_bytes(digest[:8], "big")
+__all__ = ["FORMAT", "SPLITS", "ShardError", "ShardSet", "digest_key", "prepare", "split_digests"]
 
 
 def split_digests(data_dir: str | os.PathLike, split: str) -> np.ndarray | None:
@@ -171,12 +87,17 @@ def _fingerprint(sources: list[str], tok_hash: str, options: dict) -> str:
 
 def prepare(sources: list[str], tokenizer_dir: str | os.PathLike, out_dir: str | os.PathLike,
             opts: CorpusOptions | None = None, overwrite: bool = False, shard_tokens: int = 100_000_000,
-            batch_docs: int = 512, log=print, chat: bool = False, repo_fim: float = 0.0) -> dict:
+            batch_docs: int = 512, log=print, chat: bool = False, repo_fim: float = 0.0, workers: int | None = None,
+            executor: str = "local", tasks: int | None = None, slurm: dict | None = None) -> dict | None:
     """Read, filter, dedup, split and tokenize `sources` into shards under `out_dir`; return meta.
-    chat: the sources are chat JSONL (chat.py); conversations are rendered with ChatML and a loss mask is
-    written beside the tokens. repo_fim: the share of training files that also become a repo-level FIM
-    document (fim.repo_fim_document: up to REPO_CONTEXT_FILES earlier files of the same directory as context,
-    the file in PSM order after them), the layout llama-server's /infill builds for editors."""
+    Code runs as a datatrove pipeline (pipeline.py): `workers` processes (default: this machine's cores) on
+    `executor` "local", or Slurm job arrays ("slurm", options in `slurm`; returns None once submitted); the
+    same command resumes after a kill. `tasks` overrides the task count the corpus sets (the shards depend on
+    it, never on the workers). chat: the sources are chat JSONL (chat.py); conversations are rendered with
+    ChatML and a loss mask is written beside the tokens (in this process). repo_fim: the share of training
+    files that also become a repo-level FIM document (fim.repo_fim_document: up to REPO_CONTEXT_FILES earlier
+    files of the same directory as context, the file in PSM order after them), the layout llama-server's
+    /infill builds for editors."""
     opts = opts or CorpusOptions()
     opts.validate()
     tok = CodeTokenizer.load(tokenizer_dir)
@@ -201,25 +122,62 @@ def prepare(sources: list[str], tokenizer_dir: str | os.PathLike, out_dir: str |
         same = old.exists() and json.loads(old.read_text()).get("fingerprint") == fp
         if same:
             log(f"{out} already holds this dataset (fingerprint {fp}); nothing to do")
+            shutil.rmtree(work_dir(out, fp), ignore_errors=True)  # left by a cluster run that published it
             return json.loads(old.read_text())
         if not overwrite:
             raise ShardError(f"{out} already holds {'a different dataset' if old.exists() else 'other files'}; "
                              f"pass --overwrite to replace it or choose another --out")
 
-    tmp = staging_dir(out)
-    try:
-        if chat:
+    if chat:
+        tmp = staging_dir(out)
+        try:
             meta = _write_chat(sources, tok, tmp, opts, shard_tokens, batch_docs, log)
-        else:
-            meta = _write(sources, tok, tmp, opts, shard_tokens, batch_docs, log, repo_fim)
-        meta.update(fingerprint=fp, options=options)
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-        publish(tmp, out)  # only when complete: an interrupted run never leaves a directory that looks done
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            meta.update(fingerprint=fp, options=options)
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+            publish(tmp, out)  # only when complete: an interrupted run never leaves a directory that looks done
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        meta = _run_pipeline(sources, tokenizer_dir, out, opts, fp, options, shard_tokens, repo_fim, workers,
+                             executor, tasks, slurm, log)
+        if meta is None:  # submitted to a cluster
+            return None
     note = empty_validation_note(meta, opts.val_fraction)
     if note:
         log(note)
+    return meta
+
+
+def work_dir(out: Path, fingerprint: str) -> Path:
+    """Where a code dataset is built between stages (pipeline.py), beside OUT: the same command (the same
+    fingerprint) finds it again and resumes."""
+    return out.parent / f".{out.name}.prepare-{fingerprint}"
+
+
+def _run_pipeline(sources, tokenizer_dir, out: Path, opts: CorpusOptions, fp: str, options: dict,
+                  shard_tokens: int, repo_fim: float, workers: int | None, executor: str, tasks: int | None,
+                  slurm: dict | None, log) -> dict | None:
+    """pipeline.run in this dataset's work directory; work directories of other fingerprints for the same
+    OUT are removed (their inputs or options changed). A data error (an empty corpus, --strict) removes the
+    work directory too; an interruption keeps it, for the rerun."""
+    work = work_dir(out, fp)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale(out.parent)  # what killed prepares of the single-process kind (chat) left behind
+    for old in out.parent.glob(f".{out.name}.prepare-*"):
+        if old != work and old.is_dir():
+            log(f"removing {old}: an unfinished prepare of {out} with other inputs or options")
+            shutil.rmtree(old, ignore_errors=True)
+    if work.exists():
+        log(f"resuming the unfinished prepare in {work}")
+    extra = {"fingerprint": fp, "options": options}
+    try:
+        meta = pipeline.run(sources, tokenizer_dir, work, out, opts, shard_tokens, repo_fim, extra, workers,
+                            executor, tasks, slurm, log)
+    except CodeforgeError:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    if meta is not None:
+        shutil.rmtree(work, ignore_errors=True)
     return meta
 
 
@@ -245,129 +203,13 @@ def empty_validation_note(meta: dict, val_fraction: float) -> str | None:
             f"--val-fraction {want:g} (about {max(1, round(want * total))} documents) or with more files")
 
 
-REPO_CONTEXT_FILES, REPO_CONTEXT_CHARS = 2, 1500  # a repo-level document's context: files, characters each
-
-
-class _RepoDocs:
-    """Repo-level FIM documents for training files (prepare's repo_fim): each chosen file (by its content
-    hash) with up to REPO_CONTEXT_FILES of the training files read just before it from the same directory.
-    Deterministic: the walk's order, the hash's choice and cut."""
-
-    def __init__(self, tok: CodeTokenizer, sources, rate: float):
-        self.tok, self.rate = tok, rate
-        self.roots = [os.path.abspath(s) for s in sources if os.path.isdir(s)]
-        self.dir, self.recent = None, []
-        self.made = 0
-
-    def after(self, doc) -> list[int] | None:
-        """The repo-level document for this training file, or None; remembers it as context for the next."""
-        src = os.path.abspath(doc.source)
-        root = next((r for r in self.roots if src.startswith(r + os.sep)), None)
-        if root is None:
-            return None
-        rel = os.path.relpath(src, root)
-        here = (root, os.path.dirname(rel))
-        if here != self.dir:
-            self.dir, self.recent = here, []
-        out = None
-        if int.from_bytes(doc.digest[8:16], "big") / 2**64 < self.rate and len(doc.text) >= 2:
-            rng = random.Random(doc.digest)
-            cut = tuple(sorted(rng.randint(0, len(doc.text)) for _ in range(2)))
-            out = repo_fim_document(self.tok, os.path.basename(root), list(self.recent), rel, doc.text, cut)
-            self.made += 1
-        self.recent = (self.recent + [(rel, doc.text[:REPO_CONTEXT_CHARS])])[-REPO_CONTEXT_FILES:]
-        return out
-
-
-def _write(sources, tok: CodeTokenizer, tmp: Path, opts: CorpusOptions, shard_tokens: int,
-           batch_docs: int, log, repo_fim: float = 0.0) -> dict:
-    dtype = dtype_for(tok.vocab_size)
-    stats = CorpusStats()
-    writers = {s: _SplitWriter(tmp, s, dtype, shard_tokens) for s in SPLITS}
-    q: queue.Queue = queue.Queue(maxsize=4)  # bounded: at most ~6 batches of text in memory
-    failure: list[BaseException] = []
-
-    def reader() -> None:
-        try:
-            batch: list = []
-            nbytes = 0
-            for doc in iter_documents(sources, opts, stats):
-                batch.append(doc)
-                nbytes += doc.nbytes
-                if len(batch) >= batch_docs or nbytes >= BATCH_BYTES:
-                    q.put(batch)
-                    batch, nbytes = [], 0
-            if batch:
-                q.put(batch)
-        except BaseException as e:  # surfaced in the main thread
-            failure.append(e)
-        finally:
-            q.put(None)
-
-    t0 = time.perf_counter()
-    th = threading.Thread(target=reader, daemon=True)
-    th.start()
-    repo = _RepoDocs(tok, sources, repo_fim) if repo_fim else None
-    while (batch := q.get()) is not None:
-        out: dict[str, tuple[list, list, list]] = {s: ([], [], []) for s in SPLITS}
-        for doc, ids in zip(batch, tok.encode_batch([d.text for d in batch])):
-            ids.append(tok.eot_id)
-            split = split_of(doc.digest, opts.val_fraction)
-            docs, nb, dg = out[split]
-            docs.append(ids)
-            nb.append(doc.nbytes)
-            dg.append(doc.digest)
-            if repo is not None and split == "train":  # never built from (or around) a validation file
-                extra = repo.after(doc)
-                if extra is not None:
-                    docs.append(extra)
-                    nb.append(0)  # its bytes are the file's, counted once
-                    dg.append(doc.digest)
-        for s, (docs, nb, dg) in out.items():
-            if docs:
-                writers[s].add(docs, sum(nb), digests=dg)
-    th.join()
-    if failure:
-        raise failure[0]
-    seconds = time.perf_counter() - t0
-    splits = {s: w.close() for s, w in writers.items()}
-    if stats.documents == 0:
-        raise ShardError(f"the corpus is empty after filtering (skipped: {dict(stats.skipped) or 'nothing found'});"
-                         f" check --languages, --max-file-bytes and the inputs")
-    meta = _finish(tok, tmp, stats, splits, sources, seconds)
-    if repo is not None:
-        meta["repo_fim_documents"] = repo.made
-    return meta
-
-
-def _finish(tok: CodeTokenizer, tmp: Path, stats: CorpusStats, splits: dict, sources, seconds: float) -> dict:
-    """Copy the tokenizer (with the chat template in its HF config) beside the shards; the meta dict."""
-    shutil.copytree(tok.path, tmp / "tokenizer",
-                    ignore=lambda d, names: [n for n in names if n not in (TOKENIZER_FILE, META_FILE)])
-    write_hf_config(tmp / "tokenizer")
-    total_bytes = sum(v["bytes"] for v in splits.values())
-    total_tokens = sum(v["tokens"] for v in splits.values())
-    return {
-        "format": FORMAT, "codeforge_version": __version__, "tokenizer_hash": tok.hash,
-        "vocab_size": tok.vocab_size, "eot_id": tok.eot_id, "dtype": dtype_for(tok.vocab_size).name, "splits": splits,
-        "documents": stats.documents, "tokens": total_tokens, "bytes": total_bytes,
-        "skipped": dict(sorted(stats.skipped.items())), "skipped_examples": stats.examples,
-        "secrets_replaced": dict(sorted(stats.secrets.items())),
-        "steps": {k: dict(zip(("documents_in", "bytes_in", "documents_out", "bytes_out"), v))
-                  for k, v in stats.steps.items()},
-        "sources": list(sources), "seconds": round(seconds, 2),
-        "mb_per_s": round(total_bytes / 1e6 / max(seconds, 1e-9), 2),
-        "tokens_per_s": round(total_tokens / max(seconds, 1e-9)),
-    }
-
-
 def _write_chat(sources, tok: CodeTokenizer, tmp: Path, opts: CorpusOptions, shard_tokens: int,
                 batch_docs: int, log) -> dict:
     """Chat JSONL -> shards plus loss masks. Conversations are deduplicated exactly and split train/val by
     the hash of their rendered text; each ends with end-of-text (no loss)."""
     dtype = dtype_for(tok.vocab_size)
     stats = CorpusStats()
-    writers = {s: _SplitWriter(tmp, s, dtype, shard_tokens, with_mask=True) for s in SPLITS}
+    writers = {s: SplitWriter(tmp, s, dtype, shard_tokens, with_mask=True) for s in SPLITS}
     seen: set[bytes] = set()
     t0 = time.perf_counter()
     for messages, tools, where in read_conversations(sources, stats, opts.strict, line_limit(opts.max_file_bytes)):
@@ -387,7 +229,7 @@ def _write_chat(sources, tok: CodeTokenizer, tmp: Path, opts: CorpusOptions, sha
         raise ShardError(f"no usable conversation in {list(sources)} (skipped: {dict(stats.skipped) or 'nothing found'}); "
                          f"each JSONL line needs {{\"messages\": [{{\"role\": ..., \"content\": ...}}, ...]}} with "
                          f"an assistant turn")
-    meta = _finish(tok, tmp, stats, splits, sources, time.perf_counter() - t0)
+    meta = finish_meta(tok, tmp, stats, splits, sources, time.perf_counter() - t0)
     meta["chat"] = True
     meta["loss_tokens"] = {s: int(sum(np.fromfile(tmp / sh["file"].replace(".bin", ".mask"), dtype=np.uint8).sum()
                                       for sh in v["shards"])) for s, v in splits.items()}
