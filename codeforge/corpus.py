@@ -59,7 +59,7 @@ from pathlib import Path
 
 from . import CodeforgeError
 from .decontam import benchmarks
-from .redact import redact
+from .redact import redact, redact_pii
 
 LANGUAGES: dict[str, tuple[str, ...]] = {
     "go": (".go",), "python": (".py", ".pyi"), "c": (".c", ".h"), "cpp": (".cc", ".cpp", ".cxx", ".hpp", ".hh"),
@@ -139,6 +139,8 @@ class CorpusOptions:
     # secrets replaced by a placeholder per kind (redact.py, detect-secrets); `prepare` and the quickstart
     # turn it on by default (--keep-secrets turns it off)
     redact_secrets: bool = False
+    # e-mail addresses and public IP addresses replaced too (redact.redact_pii; `prepare --redact-pii`)
+    redact_pii: bool = False
 
     def validate(self) -> None:
         if self.dedup not in DEDUP_MODES:
@@ -157,7 +159,7 @@ class CorpusOptions:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        for k in ("decontaminate", "redact_secrets"):
+        for k in ("decontaminate", "redact_secrets", "redact_pii"):
             if not d[k]:  # data prepared before the option keeps its fingerprint
                 del d[k]
         return d
@@ -877,6 +879,18 @@ def sized_val_fraction(docs: list[tuple[bytes, int]], least: float) -> float:
     return max(least, min(0.5, cut))
 
 
+def scrub(text: str, source: str, opts: CorpusOptions) -> tuple[str, Counter]:
+    """Secrets (opts.redact_secrets) and personal data (opts.redact_pii) replaced, with the counts per kind."""
+    found: Counter = Counter()
+    if opts.redact_secrets:
+        text, got = redact(text, source)
+        found.update(got)
+    if opts.redact_pii:
+        text, got = redact_pii(text)
+        found.update(got)
+    return text, found
+
+
 def iter_documents(paths: list[str], opts: CorpusOptions, stats: CorpusStats) -> Iterator[Document]:
     """Filtered, deduplicated documents of all sources, in a deterministic order."""
     opts.validate()
@@ -887,7 +901,7 @@ def iter_documents(paths: list[str], opts: CorpusOptions, stats: CorpusStats) ->
     steps = {"read": None, "quality filters": "quality", "deduplication": "dedup"}
     if bench is not None:
         steps["benchmarks out"] = "benchmark"
-    if opts.redact_secrets:
+    if opts.redact_secrets or opts.redact_pii:
         steps["secrets replaced"] = "secrets"
     for name in steps:
         stats.steps.setdefault(name, [0, 0, 0, 0])
@@ -908,8 +922,8 @@ def iter_documents(paths: list[str], opts: CorpusOptions, stats: CorpusStats) ->
             if reason:
                 stats.skip(reason, doc.source)
                 continue
-            if opts.redact_secrets:  # after the content hash: the split and the records stay the file's
-                text, found = redact(doc.text, doc.source)
+            if opts.redact_secrets or opts.redact_pii:  # after the content hash: the split stays the file's
+                text, found = scrub(doc.text, doc.source, opts)
                 before = doc.nbytes
                 if found:
                     stats.secrets.update(found)

@@ -13,6 +13,7 @@ never learns to complete the value.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections import Counter
 
@@ -57,6 +58,50 @@ CONFIG_EXT = (".env", ".ini", ".cfg", ".conf", ".properties", ".yaml", ".yml", "
 # KEY=value text: config files, and the shell scripts, notes and JSONL records a corpus does read
 ENV_LIKE = (".env", ".properties", ".cfg", ".conf", ".sh", ".bash", ".txt", ".md", ".rst")
 CONFIG_VALUE = re.compile(r"^\s*(?:export\s+)?[\w.\-]+\s*[:=]\s*\S+\s*$")
+
+
+# personal data, replaced only when asked (`prepare --redact-pii`): e-mail addresses and public IP addresses
+EMAIL = re.compile(r"(?<![\w.%+-])[A-Za-z0-9][A-Za-z0-9._%+-]{0,63}@(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+"
+                   r"[A-Za-z]{2,24}\b")
+IPV4 = re.compile(r"(?<![\w.])(?:(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(?![\w.]*\d)")
+IPV6 = re.compile(r"(?<![\w:])(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{0,4}(?![\w:])")
+EXAMPLE_DOMAINS = re.compile(r"(?i)@(?:[\w-]+\.)*(?:example\.(?:com|org|net)|localhost|test|invalid|example)$")
+VERSION_WORDS = re.compile(r"(?i)\b(?:version|ver|v)\s*[=:]?\s*['\"]?$")  # `version = "1.2.3.4"` is no address
+
+
+def _public(addr: str) -> bool:
+    try:
+        ip = ipaddress.ip_address(addr)
+    except ValueError:
+        return False  # `std::vector`, a MAC-like run of colons: not an address
+    return ip.is_global and not ip.is_multicast
+
+
+def redact_pii(text: str) -> tuple[str, Counter]:
+    """(the text with e-mail addresses and public IP addresses replaced by REDACTED_EMAIL_ADDRESS and
+    REDACTED_IP_ADDRESS, how many of each). Addresses at example domains, private, loopback and reserved
+    IP ranges (192.168.0.1, 127.0.0.1, 10.0.0.0/8, documentation ranges) and dotted versions after `version`
+    stay: they identify no one, and code uses them as constants."""
+    found: Counter = Counter()
+
+    def email(m: re.Match) -> str:
+        if EXAMPLE_DOMAINS.search(m.group(0)):
+            return m.group(0)
+        found["Email Address"] += 1
+        return placeholder("Email Address")
+
+    def ip(m: re.Match) -> str:
+        dotted = "." in m.group(0)
+        if not _public(m.group(0)) or (dotted and VERSION_WORDS.search(text[max(0, m.start() - 12):m.start()])):
+            return m.group(0)
+        found["IP Address"] += 1
+        return placeholder("IP Address")
+    if "@" in text:
+        text = EMAIL.sub(email, text)
+    text = IPV4.sub(ip, text)
+    if "::" in text or text.count(":") > 6:
+        text = IPV6.sub(ip, text)
+    return text, found
 
 
 RULES = "2"  # the version of what is replaced (patterns, widening, PEM): in the data's fingerprint

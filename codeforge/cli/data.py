@@ -55,22 +55,26 @@ def cmd_tokenizer_eval(a: argparse.Namespace) -> int:
 
 def cmd_prepare(a: argparse.Namespace) -> int:
     from ..data.shards import prepare
-    if a.workers:
-        # Rust's thread pool reads this once, before the first parallel encode.
-        os.environ["RAYON_NUM_THREADS"] = str(a.workers)
+    if a.workers < 0 or a.tasks < 0:
+        raise SystemExit("error: --workers and --tasks take a positive number (or 0: the default)")
     # benchmarks and secrets are taken out of code documents; chat JSONL (--chat) is read as conversations,
     # which these steps do not see yet, so its options do not claim them
     opts = corpus_opts(a, dedup=a.dedup, val_fraction=a.val_fraction,
                        decontaminate=[] if a.no_decontaminate or a.chat else list(dict.fromkeys(a.decontaminate)),
-                       redact_secrets=not a.keep_secrets and not a.chat)
+                       redact_secrets=not a.keep_secrets and not a.chat, redact_pii=a.redact_pii and not a.chat)
     if a.keep_secrets and not a.chat:
         print("WARNING: --keep-secrets: keys, tokens and passwords in these files go into the training data as "
               "they are; a model trained on it can complete them for anyone who prompts it", file=sys.stderr)
     if a.no_decontaminate:
         print("warning: --no-decontaminate: documents that overlap HumanEval or other benchmarks stay in the data, "
               "so scores on those benchmarks may count what the model read", file=sys.stderr)
+    slurm = {"partition": a.slurm_partition, "time": a.slurm_time, "cpus_per_task": a.slurm_cpus,
+             "mem_per_cpu_gb": a.slurm_mem_gb, "env_command": a.slurm_env}
     meta = prepare(a.input, a.tokenizer, a.out, opts, overwrite=a.overwrite, shard_tokens=a.shard_tokens,
-                   chat=a.chat, repo_fim=a.repo_fim)
+                   chat=a.chat, repo_fim=a.repo_fim, workers=a.workers or None, executor=a.executor,
+                   tasks=a.tasks or None, slurm=slurm)
+    if meta is None:  # submitted to a cluster: its last job writes the dataset
+        return 0
     _print_data_info(meta, a.out, sample=False)
     return 0
 
@@ -202,6 +206,10 @@ def add_parsers(sub) -> None:
                     help="keep API keys, tokens, private keys and passwords found in the code (by default each is "
                          "replaced with a placeholder per kind, REDACTED_AWS_ACCESS_KEY, ..., and counted): a model "
                          "learns them and completes them for anyone")
+    pr.add_argument("--redact-pii", action="store_true",
+                    help="also replace e-mail addresses and public IP addresses (REDACTED_EMAIL_ADDRESS, "
+                         "REDACTED_IP_ADDRESS; example domains and private, loopback and documentation ranges "
+                         "stay), counted with the secrets")
     pr.add_argument("--repo-fim", type=float, default=0.0, metavar="SHARE",
                     help="also train repo-level fill-in-the-middle: this share of the training files (chosen by "
                          "hash) gets a second document with up to 2 earlier files of its directory as context, in "
@@ -213,7 +221,22 @@ def add_parsers(sub) -> None:
     pr.add_argument("--dedup", choices=["none", "exact", "near"], default="exact",
                     help="drop duplicate documents: exact (same text), near (MinHash, similar text) or none "
                          "(default exact)")
-    pr.add_argument("--workers", type=int, default=0, help="encoding threads (default: all cores)")
+    pr.add_argument("--workers", type=int, default=0,
+                    help="processes working at once (default: this machine's cores, one per 8 MB of input at "
+                         "most); the shards are the same for any number")
+    pr.add_argument("--executor", choices=["local", "slurm"], default="local",
+                    help="local: a process pool here (default); slurm: one job array per stage, submitted with "
+                         "sbatch (needs --slurm-partition), the last job writes --out")
+    pr.add_argument("--tasks", type=int, default=0,
+                    help="cut the corpus into this many tasks (default: about 32 MB of input each, 16 to 1000); "
+                         "the shards depend on it, so keep it when you rerun")
+    pr.add_argument("--slurm-partition", default=None, help="--executor slurm: the partition the jobs run in")
+    pr.add_argument("--slurm-time", default="04:00:00", help="--executor slurm: time limit per job (default 04:00:00)")
+    pr.add_argument("--slurm-cpus", type=int, default=1, help="--executor slurm: CPUs per task (default 1)")
+    pr.add_argument("--slurm-mem-gb", type=int, default=2, help="--executor slurm: memory per CPU in GB (default 2)")
+    pr.add_argument("--slurm-env", default=None,
+                    help="--executor slurm: the shell command a job runs first (default: activate the virtual "
+                         "environment this command runs in, if any)")
     pr.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard file (default 100,000,000)")
     pr.add_argument("--overwrite", action="store_true", help="replace an existing, different dataset")
     pr.add_argument("--chat", action="store_true", help="inputs are chat JSONL ({\"messages\": [...], \"tools\": "

@@ -67,9 +67,8 @@ from datatrove.utils.word_tokenizers import WordTokenizer  # noqa: E402
 from .. import CodeforgeError  # noqa: E402
 from ..atomic import publish  # noqa: E402
 from ..corpus import (CorpusOptions, CorpusStats, Document, check_sources, content_hash, read_unit, reject_reason,  # noqa: E402
-                      source_units, split_of)
+                      scrub, source_units, split_of)
 from ..decontam import benchmarks  # noqa: E402
-from ..redact import redact  # noqa: E402
 from ..tokenizer import CodeTokenizer  # noqa: E402
 from .writer import BATCH_BYTES, SPLITS, RepoDocs, ShardError, SplitWriter, dtype_for, finish_meta  # noqa: E402
 
@@ -250,13 +249,14 @@ class BenchmarkFilter(_Step):
 
 
 class RedactSecrets(_Step):
-    """Secrets replaced by a placeholder per kind (redact.py, detect-secrets), counted per kind."""
+    """Secrets replaced by a placeholder per kind (redact.py, detect-secrets), and e-mail and IP addresses
+    with --redact-pii, counted per kind."""
     name, step = "secrets replaced", "secrets"
 
     def apply(self, data, rank, stats):
         for doc in data:
             before = doc.metadata["nbytes"]
-            text, found = redact(doc.text, doc.metadata["source"])
+            text, found = scrub(doc.text, doc.metadata["source"], self.opts)
             if found:
                 stats.secrets.update(found)
                 doc.text = text
@@ -595,7 +595,7 @@ def stages(sources: list[str], tokenizer_dir, work: Path, out: Path, opts: Corpu
     encode.append(Tally(w, "after dedup"))
     if opts.decontaminate:
         encode.append(BenchmarkFilter(w, opts))
-    if opts.redact_secrets:
+    if opts.redact_secrets or opts.redact_pii:
         encode.append(RedactSecrets(w, opts))
     encode.append(EncodeShards(w, str(tokenizer_dir), opts.val_fraction, shard_tokens, repo_fim, list(sources),
                                threads=workers == 1))

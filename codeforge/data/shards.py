@@ -90,7 +90,7 @@ def prepare(sources: list[str], tokenizer_dir: str | os.PathLike, out_dir: str |
             batch_docs: int = 512, log=print, chat: bool = False, repo_fim: float = 0.0, workers: int | None = None,
             executor: str = "local", tasks: int | None = None, slurm: dict | None = None) -> dict | None:
     """Read, filter, dedup, split and tokenize `sources` into shards under `out_dir`; return meta.
-    Code runs as a datatrove pipeline (pipeline.py): `workers` processes (default: this machine's cores) on
+    Code runs as a datatrove pipeline (pipeline.py): `workers` processes (default: pipeline.auto_workers) on
     `executor` "local", or Slurm job arrays ("slurm", options in `slurm`; returns None once submitted); the
     same command resumes after a kill. `tasks` overrides the task count the corpus sets (the shards depend on
     it, never on the workers). chat: the sources are chat JSONL (chat.py); conversations are rendered with
@@ -116,6 +116,8 @@ def prepare(sources: list[str], tokenizer_dir: str | os.PathLike, out_dir: str |
             raise ShardError(f"--repo-fim needs the tokenizer's {', '.join(missing)} token(s), which {tokenizer_dir} "
                              f"lacks (it was trained before they existed): train a tokenizer again (`codeforge "
                              f"tokenizer train`), or leave out --repo-fim")
+    if chat and executor != "local":
+        raise ShardError(f"--chat data is prepared in this process: leave out --executor {executor}")
     fp = _fingerprint(sources, tok.hash, options)
     if out.exists() and any(out.iterdir()):
         old = out / "meta.json"
