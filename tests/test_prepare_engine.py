@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_go_file, make_py_file
+from conftest import make_go_file
 
 from codeforge.corpus import CorpusOptions, CorpusStats, iter_documents
 from codeforge.data import pipeline
