@@ -1,3 +1,4 @@
 from .cli import entry
 
-entry()
+if __name__ == "__main__":  # not when a worker process imports the main module (datatrove's pool)
+    entry()

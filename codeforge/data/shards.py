@@ -12,11 +12,10 @@ Layout of a prepared directory:
   train_000000.mask ...     chat data only (meta "chat": true): one uint8 per token, 1 where the token is
                             written by an assistant and carries loss as a target (chat.py)
 
-Speed: one reader thread decodes and filters documents into a bounded queue while the main thread hands
-batches to `encode_batch_fast`, which runs in Rust on all cores and releases the GIL, so reading overlaps
-encoding and memory stays bounded by the queue. Order is kept, so the same inputs give identical bytes.
+Speed: code runs as a datatrove pipeline (pipeline.py): tasks of whole files on --workers processes, the
+same shards for any number of them. Chat data (--chat) is read and encoded here, in one process.
 
-Memory: a batch closes at `batch_docs` documents or BATCH_BYTES (1 MiB) of text, whichever comes first.
+Memory: a batch closes at 512 documents (`batch_docs` for chat) or BATCH_BYTES (1 MiB) of text, whichever comes first.
 The Rust tokenizer holds 150-320 bytes per byte of text while it encodes a document (measured with a
 300-token vocabulary: 900 KB of code 140 MB, 900 KB of `b = 1` lines 290 MB), so one 512-document batch of
 900 KB documents (a few KB as .jsonl.zst, or one parquet dictionary value repeated) took 20 GB. Now a batch
