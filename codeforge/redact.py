@@ -62,11 +62,18 @@ CONFIG_VALUE = re.compile(r"^\s*(?:export\s+)?[\w.\-]+\s*[:=]\s*\S+\s*$")
 
 # personal data, replaced only when asked (`prepare --redact-pii`): e-mail addresses and public IP addresses
 EMAIL = re.compile(r"(?<![\w.%+-])[A-Za-z0-9][A-Za-z0-9._%+-]{0,63}@(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+"
-                   r"[A-Za-z]{2,24}\b")
+                   r"([A-Za-z]{2,24})\b(?![(\[.\w])")
+# the last label of a mail domain: the common generic ones and any two-letter country code, so `x@self.weight`
+# (matrix multiplication) is no address
+MAIL_TLDS = frozenset("com org net edu gov mil int io dev app ai co info biz me tech cloud email online site xyz "
+                      "name pro mobi asia museum".split())
+ROLE_ACCOUNTS = frozenset({"git", "noreply", "no-reply", "donotreply", "do-not-reply", "mailer-daemon"})
 IPV4 = re.compile(r"(?<![\w.])(?:(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(?![\w.]*\d)")
-IPV6 = re.compile(r"(?<![\w:])(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{0,4}(?![\w:])")
+# at least three colons and a digit, not a call or a template (`dead::beef()`, `ab::cd<T>` are C++ and Rust paths)
+IPV6 = re.compile(r"(?<![\w:])(?=[0-9A-Fa-f:]*\d)(?:[0-9A-Fa-f]{0,4}:){3,7}[0-9A-Fa-f]{0,4}(?![\w:(<])")
 EXAMPLE_DOMAINS = re.compile(r"(?i)@(?:[\w-]+\.)*(?:example\.(?:com|org|net)|localhost|test|invalid|example)$")
-VERSION_WORDS = re.compile(r"(?i)\b(?:version|ver|v)\s*[=:]?\s*['\"]?$")  # `version = "1.2.3.4"` is no address
+# `version = "1.2.3.4"`, `__version__ = ...`, `AssemblyVersion("1.0.0.0")`: a dotted version, no address
+VERSION_WORDS = re.compile(r"(?i)(?:version|ver|\bv)_*\s*[=:(]?\s*['\"]?$")
 
 
 def _public(addr: str) -> bool:
@@ -85,21 +92,23 @@ def redact_pii(text: str) -> tuple[str, Counter]:
     found: Counter = Counter()
 
     def email(m: re.Match) -> str:
-        if EXAMPLE_DOMAINS.search(m.group(0)):
+        tld = m.group(1).lower()
+        if (EXAMPLE_DOMAINS.search(m.group(0)) or m.group(0).split("@")[0].lower() in ROLE_ACCOUNTS
+                or (tld not in MAIL_TLDS and len(tld) != 2)):
             return m.group(0)
         found["Email Address"] += 1
         return placeholder("Email Address")
 
     def ip(m: re.Match) -> str:
         dotted = "." in m.group(0)
-        if not _public(m.group(0)) or (dotted and VERSION_WORDS.search(text[max(0, m.start() - 12):m.start()])):
+        if not _public(m.group(0)) or (dotted and VERSION_WORDS.search(text[max(0, m.start() - 24):m.start()])):
             return m.group(0)
         found["IP Address"] += 1
         return placeholder("IP Address")
     if "@" in text:
         text = EMAIL.sub(email, text)
     text = IPV4.sub(ip, text)
-    if "::" in text or text.count(":") > 6:
+    if ":" in text:
         text = IPV6.sub(ip, text)
     return text, found
 

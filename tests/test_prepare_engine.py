@@ -132,9 +132,13 @@ def test_kill_9_then_the_same_command_resumes(tmp_path, code_corpus, planted, to
     while time.time() < deadline and not done:
         done = list(tmp_path.glob(".d.prepare-*/logs/read/completions/*"))
         time.sleep(0.01)
-    os.killpg(p.pid, signal.SIGKILL)
+    import psutil
+    server = [c for c in psutil.Process(p.pid).children() if "forkserver" in " ".join(c.cmdline())]
+    workers = [w for f in server for w in f.children()]
+    os.kill(p.pid, signal.SIGKILL)  # the command alone: its pool's workers must not go on writing
     p.wait()
     assert done and not out.exists(), "the run finished before it could be killed"
+    assert workers and psutil.wait_procs(workers, timeout=15)[1] == []  # every worker ended with the command
     work = next(tmp_path.glob(".d.prepare-*"))
     finished = sorted(f.name for f in (work / "logs" / "read" / "completions").iterdir())
     kept = {r: (work / "docs" / f"{r}.jsonl").stat().st_mtime_ns for r in finished
@@ -146,6 +150,7 @@ def test_kill_9_then_the_same_command_resumes(tmp_path, code_corpus, planted, to
     for r, mtime in kept.items():  # a finished task was not run again (its output is untouched)
         assert not (work / "docs").exists() or (work / "docs" / f"{r}.jsonl").stat().st_mtime_ns == mtime
     assert not work.exists()
+    os.killpg(p.pid, signal.SIGKILL)  # the engine's idle helpers (its manager, fork server) left by the first run
     opts = CorpusOptions(dedup="near", redact_secrets=True, decontaminate=["humaneval"])  # the command's defaults
     prepare([str(code_corpus), str(planted)], tokenizer_dir, tmp_path / "clean", opts, log=_quiet, workers=1, tasks=12)
     assert _files(out) == _files(tmp_path / "clean")
@@ -225,3 +230,65 @@ def test_redact_pii_keeps_what_identifies_no_one():
                  "aa:bb:cc:dd:ee:ff"):
         assert keep in text
     assert "bob.smith" not in text and "93.184.216.34" not in text and "2001:4860" not in text
+
+
+def test_pii_false_positives_in_code_stay():
+    code = ('y = inputs@self.kernel; h = x@self.weight + b; AssemblyVersion("1.0.0.0"); __version__ = "1.2.3.4"\n'
+            'dead::beef(); ab::cd; face::cafe(); git@github.com:org/repo.git; ssh git@gitlab.com; 12:30:45\n')
+    text, found = redact_pii(code)
+    assert text == code and not found
+
+
+def test_a_failed_stage_keeps_the_work_and_the_rerun_finishes_it(tmp_path, code_corpus, tokenizer_dir, monkeypatch):
+    real = pipeline.EncodeShards.run
+
+    def full_disk(self, data, rank=0, world_size=1):
+        if rank == 1:
+            raise OSError(28, "No space left on device")
+        return real(self, data, rank, world_size)
+
+    monkeypatch.setattr(pipeline.EncodeShards, "run", full_disk)
+    with pytest.raises(pipeline.StageFailed, match="encode stage failed.*No space left.*run the same command again"):
+        prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(), log=_quiet, workers=1, tasks=3)
+    work = next(tmp_path.glob(".d.prepare-*"))
+    assert (work / "logs" / "encode" / "completions" / "00000").exists()
+    monkeypatch.setattr(pipeline.EncodeShards, "run", real)
+    said = []
+    prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(), log=said.append, workers=1, tasks=3)
+    assert any("encode" in m and "1 done before" in m for m in said) and not work.exists()
+
+
+def test_a_busy_work_directory_is_refused_and_kept(tmp_path, code_corpus, tokenizer_dir, monkeypatch):
+    """A second command while the first still works there (holds the lock): refused, nothing removed."""
+    real = pipeline.EncodeShards.run
+
+    def interrupted(self, data, rank=0, world_size=1):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline.EncodeShards, "run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(), log=_quiet, workers=1, tasks=2)
+    monkeypatch.setattr(pipeline.EncodeShards, "run", real)
+    work = next(tmp_path.glob(".d.prepare-*"))
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); "
+                               "fcntl.lockf(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
+                               str(work / "lock")], stdout=subprocess.PIPE, text=True)
+    try:  # another process holds the lock, as the first command does while it runs
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(pipeline.KeepWork, match="another prepare is working"):
+            prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(), log=_quiet, workers=1, tasks=2)
+        assert (work / "plan" / "plan.json").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    meta = prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(), log=_quiet, workers=1, tasks=2)
+    assert meta["documents"] > 0 and not work.exists()
+
+
+def test_tasks_are_part_of_the_datasets_identity(tmp_path, code_corpus, tokenizer_dir):
+    a = prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(), log=_quiet, workers=1, tasks=3)
+    b = prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(), log=_quiet, workers=1, tasks=5,
+                overwrite=True)
+    assert (a["engine"]["tasks"], b["engine"]["tasks"]) == (3, 5) and a["fingerprint"] != b["fingerprint"]
+    with pytest.raises(ShardError, match="--tasks 5000"):
+        prepare([str(code_corpus)], tokenizer_dir, tmp_path / "e", CorpusOptions(), log=_quiet, tasks=5000)

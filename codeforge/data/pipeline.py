@@ -37,20 +37,18 @@ exact duplicates keep the first in reading order.
 
 from __future__ import annotations
 
+import fcntl
 import io
 import json
 import math
 import os
 import re
+import resource
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
-
-# the engine logs every task to stderr through loguru, and draws progress bars; codeforge reports per stage
-# instead (the engine's own logs stay in WORK/logs). Set before the engine is first imported.
-os.environ.setdefault("LOGURU_LEVEL", "WARNING")
-os.environ.setdefault("TQDM_DISABLE", "1")
 
 import numpy as np  # noqa: E402
 import orjson  # noqa: E402
@@ -62,6 +60,7 @@ from datatrove.pipeline.dedup.exact_dedup import (ExactDedupConfig, ExactDedupFi
 from datatrove.pipeline.dedup.minhash import (MinhashConfig, MinhashDedupBuckets, MinhashDedupCluster,  # noqa: E402
                                               MinhashDedupFilter, MinhashDedupSignature)
 from datatrove.pipeline.writers import JsonlWriter  # noqa: E402
+from datatrove.utils.logging import setup_default_logger  # noqa: E402
 from datatrove.utils.word_tokenizers import WordTokenizer  # noqa: E402
 
 from .. import CodeforgeError  # noqa: E402
@@ -75,7 +74,8 @@ from .writer import BATCH_BYTES, SPLITS, RepoDocs, ShardError, SplitWriter, dtyp
 ENGINE = "datatrove"
 TASK_BYTES = 32 << 20  # input bytes per task: the unit of work a worker takes, and of a rerun after a kill
 MIN_TASKS = 16  # a small corpus is still cut in this many tasks (if it has the files), so 16 cores share it
-MAX_TASKS = 1000  # the dedup stages hold one open file per task: below the usual limit of 1,024
+MAX_TASKS = 300  # the exact-dedup stage holds up to 3 open files per task (the usual limit is 1,024; run()
+# raises the soft limit to the hard one, and refuses a --tasks the limit cannot hold)
 WORKER_BYTES = 8 << 20  # input bytes that pay for one more worker process (auto_workers)
 SHINGLE_WORDS = 5
 NUM_PERM = 128
@@ -92,7 +92,7 @@ def task_count(units: int, total_bytes: int) -> int:
 
 def make_plan(sources: list[str], opts: CorpusOptions, work: Path, tasks: int | None = None) -> int:
     """Walk the sources once (nothing is read) into work/plan, cut into contiguous runs of about equal bytes,
-    one per task; the number of tasks. Reused as it is when a previous run of the same command wrote it."""
+    one per task, none empty; the number of tasks. Reused as it is when a previous run of the same command wrote it."""
     plan = work / "plan"
     if (plan / "plan.json").exists():
         return json.loads((plan / "plan.json").read_text())["tasks"]
@@ -109,20 +109,30 @@ def make_plan(sources: list[str], opts: CorpusOptions, work: Path, tasks: int | 
     t = max(1, min(tasks, max(n, 1))) if tasks else task_count(n, total)
     outs = [open(plan / f"{r:05d}.jsonl", "wb") for r in range(t)]
     try:
-        done = 0
+        done, cur, cur_bytes, last_dir = 0, 0, 0, None
         with open(plan / "units.jsonl", "rb") as f:
             for i, line in enumerate(f):
-                size = json.loads(line)[2]
-                # by bytes before this unit, and never fewer units left than tasks left (no empty task)
+                path, _, size = json.loads(line)
+                here = os.path.dirname(path)
+                # by bytes before this unit; a directory stays in one task unless that task is already twice its
+                # share (repo-level FIM takes context from the files before it in the same directory)
                 r = min(t - 1, done * t // max(total, 1), i)
-                r = max(r, t - (n - i))
+                if r > cur and here == last_dir and cur_bytes < 2 * total / t:
+                    r = cur
+                r = max(min(r, cur + 1), t - (n - i))  # one task at a time, and never fewer units left than tasks left
+                if r != cur:
+                    cur, cur_bytes = r, 0
                 outs[r].write(line)
                 done += size
+                cur_bytes += size
+                last_dir = here
     finally:
         for o in outs:
             o.close()
     _save_stats(work, "plan", 0, stats)
-    (plan / "plan.json").write_text(json.dumps({"tasks": t, "units": n, "bytes": total, "started": time.time()}))
+    tmp = plan / "plan.json.tmp"  # plan.json marks the plan complete: written whole or not at all
+    tmp.write_text(json.dumps({"tasks": t, "units": n, "bytes": total, "started": time.time()}))
+    tmp.replace(plan / "plan.json")
     return t
 
 
@@ -519,8 +529,10 @@ def _dedup_steps(work: Path, tasks: int, stats: CorpusStats, mode: str) -> None:
         vals = [json.loads((d / f"{r:05d}.json").read_text()) for r in range(tasks) if (d / f"{r:05d}.json").exists()]
         return sum(v[0] for v in vals), sum(v[1] for v in vals)
 
-    if mode != "none":
-        before, after = total("before dedup"), total("after dedup")
+    before, after = total("before dedup"), total("after dedup")
+    if mode == "none":
+        stats.steps["deduplication"] = [before[0], before[1], before[0], before[1]]
+    else:
         exact = total("after exact") if mode == "near" else after
         stats.steps["deduplication"] = [before[0], before[1], after[0], after[1]]
         if before[0] - exact[0]:
@@ -534,6 +546,15 @@ def _dedup_steps(work: Path, tasks: int, stats: CorpusStats, mode: str) -> None:
 # -- executors -----------------------------------------------------------------------------------------------
 
 _ENGINE_LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} \| ")
+
+
+class KeepWork(ShardError):
+    """An error after which the work directory is kept (prepare removes it after errors in the data)."""
+
+
+class StageFailed(KeepWork):
+    """A stage failed for a reason other than the data (a worker's error, a full disk): the work directory
+    is kept, and the same command redoes only the unfinished tasks."""
 
 
 class _WithoutEngineLog(io.TextIOBase):
@@ -552,10 +573,33 @@ class _WithoutEngineLog(io.TextIOBase):
         self.real.flush()
 
 
+def _exit_with(owner: int) -> None:
+    """In a pool worker: end this process when `owner` (the prepare command) is gone, so a kill -9 of the
+    command alone leaves no worker writing into the work directory a rerun is using."""
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            try:
+                os.kill(owner, 0)
+            except ProcessLookupError:
+                os._exit(1)
+            except OSError:
+                pass
+    threading.Thread(target=watch, daemon=True).start()
+
+
 class _Local(LocalPipelineExecutor):
-    """The engine's local executor, its per-task log records kept to its log files."""
+    """The engine's local executor, its per-task log records kept to its log files; its workers end with
+    the command that started them."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.owner = os.getpid()
 
     def _run_for_rank(self, rank: int, local_rank: int = 0, node_rank: int = -1):
+        if os.getpid() != self.owner and not getattr(_Local, "_watching", False):
+            _Local._watching = True
+            _exit_with(self.owner)
         real = sys.stderr
         sys.stderr = _WithoutEngineLog(real)  # the engine points its console log at sys.stderr per task
         try:
@@ -598,51 +642,111 @@ def stages(sources: list[str], tokenizer_dir, work: Path, out: Path, opts: Corpu
     if opts.redact_secrets or opts.redact_pii:
         encode.append(RedactSecrets(w, opts))
     encode.append(EncodeShards(w, str(tokenizer_dir), opts.val_fraction, shard_tokens, repo_fim, list(sources),
-                               threads=workers == 1))
+                               threads=min(workers, tasks) == 1))  # one process: its encoder uses every core
     out_stages.append(("encode", encode, tasks))
     out_stages.append(("merge", [MergeShards(w, str(out), str(tokenizer_dir), tasks, shard_tokens, list(sources),
                                              extra)], 1))
     return out_stages
 
 
+class _Quiet:
+    """While the stages run: the engine's progress bars off and its console log at warnings (its logs stay
+    in WORK/logs), the soft limit on open files raised to the hard one; all put back after."""
+
+    def __enter__(self):
+        self.env = {k: os.environ.get(k) for k in ("TQDM_DISABLE", "LOGURU_LEVEL")}
+        os.environ.update(TQDM_DISABLE="1", LOGURU_LEVEL="WARNING")
+        self.nofile = resource.getrlimit(resource.RLIMIT_NOFILE)
+        soft, hard = self.nofile
+        want = hard if hard != resource.RLIM_INFINITY else 65536
+        if soft != resource.RLIM_INFINITY and soft < want:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            except (ValueError, OSError):
+                pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for k, v in self.env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, self.nofile)
+        except (ValueError, OSError):
+            pass
+        setup_default_logger()  # loguru's default console handler on the real stderr again
+
+
+def _lock(work: Path):
+    """An exclusive lock on the work directory for this command's life: two runs never share one."""
+    f = open(work / "lock", "a+")
+    try:  # a POSIX record lock: held by this process alone (the engine's forked helpers do not inherit it)
+        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise KeepWork(f"another prepare is working in {work} (the same command, still running): wait for it, "
+                         f"or stop it first") from None
+    return f
+
+
 def run(sources: list[str], tokenizer_dir, work: Path, out: Path, opts: CorpusOptions, shard_tokens: int,
-        repo_fim: float, extra: dict, workers: int, executor: str = "local", tasks: int | None = None,
+        repo_fim: float, extra: dict, workers: int | None, executor: str = "local", tasks: int | None = None,
         slurm: dict | None = None, log=print) -> dict | None:
     """Plan, then run every stage on `executor`; the dataset's meta (local), or None once the Slurm jobs are
     submitted (the last of them publishes OUT)."""
     if executor not in EXECUTORS:
         raise ShardError(f"--executor {executor!r} is not one of {', '.join(EXECUTORS)}")
+    if tasks is not None and not 1 <= tasks <= MAX_TASKS:
+        raise ShardError(f"--tasks {tasks}: give 1 to {MAX_TASKS} (the dedup stages keep files of every task open)")
     check_sources(sources)  # a missing source, a FIFO or device named directly: refused before any work
     work.mkdir(parents=True, exist_ok=True)
-    t = make_plan(sources, opts, work, tasks)
-    if not workers:
-        workers = auto_workers(json.loads((work / "plan" / "plan.json").read_text())["bytes"])
-    pipeline = stages(sources, tokenizer_dir, work, out, opts, t, shard_tokens, repo_fim, workers, extra)
-    if executor == "slurm":
-        return _submit(pipeline, work, slurm or {}, log)
-    for name, steps, n in pipeline:
-        logs = work / "logs" / name
-        done = len(list((logs / "completions").iterdir())) if (logs / "completions").is_dir() else 0
-        t0 = time.perf_counter()
-        ex = _Local(steps, tasks=n, workers=max(1, min(workers, n)), logging_dir=str(logs))
-        try:
-            ex.run()
-        except CodeforgeError:
-            raise
-        except Exception as e:
-            raise ShardError(f"prepare's {name} stage failed: {type(e).__name__}: {e} (each task's log is in "
-                             f"{logs / 'logs'}; run the same command again to redo only the unfinished tasks)") from e
-        note = f", {done} done before" if done else ""
-        log(f"  {name:8s} {n:4d} task(s) on {max(1, min(workers, n))} worker(s){note}: "
-            f"{time.perf_counter() - t0:.1f}s")
+    lock = _lock(work)
+    try:
+        with _Quiet():
+            t = make_plan(sources, opts, work, tasks)
+            if not workers:
+                workers = auto_workers(json.loads((work / "plan" / "plan.json").read_text())["bytes"])
+            pipeline = stages(sources, tokenizer_dir, work, out, opts, t, shard_tokens, repo_fim, workers, extra)
+            if executor == "slurm":
+                return _submit(pipeline, work, slurm or {}, log)
+            for name, steps, n in pipeline:
+                _run_stage(name, steps, n, workers, work, log)
+    finally:
+        lock.close()
     return json.loads((out / "meta.json").read_text())
+
+
+def _run_stage(name: str, steps: list, n: int, workers: int, work: Path, log) -> None:
+    logs = work / "logs" / name
+    done = len(list((logs / "completions").iterdir())) if (logs / "completions").is_dir() else 0
+    t0 = time.perf_counter()
+    ex = _Local(steps, tasks=n, workers=max(1, min(workers, n)), logging_dir=str(logs))
+    try:
+        ex.run()
+    except CodeforgeError:
+        raise
+    except Exception as e:
+        raise StageFailed(f"prepare's {name} stage failed: {type(e).__name__}: {e} (each task's log is in "
+                          f"{logs / 'logs'}; run the same command again to redo only the unfinished tasks)") from e
+    note = f", {done} done before" if done else ""
+    log(f"  {name:8s} {n:4d} task(s) on {max(1, min(workers, n))} worker(s){note}: "
+        f"{time.perf_counter() - t0:.1f}s")
 
 
 def _submit(pipeline, work: Path, slurm: dict, log) -> None:
     """One Slurm job array per stage, each after the one before it (afterok)."""
     if not slurm.get("partition"):
-        raise ShardError("--executor slurm needs --slurm-partition NAME (the partition the jobs run in)")
-    prev = None
+        raise KeepWork("--executor slurm needs --slurm-partition NAME (the partition the jobs run in)")
+    marker = work / "submitted.json"
+    if marker.exists():
+        jobs = json.loads(marker.read_text())
+        raise KeepWork(f"jobs {', '.join(map(str, jobs['jobs']))} were submitted for this dataset at "
+                         f"{time.ctime(jobs['at'])} and may still be queued or running (squeue -j "
+                         f"{','.join(map(str, jobs['jobs']))}). Once they have all ended, delete {marker} and run "
+                         f"the same command again: it submits only the unfinished tasks")
+    prev, executors = None, []
     for name, steps, n in pipeline:
         ex = SlurmPipelineExecutor(
             steps, tasks=n, time=slurm.get("time", "04:00:00"), partition=slurm["partition"],
@@ -650,8 +754,11 @@ def _submit(pipeline, work: Path, slurm: dict, log) -> None:
             job_name=f"codeforge-prepare-{name}", logging_dir=str(work / "logs" / name), depends=prev,
             env_command=slurm.get("env_command") or _slurm_env(), qos=slurm.get("qos", ""),
             sbatch_args=slurm.get("sbatch_args"), workers=slurm.get("workers", -1), mail_user=None)
+        executors.append(ex)
         prev = ex
     prev.run()  # launches its dependencies first, each with --dependency=afterok on the one before
+    ids = [e.job_id for e in executors if e.job_id not in (None, -1)]
+    marker.write_text(json.dumps({"jobs": ids, "at": time.time()}))
     log(f"submitted {len(pipeline)} Slurm job arrays (scripts and logs under {work / 'logs'}); the last one "
         f"writes the dataset. Run the same command again to submit only what has not finished")
     return None

@@ -25,6 +25,7 @@ holds at most 1 MiB plus one document, so at most two documents of --max-file-by
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import math
@@ -42,7 +43,7 @@ from ..corpus import CorpusOptions, CorpusStats, content_hash, line_limit, split
 from ..decontam import sources_state
 from ..redact import RULES as REDACT_RULES
 from ..tokenizer import CodeTokenizer
-from . import pipeline
+from . import pipeline  # the engine (datatrove: ~0.4 s to import, and it resets loguru's default handler)
 from .writer import FORMAT, SPLITS, ShardError, SplitWriter, digest_key, dtype_for, finish_meta
 
 __all__ = ["FORMAT", "SPLITS", "ShardError", "ShardSet", "digest_key", "prepare", "split_digests"]
@@ -108,6 +109,8 @@ def prepare(sources: list[str], tokenizer_dir: str | os.PathLike, out_dir: str |
         options["decontaminate_state"] = sources_state(opts.decontaminate)
     if opts.redact_secrets:
         options["redact_rules"] = REDACT_RULES
+    if tasks:  # the shards depend on the task count: a given --tasks is part of the dataset's identity
+        options["tasks"] = tasks
     if repo_fim:  # only when asked: data prepared before this option keeps its fingerprint
         options["repo_fim"] = repo_fim
         missing = [t for t in ("<|repo_name|>", "<|file_sep|>", "<fim_prefix>") if tok.special_ids.get(t) is None]
@@ -164,7 +167,7 @@ def _run_pipeline(sources, tokenizer_dir, out: Path, opts: CorpusOptions, fp: st
     work = work_dir(out, fp)
     out.parent.mkdir(parents=True, exist_ok=True)
     clean_stale(out.parent)  # what killed prepares of the single-process kind (chat) left behind
-    for old in out.parent.glob(f".{out.name}.prepare-*"):
+    for old in out.parent.glob(f".{glob.escape(out.name)}.prepare-*"):
         if old != work and old.is_dir():
             log(f"removing {old}: an unfinished prepare of {out} with other inputs or options")
             shutil.rmtree(old, ignore_errors=True)
@@ -174,7 +177,9 @@ def _run_pipeline(sources, tokenizer_dir, out: Path, opts: CorpusOptions, fp: st
     try:
         meta = pipeline.run(sources, tokenizer_dir, work, out, opts, shard_tokens, repo_fim, extra, workers,
                             executor, tasks, slurm, log)
-    except CodeforgeError:
+    except pipeline.KeepWork:  # a stage that failed, a busy or submitted directory: the work stays for the rerun
+        raise
+    except CodeforgeError:  # in the data (an empty corpus, --strict): a rerun would meet it again
         shutil.rmtree(work, ignore_errors=True)
         raise
     if meta is not None:
