@@ -219,6 +219,11 @@ def test_slurm_writes_one_job_array_per_stage(tmp_path, code_corpus, tokenizer_d
         ex = dill.load(f)
     assert ex.tasks == 6 and type(ex.pipeline[-1]).__name__ == "EncodeShards"
     assert (work / "plan" / "plan.json").exists() and json.loads((work / "plan" / "plan.json").read_text())["tasks"] == 6
+    # the same command again while those jobs may still run: refused (two chains never share a directory)
+    with pytest.raises(pipeline.KeepWork, match="were submitted"):
+        prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(dedup="near"), log=_quiet,
+                executor="slurm", tasks=6, slurm={"partition": "cpu"})
+    assert json.loads((work / "submitted.json").read_text())["jobs"] == [j[0] for j in arrays] and work.exists()
 
 
 def test_redact_pii_keeps_what_identifies_no_one():

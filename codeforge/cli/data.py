@@ -222,8 +222,9 @@ def add_parsers(sub) -> None:
                     help="drop duplicate documents: exact (same text), near (MinHash, similar text) or none "
                          "(default exact)")
     pr.add_argument("--workers", type=int, default=0,
-                    help="processes working at once (default: this machine's cores, one per 8 MB of input at "
-                         "most); the shards are the same for any number")
+                    help="processes working at once, one core each (default: this machine's cores, one per 8 MB "
+                         "of input at most; a single one then encodes on every core); the shards are the same "
+                         "for any number")
     pr.add_argument("--executor", choices=["local", "slurm"], default="local",
                     help="local: a process pool here (default); slurm: one job array per stage, submitted with "
                          "sbatch (needs --slurm-partition), the last job writes --out")

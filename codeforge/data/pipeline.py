@@ -17,17 +17,26 @@ The work directory, `.OUT.prepare-FINGERPRINT` beside OUT, holds everything betw
   logs/       STAGE/: the engine's logs per task and its completion markers (completions/RANK)
   out/        the merged dataset, renamed to OUT when complete
 
-Stages (T tasks, T fixed by the corpus, never by --workers, so any number of workers writes the same shards):
-  read     T  ReadUnits -> QualityFilter -> BenchmarkFilter -> RedactSecrets -> JsonlWriter(docs/)
-              [-> ExactSignature (--dedup exact|near)]
+Stages (T tasks, T fixed by the corpus or --tasks, never by --workers, so any number of workers writes the
+same shards):
+  read     T  ReadUnits -> QualityFilter -> JsonlWriter(docs/) [-> ExactSignature (--dedup exact|near)]
   exact    1  ExactFindDedups                                    (--dedup exact|near)
   near     T  docs/ -> ExactDedupFilter -> CodeMinhashSignature   (--dedup near)
   buckets  B  MinhashDedupBuckets, one task per band             (--dedup near)
   clusters 1  MinhashDedupCluster                                (--dedup near)
-  encode   T  docs/ -> [ExactDedupFilter] -> [MinhashDedupFilter] -> EncodeShards(tokens/RANK)
-  merge    1  MergeShards: the tasks' shards linked in task order into out/, meta.json, then out/ -> OUT
+  encode   T  docs/ -> [ExactDedupFilter] -> [MinhashDedupFilter] -> BenchmarkFilter -> RedactSecrets
+              -> EncodeShards(tokens/RANK)   (Tally steps between them count what each dedup filter drops)
+  merge    1  MergeShards: the tasks' shards concatenated in task order into out/, meta.json, out/ -> OUT
 Killed at any point (kill -9 included), the same command finds the same work directory (same fingerprint),
-skips the finished tasks and redoes the rest; every task rewrites its outputs from the start.
+skips the finished tasks and redoes the rest; every task rewrites its outputs from the start. A lock on
+WORK/lock keeps a second command out while one runs; pool workers end within a second of the command that
+started them. A stage that fails (a task's error, a full disk) keeps the work directory (StageFailed); an
+error in the data (an empty corpus, --strict) removes it. Not handled: a pool worker killed on its own (the
+kernel's OOM killer) leaves the engine's pool waiting for it; stop the command and run it again.
+
+A unit is a file of a walked directory, or a whole single-file source (a JSONL, a parquet, an hf: dataset):
+a corpus given as one large JSONL is one task, on one core. Tasks are cut at directory changes where they
+can be (a task may grow to twice its share first), so repo-level FIM documents rarely lose their context.
 
 Near duplicates: MinHash over the same code-aware shingles as before (5 whitespace-separated words, so `a+b`
 and `a + b` differ and punctuation counts), with 128 hashes in the bands datasketch's LSH picks for
@@ -404,8 +413,18 @@ class EncodeShards(PipelineStep):
         self.shard_tokens, self.repo_fim, self.sources, self.threads = shard_tokens, repo_fim, sources, threads
 
     def run(self, data, rank: int = 0, world_size: int = 1):
-        if not self.threads:  # one worker per core already: the Rust encoder stays on this worker's core
+        before = os.environ.get("TOKENIZERS_PARALLELISM")
+        if not self.threads:  # a worker is a core: the Rust encoder stays on this worker's core
             os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        try:
+            self._encode(data, rank)
+        finally:
+            if before is None:
+                os.environ.pop("TOKENIZERS_PARALLELISM", None)
+            else:
+                os.environ["TOKENIZERS_PARALLELISM"] = before
+
+    def _encode(self, data, rank: int) -> None:
         tok = CodeTokenizer.load(self.tokenizer_dir)
         dest = Path(self.work) / "tokens" / f"{rank:05d}"
         tmp = dest.with_name(dest.name + ".tmp")
@@ -616,9 +635,12 @@ def _slurm_env() -> str:
 
 
 def stages(sources: list[str], tokenizer_dir, work: Path, out: Path, opts: CorpusOptions, tasks: int,
-           shard_tokens: int, repo_fim: float, workers: int, extra: dict) -> list[tuple[str, list, int]]:
+           shard_tokens: int, repo_fim: float, workers: int, extra: dict,
+           threads: bool = True) -> list[tuple[str, list, int]]:
     """The pipeline: (stage name, steps, task count) in the order they run. A document meets the steps in
-    the order the report lists them: read, quality filters, deduplication, benchmarks out, secrets replaced."""
+    the order the report lists them: read, quality filters, deduplication, benchmarks out, secrets replaced.
+    threads: a lone encode process may use every core (not when the user asked for --workers: a worker is
+    then a core)."""
     w = str(work)
     dedup = opts.dedup in ("exact", "near")
     read = [ReadUnits(w, opts), QualityFilter(w, opts),
@@ -642,7 +664,7 @@ def stages(sources: list[str], tokenizer_dir, work: Path, out: Path, opts: Corpu
     if opts.redact_secrets or opts.redact_pii:
         encode.append(RedactSecrets(w, opts))
     encode.append(EncodeShards(w, str(tokenizer_dir), opts.val_fraction, shard_tokens, repo_fim, list(sources),
-                               threads=min(workers, tasks) == 1))  # one process: its encoder uses every core
+                               threads=threads and min(workers, tasks) == 1))
     out_stages.append(("encode", encode, tasks))
     out_stages.append(("merge", [MergeShards(w, str(out), str(tokenizer_dir), tasks, shard_tokens, list(sources),
                                              extra)], 1))
@@ -706,9 +728,11 @@ def run(sources: list[str], tokenizer_dir, work: Path, out: Path, opts: CorpusOp
     try:
         with _Quiet():
             t = make_plan(sources, opts, work, tasks)
+            threads = not workers  # the default: a single process encodes on every core
             if not workers:
                 workers = auto_workers(json.loads((work / "plan" / "plan.json").read_text())["bytes"])
-            pipeline = stages(sources, tokenizer_dir, work, out, opts, t, shard_tokens, repo_fim, workers, extra)
+            pipeline = stages(sources, tokenizer_dir, work, out, opts, t, shard_tokens, repo_fim, workers, extra,
+                              threads)
             if executor == "slurm":
                 return _submit(pipeline, work, slurm or {}, log)
             for name, steps, n in pipeline:
@@ -759,6 +783,7 @@ def _submit(pipeline, work: Path, slurm: dict, log) -> None:
     prev.run()  # launches its dependencies first, each with --dependency=afterok on the one before
     ids = [e.job_id for e in executors if e.job_id not in (None, -1)]
     marker.write_text(json.dumps({"jobs": ids, "at": time.time()}))
-    log(f"submitted {len(pipeline)} Slurm job arrays (scripts and logs under {work / 'logs'}); the last one "
-        f"writes the dataset. Run the same command again to submit only what has not finished")
+    log(f"submitted {len(pipeline)} Slurm job arrays (jobs {', '.join(map(str, ids))}; scripts and logs under "
+        f"{work / 'logs'}); the last one writes the dataset. If one fails: once all have ended, delete {marker} "
+        f"and run the same command again to submit only the unfinished tasks")
     return None
