@@ -223,7 +223,7 @@ def test_slurm_writes_one_job_array_per_stage(tmp_path, code_corpus, tokenizer_d
     with pytest.raises(pipeline.KeepWork, match="were submitted"):
         prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(dedup="near"), log=_quiet,
                 executor="slurm", tasks=6, slurm={"partition": "cpu"})
-    assert json.loads((work / "submitted.json").read_text())["jobs"] == [j[0] for j in arrays] and work.exists()
+    assert json.loads((work / "submitted.json").read_text())["jobs"] == [str(j[0]) for j in arrays] and work.exists()
 
 
 def test_redact_pii_keeps_what_identifies_no_one():
