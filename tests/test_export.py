@@ -875,3 +875,16 @@ def test_the_ollama_modelfile_renders_codeforges_prompts_in_go(tmp_path, tokeniz
     assert got[1] == "def f(x):"
     if chat:
         assert got[2] == render_text(msgs, add_generation_prompt=True)
+
+
+def test_each_family_is_one_record_both_exporters_read():
+    """A family's HF and GGUF facts sit in one record (export/families.py): both maps name the same
+    codeforge tensors, the importer accepts exactly the recorded families, and each class name is unique."""
+    from codeforge.export.families import FAMILIES
+    from codeforge.export.hf import IMPORTABLE, Family
+    assert IMPORTABLE == tuple(FAMILIES)
+    assert len({r.hf_class for r in FAMILIES.values()}) == len(FAMILIES)
+    for mt, r in FAMILIES.items():
+        assert set(r.hf_keys) == set(r.gguf_tensors), mt
+        f = Family(mt)
+        assert (f.name, f.model_type, f.keys, f.hidden_act) == (r.hf_class, mt, r.hf_keys, r.hidden_act)

@@ -297,3 +297,15 @@ def test_tasks_are_part_of_the_datasets_identity(tmp_path, code_corpus, tokenize
     assert (a["engine"]["tasks"], b["engine"]["tasks"]) == (3, 5) and a["fingerprint"] != b["fingerprint"]
     with pytest.raises(ShardError, match="--tasks 5000"):
         prepare([str(code_corpus)], tokenizer_dir, tmp_path / "e", CorpusOptions(), log=_quiet, tasks=5000)
+
+
+def test_engine_output_stays_off_the_console():
+    """The engine's log records and progress bars are dropped from stderr; codeforge's own lines pass."""
+    import io
+    sink = io.StringIO()
+    err = pipeline._WithoutEngineLog(sink)
+    for s in ("2026-11-28 00:00:00.000 | ERROR    | datatrove:run:1 - boom\nTraceback ...\n",
+              "\rInitializing pq...:   0%|          | 0/16 [00:00<?, ?it/s]", "\n",
+              "warning: skipping a.jsonl:3: bad_json", "\n"):
+        err.write(s)
+    assert sink.getvalue() == "warning: skipping a.jsonl:3: bad_json\n"

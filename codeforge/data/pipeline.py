@@ -577,15 +577,21 @@ class StageFailed(KeepWork):
     is kept, and the same command redoes only the unfinished tasks."""
 
 
+_PROGRESS_BAR = re.compile(r"\r|\d+/\d+ \[\d")  # tqdm's redrawn line: "\rname:  50%|#####     | 8/16 [00:01<..."
+
+
 class _WithoutEngineLog(io.TextIOBase):
-    """stderr less the engine's log records (loguru writes each, traceback included, in one call): they stay
-    in the task's log file, and a failure reaches the user as codeforge's error naming that file."""
+    """stderr less the engine's log records (loguru writes each, traceback included, in one call) and its
+    progress bars (tqdm, when it was imported before TQDM_DISABLE could turn them off): the records stay in
+    the task's log file, and a failure reaches the user as codeforge's error naming that file."""
 
     def __init__(self, real):
-        self.real = real
+        self.real, self.dropped = real, False
 
     def write(self, s: str) -> int:
-        if not _ENGINE_LOG_LINE.match(s):
+        drop = bool(_ENGINE_LOG_LINE.match(s) or _PROGRESS_BAR.search(s) or (s == "\n" and self.dropped))
+        self.dropped = drop
+        if not drop:
             self.real.write(s)
         return len(s)
 

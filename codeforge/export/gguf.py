@@ -48,55 +48,8 @@ from .. import printable, rundir
 from ..checkpoint import load_model
 from ..models.gpt import GPTConfig
 from ..tokenizer import EOT, LLAMA3_SPLIT_PATTERN, META_FILE
-from .families import expand, splits
+from .families import FAMILIES, expand, splits
 from .hf import SAMPLE, choose_family
-
-ARCH_OF = {"gpt2": "gpt2", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "arcee": "arcee"}
-PERMUTED = ("llama", "arcee")  # llama.cpp rope type NORM: Q/K rows re-ordered (convert_hf_to_gguf undo_permute)
-
-# -- the literal tensor maps: codeforge name -> llama.cpp name ("{i}": layer). Tuples: split along dim 0 -------
-GPT2_TENSORS = {
-    "wte.weight": "token_embd.weight",
-    "wpe.weight": "position_embd.weight",
-    "blocks.{i}.ln_1.weight": "blk.{i}.attn_norm.weight",
-    "blocks.{i}.ln_1.bias": "blk.{i}.attn_norm.bias",
-    "blocks.{i}.attn.c_attn.weight": "blk.{i}.attn_qkv.weight",
-    "blocks.{i}.attn.c_attn.bias": "blk.{i}.attn_qkv.bias",
-    "blocks.{i}.attn.c_proj.weight": "blk.{i}.attn_output.weight",
-    "blocks.{i}.attn.c_proj.bias": "blk.{i}.attn_output.bias",
-    "blocks.{i}.ln_2.weight": "blk.{i}.ffn_norm.weight",
-    "blocks.{i}.ln_2.bias": "blk.{i}.ffn_norm.bias",
-    "blocks.{i}.mlp.c_fc.weight": "blk.{i}.ffn_up.weight",
-    "blocks.{i}.mlp.c_fc.bias": "blk.{i}.ffn_up.bias",
-    "blocks.{i}.mlp.c_proj.weight": "blk.{i}.ffn_down.weight",
-    "blocks.{i}.mlp.c_proj.bias": "blk.{i}.ffn_down.bias",
-    "ln_f.weight": "output_norm.weight",
-    "ln_f.bias": "output_norm.bias",
-    "lm_head.weight": "output.weight",
-}
-LLAMA_TENSORS = {  # llama, qwen2, qwen3 (arcee: ARCEE_TENSORS)
-    "wte.weight": "token_embd.weight",
-    "blocks.{i}.ln_1.weight": "blk.{i}.attn_norm.weight",
-    "blocks.{i}.attn.c_attn.weight": ("blk.{i}.attn_q.weight", "blk.{i}.attn_k.weight", "blk.{i}.attn_v.weight"),
-    "blocks.{i}.attn.c_attn.bias": ("blk.{i}.attn_q.bias", "blk.{i}.attn_k.bias", "blk.{i}.attn_v.bias"),
-    "blocks.{i}.attn.c_proj.weight": "blk.{i}.attn_output.weight",
-    "blocks.{i}.attn.c_proj.bias": "blk.{i}.attn_output.bias",
-    "blocks.{i}.attn.q_norm.weight": "blk.{i}.attn_q_norm.weight",
-    "blocks.{i}.attn.k_norm.weight": "blk.{i}.attn_k_norm.weight",
-    "blocks.{i}.ln_2.weight": "blk.{i}.ffn_norm.weight",
-    "blocks.{i}.mlp.c_fc.weight": ("blk.{i}.ffn_gate.weight", "blk.{i}.ffn_up.weight"),  # swiglu: gate | up
-    "blocks.{i}.mlp.c_fc.bias": ("blk.{i}.ffn_gate.bias", "blk.{i}.ffn_up.bias"),
-    "blocks.{i}.mlp.c_proj.weight": "blk.{i}.ffn_down.weight",
-    "blocks.{i}.mlp.c_proj.bias": "blk.{i}.ffn_down.bias",
-    "ln_f.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-ARCEE_TENSORS = {**LLAMA_TENSORS, "blocks.{i}.mlp.c_fc.weight": "blk.{i}.ffn_up.weight",
-                 "blocks.{i}.mlp.c_fc.bias": "blk.{i}.ffn_up.bias"}
-# Biases llama.cpp does not load for an architecture (it would silently ignore them): refused unless zero.
-NOT_LOADED = {"qwen2": ("attn_output.bias", "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias"),
-              "qwen3": ("attn_output.bias", "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias")}
-
 
 def permute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """convert_hf_to_gguf's LlamaModel.permute: within each head, rows (i, i + hd/2) of the rotate-half
@@ -106,8 +59,9 @@ def permute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def gguf_tensors(sd: dict[str, torch.Tensor], m: GPTConfig, model_type: str) -> dict[str, torch.Tensor]:
-    """Our state dict -> llama.cpp's tensors (float32), by the literal map of the architecture."""
-    table = {"gpt2": GPT2_TENSORS, "arcee": ARCEE_TENSORS}.get(model_type, LLAMA_TENSORS)
+    """Our state dict -> llama.cpp's tensors (float32), by the family's literal map (families.FAMILIES)."""
+    fam = FAMILIES[model_type]
+    table = fam.gguf_tensors
     sd = {k: v.detach().to("cpu", torch.float32) for k, v in sd.items()}
     if m.tie_embeddings:
         sd.pop("lm_head.weight", None)  # llama.cpp falls back to token_embd
@@ -123,9 +77,9 @@ def gguf_tensors(sd: dict[str, torch.Tensor], m: GPTConfig, model_type: str) -> 
             kind = next(k for k in rows if f".{k}." in f".{ours}")
             parts = t.split(rows[kind][:len(theirs)], dim=0)
             for name, p in zip(theirs, parts):
-                if model_type in PERMUTED and ".attn_q." in name:
+                if fam.rope_permuted and ".attn_q." in name:
                     p = permute_rows(p, m.n_head)
-                elif model_type in PERMUTED and ".attn_k." in name:
+                elif fam.rope_permuted and ".attn_k." in name:
                     p = permute_rows(p, m.n_kv_head)
                 out[name] = p.contiguous()
         else:
@@ -133,12 +87,12 @@ def gguf_tensors(sd: dict[str, torch.Tensor], m: GPTConfig, model_type: str) -> 
     left = sorted(set(sd) - used)
     if left:
         raise ExportError(f"GGUF {model_type}: no tensor map entry for {left[:6]}")
-    if model_type == "gpt2" and not m.bias:  # llama.cpp's gpt2 requires every bias: zeros compute the same
-        for ours, theirs in expand(GPT2_TENSORS, m.n_layer):
+    if fam.every_bias and not m.bias:  # llama.cpp's gpt2 requires every bias: zeros compute the same
+        for ours, theirs in expand(table, m.n_layer):
             w = ours[:-4] + "weight"
             if ours.endswith(".bias") and theirs not in out and w in sd:
                 out[theirs] = torch.zeros(sd[w].shape[0])
-    for name in [n for n in out if n.endswith(NOT_LOADED.get(model_type, ()))]:
+    for name in [n for n in out if n.endswith(fam.gguf_not_loaded)]:
         if bool(out[name].abs().max() > 0):
             raise ExportError(f"GGUF {model_type}: llama.cpp does not load {name}, and it is not zero")
         del out[name]
@@ -274,12 +228,12 @@ def export_gguf(run: str | Path, out: str | Path, which: str = "auto", dtype: st
     m: GPTConfig = model.cfg
     sd = model.state_dict()
     fam = choose_family(m, sd)
-    if fam.model_type == "arcee" and m.mlp != "relu2":
+    if FAMILIES[fam.model_type].gguf_mlp not in (None, m.mlp):
         raise ExportError(
             f"llama.cpp has no architecture for this model: RoPE + RMSNorm + a non-gated {m.mlp.upper()} MLP "
             f"(its arcee computes ReLU^2, gpt2/starcoder2 use LayerNorm). `codeforge export --format hf` writes it "
             f"as {fam.name}; for llama.cpp train with --set model.mlp=swiglu (Llama) or relu2 (Arcee)")
-    arch = ARCH_OF[fam.model_type]
+    arch = FAMILIES[fam.model_type].gguf_arch
     tensors = gguf_tensors(sd, m, fam.model_type)
 
     tj = json.loads(tok.tok.to_str())

@@ -54,16 +54,19 @@ from ..models.gpt import GPTConfig
 from ..fim import FIM_FILE_SEP, FIM_REPO
 from ..tokenizer import (CodeTokenizer, META_FILE, SPECIAL_TOKENS, TOKENIZER_FILE, TokenizerError,
                          write_hf_config)
-from .families import ARCEE_KEYS, GPT2_CONV1D, GPT2_KEYS, LLAMA_KEYS, expand, splits
+from .families import FAMILIES, expand, splits
 
 # -- families ----------------------------------------------------------------------------------------------------
 
 
 class Family:
-    """One transformers class: its name, model_type, key map and the config it needs."""
+    """One transformers class as a model is exported to it: the family's record (families.FAMILIES), the
+    activation this model's config.json names, and the config fields it needs (attention_bias, ...)."""
 
-    def __init__(self, name: str, model_type: str, keys: dict, hidden_act: str, **extra):
-        self.name, self.model_type, self.keys, self.hidden_act, self.extra = name, model_type, keys, hidden_act, extra
+    def __init__(self, model_type: str, hidden_act: str | None = None, **extra):
+        self.record = FAMILIES[model_type]
+        self.name, self.model_type, self.keys = self.record.hf_class, model_type, self.record.hf_keys
+        self.hidden_act, self.extra = hidden_act or self.record.hidden_act, extra
 
     def __repr__(self) -> str:
         return f"{self.name} ({self.model_type})"
@@ -94,7 +97,7 @@ def choose_family(m: GPTConfig, sd: dict[str, torch.Tensor] | None = None) -> Fa
         if m.qk_norm:
             why.append("qk_norm (GPT-2 has no QK-norm)")
         if not why:
-            return Family("GPT2LMHeadModel", "gpt2", GPT2_KEYS, ACTS["gelu"])
+            return Family("gpt2", ACTS["gelu"])
     else:
         if m.norm != "rmsnorm":
             why.append(f"norm={m.norm} with rotary positions (Llama/Qwen/Arcee use RMSNorm)")
@@ -104,19 +107,18 @@ def choose_family(m: GPTConfig, sd: dict[str, torch.Tensor] | None = None) -> Fa
                 if mlp_b:
                     why.append(f"bias=true with qk_norm: Qwen3 has no MLP biases, and these are not zero: {mlp_b[:3]}")
                 if not why:
-                    return Family("Qwen3ForCausalLM", "qwen3", LLAMA_KEYS, "silu", attention_bias=m.bias)
+                    return Family("qwen3", attention_bias=m.bias)
             elif m.bias and not _nonzero(sd, ("attn.c_proj.bias", "mlp.c_fc.bias", "mlp.c_proj.bias")) and sd:
                 if not why:  # biases on q/k/v only: Qwen2's layout (a model imported from Qwen2 goes back to it)
-                    return Family("Qwen2ForCausalLM", "qwen2", LLAMA_KEYS, "silu")
+                    return Family("qwen2")
             elif not why:
-                return Family("LlamaForCausalLM", "llama", LLAMA_KEYS, "silu", attention_bias=m.bias, mlp_bias=m.bias)
+                return Family("llama", attention_bias=m.bias, mlp_bias=m.bias)
         else:  # non-gated MLP with RoPE + RMSNorm: Arcee (AFM) is that layer with a configurable activation
             if m.qk_norm:
                 why.append(f"qk_norm with mlp={m.mlp} (Arcee, the class with a non-gated MLP and RoPE, has no "
                            f"QK-norm; Qwen3 has QK-norm but a SwiGLU MLP)")
             if not why:
-                return Family("ArceeForCausalLM", "arcee", ARCEE_KEYS, ACTS[m.mlp], attention_bias=m.bias,
-                              mlp_bias=m.bias)
+                return Family("arcee", ACTS[m.mlp], attention_bias=m.bias, mlp_bias=m.bias)
     raise ExportError("no transformers class computes this model; what does not map: " + "; ".join(why))
 
 
@@ -170,19 +172,18 @@ def to_hf(sd: dict[str, torch.Tensor], m: GPTConfig, fam: Family) -> dict[str, t
             assert sum(p.shape[0] for p in parts) == t.shape[0], f"{ours}: split {rows[kind]} of {tuple(t.shape)}"
             out.update({name: p.contiguous() for name, p in zip(theirs, parts)})
         else:
-            if fam.model_type == "gpt2" and ours.endswith(GPT2_CONV1D):
+            if ours.endswith(fam.record.conv1d):
                 t = t.t()  # nn.Linear (out, in) -> Conv1D (in, out)
             out[theirs] = t.contiguous()
     left = sorted(set(sd) - used)
     if left:
         raise ExportError(f"{fam}: no key map entry for {left[:6]}")
-    if fam.model_type == "gpt2" and not m.bias:  # GPT-2 always has biases: zeros compute the same
-        for ours, theirs in expand(GPT2_KEYS, m.n_layer):
+    if fam.record.every_bias and not m.bias:  # GPT-2 always has biases: zeros compute the same
+        for ours, theirs in expand(fam.keys, m.n_layer):
             if ours.endswith(".bias") and theirs not in out and ours[:-4] + "weight" in sd:
                 out[theirs] = torch.zeros(sd[ours[:-4] + "weight"].shape[0])  # out features (norm: width)
     # Biases the class does not have; choose_family checked they are zero.
-    absent = {"qwen2": ("o_proj.bias", "mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias"),
-              "qwen3": ("mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias")}.get(fam.model_type, ())
+    absent = fam.record.hf_absent
     return {k: v for k, v in out.items() if not k.endswith(absent)} if absent else out
 
 
@@ -202,7 +203,7 @@ def from_hf(hf: dict[str, torch.Tensor], m: GPTConfig, fam: Family) -> dict[str,
         if all(n in hf for n in names):
             parts = [hf.pop(n).to(torch.float32) for n in names]
             t = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
-            if fam.model_type == "gpt2" and ours.endswith(GPT2_CONV1D):
+            if ours.endswith(fam.record.conv1d):
                 t = t.t()
             out[ours] = t.contiguous()
         elif ours.endswith(".bias"):
@@ -304,7 +305,7 @@ def export_hf(run: str | Path, out: str | Path, which: str = "auto", overwrite: 
 
 # -- import -------------------------------------------------------------------------------------------------------------
 
-IMPORTABLE = ("gpt2", "llama", "qwen2", "qwen3", "arcee")
+IMPORTABLE = tuple(FAMILIES)
 
 
 NOT_IMPORTABLE = "codeforge cannot import it as it is"
@@ -411,11 +412,7 @@ def config_from_hf(c: dict, where: str | Path = "config.json") -> tuple[GPTConfi
     if mt != "gpt2" and c.get("head_dim") not in (None, m.head_dim):
         raise ExportError(f"a {mt} model with features codeforge does not compute: head_dim {c.get('head_dim')} != "
                           f"hidden_size / num_attention_heads ({m.n_embd}/{m.n_head})")
-    fam = {"gpt2": Family("GPT2LMHeadModel", "gpt2", GPT2_KEYS, "gelu_pytorch_tanh"),
-           "llama": Family("LlamaForCausalLM", "llama", LLAMA_KEYS, "silu"),
-           "qwen2": Family("Qwen2ForCausalLM", "qwen2", LLAMA_KEYS, "silu"),
-           "qwen3": Family("Qwen3ForCausalLM", "qwen3", LLAMA_KEYS, "silu"),
-           "arcee": Family("ArceeForCausalLM", "arcee", ARCEE_KEYS, act)}[mt]
+    fam = Family(mt, act if mt == "arcee" else None)
     return m, fam
 
 
