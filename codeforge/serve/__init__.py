@@ -3,7 +3,8 @@
 
   batcher.py   the generation loop: slot KV cache, rows joining and leaving at step boundaries
   protocol.py  request bodies, OpenAI's error shape, response and stream-chunk builders
-  app.py       the FastAPI app: guard middleware (Host, Origin, API key, body size, metrics), handlers, streaming
+  app.py       the FastAPI app: server state, handlers, streaming, the route table
+  guard.py     the middleware around every request: Host, Origin, API key, body size, metrics, a last 500
   metrics.py   /metrics in the Prometheus text format
   connections.py  the HTTP connection: head and body deadlines, a connection cap below the file limit
   server.py    `codeforge serve`: load the run, bind, run uvicorn with the connection guard

@@ -20,7 +20,8 @@ from ..syntax import guess_language
 from ..config import chat_notice, speaks_chat
 from ..device import choose_device, choose_precision, system_memory
 from ..engine import Engine
-from .app import ServeOptions, create_app, parse_hosts, parse_origins
+from .app import ServeOptions, create_app
+from .guard import parse_hosts, parse_origins
 from .connections import (MAX_DEFAULT_CONNECTIONS, ConnectionGuard, ConnectionLimits, Server, body_pieces,
                           connection_budget)
 
