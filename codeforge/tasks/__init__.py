@@ -1,5 +1,6 @@
 """Task sets that own their examples, their prompt and their check.
 
-- code_tasks.py  `codeforge make-tasks`: programming tasks with hidden tests, execution rewards, task prompts
+- families.py    the procedural task families (string, list, arithmetic, dict; three levels) and generate_tasks
+- code_tasks.py  `codeforge make-tasks`: user task JSONL, the outside verdict, execution rewards, task prompts
 - tool_calls.py  `codeforge make-tools`: synthetic tool-calling conversations, held-out cases, their scores
 """
