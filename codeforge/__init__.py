@@ -3,7 +3,7 @@
 The package is in layers; a module imports only from its own layer or a lower one (tests/test_layers.py
 checks the first five rules by parsing every import):
 
-  0  atomic device distributed fields rundir          (nothing of codeforge's above layer 0)
+  0  atomic device distributed fields parquet_pages rundir   (nothing of codeforge's above layer 0)
   1  corpus tokenizer chat constrain fim sandbox syntax  text and code (constrain: grammars for decoding)
   2  models/ tasks/ mining/
   3  checkpoint/ data/ config engine

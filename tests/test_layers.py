@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, int]] = [
     ("codeforge.device", 0),
     ("codeforge.distributed", 0),
     ("codeforge.fields", 0),
+    ("codeforge.parquet_pages", 0),
     ("codeforge.rundir", 0),
     ("codeforge.corpus", 1),
     ("codeforge.decontam", 1),
