@@ -1,7 +1,7 @@
 """The package's layer rules, checked on the source text (no codeforge module is imported).
 
 DESIGN.md ("Layout: layers, each importing only from below") and the codeforge/__init__.py docstring
-describe the layout; LAYERS below is its executable form. The rules:
+describe the layout; LAYERS below is read from that docstring's table. The rules:
 
 1. a module imports only from its own layer or a lower one (an import from a higher layer is an "arrow up");
 2. evaluation and train never import each other, nor stages;
@@ -32,39 +32,24 @@ PKG = "codeforge"
 
 # (prefix, layer); "x.*" is x itself and everything under it, a plain name is that module only.
 # Longest prefix wins.
-LAYERS: list[tuple[str, int]] = [
-    ("codeforge", 0),  # the package __init__ only
-    ("codeforge.atomic", 0),
-    ("codeforge.device", 0),
-    ("codeforge.distributed", 0),
-    ("codeforge.fields", 0),
-    ("codeforge.parquet_pages", 0),
-    ("codeforge.rundir", 0),
-    ("codeforge.corpus", 1),
-    ("codeforge.decontam", 1),
-    ("codeforge.redact", 1),
-    ("codeforge.tokenizer", 1),
-    ("codeforge.chat", 1),
-    ("codeforge.constrain", 1),
-    ("codeforge.fim", 1),
-    ("codeforge.sandbox", 1),
-    ("codeforge.syntax", 1),
-    ("codeforge.models.*", 2),
-    ("codeforge.tasks.*", 2),
-    ("codeforge.mining.*", 2),
-    ("codeforge.checkpoint.*", 3),
-    ("codeforge.data.*", 3),
-    ("codeforge.config", 3),
-    ("codeforge.engine", 3),
-    ("codeforge.evaluation.*", 4),
-    ("codeforge.train.*", 4),
-    ("codeforge.stages.*", 5),
-    ("codeforge.quickstart", 6),
-    ("codeforge.serve.*", 6),
-    ("codeforge.export.*", 6),
-    ("codeforge.cli.*", 7),
-    ("codeforge.__main__", 7),
-]
+def read_layers() -> list[tuple[str, int]]:
+    """The layer table of codeforge/__init__.py's docstring (the one place it is written), as (module pattern,
+    layer): `models/` is every module of that package, `corpus` one module; the package __init__ is layer 0."""
+    doc = ast.get_docstring(ast.parse((ROOT / "__init__.py").read_text()))
+    out: list[tuple[str, int]] = [("codeforge", 0)]
+    for line in doc.splitlines():
+        m = re.match(r"\s+(\d)\s+(.*)$", line)
+        if not m:
+            continue
+        for word in re.split(r"\s{3,}", m.group(2))[0].split():  # three spaces and more: the row's comment
+            if word.endswith("/") or (ROOT / word).is_dir():
+                out.append((f"codeforge.{word.rstrip('/')}.*", int(m.group(1))))
+            else:
+                out.append((f"codeforge.{word}", int(m.group(1))))
+    return out
+
+
+LAYERS: list[tuple[str, int]] = read_layers()
 
 # rules 2-4: (importer pattern, imported pattern), patterns as in LAYERS
 FORBIDDEN: list[tuple[str, str]] = [
