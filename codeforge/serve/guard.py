@@ -13,16 +13,12 @@ import re
 import sys
 import time
 import traceback
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
 from .protocol import ApiError
-
-if TYPE_CHECKING:  # the Guard reads the server's state; app.py (which defines it) mounts the Guard
-    from .app import ServerState
 
 OPEN_PATHS = ("/health", "/", "/favicon.ico")  # reachable without the API key
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -64,32 +60,30 @@ def split_host(value: str) -> tuple[str, int | None] | None:
     return name, int(port) if port else None
 
 
-def parse_hosts(entries) -> frozenset[tuple[str, int | None]] | None:
-    """--allowed-hosts as a set of (name, port or None for any); None when it holds '*'."""
+def _parse_entries(entries, split, flag: str, shape: str) -> frozenset | None:
+    """Each entry of a command-line list through `split`; None when one is '*' (any); ValueError naming the
+    flag and the expected shape for an entry `split` refuses."""
     out = set()
     for e in entries:
         if e.strip() == "*":
             return None
-        h = split_host(e)
-        if h is None:
-            raise ValueError(f"--allowed-hosts: {e!r} is not a host name or address (NAME, NAME:PORT, IP or "
-                             f"[IPv6]:PORT)")
-        out.add(h)
+        got = split(e)
+        if got is None:
+            raise ValueError(f"{flag}: {e!r} is not {shape}")
+        out.add(got)
     return frozenset(out)
+
+
+def parse_hosts(entries) -> frozenset[tuple[str, int | None]] | None:
+    """--allowed-hosts as a set of (name, port or None for any); None when it holds '*'."""
+    return _parse_entries(entries, split_host, "--allowed-hosts",
+                          "a host name or address (NAME, NAME:PORT, IP or [IPv6]:PORT)")
 
 
 def parse_origins(entries) -> frozenset[tuple[str, str, int]] | None:
     """--allowed-origins as a set of (scheme, host, port); None when it holds '*'."""
-    out = set()
-    for e in entries:
-        if e.strip() == "*":
-            return None
-        o = split_origin(e)
-        if o is None:
-            raise ValueError(f"--allowed-origins: {e!r} is not an origin (scheme://host[:port], as a browser "
-                             f"sends it, e.g. http://localhost:3000)")
-        out.add(o)
-    return frozenset(out)
+    return _parse_entries(entries, split_origin, "--allowed-origins",
+                          "an origin (scheme://host[:port], as a browser sends it, e.g. http://localhost:3000)")
 
 
 def split_origin(value: str) -> tuple[str, str, int] | None:
@@ -117,7 +111,7 @@ class Guard:
     the server's own origin (its playground page) and --allowed-origins are answered. Clients that are not
     browsers send no Origin and are not concerned."""
 
-    def __init__(self, app, srv: ServerState):
+    def __init__(self, app, srv):  # srv: app.py's ServerState (app.py mounts the Guard; no import back)
         self.app, self.srv = app, srv
         opts = srv.opts
         self.hosts = parse_hosts(opts.allowed_hosts)
