@@ -1,8 +1,9 @@
 """Generation: KV cache, batched prompts of different lengths, sampling, stop sequences, streaming.
 
-The engine sees token ids and a model with the shared surface (forward with kv_cache, pos, attn_mask), so it
-works for every preset. Prompts in a batch are left-padded; a boolean mask hides the padding keys and the
-positions of each row start at 0 at its first real token, so a padded row computes what it would alone.
+The engine sees token ids and a model with the shared surface (forward with kv_cache and starts), so it
+works for every preset. Prompts in a batch are left-padded; the engine tells the model where each row's real
+tokens start, and the model hides the padding keys and counts the row's positions from there, so a padded row
+computes what it would alone.
 Prefill runs the whole prompt once; then each step feeds one token per row and reuses the cached keys and
 values, so a step costs O(context) instead of re-running the prompt (O(context^2) per token).
 """
@@ -142,17 +143,10 @@ class Engine:
                 if c is not None:
                     c.set_budget(b)
         steps = max(budgets)
-        pads = [L - len(x) for x in prompts]
+        pads = [L - len(x) for x in prompts]  # each row's first real column: the model masks what is before it
         idx = torch.tensor([[self.pad_id] * pd + x for pd, x in zip(pads, prompts)], device=self.device)
         real = torch.arange(L, device=self.device).unsqueeze(0) >= torch.tensor(pads, device=self.device).unsqueeze(1)
-        pos = (torch.arange(L, device=self.device).unsqueeze(0) - torch.tensor(pads, device=self.device).unsqueeze(1)).clamp(min=0)
         total = L + steps
-        keymask = torch.zeros(B, total, dtype=torch.bool, device=self.device)
-        keymask[:, :L] = real
-        causal = torch.ones(L, L, dtype=torch.bool, device=self.device).tril()
-        # (B, 1, L, L): causal and not a padding key; a padding query sees itself so its row stays finite.
-        mask = (causal & keymask[:, None, :L]) | torch.eye(L, dtype=torch.bool, device=self.device)
-        mask = mask.unsqueeze(1) if any(pads) else None
         cache = self.model.new_kv_cache(B, total, self.device, self.cache_dtype)
         gen = torch.Generator(device=self.device)
         # Unseeded: fresh entropy from the OS, never by reseeding torch's global generator (training's RNG).
@@ -162,8 +156,7 @@ class Engine:
         vocab = self.tok.vocab_size
         ends = list(p.stop_ids) + ([self.tok.eot_id] if p.stop_at_eot else [])
         end_t = torch.tensor(ends, device=self.device, dtype=torch.long)
-        next_pos = pos[:, -1] + 1
-        logits = self._forward(idx, cache, pos, mask)[:, -1, :]
+        logits = self._forward(idx, cache, pads)[:, -1, :]
         seen = torch.zeros(B, logits.size(-1), dtype=torch.bool, device=self.device)  # (B, model vocab)
         seen.scatter_(1, idx, real)
         for t in range(steps):
@@ -197,21 +190,16 @@ class Engine:
                 return
             if p.repetition_penalty != 1.0:
                 seen[torch.arange(B), nxt] = True
-            step_mask = None
-            if any(pads):
-                keymask[:, L + t] = True
-                step_mask = keymask[:, None, None, :L + t + 1]
             with decode_threads(self.model, B):
                 fast = stepper(self.model, self.device, self.precision, B)
                 if fast is not None:  # numpy on the CPU (models/cpu_decode.py), the same logits
-                    logits = fast.step(nxt, cache, next_pos, step_mask)[:, -1, :]
+                    logits = fast.step(nxt, cache, pads)[:, -1, :]
                 else:
-                    logits = self._forward(nxt.unsqueeze(1), cache, next_pos.unsqueeze(1), step_mask)[:, -1, :]
-            next_pos = next_pos + 1
+                    logits = self._forward(nxt.unsqueeze(1), cache, pads)[:, -1, :]
 
-    def _forward(self, idx, cache, pos, mask):
+    def _forward(self, idx, cache, starts):
         with autocast(self.device, self.precision):
-            return self.model(idx, kv_cache=cache, pos=pos, attn_mask=mask, last_only=True)
+            return self.model(idx, kv_cache=cache, starts=starts, last_only=True)
 
     def generate(self, prompts: list[str], p: SamplingParams, warn=None) -> list[str]:
         """Completions (text after each prompt), cut at end-of-text and at the first stop sequence. FIM

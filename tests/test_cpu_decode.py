@@ -1,5 +1,5 @@
 """models/cpu_decode.py: a decoding step in numpy gives GPT.forward's logits and cache (to float32 rounding) for
-every model option, batch rows at their own positions behind a padding mask, weights changed in place or moved;
+every model option, batch rows at their own starts (positions and hidden padding), weights changed in place or moved;
 it is used only where it applies; the engine's and the server's greedy tokens do not depend on it."""
 
 from __future__ import annotations
@@ -60,29 +60,72 @@ def test_steps_equal_gpt_forward_for_every_option(name):
 
 
 @pytest.mark.parametrize("name,B", [("gpt2", 3), ("llama", 3), ("llama", 16)])
-def test_rows_at_their_own_positions_behind_a_padding_mask(name, B):
-    """Rows left-padded to one length, as the engine's batch: each row's positions start at its first real
-    token and padding keys are hidden."""
+def test_rows_at_their_own_positions_behind_their_starts(name, B):
+    """Rows left-padded to one length, as the engine's batch: given each row's start, GPT.forward and the
+    numpy step count the row's positions from its first real token and hide the padding keys, so every row's
+    logits are the ones it gets alone, unpadded."""
     m = model_of(OPTIONS[name], seed=1)
     st = Stepper(m)
-    pads = torch.tensor([0, 3, 5] * (B // 3) + [7] * (B % 3))
+    pads = [0, 3, 5] * (B // 3) + [7] * (B % 3)
     L = 8
-    cols = torch.arange(L).unsqueeze(0)
-    pos = (cols - pads.unsqueeze(1)).clamp(min=0)
-    keymask = torch.zeros(B, L + 6, dtype=torch.bool)
-    keymask[:, :L] = cols >= pads.unsqueeze(1)
-    mask = ((torch.ones(L, L, dtype=torch.bool).tril() & keymask[:, None, :L]) | torch.eye(L, dtype=torch.bool))
     with torch.inference_mode():
         idx = torch.randint(0, 96, (B, L))
         ref, ours = m.new_kv_cache(B, L + 6, "cpu", torch.float32), m.new_kv_cache(B, L + 6, "cpu", torch.float32)
-        m(idx, kv_cache=ref, pos=pos, attn_mask=mask.unsqueeze(1)), m(idx, kv_cache=ours, pos=pos, attn_mask=mask.unsqueeze(1))
-        nxt, p = torch.arange(7, 7 + B), pos[:, -1] + 1
-        for t in range(6):
-            keymask[:, L + t] = True
-            step_mask = keymask[:, None, None, :L + t + 1]
-            want = m(nxt.unsqueeze(1), kv_cache=ref, pos=p.unsqueeze(1), attn_mask=step_mask, last_only=True)
-            close(st.step(nxt, ours, p, step_mask), want)
-            nxt, p = want[:, -1].argmax(-1), p + 1
+        first = m(idx, kv_cache=ref, starts=pads)
+        m(idx, kv_cache=ours, starts=pads)
+        alone = [m.new_kv_cache(1, L + 6, "cpu", torch.float32) for _ in range(B)]
+        for b in range(B):
+            close(m(idx[b:b + 1, pads[b]:], kv_cache=alone[b])[:, -1], first[b:b + 1, -1])
+        nxt = torch.arange(7, 7 + B)
+        for _ in range(6):
+            want = m(nxt.unsqueeze(1), kv_cache=ref, starts=pads, last_only=True)
+            close(st.step(nxt, ours, pads), want)
+            for b in range(B):
+                close(m(nxt[b].view(1, 1), kv_cache=alone[b], last_only=True), want[b:b + 1])
+            nxt = want[:, -1].argmax(-1)
+
+
+def test_the_models_masks_are_the_ones_the_engine_built_before():
+    """gpt.attention_mask and gpt.positions give, for a left-padded prefill and each decode step after it,
+    exactly the mask and positions the engine used to build itself (causal, no padding key, a padding query
+    sees itself), so generation's arithmetic did not change when the model took them over."""
+    from codeforge.models.gpt import attention_mask, positions
+    pads, L = [0, 3, 5], 8
+    p = torch.tensor(pads)
+    keymask = torch.zeros(3, L + 4, dtype=torch.bool)
+    keymask[:, :L] = torch.arange(L)[None] >= p[:, None]
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    built = ((causal & keymask[:, None, :L]) | torch.eye(L, dtype=torch.bool)).unsqueeze(1)
+    assert torch.equal(attention_mask(L, 0, pads, "cpu"), built)
+    assert torch.equal(positions(L, 0, pads, "cpu"), (torch.arange(L)[None] - p[:, None]).clamp(min=0))
+    for t in range(4):
+        keymask[:, L + t] = True
+        assert torch.equal(attention_mask(1, L + t, pads, "cpu"), keymask[:, None, None, :L + t + 1])
+        assert torch.equal(positions(1, L + t, pads, "cpu"), (L + t - p)[:, None])
+    assert attention_mask(L, 0, None, "cpu") is None and attention_mask(1, 5, [0, 0], "cpu") is None
+    chunk = attention_mask(3, 4, None, "cpu")  # three queries after four cached keys
+    assert chunk.tolist() == [[True] * 5 + [False] * 2, [True] * 6 + [False], [True] * 7]
+
+
+def test_an_option_the_step_does_not_know_leaves_the_step_to_pytorch():
+    """A model option the numpy step does not implement (here a made-up sliding window on a config of its own)
+    refuses the step when set, rather than being silently ignored; left at its default it changes nothing."""
+    from dataclasses import dataclass, field
+
+    @dataclass
+    class WindowConfig(GPTConfig):
+        window: int = field(default=0)
+
+    cpu = torch.device("cpu")
+    m = model_of(OPTIONS["llama"])
+    with torch.inference_mode():
+        m.cfg = WindowConfig(**m.cfg.to_dict())
+        assert usable(m, cpu, "fp32") and stepper(m, cpu, "fp32") is not None
+        m.cfg = WindowConfig(**{**m.cfg.to_dict(), "window": 16})
+        assert not usable(m, cpu, "fp32") and stepper(m, cpu, "fp32") is None
+        m.cfg = GPTConfig(**{**BASE, **OPTIONS["llama"]})
+        m.cfg.mlp = "geglu"  # a value of a known option that the step does not implement
+        assert not usable(m, cpu, "fp32")
 
 
 def forward_and_step(m):
@@ -265,9 +308,9 @@ def test_engine_and_server_tokens_do_not_depend_on_it(monkeypatch, tmp_path):
     p = SamplingParams(max_new_tokens=12, temperature=0, stop_at_eot=False)
     calls = []
     real = Stepper.step
-    monkeypatch.setattr(Stepper, "step", lambda self, *a: calls.append(a[3] is not None) or real(self, *a))
+    monkeypatch.setattr(Stepper, "step", lambda self, *a: calls.append(a[2] is not None) or real(self, *a))
     fast = list(eng.generate_ids(prompts, p))
-    assert len(calls) == 11 and all(calls)  # every step after the prefill, behind the padding mask
+    assert len(calls) == 11 and all(calls)  # every step after the prefill, rows at their starts
     served = server_texts(eng, prompts, 10)
     assert len(calls) > 11 and any(calls[11:])  # the server's steps, some with rows at different columns
     monkeypatch.setattr(cpu_decode, "usable", lambda *a: False)

@@ -10,7 +10,8 @@ operation, and attention for one query is two small products and a softmax. At 1
 of a ~45 ms token (docs/LOG.md, "a decoding step in numpy").
 
 `stepper(model, ...)` gives the engine and the server's scheduler a Stepper where it applies (`usable`): a
-GPT whose forward is GPT's (the reward model's is), on the CPU in float32, no gradient recorded, numpy's
+GPT whose forward is GPT's (the reward model's is) and whose every option set is one the step implements
+(KNOWN_OPTIONS: a new option is refused, never ignored), on the CPU in float32, no gradient recorded, numpy's
 OpenBLAS found, and $CODEFORGE_CPU_MATMUL not `torch` (which keeps every step in PyTorch). It reads and
 writes the same KV cache as GPT.forward, with rows at their own positions behind the same padding mask, so a
 prompt's prefill runs in PyTorch and the steps after it here; the logits agree with GPT.forward to float32
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from dataclasses import MISSING, fields
 
 import numpy as np
 import torch
@@ -39,9 +41,32 @@ from .gpt import GPT, MLP, Attention, Block, RMSNorm
 GELU_C = math.sqrt(2.0 / math.pi)
 
 
+# Every model option Stepper.step implements, with the values it implements (None: any value). A config field
+# not listed here is an option the step has never heard of (a new attention variant, say): set to anything but
+# its default it would be silently ignored, so the step is refused and PyTorch runs the model's own forward.
+KNOWN_OPTIONS: dict[str, tuple | None] = {
+    "arch": None, "vocab_size": None, "block_size": None, "n_layer": None, "tie_embeddings": None,
+    "n_embd": None, "n_head": None, "n_kv_head": None, "ffn_hidden": None, "norm_eps": None, "rope_base": None,
+    "qk_norm": None, "bias": None, "embd_dropout": None, "attn_dropout": None, "resid_dropout": None,
+    "mlp": ("gelu", "swiglu", "relu2"), "norm": ("layernorm", "rmsnorm"), "pos": ("learned", "rope"),
+}
+
+
+def knows(cfg) -> bool:
+    """Whether every option `cfg` sets is one Stepper.step implements (KNOWN_OPTIONS)."""
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name not in KNOWN_OPTIONS:
+            if f.default is MISSING or value != f.default:
+                return False
+        elif KNOWN_OPTIONS[f.name] is not None and value not in KNOWN_OPTIONS[f.name]:
+            return False
+    return True
+
+
 def usable(model: nn.Module, device: torch.device, precision: str) -> bool:
     """Whether Stepper can run `model`'s decoding steps (see the module's docstring)."""
-    if not isinstance(model, GPT) or type(model).forward is not GPT.forward:
+    if not isinstance(model, GPT) or type(model).forward is not GPT.forward or not knows(model.cfg):
         return False
     dropout = model.training and any((model.cfg.embd_dropout, model.cfg.attn_dropout, model.cfg.resid_dropout))
     return (device.type == "cpu" and precision == "fp32" and not torch.is_grad_enabled() and not dropout
@@ -164,25 +189,26 @@ class Stepper:
             y += b
         return y
 
-    def step(self, ids: torch.Tensor, cache, pos: torch.Tensor | None = None,
-             mask: torch.Tensor | None = None) -> torch.Tensor:
+    def step(self, ids: torch.Tensor, cache, starts: list[int] | None = None) -> torch.Tensor:
         """Logits (B, 1, vocab) for ids (B,) or (B, 1), one token per row, written to the cache (a KVCache, or
         any object with per-layer .k/.v lists of (B, n_kv_head, length, head_dim) and .len) at column
-        cache.len, as GPT.forward does. pos: each row's position ((B,) or (B, 1); default cache.len);
-        mask: (B, 1, 1, cache.len + 1) bool, True where a row may attend (default: every column)."""
+        cache.len, as GPT.forward does. starts: each row's first real column, as GPT.forward's: a row's
+        position is counted from it and the keys before it are hidden (default: every row starts at 0)."""
         cfg = self.cfg
         B, col = ids.shape[0], cache.len
         if col + 1 > cfg.block_size:
             raise ValueError(f"sequence of {col + 1} tokens exceeds the model's context of {cfg.block_size}")
         H, KV, hd = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         G, half, scale = H // KV, hd // 2, np.float32(1.0 / math.sqrt(hd))
-        at = pos.reshape(B).numpy() if pos is not None else np.full(B, col)
+        first = np.asarray(starts).reshape(B) if starts is not None and any(starts) else None
+        at = np.full(B, col) if first is None else col - first
         x = self.wte[ids.reshape(B).numpy()]  # (B, C), a copy
         if self.wpe is not None:
             x += self.wpe[at]
         cos = self.cos[at][:, None, :] if self.cos is not None else None  # (B, 1, hd)
         sin = self.sin[at][:, None, :] if self.sin is not None else None
-        hidden = None if mask is None else ~mask.reshape(B, 1, 1, col + 1).numpy()
+        # the columns before each row's start (gpt.attention_mask's rule for one query at column col)
+        hidden = None if first is None else (np.arange(col + 1)[None, :] < first[:, None]).reshape(B, 1, 1, col + 1)
         for i, L in enumerate(self.layers):
             h = self._linear(self._norm(x, L["ln_1"]), L["qkv"]).reshape(B, H + 2 * KV, hd)
             v = h[:, H + KV:]

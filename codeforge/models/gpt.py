@@ -7,7 +7,7 @@ QK-norm (Dehghani et al. 2023) are options. Attention runs through PyTorch SDPA 
 kernels where the device has them).
 
 The surface every model in codeforge shares:
-  forward(idx, targets=None, kv_cache=None, pos=None, attn_mask=None, loss_reduction="mean") -> logits
+  forward(idx, targets=None, kv_cache=None, starts=None, loss_reduction="mean") -> logits
   (B, T, vocab), or the cross-entropy loss when targets are given (targets == -1 are ignored; models/lm_loss.py),
   or (GPT; return_hidden=True) the final hidden states;
   num_params(); flops_per_token(); optim_groups(weight_decay); new_kv_cache(...); context_length.
@@ -28,14 +28,11 @@ from .lm_loss import lm_loss
 
 
 @dataclass
-class GPTConfig:
-    arch: str = setting("gpt", "model architecture (the registry key, saved in checkpoints)", choices=("gpt",))
-    vocab_size: int = setting(50304, "model vocabulary", range=(256, 200_000),
-                              zero_means="the data's tokenizer, padded to a multiple of 64")
-    block_size: int = setting(1024, "context length in tokens", range=(8, 131_072))
-    n_layer: int = setting(12, "transformer blocks", range=(1, 256))
-    n_head: int = setting(12, "attention heads", range=(1, 256))
+class BlockConfig:
+    """What one transformer block is made of: width, heads, MLP, norm, positions, dropout. Every model built
+    from gpt.Block (GPT, the reward model, HRM's three stacks) declares these fields here, once."""
     n_embd: int = setting(768, "model width", range=(16, 16_384))
+    n_head: int = setting(12, "attention heads", range=(1, 256))
     n_kv_head: int = setting(0, "key/value heads (fewer than n_head: grouped-query attention)", range=(1, 256),
                              zero_means="n_head")
     mlp: str = setting("gelu", "MLP activation", choices=("gelu", "swiglu", "relu2"))
@@ -46,7 +43,6 @@ class GPTConfig:
     pos: str = setting("learned", "positions: learned table or rotary", choices=("learned", "rope"))
     rope_base: float = setting(10000.0, "rotary base (theta)", range=(1.0, 1e9))
     qk_norm: bool = setting(False, "normalise queries and keys per head")
-    tie_embeddings: bool = setting(True, "share the input embedding with the output matrix")
     bias: bool = setting(True, "biases in linear layers and LayerNorm")
     embd_dropout: float = setting(0.0, "dropout after the embedding", range=(0.0, 0.9))
     attn_dropout: float = setting(0.0, "dropout on attention weights", range=(0.0, 0.9))
@@ -61,6 +57,20 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    def block_fields(self) -> dict:
+        """This config's BlockConfig fields (what a stack of Blocks needs from it)."""
+        return {f.name: getattr(self, f.name) for f in fields(BlockConfig)}
+
+
+@dataclass
+class GPTConfig(BlockConfig):
+    arch: str = setting("gpt", "model architecture (the registry key, saved in checkpoints)", choices=("gpt",))
+    vocab_size: int = setting(50304, "model vocabulary", range=(256, 200_000),
+                              zero_means="the data's tokenizer, padded to a multiple of 64")
+    block_size: int = setting(1024, "context length in tokens", range=(8, 131_072))
+    n_layer: int = setting(12, "transformer blocks", range=(1, 256))
+    tie_embeddings: bool = setting(True, "share the input embedding with the output matrix")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -120,6 +130,35 @@ class KVCache:
         self.max_len = max_len
 
 
+def attention_mask(T: int, cached: int, starts: list[int] | None, device) -> torch.Tensor | None:
+    """Which keys each of T new queries may attend to, after `cached` positions already in the cache: a bool
+    mask (B|1, 1|-, T, cached + T), True where allowed, or None where SDPA's own causal mask is the one.
+
+    starts: per row, the column of its first real token (rows left-padded to one length, or rows that joined
+    a shared cache late); None or all 0 when every row starts at column 0. A query sees the keys from its
+    row's start up to itself; a query in the padding before its row's start sees only itself, so its softmax
+    stays finite (its output is never read)."""
+    L = cached + T
+    if starts is None or not any(starts):
+        if cached == 0 or T == 1:  # from the start, or one query that sees every key: nothing to hide
+            return None
+        # a chunk after a cached prefix: query i sees the whole prefix and the new keys up to itself
+        return torch.ones(T, L, dtype=torch.bool, device=device).tril(diagonal=cached)
+    first = torch.tensor(starts, device=device)[:, None, None, None]  # (B, 1, 1, 1)
+    cols = torch.arange(L, device=device)
+    rows = torch.arange(cached, L, device=device)[:, None]  # each query's own column, (T, 1)
+    return ((cols <= rows) & (cols >= first)) | (cols == rows)
+
+
+def positions(T: int, cached: int, starts: list[int] | None, device) -> torch.Tensor:
+    """The positions of T new tokens after `cached` columns: (1, T) cached.., or with `starts` (B, T) each
+    row's own, counted from its first real token (0 in its padding)."""
+    cols = torch.arange(cached, cached + T, device=device).unsqueeze(0)
+    if starts is None or not any(starts):
+        return cols
+    return (cols - torch.tensor(starts, device=device).unsqueeze(1)).clamp(min=0)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig, layer: int):
         super().__init__()
@@ -156,12 +195,9 @@ class Attention(nn.Module):
             kv_cache.v[self.layer][:, :, start:start + T] = v
             k = kv_cache.k[self.layer][:, :, :start + T]
             v = kv_cache.v[self.layer][:, :, :start + T]
+        # attn_mask None: plain causal attention from column 0 (the model builds every other mask, once per
+        # forward, in attention_mask)
         is_causal = attn_mask is None and T > 1
-        if attn_mask is None and kv_cache is not None and kv_cache.len > 0 and T > 1:
-            # Chunk after a cached prefix: query i sees every cached key and new keys up to itself.
-            L = k.size(2)
-            attn_mask = torch.ones(T, L, dtype=torch.bool, device=x.device).tril(diagonal=L - T)
-            is_causal = False
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, is_causal=is_causal,
             dropout_p=cfg.attn_dropout if self.training else 0.0, enable_gqa=cfg.n_kv_head != cfg.n_head)
@@ -340,10 +376,12 @@ class GPT(nn.Module):
         return groups + ([{"params": matrices, "weight_decay": weight_decay, "muon": True}] if muon else [])
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: KVCache | None = None,
-                pos: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None, last_only: bool = False,
-                loss_reduction: str = "mean", return_hidden: bool = False):
-        """idx (B, T) token ids. pos (B, T) positions, default 0..T-1 after what the cache holds.
-        attn_mask (B, 1, T, L) bool, True where a query may attend (for left-padded batches).
+                starts: list[int] | None = None, last_only: bool = False, loss_reduction: str = "mean",
+                return_hidden: bool = False):
+        """idx (B, T) token ids, written after what kv_cache holds (if given).
+        starts: per row, the cache column of its first real token, for rows that do not start at column 0
+        (left-padded prompts, rows that joined a shared cache late); the model then counts each row's
+        positions from its start and hides the keys before it (attention_mask, positions).
         last_only: logits of the last position only, (B, 1, vocab) (generation needs no more).
         With targets: the mean loss over targets != -1, or (B, T) per-token losses with loss_reduction="none"
         (evaluation uses that, so it shares this one loss path).
@@ -353,8 +391,8 @@ class GPT(nn.Module):
         start = kv_cache.len if kv_cache is not None else 0
         if start + T > self.cfg.block_size:
             raise ValueError(f"sequence of {start + T} tokens exceeds the model's context of {self.cfg.block_size}")
-        if pos is None:
-            pos = torch.arange(start, start + T, device=idx.device).unsqueeze(0)  # (1, T)
+        pos = positions(T, start, starts, idx.device)
+        attn_mask = attention_mask(T, start, starts, idx.device)
         x = self.wte(idx)  # (B, T, n_embd)
         rope = None
         if self.wpe is not None:

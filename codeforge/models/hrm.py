@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from ..fields import setting
 from ..tokenizer import EOT, SPECIAL_TOKENS
 from .lm_loss import IGNORE_INDEX
-from .gpt import Block, GPTConfig, KVCache, RMSNorm, make_norm, rope_tables
+from .gpt import Block, BlockConfig, GPTConfig, KVCache, RMSNorm, attention_mask, make_norm, rope_tables
 
 EOT_ID = SPECIAL_TOKENS.index(EOT)
 PAD_ID = SPECIAL_TOKENS.index("<pad>")
@@ -57,13 +57,16 @@ REFINE, DONE = 0, 1
 
 
 @dataclass
-class HRMConfig:
+class HRMConfig(BlockConfig):
+    """HRM's own fields; the block fields (width, heads, MLP, norm, positions, dropout) are BlockConfig's, the
+    same for all three stacks (a learned position table is one per stack)."""
     arch: str = setting("hrm", "model architecture (the registry key, saved in checkpoints)", choices=("hrm",))
     vocab_size: int = setting(50304, "model vocabulary (one embedding shared by all modules and the output)",
                               range=(256, 200_000), zero_means="the data's tokenizer, padded to a multiple of 64")
+    # a smaller default width and head count than GPT's (the seed's 10-12M per module); the rest of the block
+    # is BlockConfig's, unchanged
     n_embd: int = setting(256, "model width (all modules)", range=(16, 16_384))
     n_head: int = setting(8, "attention heads", range=(1, 256))
-    n_kv_head: int = setting(0, "key/value heads", range=(1, 256), zero_means="n_head")
     planner_layers: int = setting(3, "planner blocks", range=(1, 256))
     generator_layers: int = setting(3, "generator blocks", range=(1, 256))
     refiner_layers: int = setting(2, "refiner blocks", range=(1, 256))
@@ -71,18 +74,6 @@ class HRMConfig:
     code_len: int = setting(1024, "code context: body tokens (and draft tokens) with their markers",
                             range=(8, 65_536))
     refine_iters: int = setting(5, "refinement iterations at most at inference", range=(0, 100))
-    mlp: str = setting("gelu", "MLP activation", choices=("gelu", "swiglu", "relu2"))
-    ffn_hidden: int = setting(0, "MLP hidden width", range=(1, 1 << 20),
-                              zero_means="4 x n_embd (gelu, relu2) or 8/3 x n_embd rounded up to 64 (swiglu)")
-    norm: str = setting("layernorm", "normalisation", choices=("layernorm", "rmsnorm"))
-    norm_eps: float = setting(1e-5, "normalisation epsilon", range=(0.0, 1.0))
-    pos: str = setting("learned", "positions: learned table (one per module) or rotary", choices=("learned", "rope"))
-    rope_base: float = setting(10000.0, "rotary base (theta)", range=(1.0, 1e9))
-    qk_norm: bool = setting(False, "normalise queries and keys per head")
-    bias: bool = setting(True, "biases in linear layers and LayerNorm")
-    embd_dropout: float = setting(0.0, "dropout after the embedding", range=(0.0, 0.9))
-    attn_dropout: float = setting(0.0, "dropout on attention weights", range=(0.0, 0.9))
-    resid_dropout: float = setting(0.0, "dropout on residual branches", range=(0.0, 0.9))
     plan_weight: float = setting(0.4, "loss weight of the plan", range=(0.0, 100.0))
     code_weight: float = setting(0.4, "loss weight of the code", range=(0.0, 100.0))
     refine_weight: float = setting(0.2, "loss weight of refinement: its LM loss plus the decision CE",
@@ -100,12 +91,6 @@ class HRMConfig:
     refiner_lr_scale: float = setting(1.0, "refiner (and shared embedding) lr / base lr (3e-4 at 3e-4)",
                                       range=(0.0, 100.0))
 
-    def __post_init__(self) -> None:
-        if not self.n_kv_head:
-            self.n_kv_head = self.n_head
-        if not self.ffn_hidden:
-            self.ffn_hidden = 4 * self.n_embd if self.mlp != "swiglu" else 64 * math.ceil(8 * self.n_embd / 3 / 64)
-
     # read by the CLI's preset table and by shape checks that expect a GPT-like config
     @property
     def n_layer(self) -> int:
@@ -115,14 +100,9 @@ class HRMConfig:
     def block_size(self) -> int:
         return self.plan_len + self.code_len
 
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
-
     def stack_config(self, n_layer: int, context: int) -> GPTConfig:
         """The GPTConfig of one module's Block stack (its own depth and context)."""
-        keep = {f.name for f in fields(GPTConfig)} - {"arch", "n_layer", "block_size", "tie_embeddings"}
-        return GPTConfig(**{k: getattr(self, k) for k in keep}, n_layer=n_layer, block_size=context)
+        return GPTConfig(**self.block_fields(), n_layer=n_layer, block_size=context)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -164,6 +144,8 @@ class Stack(nn.Module):
         else:
             rope = (self.rope_cos[pos].unsqueeze(1), self.rope_sin[pos].unsqueeze(1))  # (B|1, 1, T, hd)
         x = self.drop(x)
+        if attn_mask is None and kv_cache is not None:  # causal after a cached prefix: gpt.py's one rule
+            attn_mask = attention_mask(x.size(1), kv_cache.len, None, x.device)
         for block in self.blocks:
             x = block(x, rope, kv_cache, attn_mask)
         if kv_cache is not None:

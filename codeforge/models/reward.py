@@ -39,9 +39,9 @@ class RewardModel(GPT):
         nn.init.zeros_(self.score.weight)  # every sequence starts at reward 0: no preference before training
         nn.init.zeros_(self.score.bias)
 
-    def scores(self, idx: torch.Tensor, last: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def scores(self, idx: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         """(B,) float32 rewards: the head at position last[b] (each row's final real token; rows are padded
         on the right, so no mask is needed for causal attention)."""
-        h = self(idx, return_hidden=True, attn_mask=attn_mask)
+        h = self(idx, return_hidden=True)
         rows = torch.arange(idx.size(0), device=idx.device)
         return self.score(h[rows, last]).squeeze(-1).float()

@@ -12,8 +12,9 @@ overhead and weight reads, not by the rows).
 The slot cache: the model's own KV cache with `slots` rows and 2 x block_size columns, and one write column
 shared by every row (the model writes column `len` for all rows at once). Row i owns the columns
 [start_i, len): its prompt was copied to end at the write column when it joined, and each step appends one
-column. Positions are per row (a row that joined late starts at position 0 in a later column) and a boolean
-mask per row hides the columns before start_i, so each row computes exactly what it would alone. Each step
+column. The model is told each row's start_i: it counts the row's positions from there (a row that joined late
+starts at position 0 in a later column) and hides the columns before it, so each row computes exactly what it
+would alone. Each step
 attends over [min start, len] only (a view of the cache), and when the write column reaches the end, all rows
 shift left by the oldest row's start; since a row never holds more than block_size tokens that happens at
 most once per block_size steps. Slots stay packed at the front: a leaving row's slot is filled by the last
@@ -108,7 +109,6 @@ class Row:
         self.text = ""  # decoded so far (settled characters only)
         self.sent = 0  # characters of text already emitted
         self._prefix_off = self._read_off = 0  # incremental detokenization (offsets into out)
-        self.fed = 0  # tokens of this row in the cache
         self.last = -1  # token to feed at the next step
         self.done = False
         self.t_submit = time.monotonic()
@@ -183,9 +183,9 @@ class SlotCache:
             self.starts[i] = self.starts[last]
         self.starts.pop()
 
-    def step_view(self) -> tuple[_CacheView, torch.Tensor | None]:
-        """The cache view and mask for one decode step of every occupied row: (n, 1, 1, L + 1) bool, True
-        where a row may attend, or None when every row owns every column of the view."""
+    def step_view(self) -> tuple[_CacheView, list[int] | None]:
+        """The cache view for one decode step of every occupied row, and each row's first column in it (the
+        model's `starts`), or None when every row owns every column of the view."""
         if self.len >= self.width:
             self._shift(-min(self.starts))
         base, n = min(self.starts), self.n
@@ -193,9 +193,7 @@ class SlotCache:
                           self.len - base)
         if all(s == base for s in self.starts):
             return view, None
-        cols = torch.arange(self.len - base + 1, device=self.device)
-        first = torch.tensor(self.starts, device=self.device) - base
-        return view, (cols.unsqueeze(0) >= first.unsqueeze(1))[:, None, None, :]
+        return view, [s - base for s in self.starts]
 
     def advance(self) -> None:
         self.len += 1
@@ -389,7 +387,6 @@ class Scheduler:
             self._finish(r, "length", stop_type="limit")
             return
         self.cache.add([t[0] for t in tmp.k], [t[0] for t in tmp.v])
-        r.fed = P
         r.gen = torch.Generator(device=self.device)
         r.gen.manual_seed(r.p.seed if r.p.seed is not None else int.from_bytes(os.urandom(8), "little") % 2**63)
         V = logits.size(-1)
@@ -554,17 +551,14 @@ class Scheduler:
         """Feed each active row's last token at its own position; one forward pass for all of them."""
         rows = self.active
         idx = torch.tensor([[r.last] for r in rows], device=self.device)  # (n, 1)
-        pos = torch.tensor([[r.fed] for r in rows], device=self.device)  # (n, 1)
-        view, mask = self.cache.step_view()
+        view, starts = self.cache.step_view()
         with autocast(self.device, self.engine.precision), decode_threads(self.model, len(rows)):
             fast = stepper(self.model, self.device, self.engine.precision, len(rows))
             if fast is not None:  # numpy on the CPU (models/cpu_decode.py), the same logits
-                self.logits = fast.step(idx, view, pos, mask)[:, -1, :]
+                self.logits = fast.step(idx, view, starts)[:, -1, :]
             else:
-                self.logits = self.model(idx, kv_cache=view, pos=pos, attn_mask=mask, last_only=True)[:, -1, :]
+                self.logits = self.model(idx, kv_cache=view, starts=starts, last_only=True)[:, -1, :]
         self.cache.advance()
-        for r in rows:
-            r.fed += 1
         self.stats["steps"] += 1
         self.stats["step_rows"] += len(rows)
 
