@@ -56,8 +56,8 @@ def train_one(data: Path, out: Path, fim_rate: float, seed: int, steps: int) -> 
              "train.fim_rate": fim_rate, "train.seed": seed}
     cfg = resolve(quickstart.PRESETS, None, [], flags, vocab_from_data=True)
     meta = json.loads((data / "meta.json").read_text())
-    cfg.train = replace(cfg.train, eval_every=quickstart.eval_cadence(cfg, meta["splits"]["train"]["tokens"]))
-    resolve_auto(cfg)
+    cfg = replace(cfg, train=replace(cfg.train, eval_every=quickstart.eval_cadence(cfg, meta["splits"]["train"]["tokens"])))
+    cfg = resolve_auto(cfg)
     run_stage(cfg, resume=False)
     return out
 

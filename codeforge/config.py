@@ -75,7 +75,9 @@ def speaks_chat(saved: dict) -> bool:
 
 
 @dataclass
-class TrainConfig:
+class CommonTrain:
+    """The [train] settings every stage reads: data, run directory, batch, optimizer, schedule, budget,
+    evaluation, checkpoints, device and parallelism, logging."""
     stage: str = setting("pretrain", "training stage: packed text (pretrain, code) or chat conversations with "
                          "a loss mask (sft, tools); each stage has its seed's defaults (presets/stages.toml)",
                          choices=STAGES)
@@ -122,9 +124,6 @@ class TrainConfig:
                                range=(1, 10**12), zero_means="the whole split")
     sample_every: int = setting(0, "write a sample every N steps", range=(0, 10**9), zero_means="never")
     sample_tokens: int = setting(64, "tokens per sample", range=(1, 10**6))
-    syntax_cases: int = setting(8, "hrm stage: held-out functions planned, written and parsed at each evaluation "
-                                "(syntax-valid rate, avg iterations in metrics.jsonl)", range=(0, 10**6),
-                                zero_means="off")
     save_every: int = setting(500, "checkpoint every N steps (and at every evaluation that beats the best so far, "
                               "so the `best` checkpoint is the best evaluated weights)", range=(0, 10**9),
                               zero_means="only at the end and at improving evaluations")
@@ -161,19 +160,57 @@ class TrainConfig:
                                     choices=("auto", "on", "off"))
     dist_timeout: int = setting(600, "seconds a rank waits in a collective for the others before failing (a killed "
                                 "or stuck rank then ends the job instead of hanging it)", range=(5, 86400))
-    # > 0: fused chunked lm_head + cross-entropy (train/losses.py). Off by default: neutral on CPU (docs/LOG.md)
-    # and not yet measured on a GPU; it saves the (B*T, vocab) logits' memory.
+    max_bad_steps: int = setting(5, "stop after this many non-finite losses in a row", range=(1, 10**6))
+    init_from: str = setting("", "start from another run's weights (staged training); a run or checkpoint dir",
+                             metavar="RUN")
+    tensorboard: bool = setting(True, "write TensorBoard events")
+    wandb: bool = setting(False, "log to Weights & Biases")
+    wandb_project: str = setting("codeforge", "W&B project")
+    progress: bool = setting(True, "a progress bar on a terminal; off (or output not a terminal): a progress "
+                                       "line every log_every steps, at least once a minute")
+
+
+@dataclass
+class LMTrain:
+    """The language-model stages' own (pretrain, code, sft, tools): fill-in-the-middle, the fused loss, LoRA."""
     fim_rate: float = setting(0.0, "share of training documents reordered for fill-in-the-middle (prefix-suffix-"
                               "middle or suffix-prefix-middle; 0.5 in the pretrain and code stages)",
                               range=(0.0, 1.0))
     fim_spm_rate: float = setting(0.5, "of those, the share in suffix-prefix-middle order", range=(0.0, 1.0))
+    # fused chunked lm_head + cross-entropy (train/losses.py): off by default, neutral on a CPU (docs/LOG.md)
+    # and not yet measured on a GPU; it saves the (B*T, vocab) logits' memory
     loss_chunk_rows: int = setting(0, "fused chunked LM loss, rows per chunk", range=(0, 10**7), zero_means="off")
-    max_bad_steps: int = setting(5, "stop after this many non-finite losses in a row", range=(1, 10**6))
+    lora_rank: int = setting(0, "LoRA: train adapters of this rank on the blocks' linear layers, the --init-from "
+                                "weights frozen (models/lora.py, with PEFT); checkpoints hold the merged weights "
+                                "and the adapter alone", range=(1, 4096), zero_means="full fine-tuning")
+    lora_alpha: float = setting(16.0, "LoRA: the adapters' scale is alpha / rank", range=(0.0, 1e6), open_low=True)
+    lora_dropout: float = setting(0.0, "LoRA: dropout on the adapters' input", range=(0.0, 1.0))
+    lora_targets: str = setting("c_attn,c_fc,c_proj", "LoRA: the linear layers that get adapters, by name "
+                                "(comma-separated: c_attn is attention's q/k/v, c_proj both output projections, "
+                                "c_fc the MLP's input)")
+
+
+@dataclass
+class HRMTrain:
+    """The hierarchical model's stage's own (hrm)."""
+    syntax_cases: int = setting(8, "hrm stage: held-out functions planned, written and parsed at each evaluation "
+                                "(syntax-valid rate, avg iterations in metrics.jsonl)", range=(0, 10**6),
+                                zero_means="off")
+
+
+@dataclass
+class PrefsTrain:
+    """The preference stages' own (reward, dpo)."""
     beta: float = setting(0.1, "dpo: strength of the implicit KL to the reference model (Rafailov et al. 2023)",
                           range=(0.0, 100.0), open_low=True)
     dpo_sft: float = setting(0.0, "dpo: weight of the chosen answers' own language-model loss added to DPO's (RPO, "
                              "Pang et al. 2024; keeps their likelihood from sinking with the rejected)",
                              range=(0.0, 100.0))
+
+
+@dataclass
+class RLTrain:
+    """The reinforcement-learning stages' own (ppo, grpo): rollouts, rewards, the clipped objective."""
     kl_coef: float = setting(0.0, "ppo, grpo: weight of the KL penalty to the frozen reference (0.05 in ppo; "
                              "grpo leaves it off)", range=(0.0, 100.0))
     rewards: str = setting("auto", "ppo, grpo: where rewards come from: running the sample's code against the "
@@ -196,21 +233,16 @@ class TrainConfig:
     vf_coef: float = setting(0.5, "ppo: weight of the value head's loss", range=(0.0, 100.0))
     eval_tasks: int = setting(64, "ppo, grpo: held-out tasks solved (greedy) at each evaluation",
                               range=(0, 10**6), zero_means="all of them")
-    init_from: str = setting("", "start from another run's weights (staged training); a run or checkpoint dir",
-                             metavar="RUN")
-    lora_rank: int = setting(0, "LoRA: train adapters of this rank on the blocks' linear layers, the --init-from "
-                                "weights frozen (models/lora.py, with PEFT); checkpoints hold the merged weights "
-                                "and the adapter alone", range=(1, 4096), zero_means="full fine-tuning")
-    lora_alpha: float = setting(16.0, "LoRA: the adapters' scale is alpha / rank", range=(0.0, 1e6), open_low=True)
-    lora_dropout: float = setting(0.0, "LoRA: dropout on the adapters' input", range=(0.0, 1.0))
-    lora_targets: str = setting("c_attn,c_fc,c_proj", "LoRA: the linear layers that get adapters, by name "
-                                "(comma-separated: c_attn is attention's q/k/v, c_proj both output projections, "
-                                "c_fc the MLP's input)")
-    tensorboard: bool = setting(True, "write TensorBoard events")
-    wandb: bool = setting(False, "log to Weights & Biases")
-    wandb_project: str = setting("codeforge", "W&B project")
-    progress: bool = setting(True, "a progress bar on a terminal; off (or output not a terminal): a progress "
-                                       "line every log_every steps, at least once a minute")
+
+
+@dataclass
+class TrainConfig(RLTrain, PrefsTrain, HRMTrain, LMTrain, CommonTrain):
+    """Every [train] setting: the common section plus one per stage kind (SECTION_OF_KIND), each field declared
+    once, in its section. config.toml keeps them in one flat [train] table, so a saved run loads as it did."""
+
+
+# the section of settings each kind of stage adds to the common one (config.STAGE_TABLE's `kind`)
+SECTION_OF_KIND = {"lm": LMTrain, "hrm": HRMTrain, "prefs": PrefsTrain, "rl": RLTrain}
 
 
 def _model_fields() -> type:
@@ -236,8 +268,11 @@ FLAG_OF = {"learning_rate": "--learning-rate", "batch_size": "--batch-size", "vo
 SECTIONS = {"model": _model_fields(), "train": TrainConfig}
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunConfig:
+    """A run's whole configuration. Frozen: a step that changes it (the vocabulary from the tokenizer, the
+    accumulation a resume chose) returns a new one with dataclasses.replace, so what a stage trains with is
+    what it was handed last, never a value a helper changed behind it."""
     model: GPTConfig = field(default_factory=GPTConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 

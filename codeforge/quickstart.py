@@ -266,8 +266,8 @@ def pretrain_config(data_dir: Path, run_dir: Path, meta: dict, steps: int, budge
     # recipe still the hardware profile's
     presets = [p for p in PRESETS if p != MODEL_PRESET] if "train.init_from" in flags else PRESETS
     cfg = resolve(presets, None, [], flags, vocab_from_data=True)
-    cfg.train = replace(cfg.train, eval_every=eval_cadence(cfg, meta["splits"]["train"]["tokens"]))
-    resolve_auto(cfg)  # the same global batch over one-thread processes: they keep their pace on shared cores
+    cfg = replace(cfg, train=replace(cfg.train, eval_every=eval_cadence(cfg, meta["splits"]["train"]["tokens"])))
+    cfg = resolve_auto(cfg)  # the same global batch over one-thread processes: they keep their pace on shared cores
     return cfg
 
 

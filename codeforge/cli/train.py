@@ -141,12 +141,12 @@ def cmd_plan(a: argparse.Namespace) -> int:
         from ..stages.common import round_up
         from ..tokenizer import CodeTokenizer
         tok = CodeTokenizer.load(os.path.join(cfg.train.data, "tokenizer"))
-        cfg.model = replace(cfg.model, vocab_size=round_up(tok.vocab_size, 64))
+        cfg = replace(cfg, model=replace(cfg.model, vocab_size=round_up(tok.vocab_size, 64)))
     gpu = a.gpu_memory * 2**30 if a.gpu_memory else (
         torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None)
     from ..device import cpu_native_bf16
     from ..stages.local import resolve_auto
-    resolve_auto(cfg)  # --local-ranks 0 (the lowend-cpu profile's): the processes and batch this machine gets
+    cfg = resolve_auto(cfg)  # --local-ranks 0 (the lowend-cpu profile's): the processes and batch this machine gets
     t = cfg.train
     on_cpu = t.device == "cpu" or not gpu
     precision = t.precision if t.precision not in ("auto", "fastest") else (

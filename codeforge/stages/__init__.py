@@ -19,7 +19,7 @@ KINDS = {"lm": lm, "hrm": hrm, "prefs": prefs, "rl": rl}
 
 
 def run(cfg: RunConfig, resume: bool = False, log=print) -> dict:
-    local.resolve_auto(cfg)
+    cfg = local.resolve_auto(cfg)
     body = KINDS[STAGE[cfg.train.stage].kind].run
     if local.launches(cfg):
         return local.run_local(cfg, resume, log, body)

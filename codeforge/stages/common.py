@@ -3,11 +3,13 @@ straight down (data -> model -> loss and evaluation -> Trainer).
 
     launch(cfg, log)              device and precision (said once), the process group under torchrun, a `say`
                                   only rank 0 speaks through, and what the run holds (the run lock)
-    begin(...)                    vocabulary from the tokenizer, validation, the run lock, the run's recorded
-                                  configuration, and the checkpoint a --resume continues (checked, and the
-                                  accumulation kept or refused on another number of ranks)
+    vocabulary(cfg, ...)          cfg with the vocabulary from the tokenizer (a new config: nothing is changed in place)
+    begin(run, cfg, ...)          validation, the run lock, the run's recorded configuration, and the checkpoint a
+                                  --resume continues (checked, and the accumulation kept or refused on another
+                                  number of ranks): a frozen Began (cfg, record, start)
     init_from(...)                --init-from: the starting weights, checked against this model
     budget(...)                   the number of optimizer steps: max_iters, else max_tokens, else epochs
+    train(run, began, ...)        the one Trainer, handed the run and begin's result, run to the end
 
 What a stage is (chat or not, FSDP or not, its data, what a change of ranks does) is config.py's stage table.
 """
@@ -32,6 +34,7 @@ from ..evaluation.lm import sized_eval_tokens
 from ..models import build_model, lora
 from ..tokenizer import CodeTokenizer
 from ..train.resume import check_resume
+from ..train.trainer import Trainer
 
 
 def round_up(n: int, k: int) -> int:
@@ -84,15 +87,17 @@ def check_init_from(init_from: str) -> None:
                           f"train --out`) or one of its checkpoints")
 
 
-def vocabulary(cfg: RunConfig, tok: CodeTokenizer, source: str) -> None:
-    """model.vocab_size from the tokenizer when it is 0 (padded to a multiple of 64 for fast matmuls); a
-    set one smaller than the tokenizer's vocabulary is refused. source: where the tokenizer came from."""
+def vocabulary(cfg: RunConfig, tok: CodeTokenizer, source: str) -> RunConfig:
+    """cfg with model.vocab_size from the tokenizer when it is 0 (padded to a multiple of 64 for fast
+    matmuls); a set one smaller than the tokenizer's vocabulary is refused. source: where the tokenizer came
+    from."""
     m = cfg.model
     if m.vocab_size == 0:
-        cfg.model = replace(m, vocab_size=round_up(tok.vocab_size, 64))
-    elif m.vocab_size < tok.vocab_size:
+        return replace(cfg, model=replace(m, vocab_size=round_up(tok.vocab_size, 64)))
+    if m.vocab_size < tok.vocab_size:
         raise ConfigError(f"model.vocab_size = {m.vocab_size} is smaller than the tokenizer's vocabulary "
                           f"({tok.vocab_size}); drop --vocab-size to take it from the {source}")
+    return cfg
 
 
 def resume_point(run_dir: Path, resume: bool, model_dict: dict, tok_hash: str, data, run_config: dict, say,
@@ -121,12 +126,22 @@ def resume_point(run_dir: Path, resume: bool, model_dict: dict, tok_hash: str, d
     return start, accum
 
 
-def begin(run: Run, resume: bool, tok: CodeTokenizer, data_identity: dict, **record) -> tuple[dict, Path | None]:
-    """The run's start after its data is read: validate the configuration, take the run lock (rank 0 holds it
-    for all ranks), the configuration recorded with every checkpoint (plus `record`: "chat" for the stages
-    that continue a run), and the checkpoint --resume continues, if any. On a resume on another number of
-    ranks the accumulation the resume policy chose becomes the run's. Returns (run_config, checkpoint)."""
-    cfg = run.cfg
+@dataclass(frozen=True)
+class Began:
+    """What begin() hands a stage's body: the configuration the run trains with (a new RunConfig, never the
+    one it was given changed), the configuration recorded with every checkpoint, and the checkpoint --resume
+    continues (None: a fresh start)."""
+    cfg: RunConfig
+    record: dict
+    start: Path | None
+
+
+def begin(run: Run, cfg: RunConfig, resume: bool, tok: CodeTokenizer, data_identity: dict, **record) -> Began:
+    """The run's start after its data is read: validate `cfg` (the run's, as the stage derived it: the
+    vocabulary from the tokenizer, a reward model's head), take the run lock (rank 0 holds it for all ranks),
+    the configuration recorded with every checkpoint (plus `record`: "chat" for the stages that continue a
+    run), and the checkpoint --resume continues, if any. On a resume on another number of ranks the
+    accumulation the resume policy chose becomes the run's."""
     cfg.validate()
     if run.rank == 0:
         run.held.enter_context(rundir.run_lock(run.dir))
@@ -135,9 +150,9 @@ def begin(run: Run, resume: bool, tok: CodeTokenizer, data_identity: dict, **rec
     start, accum = resume_point(run.dir, resume, cfg.model.to_dict(), tok.hash, cfg.train.data, run_config, run.say,
                                 STAGE[cfg.train.stage].other_ranks)
     if accum != cfg.train.grad_accum_steps:  # resumed on another number of ranks: the global batch is kept
-        cfg.train = replace(cfg.train, grad_accum_steps=accum)
+        cfg = replace(cfg, train=replace(cfg.train, grad_accum_steps=accum))
         run_config["train"]["grad_accum_steps"] = accum
-    return run_config, start
+    return Began(cfg, run_config, start)
 
 
 def built(cfg: RunConfig, on_meta: bool = False) -> torch.nn.Module:
@@ -209,6 +224,19 @@ def adapters(run: Run, model: torch.nn.Module, run_config: dict, start_ckpt: Pat
             f"parameters of {total:,} ({trainable / total:.2%}); the starting weights are frozen")
 
 
+def train(run: Run, began: Began, model: torch.nn.Module, batches, loss_fn, *, total_steps: int,
+          tokens_per_step: int, tok: CodeTokenizer, **parts) -> dict:
+    """The one Trainer over a stage's parts, handed the run (device, precision, ranks, the run directory, who
+    speaks) and begin's result (the config it trains with, the record saved with checkpoints, the resume
+    point); `parts`: the Trainer's optional ones (evaluate, sample, aux, mode). Returns Trainer.run()'s
+    summary."""
+    trainer = Trainer(model, batches, loss_fn, began.cfg.train, run.dir, device=run.device, precision=run.precision,
+                      total_steps=total_steps, tokens_per_step=tokens_per_step, run_config=began.record,
+                      assets={"tokenizer": tok.path}, start_checkpoint=began.start, rank=run.rank,
+                      world=run.world, log=run.say, **parts)
+    return trainer.run()
+
+
 def budget(cfg: RunConfig, tokens_per_step: int, epoch_steps: int) -> int:
     """Optimizer steps of the run: train.max_iters when set, else train.max_tokens over the tokens a step
     reads, else `epoch_steps` (the stage's steps for train.epochs, 1 by default, of its data)."""
@@ -220,19 +248,21 @@ def budget(cfg: RunConfig, tokens_per_step: int, epoch_steps: int) -> int:
     return epoch_steps
 
 
-def sized_evaluation(cfg: RunConfig, run_config: dict, tokens_per_step: int, total: int, say) -> None:
-    """Fewer validation tokens for a run too short to pay for --eval-tokens (evaluation/lm.py's rule), said,
-    set in cfg.train and saved in the run's config (so `codeforge eval` scores the same)."""
-    t = cfg.train
+def sized_evaluation(began: Began, tokens_per_step: int, total: int, say) -> Began:
+    """Fewer validation tokens for a run too short to pay for --eval-tokens (evaluation/lm.py's rule): said,
+    and returned in a new Began whose config and record (saved with the run, so `codeforge eval` scores the
+    same) carry the count."""
+    t = began.cfg.train
     evaluations = (total // t.eval_every if t.eval_every else 0) + 1
     sized = sized_eval_tokens(t.eval_tokens, tokens_per_step * total, evaluations)
     if sized != t.eval_tokens:
         say(f"evaluation: up to {sized:,} validation tokens each (of --eval-tokens {t.eval_tokens:,}): a run of "
             f"{total} steps x {tokens_per_step:,} tokens with {evaluations} evaluation(s) scores an eighth of what "
             f"it trains on; saved as eval_tokens in config.toml")
-        cfg.train = replace(t, eval_tokens=sized)
-        run_config["train"]["eval_tokens"] = sized
-        run_config["eval_tokens_asked"] = t.eval_tokens  # what --resume compares a re-run's --eval-tokens with
+        record = {**began.record, "train": {**began.record["train"], "eval_tokens": sized},
+                  "eval_tokens_asked": t.eval_tokens}  # what --resume compares a re-run's --eval-tokens with
+        return Began(replace(began.cfg, train=replace(t, eval_tokens=sized)), record, began.start)
+    return began
 
 
 # -- the stages that continue a trained run (preference and RL) ---------------------------------------

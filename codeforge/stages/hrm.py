@@ -16,8 +16,7 @@ from ..data.hrm_batches import HRMBatches, LabelCache, PlanData
 from ..evaluation.hrm import PARTS, evaluate_hrm, hrm_generation_eval
 from ..tokenizer import CodeTokenizer, token_byte_lengths
 from ..train.resume import jsonl_identity
-from ..train.trainer import Trainer
-from .common import Run, begin, budget, built, init_from, launch, sized_evaluation, vocabulary
+from .common import Run, begin, budget, built, init_from, launch, sized_evaluation, train, vocabulary
 
 
 def hrm_loss_fn(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, dict]:
@@ -51,12 +50,11 @@ def run(cfg: RunConfig, resume: bool = False, log=print) -> dict:
 
 
 def _train(run: Run, resume: bool) -> dict:
-    cfg, say, device, precision, rank, world = run.cfg, run.say, run.device, run.precision, run.rank, run.world
-    t = cfg.train
+    say, device, precision, rank, world = run.say, run.device, run.precision, run.rank, run.world
+    t = run.cfg.train
     # -- tokenizer and data ---------------------------------------------------------------------------------
-    tok = CodeTokenizer.load(tokenizer_dir(cfg))
-    vocabulary(cfg, tok, "tokenizer")
-    cfg.validate()
+    tok = CodeTokenizer.load(tokenizer_dir(run.cfg))
+    cfg = vocabulary(run.cfg, tok, "tokenizer").validate()
     train_data = PlanData(t.data, "train", tok)
     val_data = PlanData(t.data, "val", tok) if (Path(t.data) / "val.jsonl").exists() else None
     for d in (train_data, val_data):
@@ -68,7 +66,8 @@ def _train(run: Run, resume: bool) -> dict:
         say(f"note: {t.data} has no validation records: no evaluation and no 'best' checkpoint")
 
     # -- the start: lock, recorded config, resume point ------------------------------------------------------
-    run_config, start_ckpt = begin(run, resume, tok, jsonl_identity(t.data, tok.hash))
+    began = begin(run, cfg, resume, tok, jsonl_identity(t.data, tok.hash))
+    cfg, start_ckpt = began.cfg, began.start
     t, m = cfg.train, cfg.model
 
     # -- model ----------------------------------------------------------------------------------------------
@@ -95,8 +94,8 @@ def _train(run: Run, resume: bool) -> dict:
     total = budget(cfg, tokens_per_step, max(1, math.ceil((t.epochs or 1.0) * batches.per_epoch / t.grad_accum_steps)))
 
     # -- evaluation and samples -----------------------------------------------------------------------------
-    sized_evaluation(cfg, run_config, tokens_per_step, total, say)  # a short run scores fewer tokens
-    t = cfg.train
+    began = sized_evaluation(began, tokens_per_step, total, say)  # a short run scores fewer tokens
+    t = began.cfg.train
     token_bytes = token_byte_lengths(tok, m.vocab_size).to(device)
     val_batches = (HRMBatches(val_data, tok, min(t.batch_size, len(val_data)), m.plan_len, m.code_len, seed=t.seed,
                               shuffle=False, device=device, labels=labels) if val_data is not None else None)
@@ -116,11 +115,8 @@ def _train(run: Run, resume: bool) -> dict:
         return sample_hrm(mdl, tok, val_data or train_data, step, t.sample_tokens)
 
     # -- train ----------------------------------------------------------------------------------------------
-    trainer = Trainer(model, batches, hrm_loss_fn, t, run.dir, device=device, precision=precision,
-                      total_steps=total, tokens_per_step=tokens_per_step, run_config=run_config,
-                      assets={"tokenizer": tok.path}, evaluate=evaluate, sample=sample,
-                      start_checkpoint=start_ckpt, rank=rank, world=world, log=say)
-    return trainer.run()
+    return train(run, began, model, batches, hrm_loss_fn, total_steps=total, tokens_per_step=tokens_per_step,
+                 tok=tok, evaluate=evaluate, sample=sample)
 
 
 def sample_hrm(model, tok: CodeTokenizer, data: PlanData, step: int, max_tokens: int = 64) -> str:

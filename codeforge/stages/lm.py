@@ -23,9 +23,8 @@ from ..tokenizer import CodeTokenizer, token_byte_lengths
 from ..train import parallel
 from ..train.losses import lm_loss_fn
 from ..train.memory import estimate
-from ..train.trainer import Trainer
 from .common import (Run, adapters, begin, budget, built, check_init_from, init_from, launch, sized_evaluation,
-                     vocabulary)
+                     train, vocabulary)
 
 
 def run(cfg: RunConfig, resume: bool = False, log=print) -> dict:
@@ -41,8 +40,8 @@ def run(cfg: RunConfig, resume: bool = False, log=print) -> dict:
 
 
 def _train(run: Run, resume: bool, sampler: Callable[..., str]) -> dict:
-    cfg, say, device, precision, rank, world = run.cfg, run.say, run.device, run.precision, run.rank, run.world
-    t = cfg.train
+    say, device, precision, rank, world = run.say, run.device, run.precision, run.rank, run.world
+    t = run.cfg.train
     chat_stage = STAGE[t.stage].chat == "yes"
     # -- data and tokenizer -------------------------------------------------------------------------------
     train_set = ShardSet(t.data, "train")
@@ -57,10 +56,10 @@ def _train(run: Run, resume: bool, sampler: Callable[..., str]) -> dict:
             f"--val-fraction > 0 for them)")
     tok = CodeTokenizer.load(Path(t.data) / "tokenizer")
     train_set.check_tokenizer(tok.hash, "the tokenizer copied beside it")
-    vocabulary(cfg, tok, "data")
 
-    # -- the start: lock, recorded config, resume point ------------------------------------------------------
-    run_config, start_ckpt = begin(run, resume, tok, data_identity(t.data))
+    # -- the start: lock, recorded config, resume point (from here on the run's config is began.cfg) -------
+    began = begin(run, vocabulary(run.cfg, tok, "data"), resume, tok, data_identity(t.data))
+    cfg, start_ckpt = began.cfg, began.start
     t, m = cfg.train, cfg.model
     if rank == 0 and (start_ckpt is None or not (run.dir / rundir.TRAINED).exists()):
         # the documents this run trains on (and its --init-from run did), so a later score can be checked
@@ -79,9 +78,9 @@ def _train(run: Run, resume: bool, sampler: Callable[..., str]) -> dict:
     model = built(cfg, on_meta=not own)  # on the host: the trainer's parallel.wrap places it (FSDP: shard by shard)
     model.grad_checkpointing = t.grad_checkpointing
     model.loss_chunk_rows = t.loss_chunk_rows
-    began = init_from(run, model, tok, load=own) if t.init_from and start_ckpt is None else None
+    loaded = init_from(run, model, tok, load=own) if t.init_from and start_ckpt is None else None
     if t.lora_rank:
-        adapters(run, model, run_config, start_ckpt, began, mode[0])
+        adapters(run, model, began.record, start_ckpt, loaded, mode[0])
     if chat_stage and not t.init_from and start_ckpt is None:
         say(f"note: --stage {t.stage} without --init-from trains a chat model from random weights; pass "
             f"--init-from PRETRAINED_RUN to fine-tune one")
@@ -104,8 +103,8 @@ def _train(run: Run, resume: bool, sampler: Callable[..., str]) -> dict:
     say(passes_note(total, tokens_per_step, train_set.tokens, bool(t.time_budget)))
 
     # -- evaluation and samples -----------------------------------------------------------------------------
-    sized_evaluation(cfg, run_config, tokens_per_step, total, say)  # a short run scores fewer tokens
-    t = cfg.train
+    began = sized_evaluation(began, tokens_per_step, total, say)  # a short run scores fewer tokens
+    t = began.cfg.train
     token_bytes = token_byte_lengths(tok, m.vocab_size)
     warned = []
 
@@ -122,12 +121,9 @@ def _train(run: Run, resume: bool, sampler: Callable[..., str]) -> dict:
             return None
 
     # -- train ----------------------------------------------------------------------------------------------
-    trainer = Trainer(model, batches, lm_loss_fn, t, run.dir, device=device, precision=precision,
-                      total_steps=total, tokens_per_step=tokens_per_step,
-                      run_config=run_config, assets={"tokenizer": tok.path},
-                      evaluate=evaluate, sample=lambda mdl, step: sampler(mdl, tok, device, precision, step, t.sample_tokens),
-                      start_checkpoint=start_ckpt, rank=rank, world=world, log=say, mode=mode)
-    return trainer.run()
+    return train(run, began, model, batches, lm_loss_fn, total_steps=total, tokens_per_step=tokens_per_step, tok=tok,
+                 evaluate=evaluate, mode=mode,
+                 sample=lambda mdl, step: sampler(mdl, tok, device, precision, step, t.sample_tokens))
 
 
 MANY_PASSES = 4  # beyond ~4 passes, repeated data is worth much less than new (Muennighoff et al. 2023), and a

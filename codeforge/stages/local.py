@@ -91,14 +91,14 @@ def auto_ranks(cfg: RunConfig, most: int = 4) -> int:
     return n
 
 
-def resolve_auto(cfg: RunConfig) -> None:
-    """--local-ranks 0 (auto, the lowend-cpu profile's): as many ranks as auto_ranks chooses, each with its
-    share of --batch-size (the global batch), set in cfg before anything reads them."""
+def resolve_auto(cfg: RunConfig) -> RunConfig:
+    """--local-ranks 0 (auto, the lowend-cpu profile's): cfg with as many ranks as auto_ranks chooses, each with
+    its share of --batch-size (the global batch); cfg itself when the ranks are given."""
     t = cfg.train
     if t.local_ranks != 0:
-        return
+        return cfg
     n = 1 if distributed_env()[1] > 1 or os.environ.get(STARTED_ENV) else auto_ranks(cfg)
-    cfg.train = replace(t, local_ranks=n, batch_size=t.batch_size // n)
+    return replace(cfg, train=replace(t, local_ranks=n, batch_size=t.batch_size // n))
 
 
 def _on_gpu(cfg: RunConfig) -> bool:

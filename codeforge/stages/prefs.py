@@ -1,22 +1,23 @@
 """Preference stages, from a trained (SFT) run: `reward` (a scalar head, Bradley-Terry loss: the reward
 model of the staged pipeline's RLHF step) and `dpo` (Rafailov et al. 2023, against a frozen copy of the
 starting model). Both read pairs (data/pairs.py: `codeforge make-pairs`, or JSONL of your own) through one
-batch source and hand the common Trainer a loss."""
+batch source and hand the common Trainer a loss; what differs between them is a row of VARIANTS."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from ..config import ConfigError, RunConfig, speaks_chat
+from ..config import PAIR_STAGES, ConfigError, RunConfig, speaks_chat
 from ..data.pairs import PairBatches, PairData, load_pair_rows
 from ..device import autocast
 from ..models.reward import RewardConfig
 from ..train import losses
 from ..train.resume import jsonl_identity
-from ..train.trainer import Trainer
-from .common import Run, begin, budget, built, frozen_copy, init_from, launch, start_point
+from .common import Run, begin, budget, built, frozen_copy, init_from, launch, start_point, train
 
 
 # -- losses and evaluation --------------------------------------------------------------------------------
@@ -78,6 +79,33 @@ def pair_eval(loss_fn, model, data: PairData | None, batch_size: int, pad_id: in
             "message": f"held-out loss {r['loss']:.4f}{acc} over {n} pairs{tied}"}
 
 
+# -- the stage table: one row per preference stage ------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PrefVariant:
+    """What a preference stage is, beside the pairs every one of them reads. A new preference loss (ORPO,
+    KTO) is a loss function and a row here, plus its row in config.py's STAGE_TABLE (kind "prefs")."""
+    loss: Callable  # (fwd, model, ref, train settings, batch) -> (loss, metrics); ref is None without a reference
+    reference: bool  # a frozen copy of the starting model is kept beside the trained one
+    model: Callable[[dict], object] | None  # the trained model's config from the starting GPT's (None: the GPT)
+    new_ok: tuple[str, ...]  # parameters the starting checkpoint lacks (a new head)
+    why: str  # said after "initialised weights from ..."
+    extra_token: int  # the pairs' length limit past the context (dpo scores the target after the last position)
+    settings: Callable[[object], str]  # the stage's own settings, said with the plan
+
+
+VARIANTS = {
+    "reward": PrefVariant(loss=lambda fwd, model, ref, t, b: reward_loss(fwd, model, b), reference=False,
+                          model=RewardConfig.from_gpt, new_ok=("score.",), why=" (a new scalar head)",
+                          extra_token=0, settings=lambda t: ""),
+    "dpo": PrefVariant(loss=lambda fwd, model, ref, t, b: dpo_loss(fwd, ref, t.beta, t.dpo_sft, b), reference=True,
+                       model=None, new_ok=(), why="", extra_token=1, settings=lambda t: f", beta {t.beta}"),
+}
+if set(VARIANTS) != set(PAIR_STAGES):  # a stage of kind "prefs" without its row here would train nothing known
+    raise ImportError(f"stages/prefs.py has rows for {sorted(VARIANTS)}, config.py's prefs stages are "
+                      f"{sorted(PAIR_STAGES)}")
+
+
 # -- the stages --------------------------------------------------------------------------------------------
 
 def run(cfg: RunConfig, resume: bool = False, log=print) -> dict:
@@ -93,54 +121,45 @@ def run(cfg: RunConfig, resume: bool = False, log=print) -> dict:
 
 
 def _train(run: Run, resume: bool) -> dict:
-    cfg, say, device, precision, rank, world = run.cfg, run.say, run.device, run.precision, run.rank, run.world
-    t = cfg.train
+    say, device, precision, rank, world = run.say, run.device, run.precision, run.rank, run.world
+    t = run.cfg.train
+    variant = VARIANTS[t.stage]
     # -- the starting point and the pairs -------------------------------------------------------------------
-    tok, init_ck, saved = start_point(cfg, say)
-    if t.stage == "reward":
-        cfg.model = RewardConfig.from_gpt(cfg.model.to_dict())
-    m = cfg.model
-    cfg.validate()
+    tok, init_ck, saved = start_point(run.cfg, say)
+    cfg = run.cfg if variant.model is None else replace(run.cfg, model=variant.model(run.cfg.model.to_dict()))
+    m = cfg.validate().model
     train_rows, held_rows = load_pair_rows(t.data, say)
-    limit = m.block_size + (t.stage == "dpo")
-    train = PairData(train_rows, tok, limit)
+    limit = m.block_size + variant.extra_token
+    train_pairs = PairData(train_rows, tok, limit)
     val = PairData(held_rows, tok, limit) if held_rows else None
-    for name, d in (("training", train), ("held-out", val)):
+    for name, d in (("training", train_pairs), ("held-out", val)):
         if d is not None and (d.dropped or d.cut or d.same):
             say(f"{name} pairs: {d.dropped} dropped (the prompt fills the context of {m.block_size}), {d.same} "
                 f"dropped (the sides differ only past it), {d.cut} cut at it")
 
     # -- the start: lock, recorded config, resume point ------------------------------------------------------
-    run_config, start_ckpt = begin(run, resume, tok, jsonl_identity(t.data, tok.hash), chat=speaks_chat(saved))
-    t = cfg.train
+    began = begin(run, cfg, resume, tok, jsonl_identity(t.data, tok.hash), chat=speaks_chat(saved))
+    t = began.cfg.train
 
     # -- model ----------------------------------------------------------------------------------------------
-    model = built(cfg).to(device)
+    model = built(began.cfg).to(device)
     model.grad_checkpointing = t.grad_checkpointing
-    if start_ckpt is None:
-        init_from(run, model, tok, ck=init_ck, arch="gpt", new_ok=("score.",) if t.stage == "reward" else (),
-                  why=" (a new scalar head)" if t.stage == "reward" else "")
+    if began.start is None:
+        init_from(run, model, tok, ck=init_ck, arch="gpt", new_ok=variant.new_ok, why=variant.why)
 
     # -- batches, loss and budget ---------------------------------------------------------------------------
     pad = tok.special_ids.get("<pad>", 0)
-    batches = PairBatches(train, t.batch_size, pad, t.seed, device, rank, world)
-    if t.stage == "reward":
-        def loss_fn(fwd, b):
-            return reward_loss(fwd, model, b)
-    else:
-        ref = frozen_copy(m, init_ck, device)
+    batches = PairBatches(train_pairs, t.batch_size, pad, t.seed, device, rank, world)
+    ref = frozen_copy(m, init_ck, device) if variant.reference else None
 
-        def loss_fn(fwd, b):
-            return dpo_loss(fwd, ref, t.beta, t.dpo_sft, b)
+    def loss_fn(fwd, b):
+        return variant.loss(fwd, model, ref, t, b)
     tokens_per_step = 2 * t.batch_size * m.block_size * t.grad_accum_steps * world
-    total = budget(cfg, tokens_per_step, max(1, round((t.epochs or 1.0) * batches.per_epoch / t.grad_accum_steps)))
-    say(f"{t.stage}: {len(train)} training pairs ({batches.per_epoch} batches an epoch), "
-        f"{len(val) if val else 0} held out; {total} steps"
-        + (f", beta {t.beta}" if t.stage == "dpo" else ""))
+    total = budget(began.cfg, tokens_per_step,
+                   max(1, round((t.epochs or 1.0) * batches.per_epoch / t.grad_accum_steps)))
+    say(f"{t.stage}: {len(train_pairs)} training pairs ({batches.per_epoch} batches an epoch), "
+        f"{len(val) if val else 0} held out; {total} steps{variant.settings(t)}")
 
     # -- train ----------------------------------------------------------------------------------------------
-    trainer = Trainer(model, batches, loss_fn, t, run.dir, device=device, precision=precision, total_steps=total,
-                      tokens_per_step=tokens_per_step, run_config=run_config, assets={"tokenizer": tok.path},
-                      evaluate=lambda mdl: pair_eval(loss_fn, mdl, val, t.batch_size, pad, device, precision),
-                      start_checkpoint=start_ckpt, rank=rank, world=world, log=say)
-    return trainer.run()
+    return train(run, began, model, batches, loss_fn, total_steps=total, tokens_per_step=tokens_per_step, tok=tok,
+                 evaluate=lambda mdl: pair_eval(loss_fn, mdl, val, t.batch_size, pad, device, precision))

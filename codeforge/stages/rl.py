@@ -26,6 +26,8 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,15 +35,14 @@ import torch.nn.functional as F
 
 from .. import rundir
 from .. import checkpoint as ckpt_io
-from ..config import ConfigError, RunConfig, speaks_chat
+from ..config import RL_STAGES, ConfigError, RunConfig, speaks_chat
 from ..device import autocast
 from ..evaluation.tasks import sample_tasks, task_eval
 from ..tasks.code_tasks import (HELDOUT_NAMES, TaskError, end_id, execution_rewards, load_tasks, split_tests, task_prompt_ids,
                                 validate_tasks)
 from ..train import losses
 from ..train.resume import jsonl_identity
-from ..train.trainer import Trainer
-from .common import Run, begin, budget, built, frozen_copy, init_from, launch, start_point
+from .common import Run, begin, budget, built, frozen_copy, init_from, launch, start_point, train
 
 
 MISSING_END_PENALTY = 1.0  # the reward-model score of a sample that never wrote its end token
@@ -100,10 +101,10 @@ class ValueHead(torch.nn.Module):
 class Rollouts:
     """The batch source of the RL stages (see the module docstring)."""
 
-    def __init__(self, stage: str, policy, tok, tasks: list[dict], t, device, precision: str, chat: bool,
-                 ref=None, reward_model=None, value_head=None, run_dir: Path | None = None, rank: int = 0,
+    def __init__(self, variant: "PolicyVariant", policy, tok, tasks: list[dict], t, device, precision: str,
+                 chat: bool, ref=None, reward_model=None, value_head=None, run_dir: Path | None = None, rank: int = 0,
                  world: int = 1):
-        self.stage, self.policy, self.tok, self.tasks, self.t = stage, policy, tok, tasks, t
+        self.variant, self.policy, self.tok, self.tasks, self.t = variant, policy, tok, tasks, t
         self.device, self.precision, self.chat = device, precision, chat
         self.ref, self.rm, self.value = ref, reward_model, value_head
         self.log_file = run_dir / rundir.ROLLOUTS if run_dir is not None and rank == 0 else None
@@ -177,21 +178,7 @@ class Rollouts:
         buf = {"x": x, "targets": tg, "old_logp": old_logp}
         if ref_logp is not None:
             buf["ref_logp"] = ref_logp
-        if self.stage == "grpo":
-            buf["advantages"] = losses.group_advantages(score, G)
-        else:  # ppo: KL penalty per token, the score at the last response token, GAE over the value head
-            values = self.value(h) * mask
-            rewards = torch.zeros_like(old_logp)
-            if ref_logp is not None and t.kl_coef:
-                rewards -= t.kl_coef * (old_logp - ref_logp) * mask
-            has = lengths > 0
-            rows = torch.arange(len(seqs), device=self.device)[has]
-            rewards[rows, self._last_positions(mask)[has]] += score[has]
-            adv, ret = losses.gae(rewards, values, mask, t.gae_gamma, t.gae_lambda)
-            n = mask.sum().clamp(min=1)  # whiten the advantages over the rollout's tokens
-            mean = (adv * mask).sum() / n
-            std = (((adv - mean) ** 2 * mask).sum() / n).sqrt()
-            buf.update(advantages=(adv - mean) / (std + 1e-6) * mask, returns=ret, old_values=values)
+        buf.update(self.variant.advantages(self, h, score, mask, lengths, old_logp, ref_logp))
         outcomes: dict[str, int] = {}
         for r in exec_res or []:
             outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
@@ -211,12 +198,6 @@ class Rollouts:
                                     "outcomes": outcomes}) + "\n")
         buf["stats"] = stats
         return buf
-
-    @staticmethod
-    def _last_positions(mask: torch.Tensor) -> torch.Tensor:
-        """Each row's last response position (0 for an empty response, which is masked anyway)."""
-        idx = torch.arange(mask.size(1), device=mask.device).expand_as(mask)
-        return torch.where(mask, idx, torch.zeros_like(idx)).max(1).values
 
     # -- the batch source --------------------------------------------------------------------------------------
     def __next__(self) -> dict:
@@ -247,23 +228,80 @@ class Rollouts:
         self.buf = None if b is None else {k: (v.to(self.device) if torch.is_tensor(v) else v) for k, v in b.items()}
 
 
-def policy_loss(stage: str, t, value_head, fwd, lm_weight_of, b: dict) -> tuple[torch.Tensor, dict]:
-    """The clipped surrogate on a micro-batch of a rollout; ppo adds the value head's loss, grpo the k3 KL to
-    the reference when kl_coef > 0. Metrics: the rollout's statistics and the loss's own."""
+def last_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Each row's last response position (0 for an empty response, which is masked anyway)."""
+    idx = torch.arange(mask.size(1), device=mask.device).expand_as(mask)
+    return torch.where(mask, idx, torch.zeros_like(idx)).max(1).values
+
+
+# -- what differs between the RL stages: advantages and the loss's extra term -----------------------------------
+
+def group_advantages(ro: Rollouts, h, score, mask, lengths, old_logp, ref_logp) -> dict:
+    """GRPO: each sample's score against its group's (no value model)."""
+    return {"advantages": losses.group_advantages(score, ro.t.group_size)}
+
+
+def gae_advantages(ro: Rollouts, h, score, mask, lengths, old_logp, ref_logp) -> dict:
+    """PPO: a KL penalty per token, the score at the last response token, GAE over the value head, the
+    advantages whitened over the rollout's tokens."""
+    t = ro.t
+    values = ro.value(h) * mask
+    rewards = torch.zeros_like(old_logp)
+    if ref_logp is not None and t.kl_coef:
+        rewards -= t.kl_coef * (old_logp - ref_logp) * mask
+    has = lengths > 0
+    rows = torch.arange(len(score), device=score.device)[has]
+    rewards[rows, last_positions(mask)[has]] += score[has]
+    adv, ret = losses.gae(rewards, values, mask, t.gae_gamma, t.gae_lambda)
+    n = mask.sum().clamp(min=1)
+    mean = (adv * mask).sum() / n
+    std = (((adv - mean) ** 2 * mask).sum() / n).sqrt()
+    return {"advantages": (adv - mean) / (std + 1e-6) * mask, "returns": ret, "old_values": values}
+
+
+def value_term(t, value_head, h, logp, mask, b: dict) -> tuple[torch.Tensor | None, dict]:
+    """PPO: the value head's clipped loss, weighted by vf_coef."""
+    vl = losses.clipped_value_loss(value_head(h), b["old_values"], b["returns"], mask, t.clip_eps)
+    return t.vf_coef * vl, {"value_loss": vl.detach()}
+
+
+def kl_term(t, value_head, h, logp, mask, b: dict) -> tuple[torch.Tensor | None, dict]:
+    """GRPO: the k3 KL to the reference, when kl_coef > 0 (the reward holds no KL here)."""
+    if not (t.kl_coef and "ref_logp" in b):
+        return None, {}
+    kl = losses.masked_mean(losses.kl_k3(logp, b["ref_logp"]), mask)
+    return t.kl_coef * kl, {"kl_k3": kl.detach()}
+
+
+@dataclass(frozen=True)
+class PolicyVariant:
+    """What an RL stage is beside the rollouts, the clipped objective and the evaluation every one shares."""
+    value_head: bool  # a critic trained beside the policy (the Trainer's aux module)
+    advantages: Callable  # (rollouts, hidden, score, mask, lengths, old_logp, ref_logp) -> the buffer's entries
+    extra: Callable  # (train settings, value head, hidden, logp, mask, batch) -> (term or None, metrics)
+    min_group: int  # the smallest --group-size it can learn from
+
+
+VARIANTS = {
+    "ppo": PolicyVariant(value_head=True, advantages=gae_advantages, extra=value_term, min_group=1),
+    "grpo": PolicyVariant(value_head=False, advantages=group_advantages, extra=kl_term, min_group=2),
+}
+if set(VARIANTS) != set(RL_STAGES):  # a stage of kind "rl" without its row here would train nothing known
+    raise ImportError(f"stages/rl.py has rows for {sorted(VARIANTS)}, config.py's rl stages are {sorted(RL_STAGES)}")
+
+
+def policy_loss(variant: PolicyVariant, t, value_head, fwd, lm_weight_of, b: dict) -> tuple[torch.Tensor, dict]:
+    """The clipped surrogate on a micro-batch of a rollout, plus the variant's extra term (ppo: the value
+    head's loss; grpo: the k3 KL to the reference when kl_coef > 0). Metrics: the rollout's statistics and
+    the loss's own."""
     h = fwd(b["x"], return_hidden=True)
     logp = losses.token_logprobs(F.linear(h, lm_weight_of()), b["targets"])
     mask = b["targets"] >= 0
     loss, m = losses.clipped_policy_loss(logp, b["old_logp"], b["advantages"], mask, t.clip_eps)
-    if stage == "ppo":
-        v = value_head(h)
-        vl = losses.clipped_value_loss(v, b["old_values"], b["returns"], mask, t.clip_eps)
-        loss = loss + t.vf_coef * vl
-        m["value_loss"] = vl.detach()
-    elif t.kl_coef and "ref_logp" in b:
-        kl = losses.masked_mean(losses.kl_k3(logp, b["ref_logp"]), mask)
-        loss = loss + t.kl_coef * kl
-        m["kl_k3"] = kl.detach()
-    return loss, {**b["stats"], **m}
+    term, more = variant.extra(t, value_head, h, logp, mask, b)
+    if term is not None:
+        loss = loss + term
+    return loss, {**b["stats"], **m, **more}
 
 
 def run(cfg: RunConfig, resume: bool = False, log=print) -> dict:
@@ -276,19 +314,20 @@ def run(cfg: RunConfig, resume: bool = False, log=print) -> dict:
                           f"{t.data}` or pass your own JSONL (prompt, tests)")
     if t.rewards in ("model", "both") and not t.reward_model:
         raise ConfigError(f"--rewards {t.rewards} needs --reward-model RUN (from --stage reward)")
-    if t.stage == "grpo" and t.group_size < 2:
-        raise ConfigError("--stage grpo compares samples within a group: --group-size must be at least 2")
+    if t.group_size < VARIANTS[t.stage].min_group:
+        raise ConfigError(f"--stage {t.stage} compares samples within a group: --group-size must be at least "
+                          f"{VARIANTS[t.stage].min_group}")
     with launch(cfg, log) as run:
         return _train(run, resume)
 
 
 def _train(run: Run, resume: bool) -> dict:
-    cfg, say, device, precision, rank, world = run.cfg, run.say, run.device, run.precision, run.rank, run.world
-    t = cfg.train
+    say, device, precision, rank, world = run.say, run.device, run.precision, run.rank, run.world
+    t = run.cfg.train
+    variant = VARIANTS[t.stage]
     # -- the starting point and the tasks -------------------------------------------------------------------
-    tok, init_ck, saved = start_point(cfg, say)
-    m = cfg.model
-    cfg.validate()
+    tok, init_ck, saved = start_point(run.cfg, say)
+    m = run.cfg.validate().model
     chat = speaks_chat(saved)
     train_tasks, held_tasks = load_task_splits(t.data, say)
     if t.eval_tasks:
@@ -303,13 +342,13 @@ def _train(run: Run, resume: bool) -> dict:
         raise ConfigError(f"no training task fits the context of {m.block_size} tokens with room for an answer")
 
     # -- the start: lock, recorded config, resume point ------------------------------------------------------
-    run_config, start_ckpt = begin(run, resume, tok, jsonl_identity(t.data, tok.hash, ("train.jsonl", *HELDOUT_NAMES)),
-                                   chat=chat)
-    t = cfg.train
+    began = begin(run, run.cfg, resume, tok, jsonl_identity(t.data, tok.hash, ("train.jsonl", *HELDOUT_NAMES)),
+                  chat=chat)
+    cfg, t = began.cfg, began.cfg.train
 
     # -- models: the policy, its reference, the reward model, the value head --------------------------------
     model = built(cfg).to(device)
-    if start_ckpt is None:
+    if began.start is None:
         init_from(run, model, tok, ck=init_ck, why=f" ({'chat template' if chat else 'plain-text prompts'})")
     ref = frozen_copy(m, init_ck, device) if t.kl_coef > 0 else None
     rm = None
@@ -324,8 +363,8 @@ def _train(run: Run, resume: bool) -> dict:
                               f"must score the policy's tokens")
         for p in rm.parameters():
             p.requires_grad_(False)
-    value = ValueHead(m.n_embd).to(device) if t.stage == "ppo" else None
-    rollouts = Rollouts(t.stage, model, tok, train_tasks, t, device, precision, chat, ref, rm, value, run.dir,
+    value = ValueHead(m.n_embd).to(device) if variant.value_head else None
+    rollouts = Rollouts(variant, model, tok, train_tasks, t, device, precision, chat, ref, rm, value, run.dir,
                         rank, world)
     src = ("reward model + execution" if rollouts.use_exec and rollouts.use_rm else
            "reward model" if rollouts.use_rm else "execution in the sandbox")
@@ -341,7 +380,7 @@ def _train(run: Run, resume: bool) -> dict:
                           f"of a rollout")
 
     def loss_fn(fwd, b):
-        return policy_loss(t.stage, t, value, fwd, lambda: model.lm_head.weight, b)
+        return policy_loss(variant, t, value, fwd, lambda: model.lm_head.weight, b)
 
     def evaluate(mdl):
         if not held_tasks:
@@ -354,8 +393,5 @@ def _train(run: Run, resume: bool) -> dict:
                            f"outcomes {r['task_outcomes']}"}
 
     # -- train ----------------------------------------------------------------------------------------------
-    trainer = Trainer(model, rollouts, loss_fn, t, run.dir, device=device, precision=precision, total_steps=total,
-                      tokens_per_step=tokens_per_step,
-                      run_config=run_config, assets={"tokenizer": tok.path}, evaluate=evaluate,
-                      start_checkpoint=start_ckpt, rank=rank, world=world, log=say, aux=value)
-    return trainer.run()
+    return train(run, began, model, rollouts, loss_fn, total_steps=total, tokens_per_step=tokens_per_step, tok=tok,
+                 evaluate=evaluate, aux=value)
