@@ -1,5 +1,6 @@
-"""Do two checkouts of codeforge train the same? Runs the same small pretraining and chat SFT run (CPU, float32,
-fixed seed) with each checkout's code and prints both loss curves and whether they are bit-identical.
+"""Do two checkouts of codeforge train the same? Runs the same small pretraining, chat SFT, DPO and reward-model
+run (CPU, float32, fixed seed) with each checkout's code and prints both loss curves and whether they are
+bit-identical.
 
 Used to check that a restructuring changed no behaviour: put the old commit in a worktree and compare,
 
@@ -49,7 +50,13 @@ def pipeline(checkout: Path, work: Path) -> dict[str, dict[int, float]]:
        str(work / "tok"), "--out", str(work / "sft_data"), "--val-fraction", "0.1")
     cf(checkout, "train", "--stage", "sft", "--data", str(work / "sft_data"), "--out", str(work / "sft"),
        "--init-from", str(work / "pre"), "--max-iters", "20", *TINY)
-    return {"pretrain": losses(work / "pre"), "sft": losses(work / "sft")}
+    cf(checkout, "make-pairs", "--input", *src, "--languages", "python", "--max-pairs", "200",
+       "--out", str(work / "pairs_pref"))
+    for stage in ("dpo", "reward"):
+        cf(checkout, "train", "--stage", stage, "--data", str(work / "pairs_pref"), "--out", str(work / stage),
+           "--init-from", str(work / "sft"), "--max-iters", "10", *TINY)
+    return {"pretrain": losses(work / "pre"), "sft": losses(work / "sft"), "dpo": losses(work / "dpo"),
+            "reward": losses(work / "reward")}
 
 
 def main() -> None:
@@ -61,7 +68,7 @@ def main() -> None:
         old = pipeline(a.old, Path(d) / "old")
         new = pipeline(a.new, Path(d) / "new")
     print(f"{'run':8} {'steps':>5}  {'first loss (old / new)':>26}  {'last loss (old / new)':>26}  bit-identical")
-    for run in ("pretrain", "sft"):
+    for run in ("pretrain", "sft", "dpo", "reward"):
         o, n = old[run], new[run]
         same = o == n
         first, last = min(o), max(o)

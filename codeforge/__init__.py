@@ -4,7 +4,7 @@ The package is in layers; a module imports only from its own layer or a lower on
 reads the table below, the one place it is written, and checks the first five rules by parsing every import;
 a name ending in / is a package, every module in it in that layer):
 
-  0  atomic box_values device distributed fields parquet_pages rundir   (nothing of codeforge's above layer 0)
+  0  atomic box_values catalog device distributed fields parquet_pages rundir   (nothing of codeforge's above layer 0)
   1  corpus decontam redact tokenizer chat constrain fim sandbox syntax   text and code
   2  models/ tasks/ mining/
   3  checkpoint/ data/ config engine

@@ -15,10 +15,13 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from .catalog import CATALOG, catalog_key
 from .checkpoint import CheckpointError, find_checkpoint, read_config, vet_checkpoint
 from .checkpoint.guard import CONFIG_BYTES, field_problem, read_regular
 from .fields import ConfigError, check_fields, setting
-from .models import ARCHS, config_class
+from .models import ARCHS, build_model, config_class
 from .models.gpt import GPTConfig
 
 
@@ -310,6 +313,29 @@ def _preset_tables() -> dict[str, dict[str, dict]]:
 
 def preset_names() -> dict[str, list[str]]:
     return {k: sorted(v) for k, v in _preset_tables().items()}
+
+
+def preset_catalog() -> dict:
+    """{"models_toml": its key, "presets": {name: shape and parameter count}}: each model preset built on the
+    meta device (no memory) and counted; catalog.py reads the shipped copy without torch."""
+    rows = {}
+    for n in preset_names()["model"]:
+        m = resolve([n]).model
+        with torch.device("meta"):
+            count = build_model(m).num_params()
+        rows[n] = {"params": count, "n_layer": m.n_layer, "n_head": m.n_head, "n_kv_head": m.n_kv_head,
+                   "n_embd": m.n_embd, "ffn_hidden": m.ffn_hidden, "block_size": m.block_size,
+                   "vocab_size": m.vocab_size, "kind": f"{m.norm}/{m.pos}/{m.mlp}"}
+    text = resources.files("codeforge.presets").joinpath("models.toml").read_text()
+    return {"models_toml": catalog_key(text), "presets": rows}
+
+
+def write_catalog() -> str:
+    """Compute the catalog and write it over the shipped one (`codeforge presets --write-catalog`); its path."""
+    path = str(resources.files("codeforge.presets").joinpath(CATALOG))
+    with open(path, "w") as f:
+        f.write(json.dumps(preset_catalog(), indent=1, sort_keys=True) + "\n")
+    return path
 
 
 def _coerce(key: str, value: Any, current: Any) -> Any:

@@ -207,7 +207,8 @@ def test_the_presets_catalog_is_current():
     import json
     from importlib import resources
 
-    from codeforge.cli.train import CATALOG, preset_catalog
+    from codeforge.catalog import CATALOG
+    from codeforge.config import preset_catalog
     shipped = json.loads(resources.files("codeforge.presets").joinpath(CATALOG).read_text())
     assert shipped == preset_catalog(), "stale catalog: run `codeforge presets --write-catalog`"
 

@@ -174,57 +174,22 @@ def cmd_train(a: argparse.Namespace) -> int:
     return stopped_code(r)
 
 
-CATALOG = "catalog.json"  # codeforge/presets/: each model preset's shape and parameter count
-
-
-def _catalog_key(models_toml: str) -> str:
-    import hashlib
-    return hashlib.sha256(models_toml.encode()).hexdigest()
-
-
-def preset_catalog() -> dict:
-    """{"models_toml": hash, "presets": {name: shape and parameter count}}: computed by building each preset
-    on the meta device (no memory), which needs torch."""
-    import torch
-
-    from importlib import resources
-
-    from ..config import preset_names, resolve
-    from ..models import build_model
-    rows = {}
-    for n in preset_names()["model"]:
-        m = resolve([n]).model
-        with torch.device("meta"):
-            count = build_model(m).num_params()
-        rows[n] = {"params": count, "n_layer": m.n_layer, "n_head": m.n_head, "n_kv_head": m.n_kv_head,
-                   "n_embd": m.n_embd, "ffn_hidden": m.ffn_hidden, "block_size": m.block_size,
-                   "vocab_size": m.vocab_size, "kind": f"{m.norm}/{m.pos}/{m.mlp}"}
-    text = resources.files("codeforge.presets").joinpath("models.toml").read_text()
-    return {"models_toml": _catalog_key(text), "presets": rows}
-
-
 def cmd_presets(a: argparse.Namespace) -> int:
     """The presets from the shipped catalog (no torch: an answer in a blink); when models.toml no longer
     matches it (edited in place), computed afresh. --write-catalog rewrites it (tests check it is current)."""
-    import json
     import tomllib
     from importlib import resources
-    base = resources.files("codeforge.presets")
-    models_toml = base.joinpath("models.toml").read_text()
+
+    from ..catalog import shipped_catalog
     if a.write_catalog:
-        cat = preset_catalog()
-        path = base.joinpath(CATALOG)
-        with open(str(path), "w") as f:
-            f.write(json.dumps(cat, indent=1, sort_keys=True) + "\n")
-        print(f"wrote {path}")
+        from ..config import write_catalog
+        print(f"wrote {write_catalog()}")
         return 0
-    try:
-        cat = json.loads(base.joinpath(CATALOG).read_text())
-    except (OSError, ValueError):
-        cat = {}
-    if cat.get("models_toml") != _catalog_key(models_toml) or set(cat.get("presets", {})) != set(
-            tomllib.loads(models_toml)):
+    cat = shipped_catalog()
+    if cat is None:  # models.toml edited in place: computed afresh (this needs torch)
+        from ..config import preset_catalog
         cat = preset_catalog()
+    base = resources.files("codeforge.presets")
     print(f"{'model preset':20s} {'params':>14s} {'layers':>6s} {'heads':>5s} {'kv':>3s} {'width':>6s} "
           f"{'ffn':>6s} {'ctx':>6s} {'vocab':>6s}  arch")
     for n, m in sorted(cat["presets"].items()):

@@ -1,8 +1,9 @@
 """The training loop, used by every stage. It is handed its parts and never builds them: a model, a batch
 source (`next()`, `state_dict()`, `load_state_dict()`), a loss function `loss_fn(model, batch) -> (loss,
 metrics)`, the training config, the run directory, and callbacks to evaluate and sample. Stages
-(codeforge/stages/) do the wiring. Each iteration reads top to bottom in a fixed order:
-evaluate, sample, checkpoint, stop check, one optimisation step (accumulating micro-batches), log.
+(codeforge/stages/) do the wiring. Each iteration reads top to bottom in a fixed order: the stop agreement,
+evaluation, sampling, checkpointing, one optimisation step (accumulating micro-batches), the budget, the pace
+line, the log; each component decides for itself whether this step is its step (`_evaluate_if_due`, ...).
 """
 
 from __future__ import annotations
@@ -10,8 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import signal
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +25,7 @@ from ..device import alone_threads, autocast, matmul_flops, memory_gib, peak_flo
 from . import parallel
 from .logging import RunLogger, duration
 from .optim import build_optimizer, lr_at, set_lr
+from .stopping import StopRequests
 from ..distributed import lost_peer
 
 LossFn = Callable[[torch.nn.Module, object], tuple[torch.Tensor, dict]]
@@ -273,6 +273,50 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------------------------------------
     def run(self) -> dict:
+        """Train to total_steps (or a stop request), as a list of calls to the run's components, each of which
+        decides for itself whether this step is its step: evaluation, sampling, checkpointing, the step count
+        a --time-budget fits, the log line."""
+        self._open()  # config.toml, the logger, what is about to happen
+        stop = StopRequests(self.master).install()  # Ctrl-C / SIGTERM: stop after this step, with a checkpoint
+        start = self.step
+        pace = Pace(start, self.total_steps, self.device, self.cfg.eval_every if self.evaluate_fn else -1)
+        self.model.train()
+        t_run = time.perf_counter()  # the budget counts from here: the first evaluation is part of the run
+        self.clock = (time.perf_counter(), self.tokens)  # the log line's throughput counts from here
+        try:
+            while True:
+                stopping = stop.agreed(self)  # every rank stops at the same step, or the others hang
+                last = self.step >= self.total_steps
+                t_aside = time.perf_counter()  # evaluation, samples and saves are not training throughput
+                self._evaluate_if_due(start, last, stopping, pace, t_run)
+                self._sample_if_due(start)
+                self._save_if_due(start, last, stopping)
+                if last or stopping:
+                    break
+                self._set_aside(time.perf_counter() - t_aside, pace)
+                loss, norm = self._optimisation_step()
+                self.step += 1
+                self.tokens += self.tokens_per_step
+                self._fit_budget_if_due(pace, t_run)
+                self._note_pace(pace)
+                self._log_if_due(loss, norm, pace)
+            if self.ddp:  # normal end only (after an error a barrier would hang): rank 0 may still be saving
+                torch.distributed.barrier()
+        except Exception as e:
+            self._fail(e, stop)
+        finally:
+            stop.restore()
+            self.logger.close()
+        if stop.signal:
+            self.say(f"{stop.signal}: saved a checkpoint at step {self.step}; continue with --resume")
+        return {"step": self.step, "tokens": self.tokens, "val_loss": None if self.last_said else self.last_val,
+                "val_step": self.last_val_step, "evaluation": self.last_said, "interrupted": stop.signal,
+                "skipped_steps": self.skipped, "run_dir": str(self.run_dir)}
+
+    # -- the components' calls, each with its own cadence ----------------------------------------------------
+    def _open(self) -> None:
+        """The run directory's config.toml and logger, and what the run is about to do (with a warning where
+        the warm-up outlasts the run)."""
         t, total = self.cfg, self.total_steps
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.master:
@@ -299,123 +343,105 @@ class Trainer:
                      f"learning rate climbs to only {total / t.warmup_steps:.0%} of --learning-rate "
                      f"{t.learning_rate:g} and never reaches it; set --warmup-steps below the step count (about a "
                      f"tenth of it: {max(1, total // 10)})")
-        stop = {"signal": None}
 
-        def on_signal(signum, frame):
-            name = signal.Signals(signum).name
-            if stop["signal"] and signum == signal.SIGINT:  # a second Ctrl-C: now, without a checkpoint
-                raise KeyboardInterrupt
-            stop["signal"] = name
-            if self.master:  # an evaluation or a long step can take minutes: say that it was heard
-                again = "; Ctrl-C again stops at once, without one" if signum == signal.SIGINT else ""
-                print(f"\n{name}: stopping after this step (or evaluation), with a checkpoint{again}", file=sys.stderr,
-                      flush=True)
+    def _evaluate_if_due(self, start: int, last: bool, stopping: bool, pace: "Pace", t_run: float) -> None:
+        """Every eval_every steps and at the last; not again at the step a resume starts from (the run that
+        saved it evaluated there). Under --time-budget the step count is fitted again after each one."""
+        t = self.cfg
+        fresh = self.step != start or start == 0
+        if not (fresh and ((t.eval_every and self.step % t.eval_every == 0) or last)):
+            return
+        t_eval = time.perf_counter()
+        self._evaluate()
+        pace.note_eval(time.perf_counter() - t_eval)
+        if t.time_budget and self.budget_set and not last and not stopping:
+            self._refit_budget(pace, t_run)
 
-        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        start_step = self.step
-        self.model.train()
-        t_run = time.perf_counter()  # the budget counts from here: the first evaluation is part of the run
-        t_last, tokens_last = time.perf_counter(), self.tokens
-        pace = Pace(start_step, total, self.device, t.eval_every if self.evaluate_fn else -1)
-        try:
-            while True:
-                stopping = bool(stop["signal"])  # what this step acts on: agreed by all ranks before anything
-                if self.ddp:  # every rank must agree to stop at the same step, or the others hang in all-reduce
-                    # [stop asked anywhere, background save unfinished anywhere]
-                    flag = torch.tensor([1 if stop["signal"] else 0,
-                                         1 if self.pending is not None and not self.pending.done() else 0],
-                                        device=self.device)
-                    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-                    stopping, writing = (bool(v) for v in flag.tolist())
-                    if stopping and not stop["signal"]:
-                        stop["signal"] = "SIGTERM"  # a signal that lands after this is acted on next step
-                    if self.pending is not None and not writing:  # every rank's shards are written: publish
-                        self._finish_pending()
-                last = self.step >= total
-                fresh = self.step != start_step or start_step == 0
-                t_aside = time.perf_counter()  # evaluation, samples and saves are not training throughput
-                if fresh and ((t.eval_every and self.step % t.eval_every == 0) or last):
-                    t_eval = time.perf_counter()
-                    self._evaluate()
-                    pace.note_eval(time.perf_counter() - t_eval)
-                    if t.time_budget and self.budget_set and not last and not stopping:
-                        total = self._refit_budget(pace, t_run)
-                if fresh and t.sample_every and self.step % t.sample_every == 0 and self.step > 0:
-                    self._sample()
-                # the best weights are kept when they are evaluated, not only at the next periodic save
-                better = (self.last_val is not None and self.last_val_step == self.step and self.step > start_step
-                          and self.last_val < self.best_val)
-                trained = self.step > start_step or start_step == 0  # a finished run resumed: nothing new to save
-                periodic = t.save_every and self.step % t.save_every == 0 and self.step > start_step
-                if trained and (last or stopping or better or periodic):
-                    self._save(final=last, now=last or stopping)
-                if last or stopping:
-                    break
-                aside = time.perf_counter() - t_aside
-                t_last += aside
-                pace.pause(aside)
-                loss, norm = self._optimisation_step()
-                self.step += 1
-                self.tokens += self.tokens_per_step
-                if t.time_budget and not self.budget_set and pace.measured(self.step):  # resumed too: from now on
-                    total = self._fit_budget(pace, t_run)
-                note = pace.step(self.step)
-                if note:
-                    self.logger.message(note)
-                if (self.step % t.log_every == 0 or self.step == 1 or self.step == total
-                        or self.logger.line_due()):
-                    now = time.perf_counter()
-                    tps = (self.tokens - tokens_last) / max(now - t_last, 1e-9)
-                    t_last, tokens_last = now, self.tokens
-                    rec = {"step": self.step, "loss": loss, "lr": self.opt.param_groups[0]["lr"],
-                           "grad_norm": norm, "tokens": self.tokens, "tokens_per_s": tps}
-                    if self.peak:
-                        rec["mfu"] = tps * self.flops_per_token / (self.peak * self.world)
-                    if self.device.type == "cuda":
-                        rec["memory_gib"] = memory_gib(self.device)
-                    # a loss_fn's own terms (e.g. the hierarchical model's plan/code/refine), mean since last line
-                    rec.update({f"train_{k}": float(v) / self.parts_steps for k, v in self.parts.items()})
-                    self.parts.clear()
-                    self.parts_steps = 0
-                    self.logger.log(rec)
-                    post = {"loss": f"{loss:.4f}", "lr": f"{rec['lr']:.2e}", "tok/s": f"{tps:,.0f}"}
-                    if "mfu" in rec:
-                        post["mfu"] = f"{rec['mfu']:.1%}"
-                    if "memory_gib" in rec:
-                        post["mem"] = f"{rec['memory_gib']:.1f}G"
-                    self.logger.progress(self.step, post, pace.eta(self.step))
-            if self.ddp:  # normal end only (after an error a barrier would hang): rank 0 may still be saving
-                torch.distributed.barrier()
-        except Exception as e:
-            lost = self.ddp and lost_peer(e)
-            if not lost and self.pending is not None and self.pending.future is not None:
-                # let the background writer end before the process does; its unpublished directory is
-                # removed by a later save (publishing it would need the other ranks)
-                with contextlib.suppress(Exception):
-                    self.pending.future.result()
-            if not lost:
-                raise
-            # torchrun sends SIGTERM to the surviving ranks as soon as it sees one die: its default action
-            # would end this rank before it says why, so signals stay recorded-only until the process ends
-            old = {}
-            latest = ckpt_io.latest_step(self.run_dir)
-            raise TrainingError(
-                f"rank {self.rank}: lost contact with the other ranks at step {self.step} ({type(e).__name__}: "
-                f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else 'no detail'}). A rank was killed, "
-                f"crashed, ran out of memory or was stuck past --dist-timeout {self.cfg.dist_timeout}s; torchrun's "
-                f"summary (or, with --local-ranks, the line above) names it. The job stops here; "
-                + (f"the last complete checkpoint is {latest}: continue with --resume" if latest else
-                   "no checkpoint was written yet") + ".") from e
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
-            self.logger.close()
-        if stop["signal"]:
-            self.say(f"{stop['signal']}: saved a checkpoint at step {self.step}; continue with --resume")
-        return {"step": self.step, "tokens": self.tokens, "val_loss": None if self.last_said else self.last_val,
-                "val_step": self.last_val_step, "evaluation": self.last_said,
-                "interrupted": stop["signal"],
-                "skipped_steps": self.skipped, "run_dir": str(self.run_dir)}
+    def _sample_if_due(self, start: int) -> None:
+        """Every sample_every steps after the first (not again at a resume's first step)."""
+        every = self.cfg.sample_every
+        fresh = self.step != start or start == 0
+        if fresh and every and self.step % every == 0 and self.step > 0:
+            self._sample()
+
+    def _save_if_due(self, start: int, last: bool, stopping: bool) -> None:
+        """A checkpoint at the last step, on a stop, every save_every steps, and whenever an evaluation at this
+        very step beat the best so far (the best weights are kept when they are evaluated, not only at the
+        next periodic save); nothing where nothing was trained since the checkpoint the run resumed from."""
+        better = (self.last_val is not None and self.last_val_step == self.step and self.step > start
+                  and self.last_val < self.best_val)
+        trained = self.step > start or start == 0
+        periodic = self.cfg.save_every and self.step % self.cfg.save_every == 0 and self.step > start
+        if trained and (last or stopping or better or periodic):
+            self._save(final=last, now=last or stopping)
+
+    def _set_aside(self, seconds: float, pace: "Pace") -> None:
+        """Time spent on evaluation, samples and saves counts neither in throughput nor in the pace."""
+        t_last, tokens_last = self.clock
+        self.clock = (t_last + seconds, tokens_last)
+        pace.pause(seconds)
+
+    def _fit_budget_if_due(self, pace: "Pace", t_run: float) -> None:
+        """--time-budget: the step count, once the pace is measured (a resumed run too, from then on)."""
+        if self.cfg.time_budget and not self.budget_set and pace.measured(self.step):
+            self._fit_budget(pace, t_run)
+
+    def _note_pace(self, pace: "Pace") -> None:
+        """The step timed; the pace line (how long the rest will take) once the first steps are measured."""
+        note = pace.step(self.step)
+        if note:
+            self.logger.message(note)
+
+    def _log_if_due(self, loss: float, norm: float, pace: "Pace") -> None:
+        """A metrics record and the progress line every log_every steps, at the first and the last, and at
+        least once a minute (the logger says when)."""
+        if not (self.step % self.cfg.log_every == 0 or self.step == 1 or self.step == self.total_steps
+                or self.logger.line_due()):
+            return
+        now = time.perf_counter()
+        t_last, tokens_last = self.clock
+        tps = (self.tokens - tokens_last) / max(now - t_last, 1e-9)
+        self.clock = (now, self.tokens)
+        rec = {"step": self.step, "loss": loss, "lr": self.opt.param_groups[0]["lr"],
+               "grad_norm": norm, "tokens": self.tokens, "tokens_per_s": tps}
+        if self.peak:
+            rec["mfu"] = tps * self.flops_per_token / (self.peak * self.world)
+        if self.device.type == "cuda":
+            rec["memory_gib"] = memory_gib(self.device)
+        # a loss_fn's own terms (e.g. the hierarchical model's plan/code/refine), mean since last line
+        rec.update({f"train_{k}": float(v) / self.parts_steps for k, v in self.parts.items()})
+        self.parts.clear()
+        self.parts_steps = 0
+        self.logger.log(rec)
+        post = {"loss": f"{loss:.4f}", "lr": f"{rec['lr']:.2e}", "tok/s": f"{tps:,.0f}"}
+        if "mfu" in rec:
+            post["mfu"] = f"{rec['mfu']:.1%}"
+        if "memory_gib" in rec:
+            post["mem"] = f"{rec['memory_gib']:.1f}G"
+        self.logger.progress(self.step, post, pace.eta(self.step))
+
+    def _fail(self, e: Exception, stop: "StopRequests") -> None:
+        """An error in the loop: raised as it is, unless another rank was lost (then the message says what
+        happened and where the last checkpoint is)."""
+        lost = self.ddp and lost_peer(e)
+        if not lost and self.pending is not None and self.pending.future is not None:
+            # let the background writer end before the process does; its unpublished directory is
+            # removed by a later save (publishing it would need the other ranks)
+            with contextlib.suppress(Exception):
+                self.pending.future.result()
+        if not lost:
+            raise e
+        # torchrun sends SIGTERM to the surviving ranks as soon as it sees one die: its default action
+        # would end this rank before it says why, so signals stay recorded-only until the process ends
+        stop.keep()
+        latest = ckpt_io.latest_step(self.run_dir)
+        raise TrainingError(
+            f"rank {self.rank}: lost contact with the other ranks at step {self.step} ({type(e).__name__}: "
+            f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else 'no detail'}). A rank was killed, "
+            f"crashed, ran out of memory or was stuck past --dist-timeout {self.cfg.dist_timeout}s; torchrun's "
+            f"summary (or, with --local-ranks, the line above) names it. The job stops here; "
+            + (f"the last complete checkpoint is {latest}: continue with --resume" if latest else
+               "no checkpoint was written yet") + ".") from e
 
     def _optimisation_step(self) -> tuple[float, float]:
         """One optimizer step at this step's learning rate; counts skipped (non-finite) steps and stops the run
