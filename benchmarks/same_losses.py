@@ -22,9 +22,10 @@ import tempfile
 from pathlib import Path
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
-TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "64", "--batch-size", "4",
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "256", "--batch-size", "4",
         "--eval-every", "10", "--save-every", "10", "--log-every", "1", "--no-progress", "--device", "cpu",
-        "--precision", "fp32", "--no-tensorboard"]
+        "--precision", "fp32", "--no-tensorboard", "--threads", "2"]  # threads fixed: the
+# default follows the cores other work leaves free, and another thread count sums in another order
 
 
 def cf(checkout: Path, *args: str) -> None:
@@ -72,8 +73,10 @@ def main() -> None:
         o, n = old[run], new[run]
         same = o == n
         first, last = min(o), max(o)
+        differ = [s for s in sorted(set(o) | set(n)) if o.get(s) != n.get(s)]
         print(f"{run:8} {len(o):5d}  {o[first]:12.9f} / {n.get(first, float('nan')):12.9f}  "
-              f"{o[last]:12.9f} / {n.get(last, float('nan')):12.9f}  {'yes' if same else 'NO'}")
+              f"{o[last]:12.9f} / {n.get(last, float('nan')):12.9f}  {'yes' if same else 'NO'}"
+              + "".join(f"\n         step {s}: {o.get(s)} / {n.get(s)}" for s in differ[:5]))
 
 
 if __name__ == "__main__":
