@@ -181,6 +181,26 @@ def test_unmappable_features_are_refused_with_the_list(kw, words, tmp_path, toke
     assert not (tmp_path / "hf").exists()
 
 
+def test_an_option_no_family_maps_is_refused_not_dropped():
+    """A model option the exporters have never heard of (here a made-up sliding window on a config of its
+    own), set on a model, refuses the export instead of writing a file that computes another model; left at
+    its default it changes nothing."""
+    from dataclasses import dataclass, field
+
+    from codeforge.export import ExportError
+    from codeforge.export.hf import choose_family
+    from codeforge.models.gpt import GPTConfig
+
+    @dataclass
+    class WindowConfig(GPTConfig):
+        window: int = field(default=0)
+
+    llama = dict(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False)
+    assert choose_family(WindowConfig(**llama)).model_type == "llama"
+    with pytest.raises(ExportError, match="window=16"):
+        choose_family(WindowConfig(**llama, window=16))
+
+
 def test_bad_input_gets_clear_messages(tmp_path, tokenizer_dir, capsys):
     empty = tmp_path / "empty_run"
     empty.mkdir()

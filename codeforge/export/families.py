@@ -105,6 +105,16 @@ ARCEE_TENSORS = {**LLAMA_TENSORS, "blocks.{i}.mlp.c_fc.weight": "blk.{i}.ffn_up.
 QWEN_NOT_LOADED = ("attn_output.bias", "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias")
 
 
+# Every model option the families below map, by name. An option not listed here (a new attention variant, say),
+# set on a model, makes choose_family refuse the export: written without it, the file would compute another
+# model. Teaching a family the option (its HF config key, its GGUF key) is where it is added.
+EXPORTED_OPTIONS = frozenset({
+    "arch", "vocab_size", "block_size", "n_layer", "tie_embeddings", "n_embd", "n_head", "n_kv_head", "mlp",
+    "ffn_hidden", "norm", "norm_eps", "pos", "rope_base", "qk_norm", "bias", "embd_dropout", "attn_dropout",
+    "resid_dropout",
+})
+
+
 @dataclass(frozen=True)
 class FamilyRecord:
     """One model family, as both exporters and the importer see it."""

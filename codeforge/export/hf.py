@@ -50,11 +50,11 @@ from ..checkpoint.guard import (CONFIG_BYTES, check_inside, check_memory, check_
                                 header_bytes, model_config_from, read_json, safetensors_header)
 from ..config import TrainConfig
 from ..models import build_model, state_shapes
-from ..models.gpt import GPTConfig
+from ..models.gpt import GPTConfig, unknown_options
 from ..fim import FIM_FILE_SEP, FIM_REPO
 from ..tokenizer import (CodeTokenizer, META_FILE, SPECIAL_TOKENS, TOKENIZER_FILE, TokenizerError,
                          write_hf_config)
-from .families import FAMILIES, expand, splits
+from .families import EXPORTED_OPTIONS, FAMILIES, expand, splits
 
 # -- families ----------------------------------------------------------------------------------------------------
 
@@ -87,6 +87,11 @@ def choose_family(m: GPTConfig, sd: dict[str, torch.Tensor] | None = None) -> Fa
     why: list[str] = []
     if m.arch != "gpt":
         raise ExportError(f"model arch {m.arch!r} has no Hugging Face counterpart; only arch 'gpt' exports")
+    unknown = unknown_options(m, EXPORTED_OPTIONS)
+    if unknown:
+        raise ExportError(f"model option(s) {', '.join(f'{k}={getattr(m, k)!r}' for k in unknown)} are not mapped to "
+                          f"any Hugging Face or GGUF family yet (export/families.py, EXPORTED_OPTIONS): the "
+                          f"exported file would compute another model")
     if m.pos == "learned":  # GPT-2
         if m.norm != "layernorm":
             why.append(f"norm={m.norm} with learned positions (GPT-2 has LayerNorm)")

@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import MISSING, fields
 
 import numpy as np
 import torch
 import torch.nn as nn
 
 from .cpu_linear import Linear, backend, openblas_pays
-from .gpt import GPT, MLP, Attention, Block, RMSNorm
+from .gpt import GPT, MLP, Attention, Block, RMSNorm, unknown_options
 
 GELU_C = math.sqrt(2.0 / math.pi)
 
@@ -54,14 +53,9 @@ KNOWN_OPTIONS: dict[str, tuple | None] = {
 
 def knows(cfg) -> bool:
     """Whether every option `cfg` sets is one Stepper.step implements (KNOWN_OPTIONS)."""
-    for f in fields(cfg):
-        value = getattr(cfg, f.name)
-        if f.name not in KNOWN_OPTIONS:
-            if f.default is MISSING or value != f.default:
-                return False
-        elif KNOWN_OPTIONS[f.name] is not None and value not in KNOWN_OPTIONS[f.name]:
-            return False
-    return True
+    if unknown_options(cfg, KNOWN_OPTIONS):
+        return False
+    return all(allowed is None or getattr(cfg, name, None) in allowed for name, allowed in KNOWN_OPTIONS.items())
 
 
 def usable(model: nn.Module, device: torch.device, precision: str) -> bool:

@@ -16,7 +16,7 @@ The surface every model in codeforge shares:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 
 import torch
 import torch.nn as nn
@@ -83,6 +83,14 @@ class GPTConfig(BlockConfig):
         if unknown:
             raise ValueError(f"unknown model config keys {sorted(unknown)}; known: {sorted(names)}")
         return cls(**d)
+
+
+def unknown_options(cfg, known) -> list[str]:
+    """The options of `cfg` (a config dataclass) set to anything but their default that are not in `known`:
+    what a reader of the config that knows only `known` would silently ignore (the numpy decoding step, the
+    exporters). A new option left at its default is no reason to refuse."""
+    return [f.name for f in fields(cfg) if f.name not in known
+            and (f.default is MISSING or getattr(cfg, f.name) != f.default)]
 
 
 class RMSNorm(nn.Module):
