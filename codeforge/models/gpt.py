@@ -127,6 +127,35 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.addcmul(xf * cos, xf.roll(x.size(-1) // 2, dims=-1), sin).type_as(x)
 
 
+@torch.no_grad()
+def init_gpt2(m: nn.Module, depth: int, std: float = 0.02, keep: nn.Module | None = None) -> None:
+    """GPT-2's initialisation of one module (Radford et al. 2019, section 2.3): Linear and Embedding weights
+    N(0, std), a projection into the residual stream N(0, std / sqrt(2 * depth)) so the stream's variance
+    does not grow with the `depth` branches it sums, biases 0, norm gains 1. keep: a module whose weight is
+    another's (a tied head), left as it is."""
+    if isinstance(m, nn.Linear):
+        if m is not keep:
+            nn.init.normal_(m.weight, 0.0, std / math.sqrt(2 * depth) if getattr(m, "residual", False) else std)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.Embedding):
+        nn.init.normal_(m.weight, 0.0, std)
+    elif isinstance(m, (nn.LayerNorm, RMSNorm)):
+        nn.init.ones_(m.weight)
+        if getattr(m, "bias", None) is not None:
+            nn.init.zeros_(m.bias)
+
+
+@torch.no_grad()
+def refresh_rope(module: nn.Module, cfg: BlockConfig, device) -> None:
+    """A rotary module's cos/sin buffers computed again (they are not saved: after to_empty() they hold
+    nothing)."""
+    if cfg.pos == "rope":
+        cos, sin = rope_tables(cfg.head_dim, cfg.block_size, cfg.rope_base, device=device)
+        module.rope_cos.copy_(cos)
+        module.rope_sin.copy_(sin)
+
+
 class KVCache:
     """Keys and values of every layer for up to `max_len` positions: (B, n_kv_head, max_len, head_dim) each."""
 
@@ -322,25 +351,10 @@ class GPT(nn.Module):
         """GPT-2 initialisation: every Linear and Embedding weight N(0, 0.02), biases 0, norms 1, and the
         projections that write into the residual stream N(0, 0.02 / sqrt(2 * n_layer)) so the stream's
         variance does not grow with depth (Radford et al. 2019, section 2.3)."""
-        std = 0.02
-        for name, m in self.named_modules():
-            if isinstance(m, nn.Linear):
-                s = std / math.sqrt(2 * self.cfg.n_layer) if getattr(m, "residual", False) else std
-                if m is not self.lm_head or not self.cfg.tie_embeddings:
-                    nn.init.normal_(m.weight, 0.0, s)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.Embedding):
-                nn.init.normal_(m.weight, 0.0, std)
-            elif isinstance(m, (nn.LayerNorm, RMSNorm)):
-                nn.init.ones_(m.weight)
-                if getattr(m, "bias", None) is not None:
-                    nn.init.zeros_(m.bias)
-        if self.cfg.pos == "rope":  # buffers are not saved; recompute after e.g. to_empty()
-            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.block_size, self.cfg.rope_base,
-                                   device=self.wte.weight.device)
-            self.rope_cos.copy_(cos)
-            self.rope_sin.copy_(sin)
+        tied = self.lm_head if self.cfg.tie_embeddings else None  # its weight is the embedding's, drawn once
+        for m in self.modules():
+            init_gpt2(m, self.cfg.n_layer, keep=tied)
+        refresh_rope(self, self.cfg, self.wte.weight.device)
 
     # -- the shared surface -------------------------------------------------------------------------------
     @property

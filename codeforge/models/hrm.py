@@ -35,7 +35,6 @@ Marker tokens are reserved special tokens, whose ids are fixed in every codeforg
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -45,7 +44,8 @@ import torch.nn.functional as F
 from ..fields import setting
 from ..tokenizer import EOT, SPECIAL_TOKENS
 from .lm_loss import IGNORE_INDEX
-from .gpt import Block, BlockConfig, GPTConfig, KVCache, RMSNorm, attention_mask, make_norm, rope_tables
+from .gpt import (Block, BlockConfig, GPTConfig, KVCache, attention_mask, init_gpt2, make_norm, refresh_rope,
+                  rope_tables)
 
 EOT_ID = SPECIAL_TOKENS.index(EOT)
 PAD_ID = SPECIAL_TOKENS.index("<pad>")
@@ -203,22 +203,8 @@ class HRM(nn.Module):
         std = 0.02
         for stack in (self.planner, self.generator, self.refiner):
             for m in stack.modules():
-                if isinstance(m, nn.Linear):
-                    s = std / math.sqrt(2 * stack.cfg.n_layer) if getattr(m, "residual", False) else std
-                    nn.init.normal_(m.weight, 0.0, s)
-                    if m.bias is not None:
-                        nn.init.zeros_(m.bias)
-                elif isinstance(m, nn.Embedding):
-                    nn.init.normal_(m.weight, 0.0, std)
-                elif isinstance(m, (nn.LayerNorm, RMSNorm)):
-                    nn.init.ones_(m.weight)
-                    if getattr(m, "bias", None) is not None:
-                        nn.init.zeros_(m.bias)
-            if stack.cfg.pos == "rope":
-                cos, sin = rope_tables(stack.cfg.head_dim, stack.cfg.block_size, stack.cfg.rope_base,
-                                       device=self.wte.weight.device)
-                stack.rope_cos.copy_(cos)
-                stack.rope_sin.copy_(sin)
+                init_gpt2(m, stack.cfg.n_layer, std)
+            refresh_rope(stack, stack.cfg, self.wte.weight.device)
         nn.init.normal_(self.wte.weight, 0.0, std)
         nn.init.normal_(self.decision.weight, 0.0, std)
         nn.init.zeros_(self.decision.bias)
