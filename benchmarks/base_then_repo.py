@@ -12,7 +12,8 @@ similarity and parseable fills, with other files as context and without).
     python benchmarks/base_then_repo.py --libs markdown_it starlette --out /tmp/base_then_repo
 
 Equal steps are equal compute for the model (the same shape, batch and context); the base arm also
-tokenizes the standard library once (printed as prepare seconds). About 15 minutes per library on 2 idle cores.
+tokenizes the standard library once (printed as prepare seconds). About 15
+minutes per library on 2 idle cores.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
             Path(a.out, "results.json").write_text(json.dumps(rows, indent=1))
-    print("\n| library | arm | held-out bpb | best step | edit sim, context | parses | edit sim, none | parses |")
+    print("\n| library | arm | held-out bpb | best step | edit "
+          "sim, context | parses | edit sim, none | parses |")
     print("| --- " * 8 + "|")
     for r in rows:
         arm = "repository alone" if r["base"] == "none" else "base, then repository"

@@ -48,18 +48,20 @@ def build(jobs: int) -> Path:
     work.mkdir(parents=True, exist_ok=True)
     sdist = work / f"llama_cpp_python-{version}.tar.gz"
     if not sdist.exists():
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", f"llama-cpp-python=={version}", "--no-deps",
-                        "--no-binary", ":all:", "-d", str(work)], check=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", f"llama-cpp-python=={version}",
+                        "--no-deps", "--no-binary", ":all:", "-d", str(work)], check=True)
     src = work / f"llama_cpp_python-{version}"
     if not src.exists():
         with tarfile.open(sdist) as t:
             t.extractall(work, filter="data")
     llama = src / "vendor" / "llama.cpp"
     build_dir = work / "build"
-    subprocess.run(["cmake", "-S", str(llama), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+    subprocess.run(["cmake", "-S", str(llama), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
+                    "-DLLAMA_CURL=OFF",
                     "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                     "-DLLAMA_BUILD_SERVER=ON", "-DGGML_NATIVE=OFF", "-DBUILD_SHARED_LIBS=OFF"], check=True)
-    subprocess.run(["cmake", "--build", str(build_dir), "--target", "llama-server", "-j", str(jobs)], check=True)
+    subprocess.run(["cmake", "--build", str(build_dir), "--target", "llama-server", "-j", str(jobs)],
+                   check=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy2(build_dir / "bin" / "llama-server", out)  # static: it needs nothing from the build tree
     return out

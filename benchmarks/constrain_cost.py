@@ -23,11 +23,13 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as decode_speed.py: spinning threads collapse when shared
+# as decode_speed.py: spinning threads collapse when shared
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-SHAPE = dict(vocab_size=8192, block_size=256, n_layer=4, n_head=3, n_embd=192)  # presets/models.toml cpu-small
+# presets/models.toml cpu-small
+SHAPE = dict(vocab_size=8192, block_size=256, n_layer=4, n_head=3, n_embd=192)
 MODES = ("unconstrained", "auto", "required")
 
 
@@ -37,7 +39,8 @@ def train_tok(out: Path):
 
     from codeforge.tokenizer import train_tokenizer
     lib = Path(sysconfig.get_paths()["stdlib"])
-    texts = [p.read_text(errors="replace") for d in ("json", "asyncio", "email") for p in sorted((lib / d).glob("*.py"))]
+    texts = [p.read_text(errors="replace") for d in ("json", "asyncio", "email")
+             for p in sorted((lib / d).glob("*.py"))]
     return train_tokenizer(iter(texts), SHAPE["vocab_size"], out)[0]
 
 
@@ -55,7 +58,9 @@ def make_engine(tok):
     return Engine(model, tok, "cpu", "fp32")
 
 
-def run_once(eng, prompt: list[int], grammar, batch: int, new_tokens: int, seed: int) -> tuple[float, int, int]:
+def run_once(
+    eng, prompt: list[int], grammar, batch: int, new_tokens: int, seed: int
+) -> tuple[float, int, int]:
     """(seconds, tokens written, row-steps masked) of one generate_ids call."""
     from codeforge.engine import SamplingParams
     p = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=seed, stop_at_eot=False)
@@ -91,7 +96,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tok = train_tok(Path(d) / "tok")
     eng = make_engine(tok)
-    prompt = encode_conversation(tok, [{"role": "user", "content": "Run the tests in tests/ and read setup.py"}],
+    prompt = encode_conversation(tok,
+                                 [{"role": "user", "content": "Run the tests in tests/ and read setup.py"}],
                                  None, add_generation_prompt=True)[0]
     t0 = time.perf_counter()
     ToolGrammar(tok, None, "none")
@@ -130,12 +136,13 @@ def main() -> None:
     print(f"constrained decoding cost, model cpu-small ({params / 1e6:.1f}M parameters, random weights, "
           f"vocab {tok.vocab_size}), fp32, {a.threads} threads, {a.new_tokens} new tokens per row, "
           f"temperature 1, best of {a.repeats}")
-    print(f"{'mode':14s} {'batch':>5s} {'ms/token':>9s} {'tokens/s':>9s} {'vs free':>8s} {'masked':>7s} {'tokens':>7s}")
+    print(f"{'mode':14s} {'batch':>5s} {'ms/token':>9s} {'tokens/s':>9s} "
+          f"{'vs free':>8s} {'masked':>7s} {'tokens':>7s}")
     for r in rows:
         print(f"{r['mode']:14s} {r['batch']:5d} {r['ms_per_token']:9.2f} {r['tokens_per_s']:9.1f} "
               f"{r['vs_unconstrained']:7.2f}x {r['masked_share']:7.0%} {r['tokens']:7d}")
-    print(f"one-time: tokenizer bridge {bridge_s * 1000:.0f} ms (once per tokenizer); ToolGrammar with the 5 tools "
-          f"{compile_s * 1000:.1f} ms (once per request); Constraint {new_us:.1f} us (per row)")
+    print(f"one-time: tokenizer bridge {bridge_s * 1000:.0f} ms (once per tokenizer); ToolGrammar with the 5 "
+          f"tools {compile_s * 1000:.1f} ms (once per request); Constraint {new_us:.1f} us (per row)")
     print(f"load average at the end {', '.join(f'{x:.1f}' for x in os.getloadavg())} "
           f"(OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']})")
 

@@ -29,12 +29,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 MODELS = {  # Llama-style, so that every engine (and llama.cpp's llama architecture) runs it
-    "small": dict(vocab_size=8192, block_size=1024, n_layer=4, n_head=4, n_embd=256, mlp="swiglu", ffn_hidden=704,
-                  norm="rmsnorm", pos="rope", bias=False),
+    "small": dict(vocab_size=8192, block_size=1024, n_layer=4, n_head=4, n_embd=256, mlp="swiglu",
+                  ffn_hidden=704, norm="rmsnorm", pos="rope", bias=False),
     "qwen-small": dict(vocab_size=32000, block_size=1024, n_layer=12, n_head=12, n_kv_head=4, n_embd=768,
                        mlp="swiglu", ffn_hidden=3072, norm="rmsnorm", norm_eps=1e-6, pos="rope", bias=False),
 }
-PROMPT = 'def parse_config(path: str) -> dict:\n    """Read a TOML file and return its tables."""\n    with open(path'
+PROMPT = ('def parse_config(path: str) -> dict:\n    """Read a '
+          'TOML file and return its tables."""\n    with open(path')
 
 
 def make_run(root: Path, spec: dict, tok_dir: Path) -> Path:
@@ -52,12 +53,14 @@ def make_run(root: Path, spec: dict, tok_dir: Path) -> Path:
 
 
 def train_tok(out: Path) -> Path:
-    """A llama.cpp-compatible tokenizer (--split llama3) from the Python standard library's json and asyncio."""
+    """A llama.cpp-compatible tokenizer (--split llama3) from the Python standard
+    library's json and asyncio."""
     import sysconfig
 
     from codeforge.tokenizer import train_tokenizer
     lib = Path(sysconfig.get_paths()["stdlib"])
-    texts = [p.read_text(errors="replace") for d in ("json", "asyncio", "email") for p in sorted((lib / d).glob("*.py"))]
+    texts = [p.read_text(errors="replace") for d in ("json", "asyncio", "email")
+             for p in sorted((lib / d).glob("*.py"))]
     train_tokenizer(iter(texts), 8192, out, split="llama3")
     return out
 
@@ -90,7 +93,8 @@ def bench_transformers(hf_dir: Path, ids: list[int], n: int) -> float:
     mask = torch.ones_like(x)
 
     def go(k: int) -> int:
-        gc = GenerationConfig(max_new_tokens=k, min_new_tokens=0, do_sample=False, eos_token_id=None, pad_token_id=0)
+        gc = GenerationConfig(max_new_tokens=k, min_new_tokens=0, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
         with torch.inference_mode():
             return hf.generate(x, attention_mask=mask, generation_config=gc).shape[1] - len(ids)
     go(16)
@@ -99,7 +103,8 @@ def bench_transformers(hf_dir: Path, ids: list[int], n: int) -> float:
 
 def bench_llama_cpp(gguf_file: Path, ids: list[int], n: int, threads: int) -> float:
     import llama_cpp
-    llm = llama_cpp.Llama(model_path=str(gguf_file), n_ctx=1024, n_batch=512, n_threads=threads, verbose=False)
+    llm = llama_cpp.Llama(model_path=str(gguf_file), n_ctx=1024, n_batch=512, n_threads=threads,
+                          verbose=False)
 
     def go(k: int) -> int:
         llm.reset()
@@ -151,11 +156,12 @@ def main() -> None:
             rows.append(("llama.cpp", None))
     base = dict(rows)["transformers generate (fp32)"]
     if a.json:
-        print(json.dumps({"model": a.model, "params": params, "new_tokens": a.new_tokens, "threads": a.threads,
-                          "tokens_per_s": dict(rows)}))
+        print(json.dumps({"model": a.model, "params": params, "new_tokens": a.new_tokens,
+                          "threads": a.threads, "tokens_per_s": dict(rows)}))
         return
     print(f"decode, batch 1, {a.new_tokens} new tokens, {a.threads} threads, model {a.model} "
-          f"({params / 1e6:.1f}M parameters, {MODELS[a.model]['n_layer']} layers, width {MODELS[a.model]['n_embd']})")
+          f"({params / 1e6:.1f}M parameters, {MODELS[a.model]['n_layer']} layers, width "
+          f"{MODELS[a.model]['n_embd']})")
     print(f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}; load average at the end "
           f"{', '.join(f'{x:.1f}' for x in os.getloadavg())} (a shared machine: other jobs ran meanwhile)")
     print(f"{'engine':42s} {'tokens/s':>9s} {'vs transformers':>16s}")

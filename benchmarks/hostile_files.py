@@ -12,8 +12,10 @@ landed in the output).
     python benchmarks/hostile_files.py                              # this checkout
     python benchmarks/hostile_files.py --before /tmp/cf-old         # both, one table: before | after
 
-Cases are two lists of Case(name, build, leaked): `build(dir, base)` writes the input under the empty `dir` and
-returns the codeforge argv to run; `base` holds a tokenizer, prepared data, a 2-step training run and a Hugging
+Cases are two lists of Case(name, build, leaked): `build(dir, base)` writes the
+input under the empty `dir` and
+returns the codeforge argv to run; `base` holds a tokenizer, prepared data, a
+2-step training run and a Hugging
 Face export of a tiny model, built once per invocation with this checkout's code. CHECKPOINT_CASES cover
 checkpoints, run directories and `import --hf`; CORPUS_CASES (below, kept apart) are the corpus readers'.
 """
@@ -54,7 +56,8 @@ def codeforge(*args: str, code: Path = HERE) -> None:
 
 
 class Base:
-    """What the cases start from, built once: a tokenizer, prepared data, a trained run, a Hugging Face dir."""
+    """What the cases start from, built once: a tokenizer, prepared data, a
+    trained run, a Hugging Face dir."""
 
     def __init__(self, root: Path):
         self.root = root
@@ -66,11 +69,11 @@ class Base:
         codeforge("tokenizer", "train", "--input", *src, "--vocab-size", "300", "--out", str(self.tokenizer))
         codeforge("prepare", "--input", *src, "--tokenizer", str(self.tokenizer), "--out", str(self.data),
                   "--val-fraction", "0.1")
-        codeforge("train", "--data", str(self.data), "--out", str(self.run), "--max-iters", "2", "--save-every", "2",
-                  *TINY)
+        codeforge("train", "--data", str(self.data), "--out", str(self.run), "--max-iters", "2",
+                  "--save-every", "2", *TINY)
         llama = root / "llama"
-        codeforge("train", "--data", str(self.data), "--out", str(llama), "--max-iters", "1", *TINY, "--pos", "rope",
-                  "--norm", "rmsnorm", "--mlp", "swiglu", "--no-bias")
+        codeforge("train", "--data", str(self.data), "--out", str(llama), "--max-iters", "1", *TINY, "--pos",
+                  "rope", "--norm", "rmsnorm", "--mlp", "swiglu", "--no-bias")
         codeforge("export", "--run", str(llama), "--format", "hf", "--out", str(self.hf), "--no-verify")
 
     def copy_run(self, d: Path) -> tuple[Path, Path]:
@@ -86,15 +89,19 @@ class Base:
 # -- what an attacker does to a checkpoint -------------------------------------------------------------------
 
 def rehash(ck: Path) -> None:
-    """Write the manifest again over the edited files: anyone can (the manifest is a checksum, not a signature)."""
-    files = {f.relative_to(ck).as_posix(): f for f in sorted(ck.rglob("*")) if f.is_file() and f.name != "manifest.json"}
+    """Write the manifest again over the edited files: anyone can (the manifest is a
+    checksum, not a signature)."""
+    files = {f.relative_to(ck).as_posix(): f for f in sorted(ck.rglob("*")) if f.is_file()
+             and f.name != "manifest.json"}
     import hashlib
     entries = {}
     for rel, f in files.items():
         with open(f, "rb") as fh:
-            entries[rel] = {"bytes": f.stat().st_size, "sha256": hashlib.file_digest(fh, "sha256").hexdigest()}
+            entries[rel] = {"bytes": f.stat().st_size,
+                            "sha256": hashlib.file_digest(fh, "sha256").hexdigest()}
     step = int(ck.name.split("_")[-1])
-    (ck / "manifest.json").write_text(json.dumps({"format": "codeforge-checkpoint/2", "step": step, "files": entries}))
+    (ck / "manifest.json").write_text(json.dumps({"format": "codeforge-checkpoint/2", "step": step,
+                                                  "files": entries}))
 
 
 def edit_model(ck: Path, manifest: bool = True, **model) -> None:
@@ -112,11 +119,13 @@ def sparse_weights(path: Path, model_cfg: dict) -> None:
     sparse file, a few KB on disk, that says the model is real (config and weights agree)."""
     from codeforge.models import model_config, state_shapes
     shapes, tied = state_shapes(model_config(model_cfg))
-    skip = {n for g in tied for n in g[:-1]}  # a tied tensor is stored once (safetensors keeps lm_head's name)
+    # a tied tensor is stored once (safetensors keeps lm_head's name)
+    skip = {n for g in tied for n in g[:-1]}
     header, at = {}, 0
     for name, shape in shapes.items():
         if name not in skip:
-            header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [at, at + 4 * math.prod(shape)]}
+            header[name] = {"dtype": "F32", "shape": list(shape),
+                            "data_offsets": [at, at + 4 * math.prod(shape)]}
             at += 4 * math.prod(shape)
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
@@ -125,7 +134,8 @@ def sparse_weights(path: Path, model_cfg: dict) -> None:
         f.truncate(8 + len(raw) + at)
 
 
-BIG = dict(n_layer=24, n_embd=4096, n_head=32, n_kv_head=32, ffn_hidden=16384)  # 4.8B parameters, 19 GB in float32
+# 4.8B parameters, 19 GB in float32
+BIG = dict(n_layer=24, n_embd=4096, n_head=32, n_kv_head=32, ffn_hidden=16384)
 MAXIMA = dict(n_layer=256, n_embd=16_384, n_head=256, n_kv_head=256, vocab_size=200_000, block_size=131_072,
               ffn_hidden=1 << 20)
 
@@ -142,9 +152,11 @@ def declared(command: str, model: dict) -> Callable[[Path, Base], list[str]]:
         return {"generate": generate(run),
                 "eval": ["eval", "--run", str(run), "--syntax-samples", "0"],
                 "serve": ["serve", "--run", str(run), "--port", "0"],
-                "export": ["export", "--run", str(run), "--format", "hf", "--out", str(d / "out"), "--no-verify"],
+                "export": ["export", "--run", str(run), "--format", "hf", "--out", str(d / "out"),
+                           "--no-verify"],
                 "train": ["train", "--data", str(base.data), "--out", str(d / "new"), "--init-from", str(run),
-                          "--max-iters", "1", "--device", "cpu", "--no-progress", "--no-tensorboard"]}[command]
+                          "--max-iters", "1", "--device", "cpu", "--no-progress",
+                          "--no-tensorboard"]}[command]
     return build
 
 
@@ -217,8 +229,8 @@ def resume_declared(d: Path, base: Base) -> list[str]:
     run, ck = base.copy_run(d)
     edit_model(ck, **BIG)
     lines = (run / "config.toml").read_text().splitlines()
-    (run / "config.toml").write_text("\n".join(f"{k} = {BIG[k]}" if (k := line.split(" = ")[0]) in BIG else line
-                                               for line in lines) + "\n")
+    (run / "config.toml").write_text("\n".join(f"{k} = {BIG[k]}" if (k := line.split(" = ")[0]) in BIG
+                                               else line for line in lines) + "\n")
     return ["train", "--data", str(base.data), "--out", str(run), "--resume", "--max-iters", "4"]
 
 
@@ -264,8 +276,8 @@ def hf_big_and_real(d: Path, base: Base) -> list[str]:
     from codeforge.models import state_shapes
     hf = base.copy_hf(d)
     c = json.loads((hf / "config.json").read_text())
-    c.update(hidden_size=4096, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32, head_dim=128,
-             intermediate_size=16384)
+    c.update(hidden_size=4096, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32,
+             head_dim=128, intermediate_size=16384)
     (hf / "config.json").write_text(json.dumps(c))
     m, fam = config_from_hf(c)
     ours, rows = state_shapes(m)[0], splits(m)
@@ -324,7 +336,8 @@ NOT_JSON = (10).to_bytes(8, "little") + b"not json!!"
 @dataclass
 class Case:
     name: str  # what is hostile about the input
-    build: Callable[[Path, Base], list[str]]  # writes the input under an empty dir; returns the codeforge argv
+    # writes the input under an empty dir; returns the codeforge argv
+    build: Callable[[Path, Base], list[str]]
     leaked: Callable[[Path], bool] | None = None  # after the run: did a file from outside reach the output?
 
 
@@ -367,7 +380,8 @@ CHECKPOINT_CASES = [
 
 # -- corpus readers ------------------------------------------------------------------------------------------
 # Kept apart: cases for `tokenizer train`, `prepare`, `make-sft`, ... on hostile corpus files go here.
-# One line of 'a' with no newline compresses 32,000:1 in zstd, 1,000:1 in gzip; one parquet value compresses in
+# One line of 'a' with no newline compresses 32,000:1 in zstd, 1,000:1 in gzip;
+# one parquet value compresses in
 # its page; a dictionary page lets every row repeat one large value. Each file holds one good record besides,
 # so a reader that skips the hostile one prepares a corpus of one document (exit 0).
 
@@ -404,11 +418,12 @@ def long_line(ext: str, gib: float, what: str) -> Callable[[Path, Base], list[st
         if what == "text":
             return prepare_args(one_line(d / f"d.jsonl{ext}", b'{"text": "', gib, GOOD_TEXT), d, base)
         if what == "chat":
-            path = one_line(d / f"c.jsonl{ext}", b'{"messages": [{"role": "user", "content": "', gib, GOOD_CHAT)
+            path = one_line(d / f"c.jsonl{ext}", b'{"messages": [{"role": "user", "content": "', gib,
+                            GOOD_CHAT)
             return prepare_args(path, d, base, "--chat")
         path = one_line(d / f"p.jsonl{ext}", b'{"prompt": "x", "chosen": "', gib, GOOD_PAIR)
-        return ["train", "--stage", "dpo", "--init-from", str(base.run), "--data", str(path), "--out", str(d / "run"),
-                "--max-iters", "1", "--device", "cpu", "--no-progress", "--no-tensorboard"]
+        return ["train", "--stage", "dpo", "--init-from", str(base.run), "--data", str(path), "--out",
+                str(d / "run"), "--max-iters", "1", "--device", "cpu", "--no-progress", "--no-tensorboard"]
     return build
 
 
@@ -416,7 +431,8 @@ HUGE_PARQUET = r"""
 import sys
 import numpy as np, pyarrow as pa, pyarrow.parquet as pq
 n = 300 << 20
-huge = pa.StringArray.from_buffers(1, pa.py_buffer(np.array([0, n], dtype=np.int32).tobytes()), pa.py_buffer(b"a" * n))
+huge = pa.StringArray.from_buffers(1, pa.py_buffer(np.array([0, n], dtype=np.int32).tobytes()),
+                                   pa.py_buffer(b"a" * n))
 with pq.ParquetWriter(sys.argv[1], pa.schema([("text", pa.string())]), compression="zstd") as w:
     w.write_table(pa.table({"text": ["ok = 1\n"]}))
     w.write_table(pa.table({"text": huge}))
@@ -436,14 +452,16 @@ def parquet_dictionary(d: Path, base: Base) -> list[str]:
     twice (Arrow's dense copy, then Python's)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    col = pa.DictionaryArray.from_arrays(pa.array([1] + [0] * 10_000, pa.int32()), pa.array(["b" * 900_000, "ok = 1\n"]))
+    col = pa.DictionaryArray.from_arrays(pa.array([1] + [0] * 10_000, pa.int32()),
+                                         pa.array(["b" * 900_000, "ok = 1\n"]))
     pq.write_table(pa.table({"text": col}), d / "dict.parquet", compression="zstd")
     return prepare_args(d / "dict.parquet", d, base)
 
 
 def many_documents(d: Path, base: Base) -> list[str]:
     """200 distinct 100 KB documents in a 100 KB .jsonl.zst (zstd finds each in the one before): 20 MB of text
-    that `prepare` encoded as one batch, the tokenizer holding 150-320 bytes per byte of text while it encodes."""
+    that `prepare` encoded as one batch, the tokenizer holding 150-320 bytes per
+    byte of text while it encodes."""
     import zstandard
     body = (STDLIB / "typing.py").read_text()[:100_000]
     lines = "".join(json.dumps({"text": f"# document {i}\n" + body}) + "\n" for i in range(200))
@@ -483,8 +501,8 @@ def fifo_in_tree(d: Path, base: Base) -> list[str]:
 
 
 def secret_in_shards(out_name: str) -> Callable[[Path], bool]:
-    """After the run: does a document of the prepared data under d/out_name hold the secret? (Shards hold token
-    ids, so they are decoded with the tokenizer copied beside them.)"""
+    """After the run: does a document of the prepared data under d/out_name hold the secret? (Shards hold
+    token ids, so they are decoded with the tokenizer copied beside them.)"""
     def leaked(d: Path) -> bool:
         out = d / out_name
         if not (out / "meta.json").exists():
@@ -527,7 +545,8 @@ class Result:
     line: str  # the last line of stderr
 
 
-CAP_WORDS = ("MemoryError", "can't allocate memory", "Cannot allocate memory", "std::bad_alloc", "out of memory")
+CAP_WORDS = ("MemoryError", "can't allocate memory", "Cannot allocate memory", "std::bad_alloc",
+             "out of memory")
 
 
 def run_case(case: Case, base: Base, code: Path, limit: float, cap: int, work: Path) -> Result:
@@ -589,15 +608,18 @@ def command(argv: list[str]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--code-dir", type=Path, default=HERE, help="checkout whose codeforge runs the cases (default: "
+    ap.add_argument("--code-dir", type=Path, default=HERE,
+                    help="checkout whose codeforge runs the cases (default: "
                                                                "this one)")
-    ap.add_argument("--before", type=Path, default=None, help="also run a checkout of the code before the fix, and "
+    ap.add_argument("--before", type=Path, default=None,
+                    help="also run a checkout of the code before the fix, and "
                                                               "print both (before | after: --code-dir)")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds a case may run (default 60)")
     ap.add_argument("--cap-gb", type=float, default=3.0, help="address-space cap of a case, GiB (default 3)")
     ap.add_argument("--cases", default="", help="only cases whose name contains this")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
-    ap.add_argument("--errors", action="store_true", help="print each case's last stderr line after the table")
+    ap.add_argument("--errors", action="store_true",
+                    help="print each case's last stderr line after the table")
     a = ap.parse_args()
     cap = int(a.cap_gb * 2**30)
     sys.path.insert(0, str(HERE))  # the builders import this checkout's codeforge
@@ -634,7 +656,8 @@ def header(labels: list[str]) -> str:
 
 
 def fmt_row(row: dict, labels: list[str]) -> str:
-    cells = "".join(f" | {row[k]['rss_mb']:6.0f} MB {row[k]['seconds']:5.1f} s  {row[k]['outcome']:<30}" for k in labels)
+    cells = "".join(f" | {row[k]['rss_mb']:6.0f} MB {row[k]['seconds']:5.1f} s  {row[k]['outcome']:<30}"
+                    for k in labels)
     return f"{row['case']:<44} | {row['command']:<8}{cells}"
 
 

@@ -15,7 +15,8 @@ same tokenizer, the same seed and the same data order: a step reads the same B f
        iteration, so k generator-sized passes match it (the planner pass is not counted on either side).
   HRM  models/hrm.py through `codeforge train --stage hrm`'s library path (stages/hrm.py).
 
-Truncation is the HRM's (data/hrm_batches.HRMBatches): the body to code_len - 2 tokens (<eot> only when whole), the
+Truncation is the HRM's (data/hrm_batches.HRMBatches): the body to code_len - 2
+tokens (<eot> only when whole), the
 prompt to the tokens that fit plan_len beside the plan; the GPT rows reuse those cuts, so every model is
 scored on the same body tokens. Held-out body bits per byte: the loss of the body tokens and their <eot>
 over the body's bytes, for the GPTs given <eot> P (G0) or <eot> P + plan (G1, the gold plan) and for the HRM
@@ -81,27 +82,34 @@ def peak_rss_mb() -> float:
 
 class Rows:
     """Token rows of one split for a GPT baseline, cut as the HRM cuts: ids (list) and body_start (index of
-    the first body token in ids). kind "g0": <eot> P' Y' [<eot>]; "g1": <eot> P' \\n<plan> ' S <code>' Y' [<eot>]."""
+    the first body token in ids). kind "g0": <eot> P' Y' [<eot>]; "g1": <eot> P'
+    \\n<plan> ' S <code>' Y' [<eot>]."""
 
     def __init__(self, data, tok, kind: str, plan_len: int, code_len: int, block_size: int):
         from codeforge.data.hrm_batches import HRMBatches
         from codeforge.models.hrm import PLAN_ID
         from codeforge.mining.plans import CODE_OPEN, PLAN_OPEN, plan_text
-        cut = HRMBatches.__new__(HRMBatches)  # only its truncation rule (_fixed_rows), without the batch state
+        # only its truncation rule (_fixed_rows), without the batch state
+        cut = HRMBatches.__new__(HRMBatches)
         cut.data, cut.plan_len, cut.code_len = data, plan_len, code_len
         from collections import Counter
         cut.truncated = Counter()
         eot = tok.eot_id
         plan_open = tok.encode("\n" + PLAN_OPEN)
         self.ids, self.body_start, self.prompt_ids, self.cut_prompt = [], [], [], 0
-        mids = tok.encode_batch([f" {' '.join(r['plan'])} {CODE_OPEN}" for r in data.records]) if kind == "g1" else None
+        mids = (
+            tok.encode_batch([f" {' '.join(r['plan'])} {CODE_OPEN}" for r in data.records])
+            if kind == "g1"
+            else None
+        )
         for i, rec in enumerate(data.records):
             plan_row, code_row = cut._fixed_rows(i, count=False)
             p = plan_row[:plan_row.index(PLAN_ID)]           # P' (the HRM's prompt cut)
             body = [t for t in code_row[1:]]                # Y' and <eot> when whole
             if kind == "g1":
-                assert rec["prompt"] + "\n" + PLAN_OPEN + f" {' '.join(rec['plan'])} {CODE_OPEN}" + rec["body"] \
-                    == plan_text(rec)
+                assert rec["prompt"] + "\n" + PLAN_OPEN + f" {' '.join(rec['plan'])} {CODE_OPEN}" + rec[
+                    "body"
+                ] == plan_text(rec)
                 mid = plan_open + mids[i]
             else:
                 mid = []
@@ -143,7 +151,8 @@ class RowBatches:
         self.pos += 1
         self.drawn += 1
         eot = self.rows.ids[0][0]
-        stream = [t for i in ids for t in (lambda r: r[:-1] if r[-1] == eot else r)(self.rows.ids[int(i)])] + [eot]
+        stream = [t for i in ids
+                  for t in (lambda r: r[:-1] if r[-1] == eot else r)(self.rows.ids[int(i)])] + [eot]
         T = self.T
         return collate([stream[s:s + T + 1] for s in range(0, len(stream) - 1, T)], self.pad)
 
@@ -165,7 +174,8 @@ def collate(rows: list[list[int]], pad: int, starts: list[int] | None = None):
         x[b, :len(r) - 1] = t[:-1]
         y[b, :len(r) - 1] = t[1:]
         if starts is not None:
-            y[b, :starts[b] - 1] = -1  # position j predicts token j + 1: the first body token is predicted at start-1
+            # position j predicts token j + 1: the first body token is predicted at start-1
+            y[b, :starts[b] - 1] = -1
     return x, y
 
 
@@ -181,7 +191,8 @@ def gpt_body_eval(model, rows: Rows, B: int, eval_tokens: int, token_bytes):
         for s in range(0, len(rows.ids), B):
             x, y = collate(rows.ids[s:s + B], 0, rows.body_start[s:s + B])
             logits = model(x).float()
-            ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1, reduction="sum")
+            ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1,
+                                 reduction="sum")
             counted = y != -1
             nats += float(ce)
             hits += int(((logits.argmax(-1) == y) & counted).sum())
@@ -191,22 +202,23 @@ def gpt_body_eval(model, rows: Rows, B: int, eval_tokens: int, token_bytes):
                 break
     model.train(was)
     loss = nats / max(n_tok, 1)
-    return {"val_loss": loss, "perplexity": math.exp(min(loss, 50)), "bits_per_byte": nats / math.log(2) / max(n_bytes, 1),
+    return {"val_loss": loss, "perplexity": math.exp(min(loss, 50)),
+            "bits_per_byte": nats / math.log(2) / max(n_bytes, 1),
             "eval_tokens": n_tok, "extra": {"code_accuracy": hits / max(n_tok, 1)}}
 
 
 def gpt_decode(engine, tok, prompts: list[list[int]], kind: str, max_new: int, temperature: float, seed: int,
                chunk: int = 16) -> list[tuple[list[str], str]]:
-    """(plan words, body) per prompt. g0: the body after P. g1: phase 1 writes the plan after `\\n<plan>` (up to
-    PLAN_TOKENS, cut at `<code>`), phase 2 the body after the plan re-tokenized as in training."""
+    """(plan words, body) per prompt. g0: the body after P. g1: phase 1 writes the plan after `\\n<plan>` (up
+    to PLAN_TOKENS, cut at `<code>`), phase 2 the body after the plan re-tokenized as in training."""
     from codeforge.engine import SamplingParams
     from codeforge.mining.plans import CODE_OPEN
 
     def run(ids: list[list[int]], n: int, stop: list[str]) -> list[str]:
         out = []
         for s in range(0, len(ids), chunk):
-            p = SamplingParams(max_new_tokens=n, temperature=temperature, top_k=SAMPLE_TOP_K if temperature else 0,
-                               seed=seed + s, stop=stop)
+            p = SamplingParams(max_new_tokens=n, temperature=temperature,
+                               top_k=SAMPLE_TOP_K if temperature else 0, seed=seed + s, stop=stop)
             out += engine.complete_ids(ids[s:s + chunk], p, warn=lambda m: None)
         return out
 
@@ -253,9 +265,11 @@ def metrics_summary(run_dir: Path, B: int) -> dict:
         secs += (r["tokens"] - prev_tok) / max(r["tokens_per_s"], 1e-9)
         prev_tok, prev_step = r["tokens"], r["step"]
     final = [json.loads(x) for x in open(run_dir / "metrics.jsonl") if '"val_bpb"' in x][-1]
-    return {"train_seconds": secs, "steps": prev_step, "tokens": prev_tok, "tokens_per_s": prev_tok / max(secs, 1e-9),
+    return {"train_seconds": secs, "steps": prev_step, "tokens": prev_tok,
+            "tokens_per_s": prev_tok / max(secs, 1e-9),
             "ms_per_step": 1000 * secs / max(prev_step, 1), "curve": curve, "final_bpb": final["val_bpb"],
-            "code_token_accuracy": final.get("val_code_accuracy"), "decision_accuracy": final.get("val_decision_accuracy"),
+            "code_token_accuracy": final.get("val_code_accuracy"),
+            "decision_accuracy": final.get("val_decision_accuracy"),
             "plan_token_accuracy": final.get("val_plan_accuracy")}
 
 
@@ -306,7 +320,9 @@ def worker(spec: dict) -> None:
     tok = CodeTokenizer.load(spec["tokenizer"])
     kind, seed, B = spec["model"], spec["seed"], TRAIN["batch_size"]
     # the HRM stage reads its own copies of the data: the worker's are loaded after its training
-    train_data = PlanData(spec["plans"], "train", tok) if kind != "hrm" or spec["budget"] == "seconds" else None
+    train_data = (
+        PlanData(spec["plans"], "train", tok) if kind != "hrm" or spec["budget"] == "seconds" else None
+    )
     hc = spec["hrm_config"]
     result: dict = {"model": kind, "seed": seed}
     if kind == "hrm":
@@ -315,7 +331,8 @@ def worker(spec: dict) -> None:
         from codeforge.models import build_model
         from codeforge.stages import hrm as hrm_stage
         flags = {"train.stage": "hrm", "train.data": spec["plans"], "train.tokenizer": spec["tokenizer"],
-                 "train.out": str(out / "run"), "train.device": "cpu", "train.seed": seed, "train.progress": False,
+                 "train.out": str(out / "run"), "train.device": "cpu", "train.seed": seed,
+                 "train.progress": False,
                  "train.tensorboard": False, "train.save_every": 0, "train.log_every": 5,
                  "train.eval_every": 0,
                  "train.eval_tokens": EVAL_TOKENS, **{f"train.{k}": v for k, v in TRAIN.items()},
@@ -382,14 +399,17 @@ def worker(spec: dict) -> None:
             del m
         torch.manual_seed(seed)
         model = build_model(gcfg)
-        tcfg = TrainConfig(data=spec["plans"], out=str(out / "run"), max_iters=steps, eval_every=max(1, steps // EVALS),
+        tcfg = TrainConfig(data=spec["plans"], out=str(out / "run"), max_iters=steps,
+                           eval_every=max(1, steps // EVALS),
                            eval_tokens=EVAL_TOKENS, save_every=0, log_every=5, seed=seed, device="cpu",
                            precision="fp32", tensorboard=False, progress=False, **TRAIN)
         run_config = {"model": gcfg.to_dict(), "train": tcfg.__dict__.copy(), "tokenizer_hash": tok.hash}
-        trainer = Trainer(model, RowBatches(rows, B, seed, pad, spec["block_size"]), loss_fn, tcfg, out / "run", device=dev,
-                          precision="fp32", total_steps=steps, tokens_per_step=max(1, round(rows.mean_tokens * B)),
+        trainer = Trainer(model, RowBatches(rows, B, seed, pad, spec["block_size"]), loss_fn, tcfg,
+                          out / "run", device=dev, precision="fp32", total_steps=steps,
+                          tokens_per_step=max(1, round(rows.mean_tokens * B)),
                           run_config=run_config, assets={"tokenizer": tok.path},
-                          evaluate=lambda mdl: gpt_body_eval(mdl, vrows, B, EVAL_TOKENS, token_bytes), log=say)
+                          evaluate=lambda mdl: gpt_body_eval(mdl, vrows, B, EVAL_TOKENS, token_bytes),
+                          log=say)
         trainer.run()
         result["peak_rss_mb"], result["base_rss_mb"] = peak_rss_mb(), base_rss
         n_gen = min(spec["gen_cases"], len(val_data))
@@ -408,8 +428,8 @@ def worker(spec: dict) -> None:
                      "gen_plan": w, "gen_body": b} for r, (w, b) in zip(recs, gs)]
 
         result["gen"] = {"cases": len(recs), **plan_and_code_scores(pairs_of(gens))}
-        he_prompts = [[tok.eot_id] + tok.encode(p["prompt"].rstrip()) + (tok.encode("\n<plan>") if kind == "g1" else [])
-                      for p in problems]
+        he_prompts = [[tok.eot_id] + tok.encode(p["prompt"].rstrip())
+                      + (tok.encode("\n<plan>") if kind == "g1" else []) for p in problems]
         he = gpt_decode(eng, tok, he_prompts, kind, spec["max_new_tokens"], 0.0, seed) if problems else []
         if problems:
             result["humaneval"] = humaneval_pass1(problems, [b for _, b in he])
@@ -420,7 +440,8 @@ def worker(spec: dict) -> None:
             def best_of(prompts, greedy, langs, base_prompts):
                 cands = [greedy]
                 for j in range(1, k):
-                    cands.append(gpt_decode(eng, tok, prompts, "g1", spec["max_new_tokens"], SAMPLE_T, 1000 * j + seed))
+                    cands.append(gpt_decode(eng, tok, prompts, "g1", spec["max_new_tokens"], SAMPLE_T,
+                                            1000 * j + seed))
                 chosen, picked = [], []
                 for i in range(len(prompts)):
                     ok = [c for c in range(k) if cands[c][i][1].strip()
@@ -432,10 +453,12 @@ def worker(spec: dict) -> None:
 
             chosen, picked = best_of(vrows.prompt_ids[:n_gen], gens, [r["language"] for r in recs],
                                      [r["prompt"] for r in recs])
-            g2 = {"k": k, "cases": len(recs), "picked_sampled_share": sum(p > 0 for p in picked) / max(len(picked), 1),
+            g2 = {"k": k, "cases": len(recs),
+                  "picked_sampled_share": sum(p > 0 for p in picked) / max(len(picked), 1),
                   **plan_and_code_scores(pairs_of(chosen))}
             if problems:
-                hc_, _ = best_of(he_prompts, he, ["python"] * len(problems), [p["prompt"].rstrip() for p in problems])
+                hc_, _ = best_of(he_prompts, he, ["python"] * len(problems),
+                                 [p["prompt"].rstrip() for p in problems])
                 g2["humaneval"] = humaneval_pass1(problems, [b for _, b in hc_])
             result["g2"] = g2
         result["gen_examples"] = [{"prompt": r["prompt"][-200:], "gen_plan": " ".join(w), "gen_body": b[:400]}
@@ -465,8 +488,8 @@ def prepare_data(a) -> tuple[Path, Path, dict]:
         tok_dir = work / "tokenizer"
         if not ((work / "tokenizer_key.json").exists() and (tok_dir / "tokenizer.json").exists()):
             opts = CorpusOptions(languages=None, exclude_tests=True, val_fraction=0.0)
-            train_tokenizer((d.text for d in iter_documents(sources, opts, CorpusStats())), a.vocab_size, tok_dir,
-                            overwrite=True)
+            train_tokenizer((d.text for d in iter_documents(sources, opts, CorpusStats())), a.vocab_size,
+                            tok_dir, overwrite=True)
             (work / "tokenizer_key.json").write_text(json.dumps(key))
     return plans, tok_dir, {"sources": sources, **st}
 
@@ -517,9 +540,11 @@ def run_worker(a, spec: dict) -> dict:
     out.mkdir(parents=True)
     (out / "spec.json").write_text(json.dumps(spec))
     t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, __file__, "--worker", str(out / "spec.json")], capture_output=True, text=True)
+    p = subprocess.run([sys.executable, __file__, "--worker", str(out / "spec.json")], capture_output=True,
+                       text=True)
     if p.returncode:
-        raise SystemExit(f"worker {spec['model']} seed {spec['seed']} failed ({p.returncode}):\n{p.stderr[-4000:]}")
+        raise SystemExit(f"worker {spec['model']} seed {spec['seed']} failed "
+                         f"({p.returncode}):\n{p.stderr[-4000:]}")
     r = json.loads((out / "result.json").read_text())
     r["wall_seconds"] = time.perf_counter() - t0
     (out / "result.json").write_text(json.dumps(r, indent=1))
@@ -534,7 +559,9 @@ def tokens_to_target(curve: list, target: float) -> tuple[int | None, int | None
     return None, None
 
 
-def table_rows(results: dict[int, dict[str, dict]], targets: dict[int, float]) -> tuple[list[str], list[list[str]]]:
+def table_rows(
+    results: dict[int, dict[str, dict]], targets: dict[int, float]
+) -> tuple[list[str], list[list[str]]]:
     def get(r: dict, m: str, key: str):
         if m == "g2":
             g1 = r["g1"]
@@ -564,20 +591,26 @@ def table_rows(results: dict[int, dict[str, dict]], targets: dict[int, float]) -
             return None
         return x.get(key)
 
-    spec = [("parameters (total)", "params", "{:,.0f}"), ("parameters (non-embedding)", "params_non_embedding", "{:,.0f}"),
+    spec = [("parameters (total)", "params", "{:,.0f}"),
+            ("parameters (non-embedding)", "params_non_embedding", "{:,.0f}"),
             ("train FLOPs/token (flops_per_token())", "flops_per_token", "{:,.0f}"),
-            ("optimizer steps", "steps", "{:,.0f}"), ("training seconds (evals excluded)", "train_seconds", "{:.0f}"),
+            ("optimizer steps", "steps", "{:,.0f}"),
+            ("training seconds (evals excluded)", "train_seconds", "{:.0f}"),
             ("training tokens/s (own rows)", "tokens_per_s", "{:,.0f}"), ("ms/step", "ms_per_step", "{:.0f}"),
-            ("peak RSS MB (training process)", "peak_rss_mb", "{:.0f}"), ("  over base RSS MB", "rss_over_base", "{:.0f}"),
+            ("peak RSS MB (training process)", "peak_rss_mb", "{:.0f}"),
+            ("  over base RSS MB", "rss_over_base", "{:.0f}"),
             ("tokens to body-bpb target (own rows)", "tokens_to_target", "{:,.0f}"),
             ("functions to body-bpb target", "functions_to_target", "{:,.0f}"),
             ("final held-out body bits/byte", "final_bpb", "{:.3f}"),
-            ("plan word accuracy (generated)", "plan_word_accuracy", "{:.3f}"), ("plan exact match (generated)", "plan_exact", "{:.3f}"),
+            ("plan word accuracy (generated)", "plan_word_accuracy", "{:.3f}"),
+            ("plan exact match (generated)", "plan_exact", "{:.3f}"),
             ("code token accuracy (teacher-forced)", "code_token_accuracy", "{:.3f}"),
-            ("code exact match (generated)", "code_exact", "{:.3f}"), ("code AST node F1 (generated)", "code_ast_f1", "{:.3f}"),
-            ("decision accuracy", "decision_accuracy", "{:.3f}"), ("avg iterations", "avg_iterations", "{:.2f}"),
-            ("best-of-k (k)", "k", "{:.0f}"),
-            ("syntax-valid rate (generated)", "syntax_valid_rate", "{:.3f}"), ("HumanEval pass@1 (greedy)", "pass_at_1", "{:.3f}")]
+            ("code exact match (generated)", "code_exact", "{:.3f}"),
+            ("code AST node F1 (generated)", "code_ast_f1", "{:.3f}"),
+            ("decision accuracy", "decision_accuracy", "{:.3f}"),
+            ("avg iterations", "avg_iterations", "{:.2f}"), ("best-of-k (k)", "k", "{:.0f}"),
+            ("syntax-valid rate (generated)", "syntax_valid_rate", "{:.3f}"),
+            ("HumanEval pass@1 (greedy)", "pass_at_1", "{:.3f}")]
     header = ["metric", "G0 gpt plain", "G1 gpt plan-stream", "G2 G1 + best-of-k", "HRM"]
     out = []
     for name, key, fmt in spec:
@@ -602,22 +635,26 @@ def table_rows(results: dict[int, dict[str, dict]], targets: dict[int, float]) -
 
 def render(header: list[str], rows: list[list[str]]) -> str:
     w = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
-    line = lambda r: "| " + " | ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(r)) + " |"  # noqa: E731
+    line = lambda r: "| " + " | ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i])  # noqa: E731
+                                       for i, c in enumerate(r)) + " |"
     return "\n".join([line(header), "|" + "|".join("-" * (x + 2) for x in w) + "|"] + [line(r) for r in rows])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--corpus", nargs="+", help="source paths (Go or Python); default: python stdlib packages")
+    ap.add_argument("--corpus", nargs="+",
+                    help="source paths (Go or Python); default: python stdlib packages")
     ap.add_argument("--packages", nargs="+", default=STDLIB_PACKAGES, help="stdlib packages when no --corpus")
     ap.add_argument("--max-records", type=int, default=0, help="cap on mined functions (0: all)")
     ap.add_argument("--tokenizer", help="tokenizer dir (default: train one on the same sources)")
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--preset", default="hrm-tiny", help="HRM preset (hrm-tiny, hrm-small)")
     ap.add_argument("--budget", choices=("flops", "seconds"), default="flops")
-    ap.add_argument("--steps", type=int, default=150, help="--budget flops: HRM optimizer steps that set the FLOPs")
-    ap.add_argument("--seconds", type=float, default=120.0, help="--budget seconds: training seconds per model")
+    ap.add_argument("--steps", type=int, default=150,
+                    help="--budget flops: HRM optimizer steps that set the FLOPs")
+    ap.add_argument("--seconds", type=float, default=120.0,
+                    help="--budget seconds: training seconds per model")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--gen-cases", type=int, default=32, help="held-out functions decoded per model")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="body tokens at most per decode")
@@ -647,26 +684,31 @@ def main() -> None:
             humaneval = 0
             notes.append(f"HumanEval skipped: corpus languages {sorted(langs)} (it is Python only)")
     bud = plan_budget(a, plans, tok_dir)
-    print(f"data: {dstats['train']} train / {dstats['val']} val functions from {len(dstats['sources'])} source path(s) "
-          f"({dstats['files']} files); tokenizer {tok_dir}; HRM {a.preset} ({bud['hrm_nonemb']:,} non-embedding), "
-          f"GPT {bud['gpt_layers']} layers x {bud['hrm_config']['n_embd']} ({bud['gpt_nonemb']:,} non-embedding), "
-          f"context {bud['block_size']}", flush=True)
+    print(f"data: {dstats['train']} train / {dstats['val']} val functions from {len(dstats['sources'])} "
+          f"source path(s) ({dstats['files']} files); tokenizer {tok_dir}; HRM "
+          f"{a.preset} ({bud['hrm_nonemb']:,} non-embedding), "
+          f"GPT {bud['gpt_layers']} layers x {bud['hrm_config']['n_embd']} ({bud['gpt_nonemb']:,} "
+          f"non-embedding), context {bud['block_size']}", flush=True)
     if a.budget == "flops":
-        print(f"budget: {bud['flops']:.3e} training FLOPs each = HRM {a.steps} steps x {bud['hrm_tokens_per_step']} "
-              f"tokens x {bud['flops_per_token']['hrm']:,} FLOPs/token; GPT {bud['flops_per_token']['gpt']:,} "
+        print(f"budget: {bud['flops']:.3e} training FLOPs each = HRM {a.steps} steps x "
+              f"{bud['hrm_tokens_per_step']} tokens x {bud['flops_per_token']['hrm']:,} FLOPs/token; GPT "
+              f"{bud['flops_per_token']['gpt']:,} "
               f"FLOPs/token -> G0 {bud['max_iters']['g0']} steps x {bud['g0_tokens_per_step']} tokens, G1 "
               f"{bud['max_iters']['g1']} steps x {bud['g1_tokens_per_step']} tokens", flush=True)
     else:
-        print(f"budget: {a.seconds:.0f} s of training per model; codeforge train has no time-limit option, so each "
+        print(f"budget: {a.seconds:.0f} s of training per model; "
+              "codeforge train has no time-limit option, so each "
               f"worker times a few throwaway steps first and trains round(S / s_per_step) steps", flush=True)
     results: dict[int, dict[str, dict]] = {}
     for seed in a.seeds:
         results[seed] = {}
         for kind in ("hrm", "g0", "g1"):
-            spec = {"model": kind, "seed": seed, "out": str(Path(a.work) / f"seed{seed}" / kind), "plans": str(plans),
+            spec = {"model": kind, "seed": seed, "out": str(Path(a.work) / f"seed{seed}" / kind),
+                    "plans": str(plans),
                     "tokenizer": str(tok_dir), "preset": a.preset, "hrm_config": bud["hrm_config"],
                     "gpt_layers": bud["gpt_layers"], "block_size": bud["block_size"], "budget": a.budget,
-                    "seconds": a.seconds, "max_iters": bud.get("max_iters", {}).get(kind), "gen_cases": a.gen_cases,
+                    "seconds": a.seconds, "max_iters": bud.get("max_iters", {}).get(kind),
+                    "gen_cases": a.gen_cases,
                     "max_new_tokens": a.max_new_tokens, "humaneval": humaneval, "threads": a.threads}
             if kind == "g1":
                 spec["k"] = max(1, round(1 + results[seed]["hrm"]["gen"]["avg_iterations"]))
@@ -684,22 +726,25 @@ def main() -> None:
     print(f"command: python benchmarks/hrm_compare.py {' '.join(sys.argv[1:])}")
     print(f"seeds {a.seeds}; budget {a.budget}"
           + (f" ({a.steps} HRM steps of FLOPs)" if a.budget == "flops" else f" ({a.seconds:.0f} s each)")
-          + f"; batch {TRAIN['batch_size']}, lr {TRAIN['learning_rate']} cosine, warm-up {TRAIN['warmup_steps']}; "
+          + f"; batch {TRAIN['batch_size']}, lr {TRAIN['learning_rate']} cosine, warm-up "
+            f"{TRAIN['warmup_steps']}; "
           f"{a.threads} torch threads; load average {load0[0]:.2f} at start, {load1[0]:.2f} at end "
           f"(2 cores; other jobs share them, so seconds and tokens/s are noisy)")
     print(f"body bpb target per seed (the worst model's final value): "
           f"{', '.join(f'seed {s}: {t:.3f}' for s, t in targets.items())}")
-    print(f"G2: best-of-k with k = round(1 + HRM avg_iterations) = {ks} generator passes (HRM: 1 generator pass + "
-          f"avg_iterations refiner passes); candidate 0 greedy, others sampled at T={SAMPLE_T} top-k {SAMPLE_TOP_K}; "
-          f"first tree-sitter-valid kept")
-    print(f"generation: greedy, {a.gen_cases} held-out functions, <= {PLAN_TOKENS} plan + {a.max_new_tokens} body tokens"
-          f"; HumanEval: {humaneval or 'skipped'} problems, one program each, in the sandbox")
+    print("G2: best-of-k with k = round(1 + HRM avg_iterations) "
+          f"= {ks} generator passes (HRM: 1 generator pass + "
+          f"avg_iterations refiner passes); candidate 0 greedy, others sampled at T={SAMPLE_T} top-k "
+          f"{SAMPLE_TOP_K}; first tree-sitter-valid kept")
+    print(f"generation: greedy, {a.gen_cases} held-out functions, <= {PLAN_TOKENS} plan + {a.max_new_tokens} "
+          f"body tokens; HumanEval: {humaneval or 'skipped'} problems, one program each, in the sandbox")
     for n in notes:
         print(n)
     print(table)
     print(f"finished in {(time.perf_counter() - t0) / 60:.1f} min")
     if a.json:
-        Path(a.json).write_text(json.dumps({"args": vars(a), "data": dstats, "budget": bud, "targets": targets,
+        Path(a.json).write_text(json.dumps({"args": vars(a), "data": dstats, "budget": bud,
+                                            "targets": targets,
                                             "load_average": [load0, load1], "table": [header] + rows,
                                             "results": results}, indent=1, default=str))
 

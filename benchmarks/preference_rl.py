@@ -49,9 +49,10 @@ def cf(*args: str, log: Path | None = None) -> float:
 
 
 def evaluate(run: Path, tasks: Path, limit: int, log: Path) -> dict:
-    out = subprocess.run([sys.executable, "-m", "codeforge.cli", "eval", "--run", str(run), "--tasks", str(tasks),
-                          "--task-limit", str(limit), "--max-new-tokens", "160", "--json", "--checkpoint", "final",
-                          "--tool-cases", "0", "--syntax-samples", "0"],
+    out = subprocess.run([sys.executable, "-m", "codeforge.cli", "eval", "--run", str(run), "--tasks",
+                          str(tasks),
+                          "--task-limit", str(limit), "--max-new-tokens", "160", "--json", "--checkpoint",
+                          "final", "--tool-cases", "0", "--syntax-samples", "0"],
                          capture_output=True, text=True)
     with open(log, "a") as f:
         f.write(out.stdout + out.stderr)
@@ -82,29 +83,32 @@ def main() -> None:
         corpus = w / "tok_corpus"
         corpus.mkdir(exist_ok=True)
         rows = [json.loads(x) for x in (w / "tasks" / "train.jsonl").read_text().splitlines()]
-        (corpus / "tasks.py").write_text("\n\n".join("# " + r["prompt"].replace("\n", "\n# ") + "\n" + r["solution"]
-                                                     for r in rows))
-        cf("tokenizer", "train", "--input", str(corpus), "--vocab-size", "2048", "--out", str(w / "tok"), log=log)
+        (corpus / "tasks.py").write_text("\n\n".join("# " + r["prompt"].replace("\n", "\n# ") + "\n"
+                                                     + r["solution"] for r in rows))
+        cf("tokenizer", "train", "--input", str(corpus), "--vocab-size", "2048", "--out", str(w / "tok"),
+           log=log)
     if not (w / "data").exists():
         cf("prepare", "--chat", "--input", str(w / "tasks" / "train.jsonl"), "--tokenizer", str(w / "tok"),
            "--out", str(w / "data"), "--val-fraction", "0.02", log=log)
     if not (w / "sft").exists():
-        seconds["sft"] = cf("train", "--stage", "sft", "--data", str(w / "data"), "--out", str(w / "sft"), *MODEL,
-                            *common, "--batch-size", "16", "--learning-rate", "3e-3", "--max-iters",
+        seconds["sft"] = cf("train", "--stage", "sft", "--data", str(w / "data"), "--out", str(w / "sft"),
+                            *MODEL, *common, "--batch-size", "16", "--learning-rate", "3e-3", "--max-iters",
                             str(a.sft_steps), "--set", "train.warmup_steps=30", "--set", "train.eval_every=0",
                             log=log)
     if not (w / "pairs").exists():
-        seconds["make-pairs"] = cf("make-pairs", "--tasks", str(w / "tasks"), "--out", str(w / "pairs"), log=log)
+        seconds["make-pairs"] = cf("make-pairs", "--tasks", str(w / "tasks"), "--out", str(w / "pairs"),
+                                   log=log)
     sft = ["--init-from", str(w / "sft")]
-    rl = ["--set", "train.rollout_tasks=8", "--set", "train.group_size=4", "--set", "train.rollout_tokens=160",
+    rl = ["--set", "train.rollout_tasks=8", "--set", "train.group_size=4", "--set",
+          "train.rollout_tokens=160",
           "--batch-size", "16", "--set", "train.eval_every=0", "--set", "train.eval_tasks=16"]
     stages = {
-        "sft-more": ["--stage", "sft", "--data", str(w / "data"), "--batch-size", "16", "--learning-rate", a.lr,
-                     "--set", "train.eval_every=0"],
+        "sft-more": ["--stage", "sft", "--data", str(w / "data"), "--batch-size", "16", "--learning-rate",
+                     a.lr, "--set", "train.eval_every=0"],
         "dpo": ["--stage", "dpo", "--data", str(w / "pairs"), "--batch-size", "8", "--learning-rate", a.lr,
                 "--set", "train.eval_every=0"],
-        "dpo-rpo": ["--stage", "dpo", "--data", str(w / "pairs"), "--batch-size", "8", "--learning-rate", a.lr,
-                    "--set", "train.dpo_sft=1.0", "--set", "train.eval_every=0"],
+        "dpo-rpo": ["--stage", "dpo", "--data", str(w / "pairs"), "--batch-size", "8", "--learning-rate",
+                    a.lr, "--set", "train.dpo_sft=1.0", "--set", "train.eval_every=0"],
         "ppo": ["--stage", "ppo", "--data", str(w / "tasks"), "--reward-model", str(w / "reward"),
                 "--learning-rate", a.lr, *rl],
         "grpo": ["--stage", "grpo", "--data", str(w / "tasks"), "--learning-rate", a.lr, *rl],
@@ -118,7 +122,8 @@ def main() -> None:
         if name == "ppo":
             if (w / "reward").exists():
                 shutil.rmtree(w / "reward")
-            extra = cf("train", "--stage", "reward", "--data", str(w / "pairs"), "--out", str(w / "reward"), *sft,
+            extra = cf("train", "--stage", "reward", "--data", str(w / "pairs"), "--out", str(w / "reward"),
+                       *sft,
                        *common, "--batch-size", "8", "--learning-rate", a.lr, "--max-iters", str(a.steps),
                        "--set", "train.eval_every=0", log=log)
             rm = [json.loads(x) for x in (w / "reward" / "metrics.jsonl").read_text().splitlines()]
@@ -129,19 +134,21 @@ def main() -> None:
         if (run / "rollouts.jsonl").exists():
             rolls = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
             results[name]["rollouts"] = len(rolls)
-            results[name]["early_exit_samples"] = sum(r.get("outcomes", {}).get("early_exit", 0) for r in rolls)
+            results[name]["early_exit_samples"] = sum(r.get("outcomes", {}).get("early_exit", 0)
+                                                      for r in rolls)
             results[name]["rollout_samples"] = sum(sum(r.get("outcomes", {}).values()) for r in rolls)
             results[name]["first_rollout_reward"] = rolls[0]["reward"]
             results[name]["last_rollout_reward"] = rolls[-1]["reward"]
         print(f"{name}: {seconds[name]:.0f} s", flush=True)
-    print(f"\nheld-out tasks: first {a.eval_limit} of {w / 'tasks'}/heldout.jsonl, greedy; {a.steps} steps each "
-          f"at learning rate {a.lr} from the SFT run ({a.sft_steps} steps)\n")
+    print(f"\nheld-out tasks: first {a.eval_limit} of {w / 'tasks'}/heldout.jsonl, greedy; {a.steps} steps "
+          f"each at learning rate {a.lr} from the SFT run ({a.sft_steps} steps)\n")
     print("| model | pass@1 | solved | syntax-valid | mean reward | outcomes | train seconds |")
     print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
         if name == "reward_model":
             continue
-        print(f"| {name} | {r['task_pass_at_1']:.1%} | {r['task_solved']}/{r['tasks']} | {r['task_syntax_valid']:.1%} "
+        print(f"| {name} | {r['task_pass_at_1']:.1%} | {r['task_solved']}/{r['tasks']} | "
+              f"{r['task_syntax_valid']:.1%} "
               f"| {r['task_mean_reward']:.3f} | {r['task_outcomes']} | {seconds.get(name, 0):.0f} |")
     if "reward_model" in results:
         print(f"\nreward model (held-out pairs): {results['reward_model']}")
@@ -149,7 +156,8 @@ def main() -> None:
         if name in results and "rollouts" in results[name]:
             r = results[name]
             print(f"{name}: {r['rollouts']} rollouts, reward {r['first_rollout_reward']:.3f} -> "
-                  f"{r['last_rollout_reward']:.3f}; early exits {r['early_exit_samples']}/{r['rollout_samples']}")
+                  f"{r['last_rollout_reward']:.3f}; early exits "
+                  f"{r['early_exit_samples']}/{r['rollout_samples']}")
     Path(a.out or w / "results.json").write_text(json.dumps({"args": vars(a), "seconds": seconds,
                                                              "results": results}, indent=2))
 

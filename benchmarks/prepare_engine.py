@@ -38,8 +38,8 @@ PY = os.path.dirname(os.__file__)
 
 
 def _train_tokenizer(inputs: list[str], out: Path) -> None:
-    subprocess.run([sys.executable, "-m", "codeforge", "tokenizer", "train", "--input", *inputs, "--vocab-size",
-                    "8192", "--out", str(out)], check=True, capture_output=True, cwd=ROOT)
+    subprocess.run([sys.executable, "-m", "codeforge", "tokenizer", "train", "--input", *inputs,
+                    "--vocab-size", "8192", "--out", str(out)], check=True, capture_output=True, cwd=ROOT)
 
 
 def _sample(proc: psutil.Process, logs_parent: Path, out: dict, stop: threading.Event) -> None:
@@ -104,7 +104,8 @@ def speed(a) -> None:
                 if w:
                     argv += ["--workers", str(w)]
                 wall, meta, _ = run_prepare(argv, env, cwd=old if env else ROOT)
-                assert ("engine" in meta) == bool(w), f"{name} ran the wrong code"  # the old code has no engine
+                # the old code has no engine
+                assert ("engine" in meta) == bool(w), f"{name} ran the wrong code"
                 rows.append((name, rep, wall, meta["bytes"], meta["documents"], meta["tokens"]))
                 print(f"{name:34s} run {rep}: {wall:7.1f}s  {meta['bytes'] / 1e6 / wall:6.2f} MB/s  "
                       f"{meta['documents']:,} documents, {meta['tokens']:,} tokens", flush=True)
@@ -120,7 +121,8 @@ def speed(a) -> None:
             print(f"  {names[2]} / {names[1]}: {best[names[2]] / best[names[1]]:.2f}x; engine at 1 worker / "
                   f"single process: {best[names[1]] / best[names[0]]:.2f}x")
     finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(tmp / "old")], cwd=ROOT, capture_output=True)
+        subprocess.run(["git", "worktree", "remove", "--force", str(tmp / "old")], cwd=ROOT,
+                       capture_output=True)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -166,10 +168,10 @@ def memory(a) -> None:
             argv = ["--input", str(corpus), "--tokenizer", str(tok), "--out", str(out), "--dedup", "near",
                     "--workers", str(a.workers), "--keep-secrets", "--no-decontaminate"]
             wall, meta, mem = run_prepare(argv, sample_in=tmp)
-            print(f"\n{size / 1e6:,.0f} MB in {copies} copies: {wall:.0f}s, {meta['bytes'] / 1e6 / wall:.2f} MB/s, "
-                  f"{meta['engine']['tasks']} tasks, kept {meta['documents']:,} documents "
-                  f"({meta['skipped'].get('near_duplicate', 0):,} near and {meta['skipped'].get('duplicate', 0):,} "
-                  f"exact duplicates dropped)", flush=True)
+            print(f"\n{size / 1e6:,.0f} MB in {copies} copies: {wall:.0f}s, {meta['bytes'] / 1e6 / wall:.2f} "
+                  f"MB/s, {meta['engine']['tasks']} tasks, kept {meta['documents']:,} documents "
+                  f"({meta['skipped'].get('near_duplicate', 0):,} near and "
+                  f"{meta['skipped'].get('duplicate', 0):,} exact duplicates dropped)", flush=True)
             print(f"  {'stage':10s} {'largest process MiB':>20s} {'all processes MiB':>18s}")
             for stage, (one, tree) in mem.items():
                 print(f"  {stage:10s} {one / 2**20:20.0f} {tree / 2**20:18.0f}")

@@ -56,8 +56,8 @@ def main() -> None:
     tpb = n_tok / n_bytes
     print(f"{'raw encode_batch':28s} {raw_best / 1e6:8.2f} {raw_best * tpb:12,.0f}")
     print(f"{'codeforge prepare (e2e)':28s} {pipe_best / 1e6:8.2f} {pipe_best * tpb:12,.0f}")
-    print(f"ratio: {pipe_best / raw_best:.1%} of raw; peak RSS {rss_gib:.2f} GiB (includes the in-memory copy "
-          f"of the corpus the raw baseline needs)")
+    print(f"ratio: {pipe_best / raw_best:.1%} of raw; peak RSS {rss_gib:.2f} GiB (includes the in-memory "
+          f"copy of the corpus the raw baseline needs)")
 
 
 if __name__ == "__main__":

@@ -50,8 +50,8 @@ HELDOUT = {
     # Debian packages: golang-github-{gin-gonic-gin,gorilla-mux,gorilla-websocket,spf13-cobra,sirupsen-logrus,
     # stretchr-testify,google-go-cmp,burntsushi-toml,hashicorp-go-multierror,fsnotify-fsnotify}-dev
     "go": [f"{GOCODE}/{p}" for p in ("gin-gonic/gin", "gorilla/mux", "gorilla/websocket", "spf13/cobra",
-                                     "sirupsen/logrus", "stretchr/testify", "google/go-cmp", "BurntSushi/toml",
-                                     "hashicorp/go-multierror", "fsnotify/fsnotify")],
+                                     "sirupsen/logrus", "stretchr/testify", "google/go-cmp",
+                                     "BurntSushi/toml", "hashicorp/go-multierror", "fsnotify/fsnotify")],
     "python": ["click", "jinja2", "h11", "anyio", "starlette", "httpx", "markdown_it"],
 }
 
@@ -59,13 +59,14 @@ BASELINE = {
     "vocab": 32000, "split": "llama3",
     "model": {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "bias": False, "embd_dropout": 0.0,
               "attn_dropout": 0.0, "resid_dropout": 0.0},
-    "train": {"batch_size": 12, "grad_accum_steps": 1, "learning_rate": 1e-3, "beta2": 0.99, "weight_decay": 0.1,
-              "warmup_steps": 100, "min_lr_ratio": 0.1, "grad_clip": 1.0},
+    "train": {"batch_size": 12, "grad_accum_steps": 1, "learning_rate": 1e-3, "beta2": 0.99,
+              "weight_decay": 0.1, "warmup_steps": 100, "min_lr_ratio": 0.1, "grad_clip": 1.0},
 }
 
 
 def default_recipe() -> dict:
-    """What `codeforge quickstart` trains: its presets (bf16 where this CPU has it natively), in one process."""
+    """What `codeforge quickstart` trains: its presets (bf16 where this CPU has
+    it natively), in one process."""
     return {"vocab": quickstart.VOCAB, "split": "code", "presets": list(quickstart.PRESETS), "model": {},
             "train": {"local_ranks": 1}}
 
@@ -94,13 +95,15 @@ def data_for(work: Path, lang: str, vocab: int, split: str) -> tuple[Path, Path,
     data = base / "data"
     prepare([src], tok, data, opts, overwrite=True, log=lambda m: None)
     held = base / "heldout"
-    prepare(heldout_sources(lang), tok, held, CorpusOptions(languages=langs, exclude_tests=True, val_fraction=0.0),
+    prepare(heldout_sources(lang), tok, held,
+            CorpusOptions(languages=langs, exclude_tests=True, val_fraction=0.0),
             overwrite=True, log=lambda m: None)
     return tok, data, held
 
 
 def config(recipe: dict, data: Path, out: Path, iters: int, seed: int):
-    return resolve(recipe.get("presets", []), None, [], {**{f"model.{k}": v for k, v in recipe["model"].items()},
+    return resolve(recipe.get("presets", []), None, [],
+                   {**{f"model.{k}": v for k, v in recipe["model"].items()},
             **{f"train.{k}": v for k, v in recipe["train"].items()},
             "train.data": str(data), "train.out": str(out), "train.max_iters": iters, "train.device": "cpu",
             "train.eval_every": 0, "train.eval_tokens": 4096, "train.save_every": 0, "train.log_every": 5,
@@ -134,7 +137,8 @@ def train(recipe: dict, data: Path, out: Path, seconds: float, seed: int, steps:
         rows = [json.loads(x) for x in (probe / "metrics.jsonl").read_text().splitlines()]
         rows = [r for r in rows if "tokens_per_s" in r]
         # tokens over seconds after the first 10 steps (warm-up); a mean of the per-line rates would run high
-        pairs = [(b["tokens"] - a["tokens"], b["tokens_per_s"]) for a, b in zip(rows, rows[1:]) if a["step"] >= 10]
+        pairs = [(b["tokens"] - a["tokens"], b["tokens_per_s"]) for a, b in zip(rows, rows[1:])
+                 if a["step"] >= 10]
         sps = sum(n for n, _ in pairs) / sum(n / r for n, r in pairs)
         shutil.rmtree(probe, ignore_errors=True)
     iters = steps or max(1, round(seconds * sps / tokens_per_step))
@@ -152,8 +156,8 @@ def score(run: Path, data: Path, held: Path, val_tokens: int) -> dict:
     with torch.no_grad():
         val = validation_loss(model, ShardSet(data, "val"), T, tok.special_ids, val_tokens, dev, "fp32", tb)
         ho = validation_loss(model, ShardSet(held, "train"), T, tok.special_ids, 0, dev, "fp32", tb)
-    return {"val_bpb": val["bits_per_byte"], "heldout_bpb": ho["bits_per_byte"], "heldout_tokens": ho["eval_tokens"],
-            "params": sum(p.numel() for p in model.parameters())}
+    return {"val_bpb": val["bits_per_byte"], "heldout_bpb": ho["bits_per_byte"],
+            "heldout_tokens": ho["eval_tokens"], "params": sum(p.numel() for p in model.parameters())}
 
 
 def parse_variant(text: str, base: dict) -> tuple[str, dict]:
@@ -213,7 +217,8 @@ def main() -> None:
         if base:
             for r in results:
                 if r["lang"] == lang and r is not base:
-                    print(f"{lang}: {r['recipe']} / baseline held-out bpb = {r['heldout_bpb'] / base['heldout_bpb']:.3f}"
+                    print(f"{lang}: {r['recipe']} / baseline held-out bpb = "
+                          f"{r['heldout_bpb'] / base['heldout_bpb']:.3f}"
                           f" (goal <= 0.9); own validation {r['val_bpb'] / base['val_bpb']:.3f}")
 
 

@@ -1,6 +1,7 @@
-"""Do two checkouts of codeforge train the same? Runs the same small pretraining, chat SFT, DPO and reward-model
-run (CPU, float32, fixed seed) with each checkout's code and prints both loss curves and whether they are
-bit-identical.
+"""Do two checkouts of codeforge train the same, bit for bit? (pretraining, chat SFT, DPO, a reward model)
+
+Runs the same small pretraining, chat SFT, DPO and reward-model run (CPU, float32, fixed seed and threads)
+with each checkout's code and prints both loss curves and whether they are bit-identical.
 
 Used to check that a restructuring changed no behaviour: put the old commit in a worktree and compare,
 
@@ -45,7 +46,8 @@ def pipeline(checkout: Path, work: Path) -> dict[str, dict[int, float]]:
     cf(checkout, "tokenizer", "train", "--input", *src, "--vocab-size", "1024", "--out", str(work / "tok"))
     cf(checkout, "prepare", "--input", *src, "--tokenizer", str(work / "tok"), "--out", str(work / "data"),
        "--val-fraction", "0.1")
-    cf(checkout, "train", "--data", str(work / "data"), "--out", str(work / "pre"), "--max-iters", "30", *TINY)
+    cf(checkout, "train", "--data", str(work / "data"), "--out", str(work / "pre"), "--max-iters", "30",
+       *TINY)
     cf(checkout, "make-sft", "--input", *src, "--languages", "python", "--out", str(work / "pairs"))
     cf(checkout, "prepare", "--chat", "--input", str(work / "pairs" / "train.jsonl"), "--tokenizer",
        str(work / "tok"), "--out", str(work / "sft_data"), "--val-fraction", "0.1")
@@ -54,8 +56,8 @@ def pipeline(checkout: Path, work: Path) -> dict[str, dict[int, float]]:
     cf(checkout, "make-pairs", "--input", *src, "--languages", "python", "--max-pairs", "200",
        "--out", str(work / "pairs_pref"))
     for stage in ("dpo", "reward"):
-        cf(checkout, "train", "--stage", stage, "--data", str(work / "pairs_pref"), "--out", str(work / stage),
-           "--init-from", str(work / "sft"), "--max-iters", "10", *TINY)
+        cf(checkout, "train", "--stage", stage, "--data", str(work / "pairs_pref"), "--out",
+           str(work / stage), "--init-from", str(work / "sft"), "--max-iters", "10", *TINY)
     return {"pretrain": losses(work / "pre"), "sft": losses(work / "sft"), "dpo": losses(work / "dpo"),
             "reward": losses(work / "reward")}
 
@@ -63,12 +65,14 @@ def pipeline(checkout: Path, work: Path) -> dict[str, dict[int, float]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old", type=Path, required=True, help="checkout of the code before the change")
-    ap.add_argument("--new", type=Path, default=Path("."), help="checkout of the code after it (default: here)")
+    ap.add_argument("--new", type=Path, default=Path("."),
+                    help="checkout of the code after it (default: here)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         old = pipeline(a.old, Path(d) / "old")
         new = pipeline(a.new, Path(d) / "new")
-    print(f"{'run':8} {'steps':>5}  {'first loss (old / new)':>26}  {'last loss (old / new)':>26}  bit-identical")
+    print(f"{'run':8} {'steps':>5}  {'first loss (old / new)':>26} "
+          f" {'last loss (old / new)':>26}  bit-identical")
     for run in ("pretrain", "sft", "dpo", "reward"):
         o, n = old[run], new[run]
         same = o == n

@@ -69,10 +69,13 @@ def main() -> None:
         humaneval.reference_outputs(probs, **kw)  # the canonical values, computed once (not timed)
         samples = [{"task_id": p["task_id"], "completion": p["canonical_solution"]} for p in probs]
         t0 = time.perf_counter()
-        summary, _ = humaneval.score_samples(samples, {p["task_id"]: p for p in probs}, ks=[1], timeout=10, **kw)
+        summary, _ = humaneval.score_samples(samples, {p["task_id"]: p for p in probs}, ks=[1], timeout=10,
+                                             **kw)
         wall = time.perf_counter() - t0
-        print(f"judged outside, parallel: pass@1 {summary['pass@1']:.3f} ({summary['problems_judged_outside']} of "
-              f"{len(probs)} problems outside the box) in {wall:.2f} s, {wall / len(probs) * 1e3:.1f} ms per program")
+        print(f"judged outside, parallel: pass@1 {summary['pass@1']:.3f} "
+              f"({summary['problems_judged_outside']} of "
+              f"{len(probs)} problems outside the box) in {wall:.2f} "
+              f"s, {wall / len(probs) * 1e3:.1f} ms per program")
 
 
 if __name__ == "__main__":

@@ -45,15 +45,17 @@ def tiny_run(tmp: Path, code: Path) -> Path:
     """A two-step run on a small corpus, made with the checkout under test."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     env = {**os.environ, "PYTHONPATH": str(code)}
-    steps = [["tokenizer", "train", "--input", str(stdlib / "json"), str(stdlib / "asyncio"), "--vocab-size", "1024",
-              "--out", str(tmp / "tok")],
-             ["prepare", "--input", str(stdlib / "json"), str(stdlib / "asyncio"), "--tokenizer", str(tmp / "tok"),
-              "--out", str(tmp / "data")],
-             ["train", "--data", str(tmp / "data"), "--out", str(tmp / "tiny"), "--block-size", "64", "--n-layer", "1",
+    steps = [["tokenizer", "train", "--input", str(stdlib / "json"), str(stdlib / "asyncio"), "--vocab-size",
+              "1024", "--out", str(tmp / "tok")],
+             ["prepare", "--input", str(stdlib / "json"), str(stdlib / "asyncio"), "--tokenizer",
+              str(tmp / "tok"), "--out", str(tmp / "data")],
+             ["train", "--data", str(tmp / "data"), "--out", str(tmp / "tiny"), "--block-size", "64",
+              "--n-layer", "1",
               "--n-head", "2", "--n-embd", "32", "--max-iters", "2", "--device", "cpu", "--no-progress",
               "--eval-tokens", "128", "--batch-size", "2"]]
     for args in steps:
-        r = subprocess.run([sys.executable, "-m", "codeforge", *args], capture_output=True, text=True, env=env, cwd=code)
+        r = subprocess.run([sys.executable, "-m", "codeforge", *args], capture_output=True, text=True,
+                           env=env, cwd=code)
         if r.returncode:
             raise SystemExit(f"codeforge {args[0]} failed:\n{r.stdout}\n{r.stderr}")
     return tmp / "tiny"
@@ -61,8 +63,8 @@ def tiny_run(tmp: Path, code: Path) -> Path:
 
 def has_flag(code: Path, flag: str) -> bool:
     env = {**os.environ, "PYTHONPATH": str(code)}
-    out = subprocess.run([sys.executable, "-m", "codeforge", "serve", "--help"], capture_output=True, text=True,
-                         env=env, cwd=code).stdout
+    out = subprocess.run([sys.executable, "-m", "codeforge", "serve", "--help"], capture_output=True,
+                         text=True, env=env, cwd=code).stdout
     return flag in out
 
 
@@ -71,9 +73,10 @@ def start(a, run: Path, code: Path, flags: list[str]) -> tuple[subprocess.Popen,
         resource.setrlimit(resource.RLIMIT_NOFILE, (a.nofile, a.nofile))
 
     env = {**os.environ, "PYTHONPATH": str(code), "PYTHONUNBUFFERED": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "codeforge", "serve", "--run", str(run), "--port", "0", "--device",
-                          "cpu", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=code,
-                         preexec_fn=limit)
+    p = subprocess.Popen([sys.executable, "-m", "codeforge", "serve", "--run", str(run), "--port", "0",
+                          "--device",
+                          "cpu", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         cwd=code, preexec_fn=limit)
     err: list[str] = []
     for line in p.stdout:
         m = re.search(r"listening on http://127\.0\.0\.1:(\d+)/", line)
@@ -98,7 +101,8 @@ def health(port: int) -> str:
         r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0)
     except httpx.HTTPError:
         return "timeout"
-    return f"{(time.perf_counter() - t) * 1000:.0f} ms" + ("" if r.status_code == 200 else f" ({r.status_code})")
+    return f"{(time.perf_counter() - t) * 1000:.0f} ms" + ("" if r.status_code == 200
+                                                           else f" ({r.status_code})")
 
 
 def connect(port: int, n: int, first: bytes) -> list[socket.socket]:
@@ -144,8 +148,8 @@ def attack(a, run: Path, code: Path, flags: list[str], kind: str) -> dict:
     try:
         time.sleep(0.5)
         rss0 = rss_mb(p.pid)
-        head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: 1000\r\n\r\n{{").encode()
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: "
+                f"application/json\r\nContent-Length: 1000\r\n\r\n{{").encode()
         t0 = time.monotonic()
         if kind in ("idle-head", "both"):
             socks += connect(port, a.conns // 2, b"") + connect(port, a.conns - a.conns // 2,
@@ -185,7 +189,8 @@ def attack(a, run: Path, code: Path, flags: list[str], kind: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", default=None, help="run directory (default: train a tiny one)")
-    ap.add_argument("--code", default=str(ROOT), help="checkout whose `codeforge serve` runs (default: this one)")
+    ap.add_argument("--code", default=str(ROOT),
+                    help="checkout whose `codeforge serve` runs (default: this one)")
     ap.add_argument("--conns", type=int, default=300, help="connections per attack (default 300)")
     ap.add_argument("--nofile", type=int, default=256, help="the server's RLIMIT_NOFILE (default 256)")
     ap.add_argument("--wait", type=float, default=5.0,
@@ -203,10 +208,14 @@ def main() -> None:
         flags = ["--header-timeout", "2", "--body-timeout", "3", "--keep-alive", "1"]
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(a.run) if a.run else tiny_run(Path(tmp), code)
-        print(f"code: {commit}\nserver: RLIMIT_NOFILE {a.nofile}, flags {' '.join(flags) or '(none: not supported)'}")
-        print(f"machine: {os.cpu_count()} CPUs, load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}\n")
-        cols = f"{'attack':<10} {'conns':>5} {'open s':>6} {'/health during':>15} {f'closed +{a.wait:g}s':>13} " \
-               f"{'/health after':>14} {'RSS MB before/after':>20} {'EMFILE logs':>11}"
+        print(f"code: {commit}\nserver: RLIMIT_NOFILE {a.nofile}, flags "
+              f"{' '.join(flags) or '(none: not supported)'}")
+        print(f"machine: {os.cpu_count()} CPUs, load average "
+              f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}\n")
+        cols = (
+            f"{'attack':<10} {'conns':>5} {'open s':>6} {'/health during':>15} {f'closed +{a.wait:g}s':>13} "
+            f"{'/health after':>14} {'RSS MB before/after':>20} {'EMFILE logs':>11}"
+        )
         print(cols)
         print("-" * len(cols))
         for kind in a.attacks:

@@ -30,9 +30,11 @@ import time
 
 import httpx
 
-PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():\n", "class Stack:\n    def __init__(self):\n",
+PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():\n",
+           "class Stack:\n    def __init__(self):\n",
            "func Reverse(s string) string {\n", "for i in range(10):\n", "# Parse a JSON config file\n",
-           "package main\n\nimport \"fmt\"\n\nfunc main() {\n", "def read_lines(path):\n    with open(path) as f:\n"]
+           "package main\n\nimport \"fmt\"\n\nfunc main() {\n",
+           "def read_lines(path):\n    with open(path) as f:\n"]
 
 
 def start_server(a) -> tuple[subprocess.Popen, str]:
@@ -43,7 +45,8 @@ def start_server(a) -> tuple[subprocess.Popen, str]:
         print("  server: " + line.rstrip())
         m = re.search(r"listening on (http://\S+?)/ ", line)
         if m:
-            threading.Thread(target=lambda: [None for _ in p.stdout], daemon=True).start()  # keep the pipe drained
+            # keep the pipe drained
+            threading.Thread(target=lambda: [None for _ in p.stdout], daemon=True).start()
             return p, m.group(1)
     raise SystemExit(f"the server did not start:\n{p.stderr.read()}")
 
@@ -56,7 +59,9 @@ def rss_mb(pid: int, field: str = "VmRSS") -> float:
     return 0.0
 
 
-async def one(client: httpx.AsyncClient, prompt: str, max_tokens: int, seed: int) -> tuple[int, int, float | None]:
+async def one(
+    client: httpx.AsyncClient, prompt: str, max_tokens: int, seed: int
+) -> tuple[int, int, float | None]:
     """(status, completion tokens, seconds to the first text) of one streamed completion."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "seed": seed, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -85,12 +90,14 @@ async def one(client: httpx.AsyncClient, prompt: str, max_tokens: int, seed: int
 async def speedup(url: str, a) -> None:
     """Rounds of (1 client, then --clients clients), interleaved so that a change in the machine's other load
     hits both sides of a ratio alike; the median ratio is the figure."""
-    print(f"\nspeed-up: streaming completions, {a.max_tokens} max tokens, temperature 0.8; {a.requests} requests "
+    print(f"\nspeed-up: streaming completions, {a.max_tokens} "
+          f"max tokens, temperature 0.8; {a.requests} requests "
           f"one at a time vs {a.requests * a.clients} by {a.clients} clients at once, {a.repeats} rounds")
     print(f"{'round':>5s} {'clients':>8s} {'requests':>9s} {'tokens':>7s} {'seconds':>8s} {'tokens/s':>9s} "
           f"{'p50 TTFT s':>11s} {'load avg':>9s}")
     ratios = []
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=256)) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=600,
+                                 limits=httpx.Limits(max_connections=256)) as client:
         await one(client, "warm", 8, 0)
         for rnd in range(a.repeats):
             rates = []
@@ -98,7 +105,8 @@ async def speedup(url: str, a) -> None:
                 n = a.requests * c
 
                 async def worker(w: int, c: int = c, n: int = n) -> list:
-                    return [await one(client, PROMPTS[i % len(PROMPTS)], a.max_tokens, i) for i in range(w, n, c)]
+                    return [await one(client, PROMPTS[i % len(PROMPTS)], a.max_tokens, i)
+                            for i in range(w, n, c)]
 
                 t0 = time.perf_counter()
                 res = [x for ws in await asyncio.gather(*(worker(w) for w in range(c))) for x in ws]
@@ -106,11 +114,11 @@ async def speedup(url: str, a) -> None:
                 tokens = sum(x[1] for x in res)
                 rates.append(tokens / t)
                 ttft = statistics.median([x[2] for x in res if x[2] is not None] or [float("nan")])
-                print(f"{rnd + 1:5d} {c:8d} {len(res):9d} {tokens:7d} {t:8.1f} {tokens / t:9.1f} {ttft:11.3f} "
-                      f"{os.getloadavg()[0]:9.1f}")
+                print(f"{rnd + 1:5d} {c:8d} {len(res):9d} {tokens:7d} {t:8.1f} {tokens / t:9.1f} "
+                      f"{ttft:11.3f} {os.getloadavg()[0]:9.1f}")
             ratios.append(rates[1] / rates[0])
-    print(f"total tokens/s with {a.clients} concurrent clients vs 1 at a time: median {statistics.median(ratios):.2f}x "
-          f"(rounds: {', '.join(f'{r:.2f}x' for r in ratios)})")
+    print(f"total tokens/s with {a.clients} concurrent clients vs 1 at a time: median "
+          f"{statistics.median(ratios):.2f}x (rounds: {', '.join(f'{r:.2f}x' for r in ratios)})")
 
 
 async def load(url: str, pid: int, a) -> None:
@@ -123,7 +131,8 @@ async def load(url: str, pid: int, a) -> None:
             peak[0] = max(peak[0], rss_mb(pid))
             await asyncio.sleep(0.5)
 
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=256)) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=600,
+                                 limits=httpx.Limits(max_connections=256)) as client:
         async def worker(w: int) -> None:
             i = w
             while time.monotonic() < stop_at:
@@ -151,14 +160,17 @@ async def load(url: str, pid: int, a) -> None:
     ttft = sorted(r[2] for r in ok if r[2] is not None)
     pct = lambda q: ttft[min(len(ttft) - 1, int(q * len(ttft)))] if ttft else float("nan")  # noqa: E731
     tokens = sum(r[1] for r in ok)
-    print(f"\nload: {a.load_clients} streaming clients for {a.duration:.0f}s ({wall:.1f}s with the last replies), "
-          f"{a.max_tokens} max tokens, server --max-batch {a.max_batch} --max-queue {a.max_queue} (load average "
-          f"{os.getloadavg()[0]:.1f})")
+    print(f"\nload: {a.load_clients} streaming clients for "
+          f"{a.duration:.0f}s ({wall:.1f}s with the last replies), "
+          f"{a.max_tokens} max tokens, server --max-batch {a.max_batch} --max-queue {a.max_queue} (load "
+          f"average {os.getloadavg()[0]:.1f})")
     print(f"  requests: {len(results)} ({', '.join(f'{k}: {v}' for k, v in sorted(by_status.items()))}); "
           f"5xx: {sum(v for k, v in by_status.items() if k >= 500 or k < 0)}")
-    print(f"  time to first token: p50 {pct(0.5):.2f}s, p95 {pct(0.95):.2f}s (includes waiting for a batch slot)")
+    print(f"  time to first token: p50 {pct(0.5):.2f}s, p95 "
+          f"{pct(0.95):.2f}s (includes waiting for a batch slot)")
     print(f"  generated: {tokens} tokens, {tokens / wall:.1f} tokens/s; mean batch "
-          f"{m('codeforge_decode_step_rows_total') / max(1.0, m('codeforge_decode_steps_total')):.2f} rows/step")
+          f"{m('codeforge_decode_step_rows_total') / max(1.0, m('codeforge_decode_steps_total')):.2f} "
+          "rows/step")
     print(f"  server RSS: {rss0:.0f} MB before, peak {peak[0]:.0f} MB during, {rss_mb(pid):.0f} MB after "
           f"(VmHWM {rss_mb(pid, 'VmHWM'):.0f} MB); /health after: {health}")
 

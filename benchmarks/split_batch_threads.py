@@ -27,7 +27,8 @@ p.add_argument("--preset", default="cpu-small")
 p.add_argument("--vocab", type=int, default=0)
 a = p.parse_args()
 torch.set_num_threads(2 if a.mode == "intra2" else 1)
-cfg = resolve([a.preset], None, ["model.block_size=256"] + ([f"model.vocab_size={a.vocab}"] if a.vocab else []))
+cfg = resolve([a.preset], None,
+              ["model.block_size=256"] + ([f"model.vocab_size={a.vocab}"] if a.vocab else []))
 torch.manual_seed(0)
 model = build_model(cfg.model)
 params = [q for q in model.parameters() if q.requires_grad]

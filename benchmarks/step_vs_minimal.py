@@ -10,7 +10,8 @@ Each side runs in a process of its own, as a user would run it: the minimal trai
 library's defaults (threads: one per core), codeforge's step after what `codeforge train` sets up first (the
 device module's thread policy and memory policy). Each round times both, A then B then B then A, each a fresh
 process timing --steps steps after --warmup; the ratio of each round is printed, and the median over rounds.
---minimal-malloc keep gives the minimal trainer codeforge's memory policy too (what the policy alone is worth).
+--minimal-malloc keep gives the minimal trainer codeforge's memory policy too
+(what the policy alone is worth).
 
     python benchmarks/step_vs_minimal.py [--rounds 3] [--steps 20] [--batch-size 4] [--threads N] [--compile]
         [--minimal-malloc system|keep] [--json]
@@ -100,7 +101,8 @@ def codeforge_stepper(a):
     from codeforge.train.losses import lm_loss_fn
     from codeforge.train.optim import build_optimizer
     from codeforge.train.trainer import train_step
-    cfg = resolve(["fragment-lowend"], None, [f"model.block_size={a.block_size}", f"model.vocab_size={a.vocab_size}"])
+    cfg = resolve(["fragment-lowend"], None,
+                  [f"model.block_size={a.block_size}", f"model.vocab_size={a.vocab_size}"])
     m = cfg.model
     m.embd_dropout = m.attn_dropout = m.resid_dropout = 0.0
     torch.manual_seed(0)
@@ -133,7 +135,8 @@ def side(a) -> None:
     line = ""
     if a.side == "codeforge":
         from codeforge.device import choose_device
-        line = choose_device("cpu", a.threads)[1]  # the thread and memory policy, as `codeforge train` applies them
+        # the thread and memory policy, as `codeforge train` applies them
+        line = choose_device("cpu", a.threads)[1]
     else:
         if a.threads:
             torch.set_num_threads(a.threads)
@@ -149,10 +152,13 @@ def side(a) -> None:
 
 
 def timed(a, which: str) -> dict:
-    args = [sys.executable, os.path.abspath(__file__), "--steps", str(a.steps), "--warmup",
-            str(a.warmup), "--batch-size", str(a.batch_size), "--block-size", str(a.block_size), "--vocab-size",
-            str(a.vocab_size), "--minimal-malloc", a.minimal_malloc] + (["--threads", str(a.threads)] if a.threads
-                                                                        else []) + (["--compile"] if a.compile else [])
+    args = (
+        [sys.executable, os.path.abspath(__file__), "--steps", str(a.steps), "--warmup", str(a.warmup),
+         "--batch-size", str(a.batch_size), "--block-size", str(a.block_size), "--vocab-size",
+         str(a.vocab_size), "--minimal-malloc", a.minimal_malloc]
+        + (["--threads", str(a.threads)] if a.threads else [])
+        + (["--compile"] if a.compile else [])
+    )
     args += ["--side", which]  # last: the child looks for it before it imports torch
     r = subprocess.run(args, capture_output=True, text=True, check=False)
     if r.returncode:
@@ -169,7 +175,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=256)
     ap.add_argument("--vocab-size", type=int, default=10000)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--compile", action="store_true", help="codeforge's model under torch.compile (train --compile)")
+    ap.add_argument("--compile", action="store_true",
+                    help="codeforge's model under torch.compile (train --compile)")
     ap.add_argument("--minimal-malloc", choices=["system", "keep"], default="system",
                     help="the minimal trainer's memory policy: the C library's (default) or codeforge's")
     ap.add_argument("--side", choices=["minimal", "codeforge"], help=argparse.SUPPRESS)  # a child process

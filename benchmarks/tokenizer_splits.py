@@ -30,16 +30,19 @@ from codeforge.tokenizer import CODE_SPLIT_PATTERN, SPECIAL_TOKENS
 C = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
 SPLITS = {
     "code (codeforge)": [CODE_SPLIT_PATTERN],
-    "llama-bpe (llama3)": [C + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"],
+    "llama-bpe (llama3)": [C + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| "
+                               r"?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"],
     "qwen2": [C + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"],
     "gpt-2": [r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"],
-    "starcoder / refact / smollm / codeshell": [r"\p{N}", r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"],
+    "starcoder / refact / smollm / codeshell": [r"\p{N}", r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| "
+                                                          r"?[^\s\p{L}\p{N}]+|\s+(?!\S)"],
     "deepseek-coder": [r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}"],
     "seed-coder": [C + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+"],
     "gpt-4o": [r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+" + C + r"?"
                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*" + C + r"?"
                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"],
-    "exaone-moe": [C + r"|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]?"
+    "exaone-moe": [C
+                   + r"|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]?"
                    r"|\s*[\r\n]|\s+(?!\S)|\s+"],
 }
 
@@ -62,7 +65,8 @@ def corpus(language: str) -> tuple[list[str], list[str]]:
     else:
         root, held = sysconfig.get_paths()["stdlib"], {"email", "asyncio", "json", "xml", "test"}
     opts = CorpusOptions(languages=[language], exclude_tests=(language == "go"))
-    dirs = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)) and d != "site-packages")
+    dirs = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))
+                  and d != "site-packages")
     train = [os.path.join(root, d) for d in dirs if d not in held]
     test = [os.path.join(root, d) for d in dirs if d in held]
     return ([d.text for d in iter_documents(train, opts, CorpusStats())],
@@ -92,8 +96,8 @@ def main() -> None:
         train, held = corpus(lang)
         train = cap(train, a.train_mb)
         held_bytes = sum(len(t.encode()) for t in held)
-        print(f"{lang}: train {sum(len(t.encode()) for t in train) / 2**20:.1f} MB in {len(train)} files, held out "
-              f"{held_bytes / 2**20:.1f} MB in {len(held)} files", file=sys.stderr)
+        print(f"{lang}: train {sum(len(t.encode()) for t in train) / 2**20:.1f} MB in {len(train)} files, "
+              f"held out {held_bytes / 2**20:.1f} MB in {len(held)} files", file=sys.stderr)
         for name, regexes in SPLITS.items():
             if a.splits and not any(name.startswith(s) for s in a.splits):
                 continue
@@ -118,12 +122,14 @@ def main() -> None:
     for name in dict.fromkeys(r["split"] for r in rows):
         cells = []
         for lang, v in cols:
-            r = next((r for r in rows if r["split"] == name and r["language"] == lang and r["vocab"] == v), None)
+            r = next((r for r in rows if r["split"] == name and r["language"] == lang and r["vocab"] == v),
+                     None)
             if r is None:
                 cells.append("")
                 continue
             b = base.get((lang, v))
-            cells.append(f"{r['bytes_per_token']:.3f}" + (f" ({(r['bytes_per_token'] / b - 1) * 100:+.1f}%)" if b else ""))
+            cells.append(f"{r['bytes_per_token']:.3f}"
+                         + (f" ({(r['bytes_per_token'] / b - 1) * 100:+.1f}%)" if b else ""))
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 

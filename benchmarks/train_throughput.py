@@ -66,26 +66,30 @@ def measure(a, batch_size: int) -> dict:
     t0 = time.perf_counter()
     first_step_s = None
     for _ in range(max(1, a.warmup)):  # the first step compiles (with --compile): its seconds are reported
-        train_step(fwd, model, opt, scaler, next_batch, lm_loss_fn, a.grad_accum_steps, 1.0, device, precision)
+        train_step(fwd, model, opt, scaler, next_batch, lm_loss_fn, a.grad_accum_steps, 1.0, device,
+                   precision)
         sync()
         first_step_s = time.perf_counter() - t0 if first_step_s is None else first_step_s
     times = []
     for _ in range(a.steps):  # each step timed on its own (synchronised): the median is the figure
         t0 = time.perf_counter()
-        loss, _, _ = train_step(fwd, model, opt, scaler, next_batch, lm_loss_fn, a.grad_accum_steps, 1.0, device, precision)
+        loss, _, _ = train_step(fwd, model, opt, scaler, next_batch, lm_loss_fn, a.grad_accum_steps, 1.0,
+                                device, precision)
         sync()
         times.append(time.perf_counter() - t0)
     dt = statistics.median(times)
     tokens = batch_size * T * a.grad_accum_steps
     tps = tokens / dt
     peak = peak_flops(device)
-    return {"preset": "+".join(a.preset), "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
+    return {"preset": "+".join(a.preset),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
             f"cpu ({torch.get_num_threads()} threads)", "precision": precision, "compile": a.compile,
-            "batch_size": batch_size, "block_size": T, "vocab_size": m.vocab_size, "params": model.num_params(),
+            "batch_size": batch_size, "block_size": T, "vocab_size": m.vocab_size,
+            "params": model.num_params(),
             "tokens_per_s": tps, "ms_per_step": dt * 1e3, "ms_per_step_mean": statistics.mean(times) * 1e3,
             "first_step_s": first_step_s, "steps_timed": a.steps,
-            "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
-            "mfu": tps * model.flops_per_token(T) / peak if peak else None, "loss": loss,
+            "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda"
+            else None, "mfu": tps * model.flops_per_token(T) / peak if peak else None, "loss": loss,
             "torch": torch.__version__}
 
 
@@ -100,14 +104,17 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--gradient-checkpointing", action="store_true")
-    ap.add_argument("--loss-chunk-rows", type=int, default=0, help="> 0: fused chunked lm_head + cross-entropy")
+    ap.add_argument("--loss-chunk-rows", type=int, default=0,
+                    help="> 0: fused chunked lm_head + cross-entropy")
     ap.add_argument("--dropout", type=float, default=None)
     ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--fit", type=float, default=None, metavar="GIB", help="largest micro-batch within this budget")
+    ap.add_argument("--fit", type=float, default=None, metavar="GIB",
+                    help="largest micro-batch within this budget")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--compile-backend", default="inductor", help="torch.compile's backend (eager: trace only)")
+    ap.add_argument("--compile-backend", default="inductor",
+                    help="torch.compile's backend (eager: trace only)")
     return ap
 
 
@@ -146,7 +153,8 @@ def main() -> None:
     if a.json:
         print(json.dumps(r))
         return
-    print(f"{r['preset']} on {r['device']}, {r['precision']}, compile={r['compile']}, batch {r['batch_size']} x "
+    print(f"{r['preset']} on {r['device']}, {r['precision']}, compile={r['compile']}, batch "
+          f"{r['batch_size']} x "
           f"{r['block_size']}, vocab {r['vocab_size']}, {r['params']:,} params, torch {r['torch']}")
     print(f"{'tokens/s':>12s} {'ms/step':>9s} {'peak GiB':>9s} {'MFU':>6s}")
     mem = f"{r['peak_memory_gib']:.2f}" if r["peak_memory_gib"] is not None else "-"

@@ -16,8 +16,8 @@ Loads (--loads, comma-separated, each measured --repeat times, interleaved):
   spinN      N pure-Python busy loops (one runnable thread each), e.g. spin6 for a load of 6
 
 Sessions (--sessions): `own` (the default) starts each neighbour in a session of its own, as a program started
-from another terminal or service is; `shared` starts them in this benchmark's session, as jobs started from the
-same shell are. It matters where the kernel groups by session (Linux's autogroup, /proc/sys/kernel/
+from another terminal or service is; `shared` starts them in this benchmark's session, as jobs started from
+the same shell are. It matters where the kernel groups by session (Linux's autogroup, /proc/sys/kernel/
 sched_autogroup_enabled = 1, the default on most desktops and on this VM): the CPU is then shared between
 sessions first, so with `own` the measured command's whole session gets c / (1 + N) cores beside N
 single-process neighbours, whatever its threads or processes (the "of session" column); with `shared`, or
@@ -44,8 +44,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-TRAIN = [sys.executable, str(REPO / "benchmarks" / "train_throughput.py"), "--preset", "cpu-small", "--batch-size",
-         "16", "--block-size", "256", "--steps", "1000000", "--warmup", "0"]
+TRAIN = [sys.executable, str(REPO / "benchmarks" / "train_throughput.py"), "--preset", "cpu-small",
+         "--batch-size", "16", "--block-size", "256", "--steps", "1000000", "--warmup", "0"]
 SPIN = [sys.executable, "-c", "while True: pass"]
 
 
@@ -87,10 +87,11 @@ def autogroup() -> bool:
 
 def measure(cmd: list[str], load: str, key: str, settle: float, sessions: str = "own") -> float:
     cmds, env, _ = competitors(load, cmd)
-    # own: a session each (start_new_session); shared: this session, a process group each (so killpg is theirs)
+    # own: a session each (start_new_session); shared: this session, a process
+    # group each (so killpg is theirs)
     where = {"start_new_session": True} if sessions == "own" else {"process_group": 0}
-    procs = [subprocess.Popen(c, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              **where) for c in cmds]
+    procs = [subprocess.Popen(c, env={**os.environ, **env}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, **where) for c in cmds]
     try:
         time.sleep(settle if procs else 0)  # let the neighbours start working (a training loads its model)
         r = subprocess.run(cmd, capture_output=True, text=True)
@@ -123,7 +124,8 @@ def main() -> None:
     print(f"# {time.strftime('%Y-%m-%d %H:%M')} | {cores} cores | load before: {os.getloadavg()[0]:.2f} | "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')} "
           f"CODEFORGE_THREADS={os.environ.get('CODEFORGE_THREADS', '(unset)')} | autogroup "
-          f"{'on' if autogroup() else 'off'}, neighbours' sessions: {a.sessions} | {' '.join(cmd)}", flush=True)
+          f"{'on' if autogroup() else 'off'}, neighbours' sessions: {a.sessions} | {' '.join(cmd)}",
+          flush=True)
     by_session = autogroup() and a.sessions == "own"
     rates: dict[str, list[float]] = {x: [] for x in loads}
     for _ in range(a.repeat):
@@ -138,14 +140,15 @@ def main() -> None:
         fair = idle * cores / (cores + k) if idle else None
         # the kernel's own share when it groups by session: 1 / (1 + neighbour processes) of the machine
         group = idle / (1 + len(competitors(load, cmd)[0])) if idle and by_session else None
-        rows.append({"load": load, "busy_threads": k, "rate": med, "min": min(rates[load]), "max": max(rates[load]),
+        rows.append({"load": load, "busy_threads": k, "rate": med, "min": min(rates[load]),
+                     "max": max(rates[load]),
                      "of_idle": med / idle if idle else None, "of_fair": med / fair if fair else None,
                      "of_session": med / group if group else None})
     if a.json:
         print(json.dumps(rows))
         return
-    print(f"{'load':8s} {'threads':>7s} {a.key:>14s} {'min':>10s} {'max':>10s} {'of idle':>8s} {'of fair':>8s} "
-          f"{'of session':>10s}")
+    print(f"{'load':8s} {'threads':>7s} {a.key:>14s} {'min':>10s} {'max':>10s} {'of idle':>8s} "
+          f"{'of fair':>8s} {'of session':>10s}")
     pct = lambda v: f"{v:.0%}" if v is not None else "-"  # noqa: E731
     for r in rows:
         print(f"{r['load']:8s} {r['busy_threads']:7d} {r['rate']:14,.1f} {r['min']:10,.1f} {r['max']:10,.1f} "

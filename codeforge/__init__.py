@@ -4,8 +4,9 @@ The package is in layers; a module imports only from its own layer or a lower on
 reads the table below, the one place it is written, and checks the first five rules by parsing every import;
 a name ending in / is a package, every module in it in that layer):
 
-  0  atomic box_values catalog device distributed fields parquet_pages rundir   (nothing of codeforge's above layer 0)
-  1  corpus decontam redact tokenizer chat constrain fim sandbox syntax   text and code
+  0  atomic box_values catalog device distributed fields parquet_pages rundir   (nothing of codeforge's
+                                                                                above layer 0)
+  1  corpus decontam redact tokenizer chat constrain grammar_ways fim sandbox syntax   text and code
   2  models/ tasks/ mining/
   3  checkpoint/ data/ config engine
   4  evaluation/ train/
@@ -42,7 +43,8 @@ class CodeforgeError(ValueError):
 
 
 _CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x20), 0x7F, *range(0x80, 0xA0)) if c not in (0x09, 0x0A)}
-_CONTROL.update({c: f"\\u{c:04x}" for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A))})  # bidi overrides
+# bidi overrides
+_CONTROL.update({c: f"\\u{c:04x}" for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A))})
 
 
 def printable(text: str) -> str:

@@ -61,7 +61,8 @@ def clean_stale(parent: Path) -> list[Path]:
             path, target = Path(e.path), parent / m["name"]
             if m["kind"] == "old" and not os.path.lexists(target):
                 path.rename(target)
-                print(f"note: restored {target} from {path.name}, left by a process that died while replacing it",
+                print(f"note: restored {target} from {path.name}, "
+                      "left by a process that died while replacing it",
                       file=sys.stderr)
             else:
                 shutil.rmtree(path)
@@ -112,7 +113,8 @@ def write_splits(out: Path, files: dict[str, list[dict]], meta: dict) -> None:
         for name, rows in files.items():
             with open(tmp / name, "w", encoding="utf-8") as f:
                 f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n",
+                                       encoding="utf-8")
         publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -31,7 +31,8 @@ def encode_value(v, depth=0, budget=None):
         tag = {list: "l", tuple: "t", set: "s", frozenset: "z"}[t]
         return {tag: [encode_value(x, depth + 1, budget) for x in v]}
     if t is dict:
-        return {"d": [[encode_value(k, depth + 1, budget), encode_value(x, depth + 1, budget)] for k, x in v.items()]}
+        return {"d": [[encode_value(k, depth + 1, budget), encode_value(x, depth + 1, budget)]
+                      for k, x in v.items()]}
     raise TypeError("not data: " + t.__qualname__)
 """
 MAX_VALUE_ITEMS = 20_000        # items in one returned value (and in all of a report, when decoding)

@@ -26,7 +26,8 @@ import re
 from typing import Any
 
 from . import CodeforgeError
-from .corpus import MAX_LINE_CHARS, UnusableInput, bounded_lines, check_sources, leaves_tree, long_line_detail, open_text, walk_tree
+from .corpus import (MAX_LINE_CHARS, UnusableInput, bounded_lines, check_sources, leaves_tree,
+                     long_line_detail, open_text, walk_tree)
 
 ROLES = ("system", "user", "assistant", "tool")
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -61,7 +62,8 @@ def _call_parts(call: Any) -> tuple[str, str]:
         try:
             parsed = json.loads(args)
         except json.JSONDecodeError as e:
-            raise ChatFormatError("tool_call_not_json", f"arguments of {f['name']!r} are not JSON ({e})") from None
+            raise ChatFormatError("tool_call_not_json",
+                                  f"arguments of {f['name']!r} are not JSON ({e})") from None
         if not isinstance(parsed, dict):
             raise ChatFormatError("tool_call_not_json", f"arguments of {f['name']!r} are not a JSON object")
         return f["name"], args
@@ -85,13 +87,15 @@ def validate(obj: Any) -> tuple[list[dict], list[dict]]:
             raise ChatFormatError("unknown_role", f"message {i} has role {role!r}; expected one of {ROLES}")
         content = m.get("content")
         if content is not None and not isinstance(content, str):
-            raise ChatFormatError("content_not_string", f"message {i} content is {type(content).__name__}, not text")
+            raise ChatFormatError("content_not_string",
+                                  f"message {i} content is {type(content).__name__}, not text")
         if m["role"] == "assistant":
             has_assistant = True
             for c in m.get("tool_calls") or []:
                 _call_parts(c)
         elif m.get("tool_calls"):
-            raise ChatFormatError("bad_tool_call", f"message {i} ({m['role']}) has tool_calls; only assistants call")
+            raise ChatFormatError("bad_tool_call",
+                                  f"message {i} ({m['role']}) has tool_calls; only assistants call")
     if not has_assistant:
         raise ChatFormatError("no_assistant", "no assistant turn: nothing to learn from")
     return obj["messages"], tools
@@ -109,7 +113,8 @@ def render(messages: list[dict], tools: list[dict] | None = None,
     if tools or system is not None:
         text = system or ""
         if tools:
-            text += TOOLS_INTRO + "".join(json.dumps(t, ensure_ascii=False) + "\n" for t in tools) + TOOLS_OUTRO
+            text += TOOLS_INTRO + "".join(json.dumps(t, ensure_ascii=False) + "\n"
+                                          for t in tools) + TOOLS_OUTRO
         out += [(IM_START, "special"), ("system\n" + text, "text"), (IM_END, "special"), ("\n", "text")]
     for m in msgs:
         role, content = m["role"], m.get("content") or ""
@@ -121,7 +126,8 @@ def render(messages: list[dict], tools: list[dict] | None = None,
                 if content or j:
                     out.append(("\n", "loss"))
                 out += [(CALL_OPEN, "special_loss"), (f'{{"name": {json.dumps(name, ensure_ascii=False)}, '
-                                                      f'"arguments": {args}}}', "loss"), (CALL_CLOSE, "special_loss")]
+                                                      f'"arguments": {args}}}', "loss"),
+                        (CALL_CLOSE, "special_loss")]
             out += [(IM_END, "special_loss"), ("\n", "text")]
         elif role == "tool":
             out += [("tool\n", "text"), (RESP_OPEN, "special"), ("\n" + content + "\n", "text"),
@@ -133,7 +139,8 @@ def render(messages: list[dict], tools: list[dict] | None = None,
     return [(t, k) for t, k in out if t]
 
 
-def render_text(messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = False) -> str:
+def render_text(messages: list[dict], tools: list[dict] | None = None,
+                add_generation_prompt: bool = False) -> str:
     return "".join(t for t, _ in render(messages, tools, add_generation_prompt))
 
 
@@ -178,8 +185,8 @@ def encode_conversation(tok, messages: list[dict], tools: list[dict] | None = No
 CHAT_TEMPLATE = (
     "{%- set msgs = messages -%}"
     "{%- set ns = namespace(start=0) -%}"
-    "{%- if msgs and msgs[0].role == 'system' -%}{%- set system = msgs[0].content or '' -%}{%- set ns.start = 1 -%}"
-    "{%- else -%}{%- set system = none -%}{%- endif -%}"
+    "{%- if msgs and msgs[0].role == 'system' -%}{%- set system = msgs[0].content or '' -%}{%- set ns.start "
+    "= 1 -%}{%- else -%}{%- set system = none -%}{%- endif -%}"
     "{%- if tools or system is not none -%}"
     "{{- '" + IM_START + "system\\n' -}}{{- system or '' -}}"
     "{%- if tools -%}{{- " + json.dumps(TOOLS_INTRO) + " -}}"
@@ -194,13 +201,13 @@ CHAT_TEMPLATE = (
     "{%- set f = c.function if c.function is defined else c -%}"
     "{%- if m.content or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
     "{{- '" + CALL_OPEN + "{\"name\": ' -}}{{- f.name | tojson -}}{{- ', \"arguments\": ' -}}"
-    "{%- if f.arguments is string -%}{{- f.arguments -}}{%- else -%}{{- (f.arguments or {}) | tojson -}}{%- endif -%}"
-    "{{- '}" + CALL_CLOSE + "' -}}"
+    "{%- if f.arguments is string -%}{{- f.arguments -}}{%- else -%}{{- (f.arguments or {}) | tojson -}}{%- "
+    "endif -%}{{- '}" + CALL_CLOSE + "' -}}"
     "{%- endfor -%}"
     "{{- '" + IM_END + "\\n' -}}"
     "{%- elif m.role == 'tool' -%}"
-    "{{- '" + IM_START + "tool\\n" + RESP_OPEN + "\\n' -}}{{- m.content or '' -}}{{- '\\n" + RESP_CLOSE + "" + IM_END + "\\n' -}}"
-    "{%- else -%}"
+    "{{- '" + IM_START + "tool\\n" + RESP_OPEN + "\\n' -}}{{- m.content or '' -}}{{- '\\n" + RESP_CLOSE + ""
+    + IM_END + "\\n' -}}" "{%- else -%}"
     "{{- '" + IM_START + "' + m.role + '\\n' -}}{{- m.content or '' -}}{{- '" + IM_END + "\\n' -}}"
     "{%- endif -%}"
     "{%- endfor -%}"
@@ -269,7 +276,8 @@ def read_conversations(paths: list[str], stats, strict: bool = False, max_line_c
             files.append((p, None))
     for path, tree in files:
         if tree is not None and (real := leaves_tree(path, tree)):
-            stats.skip("symlink_outside", path, False, f"a symlink to {real}, outside {tree}: not read; name the "
+            stats.skip("symlink_outside", path, False,
+                       f"a symlink to {real}, outside {tree}: not read; name the "
                        f"target as an input to read it")
             continue
         try:
@@ -278,7 +286,8 @@ def read_conversations(paths: list[str], stats, strict: bool = False, max_line_c
                     where = f"{path}:{lineno}"
                     if line is None:
                         stats.skip("oversized_record", where, strict, long_line_detail(
-                            max_line_chars, "raise --max-file-bytes (the limit is 12 times it) to read longer ones"))
+                            max_line_chars,
+                            "raise --max-file-bytes (the limit is 12 times it) to read longer ones"))
                         continue
                     if not line.strip():
                         continue

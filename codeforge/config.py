@@ -64,8 +64,8 @@ def chat_notice(saved: dict) -> str | None:
         return None
     stage = saved.get("train", {}).get("stage", "pretrain")
     return (f"this model was trained only as a base model (stage {stage}), never taught to chat: a reply "
-            f"continues the conversation's text rather than answers it. Train it with `codeforge train --stage "
-            f"sft` (docs/chat-and-tools.md), or try `codeforge quickstart --chat`")
+            f"continues the conversation's text rather than answers it. Train it with `codeforge train "
+            f"--stage sft` (docs/chat-and-tools.md), or try `codeforge quickstart --chat`")
 
 
 def speaks_chat(saved: dict) -> bool:
@@ -81,43 +81,57 @@ def speaks_chat(saved: dict) -> bool:
 class CommonTrain:
     """The [train] settings every stage reads: data, run directory, batch, optimizer, schedule, budget,
     evaluation, checkpoints, device and parallelism, logging."""
-    stage: str = setting("pretrain", "training stage: packed text (pretrain, code) or chat conversations with "
+    stage: str = setting("pretrain",
+                         "training stage: packed text (pretrain, code) or chat conversations with "
                          "a loss mask (sft, tools); each stage has its seed's defaults (presets/stages.toml)",
                          choices=STAGES)
-    data: str = setting("", "prepared data directory (from `codeforge prepare`; --stage hrm: mined plans from "
+    data: str = setting("",
+                        "prepared data directory (from `codeforge prepare`; --stage hrm: mined plans from "
                         "`codeforge make-plans`; reward, dpo: preference pairs, a JSONL file or a `codeforge "
                         "make-pairs` directory; ppo, grpo: tasks, a JSONL file or a `codeforge make-tasks` "
                         "directory)", required=True, metavar="DIR")
-    tokenizer: str = setting("", "tokenizer directory, for stages that train on raw JSONL (hrm); the prepared "
+    tokenizer: str = setting("",
+                             "tokenizer directory, for stages that train on raw JSONL (hrm); the prepared "
                              "stages take the one beside their shards", metavar="DIR")
     out: str = setting("", "run directory (checkpoints, metrics, config)", required=True, metavar="RUN")
     batch_size: int = setting(8, "micro-batch size", range=(1, 4096))
     grad_accum_steps: int = setting(1, "micro-batches per optimizer step", range=(1, 4096))
     learning_rate: float = setting(3e-4, "peak learning rate", range=(0.0, 0.1), open_low=True)
-    min_lr_ratio: float = setting(0.1, "the schedule's floor, as a fraction of learning_rate", range=(0.0, 1.0))
-    schedule: str = setting("cosine", "learning-rate schedule", choices=("cosine", "linear", "constant", "wsd"))
+    min_lr_ratio: float = setting(0.1, "the schedule's floor, as a fraction of learning_rate",
+                                  range=(0.0, 1.0))
+    schedule: str = setting("cosine", "learning-rate schedule",
+                            choices=("cosine", "linear", "constant", "wsd"))
     warmup_steps: int = setting(100, "linear warm-up steps", range=(0, 10**9))
     decay_fraction: float = setting(0.2, "wsd: share of the run spent decaying", range=(0.0, 1.0))
-    max_iters: int = setting(0, "optimizer steps (budget)", range=(0, 10**12), zero_means="from max_tokens or epochs")
-    max_tokens: int = setting(0, "tokens (budget, if max_iters is 0)", range=(0, 10**15), zero_means="from epochs")
-    epochs: float = setting(0.0, "epochs over the training split (budget)", range=(0.0, 1e6), zero_means="1 epoch")
+    max_iters: int = setting(0, "optimizer steps (budget)", range=(0, 10**12),
+                             zero_means="from max_tokens or epochs")
+    max_tokens: int = setting(0, "tokens (budget, if max_iters is 0)", range=(0, 10**15),
+                              zero_means="from epochs")
+    epochs: float = setting(0.0, "epochs over the training split (budget)", range=(0.0, 1e6),
+                            zero_means="1 epoch")
     weight_decay: float = setting(0.1, "AdamW weight decay of matrices", range=(0.0, 10.0))
     beta1: float = setting(0.9, "AdamW beta1", range=(0.0, 0.999999))
     beta2: float = setting(0.95, "AdamW beta2", range=(0.0, 0.999999))
-    grad_clip: float = setting(1.0, "clip the gradient norm to this", range=(0.0, 1e6), zero_means="no clipping")
-    optimizer: str = setting("adamw", "optimizer (adamw8bit: bitsandbytes, CUDA only; muon: Muon for the hidden "
+    grad_clip: float = setting(1.0, "clip the gradient norm to this", range=(0.0, 1e6),
+                               zero_means="no clipping")
+    optimizer: str = setting("adamw",
+                             "optimizer (adamw8bit: bitsandbytes, CUDA only; muon: Muon for the hidden "
                              "weight matrices, AdamW for embeddings, head and gains; GPT models)",
                              choices=("adamw", "adamw8bit", "muon"))
-    muon_lr: float = setting(0.02, "muon: peak learning rate of the hidden matrices (the schedule scales it as it "
+    muon_lr: float = setting(0.02,
+                             "muon: peak learning rate of the hidden matrices (the schedule scales it as it "
                              "scales learning_rate)", range=(0.0, 10.0), open_low=True)
     muon_momentum: float = setting(0.95, "muon: momentum (Nesterov)", range=(0.0, 0.999999))
     muon_weight_decay: float = setting(0.0, "muon: decoupled weight decay of the hidden matrices",
                                        range=(0.0, 10.0))
     eval_every: int = setting(250, "evaluate every N steps", range=(0, 10**9), zero_means="only at the end")
-    time_budget: float = setting(0.0, "seconds the run may take: after its first steps it measures the pace and "
-                                 "sets the step count (at most --max-iters) so that training and its evaluations "
-                                 "end within this (on --resume: counted from the resumed step); the count is saved as "
-                                 "max_iters, so a re-run or --resume repeats it", range=(1.0, 10.0**9), zero_means="no budget: --max-iters steps")
+    time_budget: float = setting(0.0,
+                                 "seconds the run may take: after its first steps it measures the pace and "
+                                 "sets the step count (at most --max-iters) so that training and its "
+                                 "evaluations end within this (on --resume: counted from "
+                                 "the resumed step); the count is saved as "
+                                 "max_iters, so a re-run or --resume repeats it", range=(1.0, 10.0**9),
+                                 zero_means="no budget: --max-iters steps")
     eval_tokens: int = setting(262_144, "validation tokens per evaluation, at most: the validation split in "
                                "order, in whole context windows until N tokens are covered (chat rows count "
                                "their masked and padding tokens). A pretraining run too short to pay for N "
@@ -127,44 +141,56 @@ class CommonTrain:
                                range=(1, 10**12), zero_means="the whole split")
     sample_every: int = setting(0, "write a sample every N steps", range=(0, 10**9), zero_means="never")
     sample_tokens: int = setting(64, "tokens per sample", range=(1, 10**6))
-    save_every: int = setting(500, "checkpoint every N steps (and at every evaluation that beats the best so far, "
+    save_every: int = setting(500,
+                              "checkpoint every N steps (and at every evaluation that beats the best so far, "
                               "so the `best` checkpoint is the best evaluated weights)", range=(0, 10**9),
                               zero_means="only at the end and at improving evaluations")
     keep_last: int = setting(3, "periodic checkpoints kept (plus best and final)", range=(1, 10**6))
     log_every: int = setting(10, "log a training line every N steps", range=(1, 10**9))
     seed: int = setting(1337, "seed of weights, data order and dropout", range=(0, 2**63 - 1))
     device: str = setting("auto", "auto|cpu|cuda|cuda:N|mps")
-    threads: int = setting(0, "CPU threads for PyTorch's operations (0: the cores other work leaves free at start; "
-                              "$CODEFORGE_THREADS does the same for every command)", range=(0, 4096))
-    precision: str = setting("auto", "numeric precision (auto: bf16 on GPUs that have it, else fp16; fp32 on a CPU. "
-                                     "fastest: the same, but bf16 on a CPU that multiplies bfloat16 natively, "
-                                     "AVX512-BF16 or AMX: about 30 percent more tokens/s)",
+    threads: int = setting(0, "CPU threads for PyTorch's operations (0: the cores other work leaves free at "
+                              "start; $CODEFORGE_THREADS does the same for every command)", range=(0, 4096))
+    precision: str = setting("auto",
+                             "numeric precision (auto: bf16 on GPUs that have it, else fp16; fp32 on a CPU. "
+                                     "fastest: the same, but bf16 on a CPU that multiplies bfloat16 "
+                                     "natively, AVX512-BF16 or AMX: about 30 percent more tokens/s)",
                              choices=("auto", "fastest", "fp32", "fp16", "bf16"))
     compile: bool = setting(False, "torch.compile the model")
     grad_checkpointing: bool = setting(False, "recompute activations in backward (less memory)",
                                        flag="--gradient-checkpointing")
     local_ranks: int = setting(1, "CPU: run as N processes on this machine, data parallel (DDP over gloo, as "
-                               "torchrun would start them), the cores' threads split between them; --batch-size "
-                               "and --threads are per process, as under torchrun. On cores other programs share, N one-thread "
+                               "torchrun would start them), the cores' "
+                               "threads split between them; --batch-size "
+                               "and --threads are per process, as under torchrun. On cores other programs "
+                               "share, N one-thread "
                                "processes keep their share where one N-thread process waits for its slowest "
                                "thread (docs/LOG.md)", range=(1, 256),
-                               zero_means="auto: on a CPU, one process per usable core (at most 4, a divisor of "
-                                          "--batch-size), with --batch-size the global batch split between them "
-                                          "(the quickstart's choice); one process on a GPU")
-    parallel: str = setting("auto", "data parallelism under torchrun: ddp (every rank holds the whole model, its "
-                            "gradients and optimizer state) or fsdp (PyTorch FSDP2: each rank holds 1/N of them; "
-                            "sharded checkpoints with DCP); auto: ddp, or fsdp on GPUs when `codeforge plan` says "
-                            "DDP does not fit", choices=("auto", "ddp", "fsdp"))
-    fsdp_offload: bool = setting(False, "fsdp: keep parameter shards, gradients and optimizer state in CPU memory "
+                               zero_means="auto: on a CPU, one process per "
+                                          "usable core (at most 4, a divisor of "
+                                          "--batch-size), with --batch-size the global batch split between "
+                                          "them (the quickstart's choice); one process on a GPU")
+    parallel: str = setting("auto",
+                            "data parallelism under torchrun: ddp (every rank holds the whole model, its "
+                            "gradients and optimizer state) or fsdp "
+                            "(PyTorch FSDP2: each rank holds 1/N of them; "
+                            "sharded checkpoints with DCP); auto: ddp, or fsdp on GPUs when `codeforge plan` "
+                            "says DDP does not fit", choices=("auto", "ddp", "fsdp"))
+    fsdp_offload: bool = setting(False,
+                                 "fsdp: keep parameter shards, gradients and optimizer state in CPU memory "
                                  "(PyTorch's CPUOffloadPolicy): slower, for shards that do not fit the GPU")
-    async_checkpoint: str = setting("auto", "fsdp: write checkpoint shards in the background while training goes "
+    async_checkpoint: str = setting("auto",
+                                    "fsdp: write checkpoint shards in the background while training goes "
                                     "on (DCP async_save; the state is copied to host memory first, and the "
-                                    "checkpoint is published once every rank's part is written); auto: on GPUs",
+                                    "checkpoint is published once every "
+                                    "rank's part is written); auto: on GPUs",
                                     choices=("auto", "on", "off"))
-    dist_timeout: int = setting(600, "seconds a rank waits in a collective for the others before failing (a killed "
+    dist_timeout: int = setting(600, "seconds a rank waits in a collective "
+                                     "for the others before failing (a killed "
                                 "or stuck rank then ends the job instead of hanging it)", range=(5, 86400))
     max_bad_steps: int = setting(5, "stop after this many non-finite losses in a row", range=(1, 10**6))
-    init_from: str = setting("", "start from another run's weights (staged training); a run or checkpoint dir",
+    init_from: str = setting("",
+                             "start from another run's weights (staged training); a run or checkpoint dir",
                              metavar="RUN")
     tensorboard: bool = setting(True, "write TensorBoard events")
     wandb: bool = setting(False, "log to Weights & Biases")
@@ -175,28 +201,34 @@ class CommonTrain:
 
 @dataclass
 class LMTrain:
-    """The language-model stages' own (pretrain, code, sft, tools): fill-in-the-middle, the fused loss, LoRA."""
-    fim_rate: float = setting(0.0, "share of training documents reordered for fill-in-the-middle (prefix-suffix-"
+    """The language-model stages' own (pretrain, code, sft, tools):
+    fill-in-the-middle, the fused loss, LoRA."""
+    fim_rate: float = setting(0.0,
+                              "share of training documents reordered for fill-in-the-middle (prefix-suffix-"
                               "middle or suffix-prefix-middle; 0.5 in the pretrain and code stages)",
                               range=(0.0, 1.0))
     fim_spm_rate: float = setting(0.5, "of those, the share in suffix-prefix-middle order", range=(0.0, 1.0))
     # fused chunked lm_head + cross-entropy (train/losses.py): off by default, neutral on a CPU (docs/LOG.md)
     # and not yet measured on a GPU; it saves the (B*T, vocab) logits' memory
-    loss_chunk_rows: int = setting(0, "fused chunked LM loss, rows per chunk", range=(0, 10**7), zero_means="off")
-    lora_rank: int = setting(0, "LoRA: train adapters of this rank on the blocks' linear layers, the --init-from "
-                                "weights frozen (models/lora.py, with PEFT); checkpoints hold the merged weights "
+    loss_chunk_rows: int = setting(0, "fused chunked LM loss, rows per chunk", range=(0, 10**7),
+                                   zero_means="off")
+    lora_rank: int = setting(0, "LoRA: train adapters of this rank on the blocks' linear layers, the "
+                                "--init-from weights frozen (models/lora.py, with "
+                                "PEFT); checkpoints hold the merged weights "
                                 "and the adapter alone", range=(1, 4096), zero_means="full fine-tuning")
-    lora_alpha: float = setting(16.0, "LoRA: the adapters' scale is alpha / rank", range=(0.0, 1e6), open_low=True)
+    lora_alpha: float = setting(16.0, "LoRA: the adapters' scale is alpha / rank", range=(0.0, 1e6),
+                                open_low=True)
     lora_dropout: float = setting(0.0, "LoRA: dropout on the adapters' input", range=(0.0, 1.0))
     lora_targets: str = setting("c_attn,c_fc,c_proj", "LoRA: the linear layers that get adapters, by name "
-                                "(comma-separated: c_attn is attention's q/k/v, c_proj both output projections, "
-                                "c_fc the MLP's input)")
+                                "(comma-separated: c_attn is attention's q/k/v, c_proj both output "
+                                "projections, c_fc the MLP's input)")
 
 
 @dataclass
 class HRMTrain:
     """The hierarchical model's stage's own (hrm)."""
-    syntax_cases: int = setting(8, "hrm stage: held-out functions planned, written and parsed at each evaluation "
+    syntax_cases: int = setting(8, "hrm stage: held-out functions planned, "
+                                   "written and parsed at each evaluation "
                                 "(syntax-valid rate, avg iterations in metrics.jsonl)", range=(0, 10**6),
                                 zero_means="off")
 
@@ -204,10 +236,11 @@ class HRMTrain:
 @dataclass
 class PrefsTrain:
     """The preference stages' own (reward, dpo)."""
-    beta: float = setting(0.1, "dpo: strength of the implicit KL to the reference model (Rafailov et al. 2023)",
+    beta: float = setting(0.1,
+                          "dpo: strength of the implicit KL to the reference model (Rafailov et al. 2023)",
                           range=(0.0, 100.0), open_low=True)
-    dpo_sft: float = setting(0.0, "dpo: weight of the chosen answers' own language-model loss added to DPO's (RPO, "
-                             "Pang et al. 2024; keeps their likelihood from sinking with the rejected)",
+    dpo_sft: float = setting(0.0, "dpo: weight of the chosen answers' own language-model loss added to DPO's "
+                             "(RPO, Pang et al. 2024; keeps their likelihood from sinking with the rejected)",
                              range=(0.0, 100.0))
 
 
@@ -216,18 +249,21 @@ class RLTrain:
     """The reinforcement-learning stages' own (ppo, grpo): rollouts, rewards, the clipped objective."""
     kl_coef: float = setting(0.0, "ppo, grpo: weight of the KL penalty to the frozen reference (0.05 in ppo; "
                              "grpo leaves it off)", range=(0.0, 100.0))
-    rewards: str = setting("auto", "ppo, grpo: where rewards come from: running the sample's code against the "
-                           "task's tests, the reward model (--reward-model), or their sum; auto: the reward model "
-                           "when one is given, else execution", choices=("auto", "execution", "model", "both"))
+    rewards: str = setting("auto",
+                           "ppo, grpo: where rewards come from: running the sample's code against the "
+                           "task's tests, the reward model (--reward-model), or their sum; auto: the reward "
+                           "model when one is given, else execution",
+                           choices=("auto", "execution", "model", "both"))
     reward_model: str = setting("", "ppo: a reward-model run (from --stage reward) that scores samples",
                                 metavar="RUN")
     group_size: int = setting(4, "ppo, grpo: samples per task in a rollout (GRPO's G)", range=(1, 1024))
     rollout_tasks: int = setting(8, "ppo, grpo: tasks per rollout (each sampled group_size times)",
                                  range=(1, 100_000))
     rollout_tokens: int = setting(128, "ppo, grpo: most tokens a sample may write", range=(1, 100_000))
-    rollout_temperature: float = setting(1.0, "ppo, grpo: sampling temperature of rollouts", range=(0.0, 10.0),
-                                         open_low=True)
-    ppo_epochs: int = setting(1, "ppo, grpo: passes over each rollout (in micro-batches of batch_size samples)",
+    rollout_temperature: float = setting(1.0, "ppo, grpo: sampling temperature of rollouts",
+                                         range=(0.0, 10.0), open_low=True)
+    ppo_epochs: int = setting(1,
+                              "ppo, grpo: passes over each rollout (in micro-batches of batch_size samples)",
                               range=(1, 1000))
     clip_eps: float = setting(0.2, "ppo, grpo: clip range of the probability ratio", range=(0.0, 10.0),
                               open_low=True)
@@ -240,7 +276,8 @@ class RLTrain:
 
 @dataclass
 class TrainConfig(RLTrain, PrefsTrain, HRMTrain, LMTrain, CommonTrain):
-    """Every [train] setting: the common section plus one per stage kind (SECTION_OF_KIND), each field declared
+    """Every [train] setting: the common section plus one per stage kind
+    (SECTION_OF_KIND), each field declared
     once, in its section. config.toml keeps them in one flat [train] table, so a saved run loads as it did."""
 
 
@@ -288,16 +325,18 @@ class RunConfig:
         m = self.model
         if m.n_embd % m.n_head:
             raise ConfigError(f"model.n_embd = {m.n_embd} is not divisible by model.n_head = {m.n_head}; "
-                              f"pick n_embd a multiple of n_head (e.g. {m.n_head * max(1, round(m.n_embd / m.n_head))})")
+                              "pick n_embd a multiple of n_head (e.g. "
+                              f"{m.n_head * max(1, round(m.n_embd / m.n_head))})")
         if m.n_head % m.n_kv_head:
-            raise ConfigError(f"model.n_head = {m.n_head} is not divisible by model.n_kv_head = {m.n_kv_head}")
+            raise ConfigError(f"model.n_head = {m.n_head} is not divisible "
+                              f"by model.n_kv_head = {m.n_kv_head}")
         if m.pos == "rope" and m.head_dim % 2:
             raise ConfigError(f"rotary positions need an even head size; n_embd/n_head = {m.head_dim}")
         t = self.train
         if t.lora_rank and STAGE[t.stage].kind != "lm":
             lm = ", ".join(s.name for s in STAGE_TABLE if s.kind == "lm")
-            raise ConfigError(f"--lora-rank trains adapters in the language-model stages ({lm}); --stage {t.stage} "
-                              f"fine-tunes every weight: drop --lora-rank")
+            raise ConfigError(f"--lora-rank trains adapters in the language-model stages ({lm}); --stage "
+                              f"{t.stage} fine-tunes every weight: drop --lora-rank")
         if t.lora_rank and not [x for x in t.lora_targets.split(",") if x.strip()]:
             raise ConfigError("--lora-targets is empty: name the linear layers that get adapters (default "
                               "c_attn,c_fc,c_proj)")
@@ -331,7 +370,8 @@ def preset_catalog() -> dict:
 
 
 def write_catalog() -> str:
-    """Compute the catalog and write it over the shipped one (`codeforge presets --write-catalog`); its path."""
+    """Compute the catalog and write it over the shipped one (`codeforge presets
+    --write-catalog`); its path."""
     path = str(resources.files("codeforge.presets").joinpath(CATALOG))
     with open(path, "w") as f:
         f.write(json.dumps(preset_catalog(), indent=1, sort_keys=True) + "\n")
@@ -358,7 +398,8 @@ def _coerce(key: str, value: Any, current: Any) -> Any:
         if isinstance(current, float):
             return float(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{key} = {value!r} is not a{'n integer' if isinstance(current, int) else ' number'}") from None
+        raise ConfigError(f"{key} = {value!r} is not "
+                          f"a{'n integer' if isinstance(current, int) else ' number'}") from None
     return str(value)
 
 
@@ -408,8 +449,8 @@ def load_file(path: str | Path) -> dict:
     for k, v in data.items():
         if k in SECTIONS:
             if not isinstance(v, dict):
-                raise ConfigError(f"{p}: {k} = {v!r} is not a table of settings; write them as [{k}] followed by "
-                                  f"key = value lines (`codeforge config keys` lists them)")
+                raise ConfigError(f"{p}: {k} = {v!r} is not a table of settings; write them as [{k}] "
+                                  f"followed by key = value lines (`codeforge config keys` lists them)")
             out[k] = {kk: _checked(p, f"{k}.{kk}", vv) for kk, vv in v.items()}
         else:
             out[k] = _checked(p, k, v)
@@ -426,7 +467,8 @@ def _checked(p: Path, key: str, v: Any) -> Any:
         sec, name = full.split(".")
         f = next(f for f in fields(SECTIONS[sec]) if f.name == name)
         if isinstance(v, bool) and not isinstance(f.default, bool):  # _coerce would take true for 1
-            raise ConfigError(f"{full} = {v!r} is not a{'n integer' if isinstance(f.default, int) else ' number'}")
+            raise ConfigError(f"{full} = {v!r} is not "
+                              f"a{'n integer' if isinstance(f.default, int) else ' number'}")
         if isinstance(v, (dict, list)):
             raise ConfigError(f"{full} = {v!r} is not a single value")
         value = _coerce(full, v, f.default)
@@ -434,8 +476,8 @@ def _checked(p: Path, key: str, v: Any) -> Any:
         raise ConfigError(f"{p}: {e}") from None
     problem = field_problem(f, value)
     if problem:
-        raise ConfigError(f"{p}: {full} = {v!r} {problem}; correct it in that file (`codeforge config keys` lists "
-                          f"every setting with its range)")
+        raise ConfigError(f"{p}: {full} = {v!r} {problem}; correct it in that file (`codeforge config keys` "
+                          f"lists every setting with its range)")
     return value
 
 
@@ -445,8 +487,8 @@ def resolve(presets: list[str] = (), file: str | None = None, sets: list[str] = 
     """Build and validate a RunConfig. Layers, later wins: the declared defaults (or `base`, a saved config
     dict), the stage's defaults (presets/stages.toml), presets, the file, --set, flags. The dataclasses are
     built once from the merged values, so derived fields (n_kv_head, ffn_hidden) follow the final values.
-    vocab_from_data: a preset's vocab_size is dropped (0 = take it from the data; on --resume, the saved run's)
-    unless the file, --set or a flag sets one."""
+    vocab_from_data: a preset's vocab_size is dropped (0 = take it from the data; on --resume, the saved
+    run's) unless the file, --set or a flag sets one."""
     layers: list[tuple[str, Any]] = []  # (section.key, value), in order of precedence
     tables = _preset_tables()
     pretrain_only: list[tuple[int, list]] = []  # (place in layers, a profile's [NAME.pretrain] recipe)
@@ -510,7 +552,8 @@ def resolve(presets: list[str] = (), file: str | None = None, sets: list[str] = 
     values["model"].update(start_model)
     foreign = sorted({k for k, _ in layers if k.startswith("model.") and k.split(".", 1)[1] not in own})
     if foreign:
-        raise ConfigError(f"{', '.join(foreign)}: not settings of model.arch = {arch!r} (its keys: {sorted(own)}); "
+        raise ConfigError(f"{', '.join(foreign)}: not settings of "
+                          f"model.arch = {arch!r} (its keys: {sorted(own)}); "
                           f"drop them, or choose the architecture that has them (--arch, or a preset of it)")
     stage = next((v for k, v in reversed(layers) if k == "train.stage"), values["train"]["stage"])
     if stage not in tables["stage"]:
@@ -524,7 +567,8 @@ def resolve(presets: list[str] = (), file: str | None = None, sets: list[str] = 
     # one spelling of a set of layer names, so a resume that lists them in another order is the same run
     targets = values["train"].get("lora_targets")
     if isinstance(targets, str):
-        values["train"]["lora_targets"] = ",".join(sorted({x.strip() for x in targets.split(",") if x.strip()}))
+        values["train"]["lora_targets"] = ",".join(sorted({x.strip() for x in targets.split(",")
+                                                           if x.strip()}))
     try:
         cfg = RunConfig(model_cls.from_dict(values["model"]), TrainConfig(**values["train"]))
     except (TypeError, ValueError) as e:

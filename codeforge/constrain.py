@@ -19,7 +19,8 @@ What a row may write, by mode (chat.py's format; <x> are special tokens, written
 The JSON is laid out as `json.dumps` writes it by default, as the training data is (chat.py renders
 arguments with json.dumps(..., ensure_ascii=False)): separators ", " and ": ", no other whitespace, strings
 escape only `"`, `\\` and \\b \\f \\n \\r \\t (no \\u, no \\/; non-ASCII text is written as itself). The
-wrapper `{"name": ..., "arguments": ` is a literal of the grammar rather than part of a JSON schema, so a tool's
+wrapper `{"name": ..., "arguments": ` is a literal of the grammar rather than
+part of a JSON schema, so a tool's
 parameters schema stays the root of its own `%json` block and its `$ref`s resolve as written. Property order
 follows the schema's "properties" order (json.dumps keeps the order the data was written in). Schemas are
 used as given: without "additionalProperties": false a schema allows extra keys, and so does the grammar.
@@ -33,7 +34,7 @@ are computed in one call on llguidance's thread pool and applied to the logits i
 Budget: a reply the grammar must complete (required or named tool_choice, a JSON response_format) has to end
 within the row's token budget (max_tokens; `Constraint.set_budget`, which the engine and the server call), and
 so does every call auto mode opens. Each grammar keeps a way to its end: a token sequence from the matcher's
-state that ends the reply (_Ways.way: a greedy walk on a copy of the matcher, forced tokens first, then the
+state that ends the reply (Ways.way: a greedy walk on a copy of the matcher, forced tokens first, then the
 tokens that close the current string, number, array or object soonest; inside a string that no allowed token
 ends, a key, an enum value or a tool's name to spell, the fewest tokens that end it by a small breadth-first
 search, and for the way from the start the end whose whole way is shortest; ~1-3 ms for a tool call). The way
@@ -44,7 +45,7 @@ The way is kept exact after every token, so the spare (the budget left beyond it
 to the end, however deep the text has nested: a token on the way shortens it; after any other token the old
 way is checked to still hold (a character of a free string), or its rest past a few tokens (a value other than
 the way's), or the token's split realigned, else a few greedy steps rejoin it (a bracket opened: its closer,
-then the old way), else it is searched again (_Ways.after; validate_tokens, and a mask per greedy step). The
+then the old way), else it is searched again (Ways.after; validate_tokens, and a mask per greedy step). The
 spare decides the mask: more than WATCH, the grammar's mask alone; up to WATCH, inside a string (where one
 character may pick a longer key, enum value or tool name) and within NEAR spare everywhere, only checked
 tokens (the row's TOP likeliest that keep a way that fits what will be left, at most SEARCHES of them found
@@ -67,20 +68,18 @@ cut the call short. A trained model has no reason to write it.
 
 from __future__ import annotations
 
-import collections
 import json
-import re
 import threading
 import weakref
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 import llguidance
-import numpy as np
 import torch
 
 from . import CodeforgeError
 from .chat import CALL_CLOSE, CALL_OPEN, IM_END
+from .grammar_ways import LEX_OUT, Ways
 
 if TYPE_CHECKING:
     from .tokenizer import CodeTokenizer
@@ -89,18 +88,13 @@ MODES = ("auto", "required", "none")
 # json.dumps' default layout (see the module docstring); applied over any "x-guidance" a schema carries.
 JSON_LAYOUT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False,
                "json_allowed_escapes": "\"\\bfnrt"}
-GRAMMAR_CACHE = 32  # compiled grammars kept per tokenizer (tool_calling_eval offers ~30 distinct tool subsets)
+# compiled grammars kept per tokenizer (tool_calling_eval offers ~30 distinct tool subsets)
+GRAMMAR_CACHE = 32
 # The token budget (see "Budget" in the module docstring).
 WATCH = 64  # spare tokens (budget left beyond the way to the end) below which a row is watched
 NEAR = 8  # spare tokens below which a row writes only checked tokens
 TOP = 8  # the likeliest tokens checked per watched row and step
 SEARCHES = 2  # ... of which at most this many by a search for a new way (the others must keep the way)
-PATH_LIMIT = 1024  # the longest way to the end searched for (longer: the grammar is left without a reserve)
-JOIN_STEPS = 4  # a way repaired after a token off it: greedy steps before it must rejoin the old way ...
-JOIN_SKIP = 3  # ... skipping at most this many of the old way's tokens (else a whole new walk)
-LOOK_WIDTH = 64  # inside a string that no allowed token ends: a search for the fewest tokens that end it, where
-LOOK_NODES = 64  # each step allows at most LOOK_WIDTH tokens, through at most LOOK_NODES matchers;
-LOOK_ENDS = 8  # for a grammar's start way, the ends of such a string each walked on to the end (the best kept)
 
 
 class ConstraintError(CodeforgeError):
@@ -126,18 +120,20 @@ class _Bridge:
         no_calls = torch.zeros(self.words * 32, dtype=torch.bool)
         no_calls[:self.vocab] = True
         # (an imported tokenizer may lack them: indexing with None would mask every token)
-        self.call_ids = [i for i in (tok.special_ids.get(CALL_OPEN), tok.special_ids.get(CALL_CLOSE)) if i is not None]
+        self.call_ids = [i for i in (tok.special_ids.get(CALL_OPEN), tok.special_ids.get(CALL_CLOSE))
+                         if i is not None]
         no_calls[self.call_ids] = False
         self.no_call_bits = _pack(no_calls)
         self.end_bits = _pack(torch.arange(self.words * 32) == tok.special_ids[IM_END])
         self.tok = tok
-        self._ways: _Ways | None = None  # made on the first grammar that needs a way to its end
-        self.starts: OrderedDict[str, list[int] | None] = OrderedDict()  # a grammar's way from its start to its end
+        self._ways: Ways | None = None  # made on the first grammar that needs a way to its end
+        # a grammar's way from its start to its end
+        self.starts: OrderedDict[str, list[int] | None] = OrderedDict()
 
-    def ways(self) -> "_Ways":
+    def ways(self) -> "Ways":
         with self.lock:
             if self._ways is None:
-                self._ways = _Ways(self.tok, self.vocab)
+                self._ways = Ways(self.tok, self.vocab)
             return self._ways
 
     def start_way(self, lark: str, m: llguidance.LLMatcher, end: bool) -> list[int] | None:
@@ -145,7 +141,7 @@ class _Bridge:
         with self.lock:
             if lark in self.starts:
                 return self.starts[lark]
-        way = self.ways().way(m, _OUT, end, best=True)
+        way = self.ways().way(m, LEX_OUT, end, best=True)
         with self.lock:
             self.starts[lark] = way
             if len(self.starts) > GRAMMAR_CACHE:
@@ -176,218 +172,6 @@ class _Bridge:
             if len(self.matchers) > GRAMMAR_CACHE:
                 self.matchers.popitem(last=False)
         return m.deep_copy()
-
-
-_CLOSERS = re.compile(rb"[}\]]+")  # ends objects and arrays
-_VALUE = re.compile(rb'(-?[0-9]+|""|true|false|null|\[\]|\{\})([}\]]*)')  # a whole JSON value, then closers
-_QUOTE_END = re.compile(rb'([^"\\]*)"([}\]]*)')  # (inside a string) ends it, then closers
-_OUT, _IN, _ESC = 0, 1, 2  # JSON lexical states: outside a string, inside one, just after a backslash in one
-
-
-class _Ways:
-    """Short ways to the end of a grammar, for the token budget: from a matcher's state, a token sequence the
-    grammar accepts that ends the reply (or the call). A greedy walk on a copy of the matcher: forced tokens
-    first; then </tool_call> where allowed; then the allowed token that ends things soonest for the JSON
-    lexical state the text is in (inside a string: a closing quote, then closing brackets; outside one:
-    closing brackets, then a separator, then a whole short value like 0, "", [], then an opening quote or
-    bracket); inside a string that no allowed token ends (a key, an enum value or a tool's name to spell), the
-    fewest tokens that end it, by a small breadth-first search (`_close_soon`); failing that (a minimum
-    length), the longest allowed token. Every step is checked by the matcher, so what comes back is always a
-    way to the end; it is short (the grammars' JSON has one layout, and its required parts are forced), not
-    proven shortest. `after` keeps a way up to date after a token off it: the old way where it still holds
-    (or its rest past a few tokens, or the token's split realigned), else a few greedy steps that rejoin it,
-    else a new walk."""
-
-    def __init__(self, tok: "CodeTokenizer", vocab: int):
-        self.vocab = vocab
-        ids = tok.special_ids
-        self.eos, self.close_id = ids[IM_END], ids.get(CALL_CLOSE)
-        self.special = {i for i in ids.values() if i is not None}
-        self.bytes = [b"" if i in self.special else tok.token_bytes(i) for i in range(vocab)]
-        self.exact = {}  # bytes -> id (the first id with them)
-        out, inside, size = (np.full(vocab, -1, dtype=np.int32) for _ in range(3))
-        for i, b in enumerate(self.bytes):
-            if not b:
-                continue
-            self.exact.setdefault(b, i)
-            size[i] = min(len(b), 999)
-            if _CLOSERS.fullmatch(b):
-                out[i] = 40000 + len(b)
-            elif b in (b", ", b","):
-                out[i] = 30000 + len(b)
-            elif (v := _VALUE.fullmatch(b)) is not None:
-                out[i] = 20000 + 100 * min(len(v.group(2)), 99) - min(len(v.group(1)), 99)
-            elif b in (b'"', b"[", b"{", b"-"):
-                out[i] = 10000 + (b'-{["'.index(b))
-            if (q := _QUOTE_END.fullmatch(b)) is not None:
-                inside[i] = 10000 - 1000 * min(len(q.group(1)), 9) + min(len(q.group(2)), 99)
-        for i in self.special:
-            if i < vocab:
-                size[i] = 0  # a special token only as a last resort (they are forced where needed)
-        self.out, self.inside, self.size = out, inside, size
-        self.lex: dict[tuple[int, int], int] = {}
-        # Tokens that may lengthen the way to the end by more than a token outside a string (they start or
-        # end a value, a key, an item or a call); any other token there (a number's digits, a literal's
-        # letters, a closing bracket) lengthens it by at most one. Inside a string any token may (a character
-        # that picks a longer key, enum value or tool name): every one is checked there.
-        marks = [any(c in b for c in b',{["\n') or i in self.special for i, b in enumerate(self.bytes)]
-        self.structural = np.array(marks)
-        self._on: dict[torch.device, torch.Tensor] = {}
-
-    def structural_on(self, device: torch.device) -> torch.Tensor:
-        """`structural` as a bool tensor on `device` (made once per device)."""
-        got = self._on.get(device)
-        if got is None:
-            got = self._on[device] = torch.from_numpy(self.structural).to(device)
-        return got
-
-    def scan(self, state: int, token: int) -> int:
-        """The JSON lexical state after `token` (a special token starts a new text, outside any string)."""
-        got = self.lex.get((state, token))
-        if got is None:
-            got = state
-            if token in self.special:
-                got = _OUT
-            else:
-                for c in self.bytes[token] if 0 <= token < self.vocab else b"":
-                    if got == _ESC:
-                        got = _IN
-                    elif got == _IN:
-                        got = _ESC if c == 0x5C else _OUT if c == 0x22 else _IN
-                    elif c == 0x22:
-                        got = _IN
-            self.lex[(state, token)] = got
-        return got
-
-    def _allowed(self, m: llguidance.LLMatcher) -> np.ndarray:
-        bits = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
-        return np.unpackbits(bits, bitorder="little")[:self.vocab].astype(bool)
-
-    def _pick(self, m: llguidance.LLMatcher, allowed: np.ndarray, state: int, forced: bytes,
-              end: bool, best: bool) -> tuple[list[int], bool] | None:
-        """The next tokens of the walk: (tokens, whether they reach the end)."""
-        if self.close_id is not None and allowed[self.close_id]:
-            return [self.close_id], False
-        for k in range(len(forced), 0, -1):  # forced bytes that no one token holds: the longest token of them
-            t = self.exact.get(forced[:k])
-            if t is not None and allowed[t]:
-                return [t], False
-        for score in (self.inside,) if state == _IN else (self.out,) if state == _OUT else ():
-            masked = np.where(allowed, score, -1)
-            t = int(masked.argmax())
-            if masked[t] >= 0:
-                return [t], False
-        if state == _IN and (got := self._close_soon(m, allowed, end, best)) is not None:
-            return got
-        masked = np.where(allowed, self.size, -1)
-        t = int(masked.argmax())
-        return ([t], False) if masked[t] >= 0 else None
-
-    def _close_soon(self, m: llguidance.LLMatcher, allowed: np.ndarray, end: bool,
-                    best: bool) -> tuple[list[int], bool] | None:
-        """Inside a string that no allowed token ends with a closing quote (a key, an enum value or a tool's
-        name to spell): the fewest tokens that end it, by a breadth-first search over the allowed tokens
-        (longest first, one matcher per text reached: `"b"` before `"alpha_beta..."`); with `best`, each of the
-        first LOOK_ENDS strings found is walked on to the end, and the shortest whole way comes back (what
-        follows a tool's name or a key differs). None when no end is found through LOOK_NODES matchers, where
-        each step allows at most LOOK_WIDTH tokens (wider: a free string with a minimum length, where the
-        longest token does best)."""
-        if int(allowed.sum()) > LOOK_WIDTH:
-            return None
-        queue, nodes, seen = collections.deque([(m, allowed, _IN, [], b"")]), 0, set()
-        out = [t for t in np.flatnonzero(allowed).tolist() if self.scan(_IN, t) == _OUT]  # (quotes then more)
-        ends = [(m.deep_copy(), [], max(out, key=lambda u: self.inside[u]))] if out else []
-        if ends and not best:
-            queue.clear()
-        while queue and nodes < LOOK_NODES:
-            mm, ok, state, path, text = queue.popleft()
-            for t in sorted(np.flatnonzero(ok).tolist(), key=lambda t: -self.size[t]):
-                reached = text + self.bytes[t]
-                if self.scan(state, t) == _OUT or reached in seen or nodes >= LOOK_NODES:
-                    continue
-                c = mm.deep_copy()
-                if not c.consume_token(t):
-                    continue
-                seen.add(reached)
-                nodes += 1
-                after, inner = self._allowed(c), self.scan(state, t)
-                cands = np.flatnonzero(after).tolist()
-                out = [u for u in cands if self.scan(inner, u) == _OUT] if len(cands) <= LOOK_WIDTH else \
-                    np.flatnonzero(after & (self.inside >= 0)).tolist() if inner == _IN else []
-                if out:  # ends here: the quote with the most closers after it (checked on making: breadth-first)
-                    ends.append((c, path + [t], max(out, key=lambda u: self.inside[u])))
-                    if not best or len(ends) >= LOOK_ENDS:
-                        queue.clear()
-                        break
-                if len(cands) <= LOOK_WIDTH:
-                    queue.append((c, after, inner, path + [t], reached))
-        if not ends:
-            return None
-        if not best:
-            return ends[0][1], False
-        whole = []
-        for c, path, last in ends:
-            if c.consume_token(last) and (rest := self.way(c, _OUT, end)) is not None:
-                whole.append(path + [last] + rest)
-        return (min(whole, key=len), True) if whole else (ends[0][1], False)
-
-    def way(self, matcher: llguidance.LLMatcher, state: int, end: bool,
-            old: list[int] | None = None, best: bool = False) -> list[int] | None:
-        """Tokens from the matcher's state to the end (to an accepting state, then <|im_end|> when `end`);
-        None when the walk finds none within PATH_LIMIT tokens. With `old` (a way from before the last token),
-        the walk ends, within its first JOIN_STEPS steps, where the old way rejoins (`_join`). With `best`
-        (the way from a grammar's start, which gives min_tokens), the first string to spell whose ends lead
-        on differently picks the end with the shortest way after it (`_close_soon`). The matcher is not
-        changed."""
-        m, path, steps = matcher.deep_copy(), [], 0
-        while len(path) <= PATH_LIMIT and not m.is_error():
-            if old is not None and 0 < steps <= JOIN_STEPS and (rest := self._join(m, state, old)) is not None:
-                return path + rest
-            if m.is_accepting():
-                return path + [self.eos] if end else path
-            step = m.compute_ff_tokens()
-            if not step:
-                got = self._pick(m, self._allowed(m), state, m.compute_ff_bytes(), end, best)
-                if got is None:
-                    return None
-                step, whole = got
-                if whole:
-                    return path + step if len(path) + len(step) <= PATH_LIMIT else None
-            if not m.consume_tokens(step):
-                return None
-            for t in step:
-                state = self.scan(state, t)
-            path += step
-            steps += 1
-        return None
-
-    def _join(self, m: llguidance.LLMatcher, state: int, old: list[int]) -> list[int] | None:
-        """The rest of the way `old` past its first j tokens (j <= JOIN_SKIP, the most that holds) where it
-        holds from the matcher's state; inside a string the whole of it is tried first (a character of the
-        string leaves the way as it was)."""
-        js = range(min(JOIN_SKIP, len(old) - 1), -1, -1)
-        for j in (0, *js[:-1]) if state != _OUT else js:
-            rest = old[j:]
-            if m.validate_tokens(rest) == len(rest):
-                return rest
-        return None
-
-    def after(self, m: llguidance.LLMatcher, state: int, token: int, old: list[int], end: bool,
-              search: bool) -> list[int] | None:
-        """A way to the end from the matcher `m`, which has just consumed `token` off the way `old` (in lexical
-        state `state` now): `old` realigned (the token is the start of old's first token: the rest of that
-        token's bytes, then old's rest), or `_join`; else (`search`) a walk that rejoins old within a few
-        steps, or a new way. None when none is found (without `search`: none cheaply)."""
-        if old:
-            b, first = self.bytes[token], self.bytes[old[0]]
-            if b and len(first) > len(b) and first.startswith(b):
-                t = self.exact.get(first[len(b):])
-                if t is not None and m.validate_tokens([t, *old[1:]]) == len(old):
-                    return [t, *old[1:]]
-            rest = self._join(m, state, old)
-            if rest is not None:
-                return rest
-        return self.way(m, state, end, old or None) if search else None
 
 
 def _first_line(msg: str | None, limit: int = 200) -> str:
@@ -432,8 +216,8 @@ def _schema_block(schema: dict, what: str, bridge: _Bridge) -> str:
         raise ConstraintError(f"{what} is not a usable JSON schema ({e}); fix the schema") from None
     is_error, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, bridge.ll)
     if is_error:
-        raise ConstraintError(f"{what} cannot be compiled for constrained decoding ({msgs[0]}); fix the schema, "
-                              f"or turn constraints off (constrained=False, --no-constrain)")
+        raise ConstraintError(f"{what} cannot be compiled for constrained decoding ({msgs[0]}); fix the "
+                              f"schema, or turn constraints off (constrained=False, --no-constrain)")
     return "%json " + json.dumps(schema, ensure_ascii=False)
 
 
@@ -498,18 +282,22 @@ class ToolGrammar:
         ids = tok.special_ids
         self.open_id, self.close_id, self.end_id = ids[CALL_OPEN], ids[CALL_CLOSE], ids[IM_END]
         if isinstance(mode, dict):  # OpenAI's named tool_choice object
-            mode = (mode.get("function") or {}).get("name") if isinstance(mode.get("function"), dict) else None
+            mode = (
+                (mode.get("function") or {}).get("name") if isinstance(mode.get("function"), dict) else None
+            )
             if not isinstance(mode, str):
-                raise ConstraintError('tool_choice object must be {"type": "function", "function": {"name": ...}}')
+                raise ConstraintError('tool_choice object must be {"type": '
+                                      '"function", "function": {"name": ...}}')
         if not isinstance(mode, str) or not mode:
-            raise ConstraintError(f"tool_choice {mode!r} must be \"auto\", \"required\", \"none\" or a tool name")
+            raise ConstraintError(f"tool_choice {mode!r} must be \"auto\", "
+                                  "\"required\", \"none\" or a tool name")
         specs = tool_specs(tools)
         if mode not in MODES:
             specs = [s for s in specs if s[0] == mode]
             if not specs:
                 names = [n for n, _ in tool_specs(tools)]
-                raise ConstraintError(f"tool_choice names tool {mode!r}, which is not among the tools {names}: "
-                                      f"offer it in tools or choose \"auto\"")
+                raise ConstraintError(f"tool_choice names tool {mode!r}, which is not among the tools "
+                                      f"{names}: offer it in tools or choose \"auto\"")
         elif mode == "required" and not specs:
             raise ConstraintError("tool_choice \"required\" needs at least one tool in tools")
         self.mode = mode
@@ -532,7 +320,8 @@ class ToolGrammar:
             self.kind, lark = "whole", f"start: calls | reply\nreply: {reply}\n{calls}"
         elif reply is not None and mode in ("auto", "none"):
             self.kind, lark = "whole", f"start: reply\nreply: {reply}\n"
-        elif mode not in ("auto", "none"):  # required or named: the reply is calls (a response_format is moot)
+        # required or named: the reply is calls (a response_format is moot)
+        elif mode not in ("auto", "none"):
             self.kind, lark = "whole", "start: calls\n" + calls
         elif specs:  # auto
             self.kind, lark = "text", f"start: body <[{self.close_id}]>\n" + body
@@ -540,7 +329,8 @@ class ToolGrammar:
             self.kind, lark = "static", None
         else:  # auto without tools or a JSON reply: nothing to hold the model to
             self.kind, lark = "free", None
-        what = f"tool_choice {mode!r}" + (f" with response_format {response_format.get('type')!r}" if reply else "")
+        what = f"tool_choice {mode!r}" + (f" with response_format {response_format.get('type')!r}" if reply
+                                          else "")
         self._template = self.bridge.matcher(lark, what) if lark is not None else None
         self.lark = lark
         # The budget: a way from the start to the end ("whole": the reply, <|im_end|> included; "text": one
@@ -551,7 +341,9 @@ class ToolGrammar:
         # refuses it); min_call: the fewest tokens a call takes, <tool_call> included (auto mode: below it no
         # call is opened).
         self.min_tokens = len(self.start_way) if self.kind == "whole" and self.start_way is not None else None
-        self.min_call = 1 + len(self.start_way) if self.kind == "text" and self.start_way is not None else None
+        self.min_call = (
+            1 + len(self.start_way) if self.kind == "text" and self.start_way is not None else None
+        )
 
     def describe(self) -> str:
         """What a complete reply of this grammar is, for messages."""
@@ -560,7 +352,8 @@ class ToolGrammar:
         if self.mode not in MODES:
             return f"tool_choice {self.mode!r} (a complete call of that tool)"
         if self.mode == "auto" and self.tools:
-            return "response_format with tools (one complete JSON value of the schema, or a complete tool call)"
+            return ("response_format with tools (one complete JSON "
+                    "value of the schema, or a complete tool call)")
         return "response_format (one complete JSON value of the schema)"
 
     def _reply_block(self, rf: dict | None) -> str | None:
@@ -575,7 +368,8 @@ class ToolGrammar:
             return _schema_block({"type": "object"}, "response_format", self.bridge)
         js = rf.get("json_schema")
         if not isinstance(js, dict):
-            raise ConstraintError('response_format json_schema needs "json_schema": {"name": ..., "schema": {...}}')
+            raise ConstraintError('response_format json_schema needs '
+                                  '"json_schema": {"name": ..., "schema": {...}}')
         schema = js.get("schema", {"type": "object"})
         name = f" {js['name']!r}" if js.get("name") else ""
         return _schema_block(schema, f"response_format json_schema{name}", self.bridge)
@@ -604,8 +398,9 @@ class Constraint:
         self._way = list(grammar.start_way) if grammar.start_way is not None else None
         self._at = 0
         self._dropped = False  # the way was let go while there was no budget (set_budget finds a new one)
-        self._checked: dict[int, list[int] | None] = {}  # this step: token -> the way after it (None: none found)
-        self._lex = _OUT  # the JSON lexical state of the matcher's text (for finding ways)
+        # this step: token -> the way after it (None: none found)
+        self._checked: dict[int, list[int] | None] = {}
+        self._lex = LEX_OUT  # the JSON lexical state of the matcher's text (for finding ways)
 
     @property
     def finished(self) -> bool:
@@ -635,7 +430,8 @@ class Constraint:
         if kind == "free" or (kind == "text" and not self.in_call):
             return None
         if self.matcher.is_error():
-            raise ConstraintError(f"the constraint is broken by an earlier token ({self.matcher.get_error()})")
+            raise ConstraintError("the constraint is broken by an earlier token "
+                                  f"({self.matcher.get_error()})")
         return "matcher"
 
     def _reserve(self) -> tuple[int, list[int]] | None:
@@ -649,7 +445,7 @@ class Constraint:
         return (spare, self._way[self._at:]) if left > 0 and spare <= WATCH else None
 
     def _after(self, token: int, search: bool) -> list[int] | None:
-        """The way to the end after writing `token` next (off the way): see _Ways.after. Remembered for this
+        """The way to the end after writing `token` next (off the way): see Ways.after. Remembered for this
         step (advance uses it); a cheap check that finds none is not (a search may still find one)."""
         if token in self._checked:
             return self._checked[token]
@@ -658,7 +454,8 @@ class Constraint:
         new = None
         if m.consume_token(token):
             ways = g.bridge.ways()
-            new = ways.after(m, ways.scan(self._lex, token), token, self._way[self._at:], g.kind == "whole", search)
+            new = ways.after(m, ways.scan(self._lex, token), token, self._way[self._at:], g.kind == "whole",
+                             search)
         if new is not None or search:
             self._checked[token] = new
         return new
@@ -689,9 +486,10 @@ class Constraint:
         bits = torch.empty(1, self.grammar.bridge.words, dtype=torch.int32)
         near = _fill([self], [step], bits)
         out = _unpack(bits)[0, :self.grammar.bridge.vocab]
-        for _, c, way, spare in near:  # the checks of _narrow, over every allowed token (no search: no logits)
+        # the checks of _narrow, over every allowed token (no search: no logits)
+        for _, c, way, spare in near:
             ways = c.grammar.bridge.ways()
-            strict = spare <= NEAR or c._lex != _OUT
+            strict = spare <= NEAR or c._lex != LEX_OUT
             check = out.clone() if strict else out & torch.from_numpy(ways.structural[:out.size(0)])
             out = out & ~check
             out[way[0]] = True
@@ -716,7 +514,7 @@ class Constraint:
                 self.in_call = True
                 self.matcher.reset()
                 self._way = list(g.start_way) if g.start_way is not None else None
-                self._at, self._lex, self._dropped = 0, _OUT, False
+                self._at, self._lex, self._dropped = 0, LEX_OUT, False
             elif token == g.end_id:
                 self._finished = True
             return
@@ -724,14 +522,15 @@ class Constraint:
             if token in (g.open_id, g.close_id) or not 0 <= token < g.bridge.vocab:
                 why = "allows no tool call" if g.kind == "static" or (self.calls and not g.parallel) else \
                     "leaves no room for a whole call in the token budget"
-                raise ConstraintError(f"token {token} ({self._shown(token)}) is not allowed: tool_choice {g.mode!r} "
-                                      f"{why}")
+                raise ConstraintError(f"token {token} ({self._shown(token)}) is not allowed: tool_choice "
+                                      f"{g.mode!r} {why}")
             self.written += 1
             self._finished = token == g.end_id
             return
         if not 0 <= token < g.bridge.vocab or not self.matcher.consume_token(token):
             raise ConstraintError(f"token {token} ({self._shown(token)}) is not allowed by the grammar here "
-                                  f"({self.matcher.get_error() or 'rejected'}); mask the logits with mask_logits")
+                                  f"({self.matcher.get_error() or 'rejected'}); "
+                                  "mask the logits with mask_logits")
         self.written += 1
         checked, self._checked = self._checked, {}
         ways = g.bridge.ways()
@@ -744,7 +543,8 @@ class Constraint:
             elif self.budget is None:  # no reserve to keep: the way is found again if a budget comes
                 self._way, self._dropped = None, True
             else:  # kept exact after every token: a stale way would hide how far the text has gone
-                self._way = ways.after(self.matcher, self._lex, token, self._way[self._at:], g.kind == "whole", True)
+                self._way = ways.after(self.matcher, self._lex, token, self._way[self._at:],
+                                       g.kind == "whole", True)
                 self._at = 0
         if g.kind == "text":
             self.in_call = token != g.close_id
@@ -809,7 +609,7 @@ def _narrow(out: torch.Tensor, rows: list[int], near: list[tuple]) -> torch.Tens
         row = out[rows[j]]
         top = row.topk(k)
         ways = c.grammar.bridge.ways()
-        strict = spare <= NEAR or c._lex != _OUT
+        strict = spare <= NEAR or c._lex != LEX_OUT
         marks = ways.structural
         searches = SEARCHES
         ok = [way[0]]
@@ -834,7 +634,8 @@ def _narrow(out: torch.Tensor, rows: list[int], near: list[tuple]) -> torch.Tens
     return out
 
 
-def fit_tokens(constraints: list[Constraint | None], logits: torch.Tensor, tokens: list[int | None]) -> list[int | None]:
+def fit_tokens(constraints: list[Constraint | None], logits: torch.Tensor,
+               tokens: list[int | None]) -> list[int | None]:
     """The tokens sampled from the masked `logits` (one per row; None: a row that wrote none), each checked
     with its constraint's `fits`: one that would leave its row too little budget to end (it lengthens the
     way to the end past the spare at once) is replaced by the likeliest of the row's TOP tokens that fits,
@@ -860,7 +661,8 @@ def mask_logits(constraints: list[Constraint | None], logits: torch.Tensor) -> t
     if len(constraints) != logits.size(0):
         raise ConstraintError(f"{len(constraints)} constraints for {logits.size(0)} rows of logits")
     rows, live, steps = [], [], []
-    fixed: dict[_Bridge, list[int]] = {}  # "static" rows (no call tokens), by tokenizer: two columns, not a mask
+    # "static" rows (no call tokens), by tokenizer: two columns, not a mask
+    fixed: dict[_Bridge, list[int]] = {}
     for i, c in enumerate(constraints):
         step = c._step() if c is not None else None
         if step == "static":

@@ -9,7 +9,8 @@ Hostile inputs are skipped and counted, never read blindly (or refused under `--
   not_regular_file     a FIFO, socket or device (or a symlink to one): never opened, so nothing hangs or
                        reads forever; only regular files are read, checked again on the open descriptor
   broken_symlink       a symlink whose target is missing, or a symlink loop
-  unreadable           open() or read() failed (permission denied, I/O error), or a directory could not be listed
+  unreadable           open() or read() failed (permission denied, I/O error), or
+                       a directory could not be listed
   corrupt_compressed   a .gz / .zst that is not in that format, is truncated or is damaged; the records read
                        before the damage are kept (the file is streamed), and the file is counted once
   corrupt_parquet      a .parquet file pyarrow cannot read (or whose page headers do not parse)
@@ -28,7 +29,8 @@ Read limits: a few kilobytes on disk can hold gigabytes once read (a line of one
   whole files          at most --max-file-bytes (default 1,000,000) read, the size checked before reading;
                        only JSONL is decompressed (.jsonl.gz / .jsonl.zst): any other file is read as it is
                        on disk, so a compressed one is at most --max-file-bytes of bytes (and binary)
-  .gz / .zst streams   decompressed in bounded steps (zstd is fed 1 KiB of input at a time: at most 32 MiB out)
+  .gz / .zst streams   decompressed in bounded steps (zstd is fed 1 KiB of input
+                       at a time: at most 32 MiB out)
   JSONL lines          at most `line_limit(max_file_bytes)` characters held (12 x --max-file-bytes + 64 KiB,
                        12,065,536 by default: the longest JSON line whose text can pass --max-file-bytes, an
                        astral character escaping to 12); a longer line is read through in 1 MiB pieces and
@@ -63,8 +65,10 @@ from .parquet_pages import BadPageHeader, parquet_page_sizes
 from .redact import redact, redact_pii
 
 LANGUAGES: dict[str, tuple[str, ...]] = {
-    "go": (".go",), "python": (".py", ".pyi"), "c": (".c", ".h"), "cpp": (".cc", ".cpp", ".cxx", ".hpp", ".hh"),
-    "rust": (".rs",), "java": (".java",), "javascript": (".js", ".mjs", ".jsx"), "typescript": (".ts", ".tsx"),
+    "go": (".go",), "python": (".py", ".pyi"), "c": (".c", ".h"),
+    "cpp": (".cc", ".cpp", ".cxx", ".hpp", ".hh"),
+    "rust": (".rs",), "java": (".java",), "javascript": (".js", ".mjs", ".jsx"),
+    "typescript": (".ts", ".tsx"),
     "shell": (".sh", ".bash"), "ruby": (".rb",), "text": (".txt", ".md", ".rst"),
 }
 EXT_TO_LANG = {ext: lang for lang, exts in LANGUAGES.items() for ext in exts}
@@ -79,18 +83,20 @@ DEDUP_MODES = ("none", "exact", "near")
 # What each skip reason means, in words a user recognises (for the summaries commands print)
 REASON_WORDS = {
     "vendored": "in third-party or tool directories (site-packages, vendor, node_modules, .git, .venv, ...)",
-    "test_file": "test files (--exclude-tests)", "duplicate": "exact duplicates", "near_duplicate": "near duplicates",
-    "binary": "binary", "non_utf8": "not UTF-8 text", "empty": "empty", "too_large": "larger than --max-file-bytes",
+    "test_file": "test files (--exclude-tests)", "duplicate": "exact duplicates",
+    "near_duplicate": "near duplicates", "binary": "binary", "non_utf8": "not UTF-8 text", "empty": "empty",
+    "too_large": "larger than --max-file-bytes",
     "minified": "minified (a line longer than --max-line-length)", "generated": "marked as generated code",
-    "unknown_extension": "of other languages", "not_regular_file": "not regular files (FIFOs, sockets, devices)",
+    "unknown_extension": "of other languages",
+    "not_regular_file": "not regular files (FIFOs, sockets, devices)",
     "broken_symlink": "broken or looping symlinks", "unreadable": "unreadable", "symlinked_dir":
     "directory symlinks (not followed)", "corrupt_compressed": "damaged .gz/.zst", "corrupt_parquet":
-    "damaged parquet", "bad_json": "lines that are not JSON", "missing_field": "records without the text field",
-    "vanished": "gone before they were read",
+    "damaged parquet", "bad_json": "lines that are not JSON",
+    "missing_field": "records without the text field", "vanished": "gone before they were read",
     "benchmark": "sharing a 13-token run with a benchmark (--decontaminate: HumanEval by default)",
     "symlink_outside": "file symlinks pointing out of the input tree (not followed)",
-    "oversized_record": "records over the read limits (JSONL lines over 12 x --max-file-bytes characters, rows "
-                        "of parquet row groups with a page over 64 MiB)",
+    "oversized_record": "records over the read limits (JSONL lines over 12 x --max-file-bytes characters, "
+                        "rows of parquet row groups with a page over 64 MiB)",
 }
 
 
@@ -207,7 +213,8 @@ class CorpusStats:
 
 def _file_kind(mode: int) -> str:
     for test, name in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISDIR, "a directory")):
         if test(mode):
             return name
     return "not a regular file"
@@ -227,15 +234,16 @@ def check_sources(paths: list[str]) -> None:
             if os.path.islink(p):
                 raise CorpusError(f"input {p!r} is a broken symlink (its target {os.readlink(p)!r} does not "
                                   f"exist)") from None
-            raise CorpusError(f"input {p!r} does not exist: check the path (directories, .txt, .jsonl[.gz|.zst], "
-                              f".parquet, or hf:NAME for a Hugging Face dataset)") from None
+            raise CorpusError(f"input {p!r} does not exist: check the path (directories, .txt, "
+                              f".jsonl[.gz|.zst], .parquet, or hf:NAME for a Hugging Face dataset)") from None
         except OSError as e:
             what = "is a symlink loop" if e.errno == errno.ELOOP else f"cannot be read ({e.strerror})"
             raise CorpusError(f"input {p!r} {what}") from None
         is_dir = stat.S_ISDIR(st.st_mode)
         if not (is_dir or stat.S_ISREG(st.st_mode)):
-            raise CorpusError(f"input {p!r} is {_file_kind(st.st_mode)}: only regular files and directories are "
-                              f"read (a pipe or device may block or never end); write the data to a file first")
+            raise CorpusError(f"input {p!r} is {_file_kind(st.st_mode)}: only regular files and directories "
+                              "are read (a pipe or device may block or "
+                              "never end); write the data to a file first")
         if not os.access(p, os.R_OK | (os.X_OK if is_dir else 0)):
             raise CorpusError(f"input {p!r} is not readable (permission denied)")
 
@@ -342,7 +350,8 @@ def _open_regular(path: str) -> tuple[io.BufferedReader, os.stat_result]:
             raise UnusableInput(path, "broken_symlink", "symlink loop") from None
         raise UnusableInput(path, "unreadable", e.strerror or str(e)) from None
     if not stat.S_ISREG(st.st_mode):
-        raise UnusableInput(path, "not_regular_file", f"{_file_kind(st.st_mode)}; only regular files are read")
+        raise UnusableInput(path, "not_regular_file",
+                            f"{_file_kind(st.st_mode)}; only regular files are read")
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
     except FileNotFoundError:
@@ -426,7 +435,8 @@ def open_text(path: str) -> io.TextIOBase:
     f, _ = _open_regular(path)
     raw = io.BufferedReader(_Decompressed(f, path), 1 << 16) if path.endswith((".gz", ".zst")) else f
     text = io.TextIOWrapper(raw, encoding="utf-8", errors="strict")
-    # Bytes decoded per step (8 KiB by default): reading through a 6 GiB line of a .zst takes 4.7 s of CPU, not
+    # Bytes decoded per step (8 KiB by default): reading through a 6 GiB line of a
+    # .zst takes 4.7 s of CPU, not
     # 8.6 (measured; larger zstd output buffers cost more in page faults than they save)
     text._CHUNK_SIZE = 1 << 16
     return text
@@ -463,7 +473,8 @@ def _read_jsonl(path: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[
     except UnicodeDecodeError:
         stats.skip("non_utf8", path, opts.strict)
     except UnusableInput as e:
-        stats.skip(e.reason, path, opts.strict, e.detail + (f" (kept the {kept} records before it)" if kept else ""))
+        stats.skip(e.reason, path, opts.strict,
+                   e.detail + (f" (kept the {kept} records before it)" if kept else ""))
     except OSError as e:
         stats.skip("unreadable", path, opts.strict, e.strerror or str(e))
 
@@ -471,8 +482,8 @@ def _read_jsonl(path: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[
 def _read_parquet(path: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[Document]:
     """Rows of a parquet file, row group by row group. pyarrow decodes a page whole (a 10 KB file can hold
     one 300 MB value), so each row group's text-column page headers are read first: a row group with a page
-    over parquet_page_limit(--max-file-bytes) is skipped unread, its rows counted as oversized_record. The others
-    are read in batches sized so that even rows that all repeat the largest page's value (a dictionary
+    over parquet_page_limit(--max-file-bytes) is skipped unread, its rows counted as oversized_record. The
+    others are read in batches sized so that even rows that all repeat the largest page's value (a dictionary
     page) stay under PARQUET_BATCH_BYTES decoded. A file pyarrow cannot read is counted under
     corrupt_parquet (rows read before the damage are kept)."""
     import pyarrow as pa
@@ -487,32 +498,37 @@ def _read_parquet(path: str, opts: CorpusOptions, stats: CorpusStats) -> Iterato
         try:
             pf = pq.ParquetFile(f)
             if opts.text_field not in pf.schema_arrow.names:
-                raise CorpusError(f"{path} has no column {opts.text_field!r} (columns: {pf.schema_arrow.names}); "
-                                  f"set --text-field")
+                raise CorpusError(f"{path} has no column {opts.text_field!r} (columns: "
+                                  f"{pf.schema_arrow.names}); set --text-field")
             limit = parquet_page_limit(opts.max_file_bytes)
             meta = pf.metadata
             for i in range(meta.num_row_groups):
                 rg = meta.row_group(i)
                 chunks = [c for c in map(rg.column, range(rg.num_columns))
-                          if c.path_in_schema == opts.text_field or c.path_in_schema.startswith(opts.text_field + ".")]
+                          if c.path_in_schema == opts.text_field
+                          or c.path_in_schema.startswith(opts.text_field + ".")]
                 largest = max((size for c in chunks for size in parquet_page_sizes(f.fileno(), c)), default=0)
                 if largest > limit:
                     stats.skip("oversized_record", f"{path}#{row + 1}", opts.strict,
-                               f"row group {i} ({rg.num_rows} rows) has a page of {largest:,} bytes, over the "
-                               f"{limit:,}-byte read limit: skipped unread; raise --max-file-bytes to read it",
+                               f"row group {i} ({rg.num_rows} rows) has a page of {largest:,} bytes, over "
+                               f"the {limit:,}-byte read limit: skipped "
+                               "unread; raise --max-file-bytes to read it",
                                n=rg.num_rows)
                     row += rg.num_rows
                     continue
                 batch_size = max(1, min(1024, PARQUET_BATCH_BYTES // max(largest, 1)))
-                for batch in pf.iter_batches(batch_size=batch_size, row_groups=[i], columns=[opts.text_field]):
+                for batch in pf.iter_batches(batch_size=batch_size, row_groups=[i],
+                                             columns=[opts.text_field]):
                     for text in batch.column(0).to_pylist():
                         row += 1
                         if isinstance(text, str):
                             yield Document(text, f"{path}#{row}")
                         else:
-                            stats.skip("missing_field", f"{path}#{row}", opts.strict, "null or non-string value")
+                            stats.skip("missing_field", f"{path}#{row}", opts.strict,
+                                       "null or non-string value")
         except (pa.ArrowException, OSError) as e:
-            stats.skip("corrupt_parquet", path, opts.strict, str(e) + (f" (kept the {row} rows before it)" if row else ""))
+            stats.skip("corrupt_parquet", path, opts.strict,
+                       str(e) + (f" (kept the {row} rows before it)" if row else ""))
         except BadPageHeader as e:
             stats.skip("corrupt_parquet", path, opts.strict, f"bad page header: {e}" +
                        (f" (kept the {row} rows before it)" if row else ""))
@@ -522,7 +538,8 @@ def _read_hf(spec: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[Doc
     try:
         import datasets
     except ImportError as e:
-        raise CorpusError(f"{spec}: Hugging Face datasets need the extra: pip install 'codeforge[datasets]'") from e
+        raise CorpusError(f"{spec}: Hugging Face datasets need the extra: pip install "
+                          "'codeforge[datasets]'") from e
     name, _, split = spec[3:].partition(":")
     if os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_info.json")):
         ds = datasets.load_from_disk(name)
@@ -539,7 +556,8 @@ def _read_hf(spec: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[Doc
             stats.skip("missing_field", f"{spec}#{i}", opts.strict, f"no string field {opts.text_field!r}")
 
 
-def _read_file(path: str, opts: CorpusOptions, stats: CorpusStats, tree: str | None = None) -> Iterator[Document]:
+def _read_file(path: str, opts: CorpusOptions, stats: CorpusStats,
+               tree: str | None = None) -> Iterator[Document]:
     """One whole file as a document, at most --max-file-bytes read. tree: the real path of the directory
     being walked; a symlink from it to a regular file outside it is counted as symlink_outside, never read."""
     try:
@@ -595,7 +613,8 @@ def walk_tree(root: str, onerror=None) -> Iterator[tuple[str, list[str], list[st
                 onerror(e)
             continue
         yield top, dirnames, filenames
-        # After the yield: the caller's pruning and sorting of dirnames decide what is walked, and in what order
+        # After the yield: the caller's pruning and sorting of dirnames decide what
+        # is walked, and in what order
         for d in reversed(dirnames):
             path = os.path.join(top, d)
             if not os.path.islink(path):
@@ -734,11 +753,14 @@ def split_of(digest: bytes, val_fraction: float) -> str:
     return "val" if int.from_bytes(digest[:8], "big") / 2**64 < val_fraction else "train"
 
 
-VAL_LEAST_BYTES = 64 * 1024  # a validation split of ~20k tokens: enough for a loss that moves by its noise less
+# a validation split of ~20k tokens: enough for a loss that moves by its noise less
+VAL_LEAST_BYTES = 64 * 1024
 VAL_MOST_SHARE = 0.1  # ... but never more than a tenth of a small corpus's bytes
 VAL_LEAST_DOCS = 3  # and a few files, not one
-VAL_CAP_SHARE = 0.25  # whole files are taken: never more than a quarter of the bytes (one large file can be most)
-VAL_ALONE_SHARE = 0.5  # ... unless the first file alone is over it: up to half, rather than no validation at all
+# whole files are taken: never more than a quarter of the bytes (one large file can be most)
+VAL_CAP_SHARE = 0.25
+# ... unless the first file alone is over it: up to half, rather than no validation at all
+VAL_ALONE_SHARE = 0.5
 
 
 def sized_val_fraction(docs: list[tuple[bytes, int]], least: float) -> float:
@@ -746,7 +768,8 @@ def sized_val_fraction(docs: list[tuple[bytes, int]], least: float) -> float:
     bytes to score on: min(VAL_LEAST_BYTES, VAL_MOST_SHARE of the corpus) and min(VAL_LEAST_DOCS, a tenth of
     the files, at least one), not past VAL_CAP_SHARE of the bytes (files are whole: one large file can be
     most of a small corpus; only `least` itself may take more, or the first file alone when it is at most
-    VAL_ALONE_SHARE: one file of validation is better than none). docs: every document's (content hash, bytes), as split_of sees them. Large
+    VAL_ALONE_SHARE: one file of validation is better than none). docs: every document's (content hash,
+    bytes), as split_of sees them. Large
     corpora keep `least`; a small repository gets a larger share, so its validation split is not one file
     of a few hundred tokens. The split stays split_of's rule (the documents whose hash falls below the
     fraction), so the same corpus always splits the same way."""
@@ -772,7 +795,8 @@ def sized_val_fraction(docs: list[tuple[bytes, int]], least: float) -> float:
 
 
 def scrub(text: str, source: str, opts: CorpusOptions) -> tuple[str, Counter]:
-    """Secrets (opts.redact_secrets) and personal data (opts.redact_pii) replaced, with the counts per kind."""
+    """Secrets (opts.redact_secrets) and personal data (opts.redact_pii)
+    replaced, with the counts per kind."""
     found: Counter = Counter()
     if opts.redact_secrets:
         text, got = redact(text, source)

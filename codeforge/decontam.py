@@ -23,7 +23,8 @@ from pathlib import Path
 from . import CodeforgeError
 
 NGRAM = 13
-TOKEN = re.compile(r"\w+")  # words, as the GPT-3 rule counts them: punctuation-heavy idioms would match anywhere
+# words, as the GPT-3 rule counts them: punctuation-heavy idioms would match anywhere
+TOKEN = re.compile(r"\w+")
 MIN_ALPHA = 8  # of a benchmark n-gram's words that hold a letter: a run of numbers (1, 2, 3, ...) is no copy
 HUMANEVAL = "humaneval"
 MAX_SOURCE_BYTES = 64 * 2**20  # of one benchmark file (decompressed): a hostile .gz stops here
@@ -45,8 +46,8 @@ def _read_bounded(path: Path) -> bytes:
     with opener(path, "rb") as f:
         data = f.read(MAX_SOURCE_BYTES + 1)
     if len(data) > MAX_SOURCE_BYTES:
-        raise DecontamError(f"--decontaminate {path}: more than {MAX_SOURCE_BYTES // 2**20} MB of benchmark text; "
-                            f"give the benchmark's own file")
+        raise DecontamError(f"--decontaminate {path}: more than {MAX_SOURCE_BYTES // 2**20} MB of benchmark "
+                            f"text; give the benchmark's own file")
     return data
 
 
@@ -78,12 +79,13 @@ def _texts(source: str):
     try:
         st = os.stat(path)
     except OSError as e:
-        raise DecontamError(f"--decontaminate {source}: {e.strerror or e}; give {HUMANEVAL!r}, a JSONL file of "
-                            f"benchmark records, or a directory of held-out files") from None
+        raise DecontamError(f"--decontaminate {source}: {e.strerror or e}; give {HUMANEVAL!r}, a JSONL file "
+                            f"of benchmark records, or a directory of held-out files") from None
     if stat.S_ISDIR(st.st_mode):
         total = 0
         for root, dirs, files in os.walk(path):  # symlinks are not followed, so nothing outside is read
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # .git and the like are no held-out code
+            # .git and the like are no held-out code
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
             for name in sorted(files):
                 f = Path(root) / name
                 if name.startswith(".") or NOT_CODE.match(name):
@@ -92,9 +94,11 @@ def _texts(source: str):
                 if stat.S_ISREG(st.st_mode) and st.st_size <= MAX_SOURCE_BYTES:
                     total += st.st_size
                     if total > MAX_SOURCE_BYTES:
-                        raise DecontamError(f"--decontaminate {source}: more than {MAX_SOURCE_BYTES // 2**20} MB of "
+                        raise DecontamError(f"--decontaminate {source}: more than "
+                                            f"{MAX_SOURCE_BYTES // 2**20} MB of "
                                             f"files; give the directory of the held-out files alone")
-                    # comment lines are left out: a licence header shared with every file of a project is no copy
+                    # comment lines are left out: a licence header shared with every
+                    # file of a project is no copy
                     text = f.read_bytes().decode("utf-8", errors="replace")
                     yield "\n".join(ln for ln in text.splitlines() if not COMMENT.match(ln))
         return
@@ -106,8 +110,8 @@ def _texts(source: str):
         try:
             rec = json.loads(line)
         except ValueError:
-            raise DecontamError(f"--decontaminate {source}, line {n}: not JSON; a benchmark file is JSONL, one "
-                                f"record per line (its string fields are read)") from None
+            raise DecontamError(f"--decontaminate {source}, line {n}: not JSON; a benchmark file is JSONL, "
+                                f"one record per line (its string fields are read)") from None
         yield "\n".join(_strings(rec))
 
 

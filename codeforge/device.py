@@ -27,11 +27,14 @@ PEAK_TFLOPS = {
 }
 
 
-MALLOC_ENV = "CODEFORGE_MALLOC"  # "system": leave the C library's memory policy as it is (see keep_freed_memory)
+# "system": leave the C library's memory policy as it is (see keep_freed_memory)
+MALLOC_ENV = "CODEFORGE_MALLOC"
 _MALLOC: str | None = None  # what keep_freed_memory() did, said with the device line
-_MALLOC_DEFAULT: tuple[str, str] = ("keep", "")  # the policy when $CODEFORGE_MALLOC is unset, and why (system_memory)
+# the policy when $CODEFORGE_MALLOC is unset, and why (system_memory)
+_MALLOC_DEFAULT: tuple[str, str] = ("keep", "")
 THREADS_ENV = "CODEFORGE_THREADS"  # intra-op threads, overriding the policy below (0 or unset: the policy)
-_THREADS: tuple[int, str] | None = None  # the threads thread_policy() chose and why, said with the device line
+# the threads thread_policy() chose and why, said with the device line
+_THREADS: tuple[int, str] | None = None
 
 
 def cpu_quota(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> float | None:
@@ -109,7 +112,8 @@ def runnable_elsewhere(samples: int = 5, interval: float = 0.02) -> int:
 def thread_policy(requested: int | None = None) -> tuple[int, str]:
     """(threads, why) for PyTorch's intra-op pool, applied with torch.set_num_threads. In order: a flag or
     $CODEFORGE_THREADS; $OMP_NUM_THREADS set by the user (or torchrun, 1 a rank); else the cores this process
-    may use (its affinity and any cgroup quota, shared by the ranks on this machine under torchrun) less those other work keeps
+    may use (its affinity and any cgroup quota, shared by the ranks on this machine under
+    torchrun) less those other work keeps
     busy at start-up, at least one. Threads that wait for each other on a core that another process holds
     make every operation as slow as the most delayed thread: on shared cores fewer threads finish sooner
     (docs/LOG.md, 2026-11-25). Waiting threads sleep rather than spin: OMP_WAIT_POLICY=PASSIVE, set by
@@ -122,7 +126,8 @@ def thread_policy(requested: int | None = None) -> tuple[int, str]:
         try:
             n, why = int(env), f"${THREADS_ENV}"
         except ValueError:
-            raise DeviceError(f"${THREADS_ENV}={env!r} is not a number of threads; unset it or give e.g. 2") from None
+            raise DeviceError(f"${THREADS_ENV}={env!r} is not a number "
+                              "of threads; unset it or give e.g. 2") from None
     elif os.environ.get("OMP_NUM_THREADS", "").strip():
         n, why = torch.get_num_threads(), "$OMP_NUM_THREADS"
     else:
@@ -149,7 +154,8 @@ def apply_thread_policy(requested: int | None = None) -> str:
 
 
 def _policy_words(n: int, why: str) -> str:
-    """The device line's words for n intra-op threads chosen for `why`, the wait policy and the memory policy."""
+    """The device line's words for n intra-op threads chosen for `why`, the wait
+    policy and the memory policy."""
     wait = os.environ.get("OMP_WAIT_POLICY", "unset")
     return f"{n} thread{'s' if n != 1 else ''} ({why}; OpenMP waits {wait.lower()}; {keep_freed_memory()})"
 
@@ -183,11 +189,13 @@ def keep_freed_memory() -> str:
                           "system (the C library's own policy)")
     if choice == "system":
         _MALLOC = f"memory policy: the C library's (${MALLOC_ENV}=system)"
-    elif any(os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")) \
-            or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+    elif any(
+        os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")
+    ) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         _MALLOC = "memory policy: the C library's, as its environment variables set it"
     elif not choice and _MALLOC_DEFAULT[0] == "system":
-        _MALLOC = f"memory policy: the C library's ({_MALLOC_DEFAULT[1]}; ${MALLOC_ENV}=keep keeps freed memory)"
+        _MALLOC = (f"memory policy: the C library's ({_MALLOC_DEFAULT[1]}; "
+                   f"${MALLOC_ENV}=keep keeps freed memory)")
     else:
         import ctypes
         try:
@@ -214,7 +222,8 @@ def system_memory(why: str):
 
     Where keep_freed_memory already acted in this process, glibc's settings are set to what its own
     defaults reach once its adaptive threshold has grown: blocks over 32 MiB mapped (and unmapped when freed),
-    the heap's top trimmed past 64 MiB. glibc cannot be given its adaptive threshold back once mallopt set one."""
+    the heap's top trimmed past 64 MiB. glibc cannot be given its adaptive
+    threshold back once mallopt set one."""
     global _MALLOC, _MALLOC_DEFAULT
     before, was_kept = _MALLOC_DEFAULT, _MALLOC == KEPT
     _MALLOC_DEFAULT = ("system", why)
@@ -279,12 +288,16 @@ def choose_device(requested: str = "auto", threads: int | None = None) -> tuple[
         try:
             dev = torch.device(requested)
         except RuntimeError as e:
-            raise DeviceError(f"--device {requested!r} is not a device: use auto, cpu, cuda, cuda:N or mps") from e
+            raise DeviceError(f"--device {requested!r} is not a device: "
+                              "use auto, cpu, cuda, cuda:N or mps") from e
         if dev.type == "cuda" and not torch.cuda.is_available():
-            raise DeviceError(f"--device {requested}: no CUDA/ROCm device is visible; use --device cpu or auto")
+            raise DeviceError(f"--device {requested}: no CUDA/ROCm device "
+                              "is visible; use --device cpu or auto")
         if dev.type == "mps" and not torch.backends.mps.is_available():
-            raise DeviceError(f"--device {requested}: Apple MPS is not available here; use --device cpu or auto")
-        if dev.type == "cuda" and dev.index is None:  # under torchrun each rank takes its own GPU, as auto does
+            raise DeviceError(f"--device {requested}: Apple MPS is not "
+                              "available here; use --device cpu or auto")
+        # under torchrun each rank takes its own GPU, as auto does
+        if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         return dev, "requested" + (f"; {apply_thread_policy(threads)}" if dev.type == "cpu" else "")
     if torch.cuda.is_available():
@@ -300,11 +313,13 @@ def choose_precision(device: torch.device, requested: str = "auto") -> tuple[str
     """(precision, reason): bf16 where the device supports it, else fp16 with a gradient scaler, fp32 on CPU.
     "fastest": the same, except bf16 on a CPU that multiplies bfloat16 natively (the quickstart's choice)."""
     if requested == "fp16" and device.type == "cpu":
-        raise DeviceError("--precision fp16 needs a GPU (no fast fp16 matmul or grad scaler on CPU); use fp32 or bf16")
-    if requested == "fastest" and device.type == "cpu":  # auto's choice, except where a CPU multiplies bf16 itself
+        raise DeviceError("--precision fp16 needs a GPU (no fast fp16 "
+                          "matmul or grad scaler on CPU); use fp32 or bf16")
+    # auto's choice, except where a CPU multiplies bf16 itself
+    if requested == "fastest" and device.type == "cpu":
         if cpu_native_bf16():
-            return "bf16", ("fastest: this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX), ~30% more "
-                            "tokens/s than fp32")
+            return "bf16", ("fastest: this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX), ~30% "
+                            "more tokens/s than fp32")
         return "fp32", "fastest: this CPU lacks native bfloat16 (emulated bf16 is slower), so fp32"
     if requested not in ("auto", "fastest"):
         return requested, "requested"
@@ -332,7 +347,8 @@ def cpu_native_bf16() -> bool:
     if forced in ("0", "false", "off", "no"):
         return False
     if forced:
-        raise DeviceError(f"{CPU_BF16_ENV}={forced!r}: use 1 (bf16 on), 0 (bf16 off) or leave it unset (ask the CPU)")
+        raise DeviceError(f"{CPU_BF16_ENV}={forced!r}: use 1 (bf16 on), "
+                          "0 (bf16 off) or leave it unset (ask the CPU)")
     try:
         return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
     except AttributeError:  # private helpers of torch.cpu; absent: assume no
@@ -367,7 +383,8 @@ def matmul_flops(device: torch.device, precision: str = "fp32", seconds: float =
     if key not in _MATMUL_RATE:
         n = 512 if device.type == "cpu" else 4096
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
-        g = torch.Generator(device).manual_seed(0)  # never the global generator: a resumed run's draws stay its own
+        # never the global generator: a resumed run's draws stay its own
+        g = torch.Generator(device).manual_seed(0)
         a = torch.randn(n, n, device=device, generator=g).to(dtype)
         b = torch.randn(n, n, device=device, generator=g).to(dtype)
         a @ b  # warm-up

@@ -35,7 +35,8 @@ def launched_by_torchrun() -> bool:
 def setup_distributed(device: torch.device, timeout_s: int = 600, alone: bool = False) -> bool:
     """Join the process group when torchrun started several ranks (NCCL on GPUs, gloo on CPU); True if so.
     alone: join it also when torchrun started one rank (--parallel fsdp on one GPU: FSDP2 over a mesh of one,
-    for --fsdp-offload or the sharded checkpoints). timeout_s: how long a collective waits for a rank that does
+    for --fsdp-offload or the sharded checkpoints). timeout_s: how long a
+    collective waits for a rank that does
     not come (killed, stuck) before it fails, so the job ends instead of hanging. Called at the entry point,
     paired with teardown_distributed."""
     _, world = distributed_env()
@@ -50,7 +51,8 @@ def setup_distributed(device: torch.device, timeout_s: int = 600, alone: bool = 
     _JOINED = True
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    _STARTUP = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=max(timeout_s, STARTUP_WAIT_S)))
+    _STARTUP = torch.distributed.new_group(backend="gloo",
+                                           timeout=timedelta(seconds=max(timeout_s, STARTUP_WAIT_S)))
     return True
 
 
@@ -100,7 +102,8 @@ def lost_peer(e: BaseException) -> bool:
     seen: set[int] = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, torch.distributed.DistError) or (isinstance(e, RuntimeError) and _LOST.search(str(e))):
+        if isinstance(e, torch.distributed.DistError) or (isinstance(e, RuntimeError)
+                                                          and _LOST.search(str(e))):
             return True
         e = e.__cause__ or e.__context__
     return False

@@ -43,7 +43,8 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)  # stop sequences (not included in the output)
     stop_at_eot: bool = True
-    stop_ids: list[int] = field(default_factory=list)  # more token ids that end a row (e.g. <|im_end|>); yielded
+    # more token ids that end a row (e.g. <|im_end|>); yielded
+    stop_ids: list[int] = field(default_factory=list)
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
@@ -97,7 +98,8 @@ class Engine:
         self.pad_id = tokenizer.special_ids.get("<pad>", 0)
         self.checkpoint = None  # from_run: the checkpoint directory it loaded
         self.chat_note: str | None = None  # from_run: a notice when no chat stage trained it
-        self.tool_trained = False  # from_run: the tools stage trained it (it reaches for tools when offered none)
+        # from_run: the tools stage trained it (it reaches for tools when offered none)
+        self.tool_trained = False
 
     @classmethod
     def from_run(cls, run: str, device: str = "auto", which: str = "auto") -> "Engine":
@@ -115,7 +117,8 @@ class Engine:
             ids = [self.tok.eot_id]  # an empty prompt starts a new document
         room = self.block_size - 1
         if len(ids) > room:
-            warn(f"prompt of {len(ids)} tokens exceeds the context ({self.block_size}); keeping the last {room}")
+            warn(f"prompt of {len(ids)} tokens exceeds the context "
+                 f"({self.block_size}); keeping the last {room}")
             ids = ids[-room:]
         return ids, min(max_new, self.block_size - len(ids))
 
@@ -128,8 +131,8 @@ class Engine:
         grammar is finished (it wrote <|im_end|> where the grammar ends) finishes."""
         p.validate()
         if constraints is not None and len(constraints) != len(prompts):
-            raise EngineError(f"{len(constraints)} constraints for {len(prompts)} prompts: give one per prompt "
-                              f"(None for a free row)")
+            raise EngineError(f"{len(constraints)} constraints for {len(prompts)} prompts: give one per "
+                              f"prompt (None for a free row)")
         constrained = constraints is not None and any(c is not None for c in constraints)
         warn = warn or (lambda m: print(f"warning: {m}", file=sys.stderr))
         fitted = [self._fit_prompt(ids, p.max_new_tokens, warn) for ids in prompts]
@@ -138,14 +141,18 @@ class Engine:
         B, L = len(prompts), max(map(len, prompts))
         # The cache is shared: every row has the padded length L, so no row may run past block_size - L.
         budgets = [min(b, self.block_size - L) for b in budgets]
-        if constrained:  # each grammar keeps the tokens that end its reply in reserve (constrain.py, "Budget")
+        # each grammar keeps the tokens that end its reply in reserve (constrain.py, "Budget")
+        if constrained:
             for c, b in zip(constraints, budgets):
                 if c is not None:
                     c.set_budget(b)
         steps = max(budgets)
-        pads = [L - len(x) for x in prompts]  # each row's first real column: the model masks what is before it
+        # each row's first real column: the model masks what is before it
+        pads = [L - len(x) for x in prompts]
         idx = torch.tensor([[self.pad_id] * pd + x for pd, x in zip(pads, prompts)], device=self.device)
-        real = torch.arange(L, device=self.device).unsqueeze(0) >= torch.tensor(pads, device=self.device).unsqueeze(1)
+        real = torch.arange(L, device=self.device).unsqueeze(0) >= torch.tensor(
+            pads, device=self.device
+        ).unsqueeze(1)
         total = L + steps
         cache = self.model.new_kv_cache(B, total, self.device, self.cache_dtype)
         gen = torch.Generator(device=self.device)
@@ -215,7 +222,8 @@ class Engine:
         """A prompt that starts with a FIM token (PSM or SPM, as editor plugins send them) is read with its
         special tokens; any other text is plain text, whatever it mentions."""
         fim = tuple(t for t in {FIM_PREFIX, FIM_SUFFIX, self.tok.special_text(FIM_PREFIX),
-                                self.tok.special_text(FIM_SUFFIX)} if t)  # and an imported tokenizer's spelling
+                                # and an imported tokenizer's spelling
+                                self.tok.special_text(FIM_SUFFIX)} if t)
         return self.tok.encode(text, allow_special=text.lstrip().startswith(fim))
 
     def complete_ids(self, ids: list[list[int]], p: SamplingParams, warn=None) -> list[str]:
@@ -280,8 +288,8 @@ class Engine:
 
         constrained (the default): with tools, every tool call the model opens is held to `{"name": <a
         tool>, "arguments": <its schema>}` (constrain.py); without tools there is no call to make, so the call
-        tokens are kept out (as OpenAI's API does); tool_choice "required" / a tool's name forces calls, "none"
-        forbids them; response_format {"type": "json_object" | "json_schema", ...} makes the
+        tokens are kept out (as OpenAI's API does); tool_choice "required" / a tool's name forces calls,
+        "none" forbids them; response_format {"type": "json_object" | "json_schema", ...} makes the
         reply one JSON value. constrained=False measures the bare model (tool_choice and response_format
         are then ignored)."""
         ids, _ = encode_conversation(self.tok, messages, tools, add_generation_prompt=True)
@@ -291,11 +299,13 @@ class Engine:
             tool_choice = "none"
         if constrained and (tools or response_format is not None or tool_choice != "auto"):
             constraints = [ToolGrammar(self.tok, tools, tool_choice, response_format).new()]
-            g, room = constraints[0].grammar, min(p.max_new_tokens, self.block_size - min(len(ids), self.block_size - 1))
-            if g.min_tokens is not None and room < g.min_tokens:  # no complete reply fits: refused, as the server does
+            g, room = constraints[0].grammar, min(p.max_new_tokens,
+                                                  self.block_size - min(len(ids), self.block_size - 1))
+            # no complete reply fits: refused, as the server does
+            if g.min_tokens is not None and room < g.min_tokens:
                 raise ConstraintError(f"{room} new tokens (max_new_tokens {p.max_new_tokens}, context "
-                                      f"{self.block_size}) are too few for {g.describe()}: the shortest one takes "
-                                      f"{g.min_tokens}; allow at least {g.min_tokens}")
+                                      f"{self.block_size}) are too few for {g.describe()}: the shortest one "
+                                      f"takes {g.min_tokens}; allow at least {g.min_tokens}")
         out: list[int] = []
         sent, ended = 0, False
         for step in self.generate_ids([ids], p, warn, constraints):

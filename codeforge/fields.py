@@ -24,8 +24,8 @@ def setting(default: Any, help: str = "", range: tuple[float, float] | None = No
     command-line name when it is not --field-name; cli=False keeps the field off the command line;
     required: the run cannot start without it (said in --help); metavar: the placeholder in --help."""
     return field(default=default, metadata={"help": help, "range": range, "open_low": open_low,
-                                            "choices": choices, "zero_means": zero_means, "flag": flag, "cli": cli,
-                                            "required": required, "metavar": metavar})
+                                            "choices": choices, "zero_means": zero_means, "flag": flag,
+                                            "cli": cli, "required": required, "metavar": metavar})
 
 
 def flag_name(f: Field) -> str:
@@ -56,12 +56,13 @@ def check_fields(obj: Any, section: str) -> None:
         m, v = f.metadata, getattr(obj, f.name)
         key = f"{section}.{f.name}"
         if m.get("choices") and v not in m["choices"]:
-            raise ConfigError(f"{key} = {v!r} is not one of {m['choices']}; set {flag_name(f)} (or --set {key}=...)")
+            raise ConfigError(f"{key} = {v!r} is not one of {m['choices']}; "
+                              f"set {flag_name(f)} (or --set {key}=...)")
         if m.get("range"):
             if m.get("zero_means") and v == 0:
                 continue
             lo, hi = m["range"]
             ok = (lo < v if m.get("open_low") else lo <= v) and v <= hi
             if not ok:
-                raise ConfigError(f"{key} = {v!r} is out of range {'(' if m.get('open_low') else '['}{lo}, {hi}]; "
-                                  f"set {flag_name(f)} (or --set {key}=...) to a value in that range")
+                raise ConfigError(f"{key} = {v!r} is out of range {'(' if m.get('open_low') else '['}{lo}, "
+                                  f"{hi}]; set {flag_name(f)} (or --set {key}=...) to a value in that range")

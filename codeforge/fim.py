@@ -21,7 +21,8 @@ import numpy as np
 
 FIM_PREFIX, FIM_MIDDLE, FIM_SUFFIX = "<fim_prefix>", "<fim_middle>", "<fim_suffix>"
 FIM_REPO, FIM_FILE_SEP = "<|repo_name|>", "<|file_sep|>"
-SNIPPET_SEPARATOR = "\n\n--- snippet ---\n\n"  # llama.cpp's chunk separator for a vocabulary without a file separator
+# llama.cpp's chunk separator for a vocabulary without a file separator
+SNIPPET_SEPARATOR = "\n\n--- snippet ---\n\n"
 
 
 def fim_ids(special_ids: dict[str, int]) -> tuple[int, int, int]:
@@ -42,14 +43,17 @@ def repo_infill_ids(tok, prefix: str, suffix: str, extra=(), prompt: str = "", *
 def repo_infill(tok, prefix: str, suffix: str, extra: list[tuple[str | None, str]] = (), prompt: str = "", *,
                 n_ctx: int, n_batch: int, n_predict: int, project: str = "myproject",
                 filename: str = "filename") -> tuple[list[int], bool]:
-    """The repo-level FIM prompt llama.cpp's `llama-server /infill` builds (tools/server: format_prompt_infill;
+    """The repo-level FIM prompt llama.cpp's `llama-server /infill` builds
+    (tools/server: format_prompt_infill;
     Qwen2.5-Coder's report, arXiv 2409.12186), token for token given the same n_ctx, n_batch and n_predict:
 
         <|repo_name|>project\\n <|file_sep|>name\\n text ... <|file_sep|>filename\\n
         <fim_prefix> prefix prompt <fim_suffix> suffix <fim_middle>
 
-    Each piece is tokenized on its own. At most 3/4 of n_batch of the prefix (its end), n_batch/4 - 2 - len(prompt)
-    of the suffix (its start), and n_ctx - n_batch - 2 n_predict of the extra context (its end) are kept. Without
+    Each piece is tokenized on its own. At most 3/4 of n_batch of the prefix (its
+    end), n_batch/4 - 2 - len(prompt)
+    of the suffix (its start), and n_ctx - n_batch - 2 n_predict of the extra
+    context (its end) are kept. Without
     <|repo_name|>/<|file_sep|> in the vocabulary (a tokenizer from before they were added) the chunks are
     joined with llama.cpp's snippet separator and no names. extra: (file name or None for "tmp", text).
     Returns (prompt ids, whether anything was cut)."""
@@ -98,11 +102,13 @@ def fit_infill(ids: list[int], room: int, special_ids: dict[str, int]) -> list[i
             k = min(over, len(suf))
             suf = suf[:len(suf) - k]
         over -= k
-    return head + [special_ids[FIM_PREFIX]] + pre + [special_ids[FIM_SUFFIX]] + suf + [special_ids[FIM_MIDDLE]]
+    return (
+        head + [special_ids[FIM_PREFIX]] + pre + [special_ids[FIM_SUFFIX]] + suf + [special_ids[FIM_MIDDLE]]
+    )
 
 
-# where llama.cpp ends a fill too (its end-of-generation tokens): the end of the text, a next file or repository,
-# the end of a chat turn
+# where llama.cpp ends a fill too (its end-of-generation tokens): the end of the text, a next file or
+# repository, the end of a chat turn
 INFILL_STOPS = ("<|endoftext|>", FIM_FILE_SEP, FIM_REPO, "<|im_end|>", "</s>")
 
 
@@ -123,7 +129,9 @@ def repo_fim_document(tok, repo: str, context: list[tuple[str, str]], path: str,
     for p, ctx in context:
         ids += [sp[FIM_FILE_SEP]] + tok.encode(p + "\n") + tok.encode(ctx)
     ids += [sp[FIM_FILE_SEP]] + tok.encode(path + "\n")
-    ids += [sp[FIM_PREFIX]] + tok.encode(text[:a]) + [sp[FIM_SUFFIX]] + tok.encode(text[b:]) + [sp[FIM_MIDDLE]]
+    ids += (
+        [sp[FIM_PREFIX]] + tok.encode(text[:a]) + [sp[FIM_SUFFIX]] + tok.encode(text[b:]) + [sp[FIM_MIDDLE]]
+    )
     return ids + tok.encode(text[a:b]) + [tok.eot_id]
 
 
@@ -144,7 +152,8 @@ def permute_window(window: np.ndarray, eot: int, fim: tuple[int, int, int], rate
     out, start = [], 0
     for end in list(cuts) + [n]:
         piece = window[start:end]
-        # a piece that holds a FIM token already (a repo-level FIM document, made at prepare time) stays as it is
+        # a piece that holds a FIM token already (a repo-level FIM document, made at
+        # prepare time) stays as it is
         if len(piece) >= 2 and rng.random() < rate and not (piece == pre).any():
             a, b = sorted(rng.integers(0, len(piece) + 1, size=2))
             p, m, s = piece[:a], piece[a:b], piece[b:]

@@ -20,8 +20,8 @@ from pathlib import Path
 from . import rundir
 from .checkpoint import find_checkpoint, load_model, read_config
 from .config import ConfigError, load_file, resolve
-from .corpus import (EXT_TO_LANG, CorpusOptions, CorpusStats, describe_secrets, describe_skipped, iter_documents, sized_val_fraction,
-                     walk_tree)
+from .corpus import (EXT_TO_LANG, CorpusOptions, CorpusStats, describe_secrets, describe_skipped,
+                     iter_documents, sized_val_fraction, walk_tree)
 from .data.hrm_batches import PlanData
 from .data.shards import ShardError, prepare
 from .device import choose_device
@@ -51,15 +51,20 @@ TIME_BUDGET = 8.0  # minutes of pretraining by default: 560 steps fit on a CPU w
 RUN = {"eval_every": 100, "eval_tokens": 32_768, "save_every": 200, "log_every": 10}
 VOCAB = 8192
 # repo-level fill-in-the-middle: this share of the training files also becomes a document in the layout
-# llama-server's /infill builds from an editor's request (prepare --repo-fim). benchmarks/fim_mix.py, 2 seeds x
-# 3 held-out libraries (docs/LOG.md, 2026-11-27, eleventh session): edit similarity with other files as context
-# 0.219 (file-level FIM alone) / 0.236 (0.25) / 0.211 (0.5), parseable fills 13% / 17% / 16%, held-out bits per
-# byte +1.2% for either share
+# llama-server's /infill builds from an editor's request (prepare --repo-fim).
+# benchmarks/fim_mix.py, 2 seeds x
+# 3 held-out libraries (docs/LOG.md, 2026-11-27, eleventh session): edit
+# similarity with other files as context
+# 0.219 (file-level FIM alone) / 0.236 (0.25) / 0.211 (0.5), parseable fills 13% / 17% / 16%, held-out bits
+# per byte +1.2% for either share
 REPO_FIM = 0.25
 # --chat: a context that holds a tool-calling conversation (up to ~600 tokens with five tool schemas; at 512,
-# 347 of 1,500 were dropped), ~2,300 tokens per step. Then SFT and tools start from it at learning rates for a 5M
-# model (the seeds' 5e-5 and 3e-6 are for 100M+ models). Fewer pretraining steps than the plain quickstart's 560
-# buy the tools stage 400 steps (200 first), at 3e-3 (1e-3 reached a higher validation loss at equal steps), with
+# 347 of 1,500 were dropped), ~2,300 tokens per step. Then SFT and tools start from
+# it at learning rates for a 5M
+# model (the seeds' 5e-5 and 3e-6 are for 100M+ models). Fewer pretraining steps
+# than the plain quickstart's 560
+# buy the tools stage 400 steps (200 first), at 3e-3 (1e-3 reached a higher
+# validation loss at equal steps), with
 # evaluations of 32k tokens (the whole validation split, ~120k tokens, four times a stage, cost ~a minute);
 # docs/LOG.md, 2026-11-25.
 CHAT_MODEL = {"block_size": 768}
@@ -78,7 +83,8 @@ def corpus_path(corpus: str) -> tuple[str, list[str]]:
     if corpus == "python-stdlib":
         return sysconfig.get_paths()["stdlib"], ["python"]
     if corpus == "go":
-        roots = sorted(glob.glob("/usr/share/go-*/src") + glob.glob("/usr/lib/go-*/src") + glob.glob("/usr/local/go/src"))
+        roots = sorted(glob.glob("/usr/share/go-*/src") + glob.glob("/usr/lib/go-*/src")
+                       + glob.glob("/usr/local/go/src"))
         if shutil.which("go"):
             import subprocess
             root = subprocess.run(["go", "env", "GOROOT"], capture_output=True, text=True).stdout.strip()
@@ -86,7 +92,8 @@ def corpus_path(corpus: str) -> tuple[str, list[str]]:
                 roots.append(os.path.join(root, "src"))
         if not roots:
             raise FileNotFoundError("no Go standard library source found: install it with "
-                                    "`sudo apt-get install golang-src` (Debian/Ubuntu) or from go.dev, then rerun")
+                                    "`sudo apt-get install golang-src` "
+                                    "(Debian/Ubuntu) or from go.dev, then rerun")
         return roots[-1], ["go"]
     if not os.path.exists(corpus):
         raise FileNotFoundError(f"--corpus {corpus!r}: not python-stdlib, go, or an existing path")
@@ -94,7 +101,8 @@ def corpus_path(corpus: str) -> tuple[str, list[str]]:
 
 
 def corpus_languages(src: str, langs: list[str] | None) -> dict[str, int]:
-    """Files per known language in a corpus, most first (a named corpus: its own language alone, uncounted)."""
+    """Files per known language in a corpus, most first (a named corpus: its own
+    language alone, uncounted)."""
     if langs:
         return {lang: 0 for lang in langs}
     counts: dict[str, int] = {}
@@ -121,7 +129,9 @@ def describe_corpus(counts: dict[str, int], langs: list[str] | None) -> str:
         return f"{', '.join(langs)}, test files excluded"
     if not counts:
         return "no file of a known language found"
-    found = ", ".join(f"{n:,} {lang}" for lang, n in list(counts.items())[:4]) + (" ..." if len(counts) > 4 else "")
+    found = ", ".join(f"{n:,} {lang}" for lang, n in list(counts.items())[:4]) + (
+        " ..." if len(counts) > 4 else ""
+    )
     return f"{found} file(s) by extension, test files excluded"
 
 
@@ -129,7 +139,8 @@ CORPUS_RECORD = "quickstart.json"  # in --out: the corpus the quickstart there w
 
 
 def same_corpus(out_dir: Path, src: str, langs: list[str] | None) -> None:
-    """Refuse a corpus other than the one --out was made from (its tokenizer, shards and run would be mixed with
+    """Refuse a corpus other than the one --out was made from (its tokenizer,
+    shards and run would be mixed with
     the new corpus's, and the old run's data overwritten); record the corpus on first use. A directory made
     before the record is judged by the sources its shards name."""
     record = out_dir / CORPUS_RECORD
@@ -146,9 +157,10 @@ def same_corpus(out_dir: Path, src: str, langs: list[str] | None) -> None:
     except (OSError, ValueError, KeyError, TypeError):
         seen = [f"an unreadable {record}"]
     if seen:
-        raise ConfigError(f"{out_dir} holds a quickstart made from {', '.join(map(str, seen))}, not {now['corpus']}; "
-                          f"give this corpus its own directory with --out (e.g. --out {out_dir}-new), or delete "
-                          f"{out_dir} to start over there")
+        raise ConfigError(f"{out_dir} holds a quickstart made from "
+                          f"{', '.join(map(str, seen))}, not {now['corpus']}; "
+                          f"give this corpus its own directory with --out (e.g. --out {out_dir}-new), or "
+                          f"delete {out_dir} to start over there")
     if not record.exists():
         out_dir.mkdir(parents=True, exist_ok=True)
         record.write_text(json.dumps(now) + "\n")
@@ -158,7 +170,8 @@ def same_corpus(out_dir: Path, src: str, langs: list[str] | None) -> None:
 # learn them by heart) first trains a base on a public corpus of its language, then goes on on the repository
 # from the base's best weights, at a lower learning rate, for at most MANY_PASSES passes; the tokenizer is
 # trained on both, the repository's files weighted REPO_TOKENIZER_WEIGHT times, so its identifiers stay whole
-# (docs/LOG.md, 2026-11-27, eleventh session: held-out bits per byte -9% and -14% on two libraries at equal steps).
+# (docs/LOG.md, 2026-11-27, eleventh session: held-out bits per byte -9% and -14% on
+# two libraries at equal steps).
 BASE_OF = {"python": "python-stdlib", "go": "go"}
 RUN_TOKENS_PER_STEP = 16 * 256  # the quickstart recipe's batch x context (cpu-small + lowend-cpu; tested)
 BASE_SHARE = 0.75  # of the pretraining time (or --max-iters) the base takes; the repository stage the rest
@@ -166,7 +179,8 @@ REPO_STAGE = {"learning_rate": 0.004, "muon_lr": 0.006, "warmup_steps": 10}
 REPO_TOKENIZER_WEIGHT = 4
 BYTES_PER_TOKEN = 3.5  # code per token of the quickstart's 8k tokenizer (3.8 on the Python standard library)
 DECONTAMINATE = ("humaneval",)  # benchmark sources no training document may overlap (decontam.py)
-QUICK_VAL = 0.02  # the least share of files kept for validation; a small corpus gets more (corpus.sized_val_fraction)
+# the least share of files kept for validation; a small corpus gets more (corpus.sized_val_fraction)
+QUICK_VAL = 0.02
 
 
 def _prepared_meta(data_dir: Path) -> dict | None:
@@ -186,15 +200,15 @@ def _sized_split(src: str, langs: list[str] | None, val_fraction: float | None) 
         docs.append((d.digest, d.nbytes))
         code += d.nbytes if EXT_TO_LANG.get(Path(d.source).suffix) != "text" else 0  # README.md is not code
     if not code:
-        raise ConfigError(f"no code found in {src}: the quickstart reads source files by extension (.py, .go, .rs, "
-                          f".js, ...; test files left out) and found none it could use (skipped: "
+        raise ConfigError(f"no code found in {src}: the quickstart reads source files by extension (.py, "
+                          f".go, .rs, .js, ...; test files left out) and found none it could use (skipped: "
                           f"{describe_skipped(stats.skipped)}). Point --corpus at a directory of source code")
     return val_fraction if val_fraction is not None else sized_val_fraction(docs, QUICK_VAL)
 
 
 def eval_cadence(cfg, train_tokens: int) -> int:
-    """Evaluations every RUN's 100 steps; on a corpus the run passes over many times (a small repository, which
-    it starts to memorise within a few passes), every two passes (at least every 20 steps), so the best
+    """Evaluations every RUN's 100 steps; on a corpus the run passes over many times (a small repository,
+    which it starts to memorise within a few passes), every two passes (at least every 20 steps), so the best
     weights are found near where validation turns up rather than up to 100 steps past it."""
     t = cfg.train
     per_pass = max(train_tokens, 1) / (t.batch_size * max(t.local_ranks, 1) * cfg.model.block_size)
@@ -209,8 +223,8 @@ def _enough(meta: dict, cfg, src: str) -> None:
     need = cfg.train.batch_size * cfg.train.local_ranks * (cfg.model.block_size + 1)
     have = meta["splits"]["train"]["tokens"]
     if have < need:
-        raise ConfigError(f"{src} gives {have:,} training tokens, fewer than one training step reads ({need:,}): "
-                          f"too little code to train on. Point --corpus at a larger directory")
+        raise ConfigError(f"{src} gives {have:,} training tokens, fewer than one training step reads "
+                          f"({need:,}): too little code to train on. Point --corpus at a larger directory")
 
 
 def _same_split(out_dir: Path, old: dict, opts: CorpusOptions) -> None:
@@ -220,11 +234,12 @@ def _same_split(out_dir: Path, old: dict, opts: CorpusOptions) -> None:
     diff = [f"{k.replace('_', '-')} {old['options'].get(k)!r} -> {v!r}" for k, v in want.items()
             if old["options"].get(k) != v]
     if diff:
-        raise ConfigError(f"{out_dir / 'run'} trained on data prepared with other settings ({'; '.join(diff)}); "
-                          f"preparing it again would move files between its training and validation splits, so later "
-                          f"scores could count files it trained on. Give the new "
-                          f"settings their own directory (--out {out_dir}-new), or drop --val-fraction to go on "
-                          f"with this run (nothing was changed)")
+        raise ConfigError(f"{out_dir / 'run'} trained on data prepared with other settings "
+                          f"({'; '.join(diff)}); "
+                          f"preparing it again would move files between its training and validation splits, "
+                          f"so later scores could count files it trained on. Give the new "
+                          f"settings their own directory (--out {out_dir}-new), or drop --val-fraction to go "
+                          f"on with this run (nothing was changed)")
 
 
 # --from-hf: fine-tuning an open model on your code, whole or with LoRA (the usual rates: LoRA's adapters
@@ -234,15 +249,15 @@ LORA_TUNE = {"learning_rate": 1e-3, "warmup_steps": 10, "min_lr_ratio": 0.1, "we
 
 
 def imported_model(out_dir: Path, hf_dir: str) -> Path:
-    """--from-hf, before the tokenizer step: the open model imported into OUT/imported (once), its tokenizer copied to
-    OUT/tokenizer (the one the data is prepared with). Returns the imported run."""
+    """--from-hf, before the tokenizer step: the open model imported into OUT/imported (once), its tokenizer
+    copied to OUT/tokenizer (the one the data is prepared with). Returns the imported run."""
     run = out_dir / "imported"
     if not (run / rundir.CHECKPOINTS).exists():
         out_dir.mkdir(parents=True, exist_ok=True)
         r = import_hf(hf_dir, run, log=lambda m: print(f"      {m}"))
         print(f"      model: imported {hf_dir} ({r['family']}, {r['params']:,} parameters) -> {run}"
-              + (f"; its logits equal transformers' to {r['max_abs_diff']:.1e}" if r["max_abs_diff"] is not None
-                 else ""))
+              + (f"; its logits equal transformers' to {r['max_abs_diff']:.1e}"
+                 if r["max_abs_diff"] is not None else ""))
     else:
         print(f"      model: reusing {run}")
     tok_dir = out_dir / "tokenizer"
@@ -258,20 +273,23 @@ def pretrain_config(data_dir: Path, run_dir: Path, meta: dict, steps: int, budge
     train = {**RUN, **(CHAT_TRAIN if chat else {}), **({"local_ranks": 1} if chat else {})}
     flags = {**{f"model.{k}": v for k, v in (CHAT_MODEL if chat else {}).items()},
              **{f"train.{k}": v for k, v in train.items()},
-             "train.data": str(data_dir), "train.out": str(run_dir), "train.max_iters": steps, "train.device": device,
-             **(over or {})}
+             "train.data": str(data_dir), "train.out": str(run_dir), "train.max_iters": steps,
+             "train.device": device, **(over or {})}
     if budget:
         flags["train.time_budget"] = budget  # the step count follows this CPU's pace (docs/pipeline.md)
     # going on from a base: the model is the base's (the model preset would override its vocabulary), the
     # recipe still the hardware profile's
     presets = [p for p in PRESETS if p != MODEL_PRESET] if "train.init_from" in flags else PRESETS
     cfg = resolve(presets, None, [], flags, vocab_from_data=True)
-    cfg = replace(cfg, train=replace(cfg.train, eval_every=eval_cadence(cfg, meta["splits"]["train"]["tokens"])))
-    cfg = resolve_auto(cfg)  # the same global batch over one-thread processes: they keep their pace on shared cores
+    cfg = replace(cfg,
+                  train=replace(cfg.train, eval_every=eval_cadence(cfg, meta["splits"]["train"]["tokens"])))
+    # the same global batch over one-thread processes: they keep their pace on shared cores
+    cfg = resolve_auto(cfg)
     return cfg
 
 
-def base_stage(out_dir: Path, base: tuple[str, list[str]], tok_dir: Path, repo_fim: float, max_iters: int | None,
+def base_stage(out_dir: Path, base: tuple[str, list[str]], tok_dir: Path, repo_fim: float,
+               max_iters: int | None,
                total: float, device: str, n: int, done: bool) -> tuple[Path | None, float]:
     """Step 4 of a small repository's quickstart: prepare the base corpus (OUT/base/data) and train the base
     (OUT/base/run) for BASE_SHARE of the time or of --max-iters; a re-run resumes it where it stopped. done:
@@ -298,7 +316,8 @@ def base_stage(out_dir: Path, base: tuple[str, list[str]], tok_dir: Path, repo_f
                          if b_trained and old else _sized_split(src, langs, None),
                          decontaminate=old["options"].get("decontaminate", []) if b_trained and old
                          else list(DECONTAMINATE),
-                         redact_secrets=bool(old["options"].get("redact_secrets")) if b_trained and old else True)
+                         redact_secrets=bool(old["options"].get("redact_secrets")) if b_trained and old
+                         else True)
     meta = _prepare(bdir, src, tok_dir, opts, keep=b_trained,
                     repo_fim=old["options"].get("repo_fim", 0.0) if b_trained and old else repo_fim)
     chosen = saved_step_count(b_run) if b_trained else None  # the count an earlier time budget chose
@@ -309,7 +328,8 @@ def base_stage(out_dir: Path, base: tuple[str, list[str]], tok_dir: Path, repo_f
     else:  # first run, or one stopped before its pace chose a count: what is left of its share
         steps, budget = STEPS, max(60.0, BASE_SHARE * total - before)
     cfg = pretrain_config(bdir / "data", b_run, meta, steps, budget, device)
-    print(f"[4/{n}] base: {meta['documents']} files of {src} -> {meta['splits']['train']['tokens']:,} training tokens; "
+    print(f"[4/{n}] base: {meta['documents']} files of {src} -> "
+          f"{meta['splits']['train']['tokens']:,} training tokens; "
           + (f"as many of {steps} steps as fit in {budget / 60:.3g} minutes" if budget else f"{steps} steps")
           + f" -> {b_run}")
     t0 = time.perf_counter()
@@ -324,7 +344,8 @@ def _has_repo_tokens(tok_dir: Path) -> bool:
     return all(special.get(t) is not None for t in ("<|repo_name|>", "<|file_sep|>"))
 
 
-def _prepare(out_dir: Path, src: str, tok_dir: Path, opts: CorpusOptions, keep: bool, repo_fim: float = 0.0) -> dict:
+def _prepare(out_dir: Path, src: str, tok_dir: Path, opts: CorpusOptions, keep: bool,
+             repo_fim: float = 0.0) -> dict:
     """The shards (a no-op when unchanged). keep: a run has trained on OUT/data, so it is never rewritten:
     if the corpus changed since, the run goes on with the data it started on, and says so."""
     data_dir = out_dir / "data"
@@ -334,7 +355,8 @@ def _prepare(out_dir: Path, src: str, tok_dir: Path, opts: CorpusOptions, keep: 
     except ShardError:
         if not keep or not (data_dir / "meta.json").exists():
             raise
-    print(f"      note: files in {src} changed since {data_dir} was prepared; the run in {out_dir / 'run'} goes on "
+    print(f"      note: files in {src} changed since {data_dir} "
+          f"was prepared; the run in {out_dir / 'run'} goes on "
           f"with the data it started on, so its scores stay on files it never trained on. To train on the "
           f"changed files, give them a new run (--out {out_dir}-new) or delete {out_dir}")
     return json.loads((data_dir / "meta.json").read_text())
@@ -352,14 +374,16 @@ def saved_step_count(run_dir: Path) -> int | None:
 
 
 def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | None = None,
-                   device: str = "auto", chat: bool = False, hrm: bool = False, val_fraction: float | None = None,
+                   device: str = "auto", chat: bool = False, hrm: bool = False,
+                   val_fraction: float | None = None,
                    time_budget: float | None = None, base_dir: str | None = None, base: str = "auto",
                    from_hf: str | None = None, lora_rank: int = 0) -> dict:
     """The pipeline; with chat, then chat SFT on pairs mined from the same corpus, then tool calling; with
     hrm, the hierarchical planner/generator model on plans mined from the corpus instead. time_budget:
     minutes pretraining may take (None: TIME_BUDGET; it sets the step count from the measured pace, up to
     STEPS); max_iters pins the steps instead. base_dir: with chat, the plain quickstart's directory for the
-    same corpus, whose tokenizer and shards are reused when it has them. base: a small repository's base corpus
+    same corpus, whose tokenizer and shards are reused when it has them. base: a
+    small repository's base corpus
     ("auto": the built-in corpus of its language; "none"; or python-stdlib, go, a path): choose_base.
     from_hf: an open model's Hugging Face directory, imported and fine-tuned on the corpus with its own
     tokenizer (lora_rank > 0: LoRA adapters of that rank; 0: every weight) instead of a model from scratch."""
@@ -375,9 +399,11 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
         _from_plain(out_dir, Path(base_dir) if base_dir else None, src, langs)
     old = _prepared_meta(data_dir)
     if trained and not old and not hrm:
-        raise ConfigError(f"{data_dir}, the data {run_dir} trained on, is gone (or unreadable): preparing it again could "
-                          f"split the files differently and score the run on files it trained on. Restore it, give "
-                          f"a new run its own directory (--out {out_dir}-new), or delete {out_dir} to start over")
+        raise ConfigError(f"{data_dir}, the data {run_dir} trained on, is "
+                          "gone (or unreadable): preparing it again could "
+                          f"split the files differently and score the run on files it trained on. Restore "
+                          "it, give a new run its own directory (--out "
+                          f"{out_dir}-new), or delete {out_dir} to start over")
     if val_fraction is None and trained and old:
         val_fraction = old["options"]["val_fraction"]  # the split the run trained on
     elif not trained or val_fraction is None:
@@ -389,20 +415,22 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     # benchmarks out (decontam.py): HumanEval, which the quickstart scores; a run that has trained keeps the
     # options its data was prepared with
     decon = old["options"].get("decontaminate", []) if trained and old else list(DECONTAMINATE)
-    redact = bool(old["options"].get("redact_secrets")) if trained and old else True  # secrets out (redact.py)
+    # secrets out (redact.py)
+    redact = bool(old["options"].get("redact_secrets")) if trained and old else True
     opts = CorpusOptions(languages=langs, exclude_tests=True, val_fraction=val_fraction, decontaminate=decon,
                          redact_secrets=redact)
     if trained and old and not hrm:
         _same_split(out_dir, old, opts)
     if from_hf and (chat or hrm):
-        raise ConfigError("--from-hf fine-tunes an open model on your code; --chat and --hrm train codeforge's own")
-    base_corpus = None if chat or hrm or from_hf else choose_base(base, corpus, src, langs, lang, out_dir, trained,
-                                                                  val_fraction)
+        raise ConfigError("--from-hf fine-tunes an open model on your "
+                          "code; --chat and --hrm train codeforge's own")
+    base_corpus = None if chat or hrm or from_hf else choose_base(base, corpus, src, langs, lang, out_dir,
+                                                                  trained, val_fraction)
     n = 8 if chat else 6 if base_corpus else 5  # the steps it announces: the chat stages are 5-8
     print(f"[1/{n}] corpus: {src} ({describe_corpus(counts, langs)})")
     if base_corpus:
-        print(f"      a small repository: a base model trains on {base_corpus[0]} first, then goes on on your files "
-              f"(--base none: your files alone)")
+        print(f"      a small repository: a base model trains on {base_corpus[0]} first, then goes on on "
+              f"your files (--base none: your files alone)")
     imported = imported_model(out_dir, from_hf) if from_hf else None
     tok_dir = _tokenizer(out_dir, src, opts, n, base=base_corpus)
     if hrm:
@@ -411,25 +439,30 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     # a run that has trained keeps the documents it trained on (data prepared before repo-level FIM had none)
     repo_fim = old["options"].get("repo_fim", 0.0) if trained and old else REPO_FIM
     if repo_fim and not _has_repo_tokens(tok_dir):
-        print(f"      note: {tok_dir} was trained before <|repo_name|> and <|file_sep|> existed, so no repo-level "
-              f"fill-in-the-middle; delete it (and {data_dir}) to train a tokenizer that has them")
+        print(f"      note: {tok_dir} was trained before <|repo_name|> and <|file_sep|> existed, so no "
+              f"repo-level fill-in-the-middle; delete it (and {data_dir}) to train a tokenizer that has them")
         repo_fim = 0.0
     meta = _prepare(out_dir, src, tok_dir, opts, keep=trained, repo_fim=repo_fim)
     val = meta["splits"]["val"]
     reused = "reusing " if old and meta.get("fingerprint") == old.get("fingerprint") else ""
     print(f"[3/{n}] prepare: {reused}{meta['documents']} files -> {meta['tokens']:,} tokens "
-          f"(train {meta['splits']['train']['tokens']:,}; validation {val['documents']} file(s), {val['tokens']:,} "
-          f"tokens: --val-fraction {opts.val_fraction:g}); -> {data_dir}\n"
+          f"(train {meta['splits']['train']['tokens']:,}; validation {val['documents']} file(s), "
+          f"{val['tokens']:,} tokens: --val-fraction {opts.val_fraction:g}); -> {data_dir}\n"
           f"      skipped: {describe_skipped(meta['skipped'])}"
-          + (f"\n      secrets replaced: {describe_secrets(meta['secrets_replaced'])}" if meta.get("secrets_replaced")
-             else ""))
+          + (f"\n      secrets replaced: {describe_secrets(meta['secrets_replaced'])}"
+             if meta.get("secrets_replaced") else ""))
 
     resume = trained
-    kept = saved_step_count(run_dir) if resume and not chat and max_iters is None and time_budget is None else None
+    kept = (
+        saved_step_count(run_dir)
+        if resume and not chat and max_iters is None and time_budget is None
+        else None
+    )
     total = 60 * (time_budget if time_budget is not None else TIME_BUDGET)  # seconds of pretraining
     over: dict = {}
     if base_corpus:  # the base first; the repository stage gets the rest, for at most MANY_PASSES passes
-        base_run, used = base_stage(out_dir, base_corpus, tok_dir, repo_fim, max_iters, total, device, n, trained)
+        base_run, used = base_stage(out_dir, base_corpus, tok_dir, repo_fim, max_iters, total, device, n,
+                                    trained)
         if base_run is None:
             print("interrupted; run the quickstart again to resume")
             return {"interrupted": True, "step": 0}
@@ -444,7 +477,8 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     elif imported:  # an open model on your code: as many passes as fit, at most MANY_PASSES (STEPS at most)
         block = read_config(find_checkpoint(imported, "auto"))["model"]["block_size"]
         batch = max(1, RUN_TOKENS_PER_STEP // block)
-        steps = max_iters or kept or min(STEPS, max(1, math.ceil(MANY_PASSES * meta["splits"]["train"]["tokens"]
+        steps = max_iters or kept or min(STEPS,
+                                         max(1, math.ceil(MANY_PASSES * meta["splits"]["train"]["tokens"]
                                                                  / (batch * block))))
         budget = 0.0 if max_iters or kept else total
         over = {"train.init_from": str(imported), "train.batch_size": batch, "train.optimizer": "adamw",
@@ -460,24 +494,28 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     _enough(meta, cfg, src)
     step_no = 5 if base_corpus else 4
     on = " on your files" if base_corpus or imported else ""
-    print(f"[{step_no}/{n}] train{on}: {cfg.train.max_iters} steps" + (" (the count this run chose; --max-iters N "
+    print(f"[{step_no}/{n}] train{on}: {cfg.train.max_iters} steps"
+          + (" (the count this run chose; --max-iters N "
           "trains on to N)" if kept else "") + f" -> {run_dir}" if not cfg.train.time_budget else
           f"[{step_no}/{n}] train{on}: as many of {cfg.train.max_iters} steps as fit in "
           f"{cfg.train.time_budget / 60:.3g} minutes on this CPU (--max-iters N pins the count) -> {run_dir}")
     if base_corpus:
-        print(f"      from the base's best weights ({base_run}), at learning rate {cfg.train.learning_rate:g}, "
-              f"at most {MANY_PASSES} passes over your training files")
+        print(f"      from the base's best weights ({base_run}), at learning rate "
+              f"{cfg.train.learning_rate:g}, at most {MANY_PASSES} passes over your training files")
     if imported:
-        print(f"      from {imported}, " + (f"LoRA adapters of rank {lora_rank}" if lora_rank else "every weight")
+        print(f"      from {imported}, "
+              + (f"LoRA adapters of rank {lora_rank}" if lora_rank else "every weight")
               + f", AdamW at learning rate {cfg.train.learning_rate:g}, batch {cfg.train.batch_size} x "
               f"{cfg.model.block_size} tokens")
     if cfg.train.fim_rate and not chat:
-        print(f"      fill-in-the-middle, as editors ask for completions: {cfg.train.fim_rate:.0%} of the documents are "
+        print("      fill-in-the-middle, as editors ask for completions: "
+              f"{cfg.train.fim_rate:.0%} of the documents are "
               f"cut in three and trained middle-last ({cfg.train.fim_spm_rate:.0%} of those suffix first)")
     if meta.get("repo_fim_documents"):
-        print(f"      and {meta['repo_fim_documents']:,} repo-level ones ({meta['options']['repo_fim']:.0%} of the training "
-              f"files, each after up to two files of its directory, as llama-server's /infill lays out an editor's "
-              f"request with other files)")
+        print(f"      and {meta['repo_fim_documents']:,} repo-level "
+              f"ones ({meta['options']['repo_fim']:.0%} of the training "
+              f"files, each after up to two files of its directory, as llama-server's /infill lays out an "
+              f"editor's request with other files)")
     result = run_stage(cfg, resume=resume)
     if result["interrupted"]:
         print("interrupted; run the quickstart again to resume")
@@ -501,16 +539,20 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     best = find_checkpoint(run_dir, "auto")
     best_step = int(best.name.split("_")[-1]) if best.name.startswith("step_") else None
     ev = run_eval(str(best), syntax_samples=8, humaneval=he, ks=[1, 5], samples_per_problem=5,
-                  max_new_tokens=128, timeout=5.0, device=device, language=lang, validation=evals.get(best_step))
+                  max_new_tokens=128, timeout=5.0, device=device, language=lang,
+                  validation=evals.get(best_step))
     eng = Engine.from_run(str(best), device)
     prompt = {"python": "def fibonacci(n):\n", "go": "func fibonacci(n int) int {\n"}.get(lang, "")
     sample = eng.generate([prompt], SamplingParams(max_new_tokens=96, temperature=0.7, top_k=40, seed=0))[0]
     if ev.get("eval_split") == "train":
-        print(f"\nthe checkpoint at step {ev['step']}; there is no validation split, so this scores the training "
+        print(f"\nthe checkpoint at step {ev['step']}; there is "
+              "no validation split, so this scores the training "
               f"split, which the model has seen (a corpus of more files gives one):\ntraining-split loss "
-              f"{ev['val_loss']:.3f} (perplexity {ev['perplexity']:.1f}), {ev['bits_per_byte']:.3f} bits per byte")
+              f"{ev['val_loss']:.3f} (perplexity {ev['perplexity']:.1f}), "
+              f"{ev['bits_per_byte']:.3f} bits per byte")
     else:
-        print(f"\n{scored_checkpoint(ev['step'], result['step'], evals)}:\nvalidation loss {ev['val_loss']:.3f} "
+        print(f"\n{scored_checkpoint(ev['step'], result['step'], evals)}:\nvalidation loss "
+              f"{ev['val_loss']:.3f} "
               f"(perplexity {ev['perplexity']:.1f}), {ev['bits_per_byte']:.3f} bits per byte")
     sv = ev["syntax_valid_rate"]
     sv_text = "n/a (no function in the validation files to prompt with)" if sv is None else share(
@@ -522,9 +564,11 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     fim = repo_fim_score(src, best, device) if not langs else None  # your own code: as an editor asks
     print(f"sample (step {ev['step']}):\n{prompt}{sample}\n")
     hint = {"python": "def ", "go": "func "}.get(lang, "")
-    print(f"finished in {(time.perf_counter() - t_start) / 60:.1f} min. Next: codeforge generate --run {run_dir} "
-          f"--prompt {hint!r}   |   codeforge eval --run {run_dir}   |   tensorboard --logdir {run_dir}/tensorboard")
-    return {**result, **ev, "step": result["step"], "scored_step": ev["step"],  # step: training's; scored: the checkpoint's
+    print(f"finished in {(time.perf_counter() - t_start) / 60:.1f} min. Next: codeforge generate --run "
+          f"{run_dir} --prompt {hint!r}   |   codeforge eval --run {run_dir}   |   tensorboard --logdir "
+          f"{run_dir}/tensorboard")
+    # step: training's; scored: the checkpoint's
+    return {**result, **ev, "step": result["step"], "scored_step": ev["step"],
             **({"repo_eval": fim} if fim else {})}
 
 
@@ -532,8 +576,8 @@ REPO_CASES = 10  # eval --repo cases of each kind the quickstart scores on your 
 
 
 def repo_fim_score(src: str, best: Path, device: str) -> dict | None:
-    """`eval --repo` on your held-out files (the validation split: files the run trained on are left out), with
-    the other files as context, printed in a line; None (and said) when no held-out file gives a case."""
+    """`eval --repo` on your held-out files (the validation split: files the run trained on are left out),
+    with the other files as context, printed in a line; None (and said) when no held-out file gives a case."""
     try:
         r = run_repo_eval(src, run=str(best), n=REPO_CASES, device=device)
     except EvalError as e:
@@ -541,8 +585,9 @@ def repo_fim_score(src: str, best: Path, device: str) -> dict | None:
         return None
     a = r["scores"]["all"]
     print(f"fill-in-the-middle on your held-out files (as an editor asks, with other files as context): "
-          f"{r['cases']} cases from {r['held_out_files']} files, exact {a['exact_match']:.0%}, edit similarity "
-          f"{a['edit_similarity']:.3f}, {a['syntax_valid']:.0%} of filled files parse (codeforge eval --repo)")
+          f"{r['cases']} cases from {r['held_out_files']} files, exact {a['exact_match']:.0%}, edit "
+          f"similarity {a['edit_similarity']:.3f}, {a['syntax_valid']:.0%} "
+          "of filled files parse (codeforge eval --repo)")
     return r
 
 
@@ -558,7 +603,12 @@ def validations(run_dir: Path) -> dict[int, dict]:
                     rec = json.loads(line)
                 except ValueError:
                     continue  # a line cut by a crash
-                if isinstance(rec, dict) and "val_loss" in rec and "val_bpb" in rec and isinstance(rec.get("step"), int):
+                if (
+                    isinstance(rec, dict)
+                    and "val_loss" in rec
+                    and "val_bpb" in rec
+                    and isinstance(rec.get("step"), int)
+                ):
                     out[rec["step"]] = {"val_loss": rec["val_loss"], "perplexity": rec.get("val_perplexity"),
                                         "bits_per_byte": rec["val_bpb"], "eval_tokens": rec.get("val_tokens"),
                                         "validation_step": rec["step"]}
@@ -572,8 +622,8 @@ def scored_checkpoint(step: int, at: int, evals: dict[int, dict]) -> str:
     if step == at:
         return f"the checkpoint at step {step} (the run's last, and its best on validation)"
     last = max(evals) if evals else None
-    tail = (f"; the last evaluation, at step {last}, scored {evals[last]['val_loss']:.3f}: validation loss rose "
-            f"after step {step} (the model memorising its training files, when there are few)"
+    tail = (f"; the last evaluation, at step {last}, scored {evals[last]['val_loss']:.3f}: validation loss "
+            f"rose after step {step} (the model memorising its training files, when there are few)"
             if last is not None and last > step else "")
     return f"the best checkpoint: step {step} of the run's {at}{tail}"
 
@@ -587,9 +637,13 @@ def _from_plain(out_dir: Path, base: Path | None, src: str, langs: list[str] | N
     """--chat pretrains a base model of its own: its context (768 tokens) holds a tool-calling conversation,
     and the plain quickstart's model (256 tokens, learned positions) cannot be stretched to it. Said, and the
     plain quickstart's tokenizer and shards of the same corpus are copied in when they are there."""
-    say = ("      --chat pretrains its own base model: tool conversations need a context of 768 tokens, and the plain "
-           "quickstart's model has 256")
-    same = base is not None and base.resolve() != out_dir.resolve() and _corpus_of(base) == _corpus_of(out_dir, src, langs)
+    say = ("      --chat pretrains its own base model: tool conversations need a context of 768 tokens, and "
+           "the plain quickstart's model has 256")
+    same = (
+        base is not None
+        and base.resolve() != out_dir.resolve()
+        and _corpus_of(base) == _corpus_of(out_dir, src, langs)
+    )
     if not same or not (base / "tokenizer" / "tokenizer.json").exists():
         print(f"{say}.")
         return
@@ -612,7 +666,8 @@ def _corpus_of(out_dir: Path, src: str | None = None, langs: list[str] | None = 
         return None
 
 
-def _tokenizer(out_dir: Path, src: str, opts: CorpusOptions, n: int = 5, base: tuple[str, list[str]] | None = None) -> Path:
+def _tokenizer(out_dir: Path, src: str, opts: CorpusOptions, n: int = 5,
+               base: tuple[str, list[str]] | None = None) -> Path:
     """OUT/tokenizer, trained on the corpus (and, with a base corpus, on both: the corpus's files
     REPO_TOKENIZER_WEIGHT times over, so a small repository's own names get their merges)."""
     tok_dir = out_dir / "tokenizer"
@@ -625,7 +680,8 @@ def _tokenizer(out_dir: Path, src: str, opts: CorpusOptions, n: int = 5, base: t
         for _ in range(REPO_TOKENIZER_WEIGHT if base else 1):
             yield from (d.text for d in iter_documents([src], opts, stats))
         if base:
-            yield from (d.text for d in iter_documents([base[0]], CorpusOptions(languages=base[1], exclude_tests=True),
+            yield from (d.text for d in iter_documents([base[0]],
+                                                       CorpusOptions(languages=base[1], exclude_tests=True),
                                                        CorpusStats()))
     _, meta = train_tokenizer(texts(), VOCAB, tok_dir)
     both = f", your files {REPO_TOKENIZER_WEIGHT} times over and {base[0]}" if base else ""
@@ -640,7 +696,8 @@ def choose_base(base: str, corpus: str, src: str, langs: list[str] | None, lang:
     repository of a language with a built-in corpus), "none", or a corpus (python-stdlib, go, a path)."""
     if base == "none" or (langs and base == "auto"):  # a built-in corpus is its own base
         return None
-    if (out_dir / "base" / "run" / rundir.CHECKPOINTS).exists():  # the base this directory trained (its corpus
+    # the base this directory trained (its corpus
+    if (out_dir / "base" / "run" / rundir.CHECKPOINTS).exists():
         rec = _base_record(out_dir)  # need not be there any more: its data is prepared)
         return (rec["corpus"], rec.get("languages")) if rec else corpus_path(BASE_OF.get(lang or "", base))
     if trained:  # a run that trained on the repository alone goes on alone
@@ -649,7 +706,8 @@ def choose_base(base: str, corpus: str, src: str, langs: list[str] | None, lang:
         return corpus_path(base)
     if lang not in BASE_OF:
         return None
-    code = sum(d.nbytes for d in iter_documents([src], CorpusOptions(languages=langs, exclude_tests=True), CorpusStats())
+    code = sum(d.nbytes for d in iter_documents([src], CorpusOptions(languages=langs, exclude_tests=True),
+                                                CorpusStats())
                if EXT_TO_LANG.get(Path(d.source).suffix) != "text")
     tokens = code * (1 - val_fraction) / BYTES_PER_TOKEN
     if tokens * MANY_PASSES >= STEPS * RUN_TOKENS_PER_STEP:
@@ -661,7 +719,8 @@ def choose_base(base: str, corpus: str, src: str, langs: list[str] | None, lang:
         return None
     inside = os.path.realpath(src) + os.sep
     if inside.startswith(os.path.realpath(found[0]) + os.sep):  # its validation files would train the base
-        print(f"      note: {src} is inside {found[0]}, so no base on it: your validation files would be in it")
+        print(f"      note: {src} is inside {found[0]}, so no "
+              "base on it: your validation files would be in it")
         return None
     return found
 
@@ -676,7 +735,8 @@ def _base_record(out_dir: Path) -> dict | None:
 
 # --hrm: seed 001's hierarchical model at a CPU's size (hrm-tiny's shape at this tokenizer's 8k vocabulary);
 # ~2.5 steps/s on 2 idle cores: the whole quickstart took 7.2 minutes (docs/LOG.md).
-HRM_TRAIN = {"batch_size": 8, "learning_rate": 2e-3, "warmup_steps": 50, "min_lr_ratio": 0.1, "eval_every": 250,
+HRM_TRAIN = {"batch_size": 8, "learning_rate": 2e-3, "warmup_steps": 50, "min_lr_ratio": 0.1,
+             "eval_every": 250,
              "eval_tokens": 16_384, "save_every": 250, "log_every": 25, "weight_decay": 0.1}
 HRM_CASES = 16
 
@@ -690,8 +750,8 @@ def hrm_quickstart(out_dir: Path, src: str, langs, tok_dir: Path, max_iters: int
         print(f"[3/5] make-plans: reusing {plans}")
     else:
         st = write_plans([src], plans, overwrite=False, languages=langs, exclude_tests=True)
-        print(f"[3/5] make-plans: {st['examples']:,} functions (train {st['train']:,}, val {st['val']:,}) -> {plans}"
-              f"\n      skipped: {describe_skipped(st['skipped'])}")
+        print(f"[3/5] make-plans: {st['examples']:,} functions (train {st['train']:,}, val {st['val']:,}) -> "
+              f"{plans}\n      skipped: {describe_skipped(st['skipped'])}")
     run_dir = out_dir / "run"
     flags = {"train.stage": "hrm", "train.data": str(plans), "train.tokenizer": str(tok_dir),
              "train.out": str(run_dir), "train.max_iters": max_iters or 500, "train.device": device,
@@ -702,8 +762,8 @@ def hrm_quickstart(out_dir: Path, src: str, langs, tok_dir: Path, max_iters: int
     if result["interrupted"]:
         print("interrupted; run the quickstart again to resume")
         return result
-    print(f"[5/5] eval: teacher-forced on the held-out functions, then {HRM_CASES} of them planned, written and "
-          f"refined")
+    print(f"[5/5] eval: teacher-forced on the held-out functions, then {HRM_CASES} of them planned, written "
+          f"and refined")
     ev = run_eval(str(run_dir), device=device, hrm_cases=HRM_CASES)
     rows = [("body bits per byte (given the gold plan)", ev["bits_per_byte"]),
             ("plan accuracy (next plan word, teacher-forced)", ev.get("plan_accuracy")),
@@ -725,8 +785,8 @@ def hrm_quickstart(out_dir: Path, src: str, langs, tok_dir: Path, max_iters: int
     steps = ", ".join(f"{i['decision']} (p_done {i['p_done']:.2f})" for i in g["iterations"]) or "none"
     print(f"\nheld-out prompt:\n{rec['prompt']}\n# plan: {tok.decode(g['plan'])}\n# refinement: {steps}\n"
           f"{tok.decode(g['code'])}\n")
-    print(f"finished in {(time.perf_counter() - t_start) / 60:.1f} min. Next: codeforge generate --run {run_dir} "
-          f"--show-plan --prompt 'def f(x):'   |   codeforge eval --run {run_dir}")
+    print(f"finished in {(time.perf_counter() - t_start) / 60:.1f} min. Next: codeforge generate --run "
+          f"{run_dir} --show-plan --prompt 'def f(x):'   |   codeforge eval --run {run_dir}")
     return {**result, **ev}
 
 
@@ -765,8 +825,8 @@ def chat_stages(out_dir: Path, src: str, langs, base_run: Path, device: str, t_s
     print(f"      prepare --chat: {meta['documents']} conversations (mined pairs and tool calls), "
           f"{meta['tokens']:,} tokens ({sum(meta['loss_tokens'].values()):,} with loss) -> {sft_data}")
     tool_data = out_dir / "tool_data"
-    meta = prepare([str(tools_pairs / "train.jsonl")], tok_dir, tool_data, opts, overwrite=True, log=lambda m: None,
-                   chat=True)
+    meta = prepare([str(tools_pairs / "train.jsonl")], tok_dir, tool_data, opts, overwrite=True,
+                   log=lambda m: None, chat=True)
     print(f"      prepare --chat: {meta['documents']} tool conversations alone, {meta['tokens']:,} tokens -> "
           f"{tool_data} ({_minutes(t)})")
     heldout = [json.loads(x) for x in (pairs / "heldout.jsonl").read_text().splitlines()]
@@ -783,8 +843,8 @@ def chat_stages(out_dir: Path, src: str, langs, base_run: Path, device: str, t_s
         print("interrupted; run the quickstart again to resume")
         return r_sft
     after = chat_end_rate(engine(sft_run), heldout, n=20)
-    print(f"      replies ending with <|im_end|> on held-out requests: {before['im_end_rate']:.0%} before SFT, "
-          f"{after['im_end_rate']:.0%} after ({after['im_end_cases']} requests) ({_minutes(t)})")
+    print(f"      replies ending with <|im_end|> on held-out requests: {before['im_end_rate']:.0%} before "
+          f"SFT, {after['im_end_rate']:.0%} after ({after['im_end_cases']} requests) ({_minutes(t)})")
 
     t = time.perf_counter()
     tools_before = tool_calling_eval(engine(sft_run), TOOL_CASES, constrained=False)
@@ -806,7 +866,8 @@ def chat_stages(out_dir: Path, src: str, langs, base_run: Path, device: str, t_s
         cut = f", {r['tool_cut_by_budget']} cut by the token budget" if r.get("tool_cut_by_budget") else ""
         bad = f", {r['tool_unknown_names']} naming no offered tool" if r.get("tool_unknown_names") else ""
         return (f"parse {pct(r['tool_parse_rate'])}{cut}, right tool {pct(r['tool_name_accuracy'])}, exact "
-                f"arguments {pct(r['tool_args_exact'])}, no call when none needed {pct(r['no_call_accuracy'])}{bad}")
+                f"arguments {pct(r['tool_args_exact'])}, no call when none needed "
+                f"{pct(r['no_call_accuracy'])}{bad}")
 
     print(f"[8/8] tool calling on {tools_after['tool_cases']} held-out cases, greedy ({_minutes(t)}):\n"
           f"      the model alone, after SFT (tool calls mixed in): {fmt(tools_before)}\n"
@@ -815,10 +876,11 @@ def chat_stages(out_dir: Path, src: str, langs, base_run: Path, device: str, t_s
     ask = [{"role": "user", "content": "Please read the file src/parser.py"}]
     reply = eng.chat(ask, TOOL_SCHEMAS, SamplingParams(max_new_tokens=96, temperature=0.0))
     print(f"\nchat> {ask[0]['content']}\n{reply['text']}")
-    print(f"\nfinished in {(time.perf_counter() - t_start) / 60:.1f} min. Next: codeforge chat --run {tools_run} "
-          f"--tools {tools_file}   |   codeforge eval --run {tools_run} --json")
+    print(f"\nfinished in {(time.perf_counter() - t_start) / 60:.1f} min. Next: codeforge chat --run "
+          f"{tools_run} --tools {tools_file}   |   codeforge eval --run {tools_run} --json")
     return {"sft": r_sft, "tools": r_tools, "im_end_before": before, "im_end_after": after,
-            "tools_before": tools_before, "tools_after": tools_after, "tools_after_constrained": tools_grammar}
+            "tools_before": tools_before, "tools_after": tools_after,
+            "tools_after_constrained": tools_grammar}
 
 
 def _minutes(t0: float) -> str:

@@ -28,12 +28,14 @@ PEM = re.compile(r"-----BEGIN ((?:[A-Z0-9]+ )*)PRIVATE KEY( BLOCK|)-----([A-Za-z
 B64_RUN = re.compile(r"(?:(?<=\\n)|(?<![\\A-Za-z0-9+/=]))[A-Za-z0-9+/]{16,}={0,2}")  # after a \n escape too
 # where a secret can be: a secret-ish name assigned a value, credentials in a URL, a long quoted token, or the
 # prefix of a known token format; one scan of the whole text finds the lines to hand to detect-secrets
-PREFILTER = re.compile(r"""(?i:(?:secret|token|passw|pwd|api_?key|access_?key|private_?key|auth|credential|bearer)"""
-                       r"""\w*['"]?\s*(?::=|=|:|,)\s*\S)|://[^\s/@]*:[^\s/@]*@|['"`][A-Za-z0-9+/=_\-.]{20,}['"`]"""
-                       r"""|\b(?:A[KS]IA|A(?:GP|ID|RO|IP|NP|NV)A|gh[pousr]_|github_pat_|glpat-|xox[abposr]-|[sr]k_live|"""
-                       r"""AIza|SG\.|eyJ|npm_|pypi-|sk-)|hooks\.slack\.com/|AccountKey=|Bearer\s|\b\d{8,10}:AA"""
-                       r"""|\b(?:SK|AC)[0-9a-f]{32}\b|[0-9a-f]{32}-us\d|sq0(?:atp|csp)-|AKC[A-Za-z0-9]{10}"""
-                       r"""|\b[MNO][A-Za-z0-9_\-]{23,25}\.[A-Za-z0-9_\-]{6}\.""")
+PREFILTER = re.compile(
+    r"""(?i:(?:secret|token|passw|pwd|api_?key|access_?key|private_?key|auth|credential|bearer)"""
+    r"""\w*['"]?\s*(?::=|=|:|,)\s*\S)|://[^\s/@]*:[^\s/@]*@|['"`][A-Za-z0-9+/=_\-.]{20,}['"`]"""
+    r"""|\b(?:A[KS]IA|A(?:GP|ID|RO|IP|NP|NV)A|gh[pousr]_|github_pat_|glpat-|xox[abposr]-|[sr]k_live|"""
+    r"""AIza|SG\.|eyJ|npm_|pypi-|sk-)|hooks\.slack\.com/|AccountKey=|Bearer\s|\b\d{8,10}:AA"""
+    r"""|\b(?:SK|AC)[0-9a-f]{32}\b|[0-9a-f]{32}-us\d|sq0(?:atp|csp)-|AKC[A-Za-z0-9]{10}"""
+    r"""|\b[MNO][A-Za-z0-9_\-]{23,25}\.[A-Za-z0-9_\-]{6}\."""
+)
 # formats detect-secrets 1.5.0 has no plugin for (measured: benchmarks/secrets_planted.py), as (kind, pattern
 # whose group 1 is the value); the value is replaced exactly, wherever it stands
 EXTRA = [(kind, re.compile(rx)) for kind, rx in (
@@ -42,7 +44,8 @@ EXTRA = [(kind, re.compile(rx)) for kind, rx in (
     ("NPM Token", r"\b(npm_[A-Za-z0-9]{36})\b"),
     ("Telegram Bot Token", r"\b(\d{8,10}:AA[A-Za-z0-9_\-]{33})\b"),
     ("Azure Storage Account Key", r"AccountKey=([A-Za-z0-9+/]{40,}={0,2})"),
-    ("Secret Keyword", r"""["'](?:client_secret|secret|password|passwd|api_key|apikey|access_token|token)["']\s*:\s*"""
+    ("Secret Keyword",
+     r"""["'](?:client_secret|secret|password|passwd|api_key|apikey|access_token|token)["']\s*:\s*"""
                        r"""["']([^"'\s]{8,})["']"""),
     ("Bearer Token", r"\bBearer\s+([A-Za-z0-9\-._~+/]{20,}=*)"),
 )]
@@ -50,28 +53,37 @@ NAMED = re.compile(r"(?i)(secret|token|passw|pwd|api_?key|access_?key|private_?k
                    r"\w*['\"]?\s*(?::=|=|:)")
 TOKEN_CHARS = re.compile(r"[A-Za-z0-9_\-+/.~]+={0,2}")  # a token, with base64 padding at its end
 ENTROPY_KINDS = ("Hex High Entropy String", "Base64 High Entropy String")
-# kinds that name no format of their own (a keyword's value, a high-entropy string): replaced only where the value
-# is a string literal, or a config file's value, never an identifier (`hs.masterSecret = hs.session.masterSecret`)
+# kinds that name no format of their own (a keyword's value, a high-entropy string):
+# replaced only where the value
+# is a string literal, or a config file's value, never an identifier
+# (`hs.masterSecret = hs.session.masterSecret`)
 LOOSE_KINDS = ENTROPY_KINDS + ("Secret Keyword",)
-CONFIG_EXT = (".env", ".ini", ".cfg", ".conf", ".properties", ".yaml", ".yml", ".toml", ".json", ".txt", ".sh",
-              ".bash", ".md", ".rst")
+CONFIG_EXT = (".env", ".ini", ".cfg", ".conf", ".properties", ".yaml", ".yml", ".toml", ".json", ".txt",
+              ".sh", ".bash", ".md", ".rst")
 # KEY=value text: config files, and the shell scripts, notes and JSONL records a corpus does read
 ENV_LIKE = (".env", ".properties", ".cfg", ".conf", ".sh", ".bash", ".txt", ".md", ".rst")
 CONFIG_VALUE = re.compile(r"^\s*(?:export\s+)?[\w.\-]+\s*[:=]\s*\S+\s*$")
 
 
 # personal data, replaced only when asked (`prepare --redact-pii`): e-mail addresses and public IP addresses
-EMAIL = re.compile(r"(?<![\w.%+-])[A-Za-z0-9][A-Za-z0-9._%+-]{0,63}@(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+"
-                   r"([A-Za-z]{2,24})\b(?![(\[.\w])")
+EMAIL = re.compile(
+    r"(?<![\w.%+-])[A-Za-z0-9][A-Za-z0-9._%+-]{0,63}@(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+"
+    r"([A-Za-z]{2,24})\b(?![(\[.\w])"
+)
 # the last label of a mail domain: the common generic ones and any two-letter country code, so `x@self.weight`
 # (matrix multiplication) is no address
-MAIL_TLDS = frozenset("com org net edu gov mil int io dev app ai co info biz me tech cloud email online site xyz "
-                      "name pro mobi asia museum".split())
+MAIL_TLDS = frozenset("com org net edu gov mil int io dev app ai co info biz me tech cloud email online site "
+                      "xyz name pro mobi asia museum".split())
 ROLE_ACCOUNTS = frozenset({"git", "noreply", "no-reply", "donotreply", "do-not-reply", "mailer-daemon"})
-IPV4 = re.compile(r"(?<![\w.])(?:(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(?![\w.]*\d)")
-# at least three colons and a digit, not a call or a template (`dead::beef()`, `ab::cd<T>` are C++ and Rust paths)
+IPV4 = re.compile(
+    r"(?<![\w.])(?:(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(?![\w.]*\d)"
+)
+# at least three colons and a digit, not a call or a template (`dead::beef()`,
+# `ab::cd<T>` are C++ and Rust paths)
 IPV6 = re.compile(r"(?<![\w:])(?=[0-9A-Fa-f:]*\d)(?:[0-9A-Fa-f]{0,4}:){3,7}[0-9A-Fa-f]{0,4}(?![\w:(<])")
-EXAMPLE_DOMAINS = re.compile(r"(?i)@(?:[\w-]+\.)*(?:example\.(?:com|org|net)|localhost|test|invalid|example)$")
+EXAMPLE_DOMAINS = re.compile(
+    r"(?i)@(?:[\w-]+\.)*(?:example\.(?:com|org|net)|localhost|test|invalid|example)$"
+)
 # `version = "1.2.3.4"`, `__version__ = ...`, `AssemblyVersion("1.0.0.0")`: a dotted version, no address
 VERSION_WORDS = re.compile(r"(?i)(?:version|ver|\bv)_*\s*[=:(]?\s*['\"]?$")
 
@@ -101,7 +113,8 @@ def redact_pii(text: str) -> tuple[str, Counter]:
 
     def ip(m: re.Match) -> str:
         dotted = "." in m.group(0)
-        if not _public(m.group(0)) or (dotted and VERSION_WORDS.search(text[max(0, m.start() - 24):m.start()])):
+        if not _public(m.group(0)) or (dotted
+                                       and VERSION_WORDS.search(text[max(0, m.start() - 24):m.start()])):
             return m.group(0)
         found["IP Address"] += 1
         return placeholder("IP Address")
@@ -122,8 +135,10 @@ def placeholder(kind: str) -> str:
 
 def _widen(line: str, value: str) -> list[tuple[int, int]]:
     """The spans of the whole tokens `value` begins in `line`, every occurrence: a secret begins its token
-    (`ghp_...`, `AKIA...`); one found inside a longer token is a chance match in other data (`...AIABIAFQ...` in
-    a base64 certificate is no AWS key). A value that ends in a backslash is not cut (an escaped quote follows)."""
+    (`ghp_...`, `AKIA...`); one found inside a longer token is a chance match in
+    other data (`...AIABIAFQ...` in
+    a base64 certificate is no AWS key). A value that ends in a backslash is not cut
+    (an escaped quote follows)."""
     if not value or value.endswith("\\"):
         return []
     starts = {m.start(): m.end() for m in TOKEN_CHARS.finditer(line)}

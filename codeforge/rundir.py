@@ -22,7 +22,8 @@ EVAL = "eval.jsonl"  # one JSON object per `codeforge eval`
 TENSORBOARD = "tensorboard"  # TensorBoard event files (training and `codeforge eval`)
 SAMPLES = "samples.jsonl"  # the samples training writes at each evaluation
 ROLLOUTS = "rollouts.jsonl"  # the RL stages' rollout statistics
-TRAINED = "trained_documents.npy"  # sorted uint64 content-hash keys of every document the run (and the runs it
+# sorted uint64 content-hash keys of every document the run (and the runs it
+TRAINED = "trained_documents.npy"
 # started from with --init-from) trained on: evaluation checks its validation split against it
 LOCK_FILE = ".train.lock"  # flock()ed by the training process (run_lock)
 
@@ -31,7 +32,8 @@ GENERIC_RUN_NAMES = ("run", "base", "pretrain", "sft", "tools", "dpo", "rl", "pp
 
 
 def model_name(run: str | Path) -> str:
-    """The model's name (what the server calls it, and the name an exported file carries): the run directory's name (also when a checkpoint directory is given).
+    """The model's name (what the server calls it, and the name an exported file carries): the run directory's
+    name (also when a checkpoint directory is given).
     A name that says only the stage (the quickstart's run/, sft/, tools/) takes its parent's name in front:
     runs/quickstart/run serves `quickstart`, runs/quickstart-chat/tools `quickstart-chat-tools`."""
     p = Path(run).resolve()
@@ -79,9 +81,10 @@ def run_lock(run_dir: str | Path) -> Iterator[Path]:
                    if holder.get("pid") else "PID unknown")
             raise RunLockedError(
                 f"{run_dir} is in use by another training process ({who}); two trainers in one run directory "
-                f"would overwrite each other's checkpoints. Wait for it to finish (or stop it), or train into "
-                f"another --out. (The lock is {path}; it is released when that process ends.)") from None
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+                f"would overwrite each other's checkpoints. Wait for it to finish (or stop it), or train "
+                f"into another --out. (The lock is {path}; it is released when that process ends.)") from None
+        info = {"pid": os.getpid(), "host": socket.gethostname(),
+                "started": time.strftime("%Y-%m-%d %H:%M:%S")}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
         yield path

@@ -120,7 +120,8 @@ class SandboxResult:
     status: str  # passed | failed | timeout | memory
     detail: str
     seconds: float
-    outputs: list | None = None  # with calls: per call ("ok", value) | ("error", why) | ("not_data", type name)
+    # with calls: per call ("ok", value) | ("error", why) | ("not_data", type name)
+    outputs: list | None = None
     limits: str = ""  # the memory limits the box ran under (BoxLimits.describe)
 
     @property
@@ -130,7 +131,8 @@ class SandboxResult:
 
 # The runner: the box's Python executes this file, which sets the limits, then runs the program as __main__
 # and, only if the program's last statement returned, writes the nonce it read from stdin to the report pipe,
-# followed (with calls) by one line, repr() of a list with, per call, ["ok", encoded value] | ["error", "Type: message"] |
+# followed (with calls) by one line, repr() of a list with, per call, ["ok", encoded value] |
+# ["error", "Type: message"] |
 # ["not_data", "Type"].
 RUNNER = r"""
 import marshal, os, resource, sys
@@ -138,7 +140,8 @@ MAX_VALUE_ITEMS, MAX_VALUE_DEPTH, REPORT_CAP = %d, %d, %d
 """ % (MAX_VALUE_ITEMS, MAX_VALUE_DEPTH, REPORT_CAP) + ENCODE_CODE + r"""
 def _limits(mem, cpu, nproc, nofile, fsize):
     for what, v in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_CPU, cpu), (resource.RLIMIT_NPROC, nproc),
-                    (resource.RLIMIT_NOFILE, nofile), (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_CORE, 0)):
+                    (resource.RLIMIT_NOFILE, nofile), (resource.RLIMIT_FSIZE, fsize),
+                    (resource.RLIMIT_CORE, 0)):
         resource.setrlimit(what, (v, v))
 def _say(text):
     try:
@@ -146,8 +149,8 @@ def _say(text):
         sys.stderr.flush()
     except BaseException:
         pass
-def _run(report, _exit=os._exit, _read=os.read, _write=os.write, _dup=os.dup, _dup2=os.dup2, _loads=marshal.loads,
-         _encode=encode_value, _type=type, _str=str, _repr=repr, _len=len):
+def _run(report, _exit=os._exit, _read=os.read, _write=os.write, _dup=os.dup, _dup2=os.dup2,
+         _loads=marshal.loads, _encode=encode_value, _type=type, _str=str, _repr=repr, _len=len):
     # os functions bound here, before the program can replace them; the nonce stays in the stdin pipe
     # (moved off fd 0) until the program has returned, so it is in no Python object while the program runs
     held = _dup(0)
@@ -214,7 +217,8 @@ def _run(report, _exit=os._exit, _read=os.read, _write=os.write, _dup=os.dup, _d
     if entry is not None:
         text = _repr(results)
         if _len(text) > REPORT_CAP - 64:
-            text = _repr([["error", "ValueError: the return values are larger than %d bytes" % REPORT_CAP]] * _len(results))
+            text = _repr([["error", "ValueError: the return values are larger than %d bytes" % REPORT_CAP]]
+                         * _len(results))
         data += (text + "\n").encode("utf-8")
     while data:
         data = data[_write(report, data):]
@@ -227,7 +231,8 @@ _run(int(sys.argv[2]))
 # -- what the box is made of ------------------------------------------------------------------------------
 
 def _bwrap() -> str | None:
-    return shutil.which("bwrap") or next((p for p in ("/usr/bin/bwrap", "/bin/bwrap") if os.access(p, os.X_OK)),
+    return shutil.which("bwrap") or next((p for p in ("/usr/bin/bwrap", "/bin/bwrap")
+                                          if os.access(p, os.X_OK)),
                                          None)
 
 
@@ -331,23 +336,26 @@ def _dev_entries() -> list[str]:
 AF_VSOCK = 40  # a VM's socket to its host: network namespaces do not cover it
 DENIED_SYSCALLS = ("ptrace", "process_vm_readv", "process_vm_writev", "unshare", "setns", "mount", "umount2",
                    "pivot_root", "chroot", "move_mount", "open_tree", "fsopen", "fsmount", "fsconfig",
-                   "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd", "io_uring_setup",
+                   "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd",
+                   "io_uring_setup",
                    "io_uring_enter", "io_uring_register", "init_module", "finit_module", "delete_module",
-                   "kexec_load", "kexec_file_load", "open_by_handle_at", "name_to_handle_at", "lookup_dcookie",
-                   "quotactl", "swapon", "swapoff", "reboot", "syslog", "acct", "settimeofday", "clock_settime",
-                   "clock_adjtime", "adjtimex", "pidfd_getfd", "kcmp")
+                   "kexec_load", "kexec_file_load", "open_by_handle_at", "name_to_handle_at",
+                   "lookup_dcookie",
+                   "quotactl", "swapon", "swapoff", "reboot", "syslog", "acct", "settimeofday",
+                   "clock_settime", "clock_adjtime", "adjtimex", "pidfd_getfd", "kcmp")
 # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME (linux/sched.h)
 CLONE_NEW_FLAGS = (0x20000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000, 0x80)
 # Without a memory cgroup, memory that lies in no process's address space escapes RLIMIT_AS: a memfd (one
-# process held 4 GB in 250 of them, each under the 16 MB file size limit), System V shared memory segments (kept
-# after shmdt) and message queues (32,000 of 16 KB). Boxes without a memory cgroup refuse these too.
+# process held 4 GB in 250 of them, each under the 16 MB file size limit), System V shared memory segments
+# (kept after shmdt) and message queues (32,000 of 16 KB). Boxes without a memory cgroup refuse these too.
 NO_CGROUP_DENIED_SYSCALLS = ("memfd_create", "memfd_secret", "shmget", "msgget")
 SECCOMP_ERROR: str | None = None  # why the filter could not be built here, if it could not
 _bpf: dict[bool, bytes] = {}
 
 
 def seccomp_program(no_memory_cgroup: bool = False) -> bytes | None:
-    """The box's seccomp filter as a BPF program for `bwrap --seccomp FD` (built once), or None where libseccomp
+    """The box's seccomp filter as a BPF program for `bwrap --seccomp FD` (built
+    once), or None where libseccomp
     cannot be loaded (SECCOMP_ERROR says why). Denied calls fail with EPERM; clone3 with ENOSYS, so the C
     library falls back to clone, whose namespace flags the filter can see (clone3 passes them in memory).
     no_memory_cgroup: also NO_CGROUP_DENIED_SYSCALLS (a box whose memory no cgroup bounds)."""
@@ -356,7 +364,8 @@ def seccomp_program(no_memory_cgroup: bool = False) -> bytes | None:
         return _bpf.get(no_memory_cgroup)
     try:
         import pyseccomp as seccomp
-        f = seccomp.SyscallFilter(defaction=seccomp.ALLOW)  # a foreign ABI's calls kill (libseccomp's default)
+        # a foreign ABI's calls kill (libseccomp's default)
+        f = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
         for name in DENIED_SYSCALLS + (NO_CGROUP_DENIED_SYSCALLS if no_memory_cgroup else ()):
             try:
                 f.add_rule(seccomp.ERRNO(errno.EPERM), name)
@@ -425,7 +434,8 @@ class _Cgroups:
                         d = point + mine[c]
                         if os.access(d, os.W_OK):
                             found.setdefault(c, d)
-        base = {"v2": found["v2"]} if "v2" in found else {c: found[c] for c in ("memory", "pids") if c in found}
+        base = {"v2": found["v2"]} if "v2" in found else {c: found[c] for c in ("memory", "pids")
+                                                          if c in found}
         for parent in base.values():  # cgroups left by evaluators that were killed before cleaning up
             for d in Path(parent).glob("codeforge-sandbox-*"):
                 try:
@@ -519,7 +529,7 @@ class _Cgroups:
                     time.sleep(0.01)
 
 
-# -- memory limits: the whole tree's, with or without a cgroup ------------------------------------------------
+# -- memory limits: the whole tree's, with or without a cgroup -----------------------------------------------
 
 @dataclass(frozen=True)
 class BoxLimits:
@@ -541,8 +551,8 @@ class BoxLimits:
 
     def describe(self) -> str:
         if self.cgroup:
-            return (f"{self.memory_mb} MB for the whole process tree (memory cgroup), {self.processes} processes "
-                    f"of at most {self.process_mb} MB address space each")
+            return (f"{self.memory_mb} MB for the whole process tree (memory cgroup), {self.processes} "
+                    f"processes of at most {self.process_mb} MB address space each")
         text = (f"no memory cgroup: {self.processes} process{'es' if self.processes > 1 else ''} of at most "
                 f"{self.process_mb} MB address space each, {self.tree_mb} MB for the whole tree")
         if self.weaker:
@@ -554,7 +564,8 @@ class BoxLimits:
 def box_limits(memory_mb: int, cgroup: bool) -> BoxLimits:
     """The limits of a box asked for `memory_mb`: with a memory cgroup, the cgroup bounds the tree and each
     process may use all of it (MAX_PROCESSES of them); without, processes x address space <= memory_mb
-    (NO_CGROUP_PROCESSES at most, fewer below MIN_PROCESS_MB each; one of MIN_PROCESS_MB when less is asked)."""
+    (NO_CGROUP_PROCESSES at most, fewer below MIN_PROCESS_MB each; one of
+    MIN_PROCESS_MB when less is asked)."""
     if cgroup:
         return BoxLimits(memory_mb, MAX_PROCESSES, memory_mb, True)
     processes = max(1, min(NO_CGROUP_PROCESSES, memory_mb // MIN_PROCESS_MB))
@@ -579,11 +590,13 @@ def _warn_limits(limits: BoxLimits) -> None:
     if limits.weaker:
         print(f"WARNING: sandbox memory limit is WEAKER than asked: {limits.memory_mb} MB asked, but a box "
               f"without a memory cgroup gives its one process {limits.process_mb} MB of address space (the "
-              f"least any process is given), so the tree may hold {limits.tree_mb} MB; {how}", file=sys.stderr)
+              f"least any process is given), so the tree may hold {limits.tree_mb} MB; {how}",
+              file=sys.stderr)
     else:
-        print(f"sandbox: no memory cgroup here, so a box's {limits.memory_mb} MB is split over its process tree: "
-              f"at most {limits.processes} processes (threads included) of {limits.process_mb} MB address space "
-              f"each; {how}", file=sys.stderr)
+        print("sandbox: no memory cgroup here, so a box's "
+              f"{limits.memory_mb} MB is split over its process tree: "
+              f"at most {limits.processes} processes (threads included) of {limits.process_mb} MB address "
+              f"space each; {how}", file=sys.stderr)
 
 
 # -- running --------------------------------------------------------------------------------------------
@@ -671,12 +684,14 @@ def _command(bwrap: str | None, files: dict[str, int], report_fd: int, box: BoxL
         keep.append(fd)
         cmd += ["--seccomp", str(fd)]
     # nothing writable but /tmp: the root and /dev are tmpfs that bwrap made, so make them read-only
-    cmd += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp", "--", exe, "-I", "/sandbox/runner.py", "/sandbox/program.py"] + limits
+    cmd += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp", "--", exe, "-I",
+            "/sandbox/runner.py", "/sandbox/program.py"] + limits
     if uid is not None:
         cmd = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"] + cmd
     if cg is not None and cg.paths:
         # join the run's cgroups before anything else starts, then become the box (no race, no preexec_fn)
-        cmd = ["/bin/sh", "-c", 'for f in $CODEFORGE_CGROUPS; do echo $$ > "$f" || exit 125; done; unset CODEFORGE_CGROUPS; exec "$@"',
+        cmd = ["/bin/sh", "-c", 'for f in $CODEFORGE_CGROUPS; do echo $$ > "$f" || exit 125; done; unset '
+                                'CODEFORGE_CGROUPS; exec "$@"',
                "sh"] + cmd
     return cmd
 
@@ -695,11 +710,13 @@ def _memfd(name: str, text: str) -> int:
 
 
 def encode_calls(entry: str, calls: list[tuple[tuple, dict]]) -> tuple[str, bytes]:
-    """(entry, what the runner reads): each call's positional and keyword arguments, plain data, marshalled."""
+    """(entry, what the runner reads): each call's positional and keyword
+    arguments, plain data, marshalled."""
     if not (isinstance(entry, str) and entry.isidentifier()):
         raise ValueError(f"entry = {entry!r} must be a Python identifier (the function to call)")
     calls = [(tuple(args), dict(kwargs)) for args, kwargs in calls]
-    encode_value(calls)  # plain data only (TypeError otherwise): what marshal carries and the box may be given
+    # plain data only (TypeError otherwise): what marshal carries and the box may be given
+    encode_value(calls)
     return entry, marshal.dumps(calls)
 
 
@@ -761,7 +778,8 @@ def run_python(code: str, timeout: float = 5.0, memory_mb: int = 1024, isolate_n
         cmd = _command(bwrap, files, report_w, limits, int(timeout) + 1, isolate_net, uid, cg, keep,
                        calls[0] if calls is not None else None)
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=env, cwd=workdir or "/", pass_fds=(report_w, *keep), start_new_session=True)
+                                env=env, cwd=workdir or "/", pass_fds=(report_w, *keep),
+                                start_new_session=True)
         for fd in keep:
             os.close(fd)
         keep = []
@@ -818,7 +836,8 @@ def _verdict(err: bytes, rep: bytes, token: bytes, rc: int, timed_out: bool, oom
                 return SandboxResult("failed", "sandbox: malformed report of return values", seconds)
             return SandboxResult("passed", "", seconds, outputs)
     if oom or "MemoryError" in last:
-        return SandboxResult("memory", last if "MemoryError" in last else "killed: memory limit of the process "
+        return SandboxResult("memory",
+                             last if "MemoryError" in last else "killed: memory limit of the process "
                              "tree", seconds)
     if rc in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
         return SandboxResult("timeout", "CPU time limit", seconds)
@@ -866,4 +885,5 @@ def run_many(codes: list[str], timeout: float = 5.0, memory_mb: int = 1024, work
     if len(calls) != len(codes):
         raise ValueError(f"{len(codes)} programs but {len(calls)} call lists")
     with ThreadPoolExecutor(workers) as ex:
-        return list(ex.map(lambda c: run_python(c[0], timeout, memory_mb, calls=c[1], **kw), zip(codes, calls)))
+        return list(ex.map(lambda c: run_python(c[0], timeout, memory_mb, calls=c[1], **kw),
+                           zip(codes, calls)))

@@ -18,8 +18,10 @@ Then every byte is mapped to a printable symbol (byte-level), so any UTF-8 text 
 The rule's llama.cpp name (LLAMA_CPP_PRE) is recorded in codeforge_tokenizer.json for the GGUF export.
 
 A tokenizer.json is vetted when it loads (CodeTokenizer.load: training, generating, serving, `codeforge import
---hf`): a split regex codeforge does not know (KNOWN_SPLIT_PATTERNS) is run on probe texts first, and refused when
-the tokenizer fails or crawls on one (a rule such as `(a+)+$` backtracks catastrophically: the Rust regex engine
+--hf`): a split regex codeforge does not know (KNOWN_SPLIT_PATTERNS) is run on
+probe texts first, and refused when
+the tokenizer fails or crawls on one (a rule such as `(a+)+$` backtracks
+catastrophically: the Rust regex engine
 gives up and tokenizers panics on a 35-character prompt); one that passes loads with a warning. Whatever still
 fails while encoding is raised as TokenizerError, never as the tokenizer's own PanicException.
 
@@ -78,36 +80,39 @@ CODE_SPLIT_PATTERN = (
 # choice for a model that will run in llama.cpp, which refuses pre-tokenizers it does not know and has no
 # code-aware one. It costs some compression on code (identifiers split at `_` and digits; docs/LOG.md).
 LLAMA3_SPLIT_PATTERN = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| """
+    r"""?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
     r"""|\s+(?!\S)|\s+"""
 )
 SPLITS = {"code": CODE_SPLIT_PATTERN, "llama3": LLAMA3_SPLIT_PATTERN}
-# The split regexes of the models codeforge imports, as their tokenizer.json has them (Llama 3's is llama3's; GPT-2's
-# is ByteLevel's built-in rule, written out here for a tokenizer.json that spells it as a Split).
+# The split regexes of the models codeforge imports, as their tokenizer.json has them (Llama 3's is llama3's;
+# GPT-2's is ByteLevel's built-in rule, written out here for a tokenizer.json that spells it as a Split).
 QWEN2_SPLIT_PATTERN = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
     r"""|\s+(?!\S)|\s+"""
 )
 GPT2_SPLIT_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-# The allow-list: regexes (in tokenizer.json's normalizer, pre_tokenizer or decoder) that load without a probe.
-# Compared as exact strings, as JSON decodes them.
+# The allow-list: regexes (in tokenizer.json's normalizer, pre_tokenizer or decoder) that load without a
+# probe. Compared as exact strings, as JSON decodes them.
 KNOWN_SPLIT_PATTERNS = {
     "Llama 3's (codeforge's llama3)": LLAMA3_SPLIT_PATTERN, "codeforge's code": CODE_SPLIT_PATTERN,
     "Qwen2's": QWEN2_SPLIT_PATTERN, "GPT-2's": GPT2_SPLIT_PATTERN,
 }
 REGEX_FIELDS = ("normalizer", "pre_tokenizer", "decoder")  # the tokenizer.json fields that may hold a regex
 # Probe texts for a regex not in the allow-list: runs of one kind of text (letters, words and spaces, digits,
-# punctuation, whitespace, newlines, non-ASCII letters), cut short by another kind, at growing lengths. A rule that
+# punctuation, whitespace, newlines, non-ASCII letters), cut short by another kind, at
+# growing lengths. A rule that
 # backtracks catastrophically fails (onig's retry limit: a panic) or crawls on one of them; a sound one takes
 # about 0.1 s for all of them. A probe may take at most PROBE_SECONDS + PROBE_SECONDS_PER_CHAR per character
 # (a sound rule: ~5 us per character), timed twice before it counts as too slow.
-PROBE_UNITS = ("a", "a ", "ab1_", "A", "Ab ", "1", "1 ", "!", "!(", " ", "\n", "\t ", "\u00e9", "\u00c9", "'s",
-               "\r\n", "\u4e2d", "\U0001f600")
+PROBE_UNITS = ("a", "a ", "ab1_", "A", "Ab ", "1", "1 ", "!", "!(", " ", "\n", "\t ", "\u00e9", "\u00c9",
+               "'s", "\r\n", "\u4e2d", "\U0001f600")
 PROBE_ENDS = ("", "!", "a", " ", "1", "\n")
 PROBE_LENGTHS = (8, 16, 32, 64, 128, 256, 512, 2048)
 PROBE_SECONDS, PROBE_SECONDS_PER_CHAR = 0.1, 5e-5
 DEFAULT_SPLIT = "llama3"
-LLAMA_CPP_PRE = {"llama3": "llama-bpe", "code": None}  # the name llama.cpp's llama-vocab.cpp knows the rule by
+# the name llama.cpp's llama-vocab.cpp knows the rule by
+LLAMA_CPP_PRE = {"llama3": "llama-bpe", "code": None}
 MIN_VOCAB, MAX_VOCAB = 256, 200_000
 TOKENIZER_FILE = "tokenizer.json"
 META_FILE = "codeforge_tokenizer.json"
@@ -119,7 +124,8 @@ class TokenizerError(CodeforgeError):
 
 
 def _tokenizer_failure(e: BaseException) -> bool:
-    """Whether `e`, raised by HF tokenizers, is the tokenizer failing: a Rust panic (pyo3_runtime.PanicException,
+    """Whether `e`, raised by HF tokenizers, is the tokenizer failing: a Rust
+    panic (pyo3_runtime.PanicException,
     a BaseException, e.g. the regex engine giving up) or one of its errors (bare Exceptions); not a
     KeyboardInterrupt, SystemExit or GeneratorExit, nor a wrong argument (TypeError) or MemoryError."""
     if isinstance(e, Exception):
@@ -152,7 +158,8 @@ def _regexes(node: object, field: str, out: list[tuple[str, str]]) -> list[tuple
 
 
 def _probe_texts(extra: tuple[str, ...] = ()) -> Iterator[str]:
-    """The probe texts; `extra`: characters the rule names itself, as units and ends of their own (a rule keyed
+    """The probe texts; `extra`: characters the rule names itself, as units and
+    ends of their own (a rule keyed
     on a character no fixed unit holds, `(c+c+)+d`, passed the fixed probes and panicked on "c" * 40)."""
     for n in PROBE_LENGTHS:
         for unit in PROBE_UNITS + extra:
@@ -192,8 +199,8 @@ def _probe(tok: Tokenizer, extra: tuple[str, ...] = ()) -> tuple[str, str] | Non
             if took[-1] <= limit:
                 break
         if min(took) > limit:
-            return text, (f"it took {min(took):.2f} s (at most {limit:.2f} s allowed), as it does where a split "
-                          f"rule backtracks catastrophically")
+            return text, (f"it took {min(took):.2f} s (at most {limit:.2f} s allowed), as it does where a "
+                          f"split rule backtracks catastrophically")
     return None
 
 
@@ -224,14 +231,15 @@ def vet_rules(tok: Tokenizer, f: Path, content_hash: str, log: Callable[[str], N
     else:
         what = "the regexes in its " + ", ".join(f"{field} {r!r}" for field, r in unknown) + " are"
     fields = " and ".join(sorted({field for field, _ in unknown}))
-    known = ("Llama 3's split regex, which is codeforge's llama3, codeforge's code split, Qwen2's or GPT-2's split "
-             "regex, or GPT-2's ByteLevel pre_tokenizer")
+    known = ("Llama 3's split regex, which is codeforge's llama3, codeforge's code split, Qwen2's or GPT-2's "
+             "split regex, or GPT-2's ByteLevel pre_tokenizer")
     if failed is not None:
         text, why = failed
         shown = repr(text) if len(text) <= 40 else f"{text[:20]!r}...{text[-8:]!r}"
         raise TokenizerError(
-            f"{f}: {what} not one codeforge knows, and the tokenizer fails on a {len(text)}-character probe text "
-            f"({shown}): {why}, so prompts like it would fail too. Fix: give {f} a {fields} with a rule codeforge "
+            f"{f}: {what} not one codeforge knows, and the tokenizer fails on a {len(text)}-character probe "
+            f"text ({shown}): {why}, so prompts like it would fail "
+            f"too. Fix: give {f} a {fields} with a rule codeforge "
             f"knows ({known}), e.g. save the model's original tokenizer again, or train a tokenizer with "
             f"`codeforge tokenizer train`")
     msg = (f"{f}: {what} not one codeforge knows ({known}); it passed codeforge's probe for catastrophic "
@@ -273,7 +281,8 @@ class CodeTokenizer:
         self.special_ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
         for name, others in SPECIAL_ALIASES.items():  # an imported tokenizer's own FIM tokens do the same job
             if self.special_ids.get(name) is None:
-                self.special_ids[name] = next((i for o in others if (i := tok.token_to_id(o)) is not None), None)
+                self.special_ids[name] = next((i for o in others if (i := tok.token_to_id(o)) is not None),
+                                              None)
         self.eot_id = self.special_ids[EOT]
         # added tokens (codeforge's specials, an imported tokenizer's own) are text as written, not byte-level
         self._special_set = frozenset(tok.get_added_tokens_decoder())
@@ -287,7 +296,8 @@ class CodeTokenizer:
     @classmethod
     def load(cls, path: str | os.PathLike, log: Callable[[str], None] | None = None) -> "CodeTokenizer":
         """The tokenizer in directory `path` (or its tokenizer.json), vetted (vet_rules): a rule that fails on
-        probe texts is refused with TokenizerError; an unknown one that passes is said to `log` (default: stderr)."""
+        probe texts is refused with TokenizerError; an unknown one that passes is said
+        to `log` (default: stderr)."""
         p = Path(path)
         if p.is_file() and p.name == TOKENIZER_FILE:
             p = p.parent
@@ -375,7 +385,8 @@ def write_hf_config(tok_dir: str | os.PathLike) -> None:
     """tokenizer_config.json for `transformers` (PreTrainedTokenizerFast): special tokens and the chat
     template (chat.py), so AutoTokenizer.apply_chat_template renders conversations as codeforge does."""
     present = set(SPECIAL_TOKENS)
-    try:  # only the special tokens this tokenizer has (one made before <|repo_name|> existed has reserved ones)
+    # only the special tokens this tokenizer has (one made before <|repo_name|> existed has reserved ones)
+    try:
         added = json.loads((Path(tok_dir) / TOKENIZER_FILE).read_text()).get("added_tokens", [])
         present = {a.get("content") for a in added if isinstance(a, dict)}
     except (OSError, ValueError, AttributeError):
@@ -394,7 +405,8 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int, out_dir: str | os.Pat
                     overwrite: bool = False, split: str = DEFAULT_SPLIT) -> tuple[CodeTokenizer, dict]:
     """Train byte-level BPE from an iterator of texts (streamed: memory grows with distinct pre-tokens,
     not with the corpus) and write tokenizer.json, the HF wrapper files and codeforge's metadata.
-    A non-empty `out_dir` is replaced only with overwrite (shards and runs made with it would no longer match).
+    A non-empty `out_dir` is replaced only with overwrite (shards and runs made
+    with it would no longer match).
     split: the pre-tokenizer rule, "llama3" (the default; llama.cpp's "llama-bpe": GGUF export) or "code"
     (CODE_SPLIT_PATTERN: 8-12% fewer tokens on code, no GGUF)."""
     if split not in SPLITS:
@@ -410,7 +422,8 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int, out_dir: str | os.Pat
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         what = "a tokenizer" if (out / TOKENIZER_FILE).exists() else "other files"
-        raise TokenizerError(f"{out} already holds {what}; choose another --out, or pass --overwrite to replace it")
+        raise TokenizerError(f"{out} already holds {what}; choose another "
+                             "--out, or pass --overwrite to replace it")
     stats = {"documents": 0, "bytes": 0}
 
     def counted() -> Iterator[str]:

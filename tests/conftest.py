@@ -58,7 +58,8 @@ def tokenizer_dir(tmp_path_factory, code_corpus) -> Path:
     from codeforge.tokenizer import train_tokenizer
     out = tmp_path_factory.mktemp("tok") / "tokenizer"
     sources = [str(code_corpus), str(STDLIB / "json"), str(STDLIB / "asyncio")]
-    texts = (d.text for d in iter_documents(sources, CorpusOptions(languages=["go", "python"]), CorpusStats()))
+    texts = (d.text
+             for d in iter_documents(sources, CorpusOptions(languages=["go", "python"]), CorpusStats()))
     train_tokenizer(texts, 1024, out)
     return out
 
@@ -70,7 +71,8 @@ def data_dir(tmp_path_factory, code_corpus, tokenizer_dir) -> Path:
     from codeforge.data.shards import prepare
     out = tmp_path_factory.mktemp("data") / "shards"
     prepare([str(code_corpus), str(STDLIB / "json"), str(STDLIB / "asyncio"), str(STDLIB / "email")],
-            tokenizer_dir, out, CorpusOptions(languages=["go", "python"], val_fraction=0.1), log=lambda *a: None)
+            tokenizer_dir, out, CorpusOptions(languages=["go", "python"], val_fraction=0.1),
+            log=lambda *a: None)
     return out
 
 

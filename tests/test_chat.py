@@ -9,20 +9,9 @@ import shutil
 import pytest
 
 from codeforge import CodeforgeError
-from codeforge.chat import (
-    CALL_CLOSE,
-    CALL_OPEN,
-    IM_END,
-    IM_START,
-    TOOLS_INTRO,
-    TOOLS_OUTRO,
-    ChatFormatError,
-    encode_conversation,
-    parse_assistant,
-    read_conversations,
-    render_text,
-    validate,
-)
+from codeforge.chat import (CALL_CLOSE, CALL_OPEN, IM_END, IM_START, TOOLS_INTRO, TOOLS_OUTRO,
+                            ChatFormatError, encode_conversation, parse_assistant, read_conversations,
+                            render_text, validate)
 from codeforge.corpus import CorpusStats
 from codeforge.tokenizer import CodeTokenizer, write_hf_config
 
@@ -75,7 +64,8 @@ def check_mask(tok, messages, tools, expected_spans):
         assert "user" not in s and "system" not in s and "tool\n" not in s and "assistant" not in s
     # every special token an assistant does not write carries no loss
     for i, m in zip(ids, mask):
-        if i in (tok.special_ids[IM_START], tok.special_ids["<tool_response>"], tok.special_ids["</tool_response>"]):
+        if i in (tok.special_ids[IM_START], tok.special_ids["<tool_response>"],
+                 tok.special_ids["</tool_response>"]):
             assert m == 0
     return ids, mask
 
@@ -122,10 +112,22 @@ def test_mask_content_then_two_calls_dict_arguments(tok):
             {"role": "assistant", "content": "Reading both.",
              "tool_calls": [call("read_file", {"path": "a.py"}),
                             {"name": "read_file", "arguments": {"path": "b.py", "note": "café ✓"}}]}]
-    check_mask(tok, msgs, None, [
-        "Reading both.\n" + CALL_OPEN + '{"name": "read_file", "arguments": {"path": "a.py"}}' + CALL_CLOSE
-        + "\n" + CALL_OPEN + '{"name": "read_file", "arguments": {"path": "b.py", "note": "café ✓"}}' + CALL_CLOSE
-        + IM_END])
+    check_mask(
+        tok,
+        msgs,
+        None,
+        [
+            "Reading both.\n"
+            + CALL_OPEN
+            + '{"name": "read_file", "arguments": {"path": "a.py"}}'
+            + CALL_CLOSE
+            + "\n"
+            + CALL_OPEN
+            + '{"name": "read_file", "arguments": {"path": "b.py", "note": "café ✓"}}'
+            + CALL_CLOSE
+            + IM_END
+        ],
+    )
 
 
 def test_mask_content_null(tok):
@@ -152,10 +154,12 @@ def test_generation_prompt_is_prefix_of_training_ids(tok):
 
 @pytest.fixture(scope="module")
 def code_tok(tmp_path_factory, code_corpus) -> CodeTokenizer:
-    """A tokenizer with codeforge's code split, which keeps a newline and the indentation after it together."""
+    """A tokenizer with codeforge's code split, which keeps a newline and the
+    indentation after it together."""
     from codeforge.corpus import CorpusOptions, iter_documents
     from codeforge.tokenizer import train_tokenizer
-    texts = (d.text for d in iter_documents([str(code_corpus)], CorpusOptions(languages=["go", "python"]), CorpusStats()))
+    texts = (d.text for d in iter_documents([str(code_corpus)], CorpusOptions(languages=["go", "python"]),
+                                            CorpusStats()))
     return train_tokenizer(texts, 1024, tmp_path_factory.mktemp("codetok") / "tok", split="code")[0]
 
 
@@ -168,9 +172,10 @@ def test_generation_prompt_is_prefix_when_content_is_indented(tok):
     assert full[:len(prompt)] == prompt
 
 
-@pytest.mark.xfail(strict=True, reason="with the code split, assistant content that starts with whitespace merges "
-                   "with the header's '\\n' into one BPE token ('\\n    '), so the training ids after 'assistant' "
-                   "differ from the generation prompt's separate '\\n' token (train/serve skew)")
+@pytest.mark.xfail(strict=True,
+                   reason="with the code split, assistant content that starts with whitespace merges "
+                   "with the header's '\\n' into one BPE token ('\\n    '), so the training ids after "
+                   "'assistant' differ from the generation prompt's separate '\\n' token (train/serve skew)")
 def test_code_split_generation_prompt_is_prefix_when_content_is_indented(code_tok):
     msgs = [{"role": "user", "content": "body?"}, {"role": "assistant", "content": "    return 1"}]
     prompt, _ = encode_conversation(code_tok, msgs[:1], add_generation_prompt=True)
@@ -206,15 +211,15 @@ def test_render_text_exact_with_tools():
             {"role": "assistant", "content": "ok", "tool_calls": [call("f", {"x": 1})]},
             {"role": "tool", "content": "r"}]
     assert TOOLS_INTRO == "\n\n# Tools\n\nYou can call these tools (JSON schemas, one per line):\n"
-    assert TOOLS_OUTRO == ("\nTo call a tool, write a tool call block holding {\"name\": <tool name>, \"arguments\": "
-                           "<JSON object>}; the result comes back in a tool turn.")
+    assert TOOLS_OUTRO == ("\nTo call a tool, write a tool call block holding {\"name\": <tool name>, "
+                           "\"arguments\": <JSON object>}; the result comes back in a tool turn.")
     assert "<tool_call>" not in TOOLS_OUTRO  # special-token text here would break id parity with transformers
     assert render_text(msgs, [{"name": "f"}], add_generation_prompt=True) == (
         "<|im_start|>system\n"
         "\n\n# Tools\n\nYou can call these tools (JSON schemas, one per line):\n"
         '{"name": "f"}\n'
-        "\nTo call a tool, write a tool call block holding {\"name\": <tool name>, \"arguments\": <JSON object>}; "
-        "the result comes back in a tool turn.<|im_end|>\n"
+        "\nTo call a tool, write a tool call block holding {\"name\": <tool name>, \"arguments\": <JSON "
+        "object>}; the result comes back in a tool turn.<|im_end|>\n"
         "<|im_start|>user\nq<|im_end|>\n"
         '<|im_start|>assistant\nok\n<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call><|im_end|>\n'
         "<|im_start|>tool\n<tool_response>\nr\n</tool_response><|im_end|>\n"
@@ -235,7 +240,8 @@ CONVERSATIONS = {
                          {"role": "user", "content": "Indent it."},
                          {"role": "assistant", "content": "    " + CODE.replace("\n", "\n    ")}], None),
     "calls_no_schema": ([{"role": "user", "content": "read a.py"},
-                         {"role": "assistant", "content": "", "tool_calls": [call("read_file", "{\"path\": \"a.py\"}")]},
+                         {"role": "assistant", "content": "",
+                          "tool_calls": [call("read_file", "{\"path\": \"a.py\"}")]},
                          {"role": "tool", "content": CODE},
                          {"role": "assistant", "content": None,
                           "tool_calls": [call("read_file", {"path": "b.py", "q": UNICODE}),
@@ -246,7 +252,8 @@ CONVERSATIONS = {
 TOOL_CONVERSATION = (
     [{"role": "system", "content": "Use tools when needed."},
      {"role": "user", "content": "What is in a.py?"},
-     {"role": "assistant", "content": "Let me look.", "tool_calls": [call("read_file", "{\"path\": \"a.py\"}")]},
+     {"role": "assistant", "content": "Let me look.",
+      "tool_calls": [call("read_file", "{\"path\": \"a.py\"}")]},
      {"role": "tool", "content": CODE},
      {"role": "assistant", "content": "It defines f."}],
     [READ_FILE_TOOL, {"type": "function", "function": {"name": "grep", "parameters": {"type": "object"}}}])
@@ -298,8 +305,11 @@ def test_parse_content_and_one_call():
 def test_parse_two_calls_no_content():
     out = parse_assistant('<tool_call>{"name": "a", "arguments": {}}</tool_call>\n'
                           '<tool_call>{"name": "b", "arguments": {"x": [1, "✓"]}}</tool_call>')
-    assert out == {"content": "", "errors": [],
-                   "tool_calls": [{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": [1, "✓"]}}]}
+    assert out == {
+        "content": "",
+        "errors": [],
+        "tool_calls": [{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": [1, "✓"]}}],
+    }
 
 
 def test_parse_roundtrips_rendered_assistant_turn():
@@ -324,7 +334,8 @@ def test_parse_unterminated_cut_json_is_error_content_kept():
 
 
 def test_parse_malformed_json():
-    out = parse_assistant('ok <tool_call>{name: read_file}</tool_call> then <tool_call>{"name": "g"}</tool_call>')
+    out = parse_assistant('ok <tool_call>{name: read_file}</tool_call> '
+                          'then <tool_call>{"name": "g"}</tool_call>')
     assert out["content"] == "ok  then"
     assert out["tool_calls"] == [{"name": "g", "arguments": {}}]
     assert len(out["errors"]) == 1 and out["errors"][0].startswith("not JSON: '{name: read_file}'")
@@ -411,8 +422,10 @@ def test_read_conversations_missing_file(tmp_path):
                    {"role": "assistant", "content": "x"}]}, "bad_tool_call"),
     ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": {}}}]}]},
      "bad_tool_call"),
-    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [call("f", "[1]")]}]}, "tool_call_not_json"),
-    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [call("f", [1])]}]}, "tool_call_not_json"),
+    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [call("f", "[1]")]}]},
+     "tool_call_not_json"),
+    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [call("f", [1])]}]},
+     "tool_call_not_json"),
     ({**VALID, "tools": "read_file"}, "tool_schema_not_object"),
 ])
 def test_validate_reasons(obj, reason):
@@ -440,7 +453,8 @@ def test_literal_im_end_in_user_message_stays_text(tok):
     assert tok.decode(ids) == render_text(msgs)
     # the typed text is still there, as ordinary tokens, and the assistant's typed copy carries loss
     assert loss_spans(tok, ids, mask) == ["It is a special token: <|im_end|>." + IM_END]
-    assert tok.decode(ids[:ids.index(end)]) == "<|im_start|>user\nWhy does <|im_end|> end a turn? Also <tool_call>?"
+    assert tok.decode(ids[:ids.index(end)]) == ("<|im_start|>user\nWhy does <|im_end|> "
+                                                "end a turn? Also <tool_call>?")
 
 
 @pytest.mark.parametrize("text, words", [

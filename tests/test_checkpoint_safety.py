@@ -54,11 +54,13 @@ def straight12(data_dir, tmp_path_factory):
     return losses(out)
 
 
-@pytest.mark.parametrize("victim,how", [("train_state.safetensors", "truncate"), ("model.safetensors", "flip"),
+@pytest.mark.parametrize("victim,how",
+                         [("train_state.safetensors", "truncate"), ("model.safetensors", "flip"),
                                         ("train_state.json", "flip")])
 def test_resume_skips_damaged_latest_and_equals_straight(data_dir, tmp_path, straight12, victim, how):
     run = tmp_path / "r"
-    train_run(cfg_for(data_dir, run, train__max_iters=8, **CONST))  # saves steps 4 and 8 (and 5 if it was best)
+    # saves steps 4 and 8 (and 5 if it was best)
+    train_run(cfg_for(data_dir, run, train__max_iters=8, **CONST))
     ck8 = run / "checkpoints" / "step_000008"
     before = sorted(p.name for p in (run / "checkpoints").glob("step_*"))[-2]  # the newest one before step 8
     damage(ck8 / victim, how)
@@ -76,7 +78,8 @@ def test_resume_skips_damaged_latest_and_equals_straight(data_dir, tmp_path, str
 
 def test_damaged_checkpoints_for_inference(data_dir, tmp_path, capsys):
     run = tmp_path / "r"
-    train_run(cfg_for(data_dir, run, train__max_iters=8, train__eval_every=4))  # evaluated and saved at 4 and 8
+    # evaluated and saved at 4 and 8
+    train_run(cfg_for(data_dir, run, train__max_iters=8, train__eval_every=4))
     root = run / "checkpoints"
     ck4, ck8 = root / "step_000004", root / "step_000008"
     assert (root / "final").read_text().strip() == "step_000008"
@@ -89,7 +92,8 @@ def test_damaged_checkpoints_for_inference(data_dir, tmp_path, capsys):
         err = capsys.readouterr().err
         assert "warning:" in err and str(ck8) in err and "model.safetensors is" in err and "truncated" in err
     # a checkpoint asked for by name is refused, not swapped
-    with pytest.raises(CheckpointError, match=r"'final' checkpoint .*step_000008 is damaged: model.safetensors"):
+    with pytest.raises(CheckpointError,
+                       match=r"'final' checkpoint .*step_000008 is damaged: model.safetensors"):
         find_checkpoint(run, "final")
     with pytest.raises(CheckpointError, match=r"checkpoint .*step_000008 is damaged: model.safetensors is"):
         load_model(ck8, CPU)
@@ -131,12 +135,13 @@ def test_disk_full_during_save_loses_nothing(data_dir, tmp_path, monkeypatch, st
     with pytest.raises(TrainingError) as e:
         train_run(cfg_for(data_dir, run, train__max_iters=12, **CONST))
     msg = str(e.value)
-    assert msg.startswith(f"training stopped at step 8: could not write checkpoint step_000008 in {root}: the disk "
-                          f"is full")
+    assert msg.startswith(f"training stopped at step 8: could not write checkpoint step_000008 in {root}: "
+                          f"the disk is full")
     assert "needs about" in msg and "MiB are free there" in msg
     assert "the unfinished step_000008 was removed, `latest` still names step_000004" in msg
     assert "then continue with --resume" in msg
-    assert sorted(p.name for p in root.iterdir()) == ["best", "latest", "step_000004"]  # no staging directory left
+    # no staging directory left
+    assert sorted(p.name for p in root.iterdir()) == ["best", "latest", "step_000004"]
     assert verify_checkpoint(root / "step_000004") is None
     monkeypatch.setattr(ckpt_save, "st_save_file", real)
     train_run(cfg_for(data_dir, run, train__max_iters=12, **CONST), resume=True)
@@ -151,8 +156,8 @@ def test_disk_full_on_the_command_line_is_a_message(data_dir, tmp_path, monkeypa
     monkeypatch.setattr(ckpt_save, "st_save_file", full)
     out = tmp_path / "r"
     assert main(["train", "--data", str(data_dir), "--out", str(out), "--n-layer", "1", "--n-head", "2",
-                 "--n-embd", "32", "--block-size", "32", "--batch-size", "2", "--max-iters", "2", "--eval-every", "0",
-                 "--device", "cpu", "--no-progress", "--no-tensorboard"]) == 2
+                 "--n-embd", "32", "--block-size", "32", "--batch-size", "2", "--max-iters", "2",
+                 "--eval-every", "0", "--device", "cpu", "--no-progress", "--no-tensorboard"]) == 2
     err = capsys.readouterr().err
     assert "\nerror: training stopped at step 2: could not write checkpoint step_000002" in err
     assert "the disk is full" in err and "there was no earlier checkpoint" in err and "Traceback" not in err
@@ -161,10 +166,11 @@ def test_disk_full_on_the_command_line_is_a_message(data_dir, tmp_path, monkeypa
 
 def test_second_trainer_on_a_run_is_refused(data_dir, tmp_path):
     run = tmp_path / "r"
-    first = subprocess.Popen([sys.executable, "-m", "codeforge", "train", "--data", str(data_dir), "--out", str(run),
+    first = subprocess.Popen([sys.executable, "-m", "codeforge", "train", "--data", str(data_dir), "--out",
+                              str(run),
                               "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
-                              "--batch-size", "2", "--max-iters", "1000000", "--eval-every", "0", "--save-every", "0",
-                              "--device", "cpu", "--no-progress", "--no-tensorboard"],
+                              "--batch-size", "2", "--max-iters", "1000000", "--eval-every", "0",
+                              "--save-every", "0", "--device", "cpu", "--no-progress", "--no-tensorboard"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         lock = run / rundir.LOCK_FILE
@@ -177,7 +183,8 @@ def test_second_trainer_on_a_run_is_refused(data_dir, tmp_path):
                 pass
             time.sleep(0.05)
         assert first.poll() is None, "the first trainer exited early"
-        with pytest.raises(RunLockedError, match=rf"{run} is in use by another training process \(PID {first.pid} on"):
+        with pytest.raises(RunLockedError,
+                           match=rf"{run} is in use by another training process \(PID {first.pid} on"):
             train_run(cfg_for(data_dir, run, train__max_iters=2), resume=True)
     finally:
         first.kill()  # SIGKILL: no clean-up code runs, the kernel frees the lock
@@ -207,9 +214,11 @@ def test_resume_refuses_other_batch_seed_or_data(data_dir, tmp_path):
     moved = tmp_path / "moved"
     shutil.copytree(data_dir, moved)
     msgs = []
-    r = run_stage(cfg_for(moved, run, train__max_iters=6, train__learning_rate=1e-3), resume=True, log=msgs.append)
+    r = run_stage(cfg_for(moved, run, train__max_iters=6, train__learning_rate=1e-3), resume=True,
+                  log=msgs.append)
     assert r["step"] == 6
-    assert any("in effect from the resumed step on" in m and "train.learning_rate 0.003 -> 0.001" in m for m in msgs)
+    assert any("in effect from the resumed step on" in m and "train.learning_rate 0.003 -> 0.001" in m
+               for m in msgs)
 
 
 def test_resume_compares_the_asked_eval_tokens_not_the_sized_ones(data_dir, tmp_path):
@@ -221,15 +230,18 @@ def test_resume_compares_the_asked_eval_tokens_not_the_sized_ones(data_dir, tmp_
     run_stage(cfg_for(data_dir, run, train__max_iters=2, train__eval_tokens=1 << 20), log=msgs.append)
     assert any("saved as eval_tokens" in m for m in msgs)  # sized down
     msgs.clear()
-    run_stage(cfg_for(data_dir, run, train__max_iters=3, train__eval_tokens=1 << 20), resume=True, log=msgs.append)
+    run_stage(cfg_for(data_dir, run, train__max_iters=3, train__eval_tokens=1 << 20), resume=True,
+              log=msgs.append)
     assert not [m for m in msgs if "changed settings" in m], msgs
     sized = read_config(find_checkpoint(run, "latest"))
     sized = sized["train"]["eval_tokens"]
     assert sized < 1 << 20
-    run_stage(cfg_for(data_dir, run, train__max_iters=3, train__eval_tokens=sized), resume=True, log=msgs.append)
+    run_stage(cfg_for(data_dir, run, train__max_iters=3, train__eval_tokens=sized), resume=True,
+              log=msgs.append)
     assert not [m for m in msgs if "changed settings" in m], msgs  # the number config.toml holds: the same
     msgs.clear()
-    run_stage(cfg_for(data_dir, run, train__max_iters=4, train__eval_tokens=100), resume=True, log=msgs.append)
+    run_stage(cfg_for(data_dir, run, train__max_iters=4, train__eval_tokens=100), resume=True,
+              log=msgs.append)
     assert any("changed settings" in m and f"train.eval_tokens {sized} -> 100" in m for m in msgs), msgs
 
 
@@ -264,7 +276,8 @@ def test_tampered_train_state_runs_no_code(data_dir, tmp_path):
     # an older-format checkpoint whose pickle calls a function: refused, not run
     as_older_codeforge(ck, {**load_train_state(ck), "loader": Touch(marker)})
     with pytest.raises(CheckpointError, match=r"holds more than tensors and plain values \(it names .*pathlib"
-                                              r".*would run code from the file, so it was not loaded.*--init-from"):
+                                              r".*would run code from the file, "
+                                              r"so it was not loaded.*--init-from"):
         train_run(cfg_for(data_dir, run, train__max_iters=8), resume=True)
     assert not marker.exists()
 
@@ -289,21 +302,30 @@ def test_state_encoding_round_trips_exactly_and_refuses_objects():
     t = torch.randn(3, 2)
     state = {"optimizer": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": t}, 1: {}},
                            "param_groups": [{"betas": (0.9, 0.95), "params": [0, 1], "eps": 1e-8}]},
-             "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+             "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                     "python": random.getstate()},
              "shared": [t, t[1:]], "empty": torch.zeros(0, 2), "best_val": math.inf, "last_val": None,
              "np_scalar": np.int64(7), "looks_tagged": {"__tensor__": "x"}, "bf16": t.to(torch.bfloat16)}
     skeleton, tensors = encode_state(state)
     back = decode_state(json.loads(json.dumps(skeleton)), tensors)
     assert back["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.95)
     assert torch.equal(back["optimizer"]["state"][0]["exp_avg"], t) and back["optimizer"]["state"][1] == {}
-    assert torch.equal(back["rng"]["torch"], state["rng"]["torch"]) and back["rng"]["python"] == random.getstate()
+    assert (
+        torch.equal(back["rng"]["torch"], state["rng"]["torch"])
+        and back["rng"]["python"] == random.getstate()
+    )
     n0, n1 = back["rng"]["numpy"], state["rng"]["numpy"]
     assert n0[0] == n1[0] and n0[1].dtype == np.uint32 and np.array_equal(n0[1], n1[1]) and n0[2:] == n1[2:]
     assert torch.equal(back["shared"][1], t[1:]) and back["empty"].shape == (0, 2)
-    assert back["best_val"] == math.inf and back["last_val"] is None and back["looks_tagged"] == {"__tensor__": "x"}
+    assert (
+        back["best_val"] == math.inf
+        and back["last_val"] is None
+        and back["looks_tagged"] == {"__tensor__": "x"}
+    )
     assert back["np_scalar"] == 7 and isinstance(back["np_scalar"], np.int64)
     assert torch.equal(back["bf16"], state["bf16"])
-    with pytest.raises(CheckpointError, match=r"training state at /loader: a function cannot be stored safely"):
+    with pytest.raises(CheckpointError,
+                       match=r"training state at /loader: a function cannot be stored safely"):
         encode_state({"loader": lambda: 0})
 
 
@@ -318,17 +340,19 @@ def run4(data_dir, tmp_path_factory):
 
 
 def resume_args(data_dir, run) -> list[str]:
-    return ["train", "--data", str(data_dir), "--out", str(run), "--resume", "--max-iters", "6", "--device", "cpu",
-            "--no-progress", "--no-tensorboard"]
+    return ["train", "--data", str(data_dir), "--out", str(run), "--resume", "--max-iters", "6", "--device",
+            "cpu", "--no-progress", "--no-tensorboard"]
 
 
-@pytest.mark.parametrize("step,words", [(10**18, "step = 1000000000000000000 is out of range [0, 1000000000000]"),
+@pytest.mark.parametrize("step,words",
+                         [(10**18, "step = 1000000000000000000 is out of range [0, 1000000000000]"),
                                         (1e18, "step = 1e+18 is not an integer"),
                                         (-5, "step = -5 is out of range [0, 1000000000000]"),
                                         ("x", "step = 'x' is not an integer"),
                                         (3, "step = 3 but the checkpoint is step_000004")])
 def test_resume_refuses_a_training_state_with_a_nonsense_step(data_dir, run4, tmp_path, capsys, step, words):
-    """Before: 1e18 and 'x' were tracebacks (a float step cannot name a checkpoint; 'x' < 6 is a TypeError), and
+    """Before: 1e18 and 'x' were tracebacks (a float step cannot name a
+    checkpoint; 'x' < 6 is a TypeError), and
     -5 or 3 were taken as they were (steps trained again, checkpoints named by a step the model never saw)."""
     from test_hostile_inputs import error_line, rehash
     run = tmp_path / "r"
@@ -360,8 +384,8 @@ LOADER = "loader"  # the data cursor's entry in train_state.json: BatchLoader.st
     (lambda ld: [1, 2], "loader is a list, not the data loader's cursor"),
 ])
 def test_resume_refuses_a_damaged_loader_entry(data_dir, run4, tmp_path, capsys, edit, words):
-    """Before: a loader entry with keys missing was `KeyError: 'seed'`, a wrong type a TypeError traceback, and a
-    negative or absurd cursor was trained from (silently starting another epoch)."""
+    """Before: a loader entry with keys missing was `KeyError: 'seed'`, a wrong type a TypeError traceback,
+    and a negative or absurd cursor was trained from (silently starting another epoch)."""
     from test_hostile_inputs import error_line, rehash
     run = tmp_path / "r"
     shutil.copytree(run4, run)
@@ -377,15 +401,16 @@ def test_resume_refuses_a_damaged_loader_entry(data_dir, run4, tmp_path, capsys,
 
 
 def test_resume_takes_the_loader_entry_it_saved(data_dir, run4, tmp_path):
-    """The check refuses no loader entry codeforge writes: one without the keys the loader reads with a default
+    """The check refuses no loader entry codeforge writes: one without the keys
+    the loader reads with a default
     (`start` and `rank`, written by later versions) resumes."""
     run = tmp_path / "r"
     shutil.copytree(run4, run)
     from test_hostile_inputs import rehash
     ck = run / "checkpoints" / "step_000004"
     state = json.loads((ck / ckpt_io.STATE_JSON).read_text())
-    assert set(state[LOADER]) == {"epoch", "pos", "seed", "shuffle", "rank", "world_size", "B", "T", "fim_rate",
-                                  "fim_spm_rate", "start"}
+    assert set(state[LOADER]) == {"epoch", "pos", "seed", "shuffle", "rank", "world_size", "B", "T",
+                                  "fim_rate", "fim_spm_rate", "start"}
     for k in ("start", "rank"):
         del state[LOADER][k]
     (ck / ckpt_io.STATE_JSON).write_text(json.dumps(state))
@@ -396,8 +421,10 @@ def test_resume_takes_the_loader_entry_it_saved(data_dir, run4, tmp_path):
 
 @pytest.mark.parametrize("text,words", [('model = "x"\n', "model = 'x' is not a table of settings"),
                                         ('[model]\nn_layer = "x"\n', "model.n_layer = 'x' is not an integer"),
-                                        ('[model]\nn_embd = -4\n', "model.n_embd = -4 is out of range [16, 16384]"),
-                                        ('[train]\nbatch_size = true\n', "train.batch_size = True is not an integer"),
+                                        ('[model]\nn_embd = -4\n',
+                                         "model.n_embd = -4 is out of range [16, 16384]"),
+                                        ('[train]\nbatch_size = true\n',
+                                         "train.batch_size = True is not an integer"),
                                         ('[model]\nn_layers = 2\n', "unknown setting 'model.n_layers'")])
 def test_resume_refuses_a_run_config_toml_that_is_not_one(data_dir, run4, tmp_path, capsys, text, words):
     """Before: `model = "x"` was an AttributeError traceback; the values went unchecked into the model."""
@@ -428,7 +455,8 @@ def test_a_checkpoint_whose_tokenizer_split_backtracks_is_refused(tmp_path, toke
     PanicException). Now load_model and generate refuse it, naming the file, its pre_tokenizer and the fix."""
     from codeforge.models import build_model
     from test_hostile_inputs import tiny_model_cfg
-    from test_tokenizer import BACKTRACKING_PROMPT, BACKTRACKING_SPLITS, assert_raw_tokenizers_panics, with_split
+    from test_tokenizer import (BACKTRACKING_PROMPT, BACKTRACKING_SPLITS, assert_raw_tokenizers_panics,
+                                with_split)
     bad = with_split(tokenizer_dir, tmp_path / "bad", BACKTRACKING_SPLITS[0])
     assert_raw_tokenizers_panics(bad)
     m, _ = tiny_model_cfg(tokenizer_dir)

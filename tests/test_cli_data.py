@@ -7,7 +7,8 @@ from codeforge.cli import main
 
 def test_tokenizer_train_eval_prepare_info(tmp_path, code_corpus, capsys):
     tok = tmp_path / "tok"
-    assert main(["tokenizer", "train", "--input", str(code_corpus), "--vocab-size", "600", "--out", str(tok)]) == 0
+    assert main(["tokenizer", "train", "--input", str(code_corpus), "--vocab-size", "600", "--out",
+                 str(tok)]) == 0
     said = capsys.readouterr().out
     meta = json.loads((tok / "codeforge_tokenizer.json").read_text())
     # this small corpus runs out of pairs seen twice a little before 600 under the default (llama3) split
@@ -26,7 +27,8 @@ def test_tokenizer_train_eval_prepare_info(tmp_path, code_corpus, capsys):
 
 
 def test_bad_inputs_exit_2_with_message(tmp_path, code_corpus, tokenizer_dir, capsys):
-    assert main(["tokenizer", "train", "--input", str(tmp_path / "missing"), "--out", str(tmp_path / "t")]) == 2
+    assert main(["tokenizer", "train", "--input", str(tmp_path / "missing"), "--out",
+                 str(tmp_path / "t")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main(["tokenizer", "train", "--input", str(code_corpus), "--vocab-size", "100",
                  "--out", str(tmp_path / "t")]) == 2
@@ -36,8 +38,8 @@ def test_bad_inputs_exit_2_with_message(tmp_path, code_corpus, tokenizer_dir, ca
     assert "no tokenizer" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok = 1"}\nnot json\n')
-    assert main(["prepare", "--input", str(bad), "--tokenizer", str(tokenizer_dir), "--out", str(tmp_path / "d"),
-                 "--strict"]) == 2
+    assert main(["prepare", "--input", str(bad), "--tokenizer", str(tokenizer_dir), "--out",
+                 str(tmp_path / "d"), "--strict"]) == 2
     assert "bad.jsonl:2" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
     assert main(["data", "info", str(tmp_path)]) == 2

@@ -12,7 +12,8 @@ from codeforge.cli import main
 def run_dir(data_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "r"
     assert main(["train", "--data", str(data_dir), "--out", str(out), "--n-layer", "2", "--n-head", "2",
-                 "--n-embd", "64", "--block-size", "64", "--batch-size", "4", "--max-iters", "8", "--eval-every", "4",
+                 "--n-embd", "64", "--block-size", "64", "--batch-size", "4", "--max-iters", "8",
+                 "--eval-every", "4",
                  "--eval-tokens", "128", "--sample-every", "4", "--no-progress", "--device", "cpu"]) == 0
     return out
 
@@ -121,7 +122,8 @@ def test_train_help_describes_every_flag(capsys):
     import argparse
 
     from codeforge.cli import build_parser
-    train = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["train"]
+    train = next(a for a in build_parser()._actions
+                 if isinstance(a, argparse._SubParsersAction)).choices["train"]
     settings = [a for g in train._action_groups if g.title.endswith("settings") for a in g._group_actions]
     assert len(settings) > 40
     for a in settings:  # a one-line description, and the default
@@ -195,7 +197,8 @@ def test_help_and_presets_do_not_import_torch():
     for args in (["--help"], ["quickstart", "--help"], ["serve", "--help"], ["presets"]):
         code = ("import sys, runpy; sys.argv = ['codeforge', *%r]\n"
                 "try:\n    runpy.run_module('codeforge', run_name='__main__')\nexcept SystemExit as e:\n"
-                "    assert e.code == 0, e.code\nassert 'torch' not in sys.modules, 'torch imported'\n" % (args,))
+                "    assert e.code == 0, e.code\nassert "
+                "'torch' not in sys.modules, 'torch imported'\n" % (args,))
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, (args, r.stderr[-2000:])
         assert "usage: codeforge" in r.stdout or "hardware profiles:" in r.stdout
@@ -203,7 +206,8 @@ def test_help_and_presets_do_not_import_torch():
 
 def test_the_presets_catalog_is_current():
     """`codeforge presets` reads codeforge/presets/catalog.json (no torch); it must equal what building each
-    preset gives. If this fails after a change to models.toml or a model: `codeforge presets --write-catalog`."""
+    preset gives. If this fails after a change to models.toml or a model:
+    `codeforge presets --write-catalog`."""
     import json
     from importlib import resources
 
@@ -236,7 +240,8 @@ def test_a_model_preset_alone_on_cpu_points_to_the_cpu_recipe(capsys):
     from codeforge.config import resolve
     _preset_advice(["cpu-small"], resolve(["cpu-small"], sets=["train.device=cpu"]))
     assert "cpu-small lowend-cpu" in capsys.readouterr().err
-    _preset_advice(["cpu-small", "lowend-cpu"], resolve(["cpu-small", "lowend-cpu"], sets=["train.device=cpu"]))
+    _preset_advice(["cpu-small", "lowend-cpu"],
+                   resolve(["cpu-small", "lowend-cpu"], sets=["train.device=cpu"]))
     assert capsys.readouterr().err == ""
 
 
@@ -246,7 +251,8 @@ def test_time_budget_chooses_and_saves_the_step_count(data_dir, tmp_path, capsys
     import tomllib
     out = tmp_path / "run"
     assert main(["train", "--data", str(data_dir), "--out", str(out), "--n-layer", "1", "--n-head", "2",
-                 "--n-embd", "32", "--block-size", "32", "--batch-size", "2", "--device", "cpu", "--no-progress",
+                 "--n-embd", "32", "--block-size", "32", "--batch-size", "2", "--device", "cpu",
+                 "--no-progress",
                  "--eval-tokens", "64", "--eval-every", "50", "--warmup-steps", "2", "--max-iters", "1000000",
                  "--time-budget", "3"]) == 0
     said = capsys.readouterr()
@@ -270,7 +276,8 @@ def test_stopped_runs_exit_with_the_signal_status():
     assert stopped_code({"interrupted": None}) == 0
     assert stopped_code({"interrupted": "SIGINT"}) == 130
     assert stopped_code({"interrupted": "SIGTERM"}) == 143
-    assert stopped_code({"sft": {"interrupted": None}, "tools": {"interrupted": "SIGINT"}}) == 130  # quickstart --chat
+    # quickstart --chat
+    assert stopped_code({"sft": {"interrupted": None}, "tools": {"interrupted": "SIGINT"}}) == 130
 
 
 def test_options_that_would_be_ignored_are_refused(capsys):

@@ -18,20 +18,9 @@ from codeforge import CodeforgeError
 from codeforge.chat import read_conversations
 from codeforge.corpus import CorpusStats
 from codeforge.tasks import code_tasks
-from codeforge.tasks.code_tasks import (
-    FAMILIES,
-    KINDS,
-    REWARDS,
-    TaskError,
-    execution_rewards,
-    extract_code,
-    generate_tasks,
-    load_tasks,
-    task_conversation,
-    task_program,
-    validate_tasks,
-    write_tasks,
-)
+from codeforge.tasks.code_tasks import (FAMILIES, KINDS, REWARDS, TaskError, execution_rewards, extract_code,
+                                        generate_tasks, load_tasks, task_conversation, task_program,
+                                        validate_tasks, write_tasks)
 
 needs_sandbox = pytest.mark.skipif(shutil.which("bwrap") is None,
                                    reason="bubblewrap (bwrap) is not installed: `apt-get install bubblewrap`")
@@ -54,7 +43,8 @@ def test_generated_task_shape():
     tasks = generate_tasks(len(FAMILIES))
     assert {t["family"] for t in tasks} == set(FAMILIES)  # one turn each: every family once
     for t in tasks:
-        assert set(t) == {"id", "family", "kind", "level", "entry_point", "prompt", "solution", "tests", "split"}
+        assert set(t) == {"id", "family", "kind", "level", "entry_point", "prompt", "solution", "tests",
+                          "split"}
         assert t["id"].startswith(t["family"] + "-")
         assert t["kind"] in KINDS and t["level"] in (1, 2, 3) and t["split"] in ("train", "test")
         sig = re.match(r"Write a Python function `(\w+\([\w, ]*\))` that ", t["prompt"])
@@ -90,7 +80,8 @@ def test_growing_n_keeps_tasks_and_splits():
     # held-out tasks are new instances of the training families
     train_ids = {t["id"] for t in big if t["split"] == "train"}
     assert not any(t["id"] in train_ids for t in big if t["split"] == "test")
-    assert {t["family"] for t in big if t["split"] == "test"} <= {t["family"] for t in big if t["split"] == "train"}
+    assert {t["family"] for t in big if t["split"] == "test"} <= {t["family"] for t in big
+                                                                  if t["split"] == "train"}
 
 
 def test_levels_filter_and_bad_options(monkeypatch):
@@ -115,10 +106,12 @@ def test_extract_code():
     assert extract_code("```\nx = 1\n```") == "x = 1\n"
     assert extract_code("```bash\nls\n```\n```py\nx = 1\n```") == "x = 1\n"   # python before other tags
     assert extract_code("```text\nx = 1\n```") == "x = 1\n"                   # else the first block
-    assert extract_code("Sure.\n```python\ndef f():\n    return 1") == "def f():\n    return 1\n"  # unterminated
+    # unterminated
+    assert extract_code("Sure.\n```python\ndef f():\n    return 1") == "def f():\n    return 1\n"
     assert extract_code("  ```python\n  x = 1\n  ```") == "x = 1\n"            # indented fence
     t = {"tests": "assert f() == 1\n"}
-    assert task_program(t, "```python\ndef f():\n    return 1\n```") == "def f():\n    return 1\n\n\nassert f() == 1\n"
+    assert task_program(t, "```python\ndef f():\n    return 1\n```") == ("def f():\n    return "
+                                                                         "1\n\n\nassert f() == 1\n")
 
 
 # -- user tasks -----------------------------------------------------------------------------------------
@@ -230,7 +223,8 @@ def test_execution_reward_outcomes():
 def test_validate_tasks_keeps_good_and_says_why_others_go(tmp_path):
     good = generate_tasks(3)
     tasks = load_tasks(_write_jsonl(tmp_path / "t.jsonl", [
-        {"id": "fails", "prompt": "p", "tests": "assert inc(1) == 2\n", "solution": "def inc(x):\n    return x\n"},
+        {"id": "fails", "prompt": "p", "tests": "assert inc(1) == 2\n",
+         "solution": "def inc(x):\n    return x\n"},
         {"id": "unparsable", "prompt": "p", "tests": "assert inc(1) ==\n"},
         {"id": "vacuous", "prompt": "p", "tests": "assert 1 + 1 == 2\n"},
         {"id": "no_solution", "prompt": "p", "tests": "assert inc(1) == 2\n"},
@@ -255,7 +249,8 @@ def test_tests_that_do_not_split_are_recorded_on_the_solution_and_judged_outside
     """A loop over inputs, an in-place sort checked through the argument, a recursive solution: recorded on
     the reference and judged outside. Tests that expect an exception, or use more of the solution than its
     entry function, or a task without a solution: only in the box, where a pass is "passed_in_box"."""
-    in_place = {"id": "sort", "entry_point": "sort_in_place", "solution": "def sort_in_place(xs):\n    xs.sort()\n",
+    in_place = {"id": "sort", "entry_point": "sort_in_place",
+                "solution": "def sort_in_place(xs):\n    xs.sort()\n",
                 "tests": "for n in range(4):\n    xs = list(range(n, 0, -1))\n    sort_in_place(xs)\n"
                          "    assert xs == sorted(xs)\n"}
     fact = {"id": "fact", "solution": "def fact(n):\n    return 1 if n < 2 else n * fact(n - 1)\n",
@@ -270,7 +265,8 @@ def test_tests_that_do_not_split_are_recorded_on_the_solution_and_judged_outside
     assert "raise" in cases[2] and "K of the solution" in cases[3]
     got = execution_rewards([in_place] * 3 + [fact] * 2 + [raises], [
         "def sort_in_place(xs):\n    xs[:] = sorted(xs)\n",
-        "def sort_in_place(xs):\n    return sorted(xs)\n",              # the values come back, the list unsorted
+        # the values come back, the list unsorted
+        "def sort_in_place(xs):\n    return sorted(xs)\n",
         "def sort_in_place(xs):\n    xs.append(0)\n",
         "def fact(n):\n    import math\n    return math.factorial(n)\n",
         "def fact(n):\n    return n\n",

@@ -66,7 +66,8 @@ def prompt(tok) -> list[int]:
 def sample(eng, constraints: list, seed: int, max_new: int = 160) -> list[str]:
     """Each row's text (special tokens written as text) at temperature 1, rows ending at <|im_end|>."""
     outs: list[list[int]] = [[] for _ in constraints]
-    p = SamplingParams(max_new_tokens=max_new, temperature=1.0, seed=seed, stop_ids=[eng.tok.special_ids[IM_END]])
+    p = SamplingParams(max_new_tokens=max_new, temperature=1.0, seed=seed,
+                       stop_ids=[eng.tok.special_ids[IM_END]])
     for step in eng.generate_ids([prompt(eng.tok)] * len(constraints), p, constraints=constraints):
         for i, t in enumerate(step):
             if t is not None:
@@ -101,7 +102,8 @@ def schema_errors(value, schema: dict, at: str = "$") -> list[str]:
     if isinstance(value, list):
         if len(value) > schema.get("maxItems", len(value)):
             errs.append(f"{at}: {len(value)} items")
-        errs += [e for i, v in enumerate(value) for e in schema_errors(v, schema.get("items", {}), f"{at}[{i}]")]
+        errs += [e for i, v in enumerate(value)
+                 for e in schema_errors(v, schema.get("items", {}), f"{at}[{i}]")]
     if isinstance(value, str) and len(value) > schema.get("maxLength", len(value)):
         errs.append(f"{at}: longer than {schema['maxLength']}")
     if isinstance(value, int) and not schema.get("minimum", value) <= value <= schema.get("maximum", value):
@@ -147,8 +149,8 @@ class Pairs(dict):
 
 
 def numbers_as_0(text: str) -> str:
-    """JSON text with every number written as 0: the layout (separators, spacing, escapes) is what is compared;
-    a number need not read back as written (json reads -7E7599 as -Infinity, 1E2 as 100.0)."""
+    """JSON text with every number written as 0: the layout (separators, spacing, escapes) is what is
+    compared; a number need not read back as written (json reads -7E7599 as -Infinity, 1E2 as 100.0)."""
     return re.sub(r"-?Infinity|NaN|-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?", "0", text)
 
 
@@ -170,7 +172,8 @@ def batched(eng, tok) -> list[list[tuple[str | None, str, bool]]]:
 
 
 def test_auto_calls_parse_and_match_their_schema(batched):
-    calls = [c for run in batched for k, text, _ in run if k == "auto" for c in check_calls(text, list(SCHEMAS))]
+    calls = [c for run in batched for k, text, _ in run if k == "auto"
+             for c in check_calls(text, list(SCHEMAS))]
     assert len(calls) >= 5  # enough calls for the check to mean something
     assert len({c["name"] for c in calls}) >= 2
 
@@ -215,7 +218,8 @@ def test_every_reply_ends_within_its_budget(eng, tok, extra):
     required, named and json_schema row of a batch (temperature 1, several seeds) ends complete: calls that
     parse and match their schema, JSON of the schema; an auto row closes every call it opens."""
     json_open = {"type": "json_schema", "json_schema": {"name": "open", "schema": OPEN_REPLY}}
-    grammars = {"required": ToolGrammar(tok, TOOLS, "required"), "search_code": ToolGrammar(tok, TOOLS, "search_code"),
+    grammars = {"required": ToolGrammar(tok, TOOLS, "required"),
+                "search_code": ToolGrammar(tok, TOOLS, "search_code"),
                 "json": ToolGrammar(tok, None, "auto", json_open), "auto": ToolGrammar(tok, TOOLS, "auto")}
     least = max(g.min_tokens for g in grammars.values() if g.min_tokens is not None)
     assert grammars["auto"].min_tokens is None and grammars["auto"].min_call > 10  # any text will do in auto
@@ -289,13 +293,16 @@ def test_nesting_is_counted_as_it_grows(tok):
     nest = {"type": "object", "properties": {"x": {"$ref": "#/$defs/n"}}, "required": ["x"],
             "$defs": {"n": {"type": "array", "items": {"$ref": "#/$defs/n"}}}}
     anything = {"type": "object", "properties": {"x": {}}, "required": ["x"]}
-    grammars = [ToolGrammar(tok, [{"type": "function", "function": {"name": "f", "parameters": nest}}], "required"),
+    grammars = [ToolGrammar(tok, [{"type": "function", "function": {"name": "f", "parameters": nest}}],
+                            "required"),
                 ToolGrammar(tok, None, "auto", json_reply(anything))]
     for g in grammars:
         texts = ends_complete(eng, g, (120, 200), rows=2)
         assert max(t.count("[") for t in texts) > 40  # deep: more than WATCH tokens of closers in all
         for t in texts:
-            value = parse_assistant(t)["tool_calls"][0]["arguments"] if g.mode == "required" else json.loads(t)
+            value = (
+                parse_assistant(t)["tool_calls"][0]["arguments"] if g.mode == "required" else json.loads(t)
+            )
             assert "x" in value
 
 
@@ -307,7 +314,8 @@ def test_nesting_is_counted_as_it_grows(tok):
 def test_min_tokens_is_the_shortest_value(tok, eng, schema, shortest):
     """min_tokens takes the value that ends the string soonest (a search over the few tokens allowed
     inside it), not the longest token: a budget that fits `{"e": "b"}` is taken and the reply ends in it."""
-    g = ToolGrammar(tok, None, "auto", json_reply({"type": "object", "properties": {"e": schema}, "required": ["e"]}))
+    g = ToolGrammar(tok, None, "auto",
+                    json_reply({"type": "object", "properties": {"e": schema}, "required": ["e"]}))
     assert g.min_tokens <= len(tok.encode(json.dumps({"e": shortest}))) + 1
     assert ends_complete(eng, g, [g.min_tokens]) == [json.dumps({"e": shortest})] * 4 * len(SEEDS)
 
@@ -373,7 +381,9 @@ def test_no_constraints_change_nothing(eng, tok):
     plain = list(eng.generate_ids(prompts, p))
     assert list(eng.generate_ids(prompts, p, constraints=[None, None])) == plain
     greedy = SamplingParams(max_new_tokens=30, temperature=0, stop_at_eot=False)
-    assert list(eng.generate_ids(prompts, greedy, constraints=[None, None])) == list(eng.generate_ids(prompts, greedy))
+    assert list(eng.generate_ids(prompts, greedy, constraints=[None, None])) == list(
+        eng.generate_ids(prompts, greedy)
+    )
 
 
 def test_chat_applies_tool_choice_and_response_format(eng, tok):
@@ -384,7 +394,8 @@ def test_chat_applies_tool_choice_and_response_format(eng, tok):
         q = SamplingParams(max_new_tokens=60, temperature=1.0, seed=seed)
         r = roomy.chat(msgs, TOOLS, q, tool_choice={"type": "function", "function": {"name": "read_file"}})
         assert r["text"].startswith(CALL_OPEN) and r["ended"], r  # the budget always holds the whole call
-        assert [c["name"] for c in r["tool_calls"]] and all(c["name"] == "read_file" for c in r["tool_calls"]), r
+        assert [c["name"] for c in r["tool_calls"]] and all(c["name"] == "read_file"
+                                                            for c in r["tool_calls"]), r
         assert not r["errors"] and not schema_errors(r["tool_calls"][0]["arguments"], SCHEMAS["read_file"]), r
     # too few tokens for any call (or a prompt that leaves too few of the context): refused, not cut short
     with pytest.raises(ConstraintError, match="at least"):
@@ -403,7 +414,8 @@ def test_chat_without_tools_never_opens_a_call(eng, tok):
     reply, as OpenAI's API does. Unconstrained, the same model opens a call at once."""
     model = copy.deepcopy(eng.model)
     with torch.no_grad():
-        model.lm_head.bias[tok.special_ids[CALL_OPEN]] = 30.0  # a model that calls a tool whatever it is asked
+        # a model that calls a tool whatever it is asked
+        model.lm_head.bias[tok.special_ids[CALL_OPEN]] = 30.0
     keen = Engine(model, tok)
     msgs = [{"role": "user", "content": "Read the file src/parser.py"}]
     for seed in SEEDS:
@@ -436,7 +448,9 @@ def test_mask_logits_padded_vocab_and_allowed(tok):
     assert torch.equal(out[1], logits[1]) and torch.equal(out[3], logits[3])  # free rows untouched
     banned = {tok.special_ids[CALL_OPEN], tok.special_ids[CALL_CLOSE]} | set(range(V, V + PAD))
     assert set(torch.isinf(out[2]).nonzero().flatten().tolist()) == banned
-    assert auto.allowed() is None and req.allowed().nonzero().flatten().tolist() == [tok.special_ids[CALL_OPEN]]
+    assert auto.allowed() is None and req.allowed().nonzero().flatten().tolist() == [
+        tok.special_ids[CALL_OPEN]
+    ]
     assert not torch.isinf(logits).any()  # the input is not modified
 
 
@@ -459,8 +473,8 @@ def tool(name: str, parameters) -> dict:
 
 @pytest.mark.parametrize("tools, mode, rf, match", [
     ([tool("broken", {"type": "nonsense"})], "auto", None, "tool 'broken'"),
-    ([tool("regex", {"type": "object", "properties": {"a": {"type": "string", "pattern": "(("}}})], "required",
-     None, "tool 'regex'"),
+    ([tool("regex", {"type": "object", "properties": {"a": {"type": "string", "pattern": "(("}}})],
+     "required", None, "tool 'regex'"),
     ([tool("dangling", {"$ref": "#/$defs/missing"})], "auto", None, "tool 'dangling'"),
     ([tool("x", "not a schema")], "auto", None, "tool 'x'"),
     (TOOLS, "delete_everything", None, "not among the tools"),
@@ -479,7 +493,8 @@ def test_missing_parameters_allow_any_object_and_odd_names_are_escaped(tok):
     g = ToolGrammar(tok, [{"type": "function", "function": {"name": name}}], "required")
     c = g.new()
     text = json.dumps({"name": name, "arguments": {"k": [1, {"z": None}]}}, ensure_ascii=False)
-    for t in [tok.special_ids[CALL_OPEN]] + tok.encode(text) + [tok.special_ids[CALL_CLOSE], tok.special_ids[IM_END]]:
+    for t in [tok.special_ids[CALL_OPEN]] + tok.encode(text) + [tok.special_ids[CALL_CLOSE],
+                                                                tok.special_ids[IM_END]]:
         c.advance(t)
     assert c.finished
     c = g.new()  # the compact layout is not the training layout: refused

@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from codeforge.corpus import CorpusError, CorpusOptions, CorpusStats, Deduper, content_hash, iter_documents, split_of
+from codeforge.corpus import (CorpusError, CorpusOptions, CorpusStats, Deduper, content_hash, iter_documents,
+                              split_of)
 
 
 def collect(paths, **kw):
@@ -30,7 +31,8 @@ def test_tests_kept_unless_excluded_and_languages_select(code_corpus):
 
 
 def test_jsonl_gz_zst_and_bad_lines(tmp_path):
-    lines = [json.dumps({"text": "a = 1\n"}), "{not json", json.dumps({"body": "x"}), json.dumps({"text": "b = 2\n"})]
+    lines = [json.dumps({"text": "a = 1\n"}), "{not json", json.dumps({"body": "x"}),
+             json.dumps({"text": "b = 2\n"})]
     plain = tmp_path / "d.jsonl"
     plain.write_text("\n".join(lines) + "\n")
     gz = tmp_path / "d2.jsonl.gz"
@@ -137,7 +139,8 @@ def test_sized_validation_split_takes_enough_whole_files_and_not_most_of_the_cod
         # past the cap only when the least share itself holds the large file (as plain prepare would)
         over += share > VAL_CAP_SHARE and split_of(docs[-1][0], 0.02) != "val"
     assert over == 0
-    # a small library whose first file alone is over the quarter (but not most of the code): that file, not none
+    # a small library whose first file alone is over the quarter (but not most of
+    # the code): that file, not none
     docs = [(bytes([8 + 20 * i]) + bytes(31), n) for i, n in enumerate([30_000] + [8_000] * 10)]
     f = sized_val_fraction(docs, 0.02)
     assert [n for d, n in docs if split_of(d, f) == "val"] == [30_000]

@@ -1,6 +1,7 @@
-"""models/cpu_decode.py: a decoding step in numpy gives GPT.forward's logits and cache (to float32 rounding) for
-every model option, batch rows at their own starts (positions and hidden padding), weights changed in place or moved;
-it is used only where it applies; the engine's and the server's greedy tokens do not depend on it."""
+"""models/cpu_decode.py: a decoding step in numpy gives GPT.forward's logits and
+cache (to float32 rounding) for
+every model option, batch rows at their own starts (positions and hidden padding), weights changed in place or
+moved; it is used only where it applies; the engine's and the server's greedy tokens do not depend on it."""
 
 from __future__ import annotations
 
@@ -70,7 +71,10 @@ def test_rows_at_their_own_positions_behind_their_starts(name, B):
     L = 8
     with torch.inference_mode():
         idx = torch.randint(0, 96, (B, L))
-        ref, ours = m.new_kv_cache(B, L + 6, "cpu", torch.float32), m.new_kv_cache(B, L + 6, "cpu", torch.float32)
+        ref, ours = (
+            m.new_kv_cache(B, L + 6, "cpu", torch.float32),
+            m.new_kv_cache(B, L + 6, "cpu", torch.float32),
+        )
         first = m(idx, kv_cache=ref, starts=pads)
         m(idx, kv_cache=ours, starts=pads)
         alone = [m.new_kv_cache(1, L + 6, "cpu", torch.float32) for _ in range(B)]
@@ -246,7 +250,8 @@ def test_used_only_where_it_applies(monkeypatch):
         assert stepper(m, cpu, "fp32") is stepper(m, cpu, "fp32")  # made once
         assert not usable(m, cpu, "bf16") and not usable(m, torch.device("meta"), "fp32")
         assert stepper(m, cpu, "bf16") is None
-        assert stepper(m, cpu, "fp32", rows=8) is None  # a small model's batch: PyTorch's threads multiply faster
+        # a small model's batch: PyTorch's threads multiply faster
+        assert stepper(m, cpu, "fp32", rows=8) is None
         monkeypatch.setattr(cpu_linear, "MIN_WEIGHTS", 0)
         assert stepper(model_of(OPTIONS["llama"]), cpu, "fp32", rows=8) is not None  # mostly large matrices
         assert usable(RewardModel(m.cfg), cpu, "fp32")  # GPT's forward: its logits are the language model's
@@ -288,7 +293,8 @@ def server_texts(eng, prompts: list[list[int]], n: int) -> list[str]:
         return f
     try:
         with sched.hold():
-            sched.submit([Row(ids, RowParams(max_new_tokens=n, temperature=0.0), emit(i)) for i, ids in enumerate(prompts)])
+            sched.submit([Row(ids, RowParams(max_new_tokens=n, temperature=0.0), emit(i))
+                          for i, ids in enumerate(prompts)])
         assert done.wait(60)
     finally:
         sched.stop()
@@ -300,7 +306,8 @@ def test_engine_and_server_tokens_do_not_depend_on_it(monkeypatch, tmp_path):
     scheduler, with the numpy step and with PyTorch's (usable forced off); the numpy step is really taken."""
     from codeforge.engine import Engine, SamplingParams
     from codeforge.tokenizer import train_tokenizer
-    monkeypatch.setattr(cpu_linear, "MIN_WEIGHTS", 0)  # the test's matrices count as large: batches take it too
+    # the test's matrices count as large: batches take it too
+    monkeypatch.setattr(cpu_linear, "MIN_WEIGHTS", 0)
     tok, _ = train_tokenizer(iter(["def add(a, b):\n    return a + b\n" * 20] * 4), 300, tmp_path / "tok")
     m = model_of(dict(OPTIONS["llama"], vocab_size=320))
     eng = Engine(m, tok, "cpu", "fp32")

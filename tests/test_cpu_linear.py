@@ -123,12 +123,13 @@ def test_decode_threads_runs_torch_on_one_thread_and_puts_the_count_back():
         torch.set_num_threads(before)
 
 
-GEN = ("import sys; from codeforge.cli import main; sys.exit(main(['generate', '--run', {out!r}, '--prompt', 'def ', "
-       "'--max-new-tokens', '40', '--temperature', '0', '--device', 'cpu']))")
-TRAIN = ("import sys; from codeforge.cli import main; sys.exit(main(['train', '--data', {data!r}, '--out', {out!r}, "
+GEN = ("import sys; from codeforge.cli import main; sys.exit(main(['generate', '--run', {out!r}, '--prompt', "
+       "'def ', '--max-new-tokens', '40', '--temperature', '0', '--device', 'cpu']))")
+TRAIN = ("import sys; from codeforge.cli import main; "
+         "sys.exit(main(['train', '--data', {data!r}, '--out', {out!r}, "
          "'--n-layer', '2', '--n-head', '2', '--n-embd', '64', '--block-size', '64', '--batch-size', '4', "
-         "'--max-iters', '30', '--eval-every', '30', '--eval-tokens', '256', '--no-progress', '--device', 'cpu', "
-         "'--learning-rate', '3e-3', '--warmup-steps', '2']))")
+         "'--max-iters', '30', '--eval-every', '30', '--eval-tokens', '256', '--no-progress', '--device', "
+         "'cpu', '--learning-rate', '3e-3', '--warmup-steps', '2']))")
 
 
 def test_greedy_text_is_the_same_with_either_library(data_dir, tmp_path):
@@ -139,7 +140,8 @@ def test_greedy_text_is_the_same_with_either_library(data_dir, tmp_path):
         return r.stdout
     out = str(tmp_path / "run")
     run(TRAIN.format(data=str(data_dir), out=out))
-    texts = {lib: run(GEN.format(out=out), CODEFORGE_CPU_MATMUL=lib, CODEFORGE_THREADS="2") for lib in ("torch", "openblas")}
+    texts = {lib: run(GEN.format(out=out), CODEFORGE_CPU_MATMUL=lib, CODEFORGE_THREADS="2")
+             for lib in ("torch", "openblas")}
     assert texts["torch"] == texts["openblas"] and len(texts["torch"]) > len("def ")
 
 

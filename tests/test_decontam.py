@@ -43,7 +43,8 @@ def test_benchmark_files_are_dropped_by_default_and_counted(tmp_path, code_corpu
                                         "numbers in xs, skipping negative ones entirely.'''\n    return 0\n")
     (corpus / "heldout_copy.py").write_text("def f(a, b):\n    return a + b\n\n" * 5 + "x = 1\n")
     tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text(json.dumps({"task_id": "mine/1", "prompt": "Return the sum of the squares of the odd numbers "
+    tasks.write_text(json.dumps({"task_id": "mine/1",
+                                 "prompt": "Return the sum of the squares of the odd numbers "
                                  "in xs, skipping negative ones entirely.", "tests": "assert True"}) + "\n")
     heldout = tmp_path / "heldout"
     heldout.mkdir()

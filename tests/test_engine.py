@@ -83,18 +83,23 @@ def test_repetition_penalty_and_temperature_and_seed(tok):
     model = tiny_model(tok.vocab_size)
     eng = Engine(model, tok)
     pr = [tok.encode("x = ")]
-    a = [s[0] for s in eng.generate_ids(pr, SamplingParams(max_new_tokens=15, temperature=1.0, seed=7, stop_at_eot=False))]
-    b = [s[0] for s in eng.generate_ids(pr, SamplingParams(max_new_tokens=15, temperature=1.0, seed=7, stop_at_eot=False))]
-    c = [s[0] for s in eng.generate_ids(pr, SamplingParams(max_new_tokens=15, temperature=1.0, seed=8, stop_at_eot=False))]
+    a = [s[0] for s in eng.generate_ids(pr, SamplingParams(max_new_tokens=15, temperature=1.0, seed=7,
+                                                           stop_at_eot=False))]
+    b = [s[0] for s in eng.generate_ids(pr, SamplingParams(max_new_tokens=15, temperature=1.0, seed=7,
+                                                           stop_at_eot=False))]
+    c = [s[0] for s in eng.generate_ids(pr, SamplingParams(max_new_tokens=15, temperature=1.0, seed=8,
+                                                           stop_at_eot=False))]
     assert a == b and a != c
     # top_k=1 sampling is greedy whatever the temperature
-    g = [s[0] for s in eng.generate_ids(pr, SamplingParams(max_new_tokens=15, temperature=0, stop_at_eot=False))]
-    k1 = [s[0] for s in eng.generate_ids(pr, SamplingParams(max_new_tokens=15, temperature=5.0, top_k=1, seed=1,
+    g = [s[0]
+         for s in eng.generate_ids(pr, SamplingParams(max_new_tokens=15, temperature=0, stop_at_eot=False))]
+    k1 = [s[0]
+          for s in eng.generate_ids(pr, SamplingParams(max_new_tokens=15, temperature=5.0, top_k=1, seed=1,
                                                             stop_at_eot=False))]
     assert g == k1
     # a strong penalty stops greedy decoding from repeating any token
-    r = [s[0] for s in eng.generate_ids(pr, SamplingParams(max_new_tokens=15, temperature=0, repetition_penalty=1e6,
-                                                           stop_at_eot=False))]
+    r = [s[0] for s in eng.generate_ids(pr, SamplingParams(max_new_tokens=15, temperature=0,
+                                                           repetition_penalty=1e6, stop_at_eot=False))]
     assert len(set(r)) == len(r) and not set(r) & set(pr[0])
 
 
@@ -124,13 +129,15 @@ def test_long_and_empty_prompts(tok):
     eng = Engine(model, tok)
     warnings = []
     long = "a = 1\n" * 200
-    out = eng.generate([long], SamplingParams(max_new_tokens=5, temperature=0, stop_at_eot=False), warn=warnings.append)
+    out = eng.generate([long], SamplingParams(max_new_tokens=5, temperature=0, stop_at_eot=False),
+                       warn=warnings.append)
     assert warnings and "keeping the last 63" in warnings[0]
     assert isinstance(out[0], str)
     steps = list(eng.generate_ids([[]], SamplingParams(max_new_tokens=5, temperature=0, stop_at_eot=False)))
     assert len(steps) == 5
     # context respected: a 60-token prompt leaves room for 4 new tokens only
-    steps = list(eng.generate_ids([[7] * 60], SamplingParams(max_new_tokens=50, temperature=0, stop_at_eot=False)))
+    steps = list(eng.generate_ids([[7] * 60],
+                                  SamplingParams(max_new_tokens=50, temperature=0, stop_at_eot=False)))
     assert len(steps) == 4
     with pytest.raises(ValueError, match="top_p"):
         list(eng.generate_ids([[1]], SamplingParams(top_p=0)))

@@ -54,7 +54,8 @@ def test_task_eval_counts_only_passes_judged_outside(monkeypatch):
     task_in_box_passed) and task_pass_at_1 counts only the tasks judged outside."""
     from codeforge.evaluation import tasks as task_ev
     loop = "for i in range(5):\n    assert double(i) == 2 * i\n"
-    todo = [{"id": "recorded", "entry_point": "double", "tests": loop, "solution": "def double(x):\n    return 2 * x\n"},
+    todo = [{"id": "recorded", "entry_point": "double", "tests": loop,
+             "solution": "def double(x):\n    return 2 * x\n"},
             {"id": "split", "entry_point": "double", "tests": "assert double(2) == 4\n"},
             {"id": "bare", "entry_point": "double", "tests": loop}]
     any_ = "import unittest.mock as m\ndef double(x):\n    return m.ANY\n"

@@ -24,8 +24,8 @@ transformers = pytest.importorskip("transformers")
 CODE = [
     'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n    a, b = 0, 1\n'
     '    for _ in range(n):\n        a, b = b, a + b\n    return a\n',
-    'package main\n\nimport "fmt"\n\nfunc Max(a, b int) int {\n\tif a > b {\n\t\treturn a\n\t}\n\treturn b\n}\n'
-    '\nfunc main() {\n\tfmt.Println(Max(3, 4)) // 4\n}\n',
+    'package main\n\nimport "fmt"\n\nfunc Max(a, b int) int {\n\tif a > b {\n\t\treturn a\n\t}\n\treturn '
+    'b\n}\n\nfunc main() {\n\tfmt.Println(Max(3, 4)) // 4\n}\n',
 ]
 CONVERSATION = {"messages": [
     {"role": "system", "content": "You write Go."},
@@ -95,7 +95,8 @@ def greedy_ours(model, tok, prompt: list[int], n: int) -> list[int]:
     from codeforge.engine import Engine, SamplingParams
     eng = Engine(model, tok, "cpu", "fp32")
     out = []
-    for step in eng.generate_ids([prompt], SamplingParams(max_new_tokens=n, temperature=0, stop_at_eot=False)):
+    for step in eng.generate_ids([prompt],
+                                 SamplingParams(max_new_tokens=n, temperature=0, stop_at_eot=False)):
         out.append(step[0])
     return out
 
@@ -106,13 +107,14 @@ def greedy_hf(hf, prompt: list[int], n: int) -> list[int]:
     # generate() fills unset fields from the model's own generation_config.json, whose eos is the tokenizer's
     # end-of-text: clear it there too, or a greedy path through that id stops early and the lengths differ.
     hf.generation_config.eos_token_id = None
-    gc = GenerationConfig(max_new_tokens=n, min_new_tokens=0, do_sample=False, eos_token_id=None, pad_token_id=0)
+    gc = GenerationConfig(max_new_tokens=n, min_new_tokens=0, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
     out = hf.generate(torch.tensor([prompt]), generation_config=gc, attention_mask=torch.ones(1, len(prompt),
                                                                                                  dtype=torch.long))
     return out[0, len(prompt):].tolist()
 
 
-# -- export --------------------------------------------------------------------------------------------------------
+# -- export --------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_hf_export_parity(family, tmp_path, tokenizer_dir, tok, capsys):
@@ -206,7 +208,8 @@ def test_bad_input_gets_clear_messages(tmp_path, tokenizer_dir, capsys):
     empty.mkdir()
     assert main(["export", "--run", str(empty), "--format", "hf", "--out", str(tmp_path / "a")]) == 2
     assert "no checkpoint in" in capsys.readouterr().err
-    assert main(["export", "--run", str(tmp_path / "nope"), "--format", "hf", "--out", str(tmp_path / "a")]) == 2
+    assert main(["export", "--run", str(tmp_path / "nope"), "--format", "hf", "--out",
+                 str(tmp_path / "a")]) == 2
     assert "does not exist" in capsys.readouterr().err
     run = make_run(tmp_path / "run", tokenizer_dir)
     out = tmp_path / "hf"
@@ -227,7 +230,7 @@ def test_bad_input_gets_clear_messages(tmp_path, tokenizer_dir, capsys):
     assert "no config.json" in capsys.readouterr().err
 
 
-# -- import --------------------------------------------------------------------------------------------------------
+# -- import --------------------------------------------------------------------------------------------------
 
 def hf_model(kind: str, vocab: int):
     """A small random transformers model of each importable family, built by transformers itself."""
@@ -289,13 +292,16 @@ def test_imported_run_trains_with_init_from(tmp_path, tokenizer_dir, data_dir, c
     hf_model("qwen2", vocab=64 * -(-tok.vocab_size // 64)).save_pretrained(src)
     write_tokenizer_files(tokenizer_dir, src)
     assert main(["import", "--hf", str(src), "--out", str(tmp_path / "imp"), "--no-verify"]) == 0
-    assert main(["train", "--data", str(data_dir), "--out", str(tmp_path / "ft"), "--init-from", str(tmp_path / "imp"),
+    assert main(["train", "--data", str(data_dir), "--out", str(tmp_path / "ft"), "--init-from",
+                 str(tmp_path / "imp"),
                  "--max-iters", "2", "--batch-size", "2", "--eval-every", "0", "--eval-tokens", "256",
                  "--no-tensorboard", "--no-progress", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "initialised weights from" in out
     cfg = json.loads((tmp_path / "ft" / "checkpoints" / "step_000002" / "config.json").read_text())
-    assert cfg["model"]["qk_norm"] is False and cfg["model"]["n_kv_head"] == 2 and cfg["model"]["bias"] is True
+    assert (
+        cfg["model"]["qk_norm"] is False and cfg["model"]["n_kv_head"] == 2 and cfg["model"]["bias"] is True
+    )
 
 
 def test_import_refuses_what_codeforge_does_not_compute(tmp_path, tokenizer_dir, capsys):
@@ -329,7 +335,7 @@ def test_import_refuses_a_tokenizer_whose_split_rule_backtracks(tmp_path, tokeni
     assert not (tmp_path / "run").exists()
 
 
-# -- GGUF --------------------------------------------------------------------------------------------------------------
+# -- GGUF ----------------------------------------------------------------------------------------------------
 
 gguf = pytest.importorskip("gguf")
 
@@ -355,8 +361,12 @@ def read_gguf(path: Path) -> tuple[dict, dict]:
 
 def gguf_values(t) -> torch.Tensor:
     """A GGUF tensor's values as float32 in PyTorch's (out, in) shape."""
-    data = gguf.quants.dequantize(t.data, t.tensor_type) if t.tensor_type.name not in ("F32", "F16") else t.data
-    return torch.from_numpy(np.asarray(data, dtype=np.float32).copy()).reshape(tuple(reversed(t.shape.tolist())))
+    data = (
+        gguf.quants.dequantize(t.data, t.tensor_type) if t.tensor_type.name not in ("F32", "F16") else t.data
+    )
+    return torch.from_numpy(np.asarray(data, dtype=np.float32).copy()).reshape(
+        tuple(reversed(t.shape.tolist()))
+    )
 
 
 
@@ -375,7 +385,10 @@ def test_gguf_names_shapes_and_metadata(family, arch, tmp_path, llama3_tok_dir):
     assert fields[f"{arch}.block_count"] == m.n_layer and fields[f"{arch}.embedding_length"] == m.n_embd
     assert fields[f"{arch}.attention.head_count"] == m.n_head
     assert fields[f"{arch}.attention.head_count_kv"] == m.n_kv_head
-    assert fields[f"{arch}.context_length"] == m.block_size and fields[f"{arch}.feed_forward_length"] == m.ffn_hidden
+    assert (
+        fields[f"{arch}.context_length"] == m.block_size
+        and fields[f"{arch}.feed_forward_length"] == m.ffn_hidden
+    )
     if m.pos == "rope":
         assert fields[f"{arch}.rope.freq_base"] == m.rope_base
         assert fields[f"{arch}.attention.layer_norm_rms_epsilon"] == pytest.approx(m.norm_eps)
@@ -387,7 +400,10 @@ def test_gguf_names_shapes_and_metadata(family, arch, tmp_path, llama3_tok_dir):
     assert len(toks) == m.vocab_size and toks[tok.eot_id] == "<|endoftext|>"
     assert toks[tok.vocab_size:] == [f"[PAD{i}]" for i in range(tok.vocab_size, m.vocab_size)]
     types = fields["tokenizer.ggml.token_type"]
-    assert types[tok.special_ids["<fim_prefix>"]] == gguf.TokenType.CONTROL and types[300] == gguf.TokenType.NORMAL
+    assert (
+        types[tok.special_ids["<fim_prefix>"]] == gguf.TokenType.CONTROL
+        and types[300] == gguf.TokenType.NORMAL
+    )
     assert len(fields["tokenizer.ggml.merges"]) == tok.vocab_size - 256 - 24
     sid = tok.special_ids
     assert fields["tokenizer.ggml.eos_token_id"] == tok.eot_id
@@ -395,7 +411,10 @@ def test_gguf_names_shapes_and_metadata(family, arch, tmp_path, llama3_tok_dir):
     assert fields["tokenizer.ggml.padding_token_id"] == sid["<pad>"]
     assert [fields[f"tokenizer.ggml.fim_{k}_token_id"] for k in ("pre", "suf", "mid")] == \
         [sid["<fim_prefix>"], sid["<fim_suffix>"], sid["<fim_middle>"]]
-    assert fields["tokenizer.ggml.add_bos_token"] is False and "<|im_start|>" in fields["tokenizer.chat_template"]
+    assert (
+        fields["tokenizer.ggml.add_bos_token"] is False
+        and "<|im_start|>" in fields["tokenizer.chat_template"]
+    )
     # tensors: llama.cpp's names, our values (Q/K rows permuted for llama/arcee only)
     sd = model.state_dict()
     hd, L = m.head_dim, m.n_layer
@@ -403,7 +422,8 @@ def test_gguf_names_shapes_and_metadata(family, arch, tmp_path, llama3_tok_dir):
     if not m.tie_embeddings:
         expect["output.weight"] = sd["lm_head.weight"]
     for i in range(L):
-        q, k, v = sd[f"blocks.{i}.attn.c_attn.weight"].split([m.n_head * hd, m.n_kv_head * hd, m.n_kv_head * hd])
+        q, k, v = sd[f"blocks.{i}.attn.c_attn.weight"].split([m.n_head * hd, m.n_kv_head * hd,
+                                                              m.n_kv_head * hd])
         if arch == "gpt2":
             expect[f"blk.{i}.attn_qkv.weight"] = sd[f"blocks.{i}.attn.c_attn.weight"]
             expect[f"blk.{i}.attn_norm.bias"] = sd[f"blocks.{i}.ln_1.bias"]
@@ -457,7 +477,8 @@ def test_gguf_f16_and_q8_0(tmp_path, llama3_tok_dir):
     sizes = {}
     for dtype, mat, tol in (("f16", "F16", 1e-3), ("q8_0", "Q8_0", 2e-3)):
         out = tmp_path / f"m-{dtype}.gguf"
-        assert main(["export", "--run", str(run), "--format", "gguf", "--out", str(out), "--dtype", dtype]) == 0
+        assert main(["export", "--run", str(run), "--format", "gguf", "--out", str(out), "--dtype",
+                     dtype]) == 0
         fields, tensors = read_gguf(out)
         assert tensors["blk.1.ffn_down.weight"].tensor_type.name == mat
         assert tensors["blk.1.ffn_norm.weight"].tensor_type.name == "F32"  # vectors stay float32
@@ -489,7 +510,10 @@ def test_the_default_tokenizer_exports_to_gguf_with_its_recorded_name(tmp_path, 
     assert main(["export", "--run", str(run), "--format", "gguf", "--out", str(out), "--dtype", "q8_0"]) == 0
     fields, _ = read_gguf(out)
     assert fields["tokenizer.ggml.pre"] == "llama-bpe" and fields["codeforge.tokenizer_mismatch"] is False
-    assert fields["tokenizer.ggml.fim_pre_token_id"] == CodeTokenizer.load(tokenizer_dir).special_ids["<fim_prefix>"]
+    assert (
+        fields["tokenizer.ggml.fim_pre_token_id"]
+        == CodeTokenizer.load(tokenizer_dir).special_ids["<fim_prefix>"]
+    )
     assert "<|im_start|>" in fields["tokenizer.chat_template"]
     # tampered metadata: the recorded name must be the rule tokenizer.json applies
     tok_copy = tmp_path / "tok"
@@ -519,20 +543,24 @@ def test_code_split_runs_still_export_to_hf(tmp_path, code_tok_dir, capsys):
         assert (model(idx) - hf(idx).logits).abs().max().item() <= 1e-4
 
 
-@pytest.mark.xfail(strict=True, reason="transformers 5 forces its Qwen2Tokenizer on model_type qwen2 (it lists qwen2 "
-                   "among models whose hub tokenizer_class is wrong), which rebuilds the pre-tokenizer with Qwen2's "
-                   "regex (single digits) and an NFC normalizer instead of reading tokenizer.json: numbers of 2+ "
+@pytest.mark.xfail(strict=True,
+                   reason="transformers 5 forces its Qwen2Tokenizer on model_type qwen2 (it lists qwen2 "
+                   "among models whose hub tokenizer_class is wrong), which rebuilds the pre-tokenizer with "
+                   "Qwen2's regex (single digits) and an NFC normalizer "
+                   "instead of reading tokenizer.json: numbers of 2+ "
                    "digits get other ids. PreTrainedTokenizerFast.from_pretrained(dir) reads it exactly.")
 def test_qwen2_export_autotokenizer_ids(tmp_path):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     from codeforge.tokenizer import train_tokenizer
-    tok, _ = train_tokenizer(iter(["x = 12345 + 678\ncafe\u0301 = 'cafe\u0301'\n" * 50]), 300, tmp_path / "tok")
+    tok, _ = train_tokenizer(iter(["x = 12345 + 678\ncafe\u0301 = 'cafe\u0301'\n" * 50]), 300,
+                             tmp_path / "tok")
     run = make_run(tmp_path / "run", tmp_path / "tok", **FAMILIES["qwen2"][1])
     out = tmp_path / "hf"
     assert main(["export", "--run", str(run), "--format", "hf", "--out", str(out), "--no-verify"]) == 0
     text = "x = 12345 + 678\ncafe\u0301 = 1\n"  # "123" is one token here; the accent is a combining one
-    assert PreTrainedTokenizerFast.from_pretrained(out).encode(text, add_special_tokens=False) == tok.encode(text)
+    assert PreTrainedTokenizerFast.from_pretrained(out).encode(text,
+                                                               add_special_tokens=False) == tok.encode(text)
     assert AutoTokenizer.from_pretrained(out).encode(text, add_special_tokens=False) == tok.encode(text)
 
 
@@ -541,7 +569,11 @@ def test_gguf_code_split_is_refused_loudly_unless_allowed(tmp_path, code_tok_dir
     out = tmp_path / "m.gguf"
     assert main(["export", "--run", str(run), "--format", "gguf", "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert "code split, which llama.cpp does not implement" in err and "--split llama3" in err and not out.exists()
+    assert (
+        "code split, which llama.cpp does not implement" in err
+        and "--split llama3" in err
+        and not out.exists()
+    )
     line = err.strip().splitlines()
     assert len(line) == 1 and "\\p{L}" not in err and len(line[0]) < 480, err  # one sentence, no regex
     assert main(["export", "--run", str(run), "--format", "gguf", "--out", str(out), "--verbose"]) == 2
@@ -561,16 +593,14 @@ def test_gguf_refuses_what_llama_cpp_cannot_compute(tmp_path, llama3_tok_dir, ca
     assert "llama.cpp has no architecture for this model" in err and "--format hf" in err
 
 
-# -- llama.cpp itself (slow: llama-cpp-python builds llama.cpp from source, ~14 minutes on 2 cores) ---------------
+# -- llama.cpp itself (slow: llama-cpp-python builds llama.cpp from source, ~14 minutes on 2 cores) ----------
 
 # Held-out text with what trips tokenizers: tabs, CRLF, Unicode identifiers and strings, long numbers, runs of
 # blank lines and trailing spaces, a BOM-less emoji, special-token text inside a file.
-EDGE_TEXTS = [
-    "func Größe(ñ int) int {\r\n\treturn ñ * 12345678901234567890\r\n}\r\n",
-    "def 计算(x):\n\t\treturn x + 3.14159265358979323846e-10  \n\n\n\n# naïve café  \t\n",
-    "  x\t=  'é日本🚀'  \r\n\n\n  # done",
-    "s = '<|endoftext|> <fim_prefix> not special here'\nn = 0x7fffffffffffffff_0000\n",
-]
+EDGE_TEXTS = ["func Größe(ñ int) int {\r\n\treturn ñ * 12345678901234567890\r\n}\r\n",
+              "def 计算(x):\n\t\treturn x + 3.14159265358979323846e-10  \n\n\n\n# naïve café  \t\n",
+              "  x\t=  'é日本🚀'  \r\n\n\n  # done",
+              "s = '<|endoftext|> <fim_prefix> not special here'\nn = 0x7fffffffffffffff_0000\n"]
 
 
 def held_out_code() -> list[str]:
@@ -602,18 +632,24 @@ def llama_detokenize(llama_cpp, llm, ids: list[int]) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("vocab", [8000, 32000])
 def test_default_tokenizer_matches_llama_cpp(vocab, tmp_path):
-    """A tokenizer trained with the default split at 8k and 32k: llama.cpp (through llama-cpp-python) gives the
-    same token ids as codeforge on held-out Python and Go and on EDGE_TEXTS, and decodes them back to the text."""
-    llama_cpp = pytest.importorskip("llama_cpp", reason="pip install llama-cpp-python (builds llama.cpp; see README)")
+    """A tokenizer trained with the default split at 8k and 32k: llama.cpp
+    (through llama-cpp-python) gives the
+    same token ids as codeforge on held-out Python and Go and on EDGE_TEXTS, and
+    decodes them back to the text."""
+    llama_cpp = pytest.importorskip("llama_cpp",
+                                    reason="pip install llama-cpp-python (builds llama.cpp; see README)")
     from conftest import STDLIB
 
     from codeforge.corpus import CorpusOptions, CorpusStats, iter_documents
     from codeforge.tokenizer import train_tokenizer
-    sources = [str(STDLIB / d) for d in ("json", "asyncio", "collections", "importlib", "unittest", "logging")]
+    sources = [str(STDLIB / d)
+               for d in ("json", "asyncio", "collections", "importlib", "unittest", "logging")]
     go = sorted(Path("/usr/share").glob("go-*/src"))
     if go:
-        sources += [str(go[-1] / d) for d in ("strings", "bytes", "fmt", "sort", "os", "io", "bufio", "encoding")]
-    texts = (d.text for d in iter_documents(sources, CorpusOptions(languages=["go", "python"]), CorpusStats()))
+        sources += [str(go[-1] / d)
+                    for d in ("strings", "bytes", "fmt", "sort", "os", "io", "bufio", "encoding")]
+    texts = (d.text
+             for d in iter_documents(sources, CorpusOptions(languages=["go", "python"]), CorpusStats()))
     tok_dir = tmp_path / "tok"
     tok, meta = train_tokenizer(texts, vocab, tok_dir)
     assert meta["llama_cpp_pre"] == "llama-bpe"
@@ -637,15 +673,16 @@ def test_default_tokenizer_matches_llama_cpp(vocab, tmp_path):
 def test_llama_cpp_parity(family, tmp_path, tokenizer_dir, monkeypatch):
     """llama.cpp loads the exported f32 GGUF of a run on the default tokenizer and agrees with codeforge: the
     same token ids on code, logits within 1e-3 (max abs), the same 32-token greedy continuation."""
-    llama_cpp = pytest.importorskip("llama_cpp", reason="pip install llama-cpp-python (builds llama.cpp; see README)")
+    llama_cpp = pytest.importorskip("llama_cpp",
+                                    reason="pip install llama-cpp-python (builds llama.cpp; see README)")
     from conftest import STDLIB
     run = make_run(tmp_path / "run", tokenizer_dir, seed=11, **{**FAMILIES[family][1], "block_size": 512})
     out = tmp_path / "m.gguf"
     assert main(["export", "--run", str(run), "--format", "gguf", "--out", str(out)]) == 0
     model, tok, _, _ = load_model(run, torch.device("cpu"))
     f32 = 0  # GGML_TYPE_F32: llama.cpp keeps keys and values in f16 by default
-    llm = llama_cpp.Llama(model_path=str(out), n_ctx=512, n_batch=512, n_threads=2, logits_all=True, verbose=False,
-                          type_k=f32, type_v=f32)
+    llm = llama_cpp.Llama(model_path=str(out), n_ctx=512, n_batch=512, n_threads=2, logits_all=True,
+                          verbose=False, type_k=f32, type_v=f32)
 
     texts = CODE + [(STDLIB / "json" / "decoder.py").read_text()[:6000]] + EDGE_TEXTS
     n_ids = 0
@@ -665,8 +702,10 @@ def test_llama_cpp_parity(family, tmp_path, tokenizer_dir, monkeypatch):
     print(f"\n{family}: {n_ids} token ids equal on {len(texts)} code samples; logits max abs diff {diff:.2e} "
           f"over {len(ids)} positions x {ours.shape[-1]} vocab (max |logit| {ours.abs().max().item():.1f})")
     if model.cfg.mlp == "gelu":
-        # llama.cpp's CPU GELU reads an f16 table at the input rounded to f16 (ggml-cpu/vec.h, GGML_GELU_FP16):
-        # with that GELU emulated the difference drops from 1.3e-3 to 3.6e-4; the tensors are exact (GGUF tests).
+        # llama.cpp's CPU GELU reads an f16 table at the input rounded to f16
+        # (ggml-cpu/vec.h, GGML_GELU_FP16):
+        # with that GELU emulated the difference drops from 1.3e-3 to 3.6e-4; the
+        # tensors are exact (GGUF tests).
         with monkeypatch.context() as mp:
             mp.setattr(torch.nn.functional, "gelu", ggml_gelu_f16)
             with torch.no_grad():
@@ -697,7 +736,7 @@ def ggml_gelu_f16(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     return torch.where(x <= -10, torch.zeros_like(x), torch.where(x >= 10, x, y))
 
 
-# -- what the export leaves behind (issue 29) -----------------------------------------------------------------------
+# -- what the export leaves behind (issue 29) ----------------------------------------------------------------
 
 def test_hf_export_files_modes_generation_config_and_quiet_output(tmp_path, tokenizer_dir, capfd):
     """Every exported file has the same mode, a normal file's under the umask (model.safetensors was 0600);
@@ -780,7 +819,8 @@ def test_terminal_escapes_in_a_run_name_are_neither_written_nor_printed(tmp_path
     assert main(["export", "--run", str(run), "--format", "gguf", "--out", str(out)]) == 0
     printed = capsys.readouterr()
     fields, _ = read_gguf(out)
-    for text in (fields["general.name"], fields["codeforge.checkpoint"], printed.out, printed.err, run_name(str(run))):
+    for text in (fields["general.name"], fields["codeforge.checkpoint"], printed.out, printed.err,
+                 run_name(str(run))):
         assert "\x1b" not in text and "\x07" not in text and "\u202e" not in text, repr(text)
     assert fields["general.name"] == "m\\x1b]0;pwned\\x07\\x1b[2Jodel\\u202e"
     assert run_name(str(run)) == fields["general.name"]

@@ -1,4 +1,5 @@
-"""Fill-in-the-middle: the training permutation, its determinism and resume, generate --suffix, eval --infill."""
+"""Fill-in-the-middle: the training permutation, its determinism and resume,
+generate --suffix, eval --infill."""
 
 import json
 
@@ -119,7 +120,8 @@ def test_infill_cases_cut_files_at_several_lines():
 
 def test_a_prompt_cut_to_the_context_keeps_its_fim_tokens(tokenizer_dir):
     """Found in review: the last resort cut could run through <fim_suffix>. Now other files go first, then the
-    prefix's start, then the suffix's end, and the three FIM tokens always stay; fills end where llama.cpp's do."""
+    prefix's start, then the suffix's end, and the three FIM tokens always stay;
+    fills end where llama.cpp's do."""
     from codeforge.fim import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, fit_infill, infill_stop_ids, repo_infill_ids
     from codeforge.tokenizer import CodeTokenizer
     tok = CodeTokenizer.load(tokenizer_dir)
@@ -128,8 +130,9 @@ def test_a_prompt_cut_to_the_context_keeps_its_fim_tokens(tokenizer_dir):
                           n_batch=2048, n_predict=-1)
     for room in (len(ids) - 5, 60, 12, 3):
         cut = fit_infill(ids, room, sp)
-        assert len(cut) == max(room, 3) and [t for t in cut if t in (sp[FIM_PREFIX], sp[FIM_SUFFIX], sp[FIM_MIDDLE])] \
-            == [sp[FIM_PREFIX], sp[FIM_SUFFIX], sp[FIM_MIDDLE]]
+        assert len(cut) == max(room, 3) and [
+            t for t in cut if t in (sp[FIM_PREFIX], sp[FIM_SUFFIX], sp[FIM_MIDDLE])
+        ] == [sp[FIM_PREFIX], sp[FIM_SUFFIX], sp[FIM_MIDDLE]]
     assert cut == [sp[FIM_PREFIX], sp[FIM_SUFFIX], sp[FIM_MIDDLE]]
     assert {sp["<|file_sep|>"], sp["<|repo_name|>"], tok.eot_id, sp["<|im_end|>"]} <= infill_stop_ids(tok)
 
@@ -155,30 +158,41 @@ def test_repo_level_fim_documents_are_made_at_prepare_time(tmp_path, tokenizer_d
     assert "repo_fim" not in plain["options"]
     meta = prepare([str(src)], tokenizer_dir, tmp_path / "repo", opts, log=lambda m: None, repo_fim=1.0)
     prepare([str(src)], tokenizer_dir, tmp_path / "again", opts, log=lambda m: None, repo_fim=1.0)
-    assert meta["options"]["repo_fim"] == 1.0 and meta["repo_fim_documents"] == plain["splits"]["train"]["documents"]
+    assert (
+        meta["options"]["repo_fim"] == 1.0
+        and meta["repo_fim_documents"] == plain["splits"]["train"]["documents"]
+    )
     for f in ("train_000000.bin", "val_000000.bin"):
         assert (tmp_path / "repo" / f).read_bytes() == (tmp_path / "again" / f).read_bytes()
-    assert (tmp_path / "repo" / "val_000000.bin").read_bytes() == (tmp_path / "plain" / "val_000000.bin").read_bytes()
+    assert (tmp_path / "repo" / "val_000000.bin").read_bytes() == (
+        tmp_path / "plain" / "val_000000.bin"
+    ).read_bytes()
     tok = CodeTokenizer.load(tokenizer_dir)
     sp = tok.special_ids
     train = ShardSet(tmp_path / "repo", "train")
     val_texts = {tok.decode(ShardSet(tmp_path / "plain", "val").document(i).tolist())
                  for i in range(plain["splits"]["val"]["documents"])}
-    repo_docs = [train.document(i).tolist() for i in range(train.documents) if train.document(i)[0] == sp["<|repo_name|>"]]
+    repo_docs = [train.document(i).tolist() for i in range(train.documents)
+                 if train.document(i)[0] == sp["<|repo_name|>"]]
     assert len(repo_docs) == meta["repo_fim_documents"] > 0
     for ids in repo_docs:
         assert tok.decode(ids[1:ids.index(sp["<|file_sep|>"])]) == "proj\n"  # the repository's name
         a, b, c = ids.index(sp[FIM_PREFIX]), ids.index(sp[FIM_SUFFIX]), ids.index(sp[FIM_MIDDLE])
         assert a < b < c and ids[a - 1] != sp["<|file_sep|>"]
-        whole = tok.decode(ids[a + 1:b]) + tok.decode(ids[c + 1:]) + tok.decode(ids[b + 1:c])  # prefix middle suffix
+        # prefix middle suffix
+        whole = tok.decode(ids[a + 1:b]) + tok.decode(ids[c + 1:]) + tok.decode(ids[b + 1:c])
         assert whole not in val_texts and whole.startswith("def f_")
-        contexts = [tok.decode(ids[i + 1:]).split("\n", 1) for i, t in enumerate(ids[:a]) if t == sp["<|file_sep|>"]]
+        contexts = [tok.decode(ids[i + 1:]).split("\n", 1) for i, t in enumerate(ids[:a])
+                    if t == sp["<|file_sep|>"]]
         assert 1 <= len(contexts) <= 3 and all(name.startswith(("a/", "b/")) for name, _ in contexts)
     old = tmp_path / "oldtok"  # a tokenizer from before the two tokens: refused with the fix
     import shutil
     shutil.copytree(tokenizer_dir, old)
-    (old / "tokenizer.json").write_text((old / "tokenizer.json").read_text().replace("<|repo_name|>", "<|reserved_6|>"))
-    with pytest.raises(ShardError, match="--repo-fim needs the tokenizer's <\\|repo_name\\|>.*tokenizer train"):
+    (old / "tokenizer.json").write_text(
+        (old / "tokenizer.json").read_text().replace("<|repo_name|>", "<|reserved_6|>")
+    )
+    with pytest.raises(ShardError,
+                       match="--repo-fim needs the tokenizer's <\\|repo_name\\|>.*tokenizer train"):
         prepare([str(src)], old, tmp_path / "x", opts, log=lambda m: None, repo_fim=0.5)
     window = np.array(repo_docs[0] + [tok.eot_id] + repo_docs[-1][:5], dtype=np.int64)
     out = permute_window(window, tok.eot_id, fim_ids(sp), 1.0, 0.5, np.random.default_rng(0))

@@ -1,6 +1,8 @@
-"""The GPU suite (benchmarks/gpu_suite.py) cannot rot between the rare runs on a GPU: its smoke run takes every
+"""The GPU suite (benchmarks/gpu_suite.py) cannot rot between the rare runs on a
+GPU: its smoke run takes every
 part through the same job processes on the CPU at tiny shapes, and every job must come back with its figures.
-Also the two GPU-path defects its first H100 run found, checked where a CPU can: `--device cuda` under torchrun
+Also the two GPU-path defects its first H100 run found, checked where a CPU can:
+`--device cuda` under torchrun
 takes the rank's own GPU, and `--parallel fsdp` on one torchrun rank runs FSDP2 (it silently did not)."""
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_smoke_runs_every_part(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--smoke", "--out", str(out),
-                        "--work", str(work)], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--smoke", "--out",
+                        str(out), "--work", str(work)], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())
     failed = {j["name"]: j["error"] for j in res["jobs"] if j["error"] or j["result"] is None}
@@ -32,7 +34,9 @@ def test_smoke_runs_every_part(tmp_path):
     steps = [j["result"] for j in res["jobs"] if j["part"] in ("train", "hf", "seed000")]
     assert len(steps) >= 9
     for got in steps:
-        assert got["tokens_per_s"] > 0 and got["ms_per_step"] > 0 and torch.isfinite(torch.tensor(got["loss"]))
+        assert (
+            got["tokens_per_s"] > 0 and got["ms_per_step"] > 0 and torch.isfinite(torch.tensor(got["loss"]))
+        )
     assert jobs["seed000 fp16, batch 2 x accum 8"]["batch_size"] == 2
     q = next(j["result"] for j in res["jobs"] if j["kind"] == "quality")
     assert q["steps"] > 0 and 0 < q["val_bpb"] < 20 and q["passes"] > 0
@@ -48,10 +52,13 @@ def test_smoke_runs_every_part(tmp_path):
 
 
 def test_failed_job_is_written_down_and_the_rest_runs(tmp_path):
-    """A job that fails (here: the data it needs is not there) is listed with its error; the jobs after it run."""
+    """A job that fails (here: the data it needs is not there) is listed with its
+    error; the jobs after it run."""
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--smoke", "--out", str(out),
-                        "--work", str(tmp_path / "w"), "--data", str(tmp_path / "missing"), "--only", "quality",
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--smoke", "--out",
+                        str(out),
+                        "--work", str(tmp_path / "w"), "--data", str(tmp_path / "missing"), "--only",
+                        "quality",
                         "seed000 fp16, batch 8,"], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())

@@ -31,7 +31,8 @@ GOOD_TEXT = {"text": "ok = 1\n"}
 
 
 def _limit_memory() -> None:
-    """In the child: 2 GiB of address space, so an unbounded read fails fast instead of exhausting the host."""
+    """In the child: 2 GiB of address space, so an unbounded read fails fast
+    instead of exhausting the host."""
     import resource
     resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
 
@@ -45,7 +46,8 @@ try:
     if spec["reader"] == "corpus":
         from codeforge.corpus import CorpusOptions, CorpusStats, iter_documents
         stats = CorpusStats()
-        out["kept"] = [d.text for d in iter_documents(spec["paths"], CorpusOptions(**spec.get("opts", {})), stats)]
+        opts = CorpusOptions(**spec.get("opts", {}))
+        out["kept"] = [d.text for d in iter_documents(spec["paths"], opts, stats)]
         out["skipped"] = dict(stats.skipped)
     elif spec["reader"] == "chat":
         from codeforge.chat import read_conversations
@@ -56,8 +58,8 @@ try:
     elif spec["reader"] == "prepare":
         from codeforge.corpus import CorpusOptions
         from codeforge.data.shards import prepare
-        meta = prepare(spec["paths"][:-2], spec["paths"][-2], spec["paths"][-1], CorpusOptions(**spec.get("opts", {})),
-                       log=lambda *a: None)
+        meta = prepare(spec["paths"][:-2], spec["paths"][-2], spec["paths"][-1],
+                       CorpusOptions(**spec.get("opts", {})), log=lambda *a: None)
         out["kept"], out["skipped"] = meta["documents"], meta["skipped"]
     elif spec["reader"] == "pairs":
         from codeforge.mining.pairs import PairError, load_pairs
@@ -70,8 +72,8 @@ try:
             out["error"] = str(e)
 except MemoryError:
     out["memory_error"] = True
-# VmHWM: this program's peak RSS. Not ru_maxrss: with a preexec_fn the child is forked, and ru_maxrss keeps the
-# RSS it had before exec, that of the whole pytest process.
+# VmHWM: this program's peak RSS. Not ru_maxrss: with a preexec_fn the child is forked, and ru_maxrss keeps
+# the RSS it had before exec, that of the whole pytest process.
 out["peak_mb"] = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) / 1024
 print(json.dumps(out))
 """
@@ -84,7 +86,8 @@ def run_reader(reader: str, paths: list[Path], **opts) -> dict:
                        timeout=TIMEOUT, preexec_fn=_limit_memory)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
-    assert not out.get("memory_error"), f"ran out of the child's 2 GiB address space (peak {out['peak_mb']:.0f} MB)"
+    assert not out.get("memory_error"), ("ran out of the child's 2 GiB address space (peak "
+                                         f"{out['peak_mb']:.0f} MB)")
     return out
 
 
@@ -118,7 +121,8 @@ def test_corpus_jsonl_giant_line_is_skipped_without_holding_it(tmp_path, ext):
 
 
 def test_chat_jsonl_giant_line_is_skipped_without_holding_it(tmp_path):
-    path = giant_line_file(tmp_path / "c.jsonl.zst", b'{"messages": [{"role": "user", "content": "', GOOD_CHAT)
+    path = giant_line_file(tmp_path / "c.jsonl.zst", b'{"messages": [{"role": "user", "content": "',
+                           GOOD_CHAT)
     out = run_reader("chat", [path])
     assert out["peak_mb"] < PEAK_MB
     assert out["kept"] == [GOOD_CHAT["messages"]]
@@ -131,7 +135,8 @@ def test_pair_jsonl_giant_line_is_counted_or_refused_naming_the_line(tmp_path):
     assert out["peak_mb"] < PEAK_MB
     assert out["kept"] == [GOOD_PAIR["chosen"]]
     assert out["skipped"] == {"oversized_record": 1}
-    assert f"{path}: line 1: " in out["error"] and "characters" in out["error"]  # the file, the line, the limit
+    # the file, the line, the limit
+    assert f"{path}: line 1: " in out["error"] and "characters" in out["error"]
 
 
 def test_line_reader_keeps_lines_up_to_the_limit_and_counts_longer(tmp_path):
@@ -261,7 +266,9 @@ def test_prepare_and_tokenizer_train_take_a_file_name_that_is_not_utf8(tmp_path,
     from codeforge.data.shards import ShardSet
     from codeforge.tokenizer import CodeTokenizer
     tok, ss = CodeTokenizer.load(data / "tokenizer"), ShardSet(data, "train")
-    assert sorted(tok.decode(ss.document(i)) for i in range(ss.documents)) == sorted([good, odd, GOOD_TEXT["text"]])
+    assert sorted(tok.decode(ss.document(i)) for i in range(ss.documents)) == sorted(
+        [good, odd, GOOD_TEXT["text"]]
+    )
     r = subprocess.run([sys.executable, "-m", "codeforge", "tokenizer", "train", "--input", *inputs,
                         "--vocab-size", "300", "--out", str(tmp_path / "tok")],
                        capture_output=True, timeout=TIMEOUT, preexec_fn=_limit_memory)
@@ -344,8 +351,8 @@ def test_tokenizer_train_takes_a_nest_deeper_than_the_recursion_limit(tmp_path, 
 
 def test_prepare_takes_a_nest_deeper_than_the_recursion_limit(tmp_path, deep_tree, tokenizer_dir):
     data = tmp_path / "data"
-    r = subprocess.run([sys.executable, "-m", "codeforge", "prepare", "--input", str(deep_tree), "--tokenizer",
-                        str(tokenizer_dir), "--out", str(data), "--val-fraction", "0"],
+    r = subprocess.run([sys.executable, "-m", "codeforge", "prepare", "--input", str(deep_tree),
+                        "--tokenizer", str(tokenizer_dir), "--out", str(data), "--val-fraction", "0"],
                        capture_output=True, text=True, timeout=TIMEOUT, preexec_fn=_limit_memory)
     assert r.returncode == 0 and "RecursionError" not in r.stderr, r.stderr[-2000:]
     from codeforge.data.shards import ShardSet

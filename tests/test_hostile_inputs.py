@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 
 from codeforge import atomic
-from codeforge.corpus import REASON_WORDS, CorpusError, CorpusOptions, CorpusStats, check_sources, iter_documents
+from codeforge.corpus import (REASON_WORDS, CorpusError, CorpusOptions, CorpusStats, check_sources,
+                              iter_documents)
 from conftest import make_go_file, make_py_file
 
 TIMEOUT = 60
@@ -32,7 +33,8 @@ GOOD = "def good():\n    return 1\n"
 
 
 def _bounded() -> None:
-    """In the child: a regression that reads /dev/zero fails at 8 GiB of address space, not by exhausting the host."""
+    """In the child: a regression that reads /dev/zero fails at 8 GiB of address space,
+    not by exhausting the host."""
     import resource
     resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
 
@@ -128,7 +130,8 @@ import json, sys
 from codeforge.corpus import CorpusError, CorpusOptions, CorpusStats, iter_documents
 stats = CorpusStats()
 try:
-    docs = [d.text for d in iter_documents(json.loads(sys.argv[1]), CorpusOptions(strict=sys.argv[2] == "1"), stats)]
+    opts = CorpusOptions(strict=sys.argv[2] == "1")
+    docs = [d.text for d in iter_documents(json.loads(sys.argv[1]), opts, stats)]
     print(json.dumps({"docs": docs, "skipped": dict(stats.skipped)}))
 except CorpusError as e:
     print(json.dumps({"error": str(e)}))
@@ -136,7 +139,8 @@ except CorpusError as e:
 
 
 def run_corpus(sources: list[Path], strict: bool) -> dict:
-    r = subprocess.run([sys.executable, "-c", RUN_CORPUS, json.dumps([str(s) for s in sources]), str(int(strict))],
+    r = subprocess.run([sys.executable, "-c", RUN_CORPUS, json.dumps([str(s) for s in sources]),
+                        str(int(strict))],
                        capture_output=True, text=True, timeout=TIMEOUT, preexec_fn=_bounded)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
@@ -193,7 +197,8 @@ def test_cli_tokenizer_train_and_prepare_skip_hostile_entries(tmp_path, hostile,
     from codeforge.data.shards import ShardSet
     from codeforge.tokenizer import CodeTokenizer
 
-    r = cli("tokenizer", "train", "--input", *hostile["sources"], "--vocab-size", "300", "--out", str(tmp_path / "tok"))
+    r = cli("tokenizer", "train", "--input", *hostile["sources"], "--vocab-size", "300", "--out",
+            str(tmp_path / "tok"))
     assert r.returncode == 0, r.stderr
     assert "trained tokenizer" in r.stdout
     for reason, n in hostile["counts"].items():
@@ -213,7 +218,8 @@ def test_cli_tokenizer_train_and_prepare_skip_hostile_entries(tmp_path, hostile,
     texts = [tok.decode(ss.document(i)) for i in range(ss.documents)]
     assert set(hostile["good"]) <= set(texts)
     kept = [t for t in texts if t not in hostile["good"]]
-    assert 0 < len(kept) < len(hostile["records"]) and kept == hostile["records"][:len(kept)]  # the part before the cut
+    # the part before the cut
+    assert 0 < len(kept) < len(hostile["records"]) and kept == hostile["records"][:len(kept)]
     assert not list(tmp_path.glob(".data.*"))  # no staging left behind
 
 
@@ -222,7 +228,8 @@ def test_cli_strict_refuses_a_hostile_entry_naming_it(tmp_path, code_corpus, tok
     root.mkdir()
     (root / "good.py").write_text(GOOD)
     os.mkfifo(root / "pipe.go")
-    r = cli("prepare", "--input", str(root), "--tokenizer", str(tokenizer_dir), "--out", str(tmp_path / "d"), "--strict")
+    r = cli("prepare", "--input", str(root), "--tokenizer", str(tokenizer_dir), "--out", str(tmp_path / "d"),
+            "--strict")
     assert r.returncode == 2
     assert f"{root / 'pipe.go'}: not_regular_file: a FIFO" in r.stderr and "--strict" in r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "d").exists() and not list(tmp_path.glob(".d.*"))
@@ -230,10 +237,13 @@ def test_cli_strict_refuses_a_hostile_entry_naming_it(tmp_path, code_corpus, tok
 
 def test_cli_refuses_a_fifo_given_as_a_source(tmp_path, code_corpus, tokenizer_dir):
     os.mkfifo(tmp_path / "pipe.jsonl")
-    r = cli("prepare", "--input", str(code_corpus), str(tmp_path / "pipe.jsonl"), "--tokenizer", str(tokenizer_dir),
-            "--out", str(tmp_path / "d"))
+    r = cli("prepare", "--input", str(code_corpus), str(tmp_path / "pipe.jsonl"), "--tokenizer",
+            str(tokenizer_dir), "--out", str(tmp_path / "d"))
     assert r.returncode == 2
-    assert f"input '{tmp_path / 'pipe.jsonl'}' is a FIFO (named pipe)" in r.stderr and "Traceback" not in r.stderr
+    assert (
+        f"input '{tmp_path / 'pipe.jsonl'}' is a FIFO (named pipe)" in r.stderr
+        and "Traceback" not in r.stderr
+    )
 
 
 # -- the same rules, in process (nothing here can block) ----------------------------------------------------
@@ -243,7 +253,8 @@ def test_sources_given_directly_are_checked_before_any_work(tmp_path):
     (tmp_path / "zero.txt").symlink_to("/dev/zero")
     (tmp_path / "loop.txt").symlink_to("loop.txt")
     (tmp_path / "gone.txt").symlink_to(tmp_path / "missing.txt")
-    for name, what in [("pipe.txt", "is a FIFO"), ("zero.txt", "is a character device"), ("loop.txt", "symlink loop"),
+    for name, what in [("pipe.txt", "is a FIFO"), ("zero.txt", "is a character device"),
+                       ("loop.txt", "symlink loop"),
                        ("gone.txt", "broken symlink"), ("nope.txt", "does not exist")]:
         with pytest.raises(CorpusError, match=what) as e:
             check_sources([str(tmp_path / name)])
@@ -251,7 +262,8 @@ def test_sources_given_directly_are_checked_before_any_work(tmp_path):
 
 
 def test_unreadable_file_and_directory_are_counted(tmp_path, monkeypatch):
-    """Root can read a chmod 000 file, so the open and the listing are made to fail as they would for others."""
+    """Root can read a chmod 000 file, so the open and the listing are made to
+    fail as they would for others."""
     root = tmp_path / "tree"
     (root / "locked").mkdir(parents=True)
     (root / "good.py").write_text(GOOD)
@@ -303,7 +315,8 @@ def test_directory_symlinks_are_not_followed(tmp_path):
     docs = [d.text for d in iter_documents([str(root)], CorpusOptions(), stats)]
     assert docs == [GOOD] and stats.skipped == {"symlinked_dir": 2}
     # The target given as its own input is read (the top of a walk may be a symlink).
-    assert [d.text for d in iter_documents([str(root / "b")], CorpusOptions(dedup="none"), CorpusStats())] == [GOOD]
+    assert [d.text
+            for d in iter_documents([str(root / "b")], CorpusOptions(dedup="none"), CorpusStats())] == [GOOD]
 
 
 # -- staging directories left by killed writers -------------------------------------------------------------
@@ -366,7 +379,8 @@ def test_publish_kill_during_delete_leaves_only_garbage(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         atomic.publish(tmp, out)
     assert (out / "v").read_text() == "2"
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [tmp.name]  # a .tmp-, never an .old-
+    # a .tmp-, never an .old-
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [tmp.name]
     monkeypatch.undo()
     atomic.publish(atomic.staging_dir(out), out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
@@ -430,7 +444,8 @@ def tiny_model_cfg(tok_dir: Path):
     from codeforge.models.gpt import GPTConfig
     from codeforge.tokenizer import CodeTokenizer
     tok = CodeTokenizer.load(tok_dir)
-    return GPTConfig(vocab_size=64 * -(-tok.vocab_size // 64), block_size=64, n_layer=2, n_head=2, n_embd=32), tok
+    return GPTConfig(vocab_size=64 * -(-tok.vocab_size // 64), block_size=64, n_layer=2, n_head=2,
+                     n_embd=32), tok
 
 
 @pytest.fixture
@@ -440,7 +455,8 @@ def tiny_run(tmp_path, tokenizer_dir) -> tuple[Path, Path]:
     from codeforge.models import build_model
     m, tok = tiny_model_cfg(tokenizer_dir)
     run = tmp_path / "run"
-    ck = save_checkpoint(run, 1, build_model(m), {"model": m.to_dict(), "train": {}, "tokenizer_hash": tok.hash},
+    ck = save_checkpoint(run, 1, build_model(m),
+                         {"model": m.to_dict(), "train": {}, "tokenizer_hash": tok.hash},
                          {}, {"tokenizer": tokenizer_dir}, keep_last=1)
     return run, ck
 
@@ -466,15 +482,18 @@ BIG = {"24x4096": dict(n_layer=24, n_embd=4096, n_head=32),
 
 @pytest.mark.parametrize("big,command", [("24x4096", "generate"), ("24x4096", "export"), ("24x4096", "train"),
                                          ("range-maxima", "generate")])
-def test_declared_model_the_weights_do_not_hold_is_refused_before_it_is_built(tiny_run, tmp_path, big, command,
-                                                                              data_dir):
+def test_declared_model_the_weights_do_not_hold_is_refused_before_it_is_built(
+    tiny_run, tmp_path, big, command, data_dir
+):
     """Before: the model was built first (24 x 4096: 19 GB of float32; the maxima: 36 TB) and the command
     allocated until killed, here until the 3 GiB cap (MemoryError traceback)."""
     run, ck = tiny_run
     edit_model_config(ck, **BIG[big])
     args = {"generate": ["generate", "--run", str(run), "--prompt", "x", "--max-new-tokens", "2"],
-            "export": ["export", "--run", str(run), "--format", "hf", "--out", str(tmp_path / "hf"), "--no-verify"],
-            "train": ["train", "--data", str(data_dir), "--out", str(tmp_path / "ft"), "--init-from", str(run),
+            "export": ["export", "--run", str(run), "--format", "hf", "--out", str(tmp_path / "hf"),
+                       "--no-verify"],
+            "train": ["train", "--data", str(data_dir), "--out", str(tmp_path / "ft"), "--init-from",
+                      str(run),
                       "--max-iters", "1", "--device", "cpu", "--no-progress", "--no-tensorboard"]}[command]
     line = error_line(capped_cli(*args).stderr)
     assert str(ck / "model.safetensors") in line and "config.json" in line and "model.n_embd" in line
@@ -510,7 +529,8 @@ def test_model_bigger_than_the_memory_there_is_is_refused_with_the_numbers(tiny_
     refused for the memory it would take, here the 3 GiB address-space cap. Before: built until the cap."""
     run, ck = tiny_run
     m, _ = tiny_model_cfg(ck / "tokenizer")
-    big = type(m)(**{**m.to_dict(), "n_layer": 12, "n_embd": 2048, "n_head": 16, "n_kv_head": 16, "ffn_hidden": 8192})
+    big = type(m)(**{**m.to_dict(), "n_layer": 12, "n_embd": 2048, "n_head": 16, "n_kv_head": 16,
+                     "ffn_hidden": 8192})
     edit_model_config(ck, manifest=False, **big.to_dict())
     params = sparse_weights(ck / "model.safetensors", big)
     line = error_line(capped_cli("generate", "--run", str(run), "--prompt", "x").stderr)
@@ -518,7 +538,8 @@ def test_model_bigger_than_the_memory_there_is_is_refused_with_the_numbers(tiny_
     assert f"{params:,} parameters" in line and "needs about" in line and "RLIMIT_AS" in line
 
 
-@pytest.mark.parametrize("where", ["tokenizer/tokenizer.json", "manifest.json", "config.json", "model.safetensors"])
+@pytest.mark.parametrize("where",
+                         ["tokenizer/tokenizer.json", "manifest.json", "config.json", "model.safetensors"])
 def test_a_fifo_in_a_checkpoint_is_refused_not_waited_on(tiny_run, where):
     """Before: opening a FIFO for reading waits for a writer, forever (the test's timeout)."""
     run, ck = tiny_run
@@ -531,7 +552,8 @@ def test_a_fifo_in_a_checkpoint_is_refused_not_waited_on(tiny_run, where):
 
 
 def test_a_fifo_pointer_is_passed_over(tiny_run):
-    """`latest` is a hint: a FIFO in its place is unreadable like a missing one, and the newest step is used."""
+    """`latest` is a hint: a FIFO in its place is unreadable like a missing one,
+    and the newest step is used."""
     run, ck = tiny_run
     (run / "checkpoints" / "latest").unlink()
     os.mkfifo(run / "checkpoints" / "latest")
@@ -548,7 +570,8 @@ def test_a_link_out_of_a_checkpoint_is_refused(tiny_run, tmp_path, capsys):
     (ck / "tokenizer" / "tokenizer_config.json").symlink_to(secret)
     rehash(ck)
     from codeforge.cli import main
-    assert main(["export", "--run", str(run), "--format", "hf", "--out", str(tmp_path / "hf"), "--no-verify"]) == 2
+    assert main(["export", "--run", str(run), "--format", "hf", "--out", str(tmp_path / "hf"),
+                 "--no-verify"]) == 2
     line = error_line(capsys.readouterr().err)
     assert f"{ck / 'tokenizer' / 'tokenizer_config.json'} is a link to {secret}, outside {ck}" in line
     assert not (tmp_path / "hf").exists()
@@ -580,7 +603,8 @@ def test_a_model_config_out_of_range_gets_one_line(tiny_run, capsys, case):
 
 @pytest.mark.parametrize("text,words", [("[1, 2]", "is a list, not an object"),
                                         ('{"model": [1]}', "model is a list, not an object"),
-                                        ('{"train": {}}', "has no model section"), ("{no json", "is not JSON")])
+                                        ('{"train": {}}', "has no model section"),
+                                        ("{no json", "is not JSON")])
 def test_a_config_json_that_is_no_config_gets_one_line(tiny_run, capsys, text, words):
     from codeforge.cli import main
     run, ck = tiny_run
@@ -633,8 +657,8 @@ def hf_dir(tiny_run, tmp_path) -> Path:
     from codeforge.models.gpt import GPTConfig
     m = GPTConfig(**cfg["model"])
     llama = tmp_path / "llama-run"
-    save_checkpoint(llama, 1, build_model(m), {**cfg, "model": m.to_dict()}, {}, {"tokenizer": ck / "tokenizer"},
-                    keep_last=1)
+    save_checkpoint(llama, 1, build_model(m), {**cfg, "model": m.to_dict()}, {},
+                    {"tokenizer": ck / "tokenizer"}, keep_last=1)
     out = tmp_path / "hf"
     assert main(["export", "--run", str(llama), "--format", "hf", "--out", str(out), "--no-verify"]) == 0
     return out
@@ -663,7 +687,8 @@ def test_import_refuses_a_link_that_leaves_the_model_directory(hf_dir, tmp_path,
 
 
 def test_import_follows_links_of_the_hugging_face_cache(hf_dir, tmp_path):
-    """The hub cache keeps a model's files in blobs/ and links them from snapshots/REV/: that is not leaving."""
+    """The hub cache keeps a model's files in blobs/ and links them from
+    snapshots/REV/: that is not leaving."""
     from codeforge.cli import main
     repo = tmp_path / "hub" / "models--someone--tiny"
     (repo / "blobs").mkdir(parents=True)
@@ -682,13 +707,18 @@ def edit_hf_config(d: Path, **change) -> None:
 
 
 BAD_HF = {  # config.json changes -> words of the error
-    "num_hidden_layers=1e6": ({"num_hidden_layers": 10**6}, "num_hidden_layers = 1000000 (codeforge's model.n_layer) "
+    "num_hidden_layers=1e6": ({"num_hidden_layers": 10**6},
+                              "num_hidden_layers = 1000000 (codeforge's model.n_layer) "
                                                              "is out of range [1, 256]"),
-    "hidden_size='x'": ({"hidden_size": "x"}, "hidden_size = 'x' (codeforge's model.n_embd) is not an integer"),
-    "num_attention_heads=0": ({"num_attention_heads": 0}, "num_attention_heads = 0 (codeforge's model.n_head) is out "
+    "hidden_size='x'": ({"hidden_size": "x"},
+                        "hidden_size = 'x' (codeforge's model.n_embd) is not an integer"),
+    "num_attention_heads=0": ({"num_attention_heads": 0},
+                              "num_attention_heads = 0 (codeforge's model.n_head) is out "
                                                           "of range [1, 256]"),
-    "vocab_size=null": ({"vocab_size": None}, "vocab_size = None (codeforge's model.vocab_size) is not an integer"),
-    "intermediate_size=-3": ({"intermediate_size": -3}, "intermediate_size = -3 (codeforge's model.ffn_hidden) is out "
+    "vocab_size=null": ({"vocab_size": None},
+                        "vocab_size = None (codeforge's model.vocab_size) is not an integer"),
+    "intermediate_size=-3": ({"intermediate_size": -3},
+                             "intermediate_size = -3 (codeforge's model.ffn_hidden) is out "
                                                         "of range"),
 }
 
@@ -724,7 +754,8 @@ def test_import_refuses_a_fifo(hf_dir, tmp_path, name):
     """Before: tokenizer.json as a FIFO waited forever; special_tokens_map.json was a traceback."""
     (hf_dir / name).unlink()
     os.mkfifo(hf_dir / name)
-    line = error_line(capped_cli("import", "--hf", str(hf_dir), "--out", str(tmp_path / "imp"), "--no-verify").stderr)
+    line = error_line(capped_cli("import", "--hf", str(hf_dir), "--out", str(tmp_path / "imp"),
+                                 "--no-verify").stderr)
     assert f"{hf_dir / name} is a FIFO (named pipe), not a regular file" in line
 
 
@@ -761,7 +792,8 @@ def test_the_shapes_a_model_declares_are_those_it_builds():
 
 
 def test_a_checkpoint_linked_from_outside_the_run_is_not_followed(tmp_path, data_dir):
-    """Found in the second hostile review: RUN/checkpoints/step_N as a link to a directory elsewhere was loaded
+    """Found in the second hostile review: RUN/checkpoints/step_N as a link to a
+    directory elsewhere was loaded
     (whatever it names came into the run, its exports and its resumes). Now such a step is passed over like
     a damaged one, and said; RUN/checkpoints itself may still be a link (to a bigger disk)."""
     import shutil
@@ -770,8 +802,8 @@ def test_a_checkpoint_linked_from_outside_the_run_is_not_followed(tmp_path, data
     from codeforge.cli import main
     run = tmp_path / "run"
     assert main(["train", "--data", str(data_dir), "--out", str(run), "--n-layer", "1", "--n-head", "2",
-                 "--n-embd", "32", "--block-size", "32", "--max-iters", "4", "--save-every", "2", "--device", "cpu",
-                 "--no-progress", "--eval-every", "0"]) == 0
+                 "--n-embd", "32", "--block-size", "32", "--max-iters", "4", "--save-every", "2", "--device",
+                 "cpu", "--no-progress", "--eval-every", "0"]) == 0
     ckpts = run / "checkpoints"
     newest = sorted(ckpts.glob("step_*"))[-1]
     assert find_checkpoint(run) == newest

@@ -1,4 +1,5 @@
-"""The hierarchical model (models/hrm.py), its batches (data/hrm_batches.py) and stage (stages/hrm.py): shapes, no
+"""The hierarchical model (models/hrm.py), its batches (data/hrm_batches.py) and
+stage (stages/hrm.py): shapes, no
 position sees the future in any module, decision labels, learning, exact resume, checkpoints, generation."""
 
 import json
@@ -27,10 +28,13 @@ def records(n: int) -> list[dict]:
     for i in range(n):
         if i % 2:
             body = "".join(f"\n    y{j} = x * {i + j}" for j in range(1 + i % 3)) + "\n    return x\n"
-            out.append({"prompt": f'def f{i}(x):\n    """Case {i}."""', "plan": ["assign"] * (1 + i % 3) + ["return"],
-                        "body": body, "language": "python"})
+            out.append({"prompt": f'def f{i}(x):\n    """Case {i}."""',
+                        "plan": ["assign"] * (1 + i % 3) + ["return"], "body": body, "language": "python"})
         else:
-            body = "".join(f"\n\tx{j} := a + {i}" for j in range(1 + i % 3)) + "\n\tfmt.Println(a)\n\treturn a\n}"
+            body = (
+                "".join(f"\n\tx{j} := a + {i}" for j in range(1 + i % 3))
+                + "\n\tfmt.Println(a)\n\treturn a\n}"
+            )
             out.append({"prompt": f"// F{i} adds.\nfunc F{i}(a int) int {{", "body": body,
                         "plan": ["assign"] * (1 + i % 3) + ["call", "return"], "language": "go"})
     return out
@@ -38,7 +42,8 @@ def records(n: int) -> list[dict]:
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """These models are tiny: one thread is fastest, and two threads on a busy 2-core machine are ~100x slower."""
+    """These models are tiny: one thread is fastest, and two threads on a busy
+    2-core machine are ~100x slower."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -61,7 +66,8 @@ def tok(tokenizer_dir):
 
 def tiny_cfg(**kw) -> HRMConfig:
     base = dict(vocab_size=1024, n_embd=32, n_head=2, planner_layers=1, generator_layers=1, refiner_layers=1,
-                plan_len=48, code_len=64, refine_warmup_steps=0, ss_start_step=0, ss_ramp_steps=0, ss_max_prob=0.0)
+                plan_len=48, code_len=64, refine_warmup_steps=0, ss_start_step=0, ss_ramp_steps=0,
+                ss_max_prob=0.0)
     return HRMConfig(**{**base, **kw})
 
 
@@ -184,7 +190,8 @@ def test_loss_decreases(plans_dir, tok):
 
 def _cfg(plans_dir, tokenizer_dir, out, **over):
     flags = {"train.stage": "hrm", "train.data": str(plans_dir), "train.tokenizer": str(tokenizer_dir),
-             "train.out": str(out), "train.batch_size": 4, "train.learning_rate": 2e-3, "train.warmup_steps": 2,
+             "train.out": str(out), "train.batch_size": 4, "train.learning_rate": 2e-3,
+             "train.warmup_steps": 2,
              "train.eval_every": 0, "train.eval_tokens": 64, "train.save_every": 3, "train.log_every": 1,
              "train.progress": False, "train.device": "cpu", "train.tensorboard": False,
              "model.refine_warmup_steps": 2, "model.ss_start_step": 1, "model.ss_ramp_steps": 2,
@@ -198,15 +205,18 @@ def test_resume_exact_and_checkpoint(plans_dir, tokenizer_dir, tmp_path):
     quiet = lambda m: None  # noqa: E731
     run_stage(_cfg(plans_dir, tokenizer_dir, tmp_path / "a", **{"train.max_iters": 6}), log=quiet)
     run_stage(_cfg(plans_dir, tokenizer_dir, tmp_path / "b", **{"train.max_iters": 3}), log=quiet)
-    r = run_stage(_cfg(plans_dir, tokenizer_dir, tmp_path / "b", **{"train.max_iters": 6}), resume=True, log=quiet)
+    r = run_stage(_cfg(plans_dir, tokenizer_dir, tmp_path / "b", **{"train.max_iters": 6}), resume=True,
+                  log=quiet)
     assert r["step"] == 6 and r["val_loss"] is not None
     la = [json.loads(x) for x in open(tmp_path / "a" / "metrics.jsonl")]
     lb = [json.loads(x) for x in open(tmp_path / "b" / "metrics.jsonl")]
     loss = lambda recs: {x["step"]: x["loss"] for x in recs if "loss" in x}  # noqa: E731
     assert loss(la) == loss(lb)
     assert any("val_decision_accuracy" in x for x in la)
-    assert all("train_plan" in x and "train_decision_accuracy" in x for x in la if "loss" in x)  # the parts logged
-    final = [x for x in la if "val_loss" in x][-1]  # generated bodies parsed at each evaluation (syntax_cases)
+    # the parts logged
+    assert all("train_plan" in x and "train_decision_accuracy" in x for x in la if "loss" in x)
+    # generated bodies parsed at each evaluation (syntax_cases)
+    final = [x for x in la if "val_loss" in x][-1]
     assert 0 <= final["val_syntax_valid_rate"] <= 1 and 0 <= final["val_avg_iterations"] <= 3
     # the checkpoints hold the same weights; they load by arch through checkpoint.py
     ma, tok, ck, cfg = load_model(tmp_path / "a", torch.device("cpu"))
@@ -226,7 +236,8 @@ def test_resume_exact_and_checkpoint(plans_dir, tokenizer_dir, tmp_path):
 
 def test_config_by_arch(tmp_path):
     m = resolve(["hrm-small"]).model
-    assert isinstance(m, HRMConfig) and (m.n_embd, m.n_head, m.planner_layers, m.generator_layers) == (256, 8, 3, 3)
+    assert isinstance(m, HRMConfig) and (m.n_embd, m.n_head, m.planner_layers,
+                                         m.generator_layers) == (256, 8, 3, 3)
     assert (m.plan_len, m.code_len, m.refine_iters) == (512, 1024, 5)
     with pytest.raises(ConfigError, match="block_size"):
         resolve(["hrm-tiny"], None, ["model.block_size=64"])
@@ -245,13 +256,17 @@ def test_eval_generate_and_engine_on_an_hrm_run(plans_dir, tokenizer_dir, tmp_pa
     assert main(["eval", "--run", str(tmp_path / "r"), "--hrm-cases", "2", "--device", "cpu", "--json"]) == 0
     said = capsys.readouterr()
     r = json.loads(said.out)
-    assert "eval: 2 functions planned, written and refined: done in" in said.err  # progress, not minutes of silence
+    # progress, not minutes of silence
+    assert "eval: 2 functions planned, written and refined: done in" in said.err
     assert "eval: validation of the bodies given their gold plans" in said.err
-    for k in ("val_loss", "bits_per_byte", "plan_accuracy", "code_accuracy", "decision_accuracy", "avg_iterations",
-              "plan_exact", "code_exact", "code_ast_f1", "syntax_valid_rate"):
+    for k in ("val_loss", "bits_per_byte", "plan_accuracy", "code_accuracy", "decision_accuracy",
+              "avg_iterations", "plan_exact", "code_exact", "code_ast_f1", "syntax_valid_rate"):
         assert k in r and 0 <= r[k] < 100, k
     assert r["hrm_cases"] == 2 and 0 <= r["avg_iterations"] <= 5
-    assert json.loads((tmp_path / "r" / "eval.jsonl").read_text().splitlines()[-1])["plan_accuracy"] == r["plan_accuracy"]
+    assert (
+        json.loads((tmp_path / "r" / "eval.jsonl").read_text().splitlines()[-1])["plan_accuracy"]
+        == r["plan_accuracy"]
+    )
     assert main(["generate", "--run", str(tmp_path / "r"), "--prompt", "def f(x):\n", "--show-plan",
                  "--max-new-tokens", "8", "--seed", "0", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
@@ -274,7 +289,11 @@ def test_decoded_scores():
     assert same == {"plan_exact": 1.0, "plan_word_accuracy": 1.0, "code_exact": 1.0, "code_ast_f1": 1.0,
                     "syntax_valid_rate": 1.0, "plan_followed": 1.0}
     empty = plan_and_code_scores([{**gold, "gen_plan": ["return"], "gen_body": ""}])
-    assert empty["syntax_valid_rate"] == 0.0 and empty["plan_followed"] == 0.0 and empty["plan_word_accuracy"] == 0.0
+    assert (
+        empty["syntax_valid_rate"] == 0.0
+        and empty["plan_followed"] == 0.0
+        and empty["plan_word_accuracy"] == 0.0
+    )
     broken = plan_and_code_scores([{**gold, "gen_plan": ["if", "{"], "gen_body": "    if x\n"}])
     assert broken["syntax_valid_rate"] == 0.0 and broken["plan_word_accuracy"] == 2 / 5
 
@@ -287,7 +306,8 @@ def test_a_short_hrm_run_scores_fewer_validation_tokens(plans_dir, tokenizer_dir
 
     from codeforge.evaluation.lm import EVAL_FLOOR
     said = []
-    run_stage(_cfg(plans_dir, tokenizer_dir, tmp_path / "r", **{"train.max_iters": 2, "train.eval_tokens": 10**6}),
+    run_stage(_cfg(plans_dir, tokenizer_dir, tmp_path / "r",
+                   **{"train.max_iters": 2, "train.eval_tokens": 10**6}),
               log=said.append)
     assert any(f"evaluation: up to {EVAL_FLOOR:,} validation tokens each (of --eval-tokens 1,000,000)" in m
                for m in said), said

@@ -34,7 +34,8 @@ PKG = "codeforge"
 # Longest prefix wins.
 def read_layers() -> list[tuple[str, int]]:
     """The layer table of codeforge/__init__.py's docstring (the one place it is written), as (module pattern,
-    layer): `models/` is every module of that package, `corpus` one module; the package __init__ is layer 0."""
+    layer): `models/` is every module of that package, `corpus` one module; the
+    package __init__ is layer 0."""
     doc = ast.get_docstring(ast.parse((ROOT / "__init__.py").read_text()))
     out: list[tuple[str, int]] = [("codeforge", 0)]
     for line in doc.splitlines():
@@ -169,7 +170,8 @@ def _parse_file(path: Path, src: str, modules: dict[str, Path], graph: Graph) ->
                 if node.level - 1 >= len(parts):
                     base = "." * node.level + (node.module or "")  # above the top level: not codeforge
                 else:
-                    base = ".".join(parts[:len(parts) - (node.level - 1)] + ([node.module] if node.module else []))
+                    base = ".".join(parts[:len(parts) - (node.level - 1)]
+                                    + ([node.module] if node.module else []))
             else:
                 base = node.module or ""
             if base != PKG and not base.startswith(PKG + "."):

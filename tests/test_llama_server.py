@@ -25,8 +25,11 @@ pytestmark = pytest.mark.slow
 
 
 def llama_server() -> str:
-    path = os.environ.get("CODEFORGE_LLAMA_SERVER") or (str(binary_path()) if binary_path().exists() else None) \
+    path = (
+        os.environ.get("CODEFORGE_LLAMA_SERVER")
+        or (str(binary_path()) if binary_path().exists() else None)
         or shutil.which("llama-server")
+    )
     if not path:
         pytest.skip("llama-server is not built: python benchmarks/build_llama_server.py")
     return path
@@ -53,7 +56,8 @@ def servers(tmp_path_factory, tokenizer_dir):
     procs = []
     urls = []
     try:
-        for name, argv in (("llama", [binary, "-m", str(gguf), "-c", "192", "-b", "64", "-ub", "64", "-n", "16",
+        for name, argv in (("llama",
+                            [binary, "-m", str(gguf), "-c", "192", "-b", "64", "-ub", "64", "-n", "16",
                                       "-t", "2",
                                       "--host", "127.0.0.1"]),
                            ("codeforge", [sys.executable, "-m", "codeforge", "serve", "--run", str(run),
@@ -62,7 +66,8 @@ def servers(tmp_path_factory, tokenizer_dir):
             port = free_port()
             log = tmp / f"{name}.log"
             with open(log, "wb") as f:
-                procs.append(subprocess.Popen(argv + ["--port", str(port)], stdout=f, stderr=subprocess.STDOUT))
+                procs.append(subprocess.Popen(argv + ["--port", str(port)], stdout=f,
+                                              stderr=subprocess.STDOUT))
             urls.append(f"http://127.0.0.1:{port}")
             wait_healthy(procs[-1], urls[-1], log, name, seconds=180)
         yield urls
@@ -90,8 +95,8 @@ def test_infill_builds_llama_servers_prompt_and_writes_its_middle(servers, i):
     llama, ours = servers
     body = {**REQUESTS[i], "n_predict": 12, "temperature": 0, "top_k": 1, "seed": 0, "cache_prompt": False}
     theirs, mine = post(llama + "/infill", body), post(ours + "/infill", body)
-    print(f"\nrequest {i}: llama-server {theirs['tokens_evaluated']} tokens -> {theirs['content']!r}; codeforge "
-          f"{mine['tokens_evaluated']} -> {mine['content']!r} (truncated: {mine['truncated']})")
+    print(f"\nrequest {i}: llama-server {theirs['tokens_evaluated']} tokens -> {theirs['content']!r}; "
+          f"codeforge {mine['tokens_evaluated']} -> {mine['content']!r} (truncated: {mine['truncated']})")
     assert theirs["tokens_predicted"] > 0 and mine["tokens_predicted"] == theirs["tokens_predicted"]
     assert mine["tokens_evaluated"] == theirs["tokens_evaluated"], (theirs, mine)
     assert mine["content"] == theirs["content"], (theirs, mine)
@@ -100,8 +105,8 @@ def test_infill_builds_llama_servers_prompt_and_writes_its_middle(servers, i):
 
 
 def test_eval_repo_scores_the_gguf_in_llama_server_as_the_run(tmp_path, tokenizer_dir):
-    """`eval --repo --gguf` starts the real llama-server itself; greedy on the f32 export, its scores equal the
-    run's own, with the other files as context and without."""
+    """`eval --repo --gguf` starts the real llama-server itself; greedy on the f32 export, its scores equal
+    the run's own, with the other files as context and without."""
     from test_repo_eval import py_file
     binary = llama_server()
     repo = tmp_path / "myrepo"
@@ -141,15 +146,21 @@ def test_a_lora_runs_merged_gguf_continues_as_codeforge_does(tmp_path, tokenizer
     assert main(["export", "--run", str(tmp_path / "ft"), "--format", "gguf", "--out", str(gguf)]) == 0
     model, tok, _, _ = load_model(tmp_path / "ft", torch.device("cpu"), "latest")
     start = load_model(base, torch.device("cpu"), "latest")[0]
-    eng, eng0 = Engine(model, tok, torch.device("cpu"), "fp32"), Engine(start, tok, torch.device("cpu"), "fp32")
+    eng, eng0 = (
+        Engine(model, tok, torch.device("cpu"), "fp32"),
+        Engine(start, tok, torch.device("cpu"), "fp32"),
+    )
     p = SamplingParams(max_new_tokens=24, temperature=0, stop_at_eot=False)
     moved = 0
     with running(str(gguf), binary, log=lambda m: None) as url:
-        for text in ("def add(a, b):\n    return", "import os\n\nclass Store:\n    def __init__(self, root):\n"):
+        for text in ("def add(a, b):\n    return",
+                     "import os\n\nclass Store:\n    def __init__(self, root):\n"):
             prompt = tok.encode(text)
             ours = [s[0] for s in eng.generate_ids([prompt], p)]
             moved += ours != [s[0] for s in eng0.generate_ids([prompt], p)]
-            theirs = post(url + "/completion", {"prompt": prompt, "n_predict": 24, "temperature": 0, "top_k": 1,
-                                                "cache_prompt": False, "return_tokens": True, "ignore_eos": True})
+            theirs = post(url + "/completion",
+                          {"prompt": prompt, "n_predict": 24, "temperature": 0, "top_k": 1,
+                                                "cache_prompt": False, "return_tokens": True,
+                                                "ignore_eos": True})
             assert theirs["tokens"] == ours, (text, theirs["tokens"], ours)
     assert moved  # the adapters changed what the model writes

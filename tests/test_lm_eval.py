@@ -44,7 +44,8 @@ from codeforge.engine import SamplingParams
 from test_serve import base_run, serving  # noqa: F401  (base_run: the tiny trained run fixture, reused)
 
 pytest.importorskip("lm_eval", reason="lm-eval is a dev dependency (pip install -e '.[dev]')")
-pytest.importorskip("tenacity", reason="lm-eval's API models need its [api] extra: pip install 'lm-eval[api]'")
+pytest.importorskip("tenacity",
+                    reason="lm-eval's API models need its [api] extra: pip install 'lm-eval[api]'")
 
 TASK_DIR = Path(__file__).parent / "lm_eval_tasks"
 REPO = Path(__file__).parent.parent
@@ -115,7 +116,7 @@ def test_lm_eval_harness_against_server(base_run, tmp_path, monkeypatch, backend
         assert out is not None and set(out["results"]) == {"codeforge_mc", "codeforge_gen"}
         samples = out["samples"]
 
-        # -- multiple choice: every choice's loglikelihood and is_greedy --------------------------------------
+        # -- multiple choice: every choice's loglikelihood and is_greedy -------------------------------------
         mc = samples["codeforge_mc"]
         assert len(mc) == 5
         correct = 0
@@ -130,12 +131,15 @@ def test_lm_eval_harness_against_server(base_run, tmp_path, monkeypatch, backend
                 assert cont and len(ctx) + len(cont) <= eng.block_size - 1  # nothing truncated on either side
                 ref_ll, ref_greedy = score(eng, ctx, cont)
                 assert math.isclose(float(ll), ref_ll, abs_tol=1e-4), (context, continuation, ll, ref_ll)
-                assert greedy in (True, "True") if ref_greedy else greedy in (False, "False"), (context, continuation)
+                assert greedy in (True, "True") if ref_greedy else greedy in (False, "False"), (
+                    context,
+                    continuation,
+                )
                 refs.append(ref_ll)
             correct += max(range(len(refs)), key=refs.__getitem__) == s["doc"]["answer"]
         assert out["results"]["codeforge_mc"]["acc,none"] == pytest.approx(correct / len(mc))
 
-        # -- generate_until: the greedy text, cut at the stop sequences lm-eval sent --------------------------
+        # -- generate_until: the greedy text, cut at the stop sequences lm-eval sent -------------------------
         gen = samples["codeforge_gen"]
         assert len(gen) == 3
         stop = ["\n"] + [lm.eos_string] * (lm.eos_string not in (None, "\n"))  # lm-eval adds the EOS string

@@ -19,9 +19,12 @@ from codeforge.stages import local
 from test_parallel import COMMON, GLOBAL_BATCH, close, losses, records, train
 
 
-def local_train(data_dir, out, ranks: int, *extra: str, steps: int = 8, check=True) -> subprocess.CompletedProcess:
+def local_train(
+    data_dir, out, ranks: int, *extra: str, steps: int = 8, check=True
+) -> subprocess.CompletedProcess:
     args = [sys.executable, "-m", "codeforge", "train", "--data", str(data_dir), "--out", str(out), *COMMON,
-            "--batch-size", str(GLOBAL_BATCH // ranks), "--max-iters", str(steps), "--local-ranks", str(ranks), *extra]
+            "--batch-size", str(GLOBAL_BATCH // ranks), "--max-iters", str(steps), "--local-ranks",
+            str(ranks), *extra]
     r = subprocess.run(args, capture_output=True, text=True, timeout=600)
     if check and r.returncode:
         pytest.fail(f"exit {r.returncode}\n{r.stdout[-1500:]}\n{r.stderr[-3000:]}", pytrace=False)
@@ -40,8 +43,8 @@ def test_local_ranks_equal_one_process_and_resume_as_saved(data_dir, tmp_path):
     assert "1 thread (each of 2 local processes" in r.stdout and "x 2 rank(s)" in r.stdout
     saved = (two / "config.toml").read_text()
     assert "local_ranks = 2" in saved and "batch_size = 4" in saved
-    r = subprocess.run([sys.executable, "-m", "codeforge", "train", "--out", str(two), "--resume", "--max-iters", "12",
-                        "--no-progress"], capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "codeforge", "train", "--out", str(two), "--resume",
+                        "--max-iters", "12", "--no-progress"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "x 2 rank(s)" in r.stdout and "resuming on" not in r.stdout  # the same ranks: nothing to rescale
     assert max(losses(two)) == 12
@@ -90,7 +93,8 @@ def test_refusals(monkeypatch):
     assert local.launches(cfg)
 
 
-@pytest.mark.parametrize("cores,batch,want", [(1, 16, 1), (2, 16, 2), (3, 16, 2), (8, 16, 4), (2, 3, 1), (4, 6, 3)])
+@pytest.mark.parametrize("cores,batch,want",
+                         [(1, 16, 1), (2, 16, 2), (3, 16, 2), (8, 16, 4), (2, 3, 1), (4, 6, 3)])
 def test_auto_ranks_divide_the_batch_and_follow_the_cores(monkeypatch, cores, batch, want):
     monkeypatch.setattr(local, "usable_cores", lambda: cores)
     monkeypatch.setattr(local, "_gpu_visible", lambda: False)
@@ -114,7 +118,8 @@ def test_held_and_alone_threads_restore_what_was_set():
 
 def test_rank0s_own_error_is_not_blamed_on_the_other_ranks(data_dir, tmp_path):
     """Rank 0 fails by itself (the run directory is in use by another training): the error is rank 0's, said
-    once; the other rank, which then loses rank 0, is not named as the cause and its traceback is not shown."""
+    once; the other rank, which then loses rank 0, is not named as the cause and
+    its traceback is not shown."""
     from codeforge.rundir import run_lock
     out = tmp_path / "run"
     out.mkdir()

@@ -25,7 +25,8 @@ def base(data_dir, tmp_path_factory):
 
 
 def lora_cfg(data_dir, out, base, **over):
-    return cfg_for(data_dir, out, **{"train__init_from": str(base), "train__lora_rank": 4, "train__lora_alpha": 8,
+    return cfg_for(data_dir, out,
+                   **{"train__init_from": str(base), "train__lora_rank": 4, "train__lora_alpha": 8,
                                      "train__learning_rate": 1e-2, **over})
 
 
@@ -34,7 +35,8 @@ def test_only_the_adapters_train_and_the_checkpoint_is_an_ordinary_model(data_di
     r = train_run(lora_cfg(data_dir, out, base, train__max_iters=8))
     assert r["step"] == 8
     ck = find_checkpoint(out, "latest")
-    # 2 blocks x 4 layers (attention q/k/v and output, MLP in and out) x (A, B); every adapter trained: PEFT starts each B at zero, so a non-zero B is the optimizer's doing
+    # 2 blocks x 4 layers (attention q/k/v and output, MLP in and out) x (A, B); every adapter trained: PEFT
+    # starts each B at zero, so a non-zero B is the optimizer's doing
     tensors = lora.read_adapter(ck)[1]
     assert len(tensors) == 2 * 4 * 2 and all(v.abs().sum() > 0 for k, v in tensors.items() if "lora_B" in k)
     conf = json.loads((ck / lora.ADAPTER_CONFIG).read_text())
@@ -45,7 +47,9 @@ def test_only_the_adapters_train_and_the_checkpoint_is_an_ordinary_model(data_di
     merged, tok, _, cfg = load_model(out, torch.device("cpu"), "latest")
     start, _, _, _ = load_model(base, torch.device("cpu"), "latest")
     ms, ss = merged.state_dict(), start.state_dict()
-    assert torch.equal(ms["wte.weight"], ss["wte.weight"]) and torch.equal(ms["ln_f.weight"], ss["ln_f.weight"])
+    assert torch.equal(ms["wte.weight"], ss["wte.weight"]) and torch.equal(
+        ms["ln_f.weight"], ss["ln_f.weight"]
+    )
     changed = [k for k in ms if not torch.equal(ms[k], ss[k])]
     assert changed and all(k.split(".")[-2] in lora.TARGETS for k in changed), changed
     assert cfg["lora_base"]["checkpoint"] == str(find_checkpoint(base, "auto").resolve())
@@ -87,8 +91,10 @@ def test_a_resumed_lora_run_is_the_straight_one(data_dir, base, tmp_path, monkey
     b = load_model(tmp_path / "b", torch.device("cpu"), "latest")[0].state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     # the same targets listed in another order are the same run (one spelling of the set)
-    assert lora_cfg(data_dir, tmp_path / "b", base, train__lora_targets="c_proj, c_fc,c_attn").train.lora_targets \
+    assert (
+        lora_cfg(data_dir, tmp_path / "b", base, train__lora_targets="c_proj, c_fc,c_attn").train.lora_targets
         == "c_attn,c_fc,c_proj"
+    )
     # another rank asked on resume: refused, the adapters' shapes are the run's
     with pytest.raises(ConfigError, match="lora_rank"):
         train_run(cfg_for(data_dir, tmp_path / "b", train__init_from=str(base), train__lora_rank=8,
@@ -114,15 +120,19 @@ def test_lora_bad_settings_say_what_to_do(data_dir, base, tmp_path):
     with pytest.raises(ConfigError, match="--lora-targets is empty"):
         lora_cfg(data_dir, tmp_path / "w", base, train__lora_targets=" , ")
     # stages that do not train adapters refuse the option rather than fine-tune every weight
-    with pytest.raises(ConfigError, match=r"language-model stages \(pretrain, code, sft, tools\); --stage dpo"):
+    with pytest.raises(ConfigError,
+                       match=r"language-model stages \(pretrain, code, sft, tools\); --stage dpo"):
         lora_cfg(data_dir, tmp_path / "v", base, train__stage="dpo")
 
 
-def test_lora_on_an_imported_qwen2_with_its_own_fim_tokens_exports_merged(tmp_path, tokenizer_dir, code_corpus):
-    """The path of a downloaded open code model, at tiny size: a Qwen2 checkpoint whose tokenizer spells its FIM
+def test_lora_on_an_imported_qwen2_with_its_own_fim_tokens_exports_merged(
+    tmp_path, tokenizer_dir, code_corpus
+):
+    """The path of a downloaded open code model, at tiny size: a Qwen2 checkpoint
+    whose tokenizer spells its FIM
     tokens Qwen2.5-Coder's way (<|fim_prefix|>), imported; its data prepared with its tokenizer; LoRA with FIM
-    on the same loader; the merged HF export computes in transformers what codeforge computes, and the GGUF and
-    the Ollama Modelfile carry the model's own FIM tokens."""
+    on the same loader; the merged HF export computes in transformers what codeforge computes, and the GGUF
+    and the Ollama Modelfile carry the model's own FIM tokens."""
     import transformers
 
     from codeforge.cli import main
@@ -147,21 +157,28 @@ def test_lora_on_an_imported_qwen2_with_its_own_fim_tokens_exports_merged(tmp_pa
     assert fim_id is not None and imp_tok.special_ids["<fim_prefix>"] == fim_id
     assert imp_tok.tok.token_to_id("<fim_prefix>") is None
     data = tmp_path / "data"
-    assert main(["prepare", "--input", str(code_corpus), "--tokenizer", str(find_checkpoint(tmp_path / "imp", "auto")
+    assert main(["prepare", "--input", str(code_corpus), "--tokenizer",
+                 str(find_checkpoint(tmp_path / "imp", "auto")
                                                                               / "tokenizer"),
                  "--out", str(data), "--val-fraction", "0.2"]) == 0
-    assert main(["train", "--data", str(data), "--out", str(tmp_path / "ft"), "--init-from", str(tmp_path / "imp"),
-                 "--lora-rank", "4", "--lora-alpha", "8", "--fim-rate", "0.5", "--max-iters", "3", "--batch-size", "2",
+    assert main(["train", "--data", str(data), "--out", str(tmp_path / "ft"), "--init-from",
+                 str(tmp_path / "imp"),
+                 "--lora-rank", "4", "--lora-alpha", "8", "--fim-rate", "0.5", "--max-iters", "3",
+                 "--batch-size", "2",
                  "--eval-every", "0", "--learning-rate", "0.01", "--no-tensorboard", "--no-progress",
                  "--device", "cpu"]) == 0
     merged, _, ck, cfg = load_model(tmp_path / "ft", torch.device("cpu"), "latest")
     assert cfg["train"]["lora_rank"] == 4 and (ck / lora.ADAPTER_FILE).exists()
     # an editor's raw FIM prompt in the model's own spelling is read as its FIM tokens (serve's completions)
     from codeforge.engine import Engine
-    ids = Engine(merged, imp_tok, torch.device("cpu"), "fp32")._encode_prompt("<|fim_prefix|>a = <|fim_suffix|>\n<|fim_middle|>")
+
+    ids = Engine(merged, imp_tok, torch.device("cpu"), "fp32")._encode_prompt(
+        "<|fim_prefix|>a = <|fim_suffix|>\n<|fim_middle|>"
+    )
     assert ids[0] == fim_id and imp_tok.special_ids["<fim_middle>"] == ids[-1]
     out = tmp_path / "hf"
-    assert main(["export", "--run", str(tmp_path / "ft"), "--format", "hf", "--out", str(out), "--no-verify"]) == 0
+    assert main(["export", "--run", str(tmp_path / "ft"), "--format", "hf", "--out", str(out),
+                 "--no-verify"]) == 0
     again = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     idx = torch.tensor([imp_tok.encode("def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n")[:20]])
     with torch.no_grad():
@@ -181,8 +198,8 @@ def test_plan_counts_the_adapters_alone_as_trained():
     from codeforge.config import resolve
     from codeforge.train.memory import GIB, estimate, fits, report
     shape = {"model.n_layer": 28, "model.n_embd": 1536, "model.n_head": 12, "model.n_kv_head": 2,
-             "model.ffn_hidden": 8960, "model.vocab_size": 151936, "model.block_size": 2048, "train.batch_size": 1,
-             "train.grad_checkpointing": True, "train.loss_chunk_rows": 512}
+             "model.ffn_hidden": 8960, "model.vocab_size": 151936, "model.block_size": 2048,
+             "train.batch_size": 1, "train.grad_checkpointing": True, "train.loss_chunk_rows": 512}
     full = resolve(["qwen-small", "12gb-card"], None, [], shape)
     lo = resolve(["qwen-small", "12gb-card"], None, [], {**shape, "train.lora_rank": 16})
     pf, pl = estimate(full.model, full.train, 1, "fp16"), estimate(lo.model, lo.train, 1, "fp16")
@@ -203,8 +220,12 @@ def test_the_adapter_alone_goes_out_small_and_comes_back_merged(data_dir, base, 
     assert main(["export", "--run", str(run), "--format", "adapter", "--out", str(out)]) == 0
     assert sorted(p.name for p in out.iterdir()) == sorted([lora.ADAPTER_FILE, lora.ADAPTER_CONFIG,
                                                             "codeforge_adapter.json"])
-    assert sum(p.stat().st_size for p in out.iterdir()) < (find_checkpoint(run, "auto") / "model.safetensors").stat().st_size
-    assert main(["import", "--adapter", str(out), "--base", str(base), "--out", str(tmp_path / "merged")]) == 0
+    assert (
+        sum(p.stat().st_size for p in out.iterdir())
+        < (find_checkpoint(run, "auto") / "model.safetensors").stat().st_size
+    )
+    assert main(["import", "--adapter", str(out), "--base", str(base), "--out",
+                 str(tmp_path / "merged")]) == 0
     capsys.readouterr()
     a = load_model(run, torch.device("cpu"), "auto")[0].state_dict()
     b = load_model(tmp_path / "merged", torch.device("cpu"), "auto")[0].state_dict()
@@ -221,7 +242,8 @@ def test_the_adapter_alone_goes_out_small_and_comes_back_merged(data_dir, base, 
 
 
 def test_quickstart_from_an_open_model_with_lora_in_one_command(tmp_path, tokenizer_dir, capsys):
-    """`codeforge quickstart --corpus MYREPO --from-hf DIR --lora-rank R`: import, prepare with the model's own
+    """`codeforge quickstart --corpus MYREPO --from-hf DIR --lora-rank R`:
+    import, prepare with the model's own
     tokenizer, LoRA on the code, the scores on the held-out files (bits per byte and eval --repo's line)."""
     from codeforge.export.hf import write_tokenizer_files
     from codeforge.quickstart import run_quickstart
@@ -240,7 +262,9 @@ def test_quickstart_from_an_open_model_with_lora_in_one_command(tmp_path, tokeni
     assert "fill-in-the-middle on your held-out files" in printed and "base:" not in printed
     assert (out / "tokenizer" / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
     ck = find_checkpoint(out / "run", "latest")
-    assert (ck / lora.ADAPTER_FILE).exists() and json.loads((ck / "config.json").read_text())["model"]["n_kv_head"] == 2
+    assert (ck / lora.ADAPTER_FILE).exists() and json.loads((ck / "config.json").read_text())["model"][
+        "n_kv_head"
+    ] == 2
     assert r["bits_per_byte"] > 0
 
 
@@ -258,5 +282,6 @@ def test_codeforge_serve_serves_a_lora_run_as_its_adapters_compute(data_dir, bas
     want = Engine(unmerged, tok, torch.device("cpu"), "fp32").generate(
         ["def add(a, b):"], SamplingParams(max_new_tokens=12, temperature=0))[0]
     with serving(run) as live:
-        r = live.client.completions.create(model="tiny", prompt="def add(a, b):", max_tokens=12, temperature=0)
+        r = live.client.completions.create(model="tiny", prompt="def add(a, b):", max_tokens=12,
+                                           temperature=0)
     assert r.choices[0].text == want

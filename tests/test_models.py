@@ -40,7 +40,8 @@ def test_forward_shapes_groups_and_init(kw):
     x = torch.randint(0, 300, (3, 16))
     assert m(x).shape == (3, 16, 300)
     loss = m(x, torch.randint(0, 300, (3, 16)))
-    assert loss.ndim == 0 and abs(loss.item() - torch.log(torch.tensor(300.0)).item()) < 0.5  # ~uniform at init
+    # ~uniform at init
+    assert loss.ndim == 0 and abs(loss.item() - torch.log(torch.tensor(300.0)).item()) < 0.5
     groups = m.optim_groups(0.1)
     ids = [id(p) for g in groups for p in g["params"]]
     assert len(ids) == len(set(ids)) == len(list(m.parameters()))
@@ -142,8 +143,8 @@ def test_adamw8bit_refused_on_cpu():
 
 
 def test_muon_takes_the_hidden_matrices_and_trains():
-    """optimizer muon: the blocks' 2-D weights go to torch.optim.Muon at muon_lr, embeddings and gains stay with
-    AdamW at the base rate; both follow the schedule, and the loss falls."""
+    """optimizer muon: the blocks' 2-D weights go to torch.optim.Muon at muon_lr, embeddings and gains stay
+    with AdamW at the base rate; both follow the schedule, and the loss falls."""
     from codeforge.train.optim import set_lr
     m = small()
     opt = build_optimizer(m, "muon", 1e-3, 0.1, (0.9, 0.95), torch.device("cpu"), muon_lr=0.02)
@@ -167,8 +168,11 @@ def test_muon_takes_the_hidden_matrices_and_trains():
     assert loss.item() < first - 1.0
 
 
-def _muon_steps(kind, seed: int = 0, steps: int = 4, adjust_lr_fn: str = "original") -> tuple[list[torch.Tensor], dict]:
-    """Weights after `steps` updates of a few matrices (square, tall, wide) by Muon `kind` on fixed gradients."""
+def _muon_steps(
+    kind, seed: int = 0, steps: int = 4, adjust_lr_fn: str = "original"
+) -> tuple[list[torch.Tensor], dict]:
+    """Weights after `steps` updates of a few matrices (square, tall, wide) by
+    Muon `kind` on fixed gradients."""
     g = torch.Generator().manual_seed(seed)
     ws = [torch.nn.Parameter(torch.randn(*shape, generator=g)) for shape in ((16, 16), (48, 16), (16, 40))]
     opt = kind([{"params": ws, "weight_decay": 0.01}], lr=0.02, momentum=0.95, nesterov=True,

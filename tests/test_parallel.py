@@ -22,20 +22,24 @@ from codeforge.train.resume import check_resume
 
 GLOBAL_BATCH = 8
 COMMON = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--log-every", "1",
-          "--no-progress", "--device", "cpu", "--eval-every", "4", "--save-every", "4", "--eval-tokens", "2048",
-          "--schedule", "constant", "--warmup-steps", "2"]
+          "--no-progress", "--device", "cpu", "--eval-every", "4", "--save-every", "4", "--eval-tokens",
+          "2048", "--schedule", "constant", "--warmup-steps", "2"]
 TOL = 2e-5  # float32 sums taken in another order (per rank, then all-reduced)
 
 
 def train(data_dir, out, ranks: int, *extra: str, steps: int = 8, check=True) -> subprocess.CompletedProcess:
-    """`codeforge train` on `ranks` CPU processes (torchrun; plain python for 1), global batch GLOBAL_BATCH."""
+    """`codeforge train` on `ranks` CPU processes (torchrun; plain python for
+    1), global batch GLOBAL_BATCH."""
     args = ["-m", "codeforge", "train", "--data", str(data_dir), "--out", str(out), *COMMON,
             "--batch-size", str(GLOBAL_BATCH // ranks), "--max-iters", str(steps), *extra]
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                 str(ranks)]
                 if ranks > 1 else [sys.executable])
     r = subprocess.run(launcher + args, capture_output=True, text=True, timeout=600)
-    if check and r.returncode != 0:  # a rank's own error lines first: torchrun's summary at the end hides them
-        why = [x for x in r.stderr.splitlines() if any(w in x for w in ("rror", "terminate", "what()", "bort"))]
+    # a rank's own error lines first: torchrun's summary at the end hides them
+    if check and r.returncode != 0:
+        why = [x for x in r.stderr.splitlines()
+               if any(w in x for w in ("rror", "terminate", "what()", "bort"))]
         pytest.fail(f"exit {r.returncode}\n--- the ranks' error lines:\n" + "\n".join(why[-30:])
                     + f"\n--- stdout:\n{r.stdout[-1500:]}\n--- stderr:\n{r.stderr[-3000:]}", pytrace=False)
     return r
@@ -72,7 +76,9 @@ def test_fsdp_equals_ddp_and_one_process(data_dir, tmp_path, ranks):
     assert close({r["step"]: r["val_loss"] for r in records(tmp_path / "fsdp") if "val_loss" in r}, val)
     # each rank wrote its own shard of the weights and optimizer state; no whole-model file
     ck = ckpt_io.find_checkpoint(tmp_path / "fsdp", train_state=True)
-    assert sorted(p.name for p in (ck / "sharded").glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(ranks)]
+    assert sorted(p.name for p in (ck / "sharded").glob("*.distcp")) == [
+        f"__{r}_0.distcp" for r in range(ranks)
+    ]
     assert not (ck / "model.safetensors").exists() and ckpt_io.verify_checkpoint(ck) is None
 
 
@@ -85,7 +91,8 @@ def test_fsdp_ranks_take_rank0s_weights(data_dir, tmp_path):
     base = tmp_path / "base"
     train(data_dir, base, 1, *rope, steps=4)
     one = train(data_dir, tmp_path / "one", 1, *rope, "--init-from", str(base), steps=4)
-    fsdp = train(data_dir, tmp_path / "fsdp", 2, *rope, "--init-from", str(base), "--parallel", "fsdp", steps=4)
+    fsdp = train(data_dir, tmp_path / "fsdp", 2, *rope, "--init-from", str(base), "--parallel", "fsdp",
+                 steps=4)
     assert "initialised weights from" in one.stdout and "initialised weights from" in fsdp.stdout
     assert close(losses(tmp_path / "fsdp"), losses(tmp_path / "one"))
     val = {r["step"]: r["val_loss"] for r in records(tmp_path / "one") if "val_loss" in r}
@@ -118,7 +125,8 @@ def test_sharded_resume_exact_and_resharded(data_dir, tmp_path):
     four = tmp_path / "four"
     train(data_dir, four, 4, "--parallel", "fsdp", steps=4)
     r = train(data_dir, four, 2, "--parallel", "fsdp", "--batch-size", "2", "--resume")
-    assert "resuming on 2 rank(s), saved on 4" in r.stdout and "batch 2 x accumulation 2 x 2 rank(s)" in r.stdout
+    assert "resuming on 2 rank(s), saved on 4" in r.stdout and ("batch 2 x accumulation "
+                                                                "2 x 2 rank(s)") in r.stdout
     assert close(losses(four), ref)
     # a sharded checkpoint also resumes under DDP (each rank loads the whole model and optimizer from it)
     train(data_dir, tmp_path / "to_ddp", 2, "--parallel", "ddp", "--resume")
@@ -172,15 +180,16 @@ def test_sharded_checkpoint_serves_inference(data_dir, tmp_path):
     train(data_dir, run, 2, "--parallel", "fsdp", steps=4)
     model, tok, ck, cfg = ckpt_io.load_model(run, torch.device("cpu"), "final")
     assert ckpt_io.is_sharded(ck)
-    r = validation_loss(model, ShardSet(data_dir, "val"), 32, tok.special_ids, 2048, torch.device("cpu"), "fp32",
-                        token_byte_lengths(tok, cfg["model"]["vocab_size"]))
+    r = validation_loss(model, ShardSet(data_dir, "val"), 32, tok.special_ids, 2048, torch.device("cpu"),
+                        "fp32", token_byte_lengths(tok, cfg["model"]["vocab_size"]))
     saved = [x["val_loss"] for x in records(run) if x.get("step") == 4 and "val_loss" in x][0]
     assert abs(r["val_loss"] - saved) < 1e-5, (r["val_loss"], saved)
     g = subprocess.run([sys.executable, "-m", "codeforge", "generate", "--run", str(run), "--prompt", "def ",
-                        "--max-new-tokens", "8", "--device", "cpu"], capture_output=True, text=True, timeout=300)
+                        "--max-new-tokens", "8", "--device", "cpu"], capture_output=True, text=True,
+                       timeout=300)
     assert g.returncode == 0 and g.stdout.startswith("def "), g.stderr[-2000:]
-    e = subprocess.run([sys.executable, "-m", "codeforge", "export", "--run", str(run), "--format", "hf", "--out",
-                        str(tmp_path / "hf")], capture_output=True, text=True, timeout=300)
+    e = subprocess.run([sys.executable, "-m", "codeforge", "export", "--run", str(run), "--format", "hf",
+                        "--out", str(tmp_path / "hf")], capture_output=True, text=True, timeout=300)
     assert e.returncode == 0, e.stderr[-2000:]
     from safetensors.torch import load_file
     exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
@@ -191,11 +200,13 @@ def test_killed_rank_ends_the_job_with_a_clear_message(data_dir, tmp_path):
     """kill -9 of rank 1 mid-run: rank 0 says it lost the other ranks and where the last checkpoint is, and
     the job ends (a hang would run into the subprocess timeout)."""
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc_per_node", "2",
                              "-m", "codeforge", "train", "--data", str(data_dir), "--out", str(out), *COMMON,
                              "--batch-size", "4", "--max-iters", "1000000", "--parallel", "fsdp",
                              "--dist-timeout", "30"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
         latest = out / "checkpoints" / "latest"
         deadline = time.time() + 240
@@ -239,7 +250,8 @@ def test_two_nodes_on_loopback(data_dir, tmp_path):
                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "cf-test",
                    "-m", "codeforge", "train", "--data", str(data_dir), "--out", str(out), *COMMON,
                    "--batch-size", "4", "--max-iters", "4", "--parallel", "fsdp"]
-    nodes = [subprocess.Popen(cmd(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    nodes = [subprocess.Popen(cmd(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
     texts = []
     try:
         for p in nodes:
@@ -293,7 +305,8 @@ def test_resume_on_other_world_size_keeps_the_global_batch(tmp_path):
     notes, accum = check_resume(ck, now)
     assert accum == 2 and "global batch stays 12" in notes[0]
     now = {**saved, "train": dict(saved["train"]), "world_size": 8}  # 12 sequences over 8 ranks of 3: no
-    with pytest.raises(ConfigError, match=r"global batch 3 x 1 x 4 rank\(s\) = 12 sequences -> 3 x 1 x 8 = 24"):
+    with pytest.raises(ConfigError,
+                       match=r"global batch 3 x 1 x 4 rank\(s\) = 12 sequences -> 3 x 1 x 8 = 24"):
         check_resume(ck, now)
     (ck / "config.json").write_text(json.dumps({**saved, "world_size": 4, "data_identity": {"chat": True}}))
     now = {**saved, "train": dict(saved["train"]), "world_size": 2, "data_identity": {"chat": True}}
@@ -305,8 +318,10 @@ def test_fsdp_refusals(tmp_path, monkeypatch):
     from codeforge.models import build_model
     from codeforge.stages import run as run_stage
     from codeforge.train.trainer import Trainer, TrainingError
-    cfg = resolve([], None, [], {"model.n_layer": 2, "model.n_head": 2, "model.n_embd": 64, "model.block_size": 32,
-                                 "model.vocab_size": 256, "train.parallel": "fsdp", "train.optimizer": "muon"})
+    cfg = resolve([], None, [],
+                  {"model.n_layer": 2, "model.n_head": 2, "model.n_embd": 64, "model.block_size": 32,
+                                 "model.vocab_size": 256, "train.parallel": "fsdp",
+                                 "train.optimizer": "muon"})
     with pytest.raises(TrainingError, match="--parallel fsdp trains with adamw, not muon"):
         Trainer(build_model(cfg.model), iter(()), None, cfg.train, tmp_path, device=torch.device("cpu"),
                 precision="fp32", total_steps=1, tokens_per_step=1, run_config={}, rank=0, world=2)
@@ -347,7 +362,8 @@ def test_background_checkpoints_are_snapshots(data_dir, tmp_path):
 def test_fsdp_composes_with_compile_and_checkpointing(data_dir, tmp_path):
     """torch.compile per block and activation checkpointing under FSDP: the same losses as plain FSDP."""
     train(data_dir, tmp_path / "plain", 2, "--parallel", "fsdp", steps=4)
-    train(data_dir, tmp_path / "both", 2, "--parallel", "fsdp", "--compile", "--gradient-checkpointing", steps=4)
+    train(data_dir, tmp_path / "both", 2, "--parallel", "fsdp", "--compile", "--gradient-checkpointing",
+          steps=4)
     assert close(losses(tmp_path / "both"), losses(tmp_path / "plain"))
 
 
@@ -356,7 +372,8 @@ def test_auto_chooses_fsdp_only_when_ddp_does_not_fit():
     cpu, gib = torch.device("cpu"), 2**30
     assert choose_mode("auto", 4, cpu, (30 * gib, 10 * gib, 24 * gib))[0] == "fsdp"
     assert choose_mode("auto", 4, cpu, (10 * gib, 5 * gib, 24 * gib))[0] == "ddp"
-    assert choose_mode("auto", 4, cpu, (60 * gib, 30 * gib, 24 * gib))[0] == "ddp"  # neither fits: the default
+    # neither fits: the default
+    assert choose_mode("auto", 4, cpu, (60 * gib, 30 * gib, 24 * gib))[0] == "ddp"
     assert choose_mode("auto", 4, cpu, None)[0] == "ddp"
     assert choose_mode("fsdp", 1, cpu)[0] == "none" and choose_mode("ddp", 2, cpu)[0] == "ddp"
 
@@ -373,11 +390,13 @@ def test_plan_command(capsys):
     assert p.rows["parameters"] == (4 * 1_034_344_000, 4 * 1_034_344_000 / 8)
     assert p.rows["optimizer state"][1] == 8 * 1_034_344_000 / 8
     assert p.total("fsdp") < p.total("ddp")
-    ck = estimate(cfg.model, resolve(["large"], None, [], {"train.grad_checkpointing": True}).train, 8, "bf16")
+    ck = estimate(cfg.model, resolve(["large"], None, [], {"train.grad_checkpointing": True}).train, 8,
+                  "bf16")
     assert ck.rows["activations"][0] < p.rows["activations"][0] / 3  # the logits stay
     assert main(["plan", "--preset", "medium", "--world-size", "2", "--gpu-memory", "80"]) == 0
     assert "-> --parallel ddp (the default)" in capsys.readouterr().out
-    assert main(["plan", "--preset", "medium", "--world-size", "2", "--gpu-memory", "1", "--optimizer", "muon"]) == 0
+    assert main(["plan", "--preset", "medium", "--world-size", "2", "--gpu-memory", "1", "--optimizer",
+                 "muon"]) == 0
     assert "FSDP trains with AdamW, not muon" in capsys.readouterr().out
     assert main(["plan", "--preset", "medium", "--world-size", "0"]) != 0
     assert "--world-size 0" in capsys.readouterr().err
@@ -415,7 +434,7 @@ def test_ranks_wait_for_rank0_longer_than_the_training_timeout(tmp_path):
         "torch.distributed.barrier()\n"
         f"open(f'{tmp_path}/got{{torch.distributed.get_rank()}}', 'w').write(str(got))\n"
         "teardown_distributed()\n")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        str(script)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                        "2", str(script)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert [(tmp_path / f"got{rank}").read_text() for rank in (0, 1)] == ["/run/step_000008"] * 2

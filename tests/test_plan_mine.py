@@ -299,7 +299,8 @@ def test_parse_plan_agrees_with_records_and_reads_snippets(tree):
     go_file = "package p\n\nimport \"fmt\"\n\nvar v = 1\n\nfunc A() {}\n\nfunc B() { fmt.Println() }\n"
     assert parse_plan(go_file, "go") == ["import", "var", "def", "def"]  # a file: its top level
     assert parse_plan("\tif a {\n\t\treturn\n\t}\n", "go") == ["if", "{", "return", "}"]  # no closing brace
-    assert parse_plan("def f(x):\n    '''Doc.'''\n    return x\n", "python") == ["return"]  # doc in the prompt
+    # doc in the prompt
+    assert parse_plan("def f(x):\n    '''Doc.'''\n    return x\n", "python") == ["return"]
     # the cap matches the miner's
     assert parse_plan("a()\nb()\nc()\nd()\n", "python", max_plan_words=3) == ["call", "call", "..."]
 
@@ -330,14 +331,17 @@ def test_plan_text_single_stream():
 def test_plan_words_vocabulary():
     assert isinstance(PLAN_WORDS, tuple) and len(set(PLAN_WORDS)) == len(PLAN_WORDS)
     assert all(isinstance(w, str) and w and " " not in w for w in PLAN_WORDS)
-    assert {"{", "}", "...", "assign", "call", "return", "if", "elif", "else", "for", "while", "try", "except",
-            "finally", "with", "raise", "yield", "break", "continue", "defer", "go", "select", "switch", "case",
-            "var", "const", "expr"} <= set(PLAN_WORDS)
+    assert {"{", "}", "...", "assign", "call", "return", "if", "elif", "else", "for", "while", "try",
+            "except",
+            "finally", "with", "raise", "yield", "break", "continue", "defer", "go", "select", "switch",
+            "case", "var", "const", "expr"} <= set(PLAN_WORDS)
 
 
 def test_split_is_by_hash_stable_and_matches_sft(tree, tmp_path):
     train, val, _ = mine_plans([str(tree)], val_fraction=0.5)
-    assert train and val and all(r["split"] == "train" for r in train) and all(r["split"] == "val" for r in val)
+    assert (
+        train and val and all(r["split"] == "train" for r in train) and all(r["split"] == "val" for r in val)
+    )
     split = {r["name"]: r["split"] for r in train + val}
     # adding files moves no function to the other split, and the same run gives the same records
     more = tmp_path / "more"
@@ -351,7 +355,8 @@ def test_split_is_by_hash_stable_and_matches_sft(tree, tmp_path):
     # the hash is sft_mine's: a documented function held out from SFT is held out here too
     _, heldout, _ = mine_sft([str(tree)], heldout_fraction=0.5)
     assert heldout and {r["meta"]["name"] for r in heldout} <= {r["name"] for r in val}
-    assert split["Min"] == split_of(content_hash(SET_GO[SET_GO.index("func Min"):SET_GO.index("\treturn b\n}") + 12]),
+    assert split["Min"] == split_of(content_hash(SET_GO[SET_GO.index("func Min"):SET_GO.index("\treturn b\n}")
+                                                        + 12]),
                                     0.5)
     # another seed is another, equally deterministic split
     salted = mine_plans([str(tree)], val_fraction=0.5, seed=7)
@@ -412,8 +417,11 @@ def test_write_plans_atomic_and_refuses_existing(tree, tmp_path):
     with pytest.raises(PlanMineError, match="already exists"):
         write_plans([str(tree)], empty)
     write_plans([str(tree)], out, overwrite=True, languages=["go"])
-    assert len((out / "train.jsonl").read_text().splitlines()) + len((out / "val.jsonl").read_text().splitlines()) \
+    assert (
+        len((out / "train.jsonl").read_text().splitlines())
+        + len((out / "val.jsonl").read_text().splitlines())
         == 5
+    )
     nothing = tmp_path / "nothing"
     nothing.mkdir()
     (nothing / "x.py").write_text("x = 1\n")
@@ -425,8 +433,8 @@ def test_write_plans_atomic_and_refuses_existing(tree, tmp_path):
 
 def test_cli_make_plans(tree, tmp_path, capsys):
     out = tmp_path / "plans"
-    argv = ["make-plans", "--input", str(tree), "--out", str(out), "--exclude-tests", "--max-plan-words", "64",
-            "--languages", "go", "python"]
+    argv = ["make-plans", "--input", str(tree), "--out", str(out), "--exclude-tests", "--max-plan-words",
+            "64", "--languages", "go", "python"]
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert f"mined {len(PLANS)} plan records" in text and str(out) in text

@@ -1,9 +1,10 @@
-"""The web playground (codeforge/serve/static/playground.html) in a real headless browser against the real server.
+"""The web playground (codeforge/serve/static/playground.html) in a real headless
+browser against the real server.
 
 A tiny run is trained, `python -m codeforge serve` is started on a free port, and Debian's chromium, driven by
 Selenium through chromium-driver, loads the page the server gives at `/`: the model's name and context length
-appear, a completion streams into #output in more than one step, fill-in-the-middle sends the suffix, chat adds
-the two turns, a server error is shown in the page, and a screenshot is saved to the test's tmp_path.
+appear, a completion streams into #output in more than one step, fill-in-the-middle sends the suffix, chat
+adds the two turns, a server error is shown in the page, and a screenshot is saved to the test's tmp_path.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ pytestmark = [
     pytest.mark.skipif(not _has_server(), reason="codeforge.serve (the HTTP server) is not in this checkout"),
 ]
 
-# Records what the page sends (test-side instrumentation: the page calls the global fetch at call time) and every
-# length #output takes while a reply streams in.
+# Records what the page sends (test-side instrumentation: the page calls the global fetch at call time) and
+# every length #output takes while a reply streams in.
 INSTRUMENT = """
 window.__requests = [];
 const realFetch = window.fetch;
@@ -68,7 +69,8 @@ def run_dir(tmp_path_factory, data_dir) -> Path:
     from codeforge.cli import main
     out = tmp_path_factory.mktemp("playground") / "run"
     rc = main(["train", "--data", str(data_dir), "--out", str(out), "--n-layer", "1", "--n-head", "2",
-               "--n-embd", "32", "--block-size", "64", "--max-iters", "2", "--device", "cpu", "--no-progress"])
+               "--n-embd", "32", "--block-size", "64", "--max-iters", "2", "--device", "cpu",
+               "--no-progress"])
     assert rc == 0
     return out
 
@@ -164,12 +166,15 @@ def test_page_shows_model_name_and_context_length(server, browser):
     assert ctx == 64, f"the server does not say the run's context length (64): {m}"
     assert _by_id(browser, "context-length").text == "64"
     assert _by_id(browser, "error").text == ""
-    # the examples follow the run's language; a pretrained-only run says in chat mode what it can and cannot do
+    # the examples follow the run's language; a pretrained-only run says in chat
+    # mode what it can and cannot do
     want = {"python": "def fibonacci(n):", "go": "func Fibonacci(n int) int {"}[m["language"]]
     assert _by_id(browser, "prompt").get_attribute("placeholder") == want and m["chat"] is False
     assert not _by_id(browser, "chat-note").is_displayed()
     _mode(browser, "chat")
-    assert _by_id(browser, "chat-note").is_displayed() and "only pretrained" in _by_id(browser, "chat-note").text
+    assert (
+        _by_id(browser, "chat-note").is_displayed() and "only pretrained" in _by_id(browser, "chat-note").text
+    )
     _mode(browser, "completion")
     assert _severe_console(browser) == []
 
@@ -184,12 +189,14 @@ def test_run_language_follows_the_data(tmp_path, tokenizer_dir):
     src = tmp_path / "golib"
     src.mkdir()
     for i in range(12):
-        (src / f"f{i}.go").write_text(f"package lib\n\n// F{i} returns x.\nfunc F{i}(x int) int {{\n\treturn x + {i}\n}}\n")
+        (src / f"f{i}.go").write_text(f"package lib\n\n// F{i} returns x.\nfunc "
+                                      f"F{i}(x int) int {{\n\treturn x + {i}\n}}\n")
     (src / "README.md").write_text("# lib\n\nA small library.\n")
     tok = CodeTokenizer.load(tokenizer_dir)
     for langs, name in ((None, "any"), (["go"], "go")):
         data = tmp_path / f"data-{name}"
-        prepare([str(src)], tokenizer_dir, data, CorpusOptions(languages=langs, val_fraction=0.3), log=lambda m: None)
+        prepare([str(src)], tokenizer_dir, data, CorpusOptions(languages=langs, val_fraction=0.3),
+                log=lambda m: None)
         assert run_language({"train": {"data": str(data)}}, tok) == "go"
     assert run_language({"train": {"data": str(tmp_path / "gone")}}, tok) is None
 
@@ -278,7 +285,7 @@ def test_api_key_is_kept_and_sent_as_bearer(server, browser):
     assert browser.execute_script("return localStorage.getItem('codeforge.playground.apiKey')") is None
 
 
-# -- special tokens and the stats line (issue 29) ------------------------------------------------------------------
+# -- special tokens and the stats line (issue 29) ------------------------------------------------------------
 
 # A stand-in for the server's /v1/completions (the tiny model seldom emits a special token on its own): the
 # reply's text holds <fim_middle>, <|endoftext|> and <|im_end|>, one of them cut between two network reads.
@@ -313,7 +320,8 @@ def _chunk(text, finish=None) -> str:
 
 def _wait_specials(d, source: str) -> None:
     from selenium.webdriver.support.ui import WebDriverWait
-    WebDriverWait(d, 10).until(lambda d: d.execute_script("return window.codeforgePlayground.specialsSource()")
+    WebDriverWait(d, 10).until(lambda d: d.execute_script("return "
+                                                          "window.codeforgePlayground.specialsSource()")
                                == source)
 
 
@@ -325,11 +333,13 @@ def test_special_tokens_come_from_tokenizer_info_and_are_stripped(server, browse
     tokens = browser.execute_script("return window.codeforgePlayground.specialTokens()")
     assert sorted(tokens) == sorted(info["special_tokens"])
     strip = "return window.codeforgePlayground.stripSpecial(arguments[0], arguments[1])"
-    assert browser.execute_script(strip, "a<fim_middle>b<|endoftext|>c<|im_end|>\nd<fim_suffix>", False) == "abc\nd"
+    assert browser.execute_script(strip, "a<fim_middle>b<|endoftext|>c<|im_end|>\nd<fim_suffix>",
+                                  False) == "abc\nd"
     # what is not a special token stays, a tag-like or a comparison included
     code = "if a < b and x<y: return '<div>' + '<|not_special|>'"
     assert browser.execute_script(strip, code, False) == code
-    # while streaming, a tail that may be a special token's start waits for the next event; at the end it shows
+    # while streaming, a tail that may be a special token's start waits for the
+    # next event; at the end it shows
     assert browser.execute_script(strip, "x = 1\n<fim_mi", True) == "x = 1\n"
     assert browser.execute_script(strip, "x = 1\n<fim_mi", False) == "x = 1\n<fim_mi"
     assert browser.execute_script(strip, "a < b", True) == "a < b"
@@ -403,7 +413,7 @@ def test_stats_line_is_reset_on_mode_switch(server, browser):
     assert _severe_console(browser) == []
 
 
-# -- the API key stays with the server that served the page (issue 42) ---------------------------------------------
+# -- the API key stays with the server that served the page (issue 42) ---------------------------------------
 
 def test_the_key_never_goes_to_another_origin(server, browser):
     """Found in the second hostile review: with a key stored, `/?base=https://elsewhere` sent
@@ -452,7 +462,8 @@ def test_the_key_never_goes_to_another_origin(server, browser):
         time.sleep(0.5)
         assert reached == [], reached  # nothing, not even a connection, reached the other origin
         assert _severe_console(browser) == [] or all("steal" in m for m in _severe_console(browser))
-        # the server's own origin followed by "//other": fetch would read "//127.0.0.1:PORT/..." as another host
+        # the server's own origin followed by "//other": fetch would read
+        # "//127.0.0.1:PORT/..." as another host
         # (found in review; only the CSP stopped it); the page now keeps one leading slash of the path
         browser.get(f"{server}/?base={server}//127.0.0.1:{port}")
         WebDriverWait(browser, 30).until(lambda d: _by_id(d, "model").text not in ("", "loading…"))

@@ -22,13 +22,15 @@ def test_bradley_terry_by_hand():
 
 
 def test_dpo_by_hand():
-    loss, m = L.dpo_loss(torch.tensor([-1.0]), torch.tensor([-2.0]), torch.tensor([-1.5]), torch.tensor([-1.5]), 0.5)
+    loss, m = L.dpo_loss(torch.tensor([-1.0]), torch.tensor([-2.0]), torch.tensor([-1.5]),
+                         torch.tensor([-1.5]), 0.5)
     # implicit rewards 0.5 * (-1 + 1.5) = 0.25 and 0.5 * (-2 + 1.5) = -0.25; loss = -log sigmoid(0.5)
     assert close(m["reward_chosen"], 0.25) and close(m["reward_rejected"], -0.25) and close(m["margin"], 0.5)
     assert close(loss, math.log(1 + math.exp(-0.5))) and close(loss, 0.474077)
     assert close(m["pair_accuracy"], 1.0)
     # the reference cancels: equal policy and reference give log 2 whatever the log-probs are
-    same, m0 = L.dpo_loss(torch.tensor([-3.0]), torch.tensor([-7.0]), torch.tensor([-3.0]), torch.tensor([-7.0]), 0.1)
+    same, m0 = L.dpo_loss(torch.tensor([-3.0]), torch.tensor([-7.0]), torch.tensor([-3.0]),
+                          torch.tensor([-7.0]), 0.1)
     assert close(same, math.log(2))
     assert close(m0["pair_accuracy"], 0.0) and close(m0["pair_ties"], 1.0)  # a tie: counted, and told apart
     assert close(m["pair_ties"], 0.0)
@@ -62,7 +64,8 @@ def test_group_advantages_by_hand():
     want = [0.5 / (s + 1e-4), -0.5 / (s + 1e-4)] * 1
     assert torch.allclose(a[:4], torch.tensor([want[0], want[1], want[1], want[0]]), atol=1e-5)
     assert torch.equal(a[4:], torch.zeros(4))  # all the same: no signal
-    assert torch.allclose(L.group_advantages(torch.tensor([3.0, 1.0]), 2, scale=False), torch.tensor([1.0, -1.0]))
+    assert torch.allclose(L.group_advantages(torch.tensor([3.0, 1.0]), 2, scale=False),
+                          torch.tensor([1.0, -1.0]))
     with pytest.raises(ValueError, match="groups of 3"):
         L.group_advantages(torch.ones(4), 3)
 
@@ -84,8 +87,8 @@ def test_kl_k3_and_value_loss_by_hand():
     k = L.kl_k3(torch.log(torch.tensor([0.5])), torch.log(torch.tensor([0.25])))
     assert close(k, 0.5 + math.log(2) - 1)  # exp(d) - d - 1 with d = log 0.5
     assert close(L.kl_k3(torch.tensor([-1.0]), torch.tensor([-1.0])), 0.0)
-    v = L.clipped_value_loss(torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 0.0]]), torch.tensor([[0.5, 1.0]]),
-                             torch.ones(1, 2), clip=0.2)
+    v = L.clipped_value_loss(torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 0.0]]),
+                             torch.tensor([[0.5, 1.0]]), torch.ones(1, 2), clip=0.2)
     # token 0: max((1-.5)^2, (0.2-.5)^2) = 0.25; token 1: max(1, 1) = 1; 0.5 * mean = 0.3125
     assert close(v, 0.3125)
 

@@ -112,7 +112,8 @@ def test_every_kind_found_and_keeps_its_promise(language):
 
 @pytest.mark.parametrize("language", ["python", "go"])
 def test_semantic_edits_never_touch_strings_or_comments(language):
-    for kind, v in all_variants(SOURCES[language], language, kinds=["operator", "off_by_one", "dropped_branch"]):
+    for kind, v in all_variants(SOURCES[language], language,
+                                kinds=["operator", "off_by_one", "dropped_branch"]):
         for text in TEXTS[language]:
             assert v.count(text) == 1, (kind, v)
     text_only = PY_TEXT_ONLY if language == "python" else GO_TEXT_ONLY
@@ -292,7 +293,8 @@ def test_per_function_spreads_kinds_and_max_pairs_caps(corpus):
         kinds = [r["meta"]["kind"] for r in rows]
         possible = mutate(rows[0]["chosen"][0]["content"], rows[0]["meta"]["language"], random.Random(0))
         assert len(kinds) == min(4, len(possible))
-        assert len(set(kinds)) == min(len(kinds), len({k for k, _ in possible})), (name, kinds)  # no repeat early
+        # no repeat early
+        assert len(set(kinds)) == min(len(kinds), len({k for k, _ in possible})), (name, kinds)
     assert {r["meta"]["kind"] for r in train if r["meta"]["name"] == "Abs"} == set(KINDS)
     assert len({r["rejected"][0]["content"] for r in train}) == len(train)
     semantic, _, _ = mine_pairs([str(corpus)], kinds=["operator", "off_by_one", "dropped_branch"])
@@ -351,7 +353,8 @@ def test_pairs_from_tasks_candidates():
         assert r["chosen"] == [{"role": "assistant", "content": task["solution"]}]
         assert r["meta"]["language"] == "python" and r["meta"]["kind"] in KINDS
     skipped = Counter()
-    assert pairs_from_tasks([{"id": "x", "prompt": "p", "solution": "def f(:", "tests": ""}], skipped=skipped) == []
+    assert pairs_from_tasks([{"id": "x", "prompt": "p", "solution": "def f(:", "tests": ""}],
+                            skipped=skipped) == []
     assert skipped == {"unparseable": 1}
     assert pairs_from_tasks([{"id": "y", "prompt": "p", "tests": "assert True"}], skipped=skipped) == []
     assert skipped == {"unparseable": 1, "no_solution": 1}
@@ -367,7 +370,8 @@ def test_check_pairs_by_tests_keeps_only_behaviour_changes():
     differs = count_up.replace("i <= n", "i < n")
 
     def row(task_id, chosen, rejected):
-        return {"prompt": [{"role": "user", "content": "p"}], "chosen": [{"role": "assistant", "content": chosen}],
+        return {"prompt": [{"role": "user", "content": "p"}],
+                "chosen": [{"role": "assistant", "content": chosen}],
                 "rejected": [{"role": "assistant", "content": rejected}],
                 "meta": {"kind": "operator", "language": "python", "task_id": task_id}}
 
@@ -386,7 +390,8 @@ def test_check_pairs_by_tests_keeps_only_behaviour_changes():
 # -- reading pairs users bring ---------------------------------------------------------------------------
 
 def write_jsonl(path, rows):
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows),
+                    encoding="utf-8")
     return path
 
 
@@ -432,7 +437,8 @@ BAD_ROWS = [
     ([1, 2], "bad_type", "JSON object"),
     ({"prompt": [USER], "chosen": [GOOD, BAD], "rejected": [BAD]}, "bad_message", "exactly one assistant"),
     ({"prompt": [USER], "chosen": [USER], "rejected": [BAD]}, "bad_message", "is a user message"),
-    ({"prompt": [{"role": "robot", "content": "x"}], "chosen": "a", "rejected": "b"}, "bad_message", "'robot'"),
+    ({"prompt": [{"role": "robot", "content": "x"}], "chosen": "a", "rejected": "b"}, "bad_message",
+     "'robot'"),
     ({"prompt": [USER, GOOD], "chosen": "a", "rejected": "b"}, "bad_message", "ends with an assistant"),
     ({"chosen": "4", "rejected": "5"}, "no_prompt", "no 'prompt'"),
     ({"chosen": [GOOD], "rejected": [BAD]}, "no_prompt", "share no leading messages"),

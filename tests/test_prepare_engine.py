@@ -34,7 +34,8 @@ def _files(d: Path) -> dict[str, bytes]:
 
 
 def _same_meta(a: dict, b: dict) -> None:
-    assert {k: v for k, v in a.items() if k not in VARYING} == {k: v for k, v in b.items() if k not in VARYING}
+    assert {k: v for k, v in a.items() if k not in VARYING} == {k: v for k, v in b.items()
+                                                                if k not in VARYING}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,8 @@ def planted(tmp_path_factory, code_corpus) -> Path:
     (root / "base").mkdir()
     (root / "copies").mkdir()
     for i in range(12):
-        text = make_go_file(rng, 100 + i) + "".join(f"// note {j} on the design of part {i}\n" for j in range(80))
+        text = make_go_file(rng, 100 + i) + "".join(f"// note {j} on the design of part {i}\n"
+                                                    for j in range(80))
         (root / "base" / f"b{i}.go").write_text(text)
         lines = text.splitlines(keepends=True)
         lines[len(lines) // 2] = "// one line changed here\n"
@@ -62,7 +64,8 @@ def test_workers_do_not_change_the_shards(tmp_path, code_corpus, planted, tokeni
     opts = CorpusOptions(dedup="near", redact_secrets=True, redact_pii=True, decontaminate=["humaneval"],
                          val_fraction=0.2)
     said: list[str] = []
-    one = prepare(sources, tokenizer_dir, tmp_path / "one", opts, log=_quiet, workers=1, tasks=5, repo_fim=0.5)
+    one = prepare(sources, tokenizer_dir, tmp_path / "one", opts, log=_quiet, workers=1, tasks=5,
+                  repo_fim=0.5)
     three = prepare(sources, tokenizer_dir, tmp_path / "three", opts, log=said.append, workers=3, tasks=5,
                     repo_fim=0.5)
     assert any("on 3 worker(s)" in m for m in said)  # the read, near and encode stages ran 3 at once
@@ -78,7 +81,8 @@ def test_workers_do_not_change_the_shards(tmp_path, code_corpus, planted, tokeni
         ss = ShardSet(tmp_path / "one", split)
         stream = np.concatenate(ss.arrays) if ss.arrays else np.zeros(0, dtype=np.uint16)
         starts = ss.doc_starts()
-        assert len(starts) == ss.documents and all(stream[e - 1] == tok.eot_id for e in list(starts[1:]) + [len(stream)])
+        assert len(starts) == ss.documents and all(stream[e - 1] == tok.eot_id for e in list(starts[1:])
+                                                   + [len(stream)])
         text += tok.decode(stream.tolist())
     assert "AKIAIOSFODNN7REALKEY1" not in text and "jane.doe@gmail.com" not in text and "8.8.4.4" not in text
     assert "REDACTED_EMAIL_ADDRESS" in text and "REDACTED_AWS_ACCESS_KEY" in text
@@ -150,9 +154,12 @@ def test_kill_9_then_the_same_command_resumes(tmp_path, code_corpus, planted, to
     for r, mtime in kept.items():  # a finished task was not run again (its output is untouched)
         assert not (work / "docs").exists() or (work / "docs" / f"{r}.jsonl").stat().st_mtime_ns == mtime
     assert not work.exists()
-    os.killpg(p.pid, signal.SIGKILL)  # the engine's idle helpers (its manager, fork server) left by the first run
-    opts = CorpusOptions(dedup="near", redact_secrets=True, decontaminate=["humaneval"])  # the command's defaults
-    prepare([str(code_corpus), str(planted)], tokenizer_dir, tmp_path / "clean", opts, log=_quiet, workers=1, tasks=12)
+    # the engine's idle helpers (its manager, fork server) left by the first run
+    os.killpg(p.pid, signal.SIGKILL)
+    # the command's defaults
+    opts = CorpusOptions(dedup="near", redact_secrets=True, decontaminate=["humaneval"])
+    prepare([str(code_corpus), str(planted)], tokenizer_dir, tmp_path / "clean", opts, log=_quiet, workers=1,
+            tasks=12)
     assert _files(out) == _files(tmp_path / "clean")
     for s in ("train", "val"):
         ShardSet(out, s)  # every shard whole: its size matches meta.json
@@ -170,13 +177,15 @@ def test_kill_keeps_finished_work_before_the_rerun(tmp_path, code_corpus, tokeni
 
     monkeypatch.setattr(pipeline.EncodeShards, "run", flaky)
     with pytest.raises(KeyboardInterrupt):
-        prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(), log=_quiet, workers=1, tasks=4)
+        prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(), log=_quiet, workers=1,
+                tasks=4)
     work = next(tmp_path.glob(".d.prepare-*"))
     assert sorted(f.name for f in (work / "logs" / "encode" / "completions").iterdir()) == ["00000", "00001"]
     ran = []
-    monkeypatch.setattr(pipeline.EncodeShards, "run", lambda self, d, rank=0, ws=1: (ran.append(rank),
-                                                                                      real(self, d, rank, ws))[1])
-    prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(), log=_quiet, workers=1, tasks=4)
+    monkeypatch.setattr(pipeline.EncodeShards, "run",
+                        lambda self, d, rank=0, ws=1: (ran.append(rank), real(self, d, rank, ws))[1])
+    prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(), log=_quiet, workers=1,
+            tasks=4)
     assert ran == [2, 3]
 
 
@@ -198,11 +207,14 @@ def test_slurm_writes_one_job_array_per_stage(tmp_path, code_corpus, tokenizer_d
         prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(dedup="near"), log=_quiet,
                 executor="slurm", tasks=6)
     said = []
-    got = prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(dedup="near"), log=said.append,
-                  executor="slurm", tasks=6, slurm={"partition": "cpu", "time": "01:00:00", "env_command": "true"})
-    assert got is None and not (tmp_path / "d").exists() and any("submitted 7 Slurm job arrays" in m for m in said)
+    got = prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(dedup="near"),
+                  log=said.append, executor="slurm", tasks=6,
+                  slurm={"partition": "cpu", "time": "01:00:00", "env_command": "true"})
+    assert got is None and not (tmp_path / "d").exists() and any("submitted 7 Slurm job arrays" in m
+                                                                 for m in said)
     n_calls = len(list(calls.glob("*.args")))
-    jobs = [(100 + i, (calls / f"{i}.sh").read_text(), (calls / f"{i}.args").read_text()) for i in range(n_calls)]
+    jobs = [(100 + i, (calls / f"{i}.sh").read_text(), (calls / f"{i}.args").read_text())
+            for i in range(n_calls)]
     arrays = [j for j in jobs if "launch_pickled_pipeline" in j[1]]  # (the others merge the engine's stats)
     names = ["read", "exact", "near", "buckets", "clusters", "encode", "merge"]
     sizes = [6, 1, 6, 8, 1, 6, 1]
@@ -218,33 +230,41 @@ def test_slurm_writes_one_job_array_per_stage(tmp_path, code_corpus, tokenizer_d
     with open(work / "logs" / "encode" / "executor.pik", "rb") as f:
         ex = dill.load(f)
     assert ex.tasks == 6 and type(ex.pipeline[-1]).__name__ == "EncodeShards"
-    assert (work / "plan" / "plan.json").exists() and json.loads((work / "plan" / "plan.json").read_text())["tasks"] == 6
+    assert (work / "plan" / "plan.json").exists() and json.loads((work / "plan" / "plan.json").read_text())[
+        "tasks"
+    ] == 6
     # the same command again while those jobs may still run: refused (two chains never share a directory)
     with pytest.raises(pipeline.KeepWork, match="were submitted"):
         prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(dedup="near"), log=_quiet,
                 executor="slurm", tasks=6, slurm={"partition": "cpu"})
-    assert json.loads((work / "submitted.json").read_text())["jobs"] == [str(j[0]) for j in arrays] and work.exists()
+    assert (
+        json.loads((work / "submitted.json").read_text())["jobs"] == [str(j[0]) for j in arrays]
+        and work.exists()
+    )
 
 
 def test_redact_pii_keeps_what_identifies_no_one():
     text, found = redact_pii('to = "bob.smith@company.io"  # cc test@example.com\nip = "93.184.216.34"; '
-                             'lo = "127.0.0.1"; lan = "10.1.2.3"; doc = "192.0.2.1"; v = "2001:4860:4860::8888"\n'
+                             'lo = "127.0.0.1"; lan = "10.1.2.3"; doc = "192.0.2.1"; v = '
+                             '"2001:4860:4860::8888"\n'
                              'version = "1.2.3.4"; std::vector<int> xs; mac = "aa:bb:cc:dd:ee:ff"\n')
     assert found == {"Email Address": 1, "IP Address": 2}
-    for keep in ("test@example.com", "127.0.0.1", "10.1.2.3", "192.0.2.1", 'version = "1.2.3.4"', "std::vector",
-                 "aa:bb:cc:dd:ee:ff"):
+    for keep in ("test@example.com", "127.0.0.1", "10.1.2.3", "192.0.2.1", 'version = "1.2.3.4"',
+                 "std::vector", "aa:bb:cc:dd:ee:ff"):
         assert keep in text
     assert "bob.smith" not in text and "93.184.216.34" not in text and "2001:4860" not in text
 
 
 def test_pii_false_positives_in_code_stay():
-    code = ('y = inputs@self.kernel; h = x@self.weight + b; AssemblyVersion("1.0.0.0"); __version__ = "1.2.3.4"\n'
+    code = ('y = inputs@self.kernel; h = x@self.weight + b; '
+            'AssemblyVersion("1.0.0.0"); __version__ = "1.2.3.4"\n'
             'dead::beef(); ab::cd; face::cafe(); git@github.com:org/repo.git; ssh git@gitlab.com; 12:30:45\n')
     text, found = redact_pii(code)
     assert text == code and not found
 
 
-def test_a_failed_stage_keeps_the_work_and_the_rerun_finishes_it(tmp_path, code_corpus, tokenizer_dir, monkeypatch):
+def test_a_failed_stage_keeps_the_work_and_the_rerun_finishes_it(tmp_path, code_corpus, tokenizer_dir,
+                                                                 monkeypatch):
     real = pipeline.EncodeShards.run
 
     def full_disk(self, data, rank=0, world_size=1):
@@ -253,13 +273,16 @@ def test_a_failed_stage_keeps_the_work_and_the_rerun_finishes_it(tmp_path, code_
         return real(self, data, rank, world_size)
 
     monkeypatch.setattr(pipeline.EncodeShards, "run", full_disk)
-    with pytest.raises(pipeline.StageFailed, match="encode stage failed.*No space left.*run the same command again"):
-        prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(), log=_quiet, workers=1, tasks=3)
+    with pytest.raises(pipeline.StageFailed,
+                       match="encode stage failed.*No space left.*run the same command again"):
+        prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(), log=_quiet, workers=1,
+                tasks=3)
     work = next(tmp_path.glob(".d.prepare-*"))
     assert (work / "logs" / "encode" / "completions" / "00000").exists()
     monkeypatch.setattr(pipeline.EncodeShards, "run", real)
     said = []
-    prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(), log=said.append, workers=1, tasks=3)
+    prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(), log=said.append, workers=1,
+            tasks=3)
     assert any("encode" in m and "1 done before" in m for m in said) and not work.exists()
 
 
@@ -272,7 +295,8 @@ def test_a_busy_work_directory_is_refused_and_kept(tmp_path, code_corpus, tokeni
 
     monkeypatch.setattr(pipeline.EncodeShards, "run", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(), log=_quiet, workers=1, tasks=2)
+        prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(), log=_quiet, workers=1,
+                tasks=2)
     monkeypatch.setattr(pipeline.EncodeShards, "run", real)
     work = next(tmp_path.glob(".d.prepare-*"))
     holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); "
@@ -281,19 +305,22 @@ def test_a_busy_work_directory_is_refused_and_kept(tmp_path, code_corpus, tokeni
     try:  # another process holds the lock, as the first command does while it runs
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(pipeline.KeepWork, match="another prepare is working"):
-            prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(), log=_quiet, workers=1, tasks=2)
+            prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(), log=_quiet, workers=1,
+                    tasks=2)
         assert (work / "plan" / "plan.json").exists()
     finally:
         holder.kill()
         holder.wait()
-    meta = prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(), log=_quiet, workers=1, tasks=2)
+    meta = prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(), log=_quiet, workers=1,
+                   tasks=2)
     assert meta["documents"] > 0 and not work.exists()
 
 
 def test_tasks_are_part_of_the_datasets_identity(tmp_path, code_corpus, tokenizer_dir):
-    a = prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(), log=_quiet, workers=1, tasks=3)
-    b = prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(), log=_quiet, workers=1, tasks=5,
-                overwrite=True)
+    a = prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(), log=_quiet, workers=1,
+                tasks=3)
+    b = prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(), log=_quiet, workers=1,
+                tasks=5, overwrite=True)
     assert (a["engine"]["tasks"], b["engine"]["tasks"]) == (3, 5) and a["fingerprint"] != b["fingerprint"]
     with pytest.raises(ShardError, match="--tasks 5000"):
         prepare([str(code_corpus)], tokenizer_dir, tmp_path / "e", CorpusOptions(), log=_quiet, tasks=5000)

@@ -33,7 +33,8 @@ def test_quickstart_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
     assert "each of 2 local processes" in printed and "batch 8 x accumulation 1 x 2 rank(s)" in printed
     conf = (out / "run" / "config.toml").read_text()
     assert "local_ranks = 2" in conf and "batch_size = 8" in conf
-    for p in ("tokenizer/tokenizer.json", "data/meta.json", "run/metrics.jsonl", "run/eval.jsonl", "run/config.toml"):
+    for p in ("tokenizer/tokenizer.json", "data/meta.json", "run/metrics.jsonl", "run/eval.jsonl",
+              "run/config.toml"):
         assert (out / p).exists(), p
     # Running it again reuses the tokenizer and shards and finds the run complete.
     r2 = run_quickstart(str(out), corpus=str(STDLIB / "email"), max_iters=12, base="none")
@@ -53,7 +54,8 @@ def test_quickstart_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
     import gguf
     name = gguf.GGUFReader(str(tmp_path / "q.gguf")).fields["general.name"].contents()
     assert name == "qs"  # the name `codeforge serve --run qs/run` gives the model, not "run"
-    # --chat on the same corpus says why it pretrains its own model, and reuses this tokenizer and these shards
+    # --chat on the same corpus says why it pretrains its own model, and reuses
+    # this tokenizer and these shards
     from codeforge.quickstart import _from_plain
     _from_plain(tmp_path / "qs-chat", out, str(STDLIB / "email"), None)
     said = capsys.readouterr().out
@@ -65,8 +67,8 @@ def test_quickstart_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
 
 
 def test_quickstart_chat_stages_end_to_end(tmp_path, capsys, monkeypatch):
-    """--chat, every stage a few steps long: SFT on mined pairs with the tool conversations mixed in, the tools
-    stage, and tool-calling scores after each (a model this short-trained calls nothing that parses)."""
+    """--chat, every stage a few steps long: SFT on mined pairs with the tool conversations mixed in, the
+    tools stage, and tool-calling scores after each (a model this short-trained calls nothing that parses)."""
     import codeforge.quickstart as qs
     monkeypatch.setattr(qs, "SFT", {**qs.SFT, "max_iters": 2, "eval_every": 2, "save_every": 2})
     monkeypatch.setattr(qs, "TOOLS", {**qs.TOOLS, "max_iters": 2, "eval_every": 2, "save_every": 2})
@@ -92,7 +94,8 @@ def test_quickstart_chat_stages_end_to_end(tmp_path, capsys, monkeypatch):
 def test_quickstart_runs_in_llama_cpp_with_the_same_greedy_tokens(corpus, tmp_path, capsys):
     """quickstart (shortened), then `export --format gguf --dtype q8_0` with no flag, then llama.cpp continues
     a prompt of the corpus's language with the same greedy tokens as `codeforge generate --temperature 0`."""
-    llama_cpp = pytest.importorskip("llama_cpp", reason="pip install llama-cpp-python (builds llama.cpp; see README)")
+    llama_cpp = pytest.importorskip("llama_cpp",
+                                    reason="pip install llama-cpp-python (builds llama.cpp; see README)")
     from pathlib import Path
 
     from codeforge.tokenizer import CodeTokenizer
@@ -106,7 +109,8 @@ def test_quickstart_runs_in_llama_cpp_with_the_same_greedy_tokens(corpus, tmp_pa
     out = tmp_path / "qs"
     run_quickstart(str(out), corpus=src, max_iters=60, base="none")
     gguf = tmp_path / "q.gguf"
-    assert main(["export", "--run", str(out / "run"), "--format", "gguf", "--out", str(gguf), "--dtype", "q8_0"]) == 0
+    assert main(["export", "--run", str(out / "run"), "--format", "gguf", "--out", str(gguf), "--dtype",
+                 "q8_0"]) == 0
     capsys.readouterr()
     n = 24
     assert main(["generate", "--run", str(out / "run"), "--prompt", prompt, "--temperature", "0",
@@ -206,13 +210,16 @@ def _small_library(root, files=40):
     """A small Go library: `files` distinct files of a few hundred tokens each."""
     root.mkdir()
     for i in range(files):
-        body = "".join(f"// F{i}_{j} returns {j} times x plus {i}.\nfunc F{i}_{j}(x int) int {{\n\treturn x*{j} + {i}\n}}\n\n"
+        body = "".join(f"// F{i}_{j} returns {j} times x plus {i}.\nfunc "
+                       f"F{i}_{j}(x int) int {{\n\treturn x*{j} + {i}\n}}\n\n"
                        for j in range(3 + i % 5))
         (root / f"file{i}.go").write_text(f"package lib\n\n{body}")
     return root
 
 
-def test_a_small_repository_gets_an_honest_split_that_nothing_changes_under_its_run(tmp_path, capsys, monkeypatch):
+def test_a_small_repository_gets_an_honest_split_that_nothing_changes_under_its_run(
+    tmp_path, capsys, monkeypatch
+):
     """The newcomer's walk on a small library: the validation split is sized to hold several files, the plan
     says how many passes it makes and warns when they are many; a second run with another --val-fraction
     is refused before anything is rewritten (naming the quickstart's own fix); data prepared again under
@@ -229,7 +236,9 @@ def test_a_small_repository_gets_an_honest_split_that_nothing_changes_under_its_
     assert val_docs >= 3 and meta["options"]["val_fraction"] > 0.02  # a 2% split of 40 files would hold 0-1
     assert "40 go file(s) by extension" in printed and "all known languages" not in printed
     assert f"validation {val_docs} file(s)" in printed
-    assert "passes over the training split" in printed and "warning:" in printed and "will memorise" in printed
+    assert (
+        "passes over the training split" in printed and "warning:" in printed and "will memorise" in printed
+    )
     assert "--max-iters" in printed.split("will memorise")[1]
     assert r["step"] == 30 and "step " in printed and "sample (step " in printed
     # many passes: evaluated every 20 steps (every two passes, at least 20), not every 100, to catch the best
@@ -242,8 +251,11 @@ def test_a_small_repository_gets_an_honest_split_that_nothing_changes_under_its_
     r = run_quickstart(str(out), corpus=str(src), max_iters=40, base="none")
     printed = capsys.readouterr().out
     assert r["step"] == 40 and "steps 31-40" in printed
-    assert "prepare: reusing" in printed and "repo-level ones" not in printed  # it goes on with the data it had
-    assert f"sample (step {r['scored_step']})" in printed and r["checkpoint"].endswith(f"{r['scored_step']:06d}")
+    # it goes on with the data it had
+    assert "prepare: reusing" in printed and "repo-level ones" not in printed
+    assert f"sample (step {r['scored_step']})" in printed and r["checkpoint"].endswith(
+        f"{r['scored_step']:06d}"
+    )
     assert "at step 40 (the run's last" in printed or "of the run's 40" in printed
 
     # the data a trained run used, gone: refused, not prepared again with a split the run may have trained on
@@ -263,20 +275,28 @@ def test_a_small_repository_gets_an_honest_split_that_nothing_changes_under_its_
     assert {p.name: p.read_bytes() for p in (out / "data").iterdir() if p.is_file()} == before
 
     # the data prepared again by hand with another split: the old run's score says it is not honest
-    assert main(["prepare", "--input", str(src), "--tokenizer", str(out / "tokenizer"), "--out", str(out / "data"),
-                 "--val-fraction", "0.5", "--overwrite"]) == 0
+    assert main(["prepare", "--input", str(src), "--tokenizer", str(out / "tokenizer"), "--out",
+                 str(out / "data"), "--val-fraction", "0.5", "--overwrite"]) == 0
     capsys.readouterr()
-    assert main(["eval", "--run", str(out / "run"), "--eval-tokens", "256", "--syntax-samples", "0", "--json"]) == 0
+    assert main(["eval", "--run", str(out / "run"), "--eval-tokens", "256", "--syntax-samples", "0",
+                 "--json"]) == 0
     said = capsys.readouterr()
     rec = json.loads(said.out)
     val_keys = np.load(out / "data" / "val_digests.npy")
-    assert rec["val_trained_on"] == int(np.isin(val_keys, trained).sum()) > 0 and rec["val_documents"] == len(val_keys)
-    assert f"{rec['val_trained_on']} of the {rec['val_documents']} documents" in said.err and "WARNING" in said.err
+    assert rec["val_trained_on"] == int(np.isin(val_keys, trained).sum()) > 0 and rec["val_documents"] == len(
+        val_keys
+    )
+    assert (
+        f"{rec['val_trained_on']} of the {rec['val_documents']} documents" in said.err
+        and "WARNING" in said.err
+    )
     # on the data it trained with, nothing to say
-    assert main(["prepare", "--input", str(src), "--tokenizer", str(out / "tokenizer"), "--out", str(out / "data"),
+    assert main(["prepare", "--input", str(src), "--tokenizer", str(out / "tokenizer"), "--out",
+                 str(out / "data"),
                  "--val-fraction", str(meta["options"]["val_fraction"]), "--overwrite"]) == 0
     capsys.readouterr()
-    assert main(["eval", "--run", str(out / "run"), "--eval-tokens", "256", "--syntax-samples", "0", "--json"]) == 0
+    assert main(["eval", "--run", str(out / "run"), "--eval-tokens", "256", "--syntax-samples", "0",
+                 "--json"]) == 0
     said = capsys.readouterr()
     assert json.loads(said.out)["val_trained_on"] == 0 and "WARNING" not in said.err
 
@@ -289,22 +309,29 @@ def test_a_directory_without_code_stops_at_step_one(tmp_path, capsys):
         run_quickstart(str(tmp_path / "qs"), corpus=str(src), base="none")
     assert "[1/5]" in capsys.readouterr().out and not (tmp_path / "qs" / "tokenizer").exists()
     (src / "a.go").write_text("package a\n\nfunc A() int { return 1 }\n")  # code, but far too little
-    with pytest.raises(ConfigError, match=r"gives \d+ training tokens, fewer than one training step reads .*--corpus"):
+    with pytest.raises(ConfigError,
+                       match=r"gives \d+ training tokens, fewer than one training step reads .*--corpus"):
         run_quickstart(str(tmp_path / "qs"), corpus=str(src), base="none")
     assert "[4/5]" not in capsys.readouterr().out
 
 
 def test_a_small_repository_trains_on_a_base_first_then_on_its_own_files(tmp_path, capsys):
-    """A small Python repository: a base on a public corpus of its language (here a small one, given), then the
+    """A small Python repository: a base on a public corpus of its language
+    (here a small one, given), then the
     repository from the base's weights; one tokenizer for both; the repository's validation files stay held
     out of both stages; the time (here the steps) is split, and a re-run finds both stages done."""
     out = tmp_path / "qs"
     r = run_quickstart(str(out), corpus=str(STDLIB / "wsgiref"), max_iters=16, base=str(STDLIB / "json"))
     printed = capsys.readouterr().out
-    assert "[4/6] base:" in printed and "[5/6] train on your files: 4 steps" in printed and "[6/6] eval" in printed
+    assert (
+        "[4/6] base:" in printed
+        and "[5/6] train on your files: 4 steps" in printed
+        and "[6/6] eval" in printed
+    )
     assert "your files 4 times over" in printed and "from the base's best weights" in printed
     assert (out / "base" / "run" / "checkpoints" / "step_000012").exists() and r["step"] == 4
-    assert json.loads((out / "base" / "quickstart.json").read_text())["seconds"] > 0  # carried to a resumed base
+    # carried to a resumed base
+    assert json.loads((out / "base" / "quickstart.json").read_text())["seconds"] > 0
     import tomllib
     conf = tomllib.loads((out / "run" / "config.toml").read_text())
     assert conf["train"]["init_from"] == str(out / "base" / "run") and conf["train"]["learning_rate"] == 0.004
@@ -324,7 +351,8 @@ def test_a_small_repository_trains_on_a_base_first_then_on_its_own_files(tmp_pat
     import shutil
     moved = tmp_path / "json-copy"
     shutil.copytree(STDLIB / "json", moved)
-    (out / "base" / "quickstart.json").write_text(json.dumps({"corpus": str(tmp_path / "gone"), "languages": None}))
+    (out / "base" / "quickstart.json").write_text(json.dumps({"corpus": str(tmp_path / "gone"),
+                                                              "languages": None}))
     r3 = run_quickstart(str(out), corpus=str(STDLIB / "wsgiref"), base=str(moved))
     assert r3["step"] == 4 and "[4/6] base: done" in capsys.readouterr().out
 
@@ -343,20 +371,24 @@ def test_which_repositories_get_a_base_first(tmp_path, monkeypatch):
 
     def choose(src, lang, base="auto", langs=None, trained=False):
         return quickstart.choose_base(base, str(src), str(src), langs, lang, tmp_path / "out", trained, 0.1)
-    assert choose(small, "python") == quickstart.corpus_path("python-stdlib")  # small Python: the standard library
+    # small Python: the standard library
+    assert choose(small, "python") == quickstart.corpus_path("python-stdlib")
     assert choose(small, "python", base="none") is None
-    assert choose(small, "python", trained=True) is None  # a run that trained on its files alone goes on alone
+    # a run that trained on its files alone goes on alone
+    assert choose(small, "python", trained=True) is None
     assert choose(rust, None) is None  # no built-in corpus of its language
     assert choose(small, "python", base=str(rust)) == (str(rust), None)  # or the one you name
     stdlib, langs = quickstart.corpus_path("python-stdlib")
     assert choose(stdlib, "python", langs=langs) is None  # a built-in corpus is its own base
-    assert choose(STDLIB / "json", "python") is None  # inside the base corpus: its validation files would train it
+    # inside the base corpus: its validation files would train it
+    assert choose(STDLIB / "json", "python") is None
     monkeypatch.setattr(quickstart, "STEPS", 1)  # a repository the run would pass over fewer than 4 times
     monkeypatch.setattr(quickstart, "RUN_TOKENS_PER_STEP", 100)
     assert choose(small, "python") is None
     monkeypatch.setattr(quickstart, "STEPS", 560)
     monkeypatch.setattr(quickstart, "RUN_TOKENS_PER_STEP", 4096)
-    monkeypatch.setattr(quickstart, "corpus_path", lambda c: (_ for _ in ()).throw(FileNotFoundError("no Go")))
+    monkeypatch.setattr(quickstart, "corpus_path",
+                        lambda c: (_ for _ in ()).throw(FileNotFoundError("no Go")))
     assert choose(go, "go") is None  # Go's standard library not installed: said, and the repository alone
 
 

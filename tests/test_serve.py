@@ -52,19 +52,24 @@ def base_run(tmp_path_factory, data_dir):
 def chat_run(tmp_path_factory, data_dir, tokenizer_dir):
     d = tmp_path_factory.mktemp("serve_chat")
     rows = [{"messages": [{"role": "user", "content": f"Write f{i}."},
-                          {"role": "assistant", "content": f"def f{i}():\n    return {i}\n"}]} for i in range(30)]
+                          {"role": "assistant", "content": f"def f{i}():\n    return {i}\n"}]}
+            for i in range(30)]
     rows += [{"messages": [{"role": "user", "content": f"Read the file m{i}.py"},
-                           {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
+                           {"role": "assistant", "content": None,
+                            "tool_calls": [{"type": "function", "function": {
                                "name": "read_file", "arguments": json.dumps({"path": f"m{i}.py"})}}]},
                            {"role": "tool", "content": f"x = {i}"},
-                           {"role": "assistant", "content": f"It sets x to {i}."}], "tools": TOOLS} for i in range(20)]
+                           {"role": "assistant", "content": f"It sets x to {i}."}], "tools": TOOLS}
+             for i in range(20)]
     (d / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["prepare", "--chat", "--input", str(d / "chat.jsonl"), "--tokenizer", str(tokenizer_dir),
                  "--out", str(d / "data"), "--val-fraction", "0.1"]) == 0
-    assert main(["train", "--data", str(data_dir), "--out", str(d / "base"), "--block-size", "512", *TINY]) == 0
-    assert main(["train", "--stage", "tools", "--data", str(d / "data"), "--out", str(d / "tools"), "--init-from",
-                 str(d / "base"), "--max-iters", "1", "--device", "cpu", "--no-progress", "--eval-tokens", "128",
-                 "--batch-size", "2"]) == 0
+    assert main(["train", "--data", str(data_dir), "--out", str(d / "base"), "--block-size", "512",
+                 *TINY]) == 0
+    assert main(["train", "--stage", "tools", "--data", str(d / "data"), "--out", str(d / "tools"),
+                 "--init-from",
+                 str(d / "base"), "--max-iters", "1", "--device", "cpu", "--no-progress", "--eval-tokens",
+                 "128", "--batch-size", "2"]) == 0
     return d / "tools"
 
 
@@ -150,7 +155,8 @@ def test_scheduler_rows_equal_engine_alone(base_run):
     Engine.generate for that prompt alone, greedy and seeded sampling both."""
     eng = Engine.from_run(str(base_run), "cpu")
     tok = eng.tok
-    prompts = ["def", "func Add(a, b int) int {\n\treturn", "import json\n\nclass Decoder:\n    def decode(self, s",
+    prompts = ["def", "func Add(a, b int) int {\n\treturn",
+               "import json\n\nclass Decoder:\n    def decode(self, s",
                "x = 1", "package main\n", "for i in range(10):\n    print(", "# comment\n", "return a +"]
     specs = [(p, dict(temperature=0.0) if i % 2 else dict(temperature=0.9, top_p=0.9, seed=i), 15 + 4 * i)
              for i, p in enumerate(prompts)]
@@ -163,7 +169,8 @@ def test_scheduler_rows_equal_engine_alone(base_run):
     def emit(i):
         def f(ev):
             results.setdefault(i, []).append(ev)
-            if ev.kind != "text" and len([k for k, v in results.items() if v[-1].kind != "text"]) == len(specs):
+            if ev.kind != "text" and len([k for k, v in results.items()
+                                          if v[-1].kind != "text"]) == len(specs):
                 done.set()
         return f
 
@@ -200,7 +207,8 @@ def test_scheduler_stop_sequences_and_deadline(base_run):
     try:
         if stop:
             evt = threading.Event()
-            sched.submit([Row(eng.tok.encode("def"), RowParams(max_new_tokens=30, temperature=0.0, stop=[stop],
+            sched.submit([Row(eng.tok.encode("def"),
+                              RowParams(max_new_tokens=30, temperature=0.0, stop=[stop],
                                                                stop_ids=frozenset({eng.tok.eot_id})),
                               lambda ev: (got.append(ev), ev.kind != "text" and evt.set()))])
             assert evt.wait(30)
@@ -209,8 +217,8 @@ def test_scheduler_stop_sequences_and_deadline(base_run):
         late: list[Event] = []
         evt2 = threading.Event()
         with sched.hold():
-            sched.submit([Row(eng.tok.encode("x"), RowParams(max_new_tokens=5), lambda ev: (late.append(ev), evt2.set()),
-                              deadline=time.monotonic() + 0.1)])
+            sched.submit([Row(eng.tok.encode("x"), RowParams(max_new_tokens=5),
+                              lambda ev: (late.append(ev), evt2.set()), deadline=time.monotonic() + 0.1)])
             assert evt2.wait(5)
         assert late[0].kind == "error" and late[0].status == 504
     finally:
@@ -245,13 +253,15 @@ def test_completions_openai_client(base):
     r = c.completions.create(model="tiny", prompt=ids, max_tokens=5, temperature=0)
     assert r.choices[0].text == eng.generate(["return "], greedy(5))[0] and r.usage.prompt_tokens == len(ids)
     # the context is the limit: a long max_tokens stops at block_size with finish_reason "length"
-    r = c.completions.create(model="tiny", prompt="def", max_tokens=64, temperature=0, extra_body={"top_k": 0})
+    r = c.completions.create(model="tiny", prompt="def", max_tokens=64, temperature=0,
+                             extra_body={"top_k": 0})
     assert r.usage.prompt_tokens + r.usage.completion_tokens <= 64
 
 
 def test_completions_fim(base):
     eng, c = base.engine, base.client
-    r = c.completions.create(model="tiny", prompt="def f(x):\n    return ", suffix="\n\nprint(f(2))\n", max_tokens=6, temperature=0)
+    r = c.completions.create(model="tiny", prompt="def f(x):\n    return ", suffix="\n\nprint(f(2))\n",
+                             max_tokens=6, temperature=0)
     assert r.choices[0].text == eng.infill(["def f(x):\n    return "], ["\n\nprint(f(2))\n"], greedy(6))[0]
     # a raw FIM prompt (as editor plugins send it) reads the FIM markers as the special tokens
     raw = infill_text("def f(x):\n    return ", "\n\nprint(f(2))\n")
@@ -265,14 +275,15 @@ def test_completions_fim(base):
 def test_completions_streaming(base):
     c = base.client
     full = c.completions.create(model="tiny", prompt="class A:", max_tokens=12, temperature=0).choices[0]
-    chunks = list(c.completions.create(model="tiny", prompt="class A:", max_tokens=12, temperature=0, stream=True,
-                                       stream_options={"include_usage": True}))
+    chunks = list(c.completions.create(model="tiny", prompt="class A:", max_tokens=12, temperature=0,
+                                       stream=True, stream_options={"include_usage": True}))
     assert all(ch.object == "text_completion" for ch in chunks)
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == full.text
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == full.finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
     # the wire format itself: data: lines, blank-line separated, closed by [DONE]
-    with base.http.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": True}) as r:
+    with base.http.stream("POST", "/v1/completions",
+                          json={"prompt": "x", "max_tokens": 3, "stream": True}) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         body = r.read().decode()
     events = body.split("\n\n")
@@ -283,7 +294,8 @@ def test_completions_streaming(base):
 
 def test_infill_llamacpp_shape(base):
     eng, h = base.engine, base.http
-    r = h.post("/infill", json={"input_prefix": "def f(x):\n    return ", "input_suffix": "\n", "n_predict": 6,
+    r = h.post("/infill",
+               json={"input_prefix": "def f(x):\n    return ", "input_suffix": "\n", "n_predict": 6,
                                 "temperature": 0})
     assert r.status_code == 200, r.text
     body = r.json()
@@ -296,24 +308,34 @@ def test_infill_llamacpp_shape(base):
             break
         out.append(step[0])
     assert body["content"] == eng.tok.decode(out, skip_special=True) and body["stop"] is True
-    extra = h.post("/infill", json={"input_prefix": "x", "input_extra": [{"filename": "a.py", "text": "y = 2"}],
+    extra = h.post("/infill",
+                   json={"input_prefix": "x", "input_extra": [{"filename": "a.py", "text": "y = 2"}],
                                     "n_predict": 2}).json()
     assert extra["tokens_evaluated"] > body["tokens_evaluated"] - 8 and not extra["truncated"]
-    big = h.post("/infill", json={"input_prefix": "a = 1\n" * 100, "input_suffix": "b\n" * 100, "n_predict": 2})
+    big = h.post("/infill",
+                 json={"input_prefix": "a = 1\n" * 100, "input_suffix": "b\n" * 100, "n_predict": 2})
     assert big.status_code == 200 and big.json()["truncated"] is True  # cut to fit, as editors expect
-    # llama-server's budget leaves room for the reply here: n_predict tokens come back (unless the model ends first)
-    big = h.post("/infill", json={"input_prefix": "a = 1\n" * 100, "input_suffix": "b\n" * 100, "n_predict": 8,
+    # llama-server's budget leaves room for the reply here: n_predict tokens come back
+    # (unless the model ends first)
+    big = h.post("/infill",
+                 json={"input_prefix": "a = 1\n" * 100, "input_suffix": "b\n" * 100, "n_predict": 8,
                                   "temperature": 0}).json()
     assert big["tokens_evaluated"] + 8 <= 64 and (big["tokens_predicted"] == 8 or big["stop_type"] == "eos")
-    # review fixes: a chunk without a file name is "tmp", as in llama-server; long other files leave the reply room
-    named = h.post("/infill", json={"input_prefix": "x", "input_extra": [{"filename": "tmp", "text": "y = 2"}],
+    # review fixes: a chunk without a file name is "tmp", as in llama-server; long
+    # other files leave the reply room
+    named = h.post("/infill",
+                   json={"input_prefix": "x", "input_extra": [{"filename": "tmp", "text": "y = 2"}],
                                     "n_predict": 2}).json()
-    unnamed = h.post("/infill", json={"input_prefix": "x", "input_extra": [{"text": "y = 2"}], "n_predict": 2}).json()
+    unnamed = h.post("/infill",
+                     json={"input_prefix": "x", "input_extra": [{"text": "y = 2"}], "n_predict": 2}).json()
     assert named["tokens_evaluated"] == unnamed["tokens_evaluated"]
-    long = h.post("/infill", json={"input_prefix": "a = 1\n" * 100, "input_suffix": "b\n" * 50, "n_predict": 12,
-                                   "temperature": 0, "input_extra": [{"filename": "u.py", "text": "c = 3\n" * 80}]})
+    long = h.post("/infill",
+                  json={"input_prefix": "a = 1\n" * 100, "input_suffix": "b\n" * 50, "n_predict": 12,
+                                   "temperature": 0,
+                                   "input_extra": [{"filename": "u.py", "text": "c = 3\n" * 80}]})
     assert long.status_code == 200 and long.json()["truncated"] is True
-    assert long.json()["tokens_evaluated"] + 12 <= 64  # at least min(n_predict, 16) tokens of room for the reply
+    # at least min(n_predict, 16) tokens of room for the reply
+    assert long.json()["tokens_evaluated"] + 12 <= 64
     # a tokenizer without FIM tokens (an imported one): a 400 that says so, not a crash
     from codeforge.fim import FIM_MIDDLE
     saved = eng.tok.special_ids[FIM_MIDDLE]
@@ -338,10 +360,11 @@ def test_chat_openai_client(chat):
     m = r.choices[0].message
     assert r.object == "chat.completion" and m.role == "assistant" and isinstance(m.content, str)
     assert m.content == eng.chat(msgs, None, greedy(12))["text"]
-    assert r.usage.prompt_tokens == len(encode_conversation(eng.tok, msgs, None, add_generation_prompt=True)[0])
+    assert r.usage.prompt_tokens == len(encode_conversation(eng.tok, msgs, None,
+                                                            add_generation_prompt=True)[0])
     # streaming adds up to the same reply; the usage chunk comes last
-    chunks = list(c.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(c.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == m.content
     assert chunks[-1].usage.total_tokens == r.usage.total_tokens
@@ -357,14 +380,17 @@ def test_chat_tool_choice(chat):
     r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=8, temperature=0)
     assert r.usage.prompt_tokens == with_tools
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice="none", max_tokens=4, temperature=0)
+    r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice="none", max_tokens=4,
+                                  temperature=0)
     assert r.usage.prompt_tokens == without  # "none" hides the tools from the model
     # "required" and a named tool: the reply is a whole call, so a budget too small for the shortest one is
     # refused up front (400 max_tokens_too_small, naming the minimum), streamed or not, rather than cut short
     for choice in ("required", {"type": "function", "function": {"name": "read_file"}}):
         for stream in (False, True):
-            resp = chat.http.post("/v1/chat/completions", json={"model": "tiny", "messages": msgs, "tools": TOOLS,
-                                                                 "tool_choice": choice, "max_tokens": 1, "stream": stream})
+            resp = chat.http.post("/v1/chat/completions",
+                                  json={"model": "tiny", "messages": msgs, "tools": TOOLS,
+                                                                 "tool_choice": choice, "max_tokens": 1,
+                                                                 "stream": stream})
             err = assert_error(resp, 400, "max_tokens_too_small")
             assert err["param"] == "max_tokens" and "at least" in err["message"], err
         least = int(re.search(r"at least (\d+)", err["message"]).group(1))
@@ -373,11 +399,14 @@ def test_chat_tool_choice(chat):
             r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice=choice,
                                           max_tokens=max_tokens, temperature=0)
             ch = r.choices[0]
-            assert ch.finish_reason == "tool_calls" and ch.message.tool_calls and ch.message.content is None, ch
+            assert (
+                ch.finish_reason == "tool_calls" and ch.message.tool_calls and ch.message.content is None
+            ), ch
             assert ch.message.tool_calls[0].function.name == "read_file"  # the only tool
             assert r.usage.completion_tokens <= max_tokens
     with pytest.raises(openai.BadRequestError, match="not among the tools"):
-        c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice={"type": "function", "function": {
+        c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS,
+                                  tool_choice={"type": "function", "function": {
             "name": "nope"}})
     # a conversation with an earlier tool call and its result renders and is served
     hist = msgs + [{"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
@@ -400,17 +429,22 @@ def test_chat_without_tools_never_calls(chat_run):
         r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=64, temperature=0)
         ch = r.choices[0]
         assert ch.message.tool_calls and ch.finish_reason == "tool_calls", ch  # offered tools, it calls
-        # a call is opened only with room to close it: in fewer tokens than the shortest call, it answers in text
+        # a call is opened only with room to close it: in fewer tokens than the
+        # shortest call, it answers in text
         r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=12, temperature=0)
         ch = r.choices[0]
-        assert not ch.message.tool_calls and CALL_OPEN not in ch.message.content and ch.finish_reason == "length"
+        assert (
+            not ch.message.tool_calls and CALL_OPEN not in ch.message.content and ch.finish_reason == "length"
+        )
         for extra in ({}, {"tool_choice": "none", "tools": TOOLS}):
             r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0, **extra)
             ch = r.choices[0]
-            assert not ch.message.tool_calls and ch.message.content and CALL_OPEN not in ch.message.content, ch
+            assert not ch.message.tool_calls and ch.message.content and CALL_OPEN not in ch.message.content, (
+                ch
+            )
             assert ch.finish_reason in ("stop", "length")
-            chunks = [x for x in c.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0,
-                                                           stream=True, **extra) if x.choices]
+            chunks = [x for x in c.chat.completions.create(model="tiny", messages=msgs, max_tokens=12,
+                                                           temperature=0, stream=True, **extra) if x.choices]
             assert "".join(x.choices[0].delta.content or "" for x in chunks) == ch.message.content
             assert not any(x.choices[0].delta.tool_calls for x in chunks)
     # a tokenizer without the call tokens (an imported one) cannot write a call: served without a grammar
@@ -426,14 +460,16 @@ def test_chat_message_content_required(chat):
     h = chat.http
     for msgs, i in (([{"role": "user"}], 0), ([{"role": "user", "content": None}], 0),
                     ([{"role": "system"}, {"role": "user", "content": "x"}], 0),
-                    ([{"role": "user", "content": "x"}, {"role": "assistant"}, {"role": "user", "content": "y"}], 1),
+                    ([{"role": "user", "content": "x"}, {"role": "assistant"},
+                      {"role": "user", "content": "y"}], 1),
                     ([{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "c"}], 1)):
         err = assert_error(h.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1}), 400,
                            "missing_required_parameter")
         assert err["param"] == f"messages.{i}.content" and "needs content" in err["message"], err
     with pytest.raises(openai.BadRequestError, match="messages.0.content"):
         chat.client.chat.completions.create(model="tiny", messages=[{"role": "user"}], max_tokens=1)
-    calls = [{"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "a"}'}}]
+    calls = [{"id": "c1", "type": "function",
+              "function": {"name": "read_file", "arguments": '{"path": "a"}'}}]
     ok = h.post("/v1/chat/completions", json={"max_tokens": 1, "messages": [
         {"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": calls},
         {"role": "tool", "tool_call_id": "c1", "content": "y"}]})
@@ -450,25 +486,31 @@ def test_tool_call_response_builder():
     assert finish == "tool_calls" and msg["content"] == "Let me look."
     (call,) = msg["tool_calls"]
     assert call["type"] == "function" and call["id"].startswith("call_")
-    assert call["function"]["name"] == "read_file" and json.loads(call["function"]["arguments"]) == {"path": "src/a.py"}
+    assert call["function"]["name"] == "read_file" and json.loads(call["function"]["arguments"]) == {
+        "path": "src/a.py"
+    }
     two = GENERATED + '\n<tool_call>{"name": "b", "arguments": {}}</tool_call><|im_end|>'
     msg, finish = chat_message(two, "stop", True)
     assert [c["function"]["name"] for c in msg["tool_calls"]] == ["read_file", "b"]
-    assert chat_message(GENERATED, "stop", tools_active=False) == ({"role": "assistant", "content": GENERATED}, "stop")
+    assert chat_message(GENERATED, "stop", tools_active=False) == ({"role": "assistant",
+                                                                    "content": GENERATED}, "stop")
     broken = '<tool_call>{"name": "read_file", "arguments": {"pa'
     assert chat_message(broken, "length", True) == ({"role": "assistant", "content": broken}, "length")
     # only declared tools become calls; parallel_tool_calls false keeps the first
     msg, finish = chat_message(two, "stop", True, names={"read_file"})
     assert [c["function"]["name"] for c in msg["tool_calls"]] == ["read_file"] and finish == "tool_calls"
     rogue = '<tool_call>{"name": "rm_rf", "arguments": {"path": "/"}}</tool_call>'
-    assert chat_message(rogue, "stop", True, names={"read_file"}) == ({"role": "assistant", "content": rogue}, "stop")
+    assert chat_message(rogue, "stop", True, names={"read_file"}) == ({"role": "assistant", "content": rogue},
+                                                                      "stop")
     msg, _ = chat_message(two, "stop", True, parallel=False)
     assert len(msg["tool_calls"]) == 1
     deep = '<tool_call>{"name": "b", "arguments": ' + "[" * 5000 + "]" * 5000 + "}</tool_call>"
     assert chat_message(deep, "stop", True)[1] == "stop"  # too deep to read: content, not a crash
     # the real openai client reads the built response
-    body = chat_response("chatcmpl-1", "tiny", [{"index": 0, "message": chat_message(GENERATED, "stop", True)[0],
-                                                 "logprobs": None, "finish_reason": "tool_calls"}], usage(5, 20))
+    body = chat_response("chatcmpl-1", "tiny",
+                         [{"index": 0, "message": chat_message(GENERATED, "stop", True)[0],
+                                                 "logprobs": None, "finish_reason": "tool_calls"}],
+                         usage(5, 20))
     client = openai.OpenAI(base_url="http://test/v1", api_key="x", max_retries=0, http_client=httpx.Client(
         transport=httpx.MockTransport(lambda req: httpx.Response(200, json=body))))
     r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
@@ -488,17 +530,22 @@ def test_tool_call_streaming_builder():
             yield [(0, Event("done", "".join(pieces), "stop", completion_tokens=20))]
 
     async def run() -> bytes:
-        return b"".join([x async for x in stream_chat(FakeGen(), None, "chatcmpl-1", "tiny", 1, True, 5, True)])
+        return b"".join([x async
+                         for x in stream_chat(FakeGen(), None, "chatcmpl-1", "tiny", 1, True, 5, True)])
 
     body = asyncio.run(run())
     chunks = [json.loads(x[6:]) for x in body.decode().split("\n\n") if x and x != "data: [DONE]"]
     content = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch["choices"])
     assert content == "Let me look.\n" and "<" not in content
-    assert chunks[-2]["choices"][0]["finish_reason"] == "tool_calls" and chunks[-1]["usage"]["total_tokens"] == 25
+    assert (
+        chunks[-2]["choices"][0]["finish_reason"] == "tool_calls"
+        and chunks[-1]["usage"]["total_tokens"] == 25
+    )
     client = openai.OpenAI(base_url="http://test/v1", api_key="x", max_retries=0, http_client=httpx.Client(
         transport=httpx.MockTransport(lambda req: httpx.Response(
             200, content=body, headers={"content-type": "text/event-stream"}))))
-    calls = [tc for ch in client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+    calls = [tc for ch in client.chat.completions.create(model="tiny",
+                                                         messages=[{"role": "user", "content": "x"}],
                                                          stream=True) if ch.choices
              for tc in ch.choices[0].delta.tool_calls or []]
     assert len(calls) == 1 and calls[0].function.name == "read_file" and calls[0].index == 0
@@ -513,8 +560,10 @@ def test_requests_join_a_running_batch(base):
     one step boundary decode as one batch."""
     c, sched = base.client, base.srv.sched
     prompts = ["def f", "import os", "class B", "x = ["]
-    alone = [c.completions.create(model="tiny", prompt=p, max_tokens=20, temperature=0).choices[0].text for p in prompts]
-    long_alone = c.completions.create(model="tiny", prompt="for", max_tokens=50, temperature=0).choices[0].text
+    alone = [c.completions.create(model="tiny", prompt=p, max_tokens=20, temperature=0).choices[0].text
+             for p in prompts]
+    long_alone = c.completions.create(model="tiny", prompt="for", max_tokens=50,
+                                      temperature=0).choices[0].text
     st = sched.stats
     steps, rows = st["steps"], st["step_rows"]
     sched.step_delay = 0.02  # slow steps, so the second request surely arrives mid-generation
@@ -551,20 +600,25 @@ def test_fuzz_statuses_and_error_shape(base):
     for body, param in [({"prompt": "x", "temperature": "hot"}, "temperature"), ({"prompt": 5}, "prompt"),
                         ({"prompt": "x", "n": 0}, "n"), ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
                         ({"prompt": "x", "top_p": 0}, "top_p"), ({"prompt": "x", "stream": "yes"}, "stream"),
-                        ({"prompt": "x", "stop": [1]}, "stop"), ({"prompt": "x", "temperature": 5}, "temperature"),
+                        ({"prompt": "x", "stop": [1]}, "stop"),
+                        ({"prompt": "x", "temperature": 5}, "temperature"),
                         ({"prompt": [1, "a"]}, "prompt"), ({"prompt": "x", "seed": 2**70}, "seed")]:
         assert assert_error(post("/v1/completions", json=body), 422)["param"] == param, body
     for body in [{"messages": "hi"}, {"messages": []}, {"messages": [{"role": "robot", "content": "x"}]},
-                 {"messages": [{"role": "user", "content": 3}]}, {"messages": [{"role": "user"}], "tools": [{}]},
+                 {"messages": [{"role": "user", "content": 3}]},
+                 {"messages": [{"role": "user"}], "tools": [{}]},
                  {"messages": [{"role": "user"}], "tool_choice": "sometimes"}]:
         assert_error(post("/v1/chat/completions", json=body), 422)
     assert_error(post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}), 400, "unsupported_content")
-    assert_error(post("/v1/completions", json={"prompt": "x", "max_tokens": 10_000}), 400, "max_tokens_exceeded")
+    assert_error(post("/v1/completions", json={"prompt": "x", "max_tokens": 10_000}), 400,
+                 "max_tokens_exceeded")
     assert_error(post("/v1/completions", json={"prompt": "word " * 200}), 400, "context_length_exceeded")
     assert_error(post("/v1/completions", json={"prompt": [999_999]}), 400, "invalid_token")
-    assert_error(post("/v1/completions", json={"prompt": "x", "logit_bias": {"5": 1.0}}), 400, "unsupported_parameter")
-    e = assert_error(post("/v1/completions", json={"prompt": "x", "best_of_n_beams": 2}), 400, "unsupported_parameter")
+    assert_error(post("/v1/completions", json={"prompt": "x", "logit_bias": {"5": 1.0}}), 400,
+                 "unsupported_parameter")
+    e = assert_error(post("/v1/completions", json={"prompt": "x", "best_of_n_beams": 2}), 400,
+                     "unsupported_parameter")
     assert "best_of_n_beams" in e["message"] and e["param"] == "best_of_n_beams"
     assert_error(post("/v1/completions", json={"prompt": "x", "logit_bias": {"1": 5}}), 400)
     assert_error(post("/v1/completions", json={"prompt": ["x"] * 10, "n": 10}), 400, "too_many_choices")
@@ -579,9 +633,11 @@ def test_fuzz_statuses_and_error_shape(base):
     assert_error(post("/v1/completions", json={"prompt": [-1], "echo": True}), 400, "invalid_token")
     deep = "[" * 3000 + "]" * 3000
     hist = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
-        {"type": "function", "function": {"name": "f", "arguments": deep}}]}, {"role": "user", "content": "y"}]
+        {"type": "function", "function": {"name": "f", "arguments": deep}}]},
+            {"role": "user", "content": "y"}]
     # (here the length check refuses it first; with a longer context the parser's RecursionError is caught)
-    assert assert_error(post("/v1/chat/completions", json={"messages": hist, "max_tokens": 2}), 400)["param"] == "messages"
+    assert assert_error(post("/v1/chat/completions", json={"messages": hist, "max_tokens": 2}),
+                        400)["param"] == "messages"
     engine, calls = base.srv.engine, []
     real = engine._encode_prompt
     engine._encode_prompt = lambda text: calls.append(len(text)) or real(text)
@@ -594,13 +650,16 @@ def test_fuzz_statuses_and_error_shape(base):
     assert_error(post("/v1/completions", json={"prompt": "x", "repetition_penalty": 1e-300}), 422)
     assert_error(post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                     "top_logprobs": 2}), 400)
-    assert_error(post("/v1/completions", json={"prompt": "x", "stream_options": {"include_usage": True}}), 400)
+    assert_error(post("/v1/completions", json={"prompt": "x", "stream_options": {"include_usage": True}}),
+                 400)
     # bodies over --max-body-bytes: with a Content-Length, and chunked without one
-    assert_error(post("/v1/completions", content=b'{"prompt": "' + b"x" * 100_000 + b'"}'), 413, "body_too_large")
+    assert_error(post("/v1/completions", content=b'{"prompt": "' + b"x" * 100_000 + b'"}'), 413,
+                 "body_too_large")
     assert_error(post("/v1/completions", content=iter([b'{"prompt": "'] + [b"x" * 1000] * 20 + [b'"}'])), 413)
     # a temperature that overflows x / temperature samples greedily, and never fails the rows beside it
     with ThreadPoolExecutor(2) as pool:
-        victim = pool.submit(post, "/v1/completions", json={"prompt": "def", "max_tokens": 20, "temperature": 0.7})
+        victim = pool.submit(post, "/v1/completions",
+                             json={"prompt": "def", "max_tokens": 20, "temperature": 0.7})
         tiny = post("/v1/completions", json={"prompt": "def", "max_tokens": 5, "temperature": 1e-50})
         assert tiny.status_code == 200 and victim.result().status_code == 200
     # still serving
@@ -708,7 +767,11 @@ def test_models_health_metrics_page(base):
     import hashlib
     import re
     csp = dict(x.strip().split(" ", 1) for x in page.headers["content-security-policy"].split(";"))
-    assert csp["connect-src"] == "'self'" and csp["default-src"] == "'none'" and csp["frame-ancestors"] == "'none'"
+    assert (
+        csp["connect-src"] == "'self'"
+        and csp["default-src"] == "'none'"
+        and csp["frame-ancestors"] == "'none'"
+    )
     scripts = re.findall(rb"<script>(.*?)</script>", page.content, re.S)
     assert csp["script-src"].split() == [f"'sha256-{base64.b64encode(hashlib.sha256(x).digest()).decode()}'"
                                          for x in scripts]
@@ -719,11 +782,12 @@ def test_cli_serve_subprocess(base_run, tmp_path):
     """`codeforge serve` itself: bad options refused with `error:`, then a real start on a free port, a
     request, and a clean stop on SIGTERM."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    bad = subprocess.run([sys.executable, "-m", "codeforge", "serve", "--run", str(base_run), "--max-batch", "0"],
+    bad = subprocess.run([sys.executable, "-m", "codeforge", "serve", "--run", str(base_run), "--max-batch",
+                          "0"],
                          capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "error: --max-batch 0 must be at least 1" in bad.stderr
-    fp16 = subprocess.run([sys.executable, "-m", "codeforge", "serve", "--run", str(base_run), "--device", "cpu",
-                           "--precision", "fp16"], capture_output=True, text=True, env=env)
+    fp16 = subprocess.run([sys.executable, "-m", "codeforge", "serve", "--run", str(base_run), "--device",
+                           "cpu", "--precision", "fp16"], capture_output=True, text=True, env=env)
     assert fp16.returncode != 0 and "--precision fp16 needs a GPU" in fp16.stderr, fp16.stderr[-500:]
     p = subprocess.Popen([sys.executable, "-m", "codeforge", "serve", "--run", str(base_run), "--port", "0",
                           "--device", "cpu", "--api-key", "k", "--precision", "bf16"], stdout=subprocess.PIPE,
@@ -737,7 +801,8 @@ def test_cli_serve_subprocess(base_run, tmp_path):
                 url = m.group(1)
                 break
         assert url, p.stderr.read()
-        assert any("precision bf16 (requested)" in x for x in said), said  # --precision, said on the device line
+        # --precision, said on the device line
+        assert any("precision bf16 (requested)" in x for x in said), said
         c = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
         name = f"{base_run.parent.name}-base"  # a stage-only directory name takes its parent's in front
         assert c.models.list().data[0].id == name

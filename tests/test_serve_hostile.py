@@ -56,7 +56,8 @@ class Server:
             if nofile:
                 resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 
-        self.p = subprocess.Popen([sys.executable, "-m", "codeforge", "serve", "--run", str(run), "--port", "0",
+        self.p = subprocess.Popen([sys.executable, "-m", "codeforge", "serve", "--run", str(run), "--port",
+                                   "0",
                                    "--device", "cpu", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True, env=env or ENV, preexec_fn=limit)
         self.out: list[str] = []
@@ -145,9 +146,10 @@ def test_slow_clients_cannot_exhaust_the_server(tiny_run):
     try:
         assert health_ok(srv.url)
         rss0 = rss_mb(srv.p.pid)
-        idle = open_conns(srv.port, 150, b"") + open_conns(srv.port, 150, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1")
-        head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{srv.port}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: 1000\r\n\r\n{{").encode()
+        idle = open_conns(srv.port, 150, b"") + open_conns(srv.port, 150,
+                                                           b"GET /health HTTP/1.1\r\nHost: 127.0.0.1")
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{srv.port}\r\nContent-Type: "
+                f"application/json\r\nContent-Length: 1000\r\n\r\n{{").encode()
         slow = open_conns(srv.port, 300, head)
         socks = idle + slow
 
@@ -180,7 +182,7 @@ def test_slow_clients_cannot_exhaust_the_server(tiny_run):
     assert "out of system resource" not in "".join(srv.err), "".join(srv.err)[-2000:]
 
 
-# -- in process: the connection guard's deadlines and cap -----------------------------------------------------
+# -- in process: the connection guard's deadlines and cap ----------------------------------------------------
 
 @contextlib.contextmanager
 def guarded(run, limits: ConnectionLimits = ConnectionLimits(), **opts):
@@ -214,7 +216,8 @@ def test_deadlines_close_slow_heads_and_bodies(tiny_run):
         silent = open_conns(port, 1, b"")
         head = open_conns(port, 1, b"GET /health HTTP/1.1\r\n")
         body = open_conns(port, 1, f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-                                   f"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{{".encode())
+                                   "Content-Type: "
+                                   "application/json\r\nContent-Length: 100\r\n\r\n{".encode())
         kept = open_conns(port, 1, f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
         stop = threading.Event()
 
@@ -249,8 +252,8 @@ def test_connection_cap_displaces_the_longest_waiting(tiny_run):
         assert closed_by_server(idle[:7], 10) == 7  # the oldest went first
         assert guard.closed["displaced"] >= 7 and guard.closed["refused"] == 0
         body = json.dumps({"prompt": "x", "max_tokens": 2})
-        req = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-               f"Content-Length: {len(body)}\r\n\r\n{body}").encode()
+        req = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: "
+               f"application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode()
         with srv.sched.hold():  # four requests in, none answered: nothing to displace
             busy = open_conns(port, 4, req)
             deadline = time.monotonic() + 20
@@ -267,7 +270,7 @@ def test_connection_cap_displaces_the_longest_waiting(tiny_run):
         assert health_ok(url) and guard.closed["refused"] == 1
 
 
-# -- Host and Origin: other web pages and DNS rebinding ---------------------------------------------------------
+# -- Host and Origin: other web pages and DNS rebinding ------------------------------------------------------
 
 def test_host_and_origin_checked(tiny_run):
     with guarded(tiny_run) as (url, port, _, _srv):
@@ -276,13 +279,15 @@ def test_host_and_origin_checked(tiny_run):
         r = get(host="evil.example")
         assert r.status_code == 400 and r.json()["error"]["code"] == "host_not_allowed"
         assert "--allowed-hosts evil.example" in r.json()["error"]["message"]
-        for host in (f"evil.example:{port}", f"127.0.0.1:{port + 1}", "127.0.0.1", "not a host", f"localhost:{port}x"):
+        for host in (f"evil.example:{port}", f"127.0.0.1:{port + 1}", "127.0.0.1", "not a host",
+                     f"localhost:{port}x"):
             assert get(host=host).status_code == 400, host
         for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", f"LOCALHOST:{port}"):
             assert get(host=host).status_code == 200, host
         # another site's page, through the user's browser (a simple POST needs no preflight)
         body = {"prompt": "x", "max_tokens": 1}
-        r = httpx.post(url + "/v1/completions", json=body, headers={"Origin": "http://evil.example"}, timeout=10)
+        r = httpx.post(url + "/v1/completions", json=body, headers={"Origin": "http://evil.example"},
+                       timeout=10)
         assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
         assert "--allowed-origins http://evil.example" in r.json()["error"]["message"]
         for origin in ("null", f"http://localhost:{port + 1}", f"https://127.0.0.1:{port}"):
@@ -296,7 +301,8 @@ def test_host_and_origin_checked(tiny_run):
     # the flags widen it; CORS lets the allowed page read the answers
     with guarded(tiny_run, allowed_hosts=("evil.example",), allowed_origins=("http://evil.example",),
                  api_key="k") as (url, port, _, _srv):
-        assert httpx.get(url + "/health", headers={"Host": f"evil.example:{port}"}, timeout=10).status_code == 200
+        assert httpx.get(url + "/health", headers={"Host": f"evil.example:{port}"},
+                         timeout=10).status_code == 200
         pre = httpx.options(url + "/v1/completions", headers={
             "Origin": "http://evil.example", "Access-Control-Request-Method": "POST",
             "Access-Control-Request-Headers": "authorization,content-type"}, timeout=10)
@@ -315,22 +321,25 @@ def test_host_and_origin_checked(tiny_run):
 
 def test_serve_flags_checked(tiny_run, tmp_path, capsys):
     for flags, msg in ((["--allowed-hosts", "a/b"], "--allowed-hosts: 'a/b' is not a host"),
-                       (["--allowed-origins", "evil.example"], "--allowed-origins: 'evil.example' is not an origin"),
+                       (["--allowed-origins", "evil.example"],
+                        "--allowed-origins: 'evil.example' is not an origin"),
                        (["--allowed-origins", "http://x.example/path"], "is not an origin"),
                        (["--header-timeout", "0"], "--header-timeout 0.0 must be more than 0"),
                        (["--body-timeout", "-1"], "--body-timeout -1.0 must be more than 0"),
                        (["--keep-alive", "-1"], "--keep-alive -1.0 must be >= 0"),
                        (["--max-connections", "-1"], "--max-connections -1 must be >= 0"),
-                       (["--max-connections", "10000000"], "--max-connections 10000000 is more than this process's "
+                       (["--max-connections", "10000000"],
+                        "--max-connections 10000000 is more than this process's "
                                                            "file limit allows"),
-                       (["--api-key-file", str(tmp_path / "missing")], f"--api-key-file {tmp_path / 'missing'}: no "
+                       (["--api-key-file", str(tmp_path / "missing")],
+                        f"--api-key-file {tmp_path / 'missing'}: no "
                                                                        f"such file")):
         assert main(["serve", "--run", str(tiny_run), "--device", "cpu", "--port", "0", *flags]) == 2, flags
         err = capsys.readouterr().err
         assert "error: " in err and msg in err, (flags, err)
 
 
-# -- secrets and paths ------------------------------------------------------------------------------------------
+# -- secrets and paths ---------------------------------------------------------------------------------------
 
 def key_args(**kw) -> Namespace:
     return Namespace(**{"api_key": None, "api_key_file": None, **kw})
@@ -371,7 +380,8 @@ def test_key_not_in_ps_and_no_paths_in_models(tiny_run, tmp_path):
         assert card["id"] == "tiny" and card["checkpoint"] == "step_000002"
         text = json.dumps(r.json())
         assert str(tiny_run) not in text and "/" not in text, text
-        metrics = httpx.get(srv.url + "/metrics", headers={"Authorization": "Bearer env-key-123"}, timeout=10).text
+        metrics = httpx.get(srv.url + "/metrics", headers={"Authorization": "Bearer env-key-123"},
+                            timeout=10).text
         assert "codeforge_open_connections " in metrics and "codeforge_max_connections " in metrics
         assert 'codeforge_connections_closed_total{reason="header_timeout"} 0.0' in metrics
     finally:
@@ -386,8 +396,8 @@ def test_a_body_in_a_million_pieces_is_refused_early(tiny_run):
     limits = ConnectionLimits(max_body_pieces=body_pieces(1 << 20))
     with guarded(tiny_run, limits, max_body_bytes=1 << 20) as (url, port, guard, _):
         n = 200_000
-        head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-                f"Transfer-Encoding: chunked\r\n\r\n").encode()
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: "
+                f"application/json\r\nTransfer-Encoding: chunked\r\n\r\n").encode()
         s = socket.create_connection(("127.0.0.1", port))
         s.settimeout(30)
         t0 = time.perf_counter()

@@ -79,7 +79,8 @@ def test_generated_logprobs_batched_and_streamed(base):
         if ch.finish_reason == "length":
             assert "".join(lp.tokens) == ch.text
     # streaming: the chunks' records join into the same records as one response
-    one = c.completions.create(model="tiny", prompt="def f(", logprobs=1, max_tokens=8, temperature=0, echo=True)
+    one = c.completions.create(model="tiny", prompt="def f(", logprobs=1, max_tokens=8, temperature=0,
+                               echo=True)
     chunks = list(c.completions.create(model="tiny", prompt="def f(", logprobs=1, max_tokens=8, temperature=0,
                                        echo=True, stream=True))
     toks = [t for x in chunks for t in (x.choices[0].logprobs.tokens if x.choices[0].logprobs else [])]
@@ -104,19 +105,21 @@ def test_chat_logprobs(chat_run):  # noqa: F811
     with serving(chat_run) as live:
         c, eng = live.client, live.engine
         msgs = [{"role": "user", "content": "Write f3."}]
-        r = c.chat.completions.create(model="tiny", messages=msgs, logprobs=True, top_logprobs=2, max_tokens=6,
-                                      temperature=0)
+        r = c.chat.completions.create(model="tiny", messages=msgs, logprobs=True, top_logprobs=2,
+                                      max_tokens=6, temperature=0)
         ch = r.choices[0]
         content = ch.logprobs.content
         assert len(content) == r.usage.completion_tokens
         for e in content:
-            assert len(e.top_logprobs) == 2 and math.isclose(e.logprob, e.top_logprobs[0].logprob, abs_tol=1e-6)
+            assert len(e.top_logprobs) == 2 and math.isclose(e.logprob, e.top_logprobs[0].logprob,
+                                                             abs_tol=1e-6)
             assert bytes(e.bytes).decode(errors="replace") and e.token
         text = b"".join(bytes(e.bytes) for e in content).decode(errors="replace")
         assert text.startswith(ch.message.content or "")
         r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=3, temperature=0)
         assert r.choices[0].logprobs is None
-        chunks = [x for x in c.chat.completions.create(model="tiny", messages=msgs, logprobs=True, top_logprobs=1,
+        chunks = [x for x in c.chat.completions.create(model="tiny", messages=msgs, logprobs=True,
+                                                       top_logprobs=1,
                                                        max_tokens=6, temperature=0, stream=True) if x.choices]
         streamed = [e.token for x in chunks if x.choices[0].logprobs for e in x.choices[0].logprobs.content]
         assert streamed == [e.token for e in content]
@@ -171,7 +174,8 @@ def test_names_and_notices_a_user_sees(base_run, chat_run, tmp_path, capsys, mon
     monkeypatch.setattr("sys.stdin", io.StringIO("hello"))
     assert main(["chat", "--run", str(chat_run), "--max-new-tokens", "2", "--device", "cpu"]) == 0
     assert "never taught to chat" not in capsys.readouterr().err
-    assert main(["generate", "--run", str(base_run), "--prompt", "x", "--max-new-tokens", "2", "--device", "cpu"]) == 0
+    assert main(["generate", "--run", str(base_run), "--prompt", "x", "--max-new-tokens", "2", "--device",
+                 "cpu"]) == 0
     err = capsys.readouterr().err
     assert "checkpoint: " in err and "auto: the run's best" in err
 
@@ -184,7 +188,8 @@ def test_what_a_hostile_or_careless_client_gets(base, chat_run, monkeypatch):  #
     # lowered here: this model's context of 64 cannot reach the real one)
     monkeypatch.setattr(app, "MAX_LOGPROB_RECORDS", 10_000)
     ids = (tok.encode("def f(x): return x\n") * 64)[:base.engine.block_size]
-    assert_error(h.post("/v1/completions", json={"prompt": [ids] * 4, "echo": True, "logprobs": 20, "max_tokens": 0,
+    assert_error(h.post("/v1/completions",
+                        json={"prompt": [ids] * 4, "echo": True, "logprobs": 20, "max_tokens": 0,
                                                  "n": 16}), 400, "too_many_logprobs")
     # echo with suffix would echo text the model never saw (the fill-in-the-middle prompt)
     assert_error(h.post("/v1/completions", json={"prompt": "a", "suffix": "b", "echo": True}), 400)
@@ -196,9 +201,11 @@ def test_what_a_hostile_or_careless_client_gets(base, chat_run, monkeypatch):  #
     assert r.status_code == 400, r.text
     # streamed log-prob offsets never go back, also when a stop sequence holds text back
     for seed in range(3):
-        chunks = list(base.client.completions.create(model="tiny", prompt="x", max_tokens=24, temperature=1.0, seed=seed,
+        chunks = list(base.client.completions.create(model="tiny", prompt="x", max_tokens=24, temperature=1.0,
+                                                     seed=seed,
                                                      logprobs=0, stop=["e", "a", " "], stream=True))
-        offs = [o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+        offs = [o for c in chunks if c.choices and c.choices[0].logprobs
+                for o in c.choices[0].logprobs.text_offset]
         assert offs == sorted(offs), offs
     with serving(chat_run) as live:
         msgs = [{"role": "user", "content": "hi"}]
@@ -207,12 +214,14 @@ def test_what_a_hostile_or_careless_client_gets(base, chat_run, monkeypatch):  #
             "type": "json_schema", "json_schema": {"name": "big", "schema": big}}})
         assert_error(r, 400, "invalid_schema")
         loop = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
-        r = live.http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4, "response_format": {
+        r = live.http.post("/v1/chat/completions",
+                           json={"messages": msgs, "max_tokens": 4, "response_format": {
             "type": "json_schema", "json_schema": {"name": "loop", "schema": loop}}})
         assert r.status_code == 400 and "schema" in r.json()["error"]["message"], r.text
         assert len(r.text) < 1000  # the engine's parser state stays inside
         # metadata-only OpenAI fields are accepted
-        r = live.http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "service_tier": "auto",
+        r = live.http.post("/v1/chat/completions",
+                           json={"messages": msgs, "max_tokens": 2, "service_tier": "auto",
                                                          "prompt_cache_key": "k", "safety_identifier": "u1"})
         assert r.status_code == 200, r.text
 
@@ -224,7 +233,8 @@ def test_chat_logprobs_share_the_cap_and_are_built_off_the_event_loop(chat_run, 
     import asyncio
 
     import codeforge.serve.app as app
-    monkeypatch.setattr(app, "MAX_LOGPROB_RECORDS", 2_000)  # this model's context of 64 cannot reach the real one
+    # this model's context of 64 cannot reach the real one
+    monkeypatch.setattr(app, "MAX_LOGPROB_RECORDS", 2_000)
     built_on = []
     real = app.chat_logprobs
 
@@ -246,7 +256,8 @@ def test_chat_logprobs_share_the_cap_and_are_built_off_the_event_loop(chat_run, 
 
 
 def test_logprobs_equal_transformers_on_a_padded_vocabulary(tmp_path, data_dir, tokenizer_dir):  # noqa: F811
-    """A model whose head has more rows than the tokenizer has tokens (vocabulary padded to a multiple of 64, as
+    """A model whose head has more rows than the tokenizer has tokens (vocabulary
+    padded to a multiple of 64, as
     GPU runs do): the server's echo log-probs equal transformers' on the same run's Hugging Face export, token
     for token. Found in the second hostile review: the server normalised over the real tokens only, and every
     log-prob was ~0.0155 nats above transformers'. Both now take the model's own distribution over every row
@@ -268,7 +279,8 @@ def test_logprobs_equal_transformers_on_a_padded_vocabulary(tmp_path, data_dir, 
     text = "def add(a, b):\n    return a + b\n"
     with serving(run) as live:
         ids = live.engine.tok.encode(text)
-        r = live.http.post("/v1/completions", json={"prompt": ids, "echo": True, "logprobs": 2, "max_tokens": 4,
+        r = live.http.post("/v1/completions",
+                           json={"prompt": ids, "echo": True, "logprobs": 2, "max_tokens": 4,
                                                     "temperature": 0})
         assert r.status_code == 200, r.text
         lp = r.json()["choices"][0]["logprobs"]

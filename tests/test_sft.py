@@ -39,11 +39,13 @@ def chat_data(tmp_path_factory, tokenizer_dir):
                                                        {"role": "assistant", "content": "y"}]}]
     rows += generate(120, seed=1)
     rows += [{"messages": [{"role": "user", "content": f"Write f{i}."},
-                           {"role": "assistant", "content": f"def f{i}():\n    return {i}\n"}]} for i in range(150)]
+                           {"role": "assistant", "content": f"def f{i}():\n    return {i}\n"}]}
+             for i in range(150)]
     src = d / "chat.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = d / "data"
-    meta = prepare([str(src)], tokenizer_dir, out, CorpusOptions(val_fraction=0.1), log=lambda *a: None, chat=True)
+    meta = prepare([str(src)], tokenizer_dir, out, CorpusOptions(val_fraction=0.1), log=lambda *a: None,
+                   chat=True)
     return out, meta
 
 
@@ -79,7 +81,8 @@ def test_chat_shards_and_masked_loader(chat_data, tokenizer_dir):
 
 def cfg_for(data, out, **over):
     flags = {"model.n_layer": 2, "model.n_head": 2, "model.n_embd": 64, "model.block_size": 64,
-             "train.batch_size": 4, "train.learning_rate": 3e-3, "train.warmup_steps": 2, "train.eval_every": 4,
+             "train.batch_size": 4, "train.learning_rate": 3e-3, "train.warmup_steps": 2,
+             "train.eval_every": 4,
              "train.eval_tokens": 128, "train.save_every": 4, "train.log_every": 1, "train.progress": False,
              "train.device": "cpu", "train.data": str(data), "train.out": str(out)}
     flags.update({k.replace("__", "."): v for k, v in over.items()})
@@ -117,7 +120,9 @@ def test_sft_stage_resume_equals_straight_and_stage_checks(chat_data, data_dir, 
     assert all(resumed[s] == straight[s] for s in straight)
     # the chat template travels with every stage's checkpoint tokenizer
     final = (tmp_path / "b" / "checkpoints" / "final").read_text().strip()
-    cfg_json = json.loads((tmp_path / "b" / "checkpoints" / final / "tokenizer" / "tokenizer_config.json").read_text())
+    cfg_json = json.loads(
+        (tmp_path / "b" / "checkpoints" / final / "tokenizer" / "tokenizer_config.json").read_text()
+    )
     assert "<|im_start|>" in cfg_json["chat_template"]
     with pytest.raises(CodeforgeError, match="holds plain text shards"):
         run_stage(cfg_for(data_dir, tmp_path / "c", train__stage="sft"), log=lambda m: None)
@@ -128,7 +133,9 @@ def test_sft_stage_resume_equals_straight_and_stage_checks(chat_data, data_dir, 
 def test_stage_defaults_and_best_by_name(tmp_path):
     assert resolve([], None, [], {"train.stage": "sft"}).train.learning_rate == 5e-5  # seed 004
     assert resolve([], None, [], {"train.stage": "tools"}).train.learning_rate == 3e-6  # seed 003
-    assert resolve([], None, [], {"train.stage": "sft", "train.learning_rate": 1e-3}).train.learning_rate == 1e-3
+    assert (
+        resolve([], None, [], {"train.stage": "sft", "train.learning_rate": 1e-3}).train.learning_rate == 1e-3
+    )
     from codeforge.checkpoint import CheckpointError, find_checkpoint
     ck = tmp_path / "r" / "checkpoints" / "step_000002"
     ck.mkdir(parents=True)
@@ -147,7 +154,8 @@ def test_cli_chat_pipeline(tmp_path, tokenizer_dir, data_dir, capsys, monkeypatc
     (src / "m.py").write_text("".join(
         f'def add_{i}(a, b):\n    """Return the sum of a and b plus {i}."""\n    return a + b + {i}\n\n\n'
         for i in range(40)))
-    assert main(["make-sft", "--input", str(src), "--out", str(tmp_path / "pairs"), "--heldout-fraction", "0.1"]) == 0
+    assert main(["make-sft", "--input", str(src), "--out", str(tmp_path / "pairs"), "--heldout-fraction",
+                 "0.1"]) == 0
     assert "mined" in capsys.readouterr().out
     assert main(["make-sft", "--input", str(src), "--out", str(tmp_path / "pairs")]) == 2  # never overwritten
     assert "--overwrite" in capsys.readouterr().err
@@ -162,7 +170,8 @@ def test_cli_chat_pipeline(tmp_path, tokenizer_dir, data_dir, capsys, monkeypatc
     capsys.readouterr()
     small = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "256", "--batch-size", "2",
              "--no-progress", "--device", "cpu", "--eval-tokens", "128"]
-    assert main(["train", "--data", str(data_dir), "--out", str(tmp_path / "base"), "--max-iters", "2", *small]) == 0
+    assert main(["train", "--data", str(data_dir), "--out", str(tmp_path / "base"), "--max-iters", "2",
+                 *small]) == 0
     # --init-from takes the model shape from the checkpoint: no model flags needed for the next stage
     assert main(["train", "--stage", "sft", "--data", str(tmp_path / "cd"), "--out", str(tmp_path / "sft"),
                  "--init-from", str(tmp_path / "base"), "--max-iters", "3", "--learning-rate", "1e-3",
@@ -170,7 +179,8 @@ def test_cli_chat_pipeline(tmp_path, tokenizer_dir, data_dir, capsys, monkeypatc
     capsys.readouterr()
     monkeypatch.setattr("sys.stdin", io.StringIO("Write a function that adds two numbers."))
     assert main(["chat", "--run", str(tmp_path / "sft"), "--max-new-tokens", "8", "--seed", "0"]) == 0
-    monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps({"messages": [{"role": "robot", "content": "x"}]})))
+    monkeypatch.setattr("sys.stdin",
+                        io.StringIO(json.dumps({"messages": [{"role": "robot", "content": "x"}]})))
     assert main(["chat", "--run", str(tmp_path / "sft")]) == 2
     assert "unknown_role" in capsys.readouterr().err
     # a tools-stage run offered no tools answers in text, and chat says why; offered the file, no note
@@ -181,16 +191,21 @@ def test_cli_chat_pipeline(tmp_path, tokenizer_dir, data_dir, capsys, monkeypatc
     monkeypatch.setattr("sys.stdin", io.StringIO("Read the file a.py"))
     assert main(["chat", "--run", str(tmp_path / "tl"), "--max-new-tokens", "8", "--seed", "0"]) == 0
     said = capsys.readouterr()
-    assert "trained to call tools, but none are offered" in said.err and "[unparsed tool call]" not in said.out
+    assert (
+        "trained to call tools, but none are offered" in said.err and "[unparsed tool call]" not in said.out
+    )
     monkeypatch.setattr("sys.stdin", io.StringIO("Read the file a.py"))
-    assert main(["chat", "--run", str(tmp_path / "tl"), "--tools", str(tools_file), "--max-new-tokens", "8"]) == 0
+    assert main(["chat", "--run", str(tmp_path / "tl"), "--tools", str(tools_file), "--max-new-tokens",
+                 "8"]) == 0
     assert "none are offered" not in capsys.readouterr().err
-    assert main(["eval", "--run", str(tmp_path / "sft"), "--json", "--tool-cases", "4", "--eval-tokens", "128"]) == 0
+    assert main(["eval", "--run", str(tmp_path / "sft"), "--json", "--tool-cases", "4", "--eval-tokens",
+                 "128"]) == 0
     said = capsys.readouterr()
     r = json.loads(said.out)
     assert r["chat"] is True and r["tool_cases"] == 4 and r["val_loss"] > 0
     # the tokens read and the ones scored are told apart: only the replies count
     assert "validation loss on the val split's replies (up to 128 tokens read" in said.err
     assert 0 < r["eval_tokens"] < 128
-    for k in ("tool_parse_rate", "tool_name_accuracy", "tool_args_exact", "no_call_accuracy", "tool_im_end_rate"):
+    for k in ("tool_parse_rate", "tool_name_accuracy", "tool_args_exact", "no_call_accuracy",
+              "tool_im_end_rate"):
         assert k in r

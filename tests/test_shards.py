@@ -62,15 +62,16 @@ def test_refuses_other_dataset_unless_overwrite(tmp_path, code_corpus, tokenizer
     with pytest.raises(ShardError, match="different dataset"):
         prepare([str(code_corpus)], tokenizer_dir, out, CorpusOptions(languages=["python"]), log=_quiet)
     assert (out / "meta.json").read_bytes() == before  # untouched
-    meta = prepare([str(code_corpus)], tokenizer_dir, out, CorpusOptions(languages=["python"]), overwrite=True,
-                   log=_quiet)
+    meta = prepare([str(code_corpus)], tokenizer_dir, out, CorpusOptions(languages=["python"]),
+                   overwrite=True, log=_quiet)
     assert json.loads((out / "meta.json").read_text())["fingerprint"] == meta["fingerprint"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left behind
 
 
 def test_empty_corpus_refused_and_nothing_written(tmp_path, code_corpus, tokenizer_dir):
     with pytest.raises(ShardError, match="empty after filtering"):
-        prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(languages=["rust"]), log=_quiet)
+        prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(languages=["rust"]),
+                log=_quiet)
     assert not (tmp_path / "d").exists() and list(tmp_path.iterdir()) == []
 
 
@@ -96,12 +97,12 @@ def test_interrupted_run_leaves_no_complete_looking_dir(tmp_path, code_corpus, t
     assert len(work) == 1 and (work[0] / "logs" / "read" / "completions").is_dir()
     monkeypatch.setattr(writer.SplitWriter, "add", real)
     said = []
-    meta = prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(), log=said.append, workers=1,
-                   tasks=4)
+    meta = prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(), log=said.append,
+                   workers=1, tasks=4)
     assert any("resuming" in m for m in said)
     assert not work[0].exists()  # removed once the dataset is published
-    clean = prepare([str(code_corpus)], tokenizer_dir, tmp_path / "clean", CorpusOptions(), log=_quiet, workers=1,
-                    tasks=4)
+    clean = prepare([str(code_corpus)], tokenizer_dir, tmp_path / "clean", CorpusOptions(), log=_quiet,
+                    workers=1, tasks=4)
     assert meta["splits"] == clean["splits"]
     for f in sorted((tmp_path / "clean").glob("*_0*.bin")) + sorted((tmp_path / "clean").glob("*.npy")):
         assert (tmp_path / "d" / f.name).read_bytes() == f.read_bytes(), f.name
@@ -146,7 +147,8 @@ def test_changed_source_is_a_different_dataset(tmp_path, code_corpus, tokenizer_
     (src / "new.go").write_text("package pkg0\n\nfunc New() int { return 42 }\n")
     with pytest.raises(ShardError, match="different dataset"):
         prepare([str(src)], tokenizer_dir, out, CorpusOptions(languages=["go"]), log=_quiet)
-    meta = prepare([str(src)], tokenizer_dir, out, CorpusOptions(languages=["go"]), overwrite=True, log=_quiet)
+    meta = prepare([str(src)], tokenizer_dir, out, CorpusOptions(languages=["go"]), overwrite=True,
+                   log=_quiet)
     assert meta["documents"] == before["documents"] + 1
 
 
@@ -167,11 +169,13 @@ def test_an_empty_validation_split_is_said_with_the_fix(tmp_path, tokenizer_dir)
     for i in range(17):
         (src / f"m{i}.py").write_text(f"def f{i}(x):\n    return x + {i}\n" * 3)
     said = []
-    meta = prepare([str(src)], tokenizer_dir, tmp_path / "a", CorpusOptions(val_fraction=0.01), log=said.append)
+    meta = prepare([str(src)], tokenizer_dir, tmp_path / "a", CorpusOptions(val_fraction=0.01),
+                   log=said.append)
     assert meta["splits"]["val"]["documents"] == 0
     note = next(m for m in said if "validation split is empty" in m)
     fraction = float(note.split("--val-fraction ")[2].split()[0])
-    meta = prepare([str(src)], tokenizer_dir, tmp_path / "b", CorpusOptions(val_fraction=fraction), log=said.append)
+    meta = prepare([str(src)], tokenizer_dir, tmp_path / "b", CorpusOptions(val_fraction=fraction),
+                   log=said.append)
     assert meta["splits"]["val"]["documents"] > 0
 
 
@@ -189,11 +193,13 @@ def test_a_small_validation_split_is_said_with_the_fix(tmp_path, tokenizer_dir):
     marks = sorted(int.from_bytes(content_hash(t)[:8], "big") / 2**64 for t in texts)
     one = (marks[0] + marks[1]) / 2  # exactly one file below it
     said = []
-    meta = prepare([str(src)], tokenizer_dir, tmp_path / "a", CorpusOptions(val_fraction=one), log=said.append)
+    meta = prepare([str(src)], tokenizer_dir, tmp_path / "a", CorpusOptions(val_fraction=one),
+                   log=said.append)
     assert meta["splits"]["val"]["documents"] == 1
     note = next(m for m in said if "validation split is small" in m)
     fraction = float(note.split("--val-fraction ")[2].split()[0])
-    meta = prepare([str(src)], tokenizer_dir, tmp_path / "b", CorpusOptions(val_fraction=fraction), log=said.append)
+    meta = prepare([str(src)], tokenizer_dir, tmp_path / "b", CorpusOptions(val_fraction=fraction),
+                   log=said.append)
     assert meta["splits"]["val"]["documents"] >= 3
 
 
@@ -214,4 +220,6 @@ def test_a_run_records_what_it_trained_on_or_nothing_when_it_cannot_know(tmp_pat
     assert n == len(keys) + 3  # the base run's documents too
     (tmp_path / "old").mkdir()  # a base run from before the records: nothing known, nothing written
     assert record_trained(tmp_path / "c", data_dir, tmp_path / "old") is None
-    assert not (tmp_path / "c" / "trained_documents.npy").exists() and trained_documents(tmp_path / "c") is None
+    assert (
+        not (tmp_path / "c" / "trained_documents.npy").exists() and trained_documents(tmp_path / "c") is None
+    )

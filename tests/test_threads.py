@@ -1,7 +1,7 @@
 """The CPU thread policy (device.thread_policy, OMP_WAIT_POLICY set in codeforge/__init__.py) changes how fast
 a run goes, not what it computes: the same training losses and greedy text with 1 or 2 threads (validation
-losses to 1e-6) and every number identical with OpenMP's waiting threads spinning or sleeping; and the policy's choice follows the flag, the environment
-and the cores other work keeps busy."""
+losses to 1e-6) and every number identical with OpenMP's waiting threads spinning or sleeping; and the
+policy's choice follows the flag, the environment and the cores other work keeps busy."""
 
 from __future__ import annotations
 
@@ -15,12 +15,13 @@ import pytest
 
 from codeforge import device
 
-TRAIN = ("import sys; from codeforge.cli import main; sys.exit(main(['train', '--data', {data!r}, '--out', {out!r}, "
+TRAIN = ("import sys; from codeforge.cli import main; "
+         "sys.exit(main(['train', '--data', {data!r}, '--out', {out!r}, "
          "'--n-layer', '2', '--n-head', '2', '--n-embd', '64', '--block-size', '64', '--batch-size', '4', "
-         "'--max-iters', '4', '--eval-every', '2', '--eval-tokens', '256', '--no-progress', '--device', 'cpu', "
-         "'--dropout', '0', '--warmup-steps', '1']))")
-GEN = ("import sys; from codeforge.cli import main; sys.exit(main(['generate', '--run', {out!r}, '--prompt', 'def ', "
-       "'--max-new-tokens', '24', '--temperature', '0', '--device', 'cpu']))")
+         "'--max-iters', '4', '--eval-every', '2', '--eval-tokens', '256', '--no-progress', '--device', "
+         "'cpu', '--dropout', '0', '--warmup-steps', '1']))")
+GEN = ("import sys; from codeforge.cli import main; sys.exit(main(['generate', '--run', {out!r}, '--prompt', "
+       "'def ', '--max-new-tokens', '24', '--temperature', '0', '--device', 'cpu']))")
 
 
 def run(code: str, **env) -> tuple[str, str]:
@@ -45,7 +46,8 @@ def test_threads_and_wait_policy_change_no_number(data_dir, tmp_path):
         out = str(tmp_path / name)
         said = "".join(run(TRAIN.format(data=str(data_dir), out=out), **env))
         threads = env["CODEFORGE_THREADS"]
-        assert f"{threads} thread" in said and f"waits {env['OMP_WAIT_POLICY'].lower()}" in said  # the device line
+        # the device line
+        assert f"{threads} thread" in said and f"waits {env['OMP_WAIT_POLICY'].lower()}" in said
         assert ("the C library's ($CODEFORGE_MALLOC=system)" in said) == ("CODEFORGE_MALLOC" in env), said
         text = run(GEN.format(out=out), **env)[0]  # stdout: the prompt and its completion
         seen[name] = (losses(out), text)
@@ -56,7 +58,8 @@ def test_threads_and_wait_policy_change_no_number(data_dir, tmp_path):
         assert [r[0] for r in rows] == [r[0] for r in first[0]], name  # training losses: bit for bit
         # validation losses: equal to 1e-6 (1 and 2 threads reduce the vocabulary's log-sum-exp in another
         # order, which moves the 8th digit; docs/LOG.md, 2026-11-25)
-        assert all(a[1] is None and b[1] is None or abs(a[1] - b[1]) < 1e-6 for a, b in zip(rows, first[0])), name
+        assert all(a[1] is None and b[1] is None or abs(a[1] - b[1]) < 1e-6
+                   for a, b in zip(rows, first[0])), name
     assert seen["t2_active"] == seen["t2_passive"]  # the wait policy: every number identical
     assert seen["t2_malloc"] == seen["t2_passive"]  # the memory policy: every number identical
 
@@ -90,11 +93,13 @@ def test_freed_memory_is_reused_not_mapped_again(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     said, faults = run(FAULTS)[0].split("\n")[:2]
     assert said == "freed memory kept for reuse"
-    assert float(faults) < 2000, faults  # 0 usually; 1,024 (one 4 MiB block) seen on some runs; ~20,000 without
+    # 0 usually; 1,024 (one 4 MiB block) seen on some runs; ~20,000 without
+    assert float(faults) < 2000, faults
     said = run(FAULTS, CODEFORGE_MALLOC="system")[0].split("\n")[0]
     assert said == "memory policy: the C library's ($CODEFORGE_MALLOC=system)"
     said = run(FAULTS, GLIBC_TUNABLES="glibc.malloc.trim_threshold=131072")[0].split("\n")[0]
-    assert said == "memory policy: the C library's, as its environment variables set it"  # the user's own knob
+    # the user's own knob
+    assert said == "memory policy: the C library's, as its environment variables set it"
     monkeypatch.setenv("CODEFORGE_MALLOC", "fast")
     monkeypatch.setattr(device, "_MALLOC", None)
     with pytest.raises(device.DeviceError, match="CODEFORGE_MALLOC"):
@@ -141,10 +146,12 @@ def test_the_server_hands_freed_memory_back(monkeypatch, case):
     if case in ("train", "server keep"):
         assert "freed memory kept for reuse" in said and int(released) < 16, (said, released)
     else:
-        assert "the C library's (a long-running server; $CODEFORGE_MALLOC=keep keeps freed memory)" in said, said
+        assert ("the C library's (a long-running server; "
+                "$CODEFORGE_MALLOC=keep keeps freed memory)") in said, said
         assert int(released) > 200, (said, released)
     assert float(faults) < 300, (case, faults)
-    assert after == "freed memory kept for reuse", after  # the training default again after the server's block
+    # the training default again after the server's block
+    assert after == "freed memory kept for reuse", after
 
 
 def test_the_policy_follows_flag_environment_and_busy_cores(monkeypatch):
@@ -164,7 +171,8 @@ def test_the_policy_follows_flag_environment_and_busy_cores(monkeypatch):
         device.thread_policy()
     monkeypatch.delenv(device.THREADS_ENV)
     monkeypatch.setattr(device, "runnable_elsewhere", lambda *a, **k: 0)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(2 * cores))  # torchrun ranks share the cores, at least one each
+    # torchrun ranks share the cores, at least one each
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(2 * cores))
     assert device.thread_policy()[0] == 1
     assert os.environ.get("OMP_WAIT_POLICY")  # codeforge/__init__.py set it before torch loaded
 

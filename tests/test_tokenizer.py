@@ -13,11 +13,14 @@ from codeforge.tokenizer import (CODE_SPLIT_PATTERN, EOT, SPECIAL_TOKENS, CodeTo
 # retry limit and tokenizers panics (pyo3_runtime.PanicException, a BaseException, not an Exception).
 BACKTRACKING_SPLITS = [r"(a+)+$", r"(\w+\s?)*$"]
 BACKTRACKING_PROMPT = "a" * 34 + "!"
-# Qwen2's split, as its tokenizer.json has it (Llama 3's is codeforge's llama3 rule, GPT-2's is ByteLevel's own)
-QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+# Qwen2's split, as its tokenizer.json has it (Llama 3's is codeforge's llama3
+# rule, GPT-2's is ByteLevel's own)
+QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| """
+               r"""?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 
-def with_split(tokenizer_dir: Path, out: Path, pattern: str | None = None, pre_tokenizer: dict | None = None) -> Path:
+def with_split(tokenizer_dir: Path, out: Path, pattern: str | None = None,
+               pre_tokenizer: dict | None = None) -> Path:
     """A copy of a codeforge tokenizer directory whose tokenizer.json splits by the regex `pattern` (or has
     `pre_tokenizer` as a whole)."""
     shutil.copytree(tokenizer_dir, out)
@@ -38,17 +41,11 @@ def assert_raw_tokenizers_panics(tok_dir: Path) -> None:
         raw.encode(BACKTRACKING_PROMPT, add_special_tokens=False)
     assert type(e.value).__name__ == "PanicException" and not isinstance(e.value, Exception)
 
-AWKWARD = [
-    "\tif x {\r\n\t\treturn  \r\n\t}\r\n",
-    "trailing spaces   \n\n\n   \t \n",
-    "emoji 🎉🚀 and CJK 漢字 and combining é\u0301",
-    "x" * 5000 + "\n" + "long_identifier_" * 300,
-    "ctrl \x01\x02\x07\x1b[31m bell \x7f del \u200b zero-width",
-    "",
-    " leading space and  double  spaces",
-    "numbers 1234567890 3.14159 0xdeadbeef 1e-9",
-    "<s> literal special strings </s> <|im_start|> in code",
-]
+AWKWARD = ["\tif x {\r\n\t\treturn  \r\n\t}\r\n", "trailing spaces   \n\n\n   \t \n",
+           "emoji 🎉🚀 and CJK 漢字 and combining é\u0301", "x" * 5000 + "\n" + "long_identifier_" * 300,
+           "ctrl \x01\x02\x07\x1b[31m bell \x7f del \u200b zero-width", "",
+           " leading space and  double  spaces", "numbers 1234567890 3.14159 0xdeadbeef 1e-9",
+           "<s> literal special strings </s> <|im_start|> in code"]
 
 
 def test_roundtrip_awkward_text(tokenizer_dir):
@@ -81,7 +78,9 @@ def test_files_written_and_load_in_transformers(tokenizer_dir):
     text = "func main() {\n\tfmt.Println(\"hi\")\n}\n"
     assert hf.decode(hf.encode(text)) == text
     auto = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    assert auto.eos_token == "</s>" and auto.convert_tokens_to_ids("<|im_end|>") == tok.special_ids["<|im_end|>"]
+    assert (
+        auto.eos_token == "</s>" and auto.convert_tokens_to_ids("<|im_end|>") == tok.special_ids["<|im_end|>"]
+    )
 
 
 @pytest.mark.parametrize("v", [255, 200_001, 0])
@@ -109,7 +108,9 @@ def test_the_default_split_is_llama_cpps_llama_bpe(tokenizer_dir):
     """The default tokenizer splits as Llama 3 does (llama.cpp's "llama-bpe"), and records that name."""
     tok = CodeTokenizer.load(tokenizer_dir)
     words = [p for p, _ in tok.tok.pre_tokenizer.pre_tokenize_str("if x {\n\t\treturn a_b1 12345\n\t}")]
-    assert words == ["if", "Ġx", "Ġ{Ċ", "ĉ", "ĉreturn", "Ġa", "_b", "1", "Ġ", "123", "45", "Ċ", "ĉ", "}"], words
+    assert words == ["if", "Ġx", "Ġ{Ċ", "ĉ", "ĉreturn", "Ġa", "_b", "1", "Ġ", "123", "45", "Ċ", "ĉ", "}"], (
+        words
+    )
     meta = json.loads((tokenizer_dir / "codeforge_tokenizer.json").read_text())
     assert (meta["split"], meta["llama_cpp_pre"]) == ("llama3", "llama-bpe")
 
@@ -129,7 +130,8 @@ def test_train_refuses_to_replace_a_directory(tmp_path):
 
 @pytest.mark.parametrize("pattern", BACKTRACKING_SPLITS)
 def test_a_backtracking_split_rule_is_refused_at_load(pattern, tokenizer_dir, tmp_path):
-    """Before: loaded as it was, and a 35-character prompt ended in a PanicException from the Rust tokenizer."""
+    """Before: loaded as it was, and a 35-character prompt ended in a
+    PanicException from the Rust tokenizer."""
     bad = with_split(tokenizer_dir, tmp_path / "bad", pattern)
     assert_raw_tokenizers_panics(bad)
     with pytest.raises(TokenizerError) as e:
@@ -145,8 +147,10 @@ def test_every_encode_path_turns_a_tokenizer_panic_into_a_tokenizer_error(tokeni
     PanicException that is a BaseException; the tokenizer keeps working on other text."""
     bad = with_split(tokenizer_dir, tmp_path / "bad", BACKTRACKING_SPLITS[0])
     tok = CodeTokenizer(Tokenizer.from_file(str(bad / "tokenizer.json")), bad)
-    calls = [lambda: tok.encode(BACKTRACKING_PROMPT), lambda: tok.encode(BACKTRACKING_PROMPT, allow_special=True),
-             lambda: tok.encode_batch(["ok", BACKTRACKING_PROMPT]), lambda: tok.encode_with_offsets(BACKTRACKING_PROMPT)]
+    calls = [lambda: tok.encode(BACKTRACKING_PROMPT),
+             lambda: tok.encode(BACKTRACKING_PROMPT, allow_special=True),
+             lambda: tok.encode_batch(["ok", BACKTRACKING_PROMPT]),
+             lambda: tok.encode_with_offsets(BACKTRACKING_PROMPT)]
     for call in calls:
         with pytest.raises(TokenizerError, match=r"cannot encode this text \(35 characters\).*backtrack"):
             call()
@@ -190,19 +194,25 @@ def test_an_unknown_split_rule_that_survives_the_probe_loads_with_a_warning(toke
     d = with_split(tokenizer_dir, tmp_path / "other", pattern)
     said: list[str] = []
     tok = CodeTokenizer.load(d, log=said.append)
-    assert len(said) == 1 and "pre_tokenizer" in said[0] and repr(pattern) in said[0] and "not one codeforge knows" \
-        in said[0], said
+    assert (
+        len(said) == 1
+        and "pre_tokenizer" in said[0]
+        and repr(pattern) in said[0]
+        and "not one codeforge knows" in said[0]
+    ), said
     assert tok.decode(tok.encode(BACKTRACKING_PROMPT)) == BACKTRACKING_PROMPT
     capsys.readouterr()
     CodeTokenizer.load(d)  # without a log: on stderr
-    assert capsys.readouterr().err.startswith(f"warning: {d / 'tokenizer.json'}: the split rule in its pre_tokenizer")
+    assert capsys.readouterr().err.startswith(f"warning: {d / 'tokenizer.json'}: "
+                                              "the split rule in its pre_tokenizer")
 
 
 def test_an_unknown_split_rule_too_slow_on_the_probe_is_refused(tokenizer_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(tokenizer_mod, "PROBE_SECONDS", -1.0)  # every probe is "too slow"
     monkeypatch.setattr(tokenizer_mod, "_VETTED", {})  # verdicts are remembered: this rule passed above
     d = with_split(tokenizer_dir, tmp_path / "slow", r"\p{L}+|\p{N}+|\s+|[^\s\p{L}\p{N}]+")
-    with pytest.raises(TokenizerError, match=r"pre_tokenizer.*fails on a 8-character probe text .*: it took -?[0-9.]+ s"):
+    with pytest.raises(TokenizerError,
+                       match=r"pre_tokenizer.*fails on a 8-character probe text .*: it took -?[0-9.]+ s"):
         CodeTokenizer.load(d)
 
 
@@ -229,9 +239,14 @@ def test_hf_config_lists_only_the_special_tokens_a_tokenizer_has(tmp_path, token
     old = tmp_path / "old"
     shutil.copytree(tokenizer_dir, old)
     tj = (old / TOKENIZER_FILE).read_text()
-    (old / TOKENIZER_FILE).write_text(tj.replace("<|repo_name|>", "<|reserved_6|>").replace("<|file_sep|>", "<|reserved_7|>"))
+    (old / TOKENIZER_FILE).write_text(
+        tj.replace("<|repo_name|>", "<|reserved_6|>").replace("<|file_sep|>", "<|reserved_7|>")
+    )
     write_hf_config(old)
     listed = json.loads((old / "tokenizer_config.json").read_text())["additional_special_tokens"]
     assert "<|repo_name|>" not in listed and "<|file_sep|>" not in listed and "<fim_prefix>" in listed
     write_hf_config(tokenizer_dir)
-    assert "<|file_sep|>" in json.loads((tokenizer_dir / "tokenizer_config.json").read_text())["additional_special_tokens"]
+    assert (
+        "<|file_sep|>"
+        in json.loads((tokenizer_dir / "tokenizer_config.json").read_text())["additional_special_tokens"]
+    )

@@ -21,7 +21,8 @@ def train() -> list[dict]:
 
 def test_same_seed_same_examples(train):
     assert generate(400, seed=0) == train
-    assert [make_example(random.Random(7)) for _ in range(3)] == [make_example(random.Random(7)) for _ in range(3)]
+    assert [make_example(random.Random(7)) for _ in range(3)] == [make_example(random.Random(7))
+                                                                  for _ in range(3)]
     assert generate(50, seed=1) != train[:50]
 
 
@@ -48,9 +49,13 @@ def test_tool_calls_match_the_offered_schemas(train):
             for call in m["tool_calls"]:
                 fn = call["function"]
                 assert call["type"] == "function" and fn["name"] in offered
-                assert isinstance(fn["arguments"], str) and fn["arguments"] == json.dumps(json.loads(fn["arguments"]))
+                assert isinstance(fn["arguments"], str) and fn["arguments"] == json.dumps(
+                    json.loads(fn["arguments"])
+                )
                 args, params = json.loads(fn["arguments"]), offered[fn["name"]]["function"]["parameters"]
-                assert isinstance(args, dict) and set(params["required"]) <= set(args) <= set(params["properties"])
+                assert isinstance(args, dict) and set(params["required"]) <= set(args) <= set(
+                    params["properties"]
+                )
                 for k, v in args.items():
                     assert isinstance(v, str) and v in msgs[i - 1]["content"]  # named literally by the user
                     assert v in params["properties"][k].get("enum", [v])
@@ -71,9 +76,11 @@ def test_expression_results_are_exact(train):
                 if call["function"]["name"] == "evaluate_expression":
                     expr = json.loads(call["function"]["arguments"])["expression"]
                     assert msgs[i + 1]["content"] == str(evaluate_expression(expr))
-                    if expr.count(" ") == 2:  # `a op b`: an independent check that does not use the AST walker
+                    # `a op b`: an independent check that does not use the AST walker
+                    if expr.count(" ") == 2:
                         a, op, b = expr.split()
-                        want = {"+": int.__add__, "-": int.__sub__, "*": int.__mul__, "//": int.__floordiv__}[op]
+                        want = {"+": int.__add__, "-": int.__sub__, "*": int.__mul__,
+                                "//": int.__floordiv__}[op]
                         assert msgs[i + 1]["content"] == str(want(int(a), int(b)))
                     checked += 1
     assert checked > 30
@@ -117,19 +124,25 @@ def test_score_by_hand():
     ]]
     preds = [
         {"content": "", "tool_calls": [call("run_tests", path="tests/")], "errors": []},  # right
-        {"content": "", "tool_calls": [call("evaluate_expression", expression="2+3")], "errors": []},  # wrong arg
-        {"content": "", "tool_calls": [], "errors": ["malformed JSON: {\"name\": \"read_file\""]},  # malformed
+        # wrong arg
+        {"content": "", "tool_calls": [call("evaluate_expression", expression="2+3")], "errors": []},
+        # malformed
+        {"content": "", "tool_calls": [], "errors": ["malformed JSON: {\"name\": \"read_file\""]},
         {"content": "Hello!", "tool_calls": [], "errors": []},  # right: no call
-        {"content": "", "tool_calls": [call("read_file", path="x.py")], "errors": []},  # called when it should not
+        # called when it should not
+        {"content": "", "tool_calls": [call("read_file", path="x.py")], "errors": []},
         {"content": "The directory has 3 files.", "tool_calls": [], "errors": []},  # did not call
     ]
     assert score(cases, preds) == {"tool_cases": 6, "tool_call_cases": 4, "no_call_cases": 2,
-                                   "tool_parse_rate": 3 / 4, "tool_name_accuracy": 2 / 4, "tool_args_exact": 1 / 4,
-                                   "no_call_accuracy": 1 / 2, "tool_cut_by_budget": 0, "tool_unknown_names": 0}
+                                   "tool_parse_rate": 3 / 4, "tool_name_accuracy": 2 / 4,
+                                   "tool_args_exact": 1 / 4,
+                                   "no_call_accuracy": 1 / 2, "tool_cut_by_budget": 0,
+                                   "tool_unknown_names": 0}
     # a call still being written when the token budget ran out is counted apart, not as malformed; a call
     # naming a tool the case did not offer is counted
     offered = [{"type": "function", "function": {"name": "read_file"}}]
-    cut = {"content": "", "tool_calls": [], "errors": ['unterminated: \'{"name": "read_file", "argu\''], "ended": False}
+    cut = {"content": "", "tool_calls": [], "errors": ['unterminated: \'{"name": "read_file", "argu\''],
+           "ended": False}
     r = score([{**cases[2], "tools": offered}] * 2, [cut, {**preds[4], "tool_calls": [call("rm", path="/")]}])
     assert r["tool_cut_by_budget"] == 1 and r["tool_parse_rate"] == 1.0 and r["tool_unknown_names"] == 1
     nothing = score(cases[3:5], [preds[3]] * 2)
@@ -142,7 +155,8 @@ def test_score_by_hand():
 def test_write_tool_data(tmp_path):
     out = tmp_path / "tools"
     meta = write_tool_data(out, n_train=30, n_heldout=5, seed=2)
-    assert sorted(p.name for p in out.iterdir()) == ["heldout.jsonl", "meta.json", "tools.json", "train.jsonl"]
+    assert sorted(p.name for p in out.iterdir()) == ["heldout.jsonl", "meta.json", "tools.json",
+                                                     "train.jsonl"]
     assert json.loads((out / "tools.json").read_text()) == TOOLS  # the schemas, as `chat --tools` takes them
     # strict: a constrained call can carry no argument key the tool does not list
     assert all(t["function"]["parameters"]["additionalProperties"] is False for t in TOOLS)

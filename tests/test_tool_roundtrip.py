@@ -23,7 +23,8 @@ TOOLS = [
     {"type": "function", "function": {"name": "read_file", "description": "Read a file.", "parameters": {
         "type": "object", "properties": {"path": {"type": "string", "maxLength": 12}}, "required": ["path"],
         "additionalProperties": False}}},
-    {"type": "function", "function": {"name": "set_level", "description": "Set the log level.", "parameters": {
+    {"type": "function",
+     "function": {"name": "set_level", "description": "Set the log level.", "parameters": {
         "type": "object", "properties": {"level": {"type": "integer", "minimum": 0, "maximum": 9},
                                          "mode": {"enum": ["fast", "slow"]}},
         "required": ["level", "mode"], "additionalProperties": False}}},
@@ -81,21 +82,26 @@ def test_required_calls_always_parse_and_render_back(live):
 def test_named_and_auto_calls_and_streaming(live):
     c = live.client
     named = {"type": "function", "function": {"name": "set_level"}}
-    r = c.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, tool_choice=named, n=4, temperature=1.0,
-                                  seed=1, max_tokens=60)
+    r = c.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, tool_choice=named, n=4,
+                                  temperature=1.0, seed=1, max_tokens=60)
     for ch in r.choices:
         # an untrained model may call again and again, but every call closes within the budget
         assert ch.finish_reason == "tool_calls" and ch.message.tool_calls, ch
         assert [x.function.name for x in ch.message.tool_calls] == ["set_level"] * len(ch.message.tool_calls)
         assert all(valid(x) for x in ch.message.tool_calls)
     # parallel_tool_calls false: exactly one call, then the reply ends
-    r = c.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, tool_choice=named, n=4, temperature=1.0,
-                                  seed=2, max_tokens=60, parallel_tool_calls=False)
+    r = c.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, tool_choice=named, n=4,
+                                  temperature=1.0, seed=2, max_tokens=60, parallel_tool_calls=False)
     for ch in r.choices:
-        assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1 and valid(ch.message.tool_calls[0])
+        assert (
+            ch.finish_reason == "tool_calls"
+            and len(ch.message.tool_calls) == 1
+            and valid(ch.message.tool_calls[0])
+        )
     # streaming: content deltas never hold call text; the call arrives whole as a tool_calls delta
     for seed in range(3):
-        chunks = [x for x in c.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, tool_choice=named,
+        chunks = [x for x in c.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS,
+                                                       tool_choice=named,
                                                        temperature=1.0, seed=seed, max_tokens=60, stream=True)
                   if x.choices]
         content = "".join(x.choices[0].delta.content or "" for x in chunks)
@@ -108,30 +114,35 @@ def test_named_and_auto_calls_and_streaming(live):
 
 def test_response_format_json(live):
     c = live.client
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+    schema = {"type": "object",
+              "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
                                                                                 "maximum": 99}},
               "required": ["ok", "n"], "additionalProperties": False}
     r = c.chat.completions.create(model="tiny", messages=MSGS, n=4, temperature=1.0, seed=0, max_tokens=40,
-                                  response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+                                  response_format={"type": "json_schema",
+                                                   "json_schema": {"name": "s", "schema": schema}})
     for ch in r.choices:
         obj = json.loads(ch.message.content)
         assert set(obj) == {"ok", "n"} and isinstance(obj["ok"], bool) and 0 <= obj["n"] <= 99
     for budget in (12, 40, 200):  # a JSON object reply is whole at any budget that fits the shortest one
-        r = c.chat.completions.create(model="tiny", messages=MSGS, temperature=1.0, seed=0, max_tokens=budget, n=4,
-                                      response_format={"type": "json_object"})
+        r = c.chat.completions.create(model="tiny", messages=MSGS, temperature=1.0, seed=0, max_tokens=budget,
+                                      n=4, response_format={"type": "json_object"})
         for ch in r.choices:
-            assert ch.finish_reason == "stop" and isinstance(json.loads(ch.message.content), dict), (budget, ch)
+            assert ch.finish_reason == "stop" and isinstance(json.loads(ch.message.content),
+                                                             dict), (budget, ch)
     # a schema the grammar cannot take is refused, naming where
     import openai
     with pytest.raises(openai.BadRequestError, match="set_level|parameters"):
-        bad = [{**TOOLS[1], "function": {**TOOLS[1]["function"], "parameters": {"type": "object", "properties": {
+        bad = [{**TOOLS[1],
+                "function": {**TOOLS[1]["function"], "parameters": {"type": "object", "properties": {
             "x": {"$ref": "#/nowhere"}}}}}]
         c.chat.completions.create(model="tiny", messages=MSGS, tools=bad, tool_choice="required")
 
 
 # -- the token budget: a call (or a JSON reply) always closes within max_tokens ------------------------------
 
-OPEN_TOOLS = [  # unbounded strings and arrays: an untrained model, left to itself, writes one until the budget ends
+# unbounded strings and arrays: an untrained model, left to itself, writes one until the budget ends
+OPEN_TOOLS = [
     {"type": "function", "function": {"name": "read_file", "parameters": {
         "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}},
     {"type": "function", "function": {"name": "grep", "parameters": {
@@ -143,7 +154,8 @@ OPEN_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in OPEN
 
 
 def minimum_budget(c, **kw) -> int:
-    """The shortest budget the server takes for this request: it refuses max_tokens 1 with a 400 that names it."""
+    """The shortest budget the server takes for this request: it refuses max_tokens
+    1 with a 400 that names it."""
     import openai
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=1, **kw)
@@ -161,13 +173,14 @@ def test_a_forced_call_always_closes_within_the_budget(live, choice):
     least = minimum_budget(c, tools=OPEN_TOOLS, tool_choice=choice)
     shortest = {"name": "read_file", "arguments": {"path": ""}} if choice == "required" else \
         {"name": "grep", "arguments": {"pattern": "", "paths": []}}
-    assert 10 < least <= len(live.engine.tok.encode(json.dumps(shortest))) + 3  # + <tool_call> </tool_call> <|im_end|>
+    # + <tool_call> </tool_call> <|im_end|>
+    assert 10 < least <= len(live.engine.tok.encode(json.dumps(shortest))) + 3
     names = list(OPEN_SCHEMAS) if choice == "required" else ["grep"]
     for max_tokens in (least, least + 3, 96):
         complete = 0
         for seed in range(2):
-            r = c.chat.completions.create(model="tiny", messages=MSGS, tools=OPEN_TOOLS, tool_choice=choice, n=5,
-                                          temperature=1.0, seed=seed, max_tokens=max_tokens)
+            r = c.chat.completions.create(model="tiny", messages=MSGS, tools=OPEN_TOOLS, tool_choice=choice,
+                                          n=5, temperature=1.0, seed=seed, max_tokens=max_tokens)
             for ch in r.choices:
                 calls = ch.message.tool_calls or []
                 if ch.finish_reason == "tool_calls" and calls and ch.message.content is None and all(
@@ -178,7 +191,8 @@ def test_a_forced_call_always_closes_within_the_budget(live, choice):
             assert r.usage.completion_tokens <= 5 * max_tokens
         assert complete == 10, f"max_tokens {max_tokens}: {complete} of 10 replies are complete calls"
     # streamed, the same: the call arrives whole
-    chunks = [x for x in c.chat.completions.create(model="tiny", messages=MSGS, tools=OPEN_TOOLS, tool_choice=choice,
+    chunks = [x for x in c.chat.completions.create(model="tiny", messages=MSGS, tools=OPEN_TOOLS,
+                                                   tool_choice=choice,
                                                    temperature=1.0, seed=5, max_tokens=least, stream=True)
               if x.choices]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
@@ -190,14 +204,19 @@ def test_too_small_a_budget_is_refused(live):
     import openai
     c = live.client
     for kw in ({"tools": OPEN_TOOLS, "tool_choice": "required"},
-               {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": OPEN_SCHEMAS["grep"]}}}):
+               {"response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "s", "schema": OPEN_SCHEMAS["grep"]}}}):
         least = minimum_budget(c, **kw)
         with pytest.raises(openai.BadRequestError) as e:
             c.chat.completions.create(model="tiny", messages=MSGS, max_completion_tokens=least - 1, **kw)
-        assert e.value.body["code"] == "max_tokens_too_small" and e.value.body["param"] == "max_completion_tokens"
+        assert (
+            e.value.body["code"] == "max_tokens_too_small"
+            and e.value.body["param"] == "max_completion_tokens"
+        )
         assert str(least) in e.value.body["message"]
     # auto: any reply fits (text), so a small budget is taken; a call just cannot be opened in it
-    r = c.chat.completions.create(model="tiny", messages=MSGS, tools=OPEN_TOOLS, max_tokens=2, temperature=1.0, seed=0)
+    r = c.chat.completions.create(model="tiny", messages=MSGS, tools=OPEN_TOOLS, max_tokens=2,
+                                  temperature=1.0, seed=0)
     assert r.choices[0].finish_reason in ("stop", "length") and not r.choices[0].message.tool_calls
 
 
@@ -221,7 +240,8 @@ def test_a_key_that_picks_a_longer_branch_still_ends_within_the_budget(live):
     c = live.client
     big = {"type": "object", "properties": {f"r{i}": {"type": "string"} for i in range(12)},
            "required": [f"r{i}" for i in range(12)], "additionalProperties": False}
-    schema = {"type": "object", "properties": {"kx": {"type": "integer"}, "ky": big}, "additionalProperties": False}
+    schema = {"type": "object", "properties": {"kx": {"type": "integer"}, "ky": big},
+              "additionalProperties": False}
     rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
     whole = 0
     for max_tokens in (30, 60, 90, 120):
@@ -241,18 +261,19 @@ def test_stop_sequences_never_cut_a_grammar(live):
     c = live.client
     rf = {"type": "json_schema", "json_schema": {"name": "grep", "schema": OPEN_SCHEMAS["grep"]}}
     for stop in (['"'], ["<tool_call>"], ["}", ", "]):
-        r = c.chat.completions.create(model="tiny", messages=MSGS, n=3, temperature=1.0, seed=1, max_tokens=48,
-                                      stop=stop, response_format=rf)
+        r = c.chat.completions.create(model="tiny", messages=MSGS, n=3, temperature=1.0, seed=1,
+                                      max_tokens=48, stop=stop, response_format=rf)
         for ch in r.choices:
             assert ch.finish_reason == "stop", (stop, ch.message.content)
             assert not schema_errors(json.loads(ch.message.content), OPEN_SCHEMAS["grep"])
         for choice in ("required", {"type": "function", "function": {"name": "grep"}}):
-            r = c.chat.completions.create(model="tiny", messages=MSGS, tools=OPEN_TOOLS, tool_choice=choice, n=3,
-                                          temperature=1.0, seed=1, max_tokens=48, stop=stop)
+            r = c.chat.completions.create(model="tiny", messages=MSGS, tools=OPEN_TOOLS, tool_choice=choice,
+                                          n=3, temperature=1.0, seed=1, max_tokens=48, stop=stop)
             for ch in r.choices:
                 assert ch.finish_reason == "tool_calls" and ch.message.tool_calls, (stop, ch)
                 assert ch.message.content is None
-    r = c.chat.completions.create(model="tiny", messages=MSGS, n=3, temperature=1.0, seed=1, max_tokens=48, stop=["e"])
+    r = c.chat.completions.create(model="tiny", messages=MSGS, n=3, temperature=1.0, seed=1, max_tokens=48,
+                                  stop=["e"])
     assert all(ch.finish_reason == "stop" and "e" not in ch.message.content for ch in r.choices)
 
 
@@ -262,7 +283,8 @@ def test_in_auto_mode_a_stop_is_looked_for_outside_calls():
     from codeforge.serve.batcher import _first_stop
     text = 'say "hi" <tool_call>{"name": "x"}</tool_call> and "bye"'
     assert _first_stop(text, ['"'], 0, calls=True) == 4
-    assert _first_stop(text, ['"'], 8, calls=True) == text.rindex('and "') + 4  # the quotes of the call are passed
+    # the quotes of the call are passed
+    assert _first_stop(text, ['"'], 8, calls=True) == text.rindex('and "') + 4
     assert _first_stop(text, ["<tool_call>", "x"], 0, calls=True) is None
     assert _first_stop(text, ['"'], 8) == text.index('{"') + 1  # (a row without a grammar: anywhere)
     assert _first_stop('<tool_call>{"name": "x', ['"', "}"], 0, calls=True) is None  # a call still open

@@ -58,8 +58,8 @@ def test_loss_falls_and_files_written(data_dir, tmp_path):
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_stop_and_resume_equals_straight(data_dir, tmp_path, monkeypatch, optimizer):
-    over = dict(train__max_iters=12, model__resid_dropout=0.1, model__attn_dropout=0.1, train__grad_accum_steps=2,
-                train__optimizer=optimizer)
+    over = dict(train__max_iters=12, model__resid_dropout=0.1, model__attn_dropout=0.1,
+                train__grad_accum_steps=2, train__optimizer=optimizer)
     train_run(cfg_for(data_dir, tmp_path / "a", **over))
     straight = losses(tmp_path / "a")
 
@@ -87,15 +87,17 @@ def test_stop_and_resume_equals_straight(data_dir, tmp_path, monkeypatch, optimi
 
 @pytest.mark.parametrize("dummy", [0])
 def test_kill_9_leaves_resumable_checkpoint(data_dir, tmp_path, dummy):
-    common = ["--data", str(data_dir), "--n-layer", "2", "--n-head", "2", "--n-embd", "128", "--block-size", "64",
-              "--batch-size", "8", "--schedule", "constant", "--warmup-steps", "0", "--eval-every", "0",
+    common = ["--data", str(data_dir), "--n-layer", "2", "--n-head", "2", "--n-embd", "128", "--block-size",
+              "64", "--batch-size", "8", "--schedule", "constant", "--warmup-steps", "0", "--eval-every", "0",
               "--save-every", "5", "--log-every", "1", "--device", "cpu", "--no-progress", "--dropout", "0.1",
-              "--threads", "2"]  # pinned: the thread count chosen from the cores free at start changes sums' order
+              # pinned: the thread count chosen from the cores free at start changes sums' order
+              "--threads", "2"]
     ref = tmp_path / "ref"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     run = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "-m", "codeforge", "train", *common, "--out", str(run),
-                             "--max-iters", "100000"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--max-iters", "100000"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     latest = run / "checkpoints" / "latest"
     while time.time() < deadline and not (latest.exists() and latest.read_text().strip() >= "step_000015"):
@@ -112,7 +114,9 @@ def test_kill_9_leaves_resumable_checkpoint(data_dir, tmp_path, dummy):
     assert subprocess.run([sys.executable, "-m", "codeforge", "train", *common, "--out", str(ref),
                            "--max-iters", str(end)], env=env, capture_output=True).returncode == 0
     a, b = losses(run), losses(ref)
-    assert all(a[s] == b[s] for s in range(1, end + 1)), (start, [(s, a.get(s), b[s]) for s in range(1, end + 1) if a.get(s) != b[s]])
+    assert all(a[s] == b[s] for s in range(1, end + 1)), (start,
+                                                          [(s, a.get(s), b[s]) for s in range(1, end + 1)
+                                                           if a.get(s) != b[s]])
 
 
 class ToyBatches:
@@ -137,7 +141,8 @@ def test_trainer_is_handed_its_parts_and_stops_on_non_finite_loss(tmp_path):
     """The loop alone: a model, a batch source and a loss function it did not build; a loss that turns NaN
     is skipped, and max_bad_steps in a row stop the run without writing NaN weights."""
     from codeforge.models import build_model
-    cfg = resolve([], None, [], {**TINY, "model.vocab_size": 256, "train.max_bad_steps": 4, "train.eval_every": 0})
+    cfg = resolve([], None, [],
+                  {**TINY, "model.vocab_size": 256, "train.max_bad_steps": 4, "train.eval_every": 0})
     model = build_model(cfg.model)
     calls = {"n": 0}
 
@@ -147,7 +152,8 @@ def test_trainer_is_handed_its_parts_and_stops_on_non_finite_loss(tmp_path):
         return (loss * float("nan") if calls["n"] > 3 else loss), {}
 
     t = Trainer(model, ToyBatches(), loss_fn, cfg.train, tmp_path / "run", device=torch.device("cpu"),
-                precision="fp32", total_steps=50, tokens_per_step=64, run_config=cfg.to_dict(), log=lambda m: None)
+                precision="fp32", total_steps=50, tokens_per_step=64, run_config=cfg.to_dict(),
+                log=lambda m: None)
     with pytest.raises(TrainingError, match="4 non-finite losses in a row"):
         t.run()
     assert t.skipped == 4 and t.step == 6  # 3 good steps, then 3 skipped ones counted before the 4th stops it
@@ -181,7 +187,8 @@ def test_config_precedence_and_file(tmp_path):
     y = tmp_path / "c.yaml"
     y.write_text("model:\n  n_layer: 7\n")
     c = resolve(["fragment-lowend", "lowend-cpu"], str(f), ["train.batch_size=6"], {"model.n_head": 2})
-    assert (c.model.n_layer, c.model.n_embd, c.model.n_head, c.train.batch_size, c.train.grad_accum_steps) == (3, 256, 2, 6, 1)
+    assert (c.model.n_layer, c.model.n_embd, c.model.n_head, c.train.batch_size,
+            c.train.grad_accum_steps) == (3, 256, 2, 6, 1)
     assert c.model.ffn_hidden == 1024 and c.model.n_kv_head == 2  # derived after overrides
     assert resolve([], str(y)).model.n_layer == 7
 
@@ -226,10 +233,13 @@ def test_init_from_checks_shape_and_tokenizer(data_dir, tmp_path):
 def test_torchrun_two_ranks_cpu(data_dir, tmp_path):
     """Data parallel through torchrun (gloo on CPU): both ranks step together, rank 0 writes the run."""
     out = tmp_path / "ddp"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        "-m", "codeforge", "train", "--data", str(data_dir), "--out", str(out), "--n-layer", "2",
-                        "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "4", "--max-iters", "6",
-                        "--eval-every", "3", "--save-every", "3", "--log-every", "1", "--no-progress", "--device", "cpu"],
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                        "2",
+                        "-m", "codeforge", "train", "--data", str(data_dir), "--out", str(out), "--n-layer",
+                        "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "4",
+                        "--max-iters", "6",
+                        "--eval-every", "3", "--save-every", "3", "--log-every", "1", "--no-progress",
+                        "--device", "cpu"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("done: step 6") == 1  # printed by rank 0 only
@@ -245,11 +255,12 @@ def test_init_from_refuses_other_tokenizer(data_dir, tmp_path, code_corpus):
     train_run(cfg_for(data_dir, tmp_path / "a", train__max_iters=2))
     texts = [p.read_text() for p in sorted(code_corpus.glob("pkg*/*.go"))] * 3
     train_tokenizer(iter(texts), 900, tmp_path / "tok2")
-    other = prepare([str(code_corpus)], tmp_path / "tok2", tmp_path / "data2", CorpusOptions(languages=["go"]),
-                    log=lambda *a: None)
+    other = prepare([str(code_corpus)], tmp_path / "tok2", tmp_path / "data2",
+                    CorpusOptions(languages=["go"]), log=lambda *a: None)
     with pytest.raises(CodeforgeError, match="it was trained with tokenizer .* but .* uses"):
         # same shape: the vocab is set to the first run's so only the tokenizer differs
-        train_run(cfg_for(tmp_path / "data2", tmp_path / "b", train__max_iters=2, train__init_from=str(tmp_path / "a"),
+        train_run(cfg_for(tmp_path / "data2", tmp_path / "b", train__max_iters=2,
+                          train__init_from=str(tmp_path / "a"),
                         model__vocab_size=1024))
     assert other["tokenizer_hash"]
 
@@ -281,11 +292,14 @@ def test_best_only_for_evaluated_steps(data_dir, tmp_path):
 
 
 def test_best_is_kept_when_evaluated_not_only_at_saves(tmp_path):
-    """A small corpus is memorised: validation is best early and rises after. The weights of the best evaluated
-    step are kept (saved when evaluated) although no periodic save falls on that step, and `best` names them."""
+    """A small corpus is memorised: validation is best early and rises after.
+    The weights of the best evaluated
+    step are kept (saved when evaluated) although no periodic save falls on that
+    step, and `best` names them."""
     from codeforge.checkpoint import load_train_state
     from codeforge.models import build_model
-    cfg = resolve([], None, [], {**TINY, "model.vocab_size": 256, "train.eval_every": 2, "train.save_every": 100})
+    cfg = resolve([], None, [],
+                  {**TINY, "model.vocab_size": 256, "train.eval_every": 2, "train.save_every": 100})
     model = build_model(cfg.model)
     scripted = iter([9.0, 5.0, 3.0, 4.0, 6.0, 7.0, 8.0])  # steps 0, 2, 4 (the best), 6, 8, 10, 12
 
@@ -306,8 +320,10 @@ def test_best_is_kept_when_evaluated_not_only_at_saves(tmp_path):
 
 
 def test_a_run_far_too_big_for_the_cpu_says_so_before_its_first_evaluation(tmp_path):
-    """A GPU-sized plan on a CPU: the estimate and its warning come from the model's FLOPs and a measured matrix
-    product before the first evaluation (which alone can take minutes at that size), not after the first steps."""
+    """A GPU-sized plan on a CPU: the estimate and its warning come from the
+    model's FLOPs and a measured matrix
+    product before the first evaluation (which alone can take minutes at that
+    size), not after the first steps."""
     from codeforge.models import build_model
     cfg = resolve([], None, [], {**TINY, "model.vocab_size": 256, "train.eval_every": 0})
     model = build_model(cfg.model)
@@ -345,9 +361,10 @@ def test_progress_lines_without_a_terminal(data_dir, tmp_path, capsys):
     """Output redirected (pytest's capture is not a tty): no bar, but compact progress lines with loss,
     tokens/s and ETA, and a measured pace with the estimate for the rest of the run."""
     from codeforge.cli import main
-    assert main(["train", "--data", str(data_dir), "--out", str(tmp_path / "r"), "--n-layer", "1", "--n-head", "2",
-                 "--n-embd", "32", "--block-size", "32", "--batch-size", "2", "--max-iters", "12", "--log-every",
-                 "1", "--eval-every", "0", "--eval-tokens", "64", "--device", "cpu"]) == 0
+    assert main(["train", "--data", str(data_dir), "--out", str(tmp_path / "r"), "--n-layer", "1", "--n-head",
+                 "2",
+                 "--n-embd", "32", "--block-size", "32", "--batch-size", "2", "--max-iters", "12",
+                 "--log-every", "1", "--eval-every", "0", "--eval-tokens", "64", "--device", "cpu"]) == 0
     err = capsys.readouterr().err
     lines = [x for x in err.splitlines() if x.startswith("step ") and "/12 |" in x]
     assert lines and lines[0].startswith("step 1/12 | loss ") and lines[-1].startswith("step 12/12")
@@ -379,7 +396,8 @@ def test_pace_warns_when_far_beyond_the_device(monkeypatch):
 
 
 def test_interrupted_run_says_where_it_stopped(data_dir, tmp_path, capsys, monkeypatch):
-    """Ctrl-C at step 3: exit status 130; the closing line says stopped and that the loss shown is step 0's; resuming with
+    """Ctrl-C at step 3: exit status 130; the closing line says stopped and that the loss
+    shown is step 0's; resuming with
     --max-iters 5 says 2 steps are left."""
     from codeforge.cli import main
     orig = Trainer._optimisation_step
@@ -392,8 +410,8 @@ def test_interrupted_run_says_where_it_stopped(data_dir, tmp_path, capsys, monke
 
     monkeypatch.setattr(Trainer, "_optimisation_step", step_then_interrupt)
     args = ["train", "--data", str(data_dir), "--out", str(tmp_path / "r"), "--n-layer", "1", "--n-head", "2",
-            "--n-embd", "32", "--block-size", "32", "--batch-size", "2", "--max-iters", "100", "--eval-every", "50",
-            "--eval-tokens", "64", "--device", "cpu", "--no-progress"]
+            "--n-embd", "32", "--block-size", "32", "--batch-size", "2", "--max-iters", "100", "--eval-every",
+            "50", "--eval-tokens", "64", "--device", "cpu", "--no-progress"]
     assert main(args) == 130  # a script can tell Ctrl-C from a finished run (128 + SIGINT)
     said = capsys.readouterr()
     out = said.out
@@ -418,7 +436,8 @@ def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(data_dir, tmp_path, 
 
     monkeypatch.setattr(Trainer, "_optimisation_step", step_then_two)
     run = tmp_path / "r"
-    args = ["train", "--data", str(data_dir), "--out", str(run), "--n-layer", "1", "--n-head", "2", "--n-embd", "32",
+    args = ["train", "--data", str(data_dir), "--out", str(run), "--n-layer", "1", "--n-head", "2",
+            "--n-embd", "32",
             "--block-size", "32", "--batch-size", "2", "--max-iters", "100", "--eval-every", "50",
             "--eval-tokens", "64", "--device", "cpu", "--no-progress"]
     before = signal.getsignal(signal.SIGINT)  # Python's default, or SIG_IGN when started in the background
@@ -429,10 +448,12 @@ def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(data_dir, tmp_path, 
 
 @pytest.mark.parametrize("native_bf16", ["1", "0"])
 def test_quickstart_recipe_on_both_kinds_of_cpu(data_dir, tmp_path, monkeypatch, native_bf16):
-    """The quickstart's recipe, `--preset cpu-small lowend-cpu`, picks bf16 autocast on a CPU with native bfloat16
-    and fp32 elsewhere (precision "fastest"); the choice is forced both ways here (CODEFORGE_CPU_BF16), so each
-    path is tested on every CPU, not only on the machine that happens to have it. Its recipe (Muon: Newton-Schulz
-    in bf16 where native, float32 elsewhere) then trains."""
+    """The quickstart's recipe, `--preset cpu-small lowend-cpu`, picks bf16
+    autocast on a CPU with native bfloat16
+    and fp32 elsewhere (precision "fastest"); the choice is forced both ways
+    here (CODEFORGE_CPU_BF16), so each
+    path is tested on every CPU, not only on the machine that happens to have it. Its recipe (Muon:
+    Newton-Schulz in bf16 where native, float32 elsewhere) then trains."""
     from codeforge.device import choose_precision, cpu_native_bf16
     from codeforge.quickstart import PRESETS
     monkeypatch.setenv("CODEFORGE_CPU_BF16", native_bf16)
@@ -486,12 +507,14 @@ def test_evaluation_is_sized_to_a_short_run_and_eval_scores_the_same(data_dir, t
     out = tmp_path / "run"
     cfg = cfg_for(data_dir, out, train__max_iters=4, train__eval_every=2, train__eval_tokens=262_144)
     run_stage(cfg, log=said.append)
-    assert any("evaluation: up to 16,384 validation tokens each (of --eval-tokens 262,144)" in m for m in said), said
+    assert any("evaluation: up to 16,384 validation tokens each (of --eval-tokens 262,144)" in m
+               for m in said), said
     import tomllib
     saved = tomllib.loads((out / "config.toml").read_text())
     assert saved["train"]["eval_tokens"] == EVAL_FLOOR
     vals = [json.loads(x) for x in open(out / "metrics.jsonl") if "val_loss" in x]
-    assert len(vals) == 3 and len({v["val_tokens"] for v in vals}) == 1  # steps 0, 2, 4: the same set each time
+    # steps 0, 2, 4: the same set each time
+    assert len(vals) == 3 and len({v["val_tokens"] for v in vals}) == 1
     r = run_eval(str(out), syntax_samples=0, humaneval=0)
     assert r["eval_tokens"] == vals[-1]["val_tokens"] and abs(r["val_loss"] - vals[-1]["val_loss"]) < 1e-5
 
@@ -517,9 +540,11 @@ def test_time_budget_is_fitted_again_when_the_pace_changes(tmp_path, monkeypatch
         clock["now"] += 0.05 if clock["calls"] <= 15 else 0.5
         return m(*batch), {}
     said: list[str] = []
-    t = Trainer(model, ToyBatches(B=2, T=16), loss_fn, cfg.train, tmp_path / "run", device=torch.device("cpu"),
+    t = Trainer(model, ToyBatches(B=2, T=16), loss_fn, cfg.train, tmp_path / "run",
+                device=torch.device("cpu"),
                 precision="fp32", total_steps=100_000, tokens_per_step=32, run_config=cfg.to_dict(),
-                evaluate=lambda m: {"val_loss": 1.0, "perplexity": 2.7, "bits_per_byte": 1.0}, log=said.append)
+                evaluate=lambda m: {"val_loss": 1.0, "perplexity": 2.7, "bits_per_byte": 1.0},
+                log=said.append)
     t.run()
     first = next(m for m in said if m.startswith("time budget") and "measured" in m)
     chosen = int(first.split(", so ")[1].split(" steps")[0])

@@ -44,7 +44,8 @@ def double(x):
 '''
 # The same, then the values it guesses, in the runner's report format: it cannot know the right ones, so this
 # is worth what returning those values honestly is worth (an honest wrong answer), never a pass.
-FD_COPY_WITH_VALUES = FD_COPY.replace("wr(report, nonce)", 'wr(report, nonce + b\'[["ok", 0], ["ok", 0], ["ok", 0]]\\n\')')
+FD_COPY_WITH_VALUES = FD_COPY.replace("wr(report, nonce)",
+                                      'wr(report, nonce + b\'[["ok", 0], ["ok", 0], ["ok", 0]]\\n\')')
 ALWAYS_EQUAL = '''
 Anything = type("Anything", (), {"__e" + "q__": lambda self, other: True, "__hash__": lambda self: 0})
 def double(x):
@@ -74,7 +75,8 @@ os._exit(0)
 def double(x):
     return 0
 '''
-FORGERIES = {"fd copy (screen-evading spelling)": FD_COPY, "always-equal object": ALWAYS_EQUAL, "os._exit before the tests": EXIT_BEFORE_TESTS,
+FORGERIES = {"fd copy (screen-evading spelling)": FD_COPY, "always-equal object": ALWAYS_EQUAL,
+             "os._exit before the tests": EXIT_BEFORE_TESTS,
              "sys.exit before the tests": SYS_EXIT_BEFORE_TESTS, "reads its own file": OWN_FILE,
              "frame walk to the runner": FRAME_WALK}
 
@@ -87,7 +89,8 @@ def test_every_forgery_scores_zero_and_honest_answers_keep_their_scores(trusted_
               "crashes": ("def double(x):\n    return x / 0\n", "runtime_error", 0.25)}
     names = list(FORGERIES) + list(honest) + ["guessed values"]
     codes = list(FORGERIES.values()) + [c for c, _, _ in honest.values()] + [FD_COPY_WITH_VALUES]
-    got = dict(zip(names, execution_rewards([TASK] * len(codes), codes, timeout=5.0, trusted_only=trusted_only)))
+    got = dict(zip(names,
+                   execution_rewards([TASK] * len(codes), codes, timeout=5.0, trusted_only=trusted_only)))
     for name in FORGERIES:
         assert got[name]["outcome"] != "passed" and got[name]["reward"] == 0.0, (name, got[name])
         assert got[name]["verdict"] == "outside", (name, got[name])
@@ -114,7 +117,8 @@ def test_generated_tasks_are_judged_outside_and_their_solutions_pass():
     tasks = generate_tasks(40)
     assert all(isinstance(split_tests(t["tests"], t["entry_point"]), Cases) for t in tasks)
     res = execution_rewards(tasks, [t["solution"] for t in tasks], timeout=5.0, trusted_only=True)
-    assert [r["outcome"] for r in res] == ["passed"] * len(tasks), [r for r in res if r["outcome"] != "passed"]
+    assert [r["outcome"] for r in res] == ["passed"] * len(tasks), [r for r in res
+                                                                    if r["outcome"] != "passed"]
 
 
 def test_split_tests_takes_the_assert_forms_and_says_why_not():
@@ -122,14 +126,16 @@ def test_split_tests_takes_the_assert_forms_and_says_why_not():
                     "assert f(None) is None\nassert f('ab' + 'c') == 'abc'\n", "f")
     assert isinstance(c, Cases) and c.entry == "f"
     assert c.calls == [((1, "a"), {}), ((2,), {}), ((), {"x": 6}), ((0,), {}), ((None,), {}), (("abc",), {})]
-    assert c.checks == [("eq", [1]), ("eq", 3), ("truthy", True), ("truthy", False), ("is", None), ("eq", "abc")]
+    assert c.checks == [("eq", [1]), ("eq", 3), ("truthy", True), ("truthy", False), ("is", None),
+                        ("eq", "abc")]
     assert "not an assert" in split_tests("x = 1\nassert f(x) == 1\n")
     assert "literal arguments" in split_tests("assert f(g(1)) == 1\n")
     assert "literal arguments" in split_tests("assert f(1) == 1\nassert h(1) == 1\n")  # two functions
     assert "not a literal" in split_tests("assert f(1) == y\n")
     assert "literal arguments" in split_tests("assert f(1) == 1\n", "g")  # not the entry point
-    assert "too large" in str(pytest.raises(ValueError, __import__("codeforge.tasks.code_tasks", fromlist=["x"])
-                                            .literal, __import__("ast").parse("'a' * 1000000000", mode="eval").body))
+    assert "too large" in str(pytest.raises(ValueError,
+                                            __import__("codeforge.tasks.code_tasks", fromlist=["x"]) .literal,
+                                            __import__("ast").parse("'a' * 1000000000", mode="eval").body))
 
 
 def test_judge_compares_plain_values_only():
@@ -169,10 +175,13 @@ def test_seccomp_refuses_what_a_test_program_never_needs(call):
     if platform.machine() != "x86_64" and call == "io_uring_setup":
         pytest.skip("the system call number below is x86-64's")
     code = {"ptrace": "r = libc.ptrace(0, 0, 0, 0)",
-            "process_vm_readv": ("buf = ctypes.create_string_buffer(8); src = ctypes.create_string_buffer(b'abcdefg')\n"
-                                 "class IOV(ctypes.Structure):\n    _fields_ = [('b', ctypes.c_void_p), ('n', ctypes.c_size_t)]\n"
+            "process_vm_readv": ("buf = ctypes.create_string_buffer(8); src = "
+                                 "ctypes.create_string_buffer(b'abcdefg')\n"
+                                 "class IOV(ctypes.Structure):\n    _fields_ = [('b', ctypes.c_void_p), "
+                                 "('n', ctypes.c_size_t)]\n"
                                  "l = IOV(ctypes.addressof(buf), 8); r_ = IOV(ctypes.addressof(src), 8)\n"
-                                 "r = libc.process_vm_readv(os.getpid(), ctypes.byref(l), 1, ctypes.byref(r_), 1, 0)"),
+                                 "r = libc.process_vm_readv(os.getpid(), ctypes.byref(l), 1, "
+                                 "ctypes.byref(r_), 1, 0)"),
             "io_uring_setup": "r = libc.syscall(425, 1, None)"}[call]
     prog = ("import ctypes, errno, os\nlibc = ctypes.CDLL(None, use_errno=True)\n" + code + "\n"
             "raise SystemError(f'{r} {errno.errorcode.get(ctypes.get_errno())}')\n")
@@ -196,9 +205,12 @@ def test_eval_scores_a_completions_file_without_a_model(tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["pass@1"] == pytest.approx(1 / 3) and summary["pass@2"] == pytest.approx(2 / 3)
     assert summary["outcomes"] == {"passed": 1, "wrong": 1, "early_exit": 1}
-    out = [json.loads(line) for line in (tmp_path / "completions.jsonl_results.jsonl").read_text().splitlines()]
+    out = [json.loads(line)
+           for line in (tmp_path / "completions.jsonl_results.jsonl").read_text().splitlines()]
     assert [o["outcome"] for o in out] == ["passed", "wrong", "early_exit"]
-    assert [o["passed"] for o in out] == [True, False, False] and out[0]["completion"] == rows[0]["completion"]
+    assert [o["passed"] for o in out] == [True, False, False] and out[0]["completion"] == rows[0][
+        "completion"
+    ]
     comp.write_text('{"task_id": "nope", "completion": "x"}\n')
     assert main(["eval", "--tasks", str(tasks), "--completions", str(comp)]) != 0
     assert "task_id 'nope' is not one of the 1 tasks" in capsys.readouterr().err
@@ -214,12 +226,15 @@ def test_humaneval_canonical_solutions_pass_and_forgeries_do_not(tmp_path, capsy
     probs = read_problems()
     rows = [{"task_id": t, "completion": p["canonical_solution"]} for t, p in probs.items()]
     (tmp_path / "canonical.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert main(["eval", "--humaneval", "--samples", str(tmp_path / "canonical.jsonl"), "--k", "1", "--json"]) == 0
+    assert main(["eval", "--humaneval", "--samples", str(tmp_path / "canonical.jsonl"), "--k", "1",
+                 "--json"]) == 0
     s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert s["pass@1"] == 1.0 and s["problems"] == 164, s
-    assert s["problems_judged_outside"] == 164 and s["problems_in_box"] == [], s  # 8 of them on recorded calls
+    # 8 of them on recorded calls
+    assert s["problems_judged_outside"] == 164 and s["problems_in_box"] == [], s
     assert s["judged"] == {"outside": 164, "in_box": 0} and len(s["problems_recorded"]) == 8, s
-    forged = [{"task_id": t, "completion": "    pass\n" + FD_COPY.replace("def double(x):\n    return 0\n", "")}
+    forged = [{"task_id": t,
+               "completion": "    pass\n" + FD_COPY.replace("def double(x):\n    return 0\n", "")}
               for t in list(probs)[:20]]
     wrong = [{"task_id": t, "completion": "    return None\n"} for t in list(probs)[:20]]
     (tmp_path / "bad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in forged + wrong))
@@ -249,18 +264,19 @@ def test_nothing_of_the_evaluator_is_reachable_through_inherited_fds(tmp_path):
     finally:
         os.close(fd)
     targets = eval(r.detail.removeprefix("SystemError: "))
-    assert targets and all(t == "/dev/null" or t.startswith("pipe:") or t.startswith("/proc/") for t in targets), targets
+    assert targets and all(t == "/dev/null" or t.startswith("pipe:") or t.startswith("/proc/")
+                           for t in targets), targets
 
 
-# -- found by a hostile review of the outside verdict ------------------------------------------------------------
+# -- found by a hostile review of the outside verdict --------------------------------------------------------
 
 @needs_sandbox
 def test_hostile_reports_and_honest_oddities_never_crash_the_scorer():
-    """A forged report with a 20,000-digit integer, an honest answer of 10**400 where a float is expected and a
-    completion with a 2,000-link attribute chain each get an outcome; none raises in the evaluator."""
+    """A forged report with a 20,000-digit integer, an honest answer of 10**400 where a float is expected and
+    a completion with a 2,000-link attribute chain each get an outcome; none raises in the evaluator."""
     forged = ("import sys, os\nf = sys._getframe(1).f_locals\n"
-              "os.write(f['report'], os.read(f['held'], 64) + b'[[\"ok\", 0x" + "f" * 20000 + "], [\"ok\", 0],"
-              " [\"ok\", 0]]\\n')\nos._exit(0)\n")
+              "os.write(f['report'], os.read(f['held'], 64) + b'[[\"ok\", 0x" + "f" * 20000
+              + "], [\"ok\", 0]," " [\"ok\", 0]]\\n')\nos._exit(0)\n")
     chain = "def double(x):\n    return 2 * x\nif 0:\n    y = a" + ".b" * 2000 + "\n"
     got = execution_rewards([TASK, TASK], [forged, chain], timeout=5.0)
     assert (got[0]["outcome"], got[0]["reward"]) == ("bad_report", 0.0), got[0]
@@ -288,9 +304,12 @@ def test_humaneval_keeps_the_checks_is_and_float_tolerance_for_floats_only():
     """`assert candidate(x) is True` is not passed by 1, and an integer answer must be exact (HumanEval's
     abs(x - y) < 1e-6 is written for float answers)."""
     from codeforge.evaluation.humaneval import score_samples
-    rows = [{"task_id": "HumanEval/72", "completion": "    return 1 if sum(q) <= w and q == q[::-1] else 0\n"},
-            {"task_id": "HumanEval/139", "completion": "    import math\n    r = 1\n    for i in range(1, n + 1):\n"
-                                                      "        r *= math.factorial(i)\n    return r * (1 + 9e-7)\n"},
+    rows = [{"task_id": "HumanEval/72",
+             "completion": "    return 1 if sum(q) <= w and q == q[::-1] else 0\n"},
+            {"task_id": "HumanEval/139",
+             "completion": "    import math\n    r = 1\n    for i in range(1, n + 1):\n"
+                                                      "        r *= math.factorial(i)\n "
+                                                      "   return r * (1 + 9e-7)\n"},
             {"task_id": "HumanEval/2", "completion": "    return number % 1.0 + 1e-9\n"}]
     _, out = score_samples(rows, ks=[1])
     assert [o["outcome"] for o in out] == ["wrong", "wrong", "passed"], out
@@ -316,8 +335,10 @@ def test_validate_tasks_drops_in_box_tests_that_check_nothing():
     dropped (found in review: they paid any answer 1.0), and real in-box tests are kept."""
     from codeforge.tasks.code_tasks import validate_tasks
     sol = "def double(x):\n    return 2 * x\n"
-    tasks = [{"id": "or-true", "entry_point": "double", "tests": "assert double(2) == 4 or True\n", "solution": sol},
-             {"id": "self-equal", "entry_point": "double", "tests": "assert double(2) == double(2)\n", "solution": sol},
+    tasks = [{"id": "or-true", "entry_point": "double", "tests": "assert double(2) == 4 or True\n",
+              "solution": sol},
+             {"id": "self-equal", "entry_point": "double", "tests": "assert double(2) == double(2)\n",
+              "solution": sol},
              {"id": "loop", "entry_point": "double", "solution": sol,
               "tests": "for i in range(3):\n    assert double(i) == 2 * i\n"}]
     kept, skipped = validate_tasks(tasks, timeout=5.0)
@@ -326,7 +347,7 @@ def test_validate_tasks_drops_in_box_tests_that_check_nothing():
     assert all("check nothing about the answer" in s["reason"] for s in skipped), skipped
 
 
-# -- tests that do not split: judged outside all the same (recorded calls, the reference's values) ------------
+# -- tests that do not split: judged outside all the same (recorded calls, the reference's values) -----------
 # Each trick a wrong solution may use to pass a check that runs inside the box, spelt past the name screen.
 # As HumanEval completions (the body of the prompt's function; `base` is the type the problem returns):
 def _tricks(base: str, indent: str = "    ") -> dict[str, str]:
@@ -336,22 +357,26 @@ def _tricks(base: str, indent: str = "    ") -> dict[str, str]:
             'return type("E", (), {"__e" + "q__": lambda s, o: True, "__n" + "e__": lambda s, o: False,\n'
             '                      "__hash__": lambda s: 0})()\n'),
         f"{base} subclass with a lying __eq__": (
-            f'return type("L", ({base},), {{"__e" + "q__": lambda s, o: True, "__n" + "e__": lambda s, o: False,\n'
-            f'                           "__hash__": lambda s: 0}})()\n'),
+            f'return type("L", ({base},), {{"__e" + "q__": lambda s, o: True, "__n" + "e__": lambda s, o: '
+            f'False,\n                           "__hash__": lambda s: 0}})()\n'),
     }
     out = {k: "".join(indent + line + "\n" for line in v.splitlines()) for k, v in body.items()}
     out["nonce copy + os._exit"] = indent + "pass\n" + FD_COPY.replace("def double(x):\n    return 0\n", "")
     return out
 
 
-IN_BOX_HUMANEVAL = {"HumanEval/32": "float", "HumanEval/38": "str", "HumanEval/44": "str", "HumanEval/50": "str",
-                    "HumanEval/53": "int", "HumanEval/90": "int", "HumanEval/108": "int", "HumanEval/151": "int"}
+IN_BOX_HUMANEVAL = {"HumanEval/32": "float", "HumanEval/38": "str", "HumanEval/44": "str",
+                    "HumanEval/50": "str",
+                    "HumanEval/53": "int", "HumanEval/90": "int", "HumanEval/108": "int",
+                    "HumanEval/151": "int"}
 
 
 @needs_sandbox
 def test_forged_passes_on_humaneval_checks_that_do_not_split_fail_and_count_for_nothing(tmp_path, capsys):
-    """Problems 38 and 53 check computed inputs (random strings, random ints): each trick that passed the in-box
-    check (mock.ANY, type()-built always-equal object, int/str subclass lying in __eq__, nonce copy + os._exit)
+    """Problems 38 and 53 check computed inputs (random strings, random ints):
+    each trick that passed the in-box
+    check (mock.ANY, type()-built always-equal object, int/str subclass lying in
+    __eq__, nonce copy + os._exit)
     is judged outside now, and fails; pass@k counts none of them (`codeforge eval --humaneval --samples`)."""
     from codeforge.cli import main
     tricks = [(t, name, c) for t, base in (("HumanEval/38", "str"), ("HumanEval/53", "int"))
@@ -379,11 +404,12 @@ def test_canonical_solutions_of_the_eight_unsplit_humaneval_problems_pass_judged
     canon = [{"task_id": t, "completion": probs[t]["canonical_solution"]} for t in IN_BOX_HUMANEVAL]
     # another correct find_zero (a root of its own: bisection from a wider interval, then Newton steps) and
     # honest wrong answers, to show each problem is judged on values, not on the program reaching its end
-    other_root = ("    lo, hi = -1000.0, 1000.0\n    while poly(xs, lo) * poly(xs, hi) > 0:\n        lo, hi = 2 * lo, 2 * hi\n"
-                  "    for _ in range(200):\n        mid = (lo + hi) / 2\n"
-                  "        if poly(xs, mid) * poly(xs, lo) > 0:\n            lo = mid\n        else:\n            hi = mid\n"
-                  "    return hi\n")
-    wrong = {"HumanEval/32": "    return 0.0\n", "HumanEval/38": "    return s\n", "HumanEval/44": "    return str(x)\n",
+    other_root = ("    lo, hi = -1000.0, 1000.0\n    while poly(xs, lo) * poly(xs, hi) > 0:\n        lo, hi "
+                  "= 2 * lo, 2 * hi\n    for _ in range(200):\n        mid = (lo + hi) / 2\n"
+                  "        if poly(xs, mid) * poly(xs, lo) > 0:\n            lo = mid\n        else:\n       "
+                  "     hi = mid\n    return hi\n")
+    wrong = {"HumanEval/32": "    return 0.0\n", "HumanEval/38": "    return s\n",
+             "HumanEval/44": "    return str(x)\n",
              "HumanEval/50": "    return s\n", "HumanEval/53": "    return x + y + (x == 7)\n",
              "HumanEval/90": "    return sorted(lst)[1] if len(lst) > 1 else None\n",
              "HumanEval/108": "    return len([a for a in arr if a > 0])\n",
@@ -393,18 +419,21 @@ def test_canonical_solutions_of_the_eight_unsplit_humaneval_problems_pass_judged
     s, out = score_samples(rows, probs, ks=[1])
     assert [o["outcome"] for o in out[:9]] == ["passed"] * 9, [(o["task_id"], o["detail"]) for o in out[:9]]
     assert all(o["verdict"] == "outside" and o["passed"] for o in out[:9])
-    assert [o["outcome"] for o in out[9:]] == ["wrong"] * 8, [(o["task_id"], o["outcome"], o["detail"]) for o in out[9:]]
+    assert [o["outcome"] for o in out[9:]] == ["wrong"] * 8, [(o["task_id"], o["outcome"], o["detail"])
+                                                              for o in out[9:]]
     assert s["problems_judged_outside"] == 8 and s["problems_in_box"] == [], s
     assert s["judged"] == {"outside": 17, "in_box": 0}, s
 
 
 LOOP_TASK = {"id": "loop-double", "entry_point": "double", "prompt": "Write double(x).",
              "solution": "def double(x):\n    return 2 * x\n",
-             "tests": "import random\nfor _ in range(20):\n    x = random.randint(-100, 100)\n    assert double(x) == 2 * x\n"}
+             "tests": "import random\nfor _ in range(20):\n    x = random.randint(-100, 100)\n    assert "
+                      "double(x) == 2 * x\n"}
 
 
 def _task_tricks() -> dict[str, str]:
-    return {name: "def double(x):\n" + c for name, c in _tricks("int").items() if not name.startswith("nonce")} | {
+    return {name: "def double(x):\n" + c for name, c in _tricks("int").items()
+            if not name.startswith("nonce")} | {
         "nonce copy + os._exit": FD_COPY}
 
 
@@ -420,12 +449,15 @@ def test_forged_passes_on_a_task_whose_tests_do_not_split_fail_and_count_for_not
     for name, r in zip(tricks, got):
         assert r["outcome"] in ("not_data", "early_exit") and r["reward"] == 0.0, (name, r)
         assert r["verdict"] == "outside", (name, r)
-    honest = execution_rewards([LOOP_TASK] * 2, ["def double(x):\n    return x + x\n", "def double(x):\n    return x\n"])
-    assert [(r["outcome"], r["verdict"]) for r in honest] == [("passed", "outside"), ("wrong", "outside")], honest
+    honest = execution_rewards([LOOP_TASK] * 2,
+                               ["def double(x):\n    return x + x\n", "def double(x):\n    return x\n"])
+    assert [(r["outcome"], r["verdict"]) for r in honest] == [("passed", "outside"),
+                                                              ("wrong", "outside")], honest
 
     bare = {k: v for k, v in LOOP_TASK.items() if k != "solution"} | {"id": "loop-bare"}
     (tmp_path / "tasks.jsonl").write_text(json.dumps(LOOP_TASK) + "\n" + json.dumps(bare) + "\n")
-    rows = [{"task_id": t, "completion": c, "trick": n} for t in ("loop-double", "loop-bare") for n, c in tricks.items()]
+    rows = [{"task_id": t, "completion": c, "trick": n} for t in ("loop-double", "loop-bare")
+            for n, c in tricks.items()]
     (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["eval", "--tasks", str(tmp_path / "tasks.jsonl"), "--completions", str(tmp_path / "c.jsonl"),
                  "--k", "1", "--json", "--out", str(tmp_path / "out.jsonl")]) == 0
@@ -447,23 +479,27 @@ def test_forged_passes_on_a_task_whose_tests_do_not_split_fail_and_count_for_not
 SIDE_EFFECT_TASKS = [
     {"id": "print", "entry_point": "greet", "solution": "def greet(n):\n    print('hello ' + n)\n",
      "tests": "import io, contextlib\nfor n in ['a', 'b']:\n    buf = io.StringIO()\n"
-              "    with contextlib.redirect_stdout(buf):\n        greet(n)\n    assert buf.getvalue() == 'hello ' + n + '\\n'\n"},
+              "    with contextlib.redirect_stdout(buf):\n        greet(n)\n    assert buf.getvalue() == "
+              "'hello ' + n + '\\n'\n"},
     {"id": "nomut", "entry_point": "sorted_copy", "solution": "def sorted_copy(xs):\n    return sorted(xs)\n",
-     "tests": "for xs in [[3, 1, 2], [5, 4]]:\n    orig = list(xs)\n    r = sorted_copy(xs)\n    assert r == sorted(orig)\n"
-              "    assert xs == orig\n"},
+     "tests": "for xs in [[3, 1, 2], [5, 4]]:\n    orig = list(xs)\n    r = sorted_copy(xs)\n    assert r == "
+              "sorted(orig)\n    assert xs == orig\n"},
     {"id": "type", "entry_point": "is_even", "solution": "def is_even(n):\n    return n % 2 == 0\n",
      "tests": "for n in range(4):\n    assert is_even(n) is (n % 2 == 0)\n"},
-    {"id": "env", "entry_point": "setenv", "solution": "import os\ndef setenv(k, v):\n    os.environ[k] = v\n",
+    {"id": "env", "entry_point": "setenv",
+     "solution": "import os\ndef setenv(k, v):\n    os.environ[k] = v\n",
      "tests": "import os\nfor k in ['A', 'B']:\n    setenv(k, 'x')\n    assert os.environ[k] == 'x'\n"},
-    {"id": "file", "entry_point": "write", "solution": "def write(p, s):\n    with open(p, 'w') as f:\n        f.write(s)\n",
-     "tests": "import tempfile, os\nd = tempfile.mkdtemp()\nfor s in ['x', 'y']:\n    p = os.path.join(d, s)\n"
-              "    write(p, s)\n    assert open(p).read() == s\n"},
+    {"id": "file", "entry_point": "write",
+     "solution": "def write(p, s):\n    with open(p, 'w') as f:\n        f.write(s)\n",
+     "tests": "import tempfile, os\nd = tempfile.mkdtemp()\nfor s in ['x', 'y']:\n    p = os.path.join(d, "
+              "s)\n    write(p, s)\n    assert open(p).read() == s\n"},
     {"id": "alias", "entry_point": "make", "solution": "def make(n):\n    return [0] * n\n",
      "tests": "for n in [1, 2]:\n    a = make(n); b = make(n)\n    a.append(1)\n    assert b == [0] * n\n"},
 ]
 SIDE_EFFECT_WRONG = ["def greet(n):\n    pass\n", "def sorted_copy(xs):\n    xs.sort()\n    return xs\n",
                      "def is_even(n):\n    return 1 if n % 2 == 0 else 0\n", "def setenv(k, v):\n    pass\n",
-                     "def write(p, s):\n    pass\n", "_c = []\ndef make(n):\n    _c[:] = [0] * n\n    return _c\n"]
+                     "def write(p, s):\n    pass\n",
+                     "_c = []\ndef make(n):\n    _c[:] = [0] * n\n    return _c\n"]
 
 
 @needs_sandbox
@@ -489,7 +525,8 @@ def test_recorded_tasks_also_pass_their_own_tests(tmp_path):
 @needs_sandbox
 def test_recorded_tasks_other_accepted_answers_and_forged_boxes():
     """Second review of recording: (1) answers the tests accept but whose values differ from the reference's
-    (any order, a tuple for a list, a count from elsewhere, rounded) were "wrong"; now a pass only the box saw,
+    (any order, a tuple for a list, a count from elsewhere, rounded) were
+    "wrong"; now a pass only the box saw,
     reported apart (verdict in_box, never in pass@k), and still "wrong" where only a trusted verdict will do
     (RL); (2) forging the in-box run of a recorded task (a frame walk to the report pipe, an always-equal
     string) scored 1.0; now the name screen refuses it unrun, as for in-box tasks."""
@@ -500,7 +537,8 @@ def test_recorded_tasks_other_accepted_answers_and_forged_boxes():
               "for xs in [[3, 1, 3, 2], [5, 5, 4]]:\n    r = uniq(xs)\n"
               "    assert sorted(r) == sorted(set(xs)) and len(r) == len(set(xs))\n"),
          "def uniq(xs):\n    return list(dict.fromkeys(reversed(xs)))\n"),
-        (task("tl", "pair", "def pair(a):\n    return [a, a]\n", "for a in [1, 2]:\n    assert list(pair(a)) == [a, a]\n"),
+        (task("tl", "pair", "def pair(a):\n    return [a, a]\n",
+              "for a in [1, 2]:\n    assert list(pair(a)) == [a, a]\n"),
          "def pair(a):\n    return (a, a)\n"),
         (task("ctr", "nxt", "_n = 0\ndef nxt():\n    global _n\n    _n += 1\n    return _n\n",
               "a = nxt(); b = nxt()\nassert b == a + 1\n"),

@@ -49,7 +49,8 @@ replaced atomically after that, so a crash (even kill -9) never leaves a half-wr
 unsynced data). find_checkpoint() checks it before trusting a checkpoint:
   - `latest` (and `auto` when its `best` is damaged) falls back to the newest intact step and says which
     one it skipped and why; --resume then trains the skipped steps again;
-  - a named checkpoint directory, `best` or `final` is refused with the reason (the caller asked for that one).
+  - a named checkpoint directory, `best` or `final` is refused with the reason
+    (the caller asked for that one).
 A checkpoint without a manifest (older codeforge) is checked as far as it can be without one: on --resume
 its files must open (safetensors header, JSON, the zip CRCs of train_state.pt); elsewhere a file that does
 not load is reported by name when it is loaded.
@@ -65,8 +66,10 @@ from .store import (LEGACY_STATE, MANIFEST, MANIFEST_FORMAT, POINTERS, SHARDED, 
                     find_checkpoint, is_sharded, latest_step, read_config, shape_diff, verify_checkpoint,
                     vet_checkpoint, weights_sha256)
 
-__all__ = ["CheckpointError", "CheckpointWriteError", "LEGACY_STATE", "MANIFEST", "MANIFEST_FORMAT", "NoCheckpointError",
-           "POINTERS", "SHARDED", "STATE_JSON", "STATE_TENSORS", "STEP_PREFIX", "ShardedSave", "check_compatible",
+__all__ = ["CheckpointError", "CheckpointWriteError", "LEGACY_STATE", "MANIFEST", "MANIFEST_FORMAT",
+           "NoCheckpointError",
+           "POINTERS", "SHARDED", "STATE_JSON", "STATE_TENSORS", "STEP_PREFIX", "ShardedSave",
+           "check_compatible",
            "decode_state", "encode_state", "find_checkpoint", "is_sharded", "latest_step", "load_model",
            "load_sharded_state", "load_train_state", "load_weights", "load_whole_into_sharded", "read_config",
            "rng_state", "save_checkpoint", "save_sharded_checkpoint", "set_rng_state", "shape_diff",

@@ -38,18 +38,19 @@ Error = type[CodeforgeError]  # the error class a caller raises (CheckpointError
 # Caps on what is read whole. codeforge's own files are KBs; the caps leave room for real models (a
 # safetensors header lists ~100 bytes per tensor: a few thousand tensors are a few hundred KB) and keep
 # what an adversarial file costs to parse low (Python's json takes ~25x the text for `[{},{},...]`).
-CONFIG_BYTES = 4 << 20  # config.json (codeforge's lists ~70 bytes per training-data file; Hugging Face's: KBs)
+# config.json (codeforge's lists ~70 bytes per training-data file; Hugging Face's: KBs)
+CONFIG_BYTES = 4 << 20
 STATE_BYTES = 8 << 20  # train_state.json (counters, RNG states, the loader cursor)
 MANIFEST_BYTES = 8 << 20  # manifest.json (one entry per file; a sharded checkpoint has one file per rank)
 POINTER_BYTES = 4096  # latest, best, final
 HEADER_BYTES = 8 << 20  # a safetensors header
 
 # safetensors dtypes and their sizes in bytes
-DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-               "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
+               "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
-KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
-         stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}
+KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device",
+         stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}
 
 
 def not_regular(mode: int) -> str | None:
@@ -95,7 +96,8 @@ def read_regular(path: Path, limit: int, error: Error, fix: str) -> bytes:
     fd, st = open_regular(path, error, fix)
     with os.fdopen(fd, "rb") as f:
         if st.st_size > limit:
-            raise error(f"{path} is {st.st_size:,} bytes, more than the {limit:,} such a file may have; {fix}")
+            raise error(f"{path} is {st.st_size:,} bytes, more than "
+                        f"the {limit:,} such a file may have; {fix}")
         try:
             data = f.read(limit + 1)
         except OSError as e:
@@ -118,8 +120,8 @@ def check_inside(path: Path, root: Path, error: Error, fix: str = "") -> None:
     real_root = Path(root).resolve()
     target = Path(path).resolve()
     if target != real_root and real_root not in target.parents:
-        fix = fix or (f"copy the file into {root} if it belongs there (a link out of the directory would carry "
-                      f"whatever it names into the run, its checkpoints and exports)")
+        fix = fix or (f"copy the file into {root} if it belongs there (a link out of the directory would "
+                      f"carry whatever it names into the run, its checkpoints and exports)")
         raise error(f"{path} is a link to {target}, outside {root}; {fix}")
 
 
@@ -134,7 +136,7 @@ def check_files(root: Path, error: Error, fix: str) -> None:
                 check_regular(p, error, fix)
 
 
-# -- safetensors headers ---------------------------------------------------------------------------------------
+# -- safetensors headers -------------------------------------------------------------------------------------
 
 def safetensors_header(path: Path, error: Error, fix: str) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{tensor name: (dtype, shape)} from the header of safetensors file `path`, reading the header alone (an
@@ -145,14 +147,15 @@ def safetensors_header(path: Path, error: Error, fix: str) -> dict[str, tuple[st
     with os.fdopen(fd, "rb") as f:
         size = st.st_size
         if size < 8:
-            raise error(f"{path} is {size} bytes, shorter than the 8-byte header length a safetensors file starts "
-                        f"with; {fix}")
+            raise error(f"{path} is {size} bytes, shorter than the 8-byte header length a safetensors file "
+                        f"starts with; {fix}")
         n = int.from_bytes(f.read(8), "little")
         if n > size - 8:
-            raise error(f"{path}: header length {n:,} is larger than the file ({size:,} bytes): not a safetensors "
-                        f"file, or a truncated one; {fix}")
+            raise error(f"{path}: header length {n:,} is larger than the file ({size:,} bytes): not a "
+                        f"safetensors file, or a truncated one; {fix}")
         if n > HEADER_BYTES:
-            raise error(f"{path}: header length {n:,} is more than the {HEADER_BYTES:,} bytes codeforge reads; {fix}")
+            raise error(f"{path}: header length {n:,} is more than the "
+                        f"{HEADER_BYTES:,} bytes codeforge reads; {fix}")
         raw = f.read(n)
     try:
         header = json.loads(raw)
@@ -175,10 +178,11 @@ def safetensors_header(path: Path, error: Error, fix: str) -> dict[str, tuple[st
             raise error(f"{where}: shape {shape!r} is not a list of sizes; {fix}")
         if (not isinstance(offs, list) or len(offs) != 2 or not all(_is_int(o) for o in offs)
                 or not 0 <= offs[0] <= offs[1] <= data):
-            raise error(f"{where}: data_offsets {offs!r} do not lie within the file's {data:,} bytes of data; {fix}")
+            raise error(f"{where}: data_offsets {offs!r} do not lie "
+                        f"within the file's {data:,} bytes of data; {fix}")
         if offs[1] - offs[0] != math.prod(shape) * DTYPE_BYTES[dtype]:
-            raise error(f"{where}: data_offsets {offs!r} hold {offs[1] - offs[0]:,} bytes, but shape {shape} of "
-                        f"{dtype} needs {math.prod(shape) * DTYPE_BYTES[dtype]:,}; {fix}")
+            raise error(f"{where}: data_offsets {offs!r} hold {offs[1] - offs[0]:,} bytes, but shape {shape} "
+                        f"of {dtype} needs {math.prod(shape) * DTYPE_BYTES[dtype]:,}; {fix}")
         out[name] = (dtype, tuple(shape))
     return out
 
@@ -187,7 +191,7 @@ def header_bytes(header: dict[str, tuple[str, tuple[int, ...]]]) -> int:
     return sum(math.prod(shape) * DTYPE_BYTES[dtype] for dtype, shape in header.values())
 
 
-# -- model configs ------------------------------------------------------------------------------------------------
+# -- model configs -------------------------------------------------------------------------------------------
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -248,15 +252,16 @@ def model_config_from(d: Any, where: str | Path, error: Error, fix: str, names: 
     if cfg.n_head % cfg.n_kv_head:
         raise say("n_head", cfg.n_head, f"is not divisible by model.n_kv_head = {cfg.n_kv_head}")
     if cfg.pos == "rope" and cfg.head_dim % 2:
-        raise say("n_embd", cfg.n_embd, f"over model.n_head = {cfg.n_head} gives an odd head size {cfg.head_dim}, "
+        raise say("n_embd", cfg.n_embd,
+                  f"over model.n_head = {cfg.n_head} gives an odd head size {cfg.head_dim}, "
                                         f"and rotary positions need an even one")
     return cfg
 
 
 def dims(cfg) -> str:
     """The fields that size a model, as `model.n_layer=2, model.n_embd=64, ...` for messages."""
-    keys = ("n_layer", "planner_layers", "generator_layers", "refiner_layers", "n_embd", "n_head", "n_kv_head",
-            "ffn_hidden", "vocab_size", "block_size", "plan_len", "code_len")
+    keys = ("n_layer", "planner_layers", "generator_layers", "refiner_layers", "n_embd", "n_head",
+            "n_kv_head", "ffn_hidden", "vocab_size", "block_size", "plan_len", "code_len")
     have = {f.name for f in fields(cfg)}
     return ", ".join(f"model.{k}={getattr(cfg, k)}" for k in keys if k in have)
 
@@ -285,7 +290,8 @@ def weights_problem(header: dict[str, tuple[str, tuple[int, ...]]], shapes: dict
     """How the tensors of a weights file (`header`) differ from a model's (`shapes`, `groups`: tied names, of
     which the file holds one), as "missing [...], unexpected [...], other shape {...}"; None if they agree.
     new_ok: prefixes of the model's parameters the file may lack."""
-    missing = sorted(g[0] for g in groups if not any(n in header for n in g) and not (new_ok and g[0].startswith(new_ok)))
+    missing = sorted(g[0] for g in groups if not any(n in header for n in g)
+                     and not (new_ok and g[0].startswith(new_ok)))
     unexpected = sorted(set(header) - set(shapes))
     other = {n: (list(header[n][1]), list(shapes[n])) for n in sorted(set(header) & set(shapes))
              if tuple(header[n][1]) != tuple(shapes[n])}
@@ -294,11 +300,12 @@ def weights_problem(header: dict[str, tuple[str, tuple[int, ...]]], shapes: dict
     said = f"missing {missing[:5]}, unexpected {unexpected[:5]}"
     if other:
         first = dict(list(other.items())[:3])
-        said += f", other shape (file, model) {first}" + (f" and {len(other) - 3} more" if len(other) > 3 else "")
+        said += f", other shape (file, model) {first}" + (f" and {len(other) - 3} more" if len(other) > 3
+                                                          else "")
     return said
 
 
-# -- memory ------------------------------------------------------------------------------------------------------
+# -- memory --------------------------------------------------------------------------------------------------
 
 def _kib_field(path: str, key: str) -> int | None:
     try:
@@ -347,7 +354,8 @@ def available_memory() -> tuple[int, str] | None:
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft != resource.RLIM_INFINITY:
         mapped = _kib_field("/proc/self/status", "VmSize") or 0
-        found.append((soft - mapped, f"RLIMIT_AS {soft / 2**30:.1f} GiB, {mapped / 2**30:.1f} GiB of it mapped"))
+        found.append((soft - mapped,
+                      f"RLIMIT_AS {soft / 2**30:.1f} GiB, {mapped / 2**30:.1f} GiB of it mapped"))
     return min(found) if found else None
 
 
@@ -356,5 +364,5 @@ def check_memory(need: int, what: str, error: Error,
     """Refuse when `need` bytes are more than available_memory(); `what` says what needs them."""
     have = available_memory()
     if have is not None and need > have[0]:
-        raise error(f"{what} needs about {need / 2**30:.1f} GiB of memory and {max(have[0], 0) / 2**30:.1f} GiB "
-                    f"is available ({have[1]}); {fix}")
+        raise error(f"{what} needs about {need / 2**30:.1f} GiB of memory and {max(have[0], 0) / 2**30:.1f} "
+                    f"GiB is available ({have[1]}); {fix}")

@@ -46,7 +46,8 @@ def load_whole_into_sharded(model: torch.nn.Module, optimizer, ck: Path, optimiz
     try:
         weights = st_load_file(str(Path(ck) / "model.safetensors"), device="cpu")
     except (OSError, SafetensorError) as e:
-        raise CheckpointError(f"{ck}/model.safetensors cannot be read ({e}); the checkpoint is damaged") from e
+        raise CheckpointError(f"{ck}/model.safetensors cannot be "
+                              f"read ({e}); the checkpoint is damaged") from e
     names = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
@@ -59,7 +60,8 @@ def load_whole_into_sharded(model: torch.nn.Module, optimizer, ck: Path, optimiz
     saved_groups = optimizer_state["param_groups"]
     if sum(len(g["params"]) for g in saved_groups) != len(flat):
         raise CheckpointError(f"{ck}: its optimizer state has {sum(len(g['params']) for g in saved_groups)} "
-                              f"parameters and this model's optimizer {len(flat)}; it was written for another model")
+                              "parameters and this model's optimizer "
+                              f"{len(flat)}; it was written for another model")
     fqn = {}
     for g in saved_groups:
         for i in g["params"]:
@@ -92,7 +94,8 @@ def load_weights(model: torch.nn.Module, ckpt: Path, new_ok: tuple[str, ...] = (
         _dcp_load(state, Path(ckpt), alone=True)  # a whole model in this process, whatever other ranks do
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not new_ok))
         return
-    if lora.is_lora(model):  # --resume of a LoRA run: its starting weights are in; the adapters come from here
+    # --resume of a LoRA run: its starting weights are in; the adapters come from here
+    if lora.is_lora(model):
         try:
             lora.load_adapter(model, lora.read_adapter(Path(ckpt))[1], str(ckpt))
         except lora.LoraError as e:
@@ -101,8 +104,8 @@ def load_weights(model: torch.nn.Module, ckpt: Path, new_ok: tuple[str, ...] = (
     f = Path(ckpt) / "model.safetensors"
     problem = weights_problem(safetensors_header(f, CheckpointError, DAMAGED), *model_shapes(model), new_ok)
     if problem:
-        raise CheckpointError(f"{f}: weights do not fit the model ({problem}); the checkpoint was written for "
-                              f"another model, or damaged")
+        raise CheckpointError(f"{f}: weights do not fit the model ({problem}); the checkpoint was written "
+                              f"for another model, or damaged")
     try:
         missing, unexpected = st_load_model(model, str(f), strict=False)
     except (OSError, SafetensorError) as e:
@@ -124,8 +127,8 @@ def load_model(path: str | Path, device: torch.device, which: str = "auto",
     m = vet_checkpoint(ck)
     cfg = read_config(ck)
     if not (ck / "tokenizer" / "tokenizer.json").exists():
-        raise CheckpointError(f"{ck} has no tokenizer/ directory; copy the tokenizer the run was trained with "
-                              f"to {ck / 'tokenizer'}")
+        raise CheckpointError(f"{ck} has no tokenizer/ directory; copy the tokenizer the run was trained "
+                              f"with to {ck / 'tokenizer'}")
     try:
         tok = CodeTokenizer.load(ck / "tokenizer", log=log)  # vetted: a split rule that fails is refused
     except TokenizerError as e:

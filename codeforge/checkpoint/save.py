@@ -19,8 +19,8 @@ from ..atomic import publish, staging_dir
 from ..distributed import lost_peer
 from ..models import lora
 from .state import encode_state
-from .store import (POINTERS, SHARDED, STATE_JSON, STATE_TENSORS, STEP_PREFIX, CheckpointWriteError, file_entries,
-                    pointer_target, read_pointer, step_dirs, write_manifest, write_pointer)
+from .store import (POINTERS, SHARDED, STATE_JSON, STATE_TENSORS, STEP_PREFIX, CheckpointWriteError,
+                    file_entries, pointer_target, read_pointer, step_dirs, write_manifest, write_pointer)
 
 
 def _nbytes(tensors) -> int:
@@ -58,11 +58,11 @@ def _write_failure(e: BaseException, root: Path, name: str, need: int, before: s
     lost = f"Nothing earlier was lost: the unfinished {name} was removed, {kept}."
     if _disk_full(e):
         room = f" and {_mb(free)} are free there" if free is not None else ""
-        return (f"could not write checkpoint {name} in {root}: the disk is full ({e}). A checkpoint of this run "
-                f"needs about {_mb(need)}{room}. {lost} Free space on that disk (delete old runs, lower "
+        return (f"could not write checkpoint {name} in {root}: the disk is full ({e}). A checkpoint of this "
+                f"run needs about {_mb(need)}{room}. {lost} Free space on that disk (delete old runs, lower "
                 f"--keep-last) or move the run directory to a larger disk, then continue with --resume.")
-    return (f"could not write checkpoint {name} in {root}: {type(e).__name__}: {e}. {lost} Fix the cause, then "
-            f"continue with --resume.")
+    return (f"could not write checkpoint {name} in {root}: {type(e).__name__}: {e}. {lost} Fix the cause, "
+            f"then continue with --resume.")
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, config: dict, train_state: dict,
@@ -78,14 +78,16 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, conf
     tmp = None
     try:
         tmp = staging_dir(root / name)
-        if lora.is_lora(model):  # merged weights under the model's own names, and the adapter alone beside them
+        # merged weights under the model's own names, and the adapter alone beside them
+        if lora.is_lora(model):
             st_save_file(lora.merged_state(model), str(tmp / "model.safetensors"))
             st_save_file(lora.adapter_state(model), str(tmp / lora.ADAPTER_FILE))
             (tmp / lora.ADAPTER_CONFIG).write_text(lora.adapter_json(model))
         else:
             st_save_model(model, str(tmp / "model.safetensors"))
         _write_rest(tmp, step, config, skeleton, tensors, assets)
-        publish(tmp, root / name)  # replaces the same step saved earlier (e.g. on SIGTERM right after a periodic save)
+        # replaces the same step saved earlier (e.g. on SIGTERM right after a periodic save)
+        publish(tmp, root / name)
     except BaseException as e:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -114,8 +116,8 @@ def _write_rest(tmp: Path, step: int, config: dict, skeleton, tensors: dict, ass
 
 
 def save_sharded_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, optimizer, config: dict,
-                            train_state: dict, assets: dict[str, Path] | None, keep_last: int, best: bool = False,
-                            final: bool = False, background_group=None) -> "ShardedSave":
+                            train_state: dict, assets: dict[str, Path] | None, keep_last: int,
+                            best: bool = False, final: bool = False, background_group=None) -> "ShardedSave":
     """save_checkpoint for an FSDP run, called by every rank together: rank 0 makes the staging directory,
     every rank writes its shards of the weights and optimizer state into it with DCP (in parallel), then
     rank 0 writes the rest (`train_state` without the optimizer, which is in the shards), the manifest,
@@ -145,7 +147,8 @@ def save_sharded_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Modu
     msd, osd = get_state_dict(model, optimizer)
     state = {"model": msd, "optim": osd}
     if background_group is not None:
-        job.future = dcp.async_save(state, checkpoint_id=str(job.tmp / SHARDED), process_group=background_group)
+        job.future = dcp.async_save(state, checkpoint_id=str(job.tmp / SHARDED),
+                                    process_group=background_group)
         return job
     try:
         dcp.save(state, checkpoint_id=str(job.tmp / SHARDED))
@@ -159,8 +162,9 @@ class ShardedSave:
     and the publishing left to `finish()`."""
 
     def __init__(self, root, name, tmp, step, need, before, config, assets, keep_last, best, final):
-        self.root, self.name, self.tmp, self.step, self.need, self.before = root, name, tmp, step, need, before
-        self.config, self.assets, self.keep_last, self.best, self.final = config, assets, keep_last, best, final
+        self.root, self.name, self.tmp, self.step = root, name, tmp, step
+        self.need, self.before, self.config, self.assets = need, before, config, assets
+        self.keep_last, self.best, self.final = keep_last, best, final
         self.future = None
         self.state = None
 
@@ -176,8 +180,8 @@ class ShardedSave:
             raise e
         # DCP wraps each rank's failure; the first OSError among them keeps its errno (a full disk says so)
         inner = [x for x in [e, e.__cause__, *getattr(e, "failures", {}).values()] if isinstance(x, OSError)]
-        raise CheckpointWriteError(_write_failure(inner[0] if inner else OSError(str(e)), self.root, self.name,
-                                                  self.need, self.before)) from e
+        raise CheckpointWriteError(_write_failure(inner[0] if inner else OSError(str(e)), self.root,
+                                                  self.name, self.need, self.before)) from e
 
     def finish(self) -> Path:
         """Every rank together: wait for the shards, then rank 0 writes the rest, renames the directory into
@@ -228,8 +232,8 @@ def _point_and_prune(root: Path, name: str, keep_last: int, best: bool, final: b
         now = pointer_target(root, "latest")
         raise CheckpointWriteError(
             f"checkpoint {final_dir} was written completely, but a pointer beside it could not be updated "
-            f"({e}); `latest` names {now.name if now else 'nothing'}. Free space on that disk, then continue with "
-            f"--resume (it continues from the checkpoint `latest` names).") from e
+            f"({e}); `latest` names {now.name if now else 'nothing'}. Free space on that disk, then continue "
+            f"with --resume (it continues from the checkpoint `latest` names).") from e
     _prune(root, keep_last)
     return final_dir
 
@@ -245,5 +249,9 @@ def _prune(root: Path, keep_last: int) -> None:
         if p not in keep:
             shutil.rmtree(p, ignore_errors=True)
     for p in root.iterdir():  # unfinished saves of a crashed process (atomic.py restores a lone `.old-` copy)
-        if p.name.startswith(f".{STEP_PREFIX}") and ".tmp-" in p.name and not p.name.endswith(f"-{os.getpid()}"):
+        if (
+            p.name.startswith(f".{STEP_PREFIX}")
+            and ".tmp-" in p.name
+            and not p.name.endswith(f"-{os.getpid()}")
+        ):
             shutil.rmtree(p, ignore_errors=True)

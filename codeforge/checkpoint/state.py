@@ -54,12 +54,14 @@ def _encode(obj, path: str, tensors: dict[str, torch.Tensor], seen: set[int]):
         return {"__tensor__": key}
     if isinstance(obj, np.ndarray):
         if obj.dtype.kind not in "biuf":
-            raise CheckpointError(f"training state at {path or '/'}: a NumPy array of dtype {obj.dtype} cannot be "
-                                  f"stored safely (numbers and booleans only)")
-        return {"__ndarray__": {"dtype": obj.dtype.str, "shape": list(obj.shape), "data": obj.ravel().tolist()}}
+            raise CheckpointError(f"training state at {path or '/'}: a NumPy array of dtype {obj.dtype} "
+                                  f"cannot be stored safely (numbers and booleans only)")
+        return {"__ndarray__": {"dtype": obj.dtype.str, "shape": list(obj.shape),
+                                "data": obj.ravel().tolist()}}
     if isinstance(obj, np.generic):
         if obj.dtype.kind not in "biuf":
-            raise CheckpointError(f"training state at {path or '/'}: NumPy {obj.dtype} cannot be stored safely")
+            raise CheckpointError(f"training state at {path or '/'}: NumPy "
+                                  f"{obj.dtype} cannot be stored safely")
         return {"__npscalar__": [obj.dtype.str, obj.item()]}
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
@@ -70,7 +72,8 @@ def _encode(obj, path: str, tensors: dict[str, torch.Tensor], seen: set[int]):
     if isinstance(obj, dict):
         if all(isinstance(k, str) for k in obj) and not any(k in _TAGS for k in obj):
             return {k: _encode(v, f"{path}/{k}", tensors, seen) for k, v in obj.items()}
-        return {"__items__": [[_encode(k, f"{path}/key", tensors, seen), _encode(v, f"{path}/{k}", tensors, seen)]
+        return {"__items__": [[_encode(k, f"{path}/key", tensors, seen),
+                               _encode(v, f"{path}/{k}", tensors, seen)]
                               for k, v in obj.items()]}
     raise CheckpointError(f"training state at {path or '/'}: a {type(obj).__name__} cannot be stored safely; "
                           f"state_dict() must hold tensors, NumPy arrays and plain values only")
@@ -114,7 +117,8 @@ def decode_state(skeleton, tensors: dict[str, torch.Tensor]) -> dict:
 
 # The counters a trainer continues from, and the values they may take: a step as train.max_iters may be
 # (config.py), tokens and skipped batches as a signed 64-bit count, the last evaluated step or -1 (none yet).
-COUNTERS = {"step": (0, 10**12), "tokens": (0, 2**63 - 1), "skipped": (0, 2**63 - 1), "last_val_step": (-1, 10**12)}
+COUNTERS = {"step": (0, 10**12), "tokens": (0, 2**63 - 1), "skipped": (0, 2**63 - 1),
+            "last_val_step": (-1, 10**12)}
 REQUIRED = ("step", "tokens")
 
 
@@ -127,8 +131,8 @@ def check_counters(st, f: Path, ckpt: Path) -> dict:
         if key not in st:
             if key in REQUIRED:
                 raise CheckpointError(f"{f} has no {key}: it is not a training state written by `codeforge "
-                                      f"train`, so it cannot be resumed; start a new run from its weights with "
-                                      f"--init-from {ckpt}")
+                                      f"train`, so it cannot be resumed; start a new run from its weights "
+                                      f"with --init-from {ckpt}")
             continue
         v = st[key]
         if not isinstance(v, numbers.Integral) or isinstance(v, bool):
@@ -142,19 +146,22 @@ def check_counters(st, f: Path, ckpt: Path) -> dict:
     if "loader" in st:
         check_loader(st["loader"], f, ckpt)
     if STEP_RE.fullmatch(ckpt.name) and st["step"] != step_of(ckpt):
-        raise CheckpointError(f"{f}: step = {st['step']!r} but the checkpoint is {ckpt.name} (it was saved at step "
-                              f"{step_of(ckpt)}); {DAMAGED}")
+        raise CheckpointError(f"{f}: step = {st['step']!r} but the checkpoint is {ckpt.name} (it was saved "
+                              f"at step {step_of(ckpt)}); {DAMAGED}")
     return st
 
 
-# The data cursor: train_state.json's "loader", the batch source's state_dict(). The keys its load_state_dict()
+# The data cursor: train_state.json's "loader", the batch source's state_dict().
+# The keys its load_state_dict()
 # reads, per kind of training data (config.py's Stage.data), and the values every key may take: counters as a
-# signed 64-bit count, sizes as positive 32-bit ones, the seed as train.seed may be (config.py), the FIM rates as
+# signed 64-bit count, sizes as positive 32-bit ones, the seed as train.seed may be
+# (config.py), the FIM rates as
 # fractions, flags as booleans. Keys a loader saves but reads with a default (start, rank, fim_*) are checked
 # when present, so a state written before they existed still resumes.
 LOADER_KEYS = {
     "shards": ("epoch", "pos", "seed", "shuffle", "world_size", "B", "T"),  # data/loader.py BatchLoader
-    "chat shards": ("epoch", "pos", "seed", "shuffle", "world_size", "B", "T"),  # data/loader.py ChatBatchLoader
+    # data/loader.py ChatBatchLoader
+    "chat shards": ("epoch", "pos", "seed", "shuffle", "world_size", "B", "T"),
     "plans": ("epoch", "pos", "drawn", "seed", "shuffle", "world_size", "B", "accum", "plan_len", "code_len"),
     "pairs": ("epoch", "cursor"),  # data/pairs.py PairBatches
     "tasks": ("round", "cursor"),  # stages/rl.py
@@ -168,14 +175,14 @@ LOADER_FIELDS: dict[str, tuple | type] = {
 
 
 def check_loader(loader, f: Path, ckpt: Path, data: str | None = None, tokens: int | None = None) -> dict:
-    """`loader`, the data cursor read from file `f` of checkpoint `ckpt`, once every field it has holds a value
-    of its type and range (LOADER_FIELDS). data: the kind of training data the run reads (config.py's
+    """`loader`, the data cursor read from file `f` of checkpoint `ckpt`, once every field it has holds a
+    value of its type and range (LOADER_FIELDS). data: the kind of training data the run reads (config.py's
     Stage.data): the keys its loader reads must be there (LOADER_KEYS). tokens: the size of the training split
     of packed shards, which the cursor may not pass (it counts whole sequences of T+1 tokens of it)."""
     fix = f"{DAMAGED}, or start a new run from its weights with --init-from {ckpt}"
     if not isinstance(loader, dict):
-        raise CheckpointError(f"{f}: loader is a {type(loader).__name__}, not the data loader's cursor (an object "
-                              f"of its epoch, position and settings); {fix}")
+        raise CheckpointError(f"{f}: loader is a {type(loader).__name__}, not the data loader's cursor (an "
+                              f"object of its epoch, position and settings); {fix}")
     missing = [k for k in LOADER_KEYS.get(data, ()) if k not in loader]
     if missing:
         raise CheckpointError(f"{f}: loader has no {', '.join(missing)} (a run on {data} saves "
@@ -196,32 +203,37 @@ def check_loader(loader, f: Path, ckpt: Path, data: str | None = None, tokens: i
         if not lo <= v <= hi:
             raise CheckpointError(f"{f}: loader.{key} = {v!r} is out of range [{lo}, {hi}]; {fix}")
     if "buffer" in loader and not (loader["buffer"] is None or isinstance(loader["buffer"], dict)):
-        raise CheckpointError(f"{f}: loader.buffer is a {type(loader['buffer']).__name__}, not a rollout; {fix}")
+        raise CheckpointError(f"{f}: loader.buffer is a "
+                              f"{type(loader['buffer']).__name__}, not a rollout; {fix}")
     if tokens is not None and data in ("shards", "chat shards") and "pos" in loader:
         _check_cursor_in_data(loader, f, data, tokens, fix)
     return loader
 
 
 def _check_cursor_in_data(loader: dict, f: Path, data: str, tokens: int, fix: str) -> None:
-    """A packed loader has read start + pos x B x world_size sequences of T+1 tokens of one epoch's order, never
+    """A packed loader has read start + pos x B x world_size sequences of T+1
+    tokens of one epoch's order, never
     more than the split holds (tokens // T: fewer still, as no sequence spans two shards); a chat loader's pos
     counts conversation pieces of at least one token each."""
     if data == "chat shards":
         if loader["pos"] > tokens:
-            raise CheckpointError(f"{f}: loader.pos = {loader['pos']!r} is beyond the data: it counts conversation "
-                                  f"pieces read this epoch, and the training split holds {tokens:,} tokens; {fix}")
+            raise CheckpointError(f"{f}: loader.pos = {loader['pos']!r} is beyond the data: it counts "
+                                  "conversation pieces read this epoch, and the training "
+                                  f"split holds {tokens:,} tokens; {fix}")
         return
     most = tokens // loader["T"]
     start = loader.get("start", 0)
     if start > most:
         raise CheckpointError(f"{f}: loader.start = {start!r} is beyond the data: the training split holds "
-                              f"{tokens:,} tokens, at most {most:,} sequences of T+1 = {loader['T'] + 1}; {fix}")
+                              f"{tokens:,} tokens, at most {most:,} "
+                              f"sequences of T+1 = {loader['T'] + 1}; {fix}")
     read = start + loader["pos"] * loader["B"] * loader["world_size"]
     if read > most:
-        raise CheckpointError(f"{f}: loader.pos = {loader['pos']!r} is beyond the data: start {start} + pos x B "
-                              f"{loader['B']} x world_size {loader['world_size']} = {read:,} sequences read this "
-                              f"epoch, but the training split holds {tokens:,} tokens, at most {most:,} sequences "
-                              f"of T+1 = {loader['T'] + 1}; {fix}")
+        raise CheckpointError(f"{f}: loader.pos = {loader['pos']!r} is beyond the data: start {start} + pos "
+                              f"x B {loader['B']} x world_size {loader['world_size']} "
+                              f"= {read:,} sequences read this "
+                              f"epoch, but the training split holds {tokens:,} tokens, at most {most:,} "
+                              f"sequences of T+1 = {loader['T'] + 1}; {fix}")
 
 
 class _Unread(dict):
@@ -245,7 +257,8 @@ def loader_state(ckpt: Path) -> tuple[object, Path] | None:
             try:  # NumPy scalars as they were saved; a tensor (a rollout's) as None, as it is not read here
                 st = {"loader": decode_state(st["loader"], _Unread())}
             except (ValueError, TypeError, AttributeError, RecursionError) as e:
-                raise CheckpointError(f"{f}: the loader is unreadable ({type(e).__name__}: {e}); {DAMAGED}") from e
+                raise CheckpointError(f"{f}: the loader is unreadable "
+                                      f"({type(e).__name__}: {e}); {DAMAGED}") from e
     else:
         st, f = load_train_state(ckpt), ckpt / LEGACY_STATE
     if not isinstance(st, dict):
@@ -267,14 +280,14 @@ def load_train_state(ckpt: Path) -> dict:
             st = decode_state(skeleton, st_load_file(str(ckpt / STATE_TENSORS), device="cpu"))
         except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError,
                 SafetensorError) as e:
-            raise CheckpointError(f"the training state in {ckpt} is unreadable ({type(e).__name__}: {e}); the "
-                                  f"checkpoint is damaged: use another one") from e
+            raise CheckpointError(f"the training state in {ckpt} is unreadable ({type(e).__name__}: {e}); "
+                                  f"the checkpoint is damaged: use another one") from e
         return check_counters(st, ckpt / STATE_JSON, ckpt)
     if (ckpt / LEGACY_STATE).exists():
         check_regular(ckpt / LEGACY_STATE, CheckpointError, DAMAGED)
         return check_counters(_load_legacy_state(ckpt), ckpt / LEGACY_STATE, ckpt)
-    raise CheckpointError(f"{ckpt} holds no training state ({STATE_JSON}), so it cannot be resumed; start a new "
-                          f"run from its weights with --init-from {ckpt}")
+    raise CheckpointError(f"{ckpt} holds no training state ({STATE_JSON}), so it cannot be resumed; start a "
+                          f"new run from its weights with --init-from {ckpt}")
 
 
 def _numpy_safe_globals() -> list:
@@ -297,8 +310,8 @@ def _load_legacy_state(ckpt: Path) -> dict:
             st = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 (a damaged file fails in many ways)
         if not (isinstance(e, pickle.UnpicklingError) and "Weights only load failed" in str(e)):
-            raise CheckpointError(f"{f} is unreadable ({type(e).__name__}: {str(e)[:300]}); the checkpoint is "
-                                  f"damaged: use another one") from e
+            raise CheckpointError(f"{f} is unreadable ({type(e).__name__}: {str(e)[:300]}); the checkpoint "
+                                  f"is damaged: use another one") from e
         names = {f"{g.__module__}.{g.__qualname__}" for g in allowed}
         try:
             others = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(f)) - names)
@@ -306,8 +319,9 @@ def _load_legacy_state(ckpt: Path) -> dict:
             others = []
         holds = f" (it names {', '.join(others[:8])})" if others else ""
         raise CheckpointError(
-            f"{f}, written by an older codeforge, holds more than tensors and plain values{holds}: loading it "
-            f"would run code from the file, so it was not loaded. If you trust this run, start a new one from "
+            f"{f}, written by an older codeforge, holds more than tensors and plain values{holds}: loading "
+            "it would run code from the file, so it was not "
+            "loaded. If you trust this run, start a new one from "
             f"its weights, which load safely: codeforge train --init-from {ckpt} --out NEW_RUN ...") from e
     if not isinstance(st, dict) or "step" not in st:
         raise CheckpointError(f"{f} is not a codeforge training state")

@@ -19,8 +19,8 @@ from safetensors import SafetensorError, safe_open
 from .. import rundir
 from .. import CodeforgeError
 from .guard import (CONFIG_BYTES, MANIFEST_BYTES, POINTER_BYTES, STATE_BYTES, check_files, check_memory,
-                    check_regular, declared_shapes, dims, header_bytes, model_config_from, not_regular, read_json,
-                    read_regular, safetensors_header, weights_problem)
+                    check_regular, declared_shapes, dims, header_bytes, model_config_from, not_regular,
+                    read_json, read_regular, safetensors_header, weights_problem)
 
 
 STEP_PREFIX = "step_"
@@ -127,10 +127,12 @@ def write_manifest(d: Path, step: int, known: dict | None = None) -> None:
     files = {**file_entries(d, (f for f in sorted(d.rglob("*"))
                                  if f.is_file() and f.relative_to(d).as_posix() not in known)), **known}
     files = dict(sorted(files.items()))
-    (d / MANIFEST).write_text(json.dumps({"format": MANIFEST_FORMAT, "step": step, "files": files}, indent=1) + "\n")
+    (d / MANIFEST).write_text(json.dumps({"format": MANIFEST_FORMAT, "step": step, "files": files}, indent=1)
+                              + "\n")
 
 
-_verified: dict[tuple, str | None] = {}  # (checkpoint, train_state, every file's (name, size, mtime)) -> result
+# (checkpoint, train_state, every file's (name, size, mtime)) -> result
+_verified: dict[tuple, str | None] = {}
 
 
 def verify_checkpoint(ck: str | Path, train_state: bool = True) -> str | None:
@@ -160,14 +162,16 @@ def _verify(ck: Path, train_state: bool) -> str | None:
         return _relative(str(e), ck).rstrip("; ")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return f"{MANIFEST} is unreadable ({type(e).__name__}: {e})"
-    weights = f"{SHARDED}/.metadata" if any(k.startswith(f"{SHARDED}/") for k in files) else "model.safetensors"
+    weights = f"{SHARDED}/.metadata" if any(k.startswith(f"{SHARDED}/")
+                                            for k in files) else "model.safetensors"
     needed = {weights, "config.json"} | ({STATE_TENSORS, STATE_JSON} if train_state else set())
     unlisted = sorted(needed - set(files))
     if unlisted:
         return f"{unlisted[0]} is not in {MANIFEST}"
     no_tokenizer = not (ck / "tokenizer").exists()  # removed as a whole: load_model says what to do
     for rel, (size, sha) in files.items():
-        if (not train_state and rel.startswith("train_state")) or (no_tokenizer and rel.startswith("tokenizer/")):
+        if (not train_state and rel.startswith("train_state")) or (no_tokenizer
+                                                                   and rel.startswith("tokenizer/")):
             continue
         if rel.startswith("/") or ".." in Path(rel).parts:
             return f"{MANIFEST} names a file outside the checkpoint ({rel})"
@@ -194,7 +198,8 @@ def _verify_legacy(ck: Path, train_state: bool) -> str | None:
         if not train_state:
             return None
         read_json(ck / "config.json", CONFIG_BYTES, CheckpointError, "")
-        new_state = (ck / STATE_JSON).exists()  # the new state without its manifest: by hand, or the manifest lost
+        # the new state without its manifest: by hand, or the manifest lost
+        new_state = (ck / STATE_JSON).exists()
         if new_state:
             read_json(ck / STATE_JSON, STATE_BYTES, CheckpointError, "")
             check_regular(ck / STATE_TENSORS, CheckpointError, "")
@@ -261,8 +266,8 @@ def find_checkpoint(path: str | Path, which: str = "latest", *, train_state: boo
         why = check(p, train_state)
         if why:
             run = f" ({p.parent.parent})" if p.parent.name == rundir.CHECKPOINTS else ""
-            raise CheckpointError(f"checkpoint {p} is damaged: {why}. Use another checkpoint, or pass the run "
-                                  f"directory{run} to take its newest intact one")
+            raise CheckpointError(f"checkpoint {p} is damaged: {why}. Use another checkpoint, or pass the "
+                                  f"run directory{run} to take its newest intact one")
         return p
     if not p.exists():
         raise CheckpointError(f"{p} does not exist: pass a run directory (from `codeforge train --out`) or a "
@@ -273,8 +278,8 @@ def find_checkpoint(path: str | Path, which: str = "latest", *, train_state: boo
     def check(c: Path, state: bool) -> str | None:  # noqa: F811 - the same check; a step linked elsewhere refused
         real = c.resolve()
         if inside not in real.parents:
-            return (f"it is a link to {real}, outside the run's {root} (codeforge never writes one); copy that "
-                    f"checkpoint into {root} if it belongs to this run")
+            return (f"it is a link to {real}, outside the run's {root} (codeforge never writes one); copy "
+                    f"that checkpoint into {root} if it belongs to this run")
         return checked(c, state)
     steps = step_dirs(root)
     if not steps and step_dirs(p):  # RUN/checkpoints itself was given
@@ -301,11 +306,12 @@ def find_checkpoint(path: str | Path, which: str = "latest", *, train_state: boo
             raise CheckpointError(f"{p} has no '{which}' checkpoint: {why}; use --checkpoint latest")
         why = check(target, train_state) if target.is_dir() else "it is missing"
         if why:
-            raise CheckpointError(f"the '{which}' checkpoint {target} is damaged: {why}. Use --checkpoint latest "
-                                  f"for the newest intact one, or pass another step directory")
+            raise CheckpointError(f"the '{which}' checkpoint {target} is damaged: {why}. Use --checkpoint "
+                                  f"latest for the newest intact one, or pass another step directory")
         return target
     target = pointer_target(root, "latest")  # None after a crash between save and pointer: the newest step
-    candidates = steps[::-1] if target is None else [target] + [s for s in steps[::-1] if step_of(s) < step_of(target)]
+    candidates = steps[::-1] if target is None else [target] + [s for s in steps[::-1]
+                                                                if step_of(s) < step_of(target)]
     bad: list[tuple[Path, str]] = []
     for c in candidates:
         why = check(c, train_state) if c.is_dir() else "it is missing"
@@ -316,8 +322,8 @@ def find_checkpoint(path: str | Path, which: str = "latest", *, train_state: boo
             return c
         bad.append((c, why))
     listing = "; ".join(f"{b.name}: {w}" for b, w in bad)
-    raise CheckpointError(f"no intact checkpoint in {root} ({listing}). Start again with another --out (or remove "
-                          f"{root} to train from scratch here)")
+    raise CheckpointError(f"no intact checkpoint in {root} ({listing}). Start again with another --out (or "
+                          f"remove {root} to train from scratch here)")
 
 
 def _relative(msg: str, ck: Path) -> str:
@@ -335,8 +341,8 @@ def read_config(ckpt: Path) -> dict:
     if "model" not in cfg:
         raise CheckpointError(f"{f} has no model section; {DAMAGED}")
     if not isinstance(cfg["model"], dict):
-        raise CheckpointError(f"{f}: model is a {type(cfg['model']).__name__}, not an object of model settings; "
-                              f"{DAMAGED}")
+        raise CheckpointError(f"{f}: model is a {type(cfg['model']).__name__}, not an object of model "
+                              f"settings; {DAMAGED}")
     return cfg
 
 
@@ -344,7 +350,8 @@ def shape_diff(saved: dict, current: dict) -> dict:
     """Model fields whose difference makes saved weights unusable: {field: (saved, current)}. Dropout rates
     may change between stages, so they are not compared."""
     saved = {"arch": "gpt", **saved}
-    return {k: (v, current.get(k)) for k, v in saved.items() if not k.endswith("dropout") and current.get(k) != v}
+    return {k: (v, current.get(k)) for k, v in saved.items() if not k.endswith("dropout")
+            and current.get(k) != v}
 
 
 def vet_checkpoint(ck: Path):
@@ -366,11 +373,13 @@ def vet_checkpoint(ck: Path):
                                   f"{problem}; {DAMAGED}")
         stored = header_bytes(header)
     check_memory(4 * params + stored, f"{ck / 'config.json'} declares a model of {params:,} parameters "
-                                      f"({dims(m)}): building it in float32 and reading its weights", CheckpointError)
+                                      f"({dims(m)}): building it in float32 and reading its weights",
+                                      CheckpointError)
     return m
 
 
-def check_compatible(ck: Path, model_cfg: dict, tokenizer_hash: str, what: str, data: str = "the data") -> None:
+def check_compatible(ck: Path, model_cfg: dict, tokenizer_hash: str, what: str,
+                     data: str = "the data") -> None:
     """Refuse a checkpoint whose weights do not fit `model_cfg` or whose tokenizer is not `tokenizer_hash`,
     or that does not pass vet_checkpoint (--resume calls this before its model is built; --init-from's
     checkpoint was vetted when the configuration was resolved, config.resolve)."""
@@ -378,8 +387,8 @@ def check_compatible(ck: Path, model_cfg: dict, tokenizer_hash: str, what: str, 
     saved = read_config(ck)
     diff = shape_diff(saved["model"], model_cfg)
     if diff:
-        raise CheckpointError(f"{what} {ck}: model shape differs (field: (checkpoint, this run)) {diff}; use the "
-                              f"same model settings as the run you continue from")
+        raise CheckpointError(f"{what} {ck}: model shape differs (field: (checkpoint, this run)) {diff}; use "
+                              f"the same model settings as the run you continue from")
     if saved.get("tokenizer_hash") != tokenizer_hash:
         raise CheckpointError(f"{what} {ck}: it was trained with tokenizer {saved.get('tokenizer_hash')} but "
                               f"{data} uses {tokenizer_hash}; prepare the data with that tokenizer")

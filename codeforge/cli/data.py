@@ -28,10 +28,11 @@ def cmd_tokenizer_train(a: argparse.Namespace) -> int:
             if budget and seen >= budget:
                 return
 
-    tok, meta = train_tokenizer(texts(), a.vocab_size, a.out, show_progress=sys.stderr.isatty(), overwrite=a.overwrite,
-                                split=a.split)
+    tok, meta = train_tokenizer(texts(), a.vocab_size, a.out, show_progress=sys.stderr.isatty(),
+                                overwrite=a.overwrite, split=a.split)
     print(f"trained tokenizer: vocab {meta['vocab_size']} on {meta['train_documents']} documents "
-          f"({meta['train_bytes'] / 1e6:.1f} MB) in {meta['train_seconds']:.1f}s -> {a.out} (hash {meta['hash']})")
+          f"({meta['train_bytes'] / 1e6:.1f} MB) in "
+          f"{meta['train_seconds']:.1f}s -> {a.out} (hash {meta['hash']})")
     if stats.skipped:
         from ..corpus import describe_skipped
         print(f"skipped: {describe_skipped(stats.skipped)}")
@@ -60,14 +61,17 @@ def cmd_prepare(a: argparse.Namespace) -> int:
     # benchmarks and secrets are taken out of code documents; chat JSONL (--chat) is read as conversations,
     # which these steps do not see yet, so its options do not claim them
     opts = corpus_opts(a, dedup=a.dedup, val_fraction=a.val_fraction,
-                       decontaminate=[] if a.no_decontaminate or a.chat else list(dict.fromkeys(a.decontaminate)),
-                       redact_secrets=not a.keep_secrets and not a.chat, redact_pii=a.redact_pii and not a.chat)
+                       decontaminate=[] if a.no_decontaminate or a.chat
+                       else list(dict.fromkeys(a.decontaminate)),
+                       redact_secrets=not a.keep_secrets and not a.chat,
+                       redact_pii=a.redact_pii and not a.chat)
     if a.keep_secrets and not a.chat:
-        print("WARNING: --keep-secrets: keys, tokens and passwords in these files go into the training data as "
+        print("WARNING: --keep-secrets: keys, tokens and passwords "
+              "in these files go into the training data as "
               "they are; a model trained on it can complete them for anyone who prompts it", file=sys.stderr)
     if a.no_decontaminate:
-        print("warning: --no-decontaminate: documents that overlap HumanEval or other benchmarks stay in the data, "
-              "so scores on those benchmarks may count what the model read", file=sys.stderr)
+        print("warning: --no-decontaminate: documents that overlap HumanEval or other benchmarks stay in the "
+              "data, so scores on those benchmarks may count what the model read", file=sys.stderr)
     slurm = {"partition": a.slurm_partition, "time": a.slurm_time, "cpus_per_task": a.slurm_cpus,
              "mem_per_cpu_gb": a.slurm_mem_gb, "env_command": a.slurm_env}
     meta = prepare(a.input, a.tokenizer, a.out, opts, overwrite=a.overwrite, shard_tokens=a.shard_tokens,
@@ -121,13 +125,13 @@ def cmd_make_sft(a: argparse.Namespace) -> int:
 def cmd_make_pairs(a: argparse.Namespace) -> int:
     from ..mining.pairs import write_pairs, write_task_pairs
     if bool(a.input) == bool(a.tasks):
-        raise CodeforgeError("make-pairs takes code (--input PATH ...) or tasks with solutions (--tasks TASKS), "
-                             "one of the two")
+        raise CodeforgeError("make-pairs takes code (--input PATH ...) or tasks with solutions (--tasks "
+                             "TASKS), one of the two")
     if a.tasks:
         st = write_task_pairs(a.tasks, a.out, overwrite=a.overwrite, seed=a.seed, per_task=a.per_function,
                               max_pairs=a.max_pairs, heldout_fraction=a.heldout_fraction)
-        print(f"{st['pairs']} pairs (train {st['train']}, held out {st['heldout']}) from {sum(st['tasks'].values())} "
-              f"tasks; every rejected side fails the task's tests -> {a.out}")
+        print(f"{st['pairs']} pairs (train {st['train']}, held out {st['heldout']}) from "
+              f"{sum(st['tasks'].values())} tasks; every rejected side fails the task's tests -> {a.out}")
         print(f"  kinds: {st['kinds']}; dropped: {st['dropped'] or 'none'}")
     else:
         st = write_pairs(a.input, a.out, overwrite=a.overwrite, languages=a.languages, max_pairs=a.max_pairs,
@@ -156,8 +160,8 @@ def cmd_make_tasks(a: argparse.Namespace) -> int:
 def cmd_make_tools(a: argparse.Namespace) -> int:
     from ..tasks.tool_calls import TOOLS_FILE, write_tool_data
     meta = write_tool_data(a.out, a.count, a.heldout, seed=a.seed, overwrite=a.overwrite)
-    print(f"wrote {a.count} training and {a.heldout} held-out tool-calling conversations -> {a.out} (the tools' "
-          f"schemas in {Path(a.out) / TOOLS_FILE}, for `codeforge chat --tools`)")
+    print(f"wrote {a.count} training and {a.heldout} held-out tool-calling conversations -> {a.out} (the "
+          f"tools' schemas in {Path(a.out) / TOOLS_FILE}, for `codeforge chat --tools`)")
     if meta.get("kinds"):
         print(f"  kinds: {meta['kinds']}")
     return 0
@@ -177,13 +181,16 @@ def add_parsers(sub) -> None:
     corpus_args(t)
     t.add_argument("--vocab-size", type=int, default=32000,
                    help="tokens in the vocabulary, special tokens included (default 32000)")
-    t.add_argument("--out", required=True, help="directory to write the tokenizer to (tokenizer.json and its settings)")
-    t.add_argument("--max-train-bytes", type=float, default=None, help="stop reading after this many characters")
+    t.add_argument("--out", required=True,
+                   help="directory to write the tokenizer to (tokenizer.json and its settings)")
+    t.add_argument("--max-train-bytes", type=float, default=None,
+                   help="stop reading after this many characters")
     t.add_argument("--overwrite", action="store_true", help="replace what --out already holds")
     t.add_argument("--split", choices=["llama3", "code"], default="llama3",
-                   help="pre-tokenizer rule: llama3 (default: what llama.cpp implements, so the model exports to "
-                        "GGUF) or code (identifiers with _ and digits whole, indentation after punctuation: 8-12%% "
-                        "fewer tokens on code, but no GGUF export)")
+                   help="pre-tokenizer rule: llama3 (default: what "
+                        "llama.cpp implements, so the model exports to "
+                        "GGUF) or code (identifiers with _ and digits whole, indentation after punctuation: "
+                        "8-12%% fewer tokens on code, but no GGUF export)")
     t.set_defaults(func=cmd_tokenizer_train)
     e = tks.add_parser("eval", help="bytes per token and round-trip check on a corpus")
     corpus_args(e)
@@ -197,22 +204,25 @@ def add_parsers(sub) -> None:
     pr.add_argument("--out", required=True,
                     help="directory to write the token shards, the tokenizer copy and meta.json to")
     pr.add_argument("--decontaminate", nargs="+", default=["humaneval"], metavar="SRC",
-                    help="drop every document that shares a 13-token run with a benchmark: humaneval (the default), "
-                         "a JSONL file of benchmark records (every string field), or a directory of held-out files "
-                         "(those `eval --repo` will score); counted in the report")
+                    help="drop every document that shares a 13-token "
+                         "run with a benchmark: humaneval (the default), "
+                         "a JSONL file of benchmark records (every string field), or a directory of held-out "
+                         "files (those `eval --repo` will score); counted in the report")
     pr.add_argument("--no-decontaminate", action="store_true",
                     help="keep documents that overlap benchmarks (their later scores may then be inflated)")
     pr.add_argument("--keep-secrets", action="store_true",
-                    help="keep API keys, tokens, private keys and passwords found in the code (by default each is "
-                         "replaced with a placeholder per kind, REDACTED_AWS_ACCESS_KEY, ..., and counted): a model "
-                         "learns them and completes them for anyone")
+                    help="keep API keys, tokens, private keys and "
+                         "passwords found in the code (by default each is "
+                         "replaced with a placeholder per kind, REDACTED_AWS_ACCESS_KEY, ..., and counted): "
+                         "a model learns them and completes them for anyone")
     pr.add_argument("--redact-pii", action="store_true",
                     help="also replace e-mail addresses and public IP addresses (REDACTED_EMAIL_ADDRESS, "
-                         "REDACTED_IP_ADDRESS; example domains and private, loopback and documentation ranges "
-                         "stay), counted with the secrets")
+                         "REDACTED_IP_ADDRESS; example domains and private, loopback and documentation "
+                         "ranges stay), counted with the secrets")
     pr.add_argument("--repo-fim", type=float, default=0.0, metavar="SHARE",
-                    help="also train repo-level fill-in-the-middle: this share of the training files (chosen by "
-                         "hash) gets a second document with up to 2 earlier files of its directory as context, in "
+                    help="also train repo-level fill-in-the-middle: this share of the training files (chosen "
+                         "by hash) gets a second document with up to 2 "
+                         "earlier files of its directory as context, in "
                          "the layout llama-server's /infill builds for editors (<|repo_name|>, <|file_sep|>; "
                          "default 0: off; the quickstart uses 0.25, the measured best)")
     pr.add_argument("--val-fraction", type=float, default=0.01,
@@ -222,29 +232,36 @@ def add_parsers(sub) -> None:
                     help="drop duplicate documents: exact (same text), near (MinHash, similar text) or none "
                          "(default exact)")
     pr.add_argument("--workers", type=int, default=0,
-                    help="processes working at once, one core each (default: this machine's cores, one per 8 MB "
-                         "of input at most; a single one then encodes on every core); the shards are the same "
-                         "for any number")
+                    help="processes working at once, one core each "
+                         "(default: this machine's cores, one per 8 MB "
+                         "of input at most; a single one then encodes on every core); the shards are the "
+                         "same for any number")
     pr.add_argument("--executor", choices=["local", "slurm"], default="local",
-                    help="local: a process pool here (default); slurm: one job array per stage, submitted with "
-                         "sbatch (needs --slurm-partition), the last job writes --out")
+                    help="local: a process pool here (default); slurm: one job array per stage, submitted "
+                         "with sbatch (needs --slurm-partition), the last job writes --out")
     pr.add_argument("--tasks", type=int, default=0,
-                    help="cut the corpus into this many tasks (default: about 32 MB of input each, 16 to 1000); "
-                         "the shards depend on it, so keep it when you rerun")
+                    help="cut the corpus into this many tasks (default: about 32 MB of input each, 16 to "
+                         "1000); the shards depend on it, so keep it when you rerun")
     pr.add_argument("--slurm-partition", default=None, help="--executor slurm: the partition the jobs run in")
-    pr.add_argument("--slurm-time", default="04:00:00", help="--executor slurm: time limit per job (default 04:00:00)")
+    pr.add_argument("--slurm-time", default="04:00:00",
+                    help="--executor slurm: time limit per job (default 04:00:00)")
     pr.add_argument("--slurm-cpus", type=int, default=1, help="--executor slurm: CPUs per task (default 1)")
-    pr.add_argument("--slurm-mem-gb", type=int, default=2, help="--executor slurm: memory per CPU in GB (default 2)")
+    pr.add_argument("--slurm-mem-gb", type=int, default=2,
+                    help="--executor slurm: memory per CPU in GB (default 2)")
     pr.add_argument("--slurm-env", default=None,
-                    help="--executor slurm: the shell command a job runs first (default: activate the virtual "
-                         "environment this command runs in, if any)")
-    pr.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard file (default 100,000,000)")
+                    help="--executor slurm: the shell command a job runs first (default: activate the "
+                         "virtual environment this command runs in, if any)")
+    pr.add_argument("--shard-tokens", type=int, default=100_000_000,
+                    help="tokens per shard file (default 100,000,000)")
     pr.add_argument("--overwrite", action="store_true", help="replace an existing, different dataset")
-    pr.add_argument("--chat", action="store_true", help="inputs are chat JSONL ({\"messages\": [...], \"tools\": "
-                    "[...]}); render with ChatML and write a loss mask (assistant turns only) for --stage sft/tools")
+    pr.add_argument("--chat", action="store_true",
+                    help="inputs are chat JSONL ({\"messages\": [...], \"tools\": "
+                    "[...]}); render with ChatML and write a loss "
+                    "mask (assistant turns only) for --stage sft/tools")
     pr.set_defaults(func=cmd_prepare)
 
-    ms = sub.add_parser("make-sft", help="mine chat instruction pairs (signature + doc -> the real function) from "
+    ms = sub.add_parser("make-sft",
+                        help="mine chat instruction pairs (signature + doc -> the real function) from "
                                          "Go/Python code")
     ms.add_argument("--input", nargs="+", required=True, metavar="PATH", help="directories or files of code")
     ms.add_argument("--out", required=True, help="directory: train.jsonl, heldout.jsonl, meta.json")
@@ -260,11 +277,13 @@ def add_parsers(sub) -> None:
     ms.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
     ms.set_defaults(func=cmd_make_sft)
 
-    mpp = sub.add_parser("make-pairs", help="preference pairs from Go/Python code: the real function (chosen) "
+    mpp = sub.add_parser("make-pairs",
+                         help="preference pairs from Go/Python code: the real function (chosen) "
                                             "against a broken variant (rejected), for --stage reward and dpo")
     mpp.add_argument("--input", nargs="+", default=None, metavar="PATH", help="directories or files of code")
     mpp.add_argument("--tasks", default=None, metavar="TASKS",
-                     help="instead of code: tasks with reference solutions (a `codeforge make-tasks` directory's "
+                     help="instead of code: tasks with reference "
+                          "solutions (a `codeforge make-tasks` directory's "
                           "train split, or JSONL); every rejected variant is run and must fail the tests")
     mpp.add_argument("--out", required=True, help="directory: train.jsonl, heldout.jsonl, meta.json")
     mpp.add_argument("--languages", nargs="+", default=None, choices=["go", "python"],
@@ -273,21 +292,25 @@ def add_parsers(sub) -> None:
     mpp.add_argument("--per-function", type=int, default=1, help="broken variants per function")
     mpp.add_argument("--heldout-fraction", type=float, default=0.05,
                      help="share of pairs held out for evaluation (default 0.05)")
-    mpp.add_argument("--seed", type=int, default=0, help="random seed: the same seed writes the same pairs (default 0)")
+    mpp.add_argument("--seed", type=int, default=0,
+                     help="random seed: the same seed writes the same pairs (default 0)")
     mpp.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
     mpp.set_defaults(func=cmd_make_pairs)
 
-    mk = sub.add_parser("make-tasks", help="small programming tasks with hidden tests (string, list, arithmetic, "
+    mk = sub.add_parser("make-tasks",
+                        help="small programming tasks with hidden tests (string, list, arithmetic, "
                                            "dict; 3 levels), for --stage ppo and grpo and `eval --tasks`")
     mk.add_argument("--out", required=True, help="directory: train.jsonl, heldout.jsonl, meta.json")
     mk.add_argument("--count", type=int, default=2000, help="tasks in all (about a fifth are held out)")
-    mk.add_argument("--seed", type=int, default=0, help="random seed: the same seed writes the same tasks (default 0)")
+    mk.add_argument("--seed", type=int, default=0,
+                    help="random seed: the same seed writes the same tasks (default 0)")
     mk.add_argument("--no-validate", action="store_true",
                     help="skip running every reference solution against its tests in the sandbox")
     mk.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
     mk.set_defaults(func=cmd_make_tasks)
 
-    mt = sub.add_parser("make-tools", help="synthetic tool-calling conversations (code tools: run tests, read "
+    mt = sub.add_parser("make-tools",
+                        help="synthetic tool-calling conversations (code tools: run tests, read "
                                            "files, search code, evaluate expressions)")
     mt.add_argument("--out", required=True, help="directory: train.jsonl, heldout.jsonl, meta.json")
     mt.add_argument("--count", type=int, default=2000, help="training conversations")
@@ -305,7 +328,8 @@ def add_parsers(sub) -> None:
 
 
 def add_plans_parser(sub) -> None:
-    mp = sub.add_parser("make-plans", help="mine (prompt, plan, body) records from Go/Python functions for the "
+    mp = sub.add_parser("make-plans",
+                        help="mine (prompt, plan, body) records from Go/Python functions for the "
                                            "hierarchical model: the plan is the body's statement skeleton")
     mp.add_argument("--input", nargs="+", required=True, metavar="PATH", help="directories or files of code")
     mp.add_argument("--out", required=True, help="directory: train.jsonl, val.jsonl, meta.json")
@@ -316,7 +340,8 @@ def add_plans_parser(sub) -> None:
                     help="share of functions kept for validation (default 0.05)")
     mp.add_argument("--max-chars", type=int, default=4000, help="skip longer functions")
     mp.add_argument("--max-plan-words", type=int, default=128, help="cut longer plans (ending them with ...)")
-    mp.add_argument("--exclude-tests", action="store_true", help="skip test files (_test.go, test_*.py, tests/)")
+    mp.add_argument("--exclude-tests", action="store_true",
+                    help="skip test files (_test.go, test_*.py, tests/)")
     mp.add_argument("--seed", type=int, default=0, help="0: the split make-sft uses; another value salts it")
     mp.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
 
@@ -325,7 +350,8 @@ def add_plans_parser(sub) -> None:
 
 def cmd_make_plans(a: argparse.Namespace) -> int:
     from ..mining.plans import write_plans
-    st = write_plans(a.input, a.out, overwrite=a.overwrite, languages=a.languages, max_examples=a.max_examples,
+    st = write_plans(a.input, a.out, overwrite=a.overwrite, languages=a.languages,
+                     max_examples=a.max_examples,
                      val_fraction=a.val_fraction, max_chars=a.max_chars, max_plan_words=a.max_plan_words,
                      exclude_tests=a.exclude_tests, seed=a.seed)
     print(f"mined {st['examples']} plan records from {st['functions']} functions in {st['files']} files "

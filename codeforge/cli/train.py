@@ -16,21 +16,24 @@ CONFIG_COMMANDS = ("train", "plan")  # the commands whose flags are generated fr
 def add_parsers(sub, config_flags: bool = True) -> None:
 
     t = sub.add_parser("train", help="train a model on prepared shards (any stage)",
-                       usage="codeforge train --data DIR --out RUN [--stage S] [--preset NAME ...] [--resume] "
-                             "[options]",
-                       description="Every config field is a flag (generated from its declaration in config.py "
-                                   "and models/gpt.py); precedence, later wins: defaults < --stage defaults < "
-                                   "--preset < --config < --set < flags.")
+                       usage="codeforge train --data DIR --out RUN [--stage S] [--preset NAME ...] "
+                             "[--resume] [options]",
+                       description="Every config field is a flag (generated "
+                                   "from its declaration in config.py "
+                                   "and models/gpt.py); precedence, later wins: defaults < --stage defaults "
+                                   "< --preset < --config < --set < flags.")
     t.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
     if config_flags:
         _config_flags(t)
     t.set_defaults(func=cmd_train)
-    pl = sub.add_parser("plan", help="memory per rank (parameters, gradients, optimizer state, activations) under "
+    pl = sub.add_parser("plan",
+                        help="memory per rank (parameters, gradients, optimizer state, activations) under "
                                      "DDP and FSDP, before launching",
-                        usage="codeforge plan --preset NAME [--world-size N] [--gpu-memory GIB] [train options]",
+                        usage="codeforge plan --preset NAME [--world-size "
+                              "N] [--gpu-memory GIB] [train options]",
                         description="An estimate from the model's shapes and the training settings (the same "
-                                    "presets, --set and flags as `train`); benchmarks/fsdp_memory.py checks it "
-                                    "against measured peaks.")
+                                    "presets, --set and flags as `train`); benchmarks/fsdp_memory.py checks "
+                                    "it against measured peaks.")
     pl.add_argument("--world-size", type=int, default=1, metavar="N", help="ranks (all nodes together)")
     pl.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
                     help="memory of one device, to say what fits (default: this machine's GPU, if any)")
@@ -39,7 +42,8 @@ def add_parsers(sub, config_flags: bool = True) -> None:
     pl.set_defaults(func=cmd_plan)
     p = sub.add_parser("presets", help="list model presets (with parameter counts) and hardware profiles")
     p.add_argument("--write-catalog", action="store_true",
-                   help="(for developers) recompute codeforge/presets/catalog.json after changing models.toml")
+                   help="(for developers) recompute "
+                        "codeforge/presets/catalog.json after changing models.toml")
     p.set_defaults(func=cmd_presets)
     c = sub.add_parser("config", help="`config keys`: every settable key (--set KEY=VALUE, config files)")
     c.add_argument("what", choices=["keys"], help="keys: list every settable key")
@@ -56,8 +60,10 @@ def _config_flags(t) -> None:
                    help="model and/or hardware presets, applied in order (see `codeforge presets`)")
     t.add_argument("--config", help="TOML or YAML file with [model] and [train] tables")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="any config field, e.g. --set train.warmup_steps=50 (`codeforge config keys` lists them)")
-    t.add_argument("--dropout", type=float, default=None, help="sets embedding, attention and residual dropout")
+                   help="any config field, e.g. --set train.warmup_steps=50 "
+                        "(`codeforge config keys` lists them)")
+    t.add_argument("--dropout", type=float, default=None,
+                   help="sets embedding, attention and residual dropout")
     for section, cls in SECTIONS.items():
         g = t.add_argument_group(f"{section} settings")
         for f in fields(cls):
@@ -92,7 +98,8 @@ def _train_config(a: argparse.Namespace):
     from ..config import load_file, resolve
     flags = {k: v for k, v in vars(a).items() if k.startswith(("model.", "train.")) and v is not None}
     if a.dropout is not None:
-        flags.update({"model.embd_dropout": a.dropout, "model.attn_dropout": a.dropout, "model.resid_dropout": a.dropout})
+        flags.update({"model.embd_dropout": a.dropout, "model.attn_dropout": a.dropout,
+                      "model.resid_dropout": a.dropout})
     out = flags.get("train.out")
     if not out:
         raise CLIError("train needs --out RUN (the run directory), and --data DIR (from `codeforge prepare`) "
@@ -116,7 +123,8 @@ def _preset_advice(presets: list[str], cfg) -> None:
     if not presets or any(p in names["train"] for p in presets) or cfg.train.stage != "pretrain":
         return
     if choose_device(cfg.train.device)[0].type == "cpu":
-        print(f"note: --preset {' '.join(presets)} sets the model's shape only; on a CPU, the recipe the quickstart "
+        print(f"note: --preset {' '.join(presets)} sets the model's "
+              "shape only; on a CPU, the recipe the quickstart "
               f"trains with (optimizer, learning rate, batch) comes with a hardware profile too: --preset "
               f"{' '.join(presets)} lowend-cpu (`codeforge presets` lists them)", file=sys.stderr)
 
@@ -146,7 +154,8 @@ def cmd_plan(a: argparse.Namespace) -> int:
         torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None)
     from ..device import cpu_native_bf16
     from ..stages.local import resolve_auto
-    cfg = resolve_auto(cfg)  # --local-ranks 0 (the lowend-cpu profile's): the processes and batch this machine gets
+    # --local-ranks 0 (the lowend-cpu profile's): the processes and batch this machine gets
+    cfg = resolve_auto(cfg)
     t = cfg.train
     on_cpu = t.device == "cpu" or not gpu
     precision = t.precision if t.precision not in ("auto", "fastest") else (
@@ -193,46 +202,53 @@ def cmd_presets(a: argparse.Namespace) -> int:
     print(f"{'model preset':20s} {'params':>14s} {'layers':>6s} {'heads':>5s} {'kv':>3s} {'width':>6s} "
           f"{'ffn':>6s} {'ctx':>6s} {'vocab':>6s}  arch")
     for n, m in sorted(cat["presets"].items()):
-        print(f"{n:20s} {m['params']:14,d} {m['n_layer']:6d} {m['n_head']:5d} {m['n_kv_head']:3d} {m['n_embd']:6d} "
-              f"{m['ffn_hidden']:6d} {m['block_size']:6d} {m['vocab_size']:6d}  {m['kind']}")
-    print("hardware profiles: " + ", ".join(sorted(tomllib.loads(base.joinpath("hardware.toml").read_text()))))
+        print(f"{n:20s} {m['params']:14,d} {m['n_layer']:6d} {m['n_head']:5d} {m['n_kv_head']:3d} "
+              f"{m['n_embd']:6d} {m['ffn_hidden']:6d} {m['block_size']:6d} {m['vocab_size']:6d}  {m['kind']}")
+    print("hardware profiles: "
+          + ", ".join(sorted(tomllib.loads(base.joinpath("hardware.toml").read_text()))))
     return 0
 
 
 def add_quickstart_parser(sub) -> None:
     q = sub.add_parser("quickstart", help="the whole pipeline on your code (a directory) or a corpus this "
-                                          "machine has (Python's or Go's standard library): tokenizer, prepare, "
-                                          "train, eval, sample")
+                                          "machine has (Python's or Go's standard library): tokenizer, "
+                                          "prepare, train, eval, sample")
     q.add_argument("--out", default=None, help="default runs/quickstart (runs/quickstart-chat with --chat, "
-                   "-hrm with --hrm); another --corpus adds its name: runs/quickstart-go, runs/quickstart-NAME")
+                   "-hrm with --hrm); another --corpus adds its name: runs/quickstart-go, "
+                   "runs/quickstart-NAME")
     q.add_argument("--corpus", default="python-stdlib", help="python-stdlib (the default: Python's standard "
                    "library) | go (Go's, where installed) | PATH (your code: a directory or a file)")
     q.add_argument("--max-iters", type=int, default=None,
                    help="pretraining steps, a fixed count (default: as many of 560 as fit in --time-budget)")
     q.add_argument("--time-budget", type=float, default=None, metavar="MINUTES",
-                   help="minutes pretraining may take on this CPU; the step count follows the pace it measures "
-                        "(default 8; ignored with --max-iters)")
+                   help="minutes pretraining may take on this CPU; the step count follows the pace it "
+                        "measures (default 8; ignored with --max-iters)")
     q.add_argument("--val-fraction", type=float, default=None,
                    help="share of the corpus's files kept for validation (default: 0.02, or more for a small "
-                        "corpus, so validation holds at least ~20k tokens (at most a tenth of the code) in 3+ "
-                        "files; a run that has trained keeps the split it trained on)")
+                        "corpus, so validation holds at least ~20k tokens (at most a tenth of the code) in "
+                        "3+ files; a run that has trained keeps the split it trained on)")
     q.add_argument("--device", default="auto",
                    help="auto (a GPU if there is one, else the CPU), cpu, cuda, cuda:N or mps (default auto)")
     q.add_argument("--base", default="auto", metavar="CORPUS",
-                   help="a small repository of yours (one the run would pass over more than 4 times) first trains "
-                        "a base on a public corpus of its language, then goes on on your files: auto (the default: "
-                        "Python's or Go's standard library), none (your files alone), python-stdlib, go or a PATH")
+                   help="a small repository of yours (one the run would "
+                        "pass over more than 4 times) first trains "
+                        "a base on a public corpus of its language, then goes on on your files: auto (the "
+                        "default: Python's or Go's standard library), none "
+                        "(your files alone), python-stdlib, go or a PATH")
     q.add_argument("--from-hf", default=None, metavar="DIR",
-                   help="fine-tune an open code model you downloaded (a Hugging Face directory: Qwen2.5-Coder, "
-                        "Llama, GPT-2, ...) on your code with its own tokenizer, instead of training one from scratch")
+                   help="fine-tune an open code model you downloaded (a Hugging Face directory: "
+                        "Qwen2.5-Coder, Llama, GPT-2, ...) on your code with its own "
+                        "tokenizer, instead of training one from scratch")
     q.add_argument("--lora-rank", type=int, default=0, metavar="R",
-                   help="--from-hf: train LoRA adapters of rank R (e.g. 16), the model frozen (default 0: every weight)")
-    q.add_argument("--chat", action="store_true", help="then chat SFT on pairs mined from the corpus and tool "
+                   help="--from-hf: train LoRA adapters of rank R (e.g. "
+                        "16), the model frozen (default 0: every weight)")
+    q.add_argument("--chat", action="store_true",
+                   help="then chat SFT on pairs mined from the corpus and tool "
                    "calling (about 20 CPU minutes; default --out runs/quickstart-chat)")
     q.add_argument("--hrm", action="store_true",
                    help="the hierarchical planner/generator model instead (docs/hierarchical-model.md): mine "
-                        "plans from the corpus, train it, print its metrics (about 7 CPU minutes; default --out "
-                        "runs/quickstart-hrm)")
+                        "plans from the corpus, train it, print its metrics (about 7 CPU minutes; default "
+                        "--out runs/quickstart-hrm)")
     q.set_defaults(func=cmd_quickstart)
 
 
@@ -242,13 +258,13 @@ def cmd_quickstart(a: argparse.Namespace) -> int:
         if a.chat and a.hrm:
             raise CLIError("--chat and --hrm are two different quickstarts: pick one")
         if (a.chat or a.hrm) and (a.base != "auto" or a.from_hf or a.lora_rank):
-            raise CLIError("--base, --from-hf and --lora-rank are for the plain quickstart on your code, not --chat "
-                           "or --hrm")
+            raise CLIError("--base, --from-hf and --lora-rank are for the plain quickstart on your code, not "
+                           "--chat or --hrm")
         if a.lora_rank and not a.from_hf:
-            raise CLIError("--lora-rank adapts an open model: give --from-hf DIR (a model trained from scratch "
-                           "trains every weight)")
-        r = run_quickstart(a.out or default_out(a.corpus, a.chat, a.hrm), a.corpus, a.max_iters, a.device, chat=a.chat, hrm=a.hrm,
-                           val_fraction=a.val_fraction, time_budget=a.time_budget,
+            raise CLIError("--lora-rank adapts an open model: give --from-hf DIR (a model trained from "
+                           "scratch trains every weight)")
+        r = run_quickstart(a.out or default_out(a.corpus, a.chat, a.hrm), a.corpus, a.max_iters, a.device,
+                           chat=a.chat, hrm=a.hrm, val_fraction=a.val_fraction, time_budget=a.time_budget,
                            base_dir=default_out(a.corpus) if a.chat else None, base=a.base, from_hf=a.from_hf,
                            lora_rank=a.lora_rank)
     except FileNotFoundError as e:

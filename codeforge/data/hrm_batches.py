@@ -66,7 +66,8 @@ class PlanData:
                     continue
                 try:
                     r = json.loads(line)
-                    ok = (isinstance(r, dict) and isinstance(r.get("prompt"), str) and isinstance(r.get("body"), str)
+                    ok = (isinstance(r, dict) and isinstance(r.get("prompt"), str)
+                          and isinstance(r.get("body"), str)
                           and isinstance(r.get("plan"), list) and r.get("language") in ("go", "python"))
                 except ValueError:
                     ok = False
@@ -139,18 +140,21 @@ class HRMBatches:
             raise ValueError(f"plan_len {plan_len} / code_len {code_len} too small")
         self.data, self.tok, self.B = data, tok, batch_size
         self.plan_len, self.code_len = plan_len, code_len
-        self.seed, self.shuffle, self.accum, self.rank, self.world_size = seed, shuffle, grad_accum_steps, rank, world_size
+        self.seed, self.shuffle, self.accum = seed, shuffle, grad_accum_steps
+        self.rank, self.world_size = rank, world_size
         self.device = torch.device(device)
         self.labels = labels or LabelCache()
         self.per_epoch = len(data) // world_size // batch_size
         if self.per_epoch == 0:
-            raise ValueError(f"{data.path} has {len(data)} usable records: too few for one batch of {batch_size} "
+            raise ValueError(f"{data.path} has {len(data)} usable records: "
+                             f"too few for one batch of {batch_size} "
                              f"per rank over {world_size} rank(s); lower --batch-size or mine more functions")
         self.epoch, self.pos, self.drawn = 0, 0, 0
         self._order: np.ndarray | None = None
         self.truncated: Counter = Counter()
         rows = [self._fixed_rows(i) for i in range(len(data))]  # counts truncation once per record
-        self.mean_tokens = float(np.mean([len(p) + len(c) for p, c in rows]))  # planner + generator row tokens
+        # planner + generator row tokens
+        self.mean_tokens = float(np.mean([len(p) + len(c) for p, c in rows]))
 
     def _fixed_rows(self, i: int, count: bool = True) -> tuple[list[int], list[int]]:
         P, S, Y = self.data.prompt_ids[i], self.data.plan_ids[i], self.data.body_ids[i]
@@ -186,7 +190,8 @@ class HRMBatches:
         d = draft[:self.code_len - 2]
         sep = 1 + len(d)
         ref_row = [DRAFT_ID] + d + [REFINE_ID] + code_row[1:]
-        return {"plan": plan_row, "n_prompt": n_p, "code": code_row, "ref": ref_row, "sep": sep, "label": label}
+        return {"plan": plan_row, "n_prompt": n_p, "code": code_row, "ref": ref_row, "sep": sep,
+                "label": label}
 
     def collate(self, exs: list[dict], step: int) -> dict:
         B = len(exs)
@@ -210,7 +215,8 @@ class HRMBatches:
             ref_idx[b, :len(r)] = r
             ref_tgt[b, sep:len(r) - 1] = r[sep + 1:]
         batch = {"plan_idx": plan_idx, "plan_tgt": plan_tgt, "plan_s_mask": s_mask,
-                 "plan_lens": torch.tensor([len(e["plan"]) for e in exs]), "code_idx": code_idx, "code_tgt": code_tgt,
+                 "plan_lens": torch.tensor([len(e["plan"]) for e in exs]), "code_idx": code_idx,
+                 "code_tgt": code_tgt,
                  "ref_idx": ref_idx, "ref_tgt": ref_tgt, "sep_pos": torch.tensor([e["sep"] for e in exs]),
                  "label": torch.tensor([e["label"] for e in exs])}
         batch = {k: v.to(self.device) for k, v in batch.items()}

@@ -67,7 +67,8 @@ class BatchLoader:
         window = self.shards.arrays[s][off:off + self.T + 1]
         if self.fim_rate > 0:
             rng = np.random.default_rng([self.seed, self.epoch, cid, 0x46494D])
-            window = permute_window(np.asarray(window), self._eot, self._fim, self.fim_rate, self.fim_spm_rate, rng)
+            window = permute_window(np.asarray(window), self._eot, self._fim, self.fim_rate,
+                                    self.fim_spm_rate, rng)
         return window
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,9 +169,10 @@ class ChatBatchLoader:
         if self.per_epoch == 0:
             raise ValueError(
                 f"{shards.dir} split {shards.split!r} has {len(self.pieces)} usable conversation pieces "
-                f"({self.dropped} dropped with a turn longer than {block_size + 1} tokens): too few for one batch "
-                f"of {batch_size} rows per rank over {world_size} rank(s); lower --batch-size, raise the model's "
-                f"context, or add data")
+                f"({self.dropped} dropped with a turn longer than "
+                f"{block_size + 1} tokens): too few for one batch "
+                f"of {batch_size} rows per rank over {world_size} rank(s); lower --batch-size, raise the "
+                f"model's context, or add data")
 
     def _epoch_order(self) -> np.ndarray:
         if self._order is None:
@@ -237,7 +239,8 @@ def batch_source(shards: ShardSet, batch_size: int, block_size: int, special_ids
     """The loader the data calls for: conversation rows with masked targets for chat shards, packed chunks
     otherwise. Both yield (x, y) and save/restore their cursor."""
     if shards.chat:
-        return ChatBatchLoader(shards, batch_size, block_size, special_ids["<|im_start|>"], special_ids["<pad>"],
+        return ChatBatchLoader(shards, batch_size, block_size, special_ids["<|im_start|>"],
+                               special_ids["<pad>"],
                                seed=seed, shuffle=shuffle, rank=rank, world_size=world_size, device=device)
     return BatchLoader(shards, batch_size, block_size, seed=seed, shuffle=shuffle, rank=rank,
                        world_size=world_size, device=device, fim_rate=fim_rate, fim_spm_rate=fim_spm_rate,

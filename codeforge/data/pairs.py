@@ -24,7 +24,9 @@ from ..tokenizer import CodeTokenizer
 def encode_side(tok: CodeTokenizer, row: dict, side: str) -> tuple[list[int], list[int]]:
     """(ids, targets) of prompt + one response; targets = ids on response tokens, -1 elsewhere."""
     if row["chat"]:
-        prompt = row["prompt"] if isinstance(row["prompt"], list) else [{"role": "user", "content": row["prompt"]}]
+        prompt = (
+            row["prompt"] if isinstance(row["prompt"], list) else [{"role": "user", "content": row["prompt"]}]
+        )
         ids, mask = encode_conversation(tok, prompt + [{"role": "assistant", "content": row[side]}])
     else:
         p, r = tok.encode(row["prompt"]), tok.encode(row[side]) + [tok.eot_id]
@@ -77,8 +79,8 @@ class PairBatches:
     def __init__(self, data: PairData, batch_size: int, pad_id: int, seed: int, device: torch.device,
                  rank: int = 0, world: int = 1):
         if len(data) < batch_size * world:
-            raise ConfigError(f"{len(data)} usable pair(s) for a batch of {batch_size} x {world} rank(s); lower "
-                              f"--batch-size or bring more pairs")
+            raise ConfigError(f"{len(data)} usable pair(s) for a batch of {batch_size} x {world} rank(s); "
+                              f"lower --batch-size or bring more pairs")
         self.data, self.bs, self.pad_id, self.seed, self.device = data, batch_size, pad_id, seed, device
         self.rank, self.world = rank, world
         self.per_epoch = len(data) // (batch_size * world)
@@ -108,7 +110,8 @@ class PairBatches:
 
     def load_state_dict(self, s: dict) -> None:
         if s.get("pairs") != len(self.data):
-            raise ValueError(f"the checkpoint counted {s.get('pairs')} pairs, the data now holds {len(self.data)}")
+            raise ValueError(f"the checkpoint counted {s.get('pairs')} "
+                             f"pairs, the data now holds {len(self.data)}")
         self.epoch, self.cursor = s["epoch"], s["cursor"]
 
 

@@ -75,8 +75,8 @@ from datatrove.utils.word_tokenizers import WordTokenizer  # noqa: E402
 
 from .. import CodeforgeError  # noqa: E402
 from ..atomic import publish  # noqa: E402
-from ..corpus import (CorpusOptions, CorpusStats, Document, check_sources, content_hash, read_unit, reject_reason,  # noqa: E402
-                      scrub, source_units, split_of)
+from ..corpus import (CorpusOptions, CorpusStats, Document, check_sources, content_hash, read_unit,  # noqa: E402
+                      reject_reason, scrub, source_units, split_of)
 from ..decontam import benchmarks  # noqa: E402
 from ..tokenizer import CodeTokenizer  # noqa: E402
 from .writer import BATCH_BYTES, SPLITS, RepoDocs, ShardError, SplitWriter, dtype_for, finish_meta  # noqa: E402
@@ -102,7 +102,8 @@ def task_count(units: int, total_bytes: int) -> int:
 
 def make_plan(sources: list[str], opts: CorpusOptions, work: Path, tasks: int | None = None) -> int:
     """Walk the sources once (nothing is read) into work/plan, cut into contiguous runs of about equal bytes,
-    one per task, none empty; the number of tasks. Reused as it is when a previous run of the same command wrote it."""
+    one per task, none empty; the number of tasks. Reused as it is when a previous run
+    of the same command wrote it."""
     plan = work / "plan"
     if (plan / "plan.json").exists():
         return json.loads((plan / "plan.json").read_text())["tasks"]
@@ -124,12 +125,13 @@ def make_plan(sources: list[str], opts: CorpusOptions, work: Path, tasks: int | 
             for i, line in enumerate(f):
                 path, _, size = json.loads(line)
                 here = os.path.dirname(path)
-                # by bytes before this unit; a directory stays in one task unless that task is already twice its
-                # share (repo-level FIM takes context from the files before it in the same directory)
+                # by bytes before this unit; a directory stays in one task unless that task is already twice
+                # its share (repo-level FIM takes context from the files before it in the same directory)
                 r = min(t - 1, done * t // max(total, 1), i)
                 if r > cur and here == last_dir and cur_bytes < 2 * total / t:
                     r = cur
-                r = max(min(r, cur + 1), t - (n - i))  # one task at a time, and never fewer units left than tasks left
+                # one task at a time, and never fewer units left than tasks left
+                r = max(min(r, cur + 1), t - (n - i))
                 if r != cur:
                     cur, cur_bytes = r, 0
                 outs[r].write(line)
@@ -223,7 +225,8 @@ class ReadUnits(_Step):
         for path, tree in _units(self.work, rank):
             for doc in read_unit(path, tree, self.opts, stats):
                 stats.step("read", doc.nbytes, True)
-                yield EngineDocument(text=doc.text, id=f"{rank}/{n}", metadata={"source": _printable(doc.source),
+                yield EngineDocument(text=doc.text, id=f"{rank}/{n}",
+                                     metadata={"source": _printable(doc.source),
                                                                                "nbytes": doc.nbytes})
                 n += 1
 
@@ -309,7 +312,7 @@ class ExactSignature(ExactDedupSignature):
         self.save_hashes(rank, sigs)
 
 
-# -- near duplicates: the engine's MinHash stages on codeforge's shingles ---------------------------------------
+# -- near duplicates: the engine's MinHash stages on codeforge's shingles ------------------------------------
 
 class _Whitespace(WordTokenizer):
     """Words as whitespace separates them: code's punctuation and case stay (the engine's default is an
@@ -335,7 +338,8 @@ class CodeMinhashSignature(MinhashDedupSignature):
     def get_shingles(self, text: str) -> np.ndarray:
         words = text.split()
         grams = {" ".join(words[i:i + SHINGLE_WORDS]) for i in range(max(1, len(words) - SHINGLE_WORDS + 1))}
-        return np.fromiter((self._hash_func(g) for g in grams), dtype=np.uint64, count=len(grams)).reshape(-1, 1)
+        return np.fromiter((self._hash_func(g) for g in grams), dtype=np.uint64,
+                           count=len(grams)).reshape(-1, 1)
 
 
 def lsh_bands(threshold: float, num_perm: int = NUM_PERM) -> tuple[int, int]:
@@ -411,7 +415,8 @@ class EncodeShards(PipelineStep):
                  sources: list[str], threads: bool):
         super().__init__()
         self.work, self.tokenizer_dir, self.val_fraction = str(work), str(tokenizer_dir), val_fraction
-        self.shard_tokens, self.repo_fim, self.sources, self.threads = shard_tokens, repo_fim, sources, threads
+        self.shard_tokens, self.repo_fim = shard_tokens, repo_fim
+        self.sources, self.threads = sources, threads
 
     def run(self, data, rank: int = 0, world_size: int = 1):
         before = os.environ.get("TOKENIZERS_PARALLELISM")
@@ -458,7 +463,8 @@ class EncodeShards(PipelineStep):
         batch: list[Document] = []
         size = 0
         for d in data:
-            doc = Document(d.text, d.metadata["source"], d.metadata["nbytes"], bytes.fromhex(d.metadata["digest"]))
+            doc = Document(d.text, d.metadata["source"], d.metadata["nbytes"],
+                           bytes.fromhex(d.metadata["digest"]))
             kept["documents"] += 1
             kept["bytes"] += doc.nbytes
             batch.append(doc)
@@ -481,8 +487,8 @@ class MergeShards(PipelineStep):
     written, and out/ published as OUT. out/ is rebuilt from the start on a rerun."""
     type, name = "codeforge", "merge"
 
-    def __init__(self, work: str, out: str, tokenizer_dir: str, tasks: int, shard_tokens: int, sources: list[str],
-                 extra: dict):
+    def __init__(self, work: str, out: str, tokenizer_dir: str, tasks: int, shard_tokens: int,
+                 sources: list[str], extra: dict):
         super().__init__()
         self.work, self.out, self.tokenizer_dir, self.tasks = str(work), str(out), str(tokenizer_dir), tasks
         self.shard_tokens, self.sources, self.extra = shard_tokens, sources, extra
@@ -500,7 +506,8 @@ class MergeShards(PipelineStep):
         stats.documents = sum(x["documents"] for x in summaries)
         stats.bytes = sum(x["bytes"] for x in summaries)
         if stats.documents == 0:
-            raise ShardError(f"the corpus is empty after filtering (skipped: {dict(stats.skipped) or 'nothing found'});"
+            raise ShardError("the corpus is empty after filtering (skipped: "
+                             f"{dict(stats.skipped) or 'nothing found'});"
                              f" check --languages, --max-file-bytes and the inputs")
         plan = json.loads((work / "plan" / "plan.json").read_text())
         meta = finish_meta(CodeTokenizer.load(self.tokenizer_dir), dest, stats, splits, self.sources,
@@ -538,7 +545,8 @@ class MergeShards(PipelineStep):
                 f.close()
         np.save(dest / f"{split}_docs.npy", np.concatenate(starts).astype(np.int64))
         np.save(dest / f"{split}_digests.npy", np.concatenate(digests).astype(np.uint64))
-        return {"shards": shards, "tokens": tokens, "documents": int(sum(len(a) for a in starts)), "bytes": nbytes}
+        return {"shards": shards, "tokens": tokens, "documents": int(sum(len(a) for a in starts)),
+                "bytes": nbytes}
 
 
 def _dedup_steps(work: Path, tasks: int, stats: CorpusStats, mode: str) -> None:
@@ -546,7 +554,8 @@ def _dedup_steps(work: Path, tasks: int, stats: CorpusStats, mode: str) -> None:
     dedup filters; the report's rows put in the order a document meets the steps."""
     def total(name: str) -> tuple[int, int]:
         d = work / "tally" / name
-        vals = [json.loads((d / f"{r:05d}.json").read_text()) for r in range(tasks) if (d / f"{r:05d}.json").exists()]
+        vals = [json.loads((d / f"{r:05d}.json").read_text()) for r in range(tasks)
+                if (d / f"{r:05d}.json").exists()]
         return sum(v[0] for v in vals), sum(v[1] for v in vals)
 
     before, after = total("before dedup"), total("after dedup")
@@ -560,7 +569,8 @@ def _dedup_steps(work: Path, tasks: int, stats: CorpusStats, mode: str) -> None:
         if exact[0] - after[0]:
             stats.skipped["near_duplicate"] += exact[0] - after[0]
     order = ["read", "quality filters", "deduplication", "benchmarks out", "secrets replaced"]
-    stats.steps = {k: stats.steps[k] for k in sorted(stats.steps, key=lambda k: order.index(k) if k in order else 99)}
+    stats.steps = {k: stats.steps[k]
+                   for k in sorted(stats.steps, key=lambda k: order.index(k) if k in order else 99)}
 
 
 # -- executors -----------------------------------------------------------------------------------------------
@@ -577,7 +587,8 @@ class StageFailed(KeepWork):
     is kept, and the same command redoes only the unfinished tasks."""
 
 
-_PROGRESS_BAR = re.compile(r"\r|\d+/\d+ \[\d")  # tqdm's redrawn line: "\rname:  50%|#####     | 8/16 [00:01<..."
+# tqdm's redrawn line: "\rname:  50%|#####     | 8/16 [00:01<..."
+_PROGRESS_BAR = re.compile(r"\r|\d+/\d+ \[\d")
 
 
 class _WithoutEngineLog(io.TextIOBase):
@@ -660,9 +671,11 @@ def stages(sources: list[str], tokenizer_dir, work: Path, out: Path, opts: Corpu
         out_stages.append(("exact", [ExactFindDedups(f"{w}/exact", f"{w}/exact_dups", config=EXACT)], 1))
     if opts.dedup == "near":
         mh = minhash_config(opts.near_threshold)
-        near = [TaskDocs(w), ExactDedupFilter(f"{w}/exact_dups", config=EXACT), CodeMinhashSignature(f"{w}/sigs", mh)]
+        near = [TaskDocs(w), ExactDedupFilter(f"{w}/exact_dups", config=EXACT),
+                CodeMinhashSignature(f"{w}/sigs", mh)]
         out_stages += [("near", near, tasks),
-                       ("buckets", [MinhashDedupBuckets(f"{w}/sigs", f"{w}/buckets", config=mh)], mh.num_buckets),
+                       ("buckets", [MinhashDedupBuckets(f"{w}/sigs", f"{w}/buckets", config=mh)],
+                        mh.num_buckets),
                        ("clusters", [MinhashDedupCluster(f"{w}/buckets", f"{w}/clusters", config=mh)], 1)]
         encode += [Tally(w, "after exact"), MinhashDedupFilter(f"{w}/clusters")]
     encode.append(Tally(w, "after dedup"))
@@ -670,10 +683,11 @@ def stages(sources: list[str], tokenizer_dir, work: Path, out: Path, opts: Corpu
         encode.append(BenchmarkFilter(w, opts))
     if opts.redact_secrets or opts.redact_pii:
         encode.append(RedactSecrets(w, opts))
-    encode.append(EncodeShards(w, str(tokenizer_dir), opts.val_fraction, shard_tokens, repo_fim, list(sources),
-                               threads=threads and min(workers, tasks) == 1))
+    encode.append(EncodeShards(w, str(tokenizer_dir), opts.val_fraction, shard_tokens, repo_fim,
+                               list(sources), threads=threads and min(workers, tasks) == 1))
     out_stages.append(("encode", encode, tasks))
-    out_stages.append(("merge", [MergeShards(w, str(out), str(tokenizer_dir), tasks, shard_tokens, list(sources),
+    out_stages.append(("merge",
+                       [MergeShards(w, str(out), str(tokenizer_dir), tasks, shard_tokens, list(sources),
                                              extra)], 1))
     return out_stages
 
@@ -715,8 +729,8 @@ def _lock(work: Path):
         fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         f.close()
-        raise KeepWork(f"another prepare is working in {work} (the same command, still running): wait for it, "
-                         f"or stop it first") from None
+        raise KeepWork(f"another prepare is working in {work} (the same command, still running): wait for "
+                         f"it, or stop it first") from None
     return f
 
 
@@ -728,7 +742,8 @@ def run(sources: list[str], tokenizer_dir, work: Path, out: Path, opts: CorpusOp
     if executor not in EXECUTORS:
         raise ShardError(f"--executor {executor!r} is not one of {', '.join(EXECUTORS)}")
     if tasks is not None and not 1 <= tasks <= MAX_TASKS:
-        raise ShardError(f"--tasks {tasks}: give 1 to {MAX_TASKS} (the dedup stages keep files of every task open)")
+        raise ShardError(f"--tasks {tasks}: give 1 to {MAX_TASKS} (the "
+                         "dedup stages keep files of every task open)")
     check_sources(sources)  # a missing source, a FIFO or device named directly: refused before any work
     work.mkdir(parents=True, exist_ok=True)
     # the engine's pool forks its workers from a fork server: with this module loaded there once, a worker
@@ -741,8 +756,8 @@ def run(sources: list[str], tokenizer_dir, work: Path, out: Path, opts: CorpusOp
             threads = not workers  # the default: a single process encodes on every core
             if not workers:
                 workers = auto_workers(json.loads((work / "plan" / "plan.json").read_text())["bytes"])
-            pipeline = stages(sources, tokenizer_dir, work, out, opts, t, shard_tokens, repo_fim, workers, extra,
-                              threads)
+            pipeline = stages(sources, tokenizer_dir, work, out, opts, t, shard_tokens, repo_fim, workers,
+                              extra, threads)
             if executor == "slurm":
                 return _submit(pipeline, work, slurm or {}, log)
             for name, steps, n in pipeline:
@@ -763,7 +778,8 @@ def _run_stage(name: str, steps: list, n: int, workers: int, work: Path, log) ->
         raise
     except Exception as e:
         raise StageFailed(f"prepare's {name} stage failed: {type(e).__name__}: {e} (each task's log is in "
-                          f"{logs / 'logs'}; run the same command again to redo only the unfinished tasks)") from e
+                          f"{logs / 'logs'}; run the same command "
+                          "again to redo only the unfinished tasks)") from e
     note = f", {done} done before" if done else ""
     log(f"  {name:8s} {n:4d} task(s) on {max(1, min(workers, n))} worker(s){note}: "
         f"{time.perf_counter() - t0:.1f}s")
@@ -778,8 +794,8 @@ def _submit(pipeline, work: Path, slurm: dict, log) -> None:
         jobs = json.loads(marker.read_text())
         raise KeepWork(f"jobs {', '.join(map(str, jobs['jobs']))} were submitted for this dataset at "
                          f"{time.ctime(jobs['at'])} and may still be queued or running (squeue -j "
-                         f"{','.join(map(str, jobs['jobs']))}). Once they have all ended, delete {marker} and run "
-                         f"the same command again: it submits only the unfinished tasks")
+                         f"{','.join(map(str, jobs['jobs']))}). Once they have all ended, delete {marker} "
+                         f"and run the same command again: it submits only the unfinished tasks")
     prev, executors = None, []
     for name, steps, n in pipeline:
         ex = SlurmPipelineExecutor(
@@ -793,7 +809,8 @@ def _submit(pipeline, work: Path, slurm: dict, log) -> None:
     prev.run()  # launches its dependencies first, each with --dependency=afterok on the one before
     ids = [e.job_id for e in executors if e.job_id not in (None, -1)]
     marker.write_text(json.dumps({"jobs": ids, "at": time.time()}))
-    log(f"submitted {len(pipeline)} Slurm job arrays (jobs {', '.join(map(str, ids))}; scripts and logs under "
-        f"{work / 'logs'}); the last one writes the dataset. If one fails: once all have ended, delete {marker} "
-        f"and run the same command again to submit only the unfinished tasks")
+    log(f"submitted {len(pipeline)} Slurm job arrays (jobs "
+        f"{', '.join(map(str, ids))}; scripts and logs under "
+        f"{work / 'logs'}); the last one writes the dataset. If one fails: once all have ended, delete "
+        f"{marker} and run the same command again to submit only the unfinished tasks")
     return None

@@ -1,7 +1,8 @@
 """Documents -> token shards on disk, and the memmap reader.
 
 Layout of a prepared directory:
-  meta.json                 tokenizer hash, dtype, counts per split, skipped counts by reason, sources, options
+  meta.json                 tokenizer hash, dtype, counts per split, skipped
+                            counts by reason, sources, options
   tokenizer/                a copy of the tokenizer the shards were made with
   train_000000.bin ...      raw token ids (uint16 when the vocab fits, else uint32), documents back to back,
   val_000000.bin ...        each followed by the end-of-text token
@@ -15,7 +16,8 @@ Layout of a prepared directory:
 Speed: code runs as a datatrove pipeline (pipeline.py): tasks of whole files on --workers processes, the
 same shards for any number of them. Chat data (--chat) is read and encoded here, in one process.
 
-Memory: a batch closes at 512 documents (`batch_docs` for chat) or BATCH_BYTES (1 MiB) of text, whichever comes first.
+Memory: a batch closes at 512 documents (`batch_docs` for chat) or BATCH_BYTES (1 MiB)
+of text, whichever comes first.
 The Rust tokenizer holds 150-320 bytes per byte of text while it encodes a document (measured with a
 300-token vocabulary: 900 KB of code 140 MB, 900 KB of `b = 1` lines 290 MB), so one 512-document batch of
 900 KB documents (a few KB as .jsonl.zst, or one parquet dictionary value repeated) took 20 GB. Now a batch
@@ -87,7 +89,8 @@ def _fingerprint(sources: list[str], tok_hash: str, options: dict) -> str:
 
 def prepare(sources: list[str], tokenizer_dir: str | os.PathLike, out_dir: str | os.PathLike,
             opts: CorpusOptions | None = None, overwrite: bool = False, shard_tokens: int = 100_000_000,
-            batch_docs: int = 512, log=print, chat: bool = False, repo_fim: float = 0.0, workers: int | None = None,
+            batch_docs: int = 512, log=print, chat: bool = False, repo_fim: float = 0.0,
+            workers: int | None = None,
             executor: str = "local", tasks: int | None = None, slurm: dict | None = None) -> dict | None:
     """Read, filter, dedup, split and tokenize `sources` into shards under `out_dir`; return meta.
     Code runs as a datatrove pipeline (pipeline.py): `workers` processes (default: pipeline.auto_workers) on
@@ -113,11 +116,13 @@ def prepare(sources: list[str], tokenizer_dir: str | os.PathLike, out_dir: str |
         options["tasks"] = tasks
     if repo_fim:  # only when asked: data prepared before this option keeps its fingerprint
         options["repo_fim"] = repo_fim
-        missing = [t for t in ("<|repo_name|>", "<|file_sep|>", "<fim_prefix>") if tok.special_ids.get(t) is None]
+        missing = [t for t in ("<|repo_name|>", "<|file_sep|>", "<fim_prefix>")
+                   if tok.special_ids.get(t) is None]
         if missing:
-            raise ShardError(f"--repo-fim needs the tokenizer's {', '.join(missing)} token(s), which {tokenizer_dir} "
-                             f"lacks (it was trained before they existed): train a tokenizer again (`codeforge "
-                             f"tokenizer train`), or leave out --repo-fim")
+            raise ShardError("--repo-fim needs the tokenizer's "
+                             f"{', '.join(missing)} token(s), which {tokenizer_dir} "
+                             f"lacks (it was trained before they existed): train a tokenizer again "
+                             f"(`codeforge tokenizer train`), or leave out --repo-fim")
     if chat and executor != "local":
         raise ShardError(f"--chat data is prepared in this process: leave out --executor {executor}")
     fp = _fingerprint(sources, tok.hash, options)
@@ -129,7 +134,8 @@ def prepare(sources: list[str], tokenizer_dir: str | os.PathLike, out_dir: str |
             shutil.rmtree(work_dir(out, fp), ignore_errors=True)  # left by a cluster run that published it
             return json.loads(old.read_text())
         if not overwrite:
-            raise ShardError(f"{out} already holds {'a different dataset' if old.exists() else 'other files'}; "
+            raise ShardError(f"{out} already holds "
+                             f"{'a different dataset' if old.exists() else 'other files'}; "
                              f"pass --overwrite to replace it or choose another --out")
 
     if chat:
@@ -138,7 +144,8 @@ def prepare(sources: list[str], tokenizer_dir: str | os.PathLike, out_dir: str |
             meta = _write_chat(sources, tok, tmp, opts, shard_tokens, batch_docs, log)
             meta.update(fingerprint=fp, options=options)
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-            publish(tmp, out)  # only when complete: an interrupted run never leaves a directory that looks done
+            # only when complete: an interrupted run never leaves a directory that looks done
+            publish(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     else:
@@ -177,7 +184,8 @@ def _run_pipeline(sources, tokenizer_dir, out: Path, opts: CorpusOptions, fp: st
     try:
         meta = pipeline.run(sources, tokenizer_dir, work, out, opts, shard_tokens, repo_fim, extra, workers,
                             executor, tasks, slurm, log)
-    except pipeline.KeepWork:  # a stage that failed, a busy or submitted directory: the work stays for the rerun
+    # a stage that failed, a busy or submitted directory: the work stays for the rerun
+    except pipeline.KeepWork:
         raise
     except CodeforgeError:  # in the data (an empty corpus, --strict): a rerun would meet it again
         shutil.rmtree(work, ignore_errors=True)
@@ -187,7 +195,8 @@ def _run_pipeline(sources, tokenizer_dir, out: Path, opts: CorpusOptions, fp: st
     return meta
 
 
-SMALL_VALIDATION_TOKENS = 4096  # fewer validation tokens than one quickstart step reads: a noisy, easily flattered score
+# fewer validation tokens than one quickstart step reads: a noisy, easily flattered score
+SMALL_VALIDATION_TOKENS = 4096
 
 
 def empty_validation_note(meta: dict, val_fraction: float) -> str | None:
@@ -196,16 +205,21 @@ def empty_validation_note(meta: dict, val_fraction: float) -> str | None:
     val = meta["splits"].get("val", {})
     docs, tokens = val.get("documents", 0), val.get("tokens", 0)
     total, all_tokens = meta.get("documents", 0), meta.get("tokens", 0)
-    if total < 2 or val_fraction <= 0 or (docs >= 3 and (tokens >= SMALL_VALIDATION_TOKENS or tokens >= 0.1 * all_tokens)):
+    if total < 2 or val_fraction <= 0 or (docs >= 3 and (tokens >= SMALL_VALIDATION_TOKENS
+                                                         or tokens >= 0.1 * all_tokens)):
         return None
-    share = max(3 / total, 5 * SMALL_VALIDATION_TOKENS / max(all_tokens, 1), 1.5 * val_fraction)  # always more
+    # always more
+    share = max(3 / total, 5 * SMALL_VALIDATION_TOKENS / max(all_tokens, 1), 1.5 * val_fraction)
     want = min(0.5, max(0.05, math.ceil(share * 100) / 100))
     if not docs:
-        return (f"warning: the validation split is empty: {total} documents at --val-fraction {val_fraction:g} left "
-                f"none for it, so evaluation would score the training split (which flatters the model). Prepare "
-                f"again with --val-fraction {want:g} (about {max(1, round(want * total))} documents) or with more files")
-    return (f"warning: the validation split is small: {docs} document(s), {tokens:,} tokens at --val-fraction "
-            f"{val_fraction:g}, too few to tell a model that learns from one that memorises. Prepare again with "
+        return (f"warning: the validation split is empty: {total} documents at --val-fraction "
+                f"{val_fraction:g} left "
+                f"none for it, so evaluation would score the training split (which flatters the model). "
+                f"Prepare again with --val-fraction {want:g} (about "
+                f"{max(1, round(want * total))} documents) or with more files")
+    return (f"warning: the validation split is small: {docs} document(s), {tokens:,} tokens at "
+            f"--val-fraction {val_fraction:g}, too few to tell a model that "
+            "learns from one that memorises. Prepare again with "
             f"--val-fraction {want:g} (about {max(1, round(want * total))} documents) or with more files")
 
 
@@ -218,7 +232,8 @@ def _write_chat(sources, tok: CodeTokenizer, tmp: Path, opts: CorpusOptions, sha
     writers = {s: SplitWriter(tmp, s, dtype, shard_tokens, with_mask=True) for s in SPLITS}
     seen: set[bytes] = set()
     t0 = time.perf_counter()
-    for messages, tools, where in read_conversations(sources, stats, opts.strict, line_limit(opts.max_file_bytes)):
+    for messages, tools, where in read_conversations(sources, stats, opts.strict,
+                                                     line_limit(opts.max_file_bytes)):
         text = render_text(messages, tools)
         digest = content_hash(text)
         if digest in seen:
@@ -232,12 +247,14 @@ def _write_chat(sources, tok: CodeTokenizer, tmp: Path, opts: CorpusOptions, sha
         writers[split_of(digest, opts.val_fraction)].add([ids + [tok.eot_id]], nbytes, [mask + [0]], [digest])
     splits = {s: w.close() for s, w in writers.items()}
     if stats.documents == 0:
-        raise ShardError(f"no usable conversation in {list(sources)} (skipped: {dict(stats.skipped) or 'nothing found'}); "
-                         f"each JSONL line needs {{\"messages\": [{{\"role\": ..., \"content\": ...}}, ...]}} with "
-                         f"an assistant turn")
+        raise ShardError(f"no usable conversation in {list(sources)} (skipped: "
+                         f"{dict(stats.skipped) or 'nothing found'}); "
+                         f"each JSONL line needs {{\"messages\": [{{\"role\": ..., \"content\": ...}}, "
+                         f"...]}} with an assistant turn")
     meta = finish_meta(tok, tmp, stats, splits, sources, time.perf_counter() - t0)
     meta["chat"] = True
-    meta["loss_tokens"] = {s: int(sum(np.fromfile(tmp / sh["file"].replace(".bin", ".mask"), dtype=np.uint8).sum()
+    meta["loss_tokens"] = {s: int(sum(np.fromfile(tmp / sh["file"].replace(".bin", ".mask"),
+                                                  dtype=np.uint8).sum()
                                       for sh in v["shards"])) for s, v in splits.items()}
     return meta
 
@@ -283,7 +300,8 @@ class ShardSet:
         """Refuse to use shards with a tokenizer other than the one they were made with."""
         if tok_hash != self.tokenizer_hash:
             raise ShardError(f"{self.dir} was prepared with tokenizer {self.tokenizer_hash} but {what} is "
-                             f"{tok_hash}; prepare the data again with this tokenizer or use the matching one")
+                             f"{tok_hash}; prepare the data again with "
+                             "this tokenizer or use the matching one")
 
     def doc_starts(self) -> np.ndarray:
         return np.load(self.dir / f"{self.split}_docs.npy")

@@ -48,7 +48,8 @@ def record_trained(run_dir: str | os.PathLike, data_dir: str | os.PathLike,
         # a starting run that recorded nothing makes this run's record unknowable, not its own split alone
         keys = None if before is None else np.union1d(keys, before)
     if keys is None:
-        (run / rundir.TRAINED).unlink(missing_ok=True)  # no stale record from an earlier start in this directory
+        # no stale record from an earlier start in this directory
+        (run / rundir.TRAINED).unlink(missing_ok=True)
         return None
     run.mkdir(parents=True, exist_ok=True)
     tmp = run / f".{rundir.TRAINED}.tmp-{os.getpid()}"
@@ -58,7 +59,8 @@ def record_trained(run_dir: str | os.PathLike, data_dir: str | os.PathLike,
     return int(len(keys))
 
 
-def seen_in_training(run_dir: str | os.PathLike, data_dir: str | os.PathLike, split: str = "val") -> dict | None:
+def seen_in_training(run_dir: str | os.PathLike, data_dir: str | os.PathLike,
+                     split: str = "val") -> dict | None:
     """{"documents": the split's documents, "trained_on": how many of them the run trained on}, or None when
     either side has no record to compare."""
     trained = trained_documents(run_dir)
@@ -84,5 +86,5 @@ def data_identity(data_dir: str | Path, sample: int = 1 << 16) -> dict:
                 h.update(fh.read(sample))
         files[f.name] = f"{n} bytes, sha256 of samples {h.hexdigest()[:16]}"
     tr = meta["splits"]["train"]
-    return {"tokenizer_hash": meta.get("tokenizer_hash"), "chat": bool(meta.get("chat")), "tokens": tr["tokens"],
-            "documents": tr["documents"], "files": files}
+    return {"tokenizer_hash": meta.get("tokenizer_hash"), "chat": bool(meta.get("chat")),
+            "tokens": tr["tokens"], "documents": tr["documents"], "files": files}

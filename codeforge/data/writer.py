@@ -65,7 +65,8 @@ class SplitWriter:
     def add(self, docs: list[list[int]], n_bytes: int, masks: list[list[int]] | None = None,
             digests: list[bytes] = ()) -> None:
         """Append documents (id lists already ending in end-of-text) in one write per shard touched, and their
-        content hashes. A document never straddles two shards: one larger than a shard gets a shard of its own."""
+        content hashes. A document never straddles two shards: one larger than a
+        shard gets a shard of its own."""
         self.digests.extend(digest_key(d) for d in digests)
         flat = np.fromiter(itertools.chain.from_iterable(docs), dtype=self.dtype)
         flat_m = np.fromiter(itertools.chain.from_iterable(masks), dtype=np.uint8) if self.with_mask else None
@@ -139,7 +140,8 @@ class RepoDocs:
         return out
 
 
-def finish_meta(tok: CodeTokenizer, tmp: Path, stats: CorpusStats, splits: dict, sources, seconds: float) -> dict:
+def finish_meta(tok: CodeTokenizer, tmp: Path, stats: CorpusStats, splits: dict, sources,
+                seconds: float) -> dict:
     """Copy the tokenizer (with the chat template in its HF config) beside the shards; the meta dict."""
     shutil.copytree(tok.path, tmp / "tokenizer",
                     ignore=lambda d, names: [n for n in names if n not in (TOKENIZER_FILE, META_FILE)])
@@ -148,8 +150,8 @@ def finish_meta(tok: CodeTokenizer, tmp: Path, stats: CorpusStats, splits: dict,
     total_tokens = sum(v["tokens"] for v in splits.values())
     return {
         "format": FORMAT, "codeforge_version": __version__, "tokenizer_hash": tok.hash,
-        "vocab_size": tok.vocab_size, "eot_id": tok.eot_id, "dtype": dtype_for(tok.vocab_size).name, "splits": splits,
-        "documents": stats.documents, "tokens": total_tokens, "bytes": total_bytes,
+        "vocab_size": tok.vocab_size, "eot_id": tok.eot_id, "dtype": dtype_for(tok.vocab_size).name,
+        "splits": splits, "documents": stats.documents, "tokens": total_tokens, "bytes": total_bytes,
         "skipped": dict(sorted(stats.skipped.items())), "skipped_examples": stats.examples,
         "secrets_replaced": dict(sorted(stats.secrets.items())),
         "steps": {k: dict(zip(("documents_in", "bytes_in", "documents_out", "bytes_out"), v))

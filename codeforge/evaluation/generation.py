@@ -41,7 +41,8 @@ def function_prompts(text: str, language: str, limit: int) -> list[str]:
                 continue
             start, row = node.start_byte, node.start_point[0]
             prev = node.prev_sibling
-            while prev is not None and prev.type == "comment" and prev.end_point[0] >= row - 1:  # the doc block
+            # the doc block
+            while prev is not None and prev.type == "comment" and prev.end_point[0] >= row - 1:
                 start, row, prev = prev.start_byte, prev.start_point[0], prev.prev_sibling
             out.append(src[start:body.start_byte + 1].decode("utf-8", "replace") + "\n\t")
         if len(out) >= limit:
@@ -66,7 +67,8 @@ def syntax_validity(engine, documents: list[str], n_samples: int, max_new_tokens
     ok = 0
     per_lang: dict[str, list[int]] = {}
     for i, (pr, lang) in enumerate(prompts):
-        p = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.2, top_k=20, seed=seed + i, stop=STOPS[lang])
+        p = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.2, top_k=20, seed=seed + i,
+                           stop=STOPS[lang])
         comp = engine.generate([pr], p, warn=lambda m: None)[0]
         code = pr + comp + ("\n}\n" if lang == "go" else "\n")
         valid = is_valid_syntax(code, lang)
@@ -105,7 +107,8 @@ def infill_cases(documents: list[str], n: int, seed: int = 0, max_doc_chars: int
         if len(doc) > max_doc_chars or not is_valid_syntax(doc, lang):
             continue
         lines = doc.splitlines(keepends=True)
-        code = [i for i in range(1, len(lines) - 1) if lines[i].strip() and not lines[i].lstrip().startswith(("#", "//"))]
+        code = [i for i in range(1, len(lines) - 1) if lines[i].strip()
+                and not lines[i].lstrip().startswith(("#", "//"))]
         if len(code) >= 4:
             usable.append((lines, code, lang))
         if len(usable) >= n:
@@ -173,7 +176,8 @@ def infill_eval(engine, documents: list[str], n: int, max_new_tokens: int = 64, 
         suffix_room = max(0, engine.block_size // 2 - len(middle))  # keep some prefix beside a long suffix
         suffix = c["suffix"]
         fim_ctx = infill_ids(engine.tok, c["prefix"], suffix)
-        if len(fim_ctx) + len(middle) > engine.block_size:  # too long: cut the suffix's far end, the prefix's start
+        # too long: cut the suffix's far end, the prefix's start
+        if len(fim_ctx) + len(middle) > engine.block_size:
             suf_ids = engine.tok.encode(suffix)[:suffix_room]
             fim_ctx = infill_ids(engine.tok, "", "")  # [pre, suf, mid]
             pre_room = engine.block_size - len(middle) - len(suf_ids) - 3

@@ -48,8 +48,8 @@ def evaluate_hrm(model, val: HRMBatches, eval_tokens: int, device, precision: st
     model.train()
     extra = {k: v / rows for k, v in sums.items()}
     loss = nats / max(code_tokens, 1)
-    return {"val_loss": loss, "perplexity": math.exp(min(loss, 50)), "bits_per_byte": nats / math.log(2) / max(nbytes, 1),
-            "eval_tokens": code_tokens, "extra": extra}
+    return {"val_loss": loss, "perplexity": math.exp(min(loss, 50)),
+            "bits_per_byte": nats / math.log(2) / max(nbytes, 1), "eval_tokens": code_tokens, "extra": extra}
 
 
 def ast_node_f1(a: str, b: str, language: str, base: str = "") -> float:
@@ -89,7 +89,8 @@ def plan_and_code_scores(pairs: list[dict]) -> dict:
     n = len(pairs)
     if not n:
         return {}
-    keys = ("plan_exact", "plan_word_accuracy", "code_exact", "code_ast_f1", "syntax_valid_rate", "plan_followed")
+    keys = ("plan_exact", "plan_word_accuracy", "code_exact", "code_ast_f1", "syntax_valid_rate",
+            "plan_followed")
     tot = dict.fromkeys(keys, 0.0)
     for r in pairs:
         g, w = list(r["plan"]), list(r["gen_plan"])
@@ -117,10 +118,11 @@ def hrm_generation_eval(model, tok, data, n: int, max_plan_tokens: int = 96, max
     try:
         for i in range(min(n, len(data))):
             rec = data.records[i]
-            out = model.generate(data.prompt_ids[i], max_plan_tokens=max_plan_tokens, max_code_tokens=max_code_tokens,
-                                 seed=seed)
+            out = model.generate(data.prompt_ids[i], max_plan_tokens=max_plan_tokens,
+                                 max_code_tokens=max_code_tokens, seed=seed)
             body, draft = tok.decode(out["code"]), tok.decode(out["draft"])
-            pairs.append({"language": rec["language"], "plan": rec["plan"], "body": rec["body"], "prompt": rec["prompt"],
+            pairs.append({"language": rec["language"], "plan": rec["plan"], "body": rec["body"],
+                          "prompt": rec["prompt"],
                           "gen_plan": tok.decode(out["plan"]).split(), "gen_body": body})
             iters += len(out["iterations"])
             changed += body != draft
@@ -135,8 +137,8 @@ def hrm_generation_eval(model, tok, data, n: int, max_plan_tokens: int = 96, max
     return r
 
 
-def run_hrm_eval(run: str, model, tok, ck, cfg: dict, dev, precision: str, data: str | None, eval_tokens: int | None,
-                 cases: int, step=None) -> dict:
+def run_hrm_eval(run: str, model, tok, ck, cfg: dict, dev, precision: str, data: str | None,
+                 eval_tokens: int | None, cases: int, step=None) -> dict:
     """`codeforge eval` for an hrm run: the teacher-forced validation numbers training logs (val_loss and
     bits per byte of the body given the gold plan; plan_accuracy, code_accuracy, decision_accuracy as token
     and decision accuracies) and the decoded ones (hrm_generation_eval). step(what): a context manager around
@@ -147,8 +149,8 @@ def run_hrm_eval(run: str, model, tok, ck, cfg: dict, dev, precision: str, data:
     if not len(val):
         raise EvalError(f"{data}/val.jsonl holds no records; mine with a larger --val-fraction")
     m = cfg["model"]
-    batches = HRMBatches(val, tok, min(cfg["train"].get("batch_size", 8), len(val)), m["plan_len"], m["code_len"],
-                         seed=cfg["train"].get("seed", 0), shuffle=False, device=dev)
+    batches = HRMBatches(val, tok, min(cfg["train"].get("batch_size", 8), len(val)), m["plan_len"],
+                         m["code_len"], seed=cfg["train"].get("seed", 0), shuffle=False, device=dev)
     if eval_tokens is None:
         eval_tokens = cfg["train"].get("eval_tokens", 262_144)
     token_bytes = token_byte_lengths(tok, m["vocab_size"]).to(dev)

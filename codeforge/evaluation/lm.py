@@ -36,7 +36,8 @@ def evaluate_loss(model: torch.nn.Module, batches, iters: int, device: torch.dev
         x, y = batches.next_batch()
         for r in range(x.size(0)):  # one row at a time bounds the (T, vocab) logits in memory
             with autocast(device, precision):
-                nll = model(x[r:r + 1], y[r:r + 1], loss_reduction="none")[0].double()  # (T,), 0 where ignored
+                # (T,), 0 where ignored
+                nll = model(x[r:r + 1], y[r:r + 1], loss_reduction="none")[0].double()
             counted = y[r] != IGNORE_INDEX
             nb = tb[y[r].clamp(min=0)] * counted
             loss_sum += nll.sum()
@@ -68,7 +69,8 @@ def sized_eval_tokens(eval_tokens: int, train_tokens: int, evaluations: int) -> 
 
 
 def validation_loss(model: torch.nn.Module, val: ShardSet, block_size: int, special_ids: dict[str, int],
-                    eval_tokens: int, device: torch.device, precision: str, token_bytes: torch.Tensor) -> dict:
+                    eval_tokens: int, device: torch.device, precision: str,
+                    token_bytes: torch.Tensor) -> dict:
     """The validation numbers of a run, the same wherever they are asked for (training, the quickstart,
     `codeforge eval`): the split read in order in windows of the model's context, one window per row, as
     many windows as cover `eval_tokens` targets (0: the whole split). The batch size plays no part.

@@ -16,7 +16,8 @@ do not), edit similarity (difflib's ratio of the two texts, 0-1) and whether the
 (Python's compiler, tree-sitter for Go), per kind. Greedy, so deterministic.
 
 Three backends answer the same cases: a codeforge run (in process), a server's llama.cpp-style `/infill`
-(llama-server on the exported GGUF, or `codeforge serve`), and an OpenAI-compatible `/v1/completions` that takes
+(llama-server on the exported GGUF, or `codeforge serve`), and an
+OpenAI-compatible `/v1/completions` that takes
 `suffix` (no repo context: that API has no field for it).
 """
 
@@ -45,7 +46,8 @@ from .llama_server import gguf_facts, infill_predict, running
 from .lm import EvalError
 
 KINDS = ("line", "span", "block")
-MAX_FILE_CHARS = 12_000  # a target file longer than this is skipped (prefix and suffix are cut to the budget anyway)
+# a target file longer than this is skipped (prefix and suffix are cut to the budget anyway)
+MAX_FILE_CHARS = 12_000
 CONTEXT_CHARS = 4_000  # of each other file sent as context
 MAX_FILL = 256  # tokens a case may use at most
 
@@ -62,7 +64,8 @@ def repo_files(root: str) -> list[tuple[str, str]]:
 
 
 def held_out(files: list[tuple[str, str]], run_dir: str | None) -> tuple[list[tuple[str, str]], int, bool]:
-    """(files the run never trained on, how many were left out as trained on, whether that could be checked)."""
+    """(files the run never trained on, how many were left out as trained on,
+    whether that could be checked)."""
     trained = trained_documents(run_dir) if run_dir else None
     if trained is None:
         return files, 0, False
@@ -95,10 +98,12 @@ def parses(code: str, language: str) -> bool:
 
 
 def _block(lines: list[str], i: int) -> int:
-    """The end (exclusive) of the block whose header is line i: the following lines indented deeper, at most 8."""
+    """The end (exclusive) of the block whose header is line i: the following lines
+    indented deeper, at most 8."""
     indent = len(lines[i]) - len(lines[i].lstrip())
     j = i + 1
-    while j < len(lines) and j - i <= 8 and (not lines[j].strip() or len(lines[j]) - len(lines[j].lstrip()) > indent):
+    while j < len(lines) and j - i <= 8 and (not lines[j].strip()
+                                             or len(lines[j]) - len(lines[j].lstrip()) > indent):
         j += 1
     while j > i + 1 and not lines[j - 1].strip():
         j -= 1
@@ -159,7 +164,7 @@ def _context(path: str, files: list[tuple[str, str]], k: int) -> list[tuple[str,
     return [(p, t[:CONTEXT_CHARS]) for p, t in others[:k]]
 
 
-# -- backends: (prefix, suffix, extra, max_new) -> the fill ------------------------------------------------------
+# -- backends: (prefix, suffix, extra, max_new) -> the fill --------------------------------------------------
 
 def engine_backend(engine, n_batch: int | None = None):
     """A codeforge run in process: the prompt codeforge serve's /infill builds (llama-server's), greedy."""
@@ -205,13 +210,16 @@ def infill_backend(url: str):
 
     def fill(prefix: str, suffix: str, extra, max_new: int) -> str:
         try:
-            r = _post(url, {"input_prefix": prefix, "input_suffix": suffix, "n_predict": max_new, "temperature": 0,
+            r = _post(url,
+                      {"input_prefix": prefix, "input_suffix": suffix, "n_predict": max_new, "temperature": 0,
                             "top_k": 1, "seed": 0, "cache_prompt": False,
                             "input_extra": [{"filename": p, "text": t} for p, t in extra]}, "/infill")
         except EvalError as e:
-            if "not supported" in str(e).lower():  # llama-server's and codeforge serve's words for a model without FIM
-                raise EvalError(f"{e}\nthe model it serves has no fill-in-the-middle tokens: export the run again "
-                                f"with `codeforge export --run RUN --format gguf` (it writes their ids) from a run "
+            # llama-server's and codeforge serve's words for a model without FIM
+            if "not supported" in str(e).lower():
+                raise EvalError(f"{e}\nthe model it serves has no fill-in-the-middle tokens: export the run "
+                                "again with `codeforge export --run RUN --format "
+                                "gguf` (it writes their ids) from a run "
                                 f"whose tokenizer has them, or score the run itself with --run") from None
             raise
         if "content" not in r:
@@ -233,13 +241,14 @@ def completions_backend(url: str, model: str | None):
             r = _post(url, body, "a completion with `suffix`")
         except EvalError as e:
             if "suffix" in str(e).lower():
-                raise EvalError(f"{e}\nthis endpoint does not take `suffix` (fill-in-the-middle); use its /infill "
-                                f"with --endpoint-api infill, or another server") from None
+                raise EvalError(f"{e}\nthis endpoint does not take `suffix` (fill-in-the-middle); use its "
+                                f"/infill with --endpoint-api infill, or another server") from None
             raise
         try:
             return r["choices"][0]["text"]
         except (KeyError, IndexError, TypeError):
-            raise EvalError(f"{url} answered without choices[0].text: not an OpenAI completions endpoint") from None
+            raise EvalError(f"{url} answered without choices[0].text: "
+                            "not an OpenAI completions endpoint") from None
     return fill
 
 
@@ -264,28 +273,30 @@ def score_repo(fill, cases: list[dict], max_new: int = 64, with_context: bool = 
             continue
         k = len(rows)
         out[kind] = {"cases": k, "exact_match": sum(r[0] for r in rows) / k,
-                     "edit_similarity": sum(r[1] for r in rows) / k, "syntax_valid": sum(r[2] for r in rows) / k}
+                     "edit_similarity": sum(r[1] for r in rows) / k,
+                     "syntax_valid": sum(r[2] for r in rows) / k}
     return out
 
 
 def run_repo_eval(repo: str, run: str | None = None, endpoint: str | None = None, api: str = "infill",
-                  model: str | None = None, n: int = 20, context_files: int = 4, seed: int = 0, max_new: int = MAX_FILL,
+                  model: str | None = None, n: int = 20, context_files: int = 4, seed: int = 0,
+                  max_new: int = MAX_FILL,
                   device: str = "auto", which: str = "auto", both: bool = False, gguf: str | None = None,
                   llama_server: str | None = None, log=print, cap: int | None = None) -> dict:
     """Everything `eval --repo` reports. both: score with and without the repository context. gguf: start
-    llama.cpp's llama-server on that file (binary: llama_server, or as evaluation/llama_server.py finds it) and
-    score it through its /infill; a run given beside it or an endpoint only says which files are held out.
+    llama.cpp's llama-server on that file (binary: llama_server, or as evaluation/llama_server.py finds it)
+    and score it through its /infill; a run given beside it or an endpoint only says which files are held out.
     cap: tokens a fill may take at most (the server's -n; by default infill_predict of the run's context)."""
     if gguf:
         if endpoint:
             raise EvalError("--gguf FILE starts its own llama-server: give it or --endpoint URL, not both")
         with running(gguf, llama_server, log=log) as url:
-            r = run_repo_eval(repo, run, url, "infill", None, n, context_files, seed, max_new, device, which, both,
-                              cap=infill_predict(gguf_facts(gguf)["context"] or 2048))
+            r = run_repo_eval(repo, run, url, "infill", None, n, context_files, seed, max_new, device, which,
+                              both, cap=infill_predict(gguf_facts(gguf)["context"] or 2048))
         return {**r, "backend": f"llama-server {gguf}"}
     if n < 1 or context_files < 0:
-        raise EvalError(f"--repo-cases {n} / --repo-context {context_files}: give at least 1 case of each kind and 0 "
-                        f"or more other files")
+        raise EvalError(f"--repo-cases {n} / --repo-context {context_files}: give at least 1 case of each "
+                        f"kind and 0 or more other files")
     files = repo_files(repo)
     run_dir = ck = None
     if run:
@@ -295,17 +306,22 @@ def run_repo_eval(repo: str, run: str | None = None, endpoint: str | None = None
     if not files:
         raise EvalError(f"--repo {repo}: no code files found (Go, Python and other languages by extension)")
     if not kept:
-        raise EvalError(f"--repo {repo}: all {len(files)} files were in the run's training data, so no score on "
-                        f"them would be honest; give a directory of files it never trained on (its validation "
-                        f"files, or code written since)")
+        raise EvalError(f"--repo {repo}: all {len(files)} files were "
+                        "in the run's training data, so no score on "
+                        f"them would be honest; give a directory of files it never trained on (its "
+                        f"validation files, or code written since)")
     cases = repo_cases(kept, n, seed, context_files)
     if not cases:
-        raise EvalError(f"--repo {repo}: none of its {len(kept)} held-out files gives a case (files that parse, "
-                        f"with 4+ lines of code, up to {MAX_FILE_CHARS:,} characters; Go and Python)")
+        raise EvalError(f"--repo {repo}: none of its {len(kept)} held-out files gives a case (files that "
+                        f"parse, with 4+ lines of code, up to {MAX_FILE_CHARS:,} characters; Go and Python)")
     if endpoint:
-        # the run's tokenizer where there is one: the budgets of scoring the run itself, so the numbers compare;
-        # without one, about 2 bytes a token, generous for code
-        tok = CodeTokenizer.load(ck / "tokenizer") if ck and (ck / "tokenizer" / "tokenizer.json").exists() else None
+        # the run's tokenizer where there is one: the budgets of scoring the run itself, so the numbers
+        # compare; without one, about 2 bytes a token, generous for code
+        tok = (
+            CodeTokenizer.load(ck / "tokenizer")
+            if ck and (ck / "tokenizer" / "tokenizer.json").exists()
+            else None
+        )
         if cap is None and ck is not None:
             cap = infill_predict(read_config(ck)["model"]["block_size"])
         for c in cases:

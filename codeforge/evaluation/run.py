@@ -27,7 +27,8 @@ from .tool_calls import tool_calling_eval
 
 
 def run_eval(run: str, data: str | None = None, eval_tokens: int | None = None, syntax_samples: int = 16,
-             language: str | None = None, humaneval: int = 0, ks: list[int] = (1, 10), samples_per_problem: int = 10,
+             language: str | None = None, humaneval: int = 0, ks: list[int] = (1, 10),
+             samples_per_problem: int = 10,
              max_new_tokens: int = 256, timeout: float = 5.0, which: str = "auto", device: str = "auto",
              tool_cases: int = 100, unsafe_no_sandbox: bool = False, infill: int = 0, hrm_cases: int = 32,
              tasks: str | None = None, task_samples: int = 1, task_temperature: float = 0.0,
@@ -42,7 +43,8 @@ def run_eval(run: str, data: str | None = None, eval_tokens: int | None = None, 
 
     dev, _ = choose_device(device)
     model, tok, ck, cfg = load_model(run, dev, which)
-    precision, _ = choose_precision(dev, cfg.get("train", {}).get("precision", "auto"))  # as training evaluated
+    # as training evaluated
+    precision, _ = choose_precision(dev, cfg.get("train", {}).get("precision", "auto"))
     step = int(ck.name.split("_")[-1]) if ck.name.startswith("step_") else 0
     if cfg["model"].get("arch") == "hrm":
         r = {"run": str(run), "checkpoint": str(ck), "step": step, "data": str(data or cfg["train"]["data"])}
@@ -65,8 +67,8 @@ def run_eval(run: str, data: str | None = None, eval_tokens: int | None = None, 
         if tasks:
             return _record_eval(run, ck, step, r)
         raise EvalError(f"{data} is not a prepared data directory (the run trained on pairs or tasks?): pass "
-                        f"--data DIR (from `codeforge prepare`) for loss and syntax metrics, or --tasks TASKS for "
-                        f"pass rates")
+                        f"--data DIR (from `codeforge prepare`) for loss and syntax metrics, or --tasks "
+                        f"TASKS for pass rates")
     val = ShardSet(data, "val")
     if val.tokens == 0:
         print(f"warning: {data} has an empty validation split; evaluating on the training split (optimistic)",
@@ -86,22 +88,25 @@ def run_eval(run: str, data: str | None = None, eval_tokens: int | None = None, 
         try:
             read = min(eval_tokens or val.tokens, val.tokens)
             with _step(f"validation loss on {read:,} tokens of the {val.split} split" if not val.chat else
-                       f"validation loss on the {val.split} split's replies (up to {read:,} tokens read; in chat "
-                       f"data only the assistant's tokens are scored)"):
-                r.update(validation_loss(model, val, T, tok.special_ids, eval_tokens, dev, precision, token_bytes))
+                       f"validation loss on the {val.split} split's replies (up to {read:,} tokens read; in "
+                       f"chat data only the assistant's tokens are scored)"):
+                r.update(validation_loss(model, val, T, tok.special_ids, eval_tokens, dev, precision,
+                                         token_bytes))
         except ValueError as e:
             raise EvalError(f"{e}; prepare more data (or a larger --val-fraction)") from e
     eng = Engine(model, tok, dev, precision)
     chat = val.chat or speaks_chat(cfg)
     r["chat"] = chat
     if chat and tool_cases:
-        with _step(f"tool calling on {tool_cases} held-out cases" + ("" if constrained else " (unconstrained)")):
+        with _step(f"tool calling on {tool_cases} held-out cases"
+                   + ("" if constrained else " (unconstrained)")):
             r.update(tool_calling_eval(eng, tool_cases, constrained=constrained))
     if syntax_samples and not val.chat:
         docs = [tok.decode(val.document(i).tolist()) for i in range(min(200, val.documents))]
         if language:
             docs = [d for d in docs if guess_language(d) == language]
-        with _step(f"syntax of up to {syntax_samples} completions of functions in {len(docs)} validation file(s)"):
+        with _step(f"syntax of up to {syntax_samples} completions "
+                   f"of functions in {len(docs)} validation file(s)"):
             r.update(syntax_validity(eng, docs, syntax_samples, max_new_tokens=min(max_new_tokens, 128)))
     else:
         r["syntax_valid_rate"] = None
@@ -111,8 +116,8 @@ def run_eval(run: str, data: str | None = None, eval_tokens: int | None = None, 
             r.update(infill_eval(eng, docs, infill))
     if humaneval and not val.chat:
         with _step(f"HumanEval: {humaneval} problems x {samples_per_problem} samples, run in the sandbox"):
-            r.update(humaneval_pass_at_k(eng, humaneval, samples_per_problem, list(ks), max_new_tokens, timeout,
-                                         unsafe_no_sandbox=unsafe_no_sandbox))
+            r.update(humaneval_pass_at_k(eng, humaneval, samples_per_problem, list(ks), max_new_tokens,
+                                         timeout, unsafe_no_sandbox=unsafe_no_sandbox))
     else:
         r.update({"pass_at_1": None, "pass_at_k": {}})
     return _record_eval(run, ck, step, r)
@@ -126,10 +131,11 @@ def _unseen_check(run_dir: Path, data: str, split: str, cfg: dict) -> dict:
         return {"val_documents": seen["documents"], "val_trained_on": seen["trained_on"]} if seen else {}
     if seen is not None:
         if seen["trained_on"]:
-            print(f"WARNING: {seen['trained_on']} of the {seen['documents']} documents in {data}'s {split} split "
-                  f"were in this run's training data, so the scores below flatter the model (the data was prepared "
-                  f"again with another split or corpus, or --data names other data). Score a run on the data it "
-                  f"was trained with, or on documents it never saw.", file=sys.stderr, flush=True)
+            print(f"WARNING: {seen['trained_on']} of the {seen['documents']} documents in {data}'s {split} "
+                  "split were in this run's training data, so the scores "
+                  "below flatter the model (the data was prepared "
+                  f"again with another split or corpus, or --data names other data). Score a run on the data "
+                  f"it was trained with, or on documents it never saw.", file=sys.stderr, flush=True)
         return {"val_documents": seen["documents"], "val_trained_on": seen["trained_on"]}
     saved = cfg.get("data_identity")
     if saved and Path(data).resolve() == Path(cfg["train"].get("data", "")).resolve():
@@ -138,7 +144,8 @@ def _unseen_check(run_dir: Path, data: str, split: str, cfg: dict) -> dict:
         except (OSError, ValueError, KeyError):
             changed = True
         if changed:
-            print(f"WARNING: {data} changed since this run trained on it (prepared again?), and neither records "
+            print(f"WARNING: {data} changed since this run trained "
+                  "on it (prepared again?), and neither records "
                   f"its documents, so whether the {split} split holds documents the run trained on cannot be "
                   f"checked: the scores below may flatter the model", file=sys.stderr, flush=True)
             return {"val_trained_on": None, "val_note": "the data changed since training; overlap unknown"}
@@ -158,7 +165,11 @@ def _step(what: str):
 def _is_prepared(data: str) -> bool:
     """Whether `data` is a `codeforge prepare` directory (the miners' directories hold a meta.json too)."""
     try:
-        return json.loads((Path(data) / "meta.json").read_text()).get("format", "").startswith("codeforge-shards")
+        return (
+            json.loads((Path(data) / "meta.json").read_text())
+            .get("format", "")
+            .startswith("codeforge-shards")
+        )
     except (OSError, ValueError, AttributeError):
         return False
 

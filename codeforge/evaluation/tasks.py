@@ -16,7 +16,8 @@ from .lm import EvalError
 
 @torch.no_grad()
 def sample_tasks(model, tok: CodeTokenizer, device, precision: str, tasks: list[dict], chat: bool, n: int,
-                 max_new_tokens: int, temperature: float, seed: int) -> list[tuple[list[int], list[int], str]]:
+                 max_new_tokens: int, temperature: float,
+                 seed: int) -> list[tuple[list[int], list[int], str]]:
     """n samples for each task (task-major: the n of task 0 first): (prompt ids, response ids including the
     end token when one was written, response text without it). One batched generation; the model is left
     in eval mode."""
@@ -76,17 +77,19 @@ def score_completions(tasks: list[dict], rows: list[dict], ks: list[int] = (1,),
     by_id = {t["id"]: t for t in tasks}
     for i, r in enumerate(rows):
         if r["task_id"] not in by_id:
-            raise EvalError(f"completion {i + 1}: task_id {r['task_id']!r} is not one of the {len(tasks)} tasks "
-                            f"(e.g. {next(iter(by_id))!r})")
+            raise EvalError(f"completion {i + 1}: task_id {r['task_id']!r} is not one of the {len(tasks)} "
+                            f"tasks (e.g. {next(iter(by_id))!r})")
     res = execution_rewards([by_id[r["task_id"]] for r in rows], [r["completion"] for r in rows],
                             timeout=timeout, unsafe_no_sandbox=unsafe_no_sandbox)
-    out = [r | x | {"passed": x["outcome"] == "passed" and x["verdict"] == "outside"} for r, x in zip(rows, res)]
+    out = [r | x | {"passed": x["outcome"] == "passed" and x["verdict"] == "outside"}
+           for r, x in zip(rows, res)]
     per_task: dict[str, list[bool]] = {}
     for r in out:
         if r["verdict"] == "outside":
             per_task.setdefault(r["task_id"], []).append(r["passed"])
     n_min = min((len(v) for v in per_task.values()), default=0)
-    summary: dict = {f"pass@{k}": (sum(pass_at_k(len(v), sum(v), k) for v in per_task.values()) / len(per_task)
+    summary: dict = {f"pass@{k}": (sum(pass_at_k(len(v), sum(v), k)
+                                       for v in per_task.values()) / len(per_task)
                                    if per_task else None) for k in ks if k <= n_min or not per_task}
     judged = [r for r in out if r["verdict"] == "outside"]
     used = dict.fromkeys(r["task_id"] for r in out)

@@ -17,12 +17,14 @@ from .. import CodeforgeError
 
 
 class ExportError(CodeforgeError):
-    """A run (or a Hugging Face directory) that cannot be exported (imported) exactly; the message says why."""
+    """A run (or a Hugging Face directory) that cannot be exported (imported)
+    exactly; the message says why."""
 
 
 def check_out(out: str | Path, overwrite: bool, what: str = "--out") -> Path:
     """The output path, refusing an existing one unless `overwrite`."""
     p = Path(out)
     if p.exists() and not overwrite and (p.is_file() or any(p.iterdir())):
-        raise ExportError(f"{what} {p} already exists; choose another path, or pass --overwrite to replace it")
+        raise ExportError(f"{what} {p} already exists; choose another "
+                          "path, or pass --overwrite to replace it")
     return p

@@ -1,4 +1,5 @@
-"""A LoRA run's adapter alone, out and in: `codeforge export --format adapter` writes the few-MB directory (PEFT's
+"""A LoRA run's adapter alone, out and in: `codeforge export --format adapter`
+writes the few-MB directory (PEFT's
 adapter_model.safetensors and adapter_config.json, plus codeforge_adapter.json naming the starting weights
 and their sha256); `codeforge import --adapter DIR --base RUN` merges it onto those weights into a run
 every command takes as an ordinary model (serve, eval, generate, the HF and GGUF exports)."""
@@ -22,8 +23,8 @@ RECORD = "codeforge_adapter.json"
 def export_adapter(run: str | Path, out: str | Path, which: str = "auto", overwrite: bool = False) -> dict:
     ck = find_checkpoint(run, which)
     if not (ck / lora.ADAPTER_FILE).exists():
-        raise ExportError(f"{ck} holds no LoRA adapter: it was not trained with --lora-rank (export it as a whole "
-                          f"model with --format hf or gguf)")
+        raise ExportError(f"{ck} holds no LoRA adapter: it was not trained with --lora-rank (export it as a "
+                          f"whole model with --format hf or gguf)")
     cfg = read_config(ck)
     out = check_out(out, overwrite)
     if out.exists() and overwrite:
@@ -32,7 +33,8 @@ def export_adapter(run: str | Path, out: str | Path, which: str = "auto", overwr
     for name in (lora.ADAPTER_FILE, lora.ADAPTER_CONFIG):
         shutil.copyfile(ck / name, out / name)
     (out / RECORD).write_text(json.dumps({"base": cfg.get("lora_base"), "model": cfg["model"],
-                                          "tokenizer_hash": cfg.get("tokenizer_hash"), "from": str(ck)}, indent=1))
+                                          "tokenizer_hash": cfg.get("tokenizer_hash"), "from": str(ck)},
+                                         indent=1))
     return {"checkpoint": str(ck), "out": str(out), "bytes": sum(f.stat().st_size for f in out.iterdir())}
 
 
@@ -51,9 +53,10 @@ def import_adapter(adapter: str | Path, base: str | Path, out: str | Path, overw
         raise ExportError(f"--base {base_ck}: {problem}")
     want = (record.get("base") or {}).get("sha256")
     if want and weights_sha256(base_ck) != want:
-        raise ExportError(f"{adapter} was trained on the weights of {record['base'].get('checkpoint')} (sha256 "
-                          f"{want[:12]}...), not on {base_ck}'s: adapters mean something only on the weights they were "
-                          f"trained on. Give that checkpoint as --base")
+        raise ExportError(f"{adapter} was trained on the weights of "
+                          f"{record['base'].get('checkpoint')} (sha256 "
+                          f"{want[:12]}...), not on {base_ck}'s: adapters mean something only on the weights "
+                          f"they were trained on. Give that checkpoint as --base")
     model, tok, _, cfg = load_model(base_ck, torch.device("cpu"))
     if record.get("model") and record["model"] != cfg["model"]:
         raise ExportError(f"{adapter} was trained on another model than {base_ck}'s")

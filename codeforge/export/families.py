@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 from ..models.gpt import GPTConfig
 
-# -- the literal key maps --------------------------------------------------------------------------------------
+# -- the literal key maps ------------------------------------------------------------------------------------
 # "{i}" is the layer. A tuple value: the codeforge tensor is split along dim 0 into these parts (SPLITS says
-# how). None: the tensor exists only in some configurations (bias, qk_norm, untied lm_head, learned positions).
+# how). None: the tensor exists only in some configurations (bias, qk_norm, untied
+# lm_head, learned positions).
 
 GPT2_KEYS = {
     "wte.weight": "transformer.wte.weight",
@@ -50,7 +51,8 @@ LLAMA_KEYS = {  # Llama, Qwen2, Qwen3 and Arcee share the names; each class has 
     "blocks.{i}.attn.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
     "blocks.{i}.ln_2.weight": "model.layers.{i}.post_attention_layernorm.weight",
     # swiglu: c_fc holds gate | up (models/gpt.py MLP: gate, up = h.chunk(2))
-    "blocks.{i}.mlp.c_fc.weight": ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
+    "blocks.{i}.mlp.c_fc.weight": ("model.layers.{i}.mlp.gate_proj.weight",
+                                   "model.layers.{i}.mlp.up_proj.weight"),
     "blocks.{i}.mlp.c_fc.bias": ("model.layers.{i}.mlp.gate_proj.bias", "model.layers.{i}.mlp.up_proj.bias"),
     "blocks.{i}.mlp.c_proj.weight": "model.layers.{i}.mlp.down_proj.weight",
     "blocks.{i}.mlp.c_proj.bias": "model.layers.{i}.mlp.down_proj.bias",
@@ -62,7 +64,8 @@ ARCEE_KEYS = {**LLAMA_KEYS,  # a non-gated MLP: c_fc is up_proj alone
               "blocks.{i}.mlp.c_fc.bias": "model.layers.{i}.mlp.up_proj.bias"}
 
 
-# -- the literal tensor maps: codeforge name -> llama.cpp name ("{i}": layer). Tuples: split along dim 0 -------
+# -- the literal tensor maps: codeforge name -> llama.cpp name ("{i}": layer).
+# Tuples: split along dim 0 -------
 GPT2_TENSORS = {
     "wte.weight": "token_embd.weight",
     "wpe.weight": "position_embd.weight",
@@ -85,7 +88,8 @@ GPT2_TENSORS = {
 LLAMA_TENSORS = {  # llama, qwen2, qwen3 (arcee: ARCEE_TENSORS)
     "wte.weight": "token_embd.weight",
     "blocks.{i}.ln_1.weight": "blk.{i}.attn_norm.weight",
-    "blocks.{i}.attn.c_attn.weight": ("blk.{i}.attn_q.weight", "blk.{i}.attn_k.weight", "blk.{i}.attn_v.weight"),
+    "blocks.{i}.attn.c_attn.weight": ("blk.{i}.attn_q.weight", "blk.{i}.attn_k.weight",
+                                      "blk.{i}.attn_v.weight"),
     "blocks.{i}.attn.c_attn.bias": ("blk.{i}.attn_q.bias", "blk.{i}.attn_k.bias", "blk.{i}.attn_v.bias"),
     "blocks.{i}.attn.c_proj.weight": "blk.{i}.attn_output.weight",
     "blocks.{i}.attn.c_proj.bias": "blk.{i}.attn_output.bias",
@@ -105,7 +109,8 @@ ARCEE_TENSORS = {**LLAMA_TENSORS, "blocks.{i}.mlp.c_fc.weight": "blk.{i}.ffn_up.
 QWEN_NOT_LOADED = ("attn_output.bias", "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias")
 
 
-# Every model option the families below map, by name. An option not listed here (a new attention variant, say),
+# Every model option the families below map, by name. An option not listed here (a
+# new attention variant, say),
 # set on a model, makes choose_family refuse the export: written without it, the file would compute another
 # model. Teaching a family the option (its HF config key, its GGUF key) is where it is added.
 EXPORTED_OPTIONS = frozenset({
@@ -127,7 +132,8 @@ class FamilyRecord:
     conv1d: tuple[str, ...] = ()  # tensors Hugging Face stores transposed (GPT-2's Conv1D)
     every_bias: bool = False  # the class always has biases: zeros are written where the model has none
     rope_permuted: bool = False  # llama.cpp's rope type NORM: Q/K rows re-ordered (permute_rows)
-    gguf_not_loaded: tuple[str, ...] = ()  # tensors llama.cpp ignores for this architecture: refused unless zero
+    # tensors llama.cpp ignores for this architecture: refused unless zero
+    gguf_not_loaded: tuple[str, ...] = ()
     gguf_mlp: str | None = None  # the only MLP llama.cpp's architecture computes (None: any the family has)
     hf_absent: tuple[str, ...] = ()  # biases the class does not have (choose_family checked they are zero)
 

@@ -1,8 +1,10 @@
-"""GGUF for llama.cpp (and Ollama, LM Studio and the editor plugins built on it), written with the `gguf` package.
+"""GGUF for llama.cpp (and Ollama, LM Studio and the editor plugins built on it),
+written with the `gguf` package.
 
 Architectures, as llama.cpp's convert_hf_to_gguf.py writes them for the same transformers class (hf.py picks
 the class):
-  GPT2LMHeadModel          -> gpt2    fused attn_qkv kept (same q | k | v rows); biases required (zeros if none)
+  GPT2LMHeadModel          -> gpt2    fused attn_qkv kept (same q | k | v rows);
+                                      biases required (zeros if none)
   LlamaForCausalLM         -> llama   Q and K rows permuted: llama.cpp's "normal" rotary pairs dimensions
                                       (2i, 2i+1) where codeforge and transformers pair (i, i + hd/2)
   Qwen2ForCausalLM         -> qwen2   NEOX rotary (rotate-half, as ours): no permutation; q/k/v biases
@@ -16,7 +18,8 @@ convert the matrices (2-D) and keep vectors (norms, biases) in float32, as conve
 whose rows do not divide into q8_0 blocks of 32 is written f16.
 
 Tokenizer. model "gpt2" (byte-level BPE): every token string in id order (a model vocabulary padded past the
-tokenizer's gets [PADn] tokens of type UNUSED), types (special tokens CONTROL), the merges, BOS/EOS/EOT/pad/unk,
+tokenizer's gets [PADn] tokens of type UNUSED), types (special tokens CONTROL),
+the merges, BOS/EOS/EOT/pad/unk,
 the FIM ids, no BOS added, and the chat template. (llama.cpp's whole-text llama_detokenize "cleans up" a space
 before an apostrophe for every llama-bpe model, Llama 3's included, with no key to turn it off; generation
 writes text token by token and is unaffected.) llama.cpp splits text with one of the pre-tokenizers it knows
@@ -24,7 +27,8 @@ by name (llama-vocab.cpp) and refuses any other, so the name must be the rule th
 (recorded as llama_cpp_pre in codeforge_tokenizer.json, and checked against tokenizer.json's regex):
   --split llama3 (the default)      -> "llama-bpe"  (the same regex)
   a Qwen2 / GPT-2 tokenizer (import) -> "qwen2" / "gpt2"
-  --split code                      -> no llama.cpp pre-tokenizer is this rule: refused in one sentence, unless
+  --split code                      -> no llama.cpp pre-tokenizer is this rule:
+                                    refused in one sentence, unless
                                         --allow-tokenizer-mismatch, which writes "llama-bpe", says loudly how
                                         many tokens of a code sample come out differently, and records it in
                                         the file (codeforge.tokenizer_mismatch).
@@ -99,12 +103,14 @@ def gguf_tensors(sd: dict[str, torch.Tensor], m: GPTConfig, model_type: str) -> 
     return out
 
 
-# -- the tokenizer ------------------------------------------------------------------------------------------------
+# -- the tokenizer -------------------------------------------------------------------------------------------
 
 KNOWN_SPLITS = {  # a split regex (as in tokenizer.json) -> the llama.cpp pre-tokenizer with the same rule
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""":
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| """
+    r"""?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""":
         "llama-bpe",
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""":
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| """
+    r"""?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""":
         "qwen2",
 }
 
@@ -141,8 +147,8 @@ def recorded_pre(tok) -> str | None:
 
 
 def mismatch_rate(tok, texts: list[str], pattern: str) -> tuple[int, int]:
-    """(our tokens that would not come out, our tokens) when `tok`'s BPE runs after `pattern`'s split instead of
-    its own, over `texts`: a token counts as kept when the other encoding has the same id over the same
+    """(our tokens that would not come out, our tokens) when `tok`'s BPE runs after `pattern`'s split instead
+    of its own, over `texts`: a token counts as kept when the other encoding has the same id over the same
     characters. That share of what the model was trained on changes under llama.cpp."""
     from tokenizers import Regex, Tokenizer, pre_tokenizers
     other = Tokenizer.from_str(tok.tok.to_str())
@@ -188,19 +194,22 @@ def write_tokenizer(w, tok, vocab_size: int, pre: str) -> None:
 
     for key, name in ((gguf.Keys.Tokenizer.EOT_ID, "<|im_end|>"), (gguf.Keys.Tokenizer.PAD_ID, "<pad>"),
                       (gguf.Keys.Tokenizer.UNK_ID, "<unk>"), (gguf.Keys.Tokenizer.FIM_PRE_ID, "<fim_prefix>"),
-                      (gguf.Keys.Tokenizer.FIM_SUF_ID, "<fim_suffix>"), (gguf.Keys.Tokenizer.FIM_MID_ID, "<fim_middle>"),
-                      (gguf.Keys.Tokenizer.FIM_REP_ID, "<|repo_name|>"), (gguf.Keys.Tokenizer.FIM_SEP_ID, "<|file_sep|>")):
+                      (gguf.Keys.Tokenizer.FIM_SUF_ID, "<fim_suffix>"),
+                      (gguf.Keys.Tokenizer.FIM_MID_ID, "<fim_middle>"),
+                      (gguf.Keys.Tokenizer.FIM_REP_ID, "<|repo_name|>"),
+                      (gguf.Keys.Tokenizer.FIM_SEP_ID, "<|file_sep|>")):
         if sid.get(name) is not None:
             w.add_uint32(key, sid[name])
     tc = tok.path / "tokenizer_config.json" if tok.path is not None else None
     template = CHAT_TEMPLATE
     if tc is not None and tc.exists() and not (tok.path / "codeforge_tokenizer.json").exists():
-        template = json.loads(tc.read_text()).get("chat_template") or CHAT_TEMPLATE  # an imported tokenizer's own
+        # an imported tokenizer's own
+        template = json.loads(tc.read_text()).get("chat_template") or CHAT_TEMPLATE
     if isinstance(template, str):
         w.add_chat_template(template)
 
 
-# -- export ----------------------------------------------------------------------------------------------------------
+# -- export --------------------------------------------------------------------------------------------------
 
 def _qtype(name: str, t: np.ndarray, dtype: str):
     import gguf
@@ -212,7 +221,8 @@ def _qtype(name: str, t: np.ndarray, dtype: str):
     return Q.F16
 
 
-def export_gguf(run: str | Path, out: str | Path, which: str = "auto", dtype: str = "f32", overwrite: bool = False,
+def export_gguf(run: str | Path, out: str | Path, which: str = "auto", dtype: str = "f32",
+                overwrite: bool = False,
                 allow_tokenizer_mismatch: bool = False, log: Callable[[str], None] = print,
                 verbose: Callable[[str], None] = lambda m: None) -> dict:
     """Write run `run`'s checkpoint as a GGUF file. Returns {"arch", "pre", "checkpoint", "out", "bytes",
@@ -231,7 +241,8 @@ def export_gguf(run: str | Path, out: str | Path, which: str = "auto", dtype: st
     if FAMILIES[fam.model_type].gguf_mlp not in (None, m.mlp):
         raise ExportError(
             f"llama.cpp has no architecture for this model: RoPE + RMSNorm + a non-gated {m.mlp.upper()} MLP "
-            f"(its arcee computes ReLU^2, gpt2/starcoder2 use LayerNorm). `codeforge export --format hf` writes it "
+            "(its arcee computes ReLU^2, gpt2/starcoder2 use "
+            "LayerNorm). `codeforge export --format hf` writes it "
             f"as {fam.name}; for llama.cpp train with --set model.mlp=swiglu (Llama) or relu2 (Arcee)")
     arch = FAMILIES[fam.model_type].gguf_arch
     tensors = gguf_tensors(sd, m, fam.model_type)
@@ -241,35 +252,41 @@ def export_gguf(run: str | Path, out: str | Path, which: str = "auto", dtype: st
     recorded = recorded_pre(tok)
     if recorded is not None and recorded != pre:
         actual = f"llama.cpp's {pre!r}" if pre else "a rule llama.cpp does not implement"
-        raise ExportError(f"{tok.path / META_FILE} says the tokenizer splits text as llama.cpp's {recorded!r}, but "
-                          f"its tokenizer.json splits with {actual}: the two files do not belong together; train "
-                          f"the tokenizer again")
+        raise ExportError(f"{tok.path / META_FILE} says the tokenizer "
+                          f"splits text as llama.cpp's {recorded!r}, but "
+                          f"its tokenizer.json splits with {actual}: the two files do not belong together; "
+                          f"train the tokenizer again")
     mismatch = None
     if pre is None:
         texts = [SAMPLE] + [p.read_text(errors="replace") for p in sorted(Path(__file__).parent.glob("*.py"))]
         diff, total = mismatch_rate(tok, texts, LLAMA3_SPLIT_PATTERN)
         mismatch = {"tokens_differing": diff, "tokens": total, "rule": rule}
         share = f"{100 * diff / max(total, 1):.0f}%"
-        verbose(f"the tokenizer splits text with {rule}; under llama.cpp's nearest rule (llama-bpe) {diff:,} of "
-                f"{total:,} tokens of a code sample come out differently")
+        verbose(f"the tokenizer splits text with {rule}; under llama.cpp's nearest rule (llama-bpe) {diff:,} "
+                f"of {total:,} tokens of a code sample come out differently")
         if not allow_tokenizer_mismatch:
             raise ExportError(
-                f"this run's tokenizer uses codeforge's code split, which llama.cpp does not implement ({share} of "
-                f"the tokens of a code sample would differ), so it cannot run in llama.cpp: train the tokenizer "
-                f"with the default split (`codeforge tokenizer train`, or `--split llama3`) and the model on it, "
-                f"or pass --allow-tokenizer-mismatch to write the file anyway (--verbose shows the rule)")
+                "this run's tokenizer uses codeforge's code split, "
+                f"which llama.cpp does not implement ({share} of "
+                "the tokens of a code sample would differ), so "
+                "it cannot run in llama.cpp: train the tokenizer "
+                f"with the default split (`codeforge tokenizer train`, or `--split llama3`) and the model on "
+                f"it, or pass --allow-tokenizer-mismatch to write the file anyway (--verbose shows the rule)")
         pre = "llama-bpe"
         bar = "!" * 100
-        log(f"{bar}\nWARNING: llama.cpp will split text differently from this tokenizer ({share} of the tokens "
+        log(f"{bar}\nWARNING: llama.cpp will split text differently "
+            f"from this tokenizer ({share} of the tokens "
             f"of a code sample would come out differently), so the model sees tokens it was not trained on.\n"
             f"Written anyway (--allow-tokenizer-mismatch) with pre-tokenizer {pre}; the file records "
-            f"codeforge.tokenizer_mismatch = true. Expect worse output in llama.cpp than in codeforge.\n{bar}")
+            "codeforge.tokenizer_mismatch = true. Expect worse "
+            f"output in llama.cpp than in codeforge.\n{bar}")
 
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         w = gguf.GGUFWriter(str(tmp), arch)
-        w.add_name(rundir.model_name(run))  # the name `codeforge serve` gives it (printable: no terminal escapes)
+        # the name `codeforge serve` gives it (printable: no terminal escapes)
+        w.add_name(rundir.model_name(run))
         w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype])
         w.add_context_length(m.block_size)
@@ -319,8 +336,8 @@ def export_gguf(run: str | Path, out: str | Path, which: str = "auto", dtype: st
 # /api/generate with "suffix") gives the PSM prompt fim.infill_text writes; .Messages (chat) the ChatML turns
 # chat.py renders; else the prompt as it is. Ollama offers "insert" only for a template that mentions .Suffix.
 FIM_TEMPLATE = ("{{- if .Suffix }}<fim_prefix>{{ .Prompt }}<fim_suffix>{{ .Suffix }}<fim_middle>")
-CHAT_TEMPLATE_GO = ("{{- else if .Messages }}{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n"
-                    "{{ end }}<|im_start|>assistant\n")
+CHAT_TEMPLATE_GO = ("{{- else if .Messages }}{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content "
+                    "}}<|im_end|>\n{{ end }}<|im_start|>assistant\n")
 MODELFILE_SAMPLING = {"temperature": 0.2, "top_k": 20}  # what `codeforge eval` samples completions with
 
 

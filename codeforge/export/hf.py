@@ -24,7 +24,8 @@ tokenizer's ids and chat rendering equal. The export and import commands check t
 transformers is installed.
 
 Import reads a directory that may come from anyone, so before building anything it checks (with
-checkpoint/guard.py) that every file in it is a regular file and no link leads out of it (a link's target would
+checkpoint/guard.py) that every file in it is a regular file and no link leads
+out of it (a link's target would
 be copied into the run and every checkpoint and export after it; the hub cache's snapshots/REV -> ../../blobs
 links are the one exception), that every config value the model takes is of its type and in codeforge's
 declared range, that the weights' safetensors headers parse, and that the model fits in the memory there is.
@@ -46,8 +47,8 @@ from safetensors.torch import load_file, save_file
 from . import ExportError, check_out
 from ..atomic import publish, staging_dir
 from ..checkpoint import load_model, save_checkpoint
-from ..checkpoint.guard import (CONFIG_BYTES, check_inside, check_memory, check_regular, declared_shapes, dims,
-                                header_bytes, model_config_from, read_json, safetensors_header)
+from ..checkpoint.guard import (CONFIG_BYTES, check_inside, check_memory, check_regular, declared_shapes,
+                                dims, header_bytes, model_config_from, read_json, safetensors_header)
 from ..config import TrainConfig
 from ..models import build_model, state_shapes
 from ..models.gpt import GPTConfig, unknown_options
@@ -56,7 +57,7 @@ from ..tokenizer import (CodeTokenizer, META_FILE, SPECIAL_TOKENS, TOKENIZER_FIL
                          write_hf_config)
 from .families import EXPORTED_OPTIONS, FAMILIES, expand, splits
 
-# -- families ----------------------------------------------------------------------------------------------------
+# -- families ------------------------------------------------------------------------------------------------
 
 
 class Family:
@@ -89,7 +90,8 @@ def choose_family(m: GPTConfig, sd: dict[str, torch.Tensor] | None = None) -> Fa
         raise ExportError(f"model arch {m.arch!r} has no Hugging Face counterpart; only arch 'gpt' exports")
     unknown = unknown_options(m, EXPORTED_OPTIONS)
     if unknown:
-        raise ExportError(f"model option(s) {', '.join(f'{k}={getattr(m, k)!r}' for k in unknown)} are not mapped to "
+        raise ExportError(f"model option(s) {', '.join(f'{k}={getattr(m, k)!r}' for k in unknown)} "
+                          "are not mapped to "
                           f"any Hugging Face or GGUF family yet (export/families.py, EXPORTED_OPTIONS): the "
                           f"exported file would compute another model")
     if m.pos == "learned":  # GPT-2
@@ -110,24 +112,26 @@ def choose_family(m: GPTConfig, sd: dict[str, torch.Tensor] | None = None) -> Fa
             if m.qk_norm:
                 mlp_b = _nonzero(sd, ("mlp.c_fc.bias", "mlp.c_proj.bias")) if m.bias else []
                 if mlp_b:
-                    why.append(f"bias=true with qk_norm: Qwen3 has no MLP biases, and these are not zero: {mlp_b[:3]}")
+                    why.append("bias=true with qk_norm: Qwen3 has no MLP "
+                               f"biases, and these are not zero: {mlp_b[:3]}")
                 if not why:
                     return Family("qwen3", attention_bias=m.bias)
             elif m.bias and not _nonzero(sd, ("attn.c_proj.bias", "mlp.c_fc.bias", "mlp.c_proj.bias")) and sd:
-                if not why:  # biases on q/k/v only: Qwen2's layout (a model imported from Qwen2 goes back to it)
+                # biases on q/k/v only: Qwen2's layout (a model imported from Qwen2 goes back to it)
+                if not why:
                     return Family("qwen2")
             elif not why:
                 return Family("llama", attention_bias=m.bias, mlp_bias=m.bias)
         else:  # non-gated MLP with RoPE + RMSNorm: Arcee (AFM) is that layer with a configurable activation
             if m.qk_norm:
-                why.append(f"qk_norm with mlp={m.mlp} (Arcee, the class with a non-gated MLP and RoPE, has no "
-                           f"QK-norm; Qwen3 has QK-norm but a SwiGLU MLP)")
+                why.append(f"qk_norm with mlp={m.mlp} (Arcee, the class with a non-gated MLP and RoPE, has "
+                           f"no QK-norm; Qwen3 has QK-norm but a SwiGLU MLP)")
             if not why:
                 return Family("arcee", ACTS[m.mlp], attention_bias=m.bias, mlp_bias=m.bias)
     raise ExportError("no transformers class computes this model; what does not map: " + "; ".join(why))
 
 
-# -- config.json ----------------------------------------------------------------------------------------------------
+# -- config.json ---------------------------------------------------------------------------------------------
 
 def hf_config(m: GPTConfig, fam: Family, special: dict[str, int | None]) -> dict:
     """config.json for family `fam`. The token ids: documents end with <|endoftext|>, chat turns with
@@ -144,10 +148,12 @@ def hf_config(m: GPTConfig, fam: Family, special: dict[str, int | None]) -> dict
                 "resid_pdrop": m.resid_dropout, "embd_pdrop": m.embd_dropout, "attn_pdrop": m.attn_dropout,
                 "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
                 "reorder_and_upcast_attn": False}
-    cfg = {**common, "hidden_size": m.n_embd, "intermediate_size": m.ffn_hidden, "num_hidden_layers": m.n_layer,
+    cfg = {**common, "hidden_size": m.n_embd, "intermediate_size": m.ffn_hidden,
+           "num_hidden_layers": m.n_layer,
            "num_attention_heads": m.n_head, "num_key_value_heads": m.n_kv_head, "head_dim": m.head_dim,
            "hidden_act": fam.hidden_act, "max_position_embeddings": m.block_size, "rms_norm_eps": m.norm_eps,
-           # both spellings: transformers >= 5 reads rope_parameters, older readers (and converters) rope_theta
+           # both spellings: transformers >= 5 reads rope_parameters, older
+           # readers (and converters) rope_theta
            "rope_theta": m.rope_base, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_base},
            "attention_dropout": m.attn_dropout, **fam.extra}
     if fam.model_type in ("qwen2", "qwen3"):
@@ -155,7 +161,7 @@ def hf_config(m: GPTConfig, fam: Family, special: dict[str, int | None]) -> dict
     return cfg
 
 
-# -- state dicts -----------------------------------------------------------------------------------------------------
+# -- state dicts ---------------------------------------------------------------------------------------------
 
 def to_hf(sd: dict[str, torch.Tensor], m: GPTConfig, fam: Family) -> dict[str, torch.Tensor]:
     """Our state dict -> the family's, by its key map. Every tensor of ours is used exactly once (asserted);
@@ -174,7 +180,8 @@ def to_hf(sd: dict[str, torch.Tensor], m: GPTConfig, fam: Family) -> dict[str, t
         if isinstance(theirs, tuple):
             kind = next(k for k in rows if f".{k}." in f".{ours}")
             parts = t.split(rows[kind][:len(theirs)], dim=0)
-            assert sum(p.shape[0] for p in parts) == t.shape[0], f"{ours}: split {rows[kind]} of {tuple(t.shape)}"
+            assert sum(p.shape[0] for p in parts) == t.shape[0], (f"{ours}: split {rows[kind]} "
+                                                                  f"of {tuple(t.shape)}")
             out.update({name: p.contiguous() for name, p in zip(theirs, parts)})
         else:
             if ours.endswith(fam.record.conv1d):
@@ -225,7 +232,8 @@ def from_hf(hf: dict[str, torch.Tensor], m: GPTConfig, fam: Family) -> dict[str,
         raise ExportError(f"{fam}: tensors with no place in a codeforge model: {sorted(hf)[:6]}")
     bad = {k: (tuple(v.shape), shapes[k]) for k, v in out.items() if tuple(v.shape) != shapes[k]}
     if bad:
-        raise ExportError(f"{fam}: tensor shapes do not fit the config (got, expected): {dict(list(bad.items())[:4])}")
+        raise ExportError(f"{fam}: tensor shapes do not fit the config (got, expected): "
+                          f"{dict(list(bad.items())[:4])}")
     return out
 
 
@@ -233,10 +241,11 @@ def _our_shapes(m: GPTConfig) -> dict[str, tuple]:
     return state_shapes(m)[0]  # from the config alone: nothing is built
 
 
-# -- tokenizer files ---------------------------------------------------------------------------------------------------
+# -- tokenizer files -----------------------------------------------------------------------------------------
 
 def write_tokenizer_files(tok_dir: Path, out: Path) -> None:
-    """tokenizer.json, tokenizer_config.json (special tokens and the chat template) and special_tokens_map.json.
+    """tokenizer.json, tokenizer_config.json (special tokens and the chat
+    template) and special_tokens_map.json.
     A codeforge tokenizer gets its config written afresh by tokenizer.write_hf_config (the current chat
     template); a tokenizer that came in from Hugging Face keeps its own."""
     shutil.copyfile(tok_dir / TOKENIZER_FILE, out / TOKENIZER_FILE)
@@ -245,12 +254,13 @@ def write_tokenizer_files(tok_dir: Path, out: Path) -> None:
     else:
         shutil.copyfile(tok_dir / "tokenizer_config.json", out / "tokenizer_config.json")
     tc = json.loads((out / "tokenizer_config.json").read_text())
-    smap = {k: tc[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token", "additional_special_tokens")
+    smap = {k: tc[k]
+            for k in ("bos_token", "eos_token", "pad_token", "unk_token", "additional_special_tokens")
             if tc.get(k) is not None}
     (out / "special_tokens_map.json").write_text(json.dumps(smap, indent=2))
 
 
-# -- export -------------------------------------------------------------------------------------------------------------
+# -- export --------------------------------------------------------------------------------------------------
 
 def normal_file_modes(d: Path) -> None:
     """Give every file in `d` the mode a plain open(..., "w") gives under the current umask (0644 under
@@ -308,7 +318,7 @@ def export_hf(run: str | Path, out: str | Path, which: str = "auto", overwrite: 
     return {"family": fam.name, "checkpoint": str(ck), "out": str(out), "max_abs_diff": diff}
 
 
-# -- import -------------------------------------------------------------------------------------------------------------
+# -- import --------------------------------------------------------------------------------------------------
 
 IMPORTABLE = tuple(FAMILIES)
 
@@ -317,8 +327,8 @@ NOT_IMPORTABLE = "codeforge cannot import it as it is"
 
 
 def _hub_blobs(hf_dir: Path) -> Path | None:
-    """blobs/ of the Hugging Face hub cache when `hf_dir` is one of its snapshots (models--ORG--NAME/snapshots/
-    REV, whose files are links to ../../blobs/HASH), else None."""
+    """blobs/ of the Hugging Face hub cache when `hf_dir` is one of its snapshots
+    (models--ORG--NAME/snapshots/ REV, whose files are links to ../../blobs/HASH), else None."""
     real = hf_dir.resolve()
     repo = real.parent.parent
     blobs = repo / "blobs"
@@ -373,13 +383,16 @@ def config_from_hf(c: dict, where: str | Path = "config.json") -> tuple[GPTConfi
             why.append("scale_attn_by_inverse_layer_idx")
         if c.get("scale_attn_weights", True) is False:
             why.append("scale_attn_weights=false")
-        names = {"vocab_size": "vocab_size", "block_size": "n_positions", "n_layer": "n_layer", "n_head": "n_head",
-                 "n_embd": "n_embd", "n_kv_head": "n_head", "ffn_hidden": "n_inner", "norm_eps": "layer_norm_epsilon"}
-        kw = dict(vocab_size=c.get("vocab_size"), block_size=c.get("n_positions", 1024), n_layer=c.get("n_layer", 12),
-                  n_head=c.get("n_head", 12), n_embd=c.get("n_embd", 768), n_kv_head=c.get("n_head", 12), mlp="gelu",
+        names = {"vocab_size": "vocab_size", "block_size": "n_positions", "n_layer": "n_layer",
+                 "n_head": "n_head", "n_embd": "n_embd", "n_kv_head": "n_head", "ffn_hidden": "n_inner",
+                 "norm_eps": "layer_norm_epsilon"}
+        kw = dict(vocab_size=c.get("vocab_size"), block_size=c.get("n_positions", 1024),
+                  n_layer=c.get("n_layer", 12),
+                  n_head=c.get("n_head", 12), n_embd=c.get("n_embd", 768), n_kv_head=c.get("n_head", 12),
+                  mlp="gelu",
                   ffn_hidden=c.get("n_inner") or 0,  # 0: 4 x n_embd, GPT-2's default
-                  norm="layernorm", norm_eps=c.get("layer_norm_epsilon", 1e-5), pos="learned", tie_embeddings=tie,
-                  bias=True)
+                  norm="layernorm", norm_eps=c.get("layer_norm_epsilon", 1e-5), pos="learned",
+                  tie_embeddings=tie, bias=True)
     else:
         act = c.get("hidden_act", "silu")
         acts = {"llama": ("silu",), "qwen2": ("silu",), "qwen3": ("silu",),
@@ -399,24 +412,28 @@ def config_from_hf(c: dict, where: str | Path = "config.json") -> tuple[GPTConfi
         bias = {"qwen2": True, "llama": bool(c.get("attention_bias") or c.get("mlp_bias")),
                 "arcee": bool(c.get("attention_bias") or c.get("mlp_bias")),
                 "qwen3": bool(c.get("attention_bias"))}[mt]
-        names = {"vocab_size": "vocab_size", "block_size": "max_position_embeddings", "n_layer": "num_hidden_layers",
+        names = {"vocab_size": "vocab_size", "block_size": "max_position_embeddings",
+                 "n_layer": "num_hidden_layers",
                  "n_head": "num_attention_heads", "n_embd": "hidden_size", "n_kv_head": "num_key_value_heads",
                  "ffn_hidden": "intermediate_size", "norm_eps": "rms_norm_eps", "rope_base": "rope_theta"}
         kw = dict(vocab_size=c.get("vocab_size"), block_size=c.get("max_position_embeddings", 2048),
-                  n_layer=c.get("num_hidden_layers"), n_head=c.get("num_attention_heads"), n_embd=c.get("hidden_size"),
+                  n_layer=c.get("num_hidden_layers"), n_head=c.get("num_attention_heads"),
+                  n_embd=c.get("hidden_size"),
                   n_kv_head=c.get("num_key_value_heads") or c.get("num_attention_heads"),
                   mlp={"arcee": "relu2" if act == "relu2" else "gelu"}.get(mt, "swiglu"),
                   ffn_hidden=c.get("intermediate_size"), norm="rmsnorm", norm_eps=c.get("rms_norm_eps", 1e-6),
-                  pos="rope", rope_base=float(theta) if isinstance(theta, int) and not isinstance(theta, bool) else theta,
+                  pos="rope",
+                  rope_base=float(theta) if isinstance(theta, int) and not isinstance(theta, bool) else theta,
                   qk_norm=mt == "qwen3", tie_embeddings=tie, bias=bias)
     if why:
         raise ExportError(f"a {mt} model with features codeforge does not compute: {'; '.join(why)}")
-    if isinstance(kw["block_size"], int) and kw["block_size"] > 131_072:  # longer contexts: ours is the range's top
+    # longer contexts: ours is the range's top
+    if isinstance(kw["block_size"], int) and kw["block_size"] > 131_072:
         kw["block_size"] = 131_072
     m = model_config_from(kw, where, ExportError, NOT_IMPORTABLE, names)
     if mt != "gpt2" and c.get("head_dim") not in (None, m.head_dim):
-        raise ExportError(f"a {mt} model with features codeforge does not compute: head_dim {c.get('head_dim')} != "
-                          f"hidden_size / num_attention_heads ({m.n_embd}/{m.n_head})")
+        raise ExportError(f"a {mt} model with features codeforge does not compute: head_dim "
+                          f"{c.get('head_dim')} != hidden_size / num_attention_heads ({m.n_embd}/{m.n_head})")
     fam = Family(mt, act if mt == "arcee" else None)
     return m, fam
 
@@ -442,7 +459,8 @@ def load_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
 
 def import_hf(hf_dir: str | Path, out: str | Path, overwrite: bool = False, verify: bool = True,
               log: Callable[[str], None] = print) -> dict:
-    """A codeforge run directory `out` (one checkpoint, step 0, with the tokenizer) from the Hugging Face model
+    """A codeforge run directory `out` (one checkpoint, step 0, with the
+    tokenizer) from the Hugging Face model
     in `hf_dir`, to start training from (`codeforge train --init-from OUT`), generate, evaluate or export."""
     hf_dir = Path(hf_dir)
     c = read_hf_config(hf_dir)
@@ -450,22 +468,27 @@ def import_hf(hf_dir: str | Path, out: str | Path, overwrite: bool = False, veri
     out = check_out(out, overwrite)
     # the weights' headers, and the memory: our float32 model, the tensors read, their float32 copies
     # (from_hf), and transformers' own copy when verifying
-    stored = sum(header_bytes(safetensors_header(f, ExportError, NOT_IMPORTABLE)) for f in hf_weight_files(hf_dir))
+    stored = sum(header_bytes(safetensors_header(f, ExportError, NOT_IMPORTABLE))
+                 for f in hf_weight_files(hf_dir))
     params = declared_shapes(m)[2]
     check_memory(4 * params * (3 if verify else 2) + stored,
-                 f"{hf_dir / 'config.json'} declares a model of {params:,} parameters ({dims(m)}): importing it",
+                 f"{hf_dir / 'config.json'} declares a model of "
+                 f"{params:,} parameters ({dims(m)}): importing it",
                  ExportError)
     if not os.path.lexists(hf_dir / "tokenizer.json"):
-        raise ExportError(f"{hf_dir} has no tokenizer.json (the fast tokenizer); codeforge needs it to train and "
-                          f"generate. Save it with AutoTokenizer.from_pretrained(...).save_pretrained({hf_dir})")
+        raise ExportError(f"{hf_dir} has no tokenizer.json (the fast tokenizer); codeforge needs it to train "
+                          "and generate. Save it with "
+                          f"AutoTokenizer.from_pretrained(...).save_pretrained({hf_dir})")
     try:
         tok = CodeTokenizer.load(hf_dir, log=log)  # a split rule that fails on probe texts is refused
     except TokenizerError as e:
         raise ExportError(str(e)) from e
     if tok.vocab_size > m.vocab_size:
-        raise ExportError(f"{hf_dir}: the tokenizer has {tok.vocab_size} tokens but the model only {m.vocab_size}")
+        raise ExportError(f"{hf_dir}: the tokenizer has {tok.vocab_size} "
+                          f"tokens but the model only {m.vocab_size}")
     lacking = [t for t in SPECIAL_TOKENS if tok.special_ids.get(t) is None and not t.startswith("<|reserved")
-               and t not in (FIM_REPO, FIM_FILE_SEP)]  # without them /infill joins other files as llama.cpp does
+               # without them /infill joins other files as llama.cpp does
+               and t not in (FIM_REPO, FIM_FILE_SEP)]
     if lacking:
         log(f"note: the tokenizer lacks codeforge's special tokens {lacking}: what uses them (FIM, chat with "
             f"tools, ...) will not work with this model")
@@ -474,7 +497,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, overwrite: bool = False, veri
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and m.tie_embeddings)]
     if missing or unexpected:
-        raise ExportError(f"{hf_dir}: weights do not fit (missing {missing[:4]}, unexpected {unexpected[:4]})")
+        raise ExportError(f"{hf_dir}: weights do not fit (missing "
+                          f"{missing[:4]}, unexpected {unexpected[:4]})")
     model.eval()
     if out.exists() and overwrite:
         shutil.rmtree(out) if out.is_dir() else out.unlink()
@@ -498,7 +522,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, overwrite: bool = False, veri
             "params": model.num_params()}
 
 
-# -- parity -------------------------------------------------------------------------------------------------------------
+# -- parity --------------------------------------------------------------------------------------------------
 
 SAMPLE = ('def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n    a, b = 0, 1\n'
           '    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n\nfunc Max(a, b int) int {\n'
@@ -512,8 +536,8 @@ def load_transformers(hf_dir: str | Path):
         from transformers.utils import logging as hf_logging
     except ImportError:
         return None
-    # transformers' "Loading weights" tqdm bar would land in the middle of codeforge's own output: off for this
-    # load (it also switches off huggingface_hub's bars), then back to what it was
+    # transformers' "Loading weights" tqdm bar would land in the middle of codeforge's own output: off for
+    # this load (it also switches off huggingface_hub's bars), then back to what it was
     was = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:

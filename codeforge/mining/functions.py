@@ -60,7 +60,8 @@ def python_trivial(stmts: list) -> bool:
             continue
         if s.type == "expression_statement" and [c.type for c in s.named_children] == ["ellipsis"]:
             continue
-        if s.type == "raise_statement" and re.fullmatch(rb"raise\s+NotImplementedError(\(.*\))?", s.text, re.DOTALL):
+        if s.type == "raise_statement" and re.fullmatch(rb"raise\s+NotImplementedError(\(.*\))?", s.text,
+                                                        re.DOTALL):
             continue
         return False
     return True
@@ -199,7 +200,8 @@ def mine_functions(text: str, language: str, skipped: Counter | None = None) -> 
     return (_python_functions if language == "python" else _go_functions)(src, root, skipped)
 
 
-def mined_files(sources: list[str], opts: CorpusOptions, cstats: CorpusStats, skipped: Counter, counts: Counter,
+def mined_files(sources: list[str], opts: CorpusOptions, cstats: CorpusStats, skipped: Counter,
+                counts: Counter,
                 mine: Callable[[str, str, Counter], list[dict]] = mine_functions) -> Iterator[tuple]:
     """(document, language, what `mine` found in it) for every Go or Python file of the corpus, in its
     order: the walk every miner makes. Other files are counted in skipped["unsupported_file"];

@@ -50,8 +50,8 @@ from pathlib import Path
 from .. import CodeforgeError
 from ..atomic import output_dir, write_splits
 from ..chat import ROLES
-from ..corpus import (MAX_LINE_CHARS, CorpusOptions, CorpusStats, bounded_lines, content_hash, long_line_detail,
-                      open_text, split_of)
+from ..corpus import (MAX_LINE_CHARS, CorpusOptions, CorpusStats, bounded_lines, content_hash,
+                      long_line_detail, open_text, split_of)
 from ..sandbox import run_many
 from ..syntax import parser
 from ..tasks.code_tasks import load_tasks
@@ -67,18 +67,22 @@ SPLITS = ("train", "heldout")
 SWAPS = {"+": "-", "-": "+", "*": "/", "/": "*", "//": "/", "<": "<=", "<=": "<", ">": ">=", ">=": ">",
          "==": "!=", "!=": "==", "and": "or", "or": "and", "&&": "||", "||": "&&", "+=": "-=", "-=": "+="}
 RELATIONAL = {"<": "<=", "<=": "<", ">": ">=", ">=": ">"}
-OPERATOR_PARENTS = {"python": {"binary_operator", "comparison_operator", "boolean_operator", "augmented_assignment"},
+OPERATOR_PARENTS = {"python": {"binary_operator", "comparison_operator", "boolean_operator",
+                               "augmented_assignment"},
                     "go": {"binary_expression", "assignment_statement"}}
 # Subtrees never searched for edit sites: text, not code.
 OPAQUE = {"python": {"string", "comment", "concatenated_string"},
           "go": {"interpreted_string_literal", "raw_string_literal", "rune_literal", "comment"}}
-STRING_TYPES = {"python": {"string", "concatenated_string"}, "go": {"interpreted_string_literal", "raw_string_literal"}}
+STRING_TYPES = {"python": {"string", "concatenated_string"},
+                "go": {"interpreted_string_literal", "raw_string_literal"}}
 INTEGER = {"python": "integer", "go": "int_literal"}
-FUNCTIONS = {"python": {"function_definition"}, "go": {"function_declaration", "method_declaration", "func_literal"}}
+FUNCTIONS = {"python": {"function_definition"},
+             "go": {"function_declaration", "method_declaration", "func_literal"}}
 PY_COLON_OWNERS = {"function_definition", "class_definition", "if_statement", "elif_clause", "else_clause",
                    "for_statement", "while_statement", "try_statement", "except_clause", "finally_clause",
                    "with_statement"}
-PY_RANGE_STOPS = {"identifier", "call", "attribute", "subscript", "parenthesized_expression", "binary_operator"}
+PY_RANGE_STOPS = {"identifier", "call", "attribute", "subscript", "parenthesized_expression",
+                  "binary_operator"}
 DECIMAL = re.compile(rb"0|[1-9][0-9]*")
 GO_PREFIX = b"package p\n\n"  # is_valid_syntax's rule: a lone Go function parses inside a package clause
 
@@ -209,7 +213,12 @@ def _syntax_edits(s: _Source) -> list[tuple[str, tuple]]:
     for n in s.nodes:
         if not n.is_named and n.type in (")", "]", "}"):
             out.append(("bracket", (n.start_byte, n.end_byte, b"")))
-        elif s.language == "python" and n.type == ":" and n.parent is not None and n.parent.type in PY_COLON_OWNERS:
+        elif (
+            s.language == "python"
+            and n.type == ":"
+            and n.parent is not None
+            and n.parent.type in PY_COLON_OWNERS
+        ):
             out.append(("colon", (n.start_byte, n.end_byte, b"")))
         elif _is_string(n, s.language) and n.type != "concatenated_string" and n.child_count:
             close = n.children[-1]  # string_end (Python), `"` or `` ` `` (Go)
@@ -227,7 +236,8 @@ def _loop_conditions(s: _Source) -> list:
         elif n.type == "for_clause":
             out.append(n.child_by_field_name("condition"))
         elif n.type == "for_statement" and s.language == "go":
-            out += [c for c in n.named_children if c.type not in ("for_clause", "range_clause", "block", "comment")]
+            out += [c for c in n.named_children
+                    if c.type not in ("for_clause", "range_clause", "block", "comment")]
     return [c for c in out if c is not None]
 
 
@@ -248,7 +258,12 @@ def _operator_edits(s: _Source) -> list[tuple[str, tuple]]:
     in_loops = {n.start_byte for c in _loop_conditions(s) for n in _relational_in(c, s.language)}
     out = []
     for n in s.nodes:
-        if n.is_named or n.type not in SWAPS or n.parent is None or n.parent.type not in OPERATOR_PARENTS[s.language]:
+        if (
+            n.is_named
+            or n.type not in SWAPS
+            or n.parent is None
+            or n.parent.type not in OPERATOR_PARENTS[s.language]
+        ):
             continue
         if n.type in RELATIONAL and n.start_byte in in_loops:
             continue  # off_by_one's
@@ -422,7 +437,8 @@ def _row(request: str, chosen: str, rejected: str, meta: dict) -> dict:
 
 def mine_pairs(sources: list[str], languages: list[str] | None = None, max_pairs: int = 0,
                heldout_fraction: float = 0.05, seed: int = 0, max_chars: int = 4000, per_function: int = 1,
-               kinds: list[str] | None = None, exclude_tests: bool = True) -> tuple[list[dict], list[dict], dict]:
+               kinds: list[str] | None = None,
+               exclude_tests: bool = True) -> tuple[list[dict], list[dict], dict]:
     """(train, heldout, stats) preference pairs mined from `sources` (paths as `codeforge.corpus` reads
     them), in the conversational shape:
 
@@ -512,8 +528,8 @@ def write_pairs(sources: list[str], out_dir: str | Path, overwrite: bool = False
                         f"documented Go or Python functions, or pass --languages go,python "
                         f"(now {','.join(bound.arguments['languages'] or ['go', 'python'])})")
     write_splits(out, {"train.jsonl": train, "heldout.jsonl": heldout},
-                 {"sources": list(sources), "options": {k: v for k, v in bound.arguments.items() if k != "sources"},
-                  "stats": stats})
+                 {"sources": list(sources),
+                  "options": {k: v for k, v in bound.arguments.items() if k != "sources"}, "stats": stats})
     return stats
 
 
@@ -521,7 +537,8 @@ def write_pairs(sources: list[str], out_dir: str | Path, overwrite: bool = False
 
 def _task_field(task: dict, key: str, i: int):
     if not isinstance(task, dict) or key not in task:
-        raise MineError(f"task {i} has no {key!r}: tasks are dicts with 'id', 'prompt', 'solution' and 'tests'")
+        raise MineError(f"task {i} has no {key!r}: tasks are dicts "
+                        "with 'id', 'prompt', 'solution' and 'tests'")
     return task[key]
 
 
@@ -556,12 +573,14 @@ def pairs_from_tasks(tasks: list[dict], seed: int = 0, per_task: int = 3, kinds:
         if not variants:
             skipped["no_mutation"] += 1
         for kind, broken in variants:
-            rows.append(_row(prompt, solution, broken, {"kind": kind, "language": "python", "task_id": task_id}))
+            rows.append(_row(prompt, solution, broken,
+                             {"kind": kind, "language": "python", "task_id": task_id}))
     return rows
 
 
 def write_task_pairs(tasks_path: str | Path, out_dir: str | Path, overwrite: bool = False, seed: int = 0,
-                     per_task: int = 3, max_pairs: int = 0, heldout_fraction: float = 0.05, **sandbox_kw) -> dict:
+                     per_task: int = 3, max_pairs: int = 0, heldout_fraction: float = 0.05,
+                     **sandbox_kw) -> dict:
     """Pairs from tasks with reference solutions (a `make-tasks` directory: its train split gives the training
     pairs, its test split the held-out ones; a JSONL file: split by a hash of the task id), each rejected
     side run against the tests and kept only when it fails them. Written like write_pairs."""
@@ -583,8 +602,9 @@ def write_task_pairs(tasks_path: str | Path, out_dir: str | Path, overwrite: boo
         stats["kinds"].update(r["meta"]["kind"] for r in kept)
         rows[name] = kept
     if not rows["train"]:
-        raise MineError(f"no preference pairs from the tasks in {p}: skipped {dict(stats['skipped'])}, dropped "
-                        f"{dict(stats['dropped'])}; the tasks need reference solutions whose broken copies fail")
+        raise MineError(f"no preference pairs from the tasks in {p}: skipped {dict(stats['skipped'])}, "
+                        f"dropped {dict(stats['dropped'])}; the tasks need "
+                        "reference solutions whose broken copies fail")
     st = {"tasks": {k: len(v) for k, v in splits.items()}, "pairs": sum(map(len, rows.values())),
           "train": len(rows["train"]), "heldout": len(rows["heldout"]),
           **{k: dict(sorted(v.items())) for k, v in stats.items()}}
@@ -598,13 +618,20 @@ def _content(side) -> str:
     """The text of a pair's side: a string, or the content of its (last) assistant message."""
     if isinstance(side, str):
         return side
-    if isinstance(side, list) and side and isinstance(side[-1], dict) and isinstance(side[-1].get("content"), str):
+    if (
+        isinstance(side, list)
+        and side
+        and isinstance(side[-1], dict)
+        and isinstance(side[-1].get("content"), str)
+    ):
         return side[-1]["content"]
-    raise MineError(f"a pair side must be text or a list ending in an assistant message, got {str(side)[:80]!r}")
+    raise MineError("a pair side must be text or a list ending in "
+                    f"an assistant message, got {str(side)[:80]!r}")
 
 
 def check_pairs_by_tests(rows: list[dict], tasks_by_id: dict, timeout: float = 5.0, *,
-                         workers: int | None = None, unsafe_no_sandbox: bool = False) -> tuple[list[dict], Counter]:
+                         workers: int | None = None,
+                         unsafe_no_sandbox: bool = False) -> tuple[list[dict], Counter]:
     """(kept, dropped): the rows whose chosen side passes its task's tests and whose rejected side does not,
     each program being `code + "\\n\\n" + tests` run in `codeforge.sandbox` (run_many, `timeout` seconds).
     A rejected side that times out or runs out of memory fails; its status goes to meta["rejected_status"].
@@ -670,7 +697,8 @@ def _answer(side, name: str) -> str:
             raise _Bad("bad_message", f"{name!r} must hold exactly one assistant message, has {len(side)}")
         side = side[0]
     if not isinstance(side, dict):
-        raise _Bad("bad_type", f"{name!r} is {type(side).__name__}: give text or a list of one assistant message")
+        raise _Bad("bad_type",
+                   f"{name!r} is {type(side).__name__}: give text or a list of one assistant message")
     m = _message(side, f"{name!r}")
     if m["role"] != "assistant":
         raise _Bad("bad_message", f"{name!r} is a {m['role']} message; it must be the assistant's answer")
@@ -689,7 +717,8 @@ def _implicit(chosen: list, rejected: list) -> tuple[list[dict], str, str]:
     while k < min(len(chosen), len(rejected)) and chosen[k] == rejected[k]:
         k += 1
     if k == len(chosen) == len(rejected):
-        raise _Bad("same_sides", "'chosen' and 'rejected' are the same conversation: the pair teaches nothing")
+        raise _Bad("same_sides",
+                   "'chosen' and 'rejected' are the same conversation: the pair teaches nothing")
     if k == 0:
         raise _Bad("no_prompt", "no 'prompt', and 'chosen' and 'rejected' share no leading messages to take "
                                 "it from: give 'prompt' explicitly")
@@ -720,7 +749,8 @@ def normalise_pair(obj) -> dict:
 
 def _normalise(obj) -> dict:
     if not isinstance(obj, dict):
-        raise _Bad("bad_type", f"expected a JSON object with 'chosen' and 'rejected', got {type(obj).__name__}")
+        raise _Bad("bad_type",
+                   f"expected a JSON object with 'chosen' and 'rejected', got {type(obj).__name__}")
     for side in ("chosen", "rejected"):
         if side not in obj:
             raise _Bad("missing_side", f"no {side!r}: a pair needs both 'chosen' and 'rejected'")
@@ -775,8 +805,8 @@ def load_pairs(path: str | Path, split: str = "train", skipped: Counter | None =
     if p.is_dir():
         may_be_empty = split == "heldout"
         if not (p / f"{split}.jsonl").is_file():
-            raise PairError(f"{str(p)!r} holds no {split}.jsonl: pass a JSONL file, or a directory written by "
-                            f"the pair miner (train.jsonl, heldout.jsonl)")
+            raise PairError(f"{str(p)!r} holds no {split}.jsonl: pass a JSONL file, or a directory written "
+                            f"by the pair miner (train.jsonl, heldout.jsonl)")
         p = p / f"{split}.jsonl"
     elif not p.exists():
         raise PairError(f"{str(p)!r}: no such preference-pair file")
@@ -787,7 +817,8 @@ def load_pairs(path: str | Path, split: str = "train", skipped: Counter | None =
             for lineno, line in bounded_lines(f, max_line_chars):
                 if line is None:
                     reason, detail = "oversized_record", long_line_detail(
-                        max_line_chars, "a pair that long cannot fit a context: shorten the record or drop it")
+                        max_line_chars,
+                        "a pair that long cannot fit a context: shorten the record or drop it")
                 elif not line.strip():
                     continue
                 else:

@@ -61,7 +61,8 @@ from ..atomic import write_splits
 from ..corpus import CorpusOptions, CorpusStats, content_hash, split_of
 from ..syntax import parser
 from .functions import (LANG_NAME, MineError, dedent, go_doc, line_start,
-                        go_function_nodes, mined_files, python_docstring, python_function_nodes, python_trivial)
+                        go_function_nodes, mined_files, python_docstring, python_function_nodes,
+                        python_trivial)
 
 PLAN_OPEN = "<plan>"
 CODE_OPEN = "<code>"
@@ -89,8 +90,8 @@ PY_SIMPLE = {
     "function_definition": "def", "class_definition": "class", "type_alias_statement": "assign",
     "print_statement": "call", "exec_statement": "call",
 }
-PY_COMPOUND = {"if_statement": "if", "for_statement": "for", "while_statement": "while", "try_statement": "try",
-               "with_statement": "with", "match_statement": "match"}
+PY_COMPOUND = {"if_statement": "if", "for_statement": "for", "while_statement": "while",
+               "try_statement": "try", "with_statement": "with", "match_statement": "match"}
 PY_CLAUSE = {"elif_clause": "elif", "else_clause": "else", "except_clause": "except",
              "except_group_clause": "except", "finally_clause": "finally", "case_clause": "case"}
 PY_EXPR = {"call": "call", "await": "await", "yield": "yield", "assignment": "assign",
@@ -103,8 +104,10 @@ GO_SIMPLE = {
     "continue_statement": "continue", "goto_statement": "goto", "fallthrough_statement": "fallthrough",
     "function_declaration": "def", "method_declaration": "def", "import_declaration": "import",
 }
-GO_CASE = {"expression_case": "case", "type_case": "case", "communication_case": "case", "default_case": "default"}
-GO_SWITCH = {"expression_switch_statement": "switch", "type_switch_statement": "switch", "select_statement": "select"}
+GO_CASE = {"expression_case": "case", "type_case": "case", "communication_case": "case",
+           "default_case": "default"}
+GO_SWITCH = {"expression_switch_statement": "switch", "type_switch_statement": "switch",
+             "select_statement": "select"}
 
 
 def _first_block(node):
@@ -215,7 +218,8 @@ def _python_function_node(root):
 
 def _go_function_node(root):
     """The function/method declaration when the file is exactly one (besides package and imports)."""
-    decls = [c for c in root.named_children if c.type not in ("package_clause", "import_declaration", "comment")]
+    decls = [c for c in root.named_children
+             if c.type not in ("package_clause", "import_declaration", "comment")]
     ok = len(decls) == 1 and decls[0].type in ("function_declaration", "method_declaration")
     return decls[0] if ok else None
 
@@ -311,14 +315,15 @@ def _go_units(src: bytes, root, skipped: Counter) -> list[dict]:
             first = first.prev_sibling
         start = line_start(src, first.start_byte)
         out.append({"name": name, "prompt": src[start:body.start_byte + 1].decode("utf-8"),
-                    "body": src[body.start_byte + 1:node.end_byte].decode("utf-8"), "plan": _go_body_plan(node),
-                    "key": src[node.start_byte:node.end_byte].decode("utf-8")})
+                    "body": src[body.start_byte + 1:node.end_byte].decode("utf-8"),
+                    "plan": _go_body_plan(node), "key": src[node.start_byte:node.end_byte].decode("utf-8")})
     return out
 
 
 def mine_units(text: str, language: str, skipped: Counter | None = None) -> list[dict]:
     """The non-trivial functions of one source file, in file order, each {"name", "prompt", "body", "plan",
-    "key"} (plan uncapped; key: the code mining/sft.py hashes). Functions left out are counted in `skipped`."""
+    "key"} (plan uncapped; key: the code mining/sft.py hashes). Functions left
+    out are counted in `skipped`."""
     if language not in LANG_NAME:
         raise PlanMineError(f"cannot mine functions of language {language!r}: only {sorted(LANG_NAME)}")
     skipped = Counter() if skipped is None else skipped
@@ -377,7 +382,8 @@ def mine_plans(sources: list[str], languages: list[str] | None = None, max_examp
             plan = _cap(fn["plan"], max_plan_words)
             truncated += plan is not fn["plan"]
             split = split_of(digest if seed == 0 else content_hash(f"{seed}:{digest.hex()}"), val_fraction)
-            rows[split].append({"prompt": fn["prompt"], "plan": plan, "body": fn["body"], "language": language,
+            rows[split].append({"prompt": fn["prompt"], "plan": plan, "body": fn["body"],
+                                "language": language,
                                 "source": doc.source, "name": fn["name"], "split": split})
             if max_examples and len(rows["train"]) + len(rows["val"]) >= max_examples:
                 break
@@ -411,6 +417,8 @@ def write_plans(sources: list[str], out_dir: str | Path, overwrite: bool = False
                             f"{stats['functions']} functions, skipped {stats['skipped']}, corpus skipped "
                             f"{stats['corpus_skipped']}; check the paths hold Go or Python code")
     write_splits(out, {"train.jsonl": train, "val.jsonl": val},
-                 {"sources": list(sources), "options": {k: v for k, v in bound.arguments.items() if k != "sources"},
-                  "plan_words": list(PLAN_WORDS), "plan_open": PLAN_OPEN, "code_open": CODE_OPEN, "stats": stats})
+                 {"sources": list(sources),
+                  "options": {k: v for k, v in bound.arguments.items() if k != "sources"},
+                  "plan_words": list(PLAN_WORDS), "plan_open": PLAN_OPEN, "code_open": CODE_OPEN,
+                  "stats": stats})
     return {**stats, "example": (train or val)[0]}

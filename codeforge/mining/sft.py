@@ -130,6 +130,6 @@ def write_sft(sources: list[str], out_dir: str | Path, overwrite: bool = False, 
                         f"documented Go or Python functions, or pass --languages go,python "
                         f"(now {','.join(bound.arguments['languages'] or ['go', 'python'])})")
     write_splits(out, {"train.jsonl": train, "heldout.jsonl": heldout},
-                 {"sources": list(sources), "options": {k: v for k, v in bound.arguments.items() if k != "sources"},
-                  "stats": stats})
+                 {"sources": list(sources),
+                  "options": {k: v for k, v in bound.arguments.items() if k != "sources"}, "stats": stats})
     return stats

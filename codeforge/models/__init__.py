@@ -31,7 +31,8 @@ def config_class(arch: str) -> type:
 
 
 def model_config(d: dict[str, Any] | Any) -> Any:
-    """A config object from a saved dict (arch defaults to "gpt" for checkpoints written before the registry)."""
+    """A config object from a saved dict (arch defaults to "gpt" for checkpoints
+    written before the registry)."""
     if not isinstance(d, dict):
         return d
     cls = config_class(d.get("arch", "gpt"))

@@ -45,7 +45,8 @@ GELU_C = math.sqrt(2.0 / math.pi)
 # its default it would be silently ignored, so the step is refused and PyTorch runs the model's own forward.
 KNOWN_OPTIONS: dict[str, tuple | None] = {
     "arch": None, "vocab_size": None, "block_size": None, "n_layer": None, "tie_embeddings": None,
-    "n_embd": None, "n_head": None, "n_kv_head": None, "ffn_hidden": None, "norm_eps": None, "rope_base": None,
+    "n_embd": None, "n_head": None, "n_kv_head": None, "ffn_hidden": None, "norm_eps": None,
+    "rope_base": None,
     "qk_norm": None, "bias": None, "embd_dropout": None, "attn_dropout": None, "resid_dropout": None,
     "mlp": ("gelu", "swiglu", "relu2"), "norm": ("layernorm", "rmsnorm"), "pos": ("learned", "rope"),
 }
@@ -55,14 +56,16 @@ def knows(cfg) -> bool:
     """Whether every option `cfg` sets is one Stepper.step implements (KNOWN_OPTIONS)."""
     if unknown_options(cfg, KNOWN_OPTIONS):
         return False
-    return all(allowed is None or getattr(cfg, name, None) in allowed for name, allowed in KNOWN_OPTIONS.items())
+    return all(allowed is None or getattr(cfg, name, None) in allowed
+               for name, allowed in KNOWN_OPTIONS.items())
 
 
 def usable(model: nn.Module, device: torch.device, precision: str) -> bool:
     """Whether Stepper can run `model`'s decoding steps (see the module's docstring)."""
     if not isinstance(model, GPT) or type(model).forward is not GPT.forward or not knows(model.cfg):
         return False
-    dropout = model.training and any((model.cfg.embd_dropout, model.cfg.attn_dropout, model.cfg.resid_dropout))
+    dropout = model.training and any((model.cfg.embd_dropout, model.cfg.attn_dropout,
+                                      model.cfg.resid_dropout))
     return (device.type == "cpu" and precision == "fp32" and not torch.is_grad_enabled() and not dropout
             and model.wte.weight.dtype == torch.float32 and backend() == "openblas")
 
@@ -202,12 +205,17 @@ class Stepper:
         cos = self.cos[at][:, None, :] if self.cos is not None else None  # (B, 1, hd)
         sin = self.sin[at][:, None, :] if self.sin is not None else None
         # the columns before each row's start (gpt.attention_mask's rule for one query at column col)
-        hidden = None if first is None else (np.arange(col + 1)[None, :] < first[:, None]).reshape(B, 1, 1, col + 1)
+        hidden = (
+            None
+            if first is None
+            else (np.arange(col + 1)[None, :] < first[:, None]).reshape(B, 1, 1, col + 1)
+        )
         for i, L in enumerate(self.layers):
             h = self._linear(self._norm(x, L["ln_1"]), L["qkv"]).reshape(B, H + 2 * KV, hd)
             v = h[:, H + KV:]
             if L["q_norm"] is not None:
-                qk = np.concatenate([self._norm(h[:, :H], L["q_norm"]), self._norm(h[:, H:H + KV], L["k_norm"])],
+                qk = np.concatenate([self._norm(h[:, :H], L["q_norm"]),
+                                     self._norm(h[:, H:H + KV], L["k_norm"])],
                                     axis=1)
             else:
                 qk = h[:, :H + KV]

@@ -47,7 +47,8 @@ _local = threading.local()  # .decoding: inside decode_threads() on this thread
 
 
 def _openblas():
-    """(numpy, threadpoolctl controller of numpy's OpenBLAS) or None where there is none, or it is turned off."""
+    """(numpy, threadpoolctl controller of numpy's OpenBLAS) or None where there
+    is none, or it is turned off."""
     if "blas" not in _state:
         _state["blas"] = None
         choice = os.environ.get(MATMUL_ENV, "auto").strip().lower() or "auto"

@@ -8,8 +8,8 @@ kernels where the device has them).
 
 The surface every model in codeforge shares:
   forward(idx, targets=None, kv_cache=None, starts=None, loss_reduction="mean") -> logits
-  (B, T, vocab), or the cross-entropy loss when targets are given (targets == -1 are ignored; models/lm_loss.py),
-  or (GPT; return_hidden=True) the final hidden states;
+  (B, T, vocab), or the cross-entropy loss when targets are given (targets == -1 are ignored;
+  models/lm_loss.py), or (GPT; return_hidden=True) the final hidden states;
   num_params(); flops_per_token(); optim_groups(weight_decay); new_kv_cache(...); context_length.
 """
 
@@ -33,8 +33,8 @@ class BlockConfig:
     from gpt.Block (GPT, the reward model, HRM's three stacks) declares these fields here, once."""
     n_embd: int = setting(768, "model width", range=(16, 16_384))
     n_head: int = setting(12, "attention heads", range=(1, 256))
-    n_kv_head: int = setting(0, "key/value heads (fewer than n_head: grouped-query attention)", range=(1, 256),
-                             zero_means="n_head")
+    n_kv_head: int = setting(0, "key/value heads (fewer than n_head: grouped-query attention)",
+                             range=(1, 256), zero_means="n_head")
     mlp: str = setting("gelu", "MLP activation", choices=("gelu", "swiglu", "relu2"))
     ffn_hidden: int = setting(0, "MLP hidden width", range=(1, 1 << 20),
                               zero_means="4 x n_embd (gelu, relu2) or 8/3 x n_embd rounded up to 64 (swiglu)")
@@ -52,7 +52,9 @@ class BlockConfig:
         if not self.n_kv_head:
             self.n_kv_head = self.n_head
         if not self.ffn_hidden:
-            self.ffn_hidden = 4 * self.n_embd if self.mlp != "swiglu" else 64 * math.ceil(8 * self.n_embd / 3 / 64)
+            self.ffn_hidden = (
+                4 * self.n_embd if self.mlp != "swiglu" else 64 * math.ceil(8 * self.n_embd / 3 / 64)
+            )
 
     @property
     def head_dim(self) -> int:
@@ -65,7 +67,8 @@ class BlockConfig:
 
 @dataclass
 class GPTConfig(BlockConfig):
-    arch: str = setting("gpt", "model architecture (the registry key, saved in checkpoints)", choices=("gpt",))
+    arch: str = setting("gpt", "model architecture (the registry key, saved in checkpoints)",
+                        choices=("gpt",))
     vocab_size: int = setting(50304, "model vocabulary", range=(256, 200_000),
                               zero_means="the data's tokenizer, padded to a multiple of 64")
     block_size: int = setting(1024, "context length in tokens", range=(8, 131_072))
@@ -120,7 +123,8 @@ def rope_tables(head_dim: int, length: int, base: float, device=None) -> tuple[t
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, heads, T, head_dim) rotated: [x1 cos - x2 sin, x2 cos + x1 sin] for halves x1, x2; cos/sin (B or 1,
+    """x (B, heads, T, head_dim) rotated: [x1 cos - x2 sin, x2 cos + x1 sin] for
+    halves x1, x2; cos/sin (B or 1,
     1, T, head_dim) from rope_tables. Three operations where the halves took eight (a decoding step runs
     this 24 times at 12 layers)."""
     xf = x.float()
@@ -135,7 +139,8 @@ def init_gpt2(m: nn.Module, depth: int, std: float = 0.02, keep: nn.Module | Non
     another's (a tied head), left as it is."""
     if isinstance(m, nn.Linear):
         if m is not keep:
-            nn.init.normal_(m.weight, 0.0, std / math.sqrt(2 * depth) if getattr(m, "residual", False) else std)
+            nn.init.normal_(m.weight, 0.0,
+                            std / math.sqrt(2 * depth) if getattr(m, "residual", False) else std)
         if m.bias is not None:
             nn.init.zeros_(m.bias)
     elif isinstance(m, nn.Embedding):
@@ -157,7 +162,8 @@ def refresh_rope(module: nn.Module, cfg: BlockConfig, device) -> None:
 
 
 class KVCache:
-    """Keys and values of every layer for up to `max_len` positions: (B, n_kv_head, max_len, head_dim) each."""
+    """Keys and values of every layer for up to `max_len` positions: (B,
+    n_kv_head, max_len, head_dim) each."""
 
     def __init__(self, cfg: GPTConfig, batch: int, max_len: int, device, dtype):
         shape = (batch, cfg.n_kv_head, max_len, cfg.head_dim)
@@ -215,7 +221,8 @@ class Attention(nn.Module):
         B, T, C = x.shape
         cfg, hd = self.cfg, self.cfg.head_dim
         H, KV = cfg.n_head, cfg.n_kv_head
-        heads = self.c_attn(x).view(B, T, H + 2 * KV, hd).transpose(1, 2)  # (B, q heads + k heads + v heads, T, hd)
+        # (B, q heads + k heads + v heads, T, hd)
+        heads = self.c_attn(x).view(B, T, H + 2 * KV, hd).transpose(1, 2)
         # split, not slices: the backward of a split is one concatenation, where each slice's backward fills a
         # gradient the size of `heads` with zeros and adds them up (docs/LOG.md, 2026-11-27, eighth session)
         if self.q_norm is not None:
@@ -275,7 +282,8 @@ class Block(nn.Module):
         C, hd = cfg.n_embd, cfg.head_dim
         out: dict[str, tuple[int, ...]] = {}
 
-        def norm(name: str, dim: int) -> None:  # make_norm: RMSNorm has a gain only, LayerNorm a bias with bias
+        # make_norm: RMSNorm has a gain only, LayerNorm a bias with bias
+        def norm(name: str, dim: int) -> None:
             out[f"{prefix}{name}.weight"] = (dim,)
             if cfg.norm == "layernorm" and cfg.bias:
                 out[f"{prefix}{name}.bias"] = (dim,)
@@ -328,7 +336,8 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         if cfg.pos not in ("learned", "rope") or cfg.norm not in ("layernorm", "rmsnorm"):
-            raise ValueError(f"pos must be learned|rope and norm layernorm|rmsnorm, got {cfg.pos}, {cfg.norm}")
+            raise ValueError("pos must be learned|rope and norm "
+                             f"layernorm|rmsnorm, got {cfg.pos}, {cfg.norm}")
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.pos == "learned" else None
@@ -362,7 +371,8 @@ class GPT(nn.Module):
         return self.cfg.block_size
 
     def new_kv_cache(self, batch: int, max_len: int, device, dtype) -> KVCache:
-        """An empty cache for `batch` rows of up to `max_len` positions (the engine asks; it never builds one)."""
+        """An empty cache for `batch` rows of up to `max_len` positions (the engine
+        asks; it never builds one)."""
         return KVCache(self.cfg, batch, max_len, device, dtype)
 
     def num_params(self, non_embedding: bool = False) -> int:
@@ -387,13 +397,15 @@ class GPT(nn.Module):
         blocks' weight matrices form a third group marked "muon" (embeddings, the output head and any head a
         subclass adds stay with AdamW). Every parameter is in exactly one group (asserted)."""
         params = {n: p for n, p in self.named_parameters() if p.requires_grad}
-        # LoRA's low-rank factors (models/lora.py) stay with AdamW: Muon's orthogonalised steps are for full matrices
+        # LoRA's low-rank factors (models/lora.py) stay with AdamW: Muon's
+        # orthogonalised steps are for full matrices
         hidden = ({id(p) for n, p in self.blocks.named_parameters() if p.dim() == 2 and ".lora_" not in n}
                   if muon else set())
         matrices = [p for p in params.values() if p.dim() == 2 and id(p) in hidden]
         decay = [p for p in params.values() if p.dim() >= 2 and id(p) not in hidden]
         no_decay = [p for p in params.values() if p.dim() < 2]
-        assert len(matrices) + len(decay) + len(no_decay) == len(params), "a parameter is in no optimizer group"
+        assert len(matrices) + len(decay) + len(no_decay) == len(params), ("a parameter is in "
+                                                                           "no optimizer group")
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         return groups + ([{"params": matrices, "weight_decay": weight_decay, "muon": True}] if muon else [])
 
@@ -412,7 +424,8 @@ class GPT(nn.Module):
         B, T = idx.shape
         start = kv_cache.len if kv_cache is not None else 0
         if start + T > self.cfg.block_size:
-            raise ValueError(f"sequence of {start + T} tokens exceeds the model's context of {self.cfg.block_size}")
+            raise ValueError(f"sequence of {start + T} tokens exceeds the model's context of "
+                             f"{self.cfg.block_size}")
         pos = positions(T, start, starts, idx.device)
         attn_mask = attention_mask(T, start, starts, idx.device)
         x = self.wte(idx)  # (B, T, n_embd)

@@ -60,9 +60,11 @@ REFINE, DONE = 0, 1
 class HRMConfig(BlockConfig):
     """HRM's own fields; the block fields (width, heads, MLP, norm, positions, dropout) are BlockConfig's, the
     same for all three stacks (a learned position table is one per stack)."""
-    arch: str = setting("hrm", "model architecture (the registry key, saved in checkpoints)", choices=("hrm",))
+    arch: str = setting("hrm", "model architecture (the registry key, saved in checkpoints)",
+                        choices=("hrm",))
     vocab_size: int = setting(50304, "model vocabulary (one embedding shared by all modules and the output)",
-                              range=(256, 200_000), zero_means="the data's tokenizer, padded to a multiple of 64")
+                              range=(256, 200_000),
+                              zero_means="the data's tokenizer, padded to a multiple of 64")
     # a smaller default width and head count than GPT's (the seed's 10-12M per module); the rest of the block
     # is BlockConfig's, unchanged
     n_embd: int = setting(256, "model width (all modules)", range=(16, 16_384))
@@ -79,11 +81,13 @@ class HRMConfig(BlockConfig):
     refine_weight: float = setting(0.2, "loss weight of refinement: its LM loss plus the decision CE",
                                    range=(0.0, 100.0))
     refine_warmup_steps: int = setting(500, "optimizer steps with the refinement loss off", range=(0, 10**9))
-    ss_start_step: int = setting(500, "scheduled sampling: the step the generator starts seeing the planner's "
+    ss_start_step: int = setting(500,
+                                 "scheduled sampling: the step the generator starts seeing the planner's "
                                  "own plan", range=(0, 10**9))
     ss_ramp_steps: int = setting(2000, "scheduled sampling: steps to ramp the probability to ss_max_prob",
                                  range=(0, 10**9), zero_means="at once")
-    ss_max_prob: float = setting(0.5, "scheduled sampling: the largest share of rows given the planner's plan",
+    ss_max_prob: float = setting(0.5,
+                                 "scheduled sampling: the largest share of rows given the planner's plan",
                                  range=(0.0, 1.0))
     planner_lr_scale: float = setting(1.2, "planner lr / base lr (3.6e-4 at the hrm stage's 3e-4)",
                                       range=(0.0, 100.0))
@@ -137,7 +141,8 @@ class Stack(nn.Module):
         """x (B, T, C) input vectors; pos (B|1, T) positions; attn_mask (B, 1, T, L) bool or None (causal).
         Returns the normed final hidden states (B, T, C)."""
         if int(pos.max()) >= self.cfg.block_size:
-            raise ValueError(f"position {int(pos.max())} exceeds this module's context of {self.cfg.block_size}")
+            raise ValueError(f"position {int(pos.max())} exceeds this module's context of "
+                             f"{self.cfg.block_size}")
         rope = None
         if self.wpe is not None:
             x = x + self.wpe(pos)
@@ -165,7 +170,8 @@ def prefix_mask(valid: torch.Tensor, T: int) -> torch.Tensor:
 class HRM(nn.Module):
     @staticmethod
     def shapes(cfg: HRMConfig) -> tuple[dict[str, tuple[int, ...]], list[list[str]]]:
-        """({state-dict name: shape}, tied groups: none) of HRM(cfg), from the config alone (gpt.Block.shapes)."""
+        """({state-dict name: shape}, tied groups: none) of HRM(cfg), from the
+        config alone (gpt.Block.shapes)."""
         out = {"wte.weight": (cfg.vocab_size, cfg.n_embd)}
         for name, n_layer, context in (("planner", cfg.planner_layers, cfg.plan_len),
                                        ("generator", cfg.generator_layers, cfg.plan_len + cfg.code_len),
@@ -184,7 +190,8 @@ class HRM(nn.Module):
     def __init__(self, cfg: HRMConfig):
         super().__init__()
         if cfg.pos not in ("learned", "rope") or cfg.norm not in ("layernorm", "rmsnorm"):
-            raise ValueError(f"pos must be learned|rope and norm layernorm|rmsnorm, got {cfg.pos}, {cfg.norm}")
+            raise ValueError("pos must be learned|rope and norm "
+                             f"layernorm|rmsnorm, got {cfg.pos}, {cfg.norm}")
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.planner = Stack(cfg.stack_config(cfg.planner_layers, cfg.plan_len))
@@ -199,7 +206,8 @@ class HRM(nn.Module):
     @torch.no_grad()
     def init_weights(self) -> None:
         """GPT-2 initialisation per stack: weights N(0, 0.02), residual projections N(0, 0.02/sqrt(2 n_layer))
-        with n_layer the stack's own depth (its residual stream sums that many branches), biases 0, norms 1."""
+        with n_layer the stack's own depth (its residual stream sums that many
+        branches), biases 0, norms 1."""
         std = 0.02
         for stack in (self.planner, self.generator, self.refiner):
             for m in stack.modules():
@@ -219,7 +227,8 @@ class HRM(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
             n -= self.wte.weight.numel()
-            n -= sum(s.wpe.weight.numel() for s in (self.planner, self.generator, self.refiner) if s.wpe is not None)
+            n -= sum(s.wpe.weight.numel() for s in (self.planner, self.generator, self.refiner)
+                     if s.wpe is not None)
         return n
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
@@ -244,7 +253,8 @@ class HRM(nn.Module):
         vectors not, each group carrying "lr_scale" (the trainer's lr times it). The shared group comes first,
         so the trainer's logged lr is the base lr. Every parameter is in exactly one group (asserted)."""
         c = self.cfg
-        modules = [("shared", [self.wte], c.refiner_lr_scale), ("planner", [self.planner], c.planner_lr_scale),
+        modules = [("shared", [self.wte], c.refiner_lr_scale),
+                   ("planner", [self.planner], c.planner_lr_scale),
                    ("generator", [self.generator], c.generator_lr_scale),
                    ("refiner", [self.refiner, self.decision], c.refiner_lr_scale)]
         groups, seen = [], set()
@@ -272,20 +282,23 @@ class HRM(nn.Module):
 
     def _over_prefix(self, stack: Stack, prefix: torch.Tensor, plan_lens: torch.Tensor,
                      idx: torch.Tensor) -> torch.Tensor:
-        """States of `stack` over [prefix (B, Lp, C) ; tokens idx (B, T)], of the token positions only (B, T, C).
-        Token j of row b sits at position plan_lens[b] + j, right after the row's real prefix."""
+        """States of `stack` over [prefix (B, Lp, C) ; tokens idx (B, T)], of the token positions only (B, T,
+        C). Token j of row b sits at position plan_lens[b] + j, right after the row's real prefix."""
         B, Lp, _ = prefix.shape
         T = idx.size(1)
         ar_p = torch.arange(Lp, device=idx.device)
         valid = ar_p[None] < plan_lens[:, None]  # (B, Lp)
-        pos = torch.cat([ar_p[None].expand(B, Lp), plan_lens[:, None] + torch.arange(T, device=idx.device)[None]], 1)
+        pos = torch.cat([ar_p[None].expand(B, Lp),
+                         plan_lens[:, None] + torch.arange(T, device=idx.device)[None]], 1)
         x = torch.cat([prefix, self.wte(idx)], dim=1)  # (B, Lp + T, C)
         return stack(x, pos, prefix_mask(valid, Lp + T))[:, Lp:]
 
-    def code_states(self, prefix: torch.Tensor, plan_lens: torch.Tensor, code_idx: torch.Tensor) -> torch.Tensor:
+    def code_states(self, prefix: torch.Tensor, plan_lens: torch.Tensor,
+                    code_idx: torch.Tensor) -> torch.Tensor:
         return self._over_prefix(self.generator, prefix, plan_lens, code_idx)
 
-    def refine_states(self, prefix: torch.Tensor, plan_lens: torch.Tensor, ref_idx: torch.Tensor) -> torch.Tensor:
+    def refine_states(self, prefix: torch.Tensor, plan_lens: torch.Tensor,
+                      ref_idx: torch.Tensor) -> torch.Tensor:
         return self._over_prefix(self.refiner, prefix, plan_lens, ref_idx)
 
     def sampling_prob(self, step: int) -> float:
@@ -298,10 +311,11 @@ class HRM(nn.Module):
         return c.ss_max_prob * min(1.0, (step - c.ss_start_step + 1) / c.ss_ramp_steps)
 
     def forward(self, batch: dict, step: int | None = None) -> dict:
-        """Losses of one batch (codeforge/data/hrm_batches.py's layout). step: the optimizer step (default batch["step"])
+        """Losses of one batch (codeforge/data/hrm_batches.py's layout). step: the
+        optimizer step (default batch["step"])
         for the refinement warm-up and scheduled sampling; in eval mode neither applies (refinement on, gold
-        plan). Returns {"loss": weighted total, "plan", "code", "refine", "decision": parts, and token/decision
-        accuracies} (detached except "loss")."""
+        plan). Returns {"loss": weighted total, "plan", "code", "refine", "decision": parts, and
+        token/decision accuracies} (detached except "loss")."""
         c = self.cfg
         step = int(batch.get("step", 0)) if step is None else step
         plan_idx, plan_lens = batch["plan_idx"], batch["plan_lens"]
@@ -331,7 +345,8 @@ class HRM(nn.Module):
             dec_acc = (dec.argmax(-1) == batch["label"]).float().mean().detach()
         w_ref = c.refine_weight if refine_on else 0.0
         loss = c.plan_weight * plan_loss + c.code_weight * code_loss + w_ref * (refine_loss + decision_loss)
-        return {"loss": loss, "plan": plan_loss.detach(), "code": code_loss.detach(), "refine": refine_loss.detach(),
+        return {"loss": loss, "plan": plan_loss.detach(), "code": code_loss.detach(),
+                "refine": refine_loss.detach(),
                 "decision": decision_loss.detach(), "plan_accuracy": _acc(plan_logits, batch["plan_tgt"]),
                 "code_accuracy": _acc(code_logits, batch["code_tgt"]), "decision_accuracy": dec_acc,
                 "ss_prob": p, "refine_on": refine_on}
@@ -356,8 +371,8 @@ class HRM(nn.Module):
             if tok == EOT_ID:
                 return out, True, first
             out.append(tok)
-            h = stack(self.wte(torch.tensor([[tok]], device=x0.device)), torch.tensor([[nxt]], device=x0.device),
-                      kv_cache=cache)
+            h = stack(self.wte(torch.tensor([[tok]], device=x0.device)),
+                      torch.tensor([[nxt]], device=x0.device), kv_cache=cache)
             nxt += 1
         return out, False, first
 
@@ -397,8 +412,8 @@ class HRM(nn.Module):
                 verdict["p_done"] = float(torch.softmax(self.decision(h_sep).float(), -1)[0, DONE])
                 return verdict["p_done"] >= 0.5
 
-            rewrite, _, _ = self._decode(self.refiner, x, pos, min(max_code_tokens, c.code_len - 2), temperature,
-                                         top_k, gen, halt=done)
+            rewrite, _, _ = self._decode(self.refiner, x, pos, min(max_code_tokens, c.code_len - 2),
+                                         temperature, top_k, gen, halt=done)
             p_done = verdict["p_done"]
             if p_done >= 0.5:
                 iterations.append({"iteration": i, "p_done": p_done, "decision": "done", "code": code})
@@ -409,7 +424,8 @@ class HRM(nn.Module):
 
 
 def _ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token CE over targets != -1 (0 when none), float32 softmax: models/lm_loss.py's convention."""
+    """Mean next-token CE over targets != -1 (0 when none), float32 softmax:
+    models/lm_loss.py's convention."""
     flat = logits.reshape(-1, logits.size(-1)).float()
     total = F.cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
     return total / (targets != IGNORE_INDEX).sum().clamp(min=1)

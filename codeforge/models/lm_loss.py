@@ -22,12 +22,19 @@ def lm_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_
     the (B*T, vocab) logits never exist at once (see ChunkedLinearCrossEntropy)."""
     if reduction not in ("mean", "none"):
         raise ValueError(f"reduction {reduction!r} is not 'mean' or 'none'")
-    if reduction == "mean" and chunk_rows > 0 and torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-        return ChunkedLinearCrossEntropy.apply(h.reshape(-1, h.size(-1)), weight, targets.reshape(-1), chunk_rows)
+    if (
+        reduction == "mean"
+        and chunk_rows > 0
+        and torch.is_grad_enabled()
+        and (h.requires_grad or weight.requires_grad)
+    ):
+        return ChunkedLinearCrossEntropy.apply(h.reshape(-1, h.size(-1)), weight, targets.reshape(-1),
+                                               chunk_rows)
     logits = F.linear(h, weight)  # (B, T, vocab)
     flat = logits.view(-1, logits.size(-1)).float()
     if reduction == "none":  # (B, T), 0 where ignored
-        return F.cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none").view(targets.shape)
+        return F.cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                               reduction="none").view(targets.shape)
     total = F.cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
     return total / (targets != IGNORE_INDEX).sum().clamp(min=1)  # 0, not NaN, when every target is ignored
 
@@ -36,7 +43,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Linear layer + mean cross-entropy whose gradients are computed during the forward pass, chunk by
     chunk of rows, so only one (chunk_rows, vocab) block of logits is alive at a time.
 
-    For a row with logits z = h W^T and target t: loss = logsumexp(z) - z_t, dloss/dz = softmax(z) - onehot(t).
+    For a row with logits z = h W^T and target t: loss = logsumexp(z) - z_t,
+    dloss/dz = softmax(z) - onehot(t).
     Then dL/dh = (dloss/dz) W and dL/dW = sum over rows of (dloss/dz)^T h, both divided by the number of
     counted rows. The same FLOPs as the plain path (one forward and two backward matmuls), far less memory
     and memory traffic; backward only scales the stored gradients by the incoming scalar.
@@ -44,7 +52,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     Each chunk makes one pass for the row maxima and one softmax; the log-sum-exp is read back from the
     softmax at each row's largest logit m (p_max = exp(m - lse), at least 1/vocab, so never underflows):
     lse = m - log(p_max). That made the chunked path 5-26% faster than the logsumexp version on an H200 and
-    ~5% on the CPU, where it is still no faster than the plain path (docs/LOG.md, 2026-11-27, eighth session)."""
+    ~5% on the CPU, where it is still no faster than the plain path (docs/LOG.md,
+    2026-11-27, eighth session)."""
 
     @staticmethod
     def forward(ctx, h, weight, targets, chunk_rows):
@@ -65,7 +74,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             row_loss = (top - z_t - g.gather(1, at).log()).squeeze(1)  # logsumexp(z) - z_t
             loss += (row_loss * valid).sum()
             g.scatter_add_(1, tsafe, -torch.ones_like(tsafe, dtype=g.dtype))
-            if h.device.type != "cpu" or not bool(valid.all()):  # ignored rows contribute nothing (no sync on GPU)
+            # ignored rows contribute nothing (no sync on GPU)
+            if h.device.type != "cpu" or not bool(valid.all()):
                 g *= valid.unsqueeze(1)
             g = g.to(h.dtype)
             grad_h[i:i + chunk_rows] = g @ w  # not mm(out=): autocast leaves out= products in float32

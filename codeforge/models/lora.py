@@ -25,7 +25,8 @@ from torch import nn
 
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
-TARGETS = ("c_attn", "c_proj", "c_fc")  # attention's q/k/v and output, the MLP's in and out: every block matrix
+# attention's q/k/v and output, the MLP's in and out: every block matrix
+TARGETS = ("c_attn", "c_proj", "c_fc")
 NAME = "default"  # PEFT's adapter name
 
 
@@ -37,14 +38,16 @@ def _peft():
     try:
         import peft
     except ImportError as e:
-        raise LoraError(f"LoRA needs Hugging Face's PEFT library ({e}): pip install 'codeforge[lora]'") from None
+        raise LoraError("LoRA needs Hugging Face's PEFT library "
+                        f"({e}): pip install 'codeforge[lora]'") from None
     return peft
 
 
 def lora_config(rank: int, alpha: float, dropout: float, targets: tuple[str, ...] | list[str]):
     LoraConfig = _peft().LoraConfig
 
-    return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets), bias="none")
+    return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets),
+                      bias="none")
 
 
 def attach(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0,
@@ -61,13 +64,14 @@ def attach(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0,
     names = {n.rsplit(".", 1)[-1] for n, m in blocks.named_modules() if isinstance(m, nn.Linear)}
     unknown = sorted(set(targets) - names)
     if unknown or not targets:
-        raise LoraError(f"--lora-targets {','.join(unknown) or '(none)'}: the blocks have no linear layer of that "
-                        f"name (theirs: {', '.join(sorted(names))})")
+        raise LoraError(f"--lora-targets {','.join(unknown) or '(none)'}: the blocks have no linear layer of "
+                        f"that name (theirs: {', '.join(sorted(names))})")
     wanted = {f"blocks.{n}" for n, m in blocks.named_modules()
               if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in targets}
     inject_adapter_in_model(lora_config(rank, alpha, dropout, sorted(wanted)), model, adapter_name=NAME)
     for n, p in model.named_parameters():
-        p.requires_grad_(".lora_" in n)  # PEFT's rule too; said here so the contract does not rest on a default
+        # PEFT's rule too; said here so the contract does not rest on a default
+        p.requires_grad_(".lora_" in n)
     return model
 
 
@@ -83,7 +87,8 @@ def _layers(model: nn.Module):
 @torch.no_grad()
 def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's state dict under its own names with each adapter merged (W + scale * B A): what the same
-    model without LoRA would hold. Tied tensors appear once (under the first name), as safetensors stores them."""
+    model without LoRA would hold. Tied tensors appear once (under the first name),
+    as safetensors stores them."""
     wrapped = dict(_layers(model))
     out: dict[str, torch.Tensor] = {}
     seen: dict[int, str] = {}
@@ -92,7 +97,8 @@ def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
             continue
         plain = name.replace(".base_layer.", ".")
         layer = plain.rsplit(".", 1)[0]
-        if layer in wrapped and plain.endswith(".weight"):  # merged layer by layer, each straight to the host:
+        # merged layer by layer, each straight to the host:
+        if layer in wrapped and plain.endswith(".weight"):
             m = wrapped[layer]  # no second copy of the model on the device at a save
             t = (m.base_layer.weight + m.get_delta_weight(NAME).to(m.base_layer.weight.dtype)).cpu()
         elif id(t) in seen:
@@ -106,7 +112,8 @@ def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapters alone, in PEFT's adapter file names (`blocks.0.attn.c_attn.lora_A.weight`, ...)."""
     get_peft_model_state_dict = _peft().get_peft_model_state_dict
-    return {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(model, adapter_name=NAME).items()}
+    return {k: v.detach().contiguous()
+            for k, v in get_peft_model_state_dict(model, adapter_name=NAME).items()}
 
 
 def adapter_json(model: nn.Module) -> str:
@@ -117,7 +124,8 @@ def adapter_json(model: nn.Module) -> str:
     p = drop.p if isinstance(drop, nn.Dropout) else 0.0
     conf = lora_config(rank, alpha, p, targets).to_dict()
     conf["target_modules"] = sorted(conf["target_modules"])
-    return json.dumps({k: (sorted(v) if isinstance(v, set) else v) for k, v in conf.items()}, indent=1, default=str)
+    return json.dumps({k: (sorted(v) if isinstance(v, set) else v) for k, v in conf.items()}, indent=1,
+                      default=str)
 
 
 def read_adapter(d: Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -139,8 +147,8 @@ def load_adapter(model: nn.Module, tensors: dict[str, torch.Tensor], where: str)
     other = sorted(k for k in set(want) & set(tensors) if want[k].shape != tensors[k].shape)
     if missing or unexpected or other:
         raise LoraError(f"{where}: the adapter does not fit this model's (missing {missing[:3]}, unexpected "
-                        f"{unexpected[:3]}, other shape {other[:3]}): it was trained with another rank, other "
-                        f"targets or another model")
+                        f"{unexpected[:3]}, other shape {other[:3]}): it was trained with another rank, "
+                        f"other targets or another model")
     set_peft_model_state_dict(model, tensors, adapter_name=NAME)
 
 

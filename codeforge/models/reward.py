@@ -16,7 +16,8 @@ from .gpt import GPT, GPTConfig
 
 @dataclass
 class RewardConfig(GPTConfig):
-    arch: str = setting("reward", "model architecture (the registry key, saved in checkpoints)", choices=("reward",))
+    arch: str = setting("reward", "model architecture (the registry key, saved in checkpoints)",
+                        choices=("reward",))
 
     @classmethod
     def from_gpt(cls, d: dict) -> "RewardConfig":

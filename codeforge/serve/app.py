@@ -40,16 +40,17 @@ from ..fim import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, fit_infill, infill_ids, in
 from .batcher import Event, QueueFull, Row, RowParams, Scheduler
 from .guard import Guard, error_response, page_security_headers
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
-from .protocol import (ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, InfillRequest, NamedToolChoice,
-                       SSE_DONE, TokenizeRequest, chat_logprobs, chat_message, chat_response, completion_logprobs,
+from .protocol import (ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, InfillRequest,
+                       NamedToolChoice, SSE_DONE, TokenizeRequest, chat_logprobs, chat_message, chat_response,
+                       completion_logprobs,
                        completion_response, held_back, new_id, parse_body, sse, token_text, usage)
 
 PLAYGROUND = Path(__file__).parent / "static" / "playground.html"
 MAX_SCHEMA_CHARS = 32_768  # a response_format schema (compiling a grammar grows faster than its size)
 MAX_LOGPROB_RECORDS = 200_000  # entries (tokens x (top + 1) x choices) one completions answer may hold
 PLACEHOLDER = ("<!doctype html><html><head><meta charset='utf-8'><title>codeforge</title></head><body>"
-               "<h1>codeforge</h1><p>playground not built: codeforge/serve/static/playground.html is missing. "
-               "The API is at <code>/v1</code> (OpenAI-compatible).</p></body></html>")
+               "<h1>codeforge</h1><p>playground not built: codeforge/serve/static/playground.html is "
+               "missing. The API is at <code>/v1</code> (OpenAI-compatible).</p></body></html>")
 
 
 @dataclass
@@ -70,7 +71,8 @@ class ServeOptions:
     infill_predict: int = -1  # ... and as its -n (default -1): other files get context - batch - 2 x this
     host: str = ""  # the --host the server is bound to: a name in the Host header it answers to
     allowed_hosts: tuple[str, ...] = ()  # more Host names (NAME or NAME:PORT) to answer to; "*": any
-    allowed_origins: tuple[str, ...] = ()  # web pages (scheme://host[:port]) allowed besides its own; "*": any
+    # web pages (scheme://host[:port]) allowed besides its own; "*": any
+    allowed_origins: tuple[str, ...] = ()
 
 
 class ClientGone(Exception):
@@ -98,7 +100,8 @@ class ServerState:
     def check_model(self, model: str | None) -> None:
         if model and model != self.opts.model_name:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves "
-                                f"{self.opts.model_name!r} (GET /v1/models)", param="model", code="model_not_found")
+                                f"{self.opts.model_name!r} (GET /v1/models)", param="model",
+                                code="model_not_found")
 
     def check_chars(self, text: str, param: str = "prompt") -> None:
         """Refuse, before tokenizing it, a text too long to fit whatever it encodes to: no token covers
@@ -121,8 +124,8 @@ class ServerState:
                            code="context_length_exceeded")
         bad = next((t for t in ids if not 0 <= t < self.tok.vocab_size), None)
         if bad is not None:
-            raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {self.tok.vocab_size})", param=param,
-                           code="invalid_token")
+            raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {self.tok.vocab_size})",
+                           param=param, code="invalid_token")
         return ids
 
     def budget(self, requested: int | None, param: str, default: int | None = None) -> int:
@@ -131,11 +134,13 @@ class ServerState:
             raise ApiError(400, f"{param} {requested} exceeds this server's cap of {self.max_tokens_cap} "
                                 f"(--max-tokens-cap; model context {self.block_size})", param=param,
                            code="max_tokens_exceeded")
-        return requested if requested is not None else min(default or self.max_tokens_cap, self.max_tokens_cap)
+        return requested if requested is not None else min(default or self.max_tokens_cap,
+                                                           self.max_tokens_cap)
 
     def check_rows(self, n: int) -> None:
         if n > self.opts.max_queue:
-            raise ApiError(400, f"the request asks for {n} completions (prompts x n); this server queues at most "
+            raise ApiError(400,
+                           f"the request asks for {n} completions (prompts x n); this server queues at most "
                                 f"{self.opts.max_queue} (--max-queue)", param="n", code="too_many_choices")
 
     def check_logprobs(self, tokens: int, top: int, n: int, param: str) -> None:
@@ -145,15 +150,18 @@ class ServerState:
         megabytes to hold."""
         entries = tokens * (top + 1) * n
         if entries > MAX_LOGPROB_RECORDS:
-            raise ApiError(400, f"this request asks for {entries:,} log-prob entries (tokens x ({param} + 1) x n); "
+            raise ApiError(400, f"this request asks for {entries:,} log-prob "
+                                f"entries (tokens x ({param} + 1) x n); "
                                 f"this server answers at most {MAX_LOGPROB_RECORDS:,}: lower {param}, n, "
                                 f"max_tokens or the number of prompts", param=param, code="too_many_logprobs")
 
     def row_params(self, b, max_new: int, choice: int, stop_ids: set[int], **more) -> RowParams:
         seed = None if b.seed is None else (b.seed + choice) % 2**63  # choice i of a seeded request: seed + i
-        return RowParams(**more, max_new_tokens=max_new, temperature=1.0 if b.temperature is None else b.temperature,
+        return RowParams(**more, max_new_tokens=max_new,
+                         temperature=1.0 if b.temperature is None else b.temperature,
                          top_p=1.0 if b.top_p is None else b.top_p, top_k=max(0, b.top_k or 0), seed=seed,
-                         presence_penalty=b.presence_penalty or 0.0, frequency_penalty=b.frequency_penalty or 0.0,
+                         presence_penalty=b.presence_penalty or 0.0,
+                         frequency_penalty=b.frequency_penalty or 0.0,
                          repetition_penalty=b.repetition_penalty or 1.0, stop=b.stops(),
                          stop_ids=frozenset(stop_ids))
 
@@ -245,7 +253,8 @@ def merged(got: list[tuple[int, Event]]) -> list[tuple[int, Event]]:
         if ev.kind == "text" and out and out[-1][0] == tag and out[-1][1].kind == "text":
             prev = out[-1][1]
             lps = None if prev.logprobs is None else prev.logprobs + (ev.logprobs or [])
-            out[-1] = (tag, Event("text", prev.text + ev.text, completion_tokens=ev.completion_tokens, logprobs=lps))
+            out[-1] = (tag, Event("text", prev.text + ev.text, completion_tokens=ev.completion_tokens,
+                                  logprobs=lps))
         else:
             out.append((tag, ev))
     return out
@@ -257,7 +266,8 @@ def error_event(ev: Event) -> bytes:
 
 def streaming(gen: AsyncIterator[bytes], headers: dict | None = None) -> StreamingResponse:
     return StreamingResponse(gen, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                      **(headers or {})})
 
 
 def notice_headers(srv: ServerState) -> dict:
@@ -283,7 +293,8 @@ async def completions(srv: ServerState, request: Request):
     if b.suffix is not None and not all(isinstance(p, str) for p in prompts):
         raise ApiError(400, "suffix (fill in the middle) needs a text prompt", param="suffix")
     if b.suffix is not None and b.echo:
-        raise ApiError(400, "echo with suffix is not supported: the prompt the model sees holds the suffix and the "
+        raise ApiError(400, "echo with suffix is not supported: the prompt "
+                            "the model sees holds the suffix and the "
                             "fill-in-the-middle tokens, which the echoed text would not", param="echo")
     n = b.n or 1
     srv.check_rows(len(prompts) * n)
@@ -403,9 +414,18 @@ async def chat_completions(srv: ServerState, request: Request):
     if choice == "none" or not tools:
         tools = None  # the model is not told about the tools, and nothing is parsed as a call
     rf = b.response_format if b.response_format and b.response_format.get("type") != "text" else None
-    mode = ("none" if calls_kept_out(srv.tok, None, rf) else "auto") if tools is None else "auto" if choice in (None, "auto") else \
-        "required" if choice == "required" else choice.function.name
-    if isinstance(choice, NamedToolChoice) and choice.function.name not in {t["function"]["name"] for t in tools}:
+    mode = (
+        ("none" if calls_kept_out(srv.tok, None, rf) else "auto")
+        if tools is None
+        else "auto"
+        if choice in (None, "auto")
+        else "required"
+        if choice == "required"
+        else choice.function.name
+    )
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in {
+        t["function"]["name"] for t in tools
+    }:
         raise ApiError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools",
                        param="tool_choice")
     # The grammar (constrain.py): a tool call, once opened (or from the start, tool_choice required or
@@ -451,25 +471,28 @@ async def chat_completions(srv: ServerState, request: Request):
     if need is not None and room < need:
         param = "max_completion_tokens" if b.max_completion_tokens else "max_tokens"
         if max_new < need:
-            raise ApiError(400, f"{param} {max_new} is too small for {grammar.describe()}: the shortest one takes "
+            raise ApiError(400,
+                           f"{param} {max_new} is too small for {grammar.describe()}: the shortest one takes "
                                 f"{need} tokens; set {param} to at least {need}", param=param,
                            code="max_tokens_too_small")
         raise ApiError(400, f"the prompt of {len(ids)} tokens leaves {room} of the model's context of "
-                            f"{srv.block_size} for the reply, and {grammar.describe()} takes at least {need}: "
-                            f"shorten the messages", param="messages", code="context_length_exceeded")
+                            f"{srv.block_size} for the reply, and {grammar.describe()} takes at least "
+                            f"{need}: shorten the messages", param="messages", code="context_length_exceeded")
     stop_ids = {srv.tok.eot_id, srv.tok.special_ids[IM_END]}
     top = b.top_logprobs or 0
     if b.logprobs:
         srv.check_logprobs(max_new, top, n, "top_logprobs")
     lp = {"logprobs": top if b.logprobs else None}
-    specs = [(j, ids, srv.row_params(b, max_new, j, stop_ids, constraint=grammar.new() if grammar else None, **lp))
+    specs = [(j, ids,
+              srv.row_params(b, max_new, j, stop_ids, constraint=grammar.new() if grammar else None, **lp))
              for j in range(n)]
     gen = Generation(srv, specs)
     rid, model = new_id("chatcmpl"), srv.opts.model_name
     if b.stream:
         include_usage = bool(b.stream_options and b.stream_options.include_usage)
         return streaming(stream_chat(gen, request, rid, model, n, tools_active, len(ids), include_usage,
-                                     names, parallel, (srv.tok, top) if b.logprobs else None), notice_headers(srv))
+                                     names, parallel, (srv.tok, top) if b.logprobs else None),
+                         notice_headers(srv))
     done = await gen.collect(request)
 
     def build() -> bytes:  # in a worker thread when log-probs are asked: their entries take a while to write
@@ -480,7 +503,8 @@ async def chat_completions(srv: ServerState, request: Request):
             msg, finish = chat_message(done[t].text, done[t].finish_reason, tools_active, names, parallel)
             lps = chat_logprobs(srv.tok, done[t].logprobs or [], top) if b.logprobs else None
             choices.append({"index": t, "message": msg, "logprobs": lps, "finish_reason": finish})
-        body = chat_response(rid, model, choices, usage(len(ids), sum(e.completion_tokens for e in done.values())))
+        body = chat_response(rid, model, choices,
+                             usage(len(ids), sum(e.completion_tokens for e in done.values())))
         return json.dumps(body, ensure_ascii=False).encode()
 
     body = await run_in_threadpool(build) if b.logprobs else build()
@@ -488,7 +512,8 @@ async def chat_completions(srv: ServerState, request: Request):
 
 
 async def stream_chat(gen: Generation, request: Request, rid: str, model: str, n: int,
-                      tools_active: bool, prompt_tokens: int, include_usage: bool, names: set[str] | None = None,
+                      tools_active: bool, prompt_tokens: int, include_usage: bool,
+                      names: set[str] | None = None,
                       parallel: bool = True, logprobs: tuple | None = None) -> AsyncIterator[bytes]:
     """Chunks as they come. With logprobs (tokenizer, top N), a chunk carries the records of the tokens
     generated since the last chunk; tool-call text is held back, so its records ride with the call."""
@@ -581,8 +606,8 @@ async def tokenize(srv: ServerState, request: Request):
     except ValueError as e:  # chat.ChatFormatError
         raise ApiError(400, str(e), param="messages") from None
     except RecursionError:  # tool-call arguments nested past the JSON parser's recursion limit
-        raise ApiError(400, "a tool call's arguments in messages are nested too deeply to read", param="messages",
-                       code="tool_call_not_json") from None
+        raise ApiError(400, "a tool call's arguments in messages are nested too deeply to read",
+                       param="messages", code="tool_call_not_json") from None
     out = {"count": len(ids), "max_model_len": srv.block_size, "tokens": ids, "token_strs": None}
     if b.return_token_strs:
         out["token_strs"] = [token_text(srv.tok, i) for i in ids]
@@ -594,8 +619,8 @@ async def detokenize(srv: ServerState, request: Request):
     srv.check_model(b.model)
     bad = next((t for t in b.tokens if not 0 <= t < srv.tok.vocab_size), None)
     if bad is not None:
-        raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {srv.tok.vocab_size})", param="tokens",
-                       code="invalid_token")
+        raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {srv.tok.vocab_size})",
+                       param="tokens", code="invalid_token")
     return {"prompt": await srv.encode(lambda: srv.tok.decode(b.tokens))}
 
 
@@ -604,8 +629,8 @@ def tokenizer_info(srv: ServerState) -> dict:
     sp = srv.tok.special_ids
     return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOT, "bos_token": None,
             "pad_token": "<pad>" if sp.get("<pad>") is not None else None, "unk_token": None,
-            "model_max_length": srv.block_size, "vocab_size": srv.tok.vocab_size, "chat_template": CHAT_TEMPLATE,
-            "special_tokens": {t: i for t, i in sp.items() if i is not None}}
+            "model_max_length": srv.block_size, "vocab_size": srv.tok.vocab_size,
+            "chat_template": CHAT_TEMPLATE, "special_tokens": {t: i for t, i in sp.items() if i is not None}}
 
 
 def _clip_extra(chunks, chars: int) -> list[tuple[str | None, str]]:
@@ -622,7 +647,8 @@ def _clip_extra(chunks, chars: int) -> list[tuple[str | None, str]]:
 
 async def infill(srv: ServerState, request: Request):
     """llama.cpp's /infill: the middle between input_prefix (+ prompt) and input_suffix, with the files of
-    input_extra before it in the repo-level layout llama-server builds (fim.repo_infill_ids: the same tokens for
+    input_extra before it in the repo-level layout llama-server builds
+    (fim.repo_infill_ids: the same tokens for
     the same request, given --infill-batch and --infill-predict as llama-server's -b and -n, and the model's
     context as its -c). A prompt still too long for the context (llama-server refuses it) loses extra context
     first, then the start of the prefix; "truncated" says when anything was cut. Special tokens are never part
@@ -631,22 +657,24 @@ async def infill(srv: ServerState, request: Request):
     srv.check_model(b.model)
     missing = [t for t in (FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE) if srv.tok.special_ids.get(t) is None]
     if missing:
-        raise ApiError(400, f"this model's tokenizer has no {', '.join(missing)} token, so it cannot fill in the "
-                            f"middle: /infill needs a codeforge tokenizer (every `codeforge tokenizer train` has them) "
-                            f"or an imported one with FIM tokens", code="infill_not_supported")
+        raise ApiError(400,
+                       f"this model's tokenizer has no {', '.join(missing)} token, so it cannot fill in the "
+                            f"middle: /infill needs a codeforge tokenizer (every `codeforge tokenizer train` "
+                            f"has them) or an imported one with FIM tokens", code="infill_not_supported")
     max_new = srv.max_tokens_cap if b.n_predict < 0 else min(b.n_predict, srv.max_tokens_cap)
     # the reply keeps some room even where llama-server's rule would fill the context (its -n -1)
     reserve = min(max_new, max(srv.opts.infill_predict, 16))
     room = max(8, min(srv.max_prompt, srv.block_size - reserve))
-    chars = (srv.block_size + 1) * srv.max_token_chars  # more characters than the context holds: never encoded
+    # more characters than the context holds: never encoded
+    chars = (srv.block_size + 1) * srv.max_token_chars
     prefix_text = b.input_prefix[-chars:]
     suffix_text = b.input_suffix[:chars]
     prompt_text = b.prompt[-chars:]
     for c in b.input_extra:
         if c.filename is not None and len(c.filename) > 4096:  # a name is a path, not a file's worth of text
             c.filename = c.filename[:4096]
-    clipped = (len(prefix_text), len(suffix_text), len(prompt_text)) != (len(b.input_prefix), len(b.input_suffix),
-                                                                         len(b.prompt))
+    clipped = (len(prefix_text), len(suffix_text), len(prompt_text)) != (len(b.input_prefix),
+                                                                         len(b.input_suffix), len(b.prompt))
 
     def encode():
         extra = _clip_extra(b.input_extra, chars)
@@ -680,7 +708,8 @@ async def infill(srv: ServerState, request: Request):
                                 yield sse({"content": ev.text, "stop": False, "index": 0})
                             elif ev.kind == "done":
                                 yield sse({"content": "", "index": 0, **final,
-                                           "tokens_predicted": ev.completion_tokens, "stop_type": ev.stop_type})
+                                           "tokens_predicted": ev.completion_tokens,
+                                           "stop_type": ev.stop_type})
             except ClientGone:
                 return
         return streaming(events())
@@ -708,7 +737,8 @@ def create_app(engine, opts: ServeOptions) -> FastAPI:
     app.state.srv = srv
     app.add_middleware(Guard, srv=srv)
     if opts.allowed_origins:  # outside the guard: preflights answered, CORS headers on the guard's errors too
-        app.add_middleware(CORSMiddleware, allow_origins=[o.strip().lower().rstrip("/") for o in opts.allowed_origins],
+        app.add_middleware(CORSMiddleware,
+                           allow_origins=[o.strip().lower().rstrip("/") for o in opts.allowed_origins],
                            allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"],
                            max_age=600)
     # read once: a file opened per request would cost a descriptor per connection (connections.py's budget)

@@ -63,13 +63,14 @@ class RowParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     stop: list[str] = field(default_factory=list)  # stop sequences, cut from the text
-    stop_ids: frozenset[int] = frozenset()  # tokens that end the row (end of text, <|im_end|>), not in the text
+    # tokens that end the row (end of text, <|im_end|>), not in the text
+    stop_ids: frozenset[int] = frozenset()
     logprobs: int | None = None  # report each generated token's log-prob and the top N alternatives (0: none)
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo), from the prefill's logits
     hide_special: bool = False  # special tokens written but not shown in the text (llama-server's /infill)
     constraint: object | None = None  # constrain.Constraint: the tokens this row may sample, step by step;
-    # given max_new_tokens (as the context cuts it) as its budget when the row is admitted, so that a tool call
-    # or JSON reply always ends within it
+    # given max_new_tokens (as the context cuts it) as its budget when the row is admitted, so that a tool
+    # call or JSON reply always ends within it
 
 
 # One log-prob record: (token id, log-prob of that token, [(id, log-prob) of the top N, most likely first]);
@@ -91,7 +92,8 @@ class Event:
     completion_tokens: int = 0
     status: int = 0
     stop_type: str = ""  # done: "eos" (an end token), "word" (a stop sequence) or "limit" (the budget)
-    logprobs: list[LogProb] | None = None  # text: the records of tokens since the last event; done: all of them
+    # text: the records of tokens since the last event; done: all of them
+    logprobs: list[LogProb] | None = None
     prompt_logprobs: list[LogProb] | None = None  # "prompt" (and done): one per prompt token
 
 
@@ -203,7 +205,8 @@ class Scheduler:
     """The generation loop. `submit(rows)` queues rows (QueueFull past max_queue), `cancel(rows)` drops them
     at the next step boundary; events come back through each row's emit callback."""
 
-    def __init__(self, engine, max_batch: int = 8, max_queue: int = 64, tok_lock: threading.Lock | None = None,
+    def __init__(self, engine, max_batch: int = 8, max_queue: int = 64,
+                 tok_lock: threading.Lock | None = None,
                  on_first_token: Callable[[float], None] | None = None):
         self.engine = engine
         self.model, self.tok, self.device = engine.model, engine.tok, engine.device
@@ -220,7 +223,8 @@ class Scheduler:
         self._held = 0  # > 0: admit nobody (tests use hold() to line up arrivals)
         self.step_delay = 0.0  # seconds slept per step (tests use it to catch rows mid-generation)
         # counters read by /metrics
-        self.stats = {"generated_tokens": 0, "prompt_tokens": 0, "steps": 0, "step_rows": 0, "rows_admitted": 0,
+        self.stats = {"generated_tokens": 0, "prompt_tokens": 0, "steps": 0, "step_rows": 0,
+                      "rows_admitted": 0,
                       "rows_finished": 0, "rows_cancelled": 0, "rows_timed_out": 0, "rows_failed": 0,
                       "max_active": 0, "loop_errors": 0}
         self._outbox: dict = {}  # event loop -> [(row, event)] of the current step
@@ -291,7 +295,9 @@ class Scheduler:
                         break
                     self._expire_waiting()
                     newcomers = []
-                    while not self._held and self.waiting and len(self.active) + len(newcomers) < self.max_batch:
+                    while (
+                        not self._held and self.waiting and len(self.active) + len(newcomers) < self.max_batch
+                    ):
                         r = self.waiting.popleft()
                         if r.cancelled:
                             self._finish(r, None, cancelled=True)
@@ -352,9 +358,11 @@ class Scheduler:
     def _admit(self, r: Row) -> None:
         """Prefill a newcomer alone, move its cache into a slot and keep its next-token logits."""
         if self.cache is None:
-            self.cache = SlotCache(self.model, self.max_batch, self.block_size, self.device, self.engine.cache_dtype)
+            self.cache = SlotCache(self.model, self.max_batch, self.block_size, self.device,
+                                   self.engine.cache_dtype)
         P = len(r.prompt)
-        score_only = r.p.max_new_tokens == 0  # echo with max_tokens 0: the prompt's log-probs, nothing generated
+        # echo with max_tokens 0: the prompt's log-probs, nothing generated
+        score_only = r.p.max_new_tokens == 0
         if not 0 < P <= self.block_size - (0 if score_only else 1):
             self._fail(r, 400, f"prompt of {P} tokens does not fit the context of {self.block_size}")
             return
@@ -388,7 +396,8 @@ class Scheduler:
             return
         self.cache.add([t[0] for t in tmp.k], [t[0] for t in tmp.v])
         r.gen = torch.Generator(device=self.device)
-        r.gen.manual_seed(r.p.seed if r.p.seed is not None else int.from_bytes(os.urandom(8), "little") % 2**63)
+        r.gen.manual_seed(r.p.seed if r.p.seed is not None
+                          else int.from_bytes(os.urandom(8), "little") % 2**63)
         V = logits.size(-1)
         if r.p.presence_penalty or r.p.frequency_penalty:
             r.counts = torch.zeros(V, device=self.device)
@@ -396,7 +405,8 @@ class Scheduler:
             r.seen = torch.zeros(V, dtype=torch.bool, device=self.device)
             r.seen[idx[0]] = True
         self.active.append(r)
-        self.logits = logits if self.logits is None else torch.cat([self.logits, logits.to(self.logits.dtype)])
+        self.logits = logits if self.logits is None else torch.cat([self.logits,
+                                                                    logits.to(self.logits.dtype)])
         self.stats["rows_admitted"] += 1
         self.stats["prompt_tokens"] += P
 
@@ -427,9 +437,11 @@ class Scheduler:
             if r.p.constraint is not None:
                 try:
                     r.p.constraint.advance(out[i])
-                except Exception as e:  # the grammar failed mid-reply (an engine limit its schema reaches): this row only
+                # the grammar failed mid-reply (an engine limit its schema reaches): this row only
+                except Exception as e:
                     msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-                    self._fail(r, 400, f"constrained decoding failed: the schema reaches a limit of the grammar "
+                    self._fail(r, 400,
+                               f"constrained decoding failed: the schema reaches a limit of the grammar "
                                        f"engine ({msg}); simplify it (fewer properties, no recursive $ref)")
                     out[i] = None
                     continue
@@ -511,7 +523,8 @@ class Scheduler:
         self.stats["rows_finished"] += 1
         self.mean_row_seconds = 0.9 * self.mean_row_seconds + 0.1 * (time.monotonic() - r.t_submit)
         if len(r.text) > r.sent:
-            self._emit(r, Event("text", r.text[r.sent:], completion_tokens=len(r.out), logprobs=self._new_lp(r)))
+            self._emit(r,
+                       Event("text", r.text[r.sent:], completion_tokens=len(r.out), logprobs=self._new_lp(r)))
             r.sent = len(r.text)
         self._emit(r, Event("done", r.text, reason, completion_tokens=len(r.out), stop_type=stop_type,
                             logprobs=r.lp if r.p.logprobs is not None else None, prompt_logprobs=r.prompt_lp))

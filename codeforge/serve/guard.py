@@ -29,13 +29,14 @@ def page_security_headers(page: bytes) -> dict:
     connections to this origin alone (the page sends the API key with every request: a script or a `?base=`
     that reached another server would carry it there), no framing, no forms, no plugins."""
     def hashes(tag: str) -> str:
-        bodies = re.findall(rb"<" + tag.encode() + rb"(?:\s[^>]*)?>(.*?)</" + tag.encode() + rb">", page, re.S)
+        bodies = re.findall(rb"<" + tag.encode() + rb"(?:\s[^>]*)?>(.*?)</" + tag.encode() + rb">", page,
+                            re.S)
         return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b).digest()).decode()}'" for b in bodies) \
             or "'none'"
     csp = (f"default-src 'none'; script-src {hashes('script')}; style-src {hashes('style')}; img-src data:; "
            f"connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
-    return {"Content-Security-Policy": csp, "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
-            "X-Frame-Options": "DENY"}
+    return {"Content-Security-Policy": csp, "X-Content-Type-Options": "nosniff",
+            "Referrer-Policy": "no-referrer", "X-Frame-Options": "DENY"}
 
 
 def error_response(e: ApiError) -> JSONResponse:
@@ -94,7 +95,13 @@ def split_origin(value: str) -> tuple[str, str, int] | None:
         port = u.port or {"http": 80, "https": 443}.get(u.scheme)
     except ValueError:
         return None
-    if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/") or u.query or u.fragment:
+    if (
+        u.scheme not in ("http", "https")
+        or not u.hostname
+        or u.path not in ("", "/")
+        or u.query
+        or u.fragment
+    ):
         return None
     return u.scheme, u.hostname, port
 
@@ -176,8 +183,10 @@ class Guard:
             if (name, None) in self.hosts or (name, port) in self.hosts:
                 return None
         shown = h[0] if h else host
-        return ApiError(400, f"the Host header {host!r} is neither this machine's loopback nor the server's own "
-                             f"address and port: a web page can reach a local server that way (DNS rebinding). "
+        return ApiError(400,
+                        f"the Host header {host!r} is neither this machine's loopback nor the server's own "
+                             "address and port: a web page can reach "
+                             "a local server that way (DNS rebinding). "
                              f"If you reach the server by that name, start it with --allowed-hosts {shown} "
                              f"(comma-separated; '*' allows any)", param="Host", code="host_not_allowed")
 
@@ -192,8 +201,10 @@ class Guard:
             scheme = scope.get("scheme", "http")
             if h is not None and o == (scheme, h[0], h[1] or (443 if scheme == "https" else 80)):
                 return None  # the server's own page (the playground)
-        return ApiError(403, f"requests from web pages at {origin!r} are refused: a page on another site must not "
-                             f"use this server through your browser. To allow that page, start the server with "
+        return ApiError(403,
+                        f"requests from web pages at {origin!r} are refused: a page on another site must not "
+                             "use this server through your browser. To "
+                             "allow that page, start the server with "
                              f"--allowed-origins {origin.strip() if o else 'ORIGIN'} (comma-separated; '*' "
                              f"allows any)", param="Origin", code="origin_not_allowed")
 
@@ -214,7 +225,8 @@ class Guard:
                                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.srv.opts.max_body_bytes:
-            return ApiError(413, f"the request body ({length} bytes) is larger than {self.srv.opts.max_body_bytes} "
+            return ApiError(413, f"the request body ({length} bytes) is larger than "
+                                 f"{self.srv.opts.max_body_bytes} "
                                  f"bytes (--max-body-bytes)", code="body_too_large")
         return None
 

@@ -50,13 +50,16 @@ class _SchedulerCollector:
         yield counter("codeforge_prompt_tokens", "Prompt tokens prefilled.", s["prompt_tokens"])
         yield counter("codeforge_decode_steps", "Batched decode steps.", s["steps"])
         yield counter("codeforge_decode_step_rows",
-                      "Rows summed over decode steps (divided by steps: the mean batch size).", s["step_rows"])
-        rows = CounterMetricFamily("codeforge_rows", "Generation rows (one per prompt and choice) by outcome.",
+                      "Rows summed over decode steps (divided by steps: the mean batch size).",
+                      s["step_rows"])
+        rows = CounterMetricFamily("codeforge_rows",
+                                   "Generation rows (one per prompt and choice) by outcome.",
                                    labels=["outcome"])
         for k in ("admitted", "finished", "cancelled", "timed_out", "failed"):
             rows.add_metric([k], s["rows_" + k])
         yield rows
-        yield counter("codeforge_generation_loop_errors", "Failed steps (their rows got a 500).", s["loop_errors"])
+        yield counter("codeforge_generation_loop_errors", "Failed steps (their rows got a 500).",
+                      s["loop_errors"])
         yield gauge("codeforge_queue_length", "Rows waiting for a batch slot.", sched.queue_length())
         yield gauge("codeforge_active_rows", "Rows in the running batch.", sched.active_rows())
         yield gauge("codeforge_active_rows_max", "Most rows ever decoded in one step.", s["max_active"])
@@ -72,7 +75,8 @@ class _ConnectionCollector:
     def collect(self):
         g = self.guard
         yield GaugeMetricFamily("codeforge_open_connections", "HTTP connections open.", value=len(g.live))
-        yield GaugeMetricFamily("codeforge_max_connections", "The cap on open connections (--max-connections).",
+        yield GaugeMetricFamily("codeforge_max_connections",
+                                "The cap on open connections (--max-connections).",
                                 value=g.limits.max_connections)
         closed = CounterMetricFamily("codeforge_connections_closed",
                                      "Connections the server closed on a slow or surplus client, by reason.",
@@ -90,7 +94,8 @@ class Metrics:
         self.latency = Histogram("codeforge_request_duration_seconds",
                                  "Time from request to the last byte of the response.", ["endpoint"],
                                  buckets=BUCKETS, registry=self.registry)
-        self.ttft = Histogram("codeforge_time_to_first_token_seconds", "Time from queueing a row to its first token.",
+        self.ttft = Histogram("codeforge_time_to_first_token_seconds",
+                              "Time from queueing a row to its first token.",
                               buckets=BUCKETS, registry=self.registry)
         ProcessCollector(registry=self.registry)
         self._sched = None

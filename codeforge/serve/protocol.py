@@ -23,8 +23,8 @@ from ..chat import CALL_CLOSE, CALL_OPEN, IM_END, parse_assistant
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
-               422: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error",
-               504: "timeout_error"}
+               422: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+               503: "server_error", 504: "timeout_error"}
 
 
 class ApiError(Exception):
@@ -33,7 +33,8 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}
-        self.type = type_ or ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+        self.type = type_ or ERROR_TYPES.get(status,
+                                             "invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -55,13 +56,15 @@ def parse_body(cls: type[BaseModel], raw: bytes) -> BaseModel:
     except ValidationError as e:
         errs = e.errors(include_url=False)
         if errs and errs[0]["type"] == "json_invalid":
-            raise ApiError(400, f"the request body is not valid JSON: {errs[0]['msg']}", code="invalid_json") from None
+            raise ApiError(400, f"the request body is not valid JSON: {errs[0]['msg']}",
+                           code="invalid_json") from None
         if errs and errs[0]["type"] == "model_type":
             raise ApiError(400, "the request body must be a JSON object", code="invalid_json") from None
         extra = next((x for x in errs if x["type"] == "extra_forbidden"), None)
         if extra is not None:
             name = ".".join(str(x) for x in extra["loc"])
-            raise ApiError(400, f"{name} is not supported by this server (leave it out; the fields it takes are "
+            raise ApiError(400,
+                           f"{name} is not supported by this server (leave it out; the fields it takes are "
                                 f"OpenAI's, listed in the serving guide)", param=name,
                            code="unsupported_parameter") from None
         first = errs[0]
@@ -69,7 +72,8 @@ def parse_body(cls: type[BaseModel], raw: bytes) -> BaseModel:
         same = [x for x in errs if _loc(x["loc"]) == param]
         msg = first["msg"] if len(same) == 1 else "; or ".join(dict.fromkeys(x["msg"] for x in same))
         got = first.get("input")
-        shown = json.dumps(got)[:80] if isinstance(got, (str, int, float, bool, type(None))) else type(got).__name__
+        shown = json.dumps(got)[:80] if isinstance(got, (str, int, float, bool,
+                                                         type(None))) else type(got).__name__
         raise ApiError(422, f"{param or 'body'}: {msg} (got {shown})", param=param or None,
                        code="invalid_value") from None
 
@@ -82,7 +86,8 @@ class _Body(BaseModel):
 
 class _Request(_Body):
     """A top-level OpenAI request body: a field this server does not know is refused by name (400
-    unsupported_parameter), never dropped, so a client never believes an option took effect when it did not."""
+    unsupported_parameter), never dropped, so a client never believes an option
+    took effect when it did not."""
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
@@ -134,7 +139,8 @@ class CompletionRequest(_Sampling):
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.max_tokens == 0 and self.stream:
-            raise ApiError(400, "max_tokens 0 generates nothing to stream; leave out stream", param="max_tokens")
+            raise ApiError(400, "max_tokens 0 generates nothing to stream; leave out stream",
+                           param="max_tokens")
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise ApiError(400, "best_of other than n is not supported by this server", param="best_of",
                            code="unsupported_parameter")
@@ -168,7 +174,8 @@ class ChatMessage(_Body):
             return self.content or ""
         for part in self.content:
             if part.type != "text" or part.text is None:
-                raise ApiError(400, f"messages.{i}.content: only text parts are supported (got a {part.type!r} "
+                raise ApiError(400,
+                               f"messages.{i}.content: only text parts are supported (got a {part.type!r} "
                                     f"part)", param=f"messages.{i}.content", code="unsupported_content")
         return "".join(p.text for p in self.content)
 
@@ -209,9 +216,12 @@ class ChatRequest(_Sampling):
         super().check_unsupported()
         if self.top_logprobs and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        if self.response_format and self.response_format.get("type") not in ("text", "json_object", "json_schema"):
-            raise ApiError(400, f"response_format {self.response_format.get('type')!r} is not supported (text, "
-                                f"json_object or json_schema)", param="response_format", code="unsupported_parameter")
+        if self.response_format and self.response_format.get("type") not in ("text", "json_object",
+                                                                             "json_schema"):
+            raise ApiError(400,
+                           f"response_format {self.response_format.get('type')!r} is not supported (text, "
+                                f"json_object or json_schema)", param="response_format",
+                                code="unsupported_parameter")
 
     def rendered_messages(self) -> list[dict]:
         """The messages as chat.py renders them (developer is system; content parts joined). content is
@@ -219,15 +229,18 @@ class ChatRequest(_Sampling):
         out = []
         for i, m in enumerate(self.messages):
             if m.content is None and not (m.role == "assistant" and m.tool_calls):
-                raise ApiError(400, f"messages.{i}.content is missing: a {m.role} message needs content (a string "
-                                    f"or a list of text parts); only an assistant message with tool_calls may "
-                                    f"leave it out", param=f"messages.{i}.content", code="missing_required_parameter")
+                raise ApiError(400,
+                               f"messages.{i}.content is missing: a {m.role} message needs content (a string "
+                                    f"or a list of text parts); only an assistant message with tool_calls "
+                                    f"may leave it out", param=f"messages.{i}.content",
+                                    code="missing_required_parameter")
             d: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
             if m.tool_calls:
                 if m.role != "assistant":
                     raise ApiError(400, f"messages.{i}: only assistant messages carry tool_calls",
                                    param=f"messages.{i}.tool_calls")
-                d["tool_calls"] = [{"type": "function", "function": c.function.model_dump()} for c in m.tool_calls]
+                d["tool_calls"] = [{"type": "function", "function": c.function.model_dump()}
+                                   for c in m.tool_calls]
             out.append(d)
         return out
 
@@ -337,8 +350,8 @@ def token_text(tok, i: int) -> str:
 
 def completion_logprobs(tok, records: list, start: int = 0) -> dict:
     """The legacy completions `logprobs` object for records (batcher.LogProb; the first prompt token's
-    log-prob is None, null in JSON): tokens, token_logprobs, top_logprobs (the top N plus the chosen token, as vLLM does) and each
-    token's character offset in the choice's text."""
+    log-prob is None, null in JSON): tokens, token_logprobs, top_logprobs (the top N plus the chosen token, as
+    vLLM does) and each token's character offset in the choice's text."""
     dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
     tokens, lps, tops, offsets, at = [], [], [], [], start
     for rec in records:

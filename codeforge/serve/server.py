@@ -34,19 +34,22 @@ class ServeError(CodeforgeError):
 
 def check_options(a) -> None:
     for flag, value, lo in (("--max-batch", a.max_batch, 1), ("--max-queue", a.max_queue, 1),
-                            ("--max-prompt-tokens", a.max_prompt_tokens, 0), ("--max-tokens-cap", a.max_tokens_cap, 0),
-                            ("--max-body-bytes", a.max_body_bytes, 1024), ("--infill-batch", a.infill_batch, 0),
+                            ("--max-prompt-tokens", a.max_prompt_tokens, 0),
+                            ("--max-tokens-cap", a.max_tokens_cap, 0),
+                            ("--max-body-bytes", a.max_body_bytes, 1024),
+                            ("--infill-batch", a.infill_batch, 0),
                             ("--infill-predict", a.infill_predict, -1)):
         if value < lo:
             raise ServeError(f"{flag} {value} must be at least {lo}")
     if a.max_batch > 256:
-        raise ServeError(f"--max-batch {a.max_batch} is more than 256 rows per step; the cache is sized for it")
+        raise ServeError(f"--max-batch {a.max_batch} is more than 256 "
+                         "rows per step; the cache is sized for it")
     if a.request_timeout < 0:
         raise ServeError(f"--request-timeout {a.request_timeout} must be >= 0 (0: no limit)")
     for flag, value in (("--header-timeout", a.header_timeout), ("--body-timeout", a.body_timeout)):
         if not value > 0:
-            raise ServeError(f"{flag} {value} must be more than 0 seconds (a client may not hold a connection "
-                             f"for ever)")
+            raise ServeError(f"{flag} {value} must be more than 0 seconds (a client may not hold a "
+                             f"connection for ever)")
     if a.keep_alive < 0:
         raise ServeError(f"--keep-alive {a.keep_alive} must be >= 0 seconds (0: close after each response)")
     if a.max_connections < 0:
@@ -69,8 +72,8 @@ def split_list(value: str | None) -> tuple[str, ...]:
 def api_key(a) -> tuple[str | None, str]:
     """(the key, where it came from): --api-key, else --api-key-file, else $CODEFORGE_API_KEY, else none."""
     if a.api_key is not None and a.api_key_file:
-        raise ServeError("--api-key and --api-key-file both given; use one (--api-key-file keeps the key out of "
-                         "`ps`)")
+        raise ServeError("--api-key and --api-key-file both given; use one (--api-key-file keeps the key out "
+                         "of `ps`)")
     if a.api_key is not None:
         if not a.api_key.strip():
             raise ServeError("--api-key is empty; give a key, or leave the option out for no authentication")
@@ -100,15 +103,16 @@ def connection_limits(a) -> tuple[ConnectionLimits, int]:
     """The limits from the flags, the cap checked against the file limit, and the listen backlog."""
     safe, backlog, soft, now = connection_budget()
     if a.max_connections > safe:
-        raise ServeError(f"--max-connections {a.max_connections} is more than this process's file limit allows: "
-                         f"{safe} (ulimit -n {soft}, {now} files open, {soft - now - safe} kept free for accepting "
-                         f"and serving); lower it, or raise the limit (ulimit -n)")
+        raise ServeError(f"--max-connections {a.max_connections} is "
+                         "more than this process's file limit allows: "
+                         f"{safe} (ulimit -n {soft}, {now} files open, {soft - now - safe} kept free for "
+                         f"accepting and serving); lower it, or raise the limit (ulimit -n)")
     if safe < 1:
-        raise ServeError(f"this process may open only {soft} files (ulimit -n) and has {now} open: too few to take "
-                         f"connections; raise the limit (ulimit -n 1024)")
+        raise ServeError(f"this process may open only {soft} files (ulimit -n) and has {now} open: too few "
+                         f"to take connections; raise the limit (ulimit -n 1024)")
     cap = a.max_connections or min(MAX_DEFAULT_CONNECTIONS, safe)
-    return ConnectionLimits(header_timeout=a.header_timeout, body_timeout=a.body_timeout, keep_alive=a.keep_alive,
-                            max_body_pieces=body_pieces(a.max_body_bytes),
+    return ConnectionLimits(header_timeout=a.header_timeout, body_timeout=a.body_timeout,
+                            keep_alive=a.keep_alive, max_body_pieces=body_pieces(a.max_body_bytes),
                             max_connections=cap), backlog
 
 
@@ -128,7 +132,8 @@ def run_language(cfg: dict, tok, sample: int = 24) -> str | None:
         docs = ShardSet(data, split)
         if docs.chat:
             return None
-        seen = Counter(guess_language(tok.decode(docs.document(i).tolist())) for i in range(min(sample, docs.documents)))
+        seen = Counter(guess_language(tok.decode(docs.document(i).tolist()))
+                       for i in range(min(sample, docs.documents)))
     except (CodeforgeError, OSError, ValueError, KeyError, TypeError):
         return None
     seen.pop(None, None)
@@ -140,8 +145,8 @@ def bind(host: str, port: int) -> socket.socket:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         return socket.create_server((host, port), family=family)
     except OSError as e:
-        raise ServeError(f"cannot listen on {host}:{port}: {os.strerror(e.errno) if e.errno else e}; pick another --port "
-                         f"(0 picks a free one) or --host") from None
+        raise ServeError(f"cannot listen on {host}:{port}: {os.strerror(e.errno) if e.errno else e}; pick "
+                         f"another --port (0 picks a free one) or --host") from None
 
 
 def _loopback(host: str) -> bool:
@@ -153,7 +158,8 @@ def _loopback(host: str) -> bool:
 
 def serve_command(a) -> int:
     check_options(a)
-    with system_memory("a long-running server"):  # glibc's memory policy while it serves (device.system_memory)
+    # glibc's memory policy while it serves (device.system_memory)
+    with system_memory("a long-running server"):
         return _serve(a)
 
 
@@ -162,21 +168,23 @@ def _serve(a) -> int:
 
     dev, why = choose_device(a.device, a.threads or None)
     precision, why_precision = choose_precision(dev, getattr(a, "precision", "auto"))
-    model, tok, ck, cfg = load_model(a.run, dev, a.checkpoint, log=lambda m: print(f"note: {m}", file=sys.stderr))
+    model, tok, ck, cfg = load_model(a.run, dev, a.checkpoint,
+                                     log=lambda m: print(f"note: {m}", file=sys.stderr))
     engine = Engine(model, tok, dev, precision)
     block = engine.block_size
     if a.max_prompt_tokens >= block:
-        raise ServeError(f"--max-prompt-tokens {a.max_prompt_tokens} must be below the model's context of {block} "
-                         f"(one position is left for the reply)")
+        raise ServeError(f"--max-prompt-tokens {a.max_prompt_tokens} must be below the model's context of "
+                         f"{block} (one position is left for the reply)")
     if a.infill_batch > block:
-        raise ServeError(f"--infill-batch {a.infill_batch} is larger than the model's context of {block}: give at most "
-                         f"{block} (half of it, the default, leaves room for other files)")
+        raise ServeError(f"--infill-batch {a.infill_batch} is larger than the model's context of {block}: "
+                         f"give at most {block} (half of it, the default, leaves room for other files)")
     stage = cfg.get("train", {}).get("stage", "pretrain")
-    opts = ServeOptions(model_name=a.model_name or rundir.model_name(a.run), api_key=a.api_key, max_batch=a.max_batch,
-                        max_queue=a.max_queue, max_prompt_tokens=a.max_prompt_tokens, max_tokens_cap=a.max_tokens_cap,
+    opts = ServeOptions(model_name=a.model_name or rundir.model_name(a.run), api_key=a.api_key,
+                        max_batch=a.max_batch, max_queue=a.max_queue, max_prompt_tokens=a.max_prompt_tokens,
+                        max_tokens_cap=a.max_tokens_cap,
                         request_timeout=a.request_timeout, max_body_bytes=a.max_body_bytes, stage=stage,
-                        chat_note=chat_notice(cfg), language=run_language(cfg, tok), infill_batch=a.infill_batch,
-                        infill_predict=a.infill_predict,
+                        chat_note=chat_notice(cfg), language=run_language(cfg, tok),
+                        infill_batch=a.infill_batch, infill_predict=a.infill_predict,
                         checkpoint=Path(ck).name, host=a.host, allowed_hosts=split_list(a.allowed_hosts),
                         allowed_origins=split_list(a.allowed_origins))
     sock = bind(a.host, a.port)
@@ -191,15 +199,15 @@ def _serve(a) -> int:
           f"context {block}) from {ck}")
     print(f"device {dev} ({why}), precision {precision} ({why_precision}); batch {a.max_batch} rows, "
           f"queue {a.max_queue}")
-    print(f"connections: at most {limits.max_connections}; request head within {limits.header_timeout:g}s, body "
-          f"within {limits.body_timeout:g}s, idle {limits.keep_alive:g}s between requests")
+    print(f"connections: at most {limits.max_connections}; request head within {limits.header_timeout:g}s, "
+          f"body within {limits.body_timeout:g}s, idle {limits.keep_alive:g}s between requests")
     print(f"listening on http://{shown}:{port}/  (OpenAI base URL http://{shown}:{port}/v1"
           f"{f', API key required (from {a.api_key_from})' if a.api_key else ''})", flush=True)
     if opts.chat_note:
         print(f"note: /v1/chat/completions answers, but {opts.chat_note}", file=sys.stderr)
     if not a.api_key and not _loopback(host):
-        print(f"warning: {host} is reachable from other machines and there is no API key (--api-key-file): anyone "
-              f"who can reach port {port} can use the model", file=sys.stderr)
+        print(f"warning: {host} is reachable from other machines and there is no API key (--api-key-file): "
+              f"anyone who can reach port {port} can use the model", file=sys.stderr)
     config = uvicorn.Config(app, log_level="info" if a.access_log else "warning", access_log=a.access_log,
                             timeout_graceful_shutdown=5, http=guard.protocol_class(), ws="none",
                             timeout_keep_alive=limits.keep_alive, backlog=backlog)

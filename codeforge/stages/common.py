@@ -3,8 +3,10 @@ straight down (data -> model -> loss and evaluation -> Trainer).
 
     launch(cfg, log)              device and precision (said once), the process group under torchrun, a `say`
                                   only rank 0 speaks through, and what the run holds (the run lock)
-    vocabulary(cfg, ...)          cfg with the vocabulary from the tokenizer (a new config: nothing is changed in place)
-    begin(run, cfg, ...)          validation, the run lock, the run's recorded configuration, and the checkpoint a
+    vocabulary(cfg, ...)          cfg with the vocabulary from the tokenizer (a new
+                                  config: nothing is changed in place)
+    begin(run, cfg, ...)          validation, the run lock, the run's recorded
+                                  configuration, and the checkpoint a
                                   --resume continues (checked, and the accumulation kept or refused on another
                                   number of ranks): a frozen Began (cfg, record, start)
     init_from(...)                --init-from: the starting weights, checked against this model
@@ -68,9 +70,10 @@ def launch(cfg: RunConfig, log) -> Iterator[Run]:
     precision, why_prec = choose_precision(device, t.precision)
     rank, world = distributed_env()
     if t.parallel == "fsdp" and not STAGE[t.stage].fsdp and (world > 1 or launched_by_torchrun()):
-        raise ConfigError(f"--parallel fsdp is for the language-model stages ({', '.join(FSDP_STAGES)}); --stage "
-                          f"{t.stage} builds extra models (reference, reward, value) beside the trained one and "
-                          f"runs with --parallel ddp")
+        raise ConfigError("--parallel fsdp is for the language-model "
+                          f"stages ({', '.join(FSDP_STAGES)}); --stage "
+                          f"{t.stage} builds extra models (reference, reward, value) beside the trained one "
+                          f"and runs with --parallel ddp")
     setup_distributed(device, t.dist_timeout, alone=t.parallel == "fsdp")
     try:
         say = log if rank == 0 else (lambda m: None)
@@ -147,8 +150,8 @@ def begin(run: Run, cfg: RunConfig, resume: bool, tok: CodeTokenizer, data_ident
         run.held.enter_context(rundir.run_lock(run.dir))
     run_config = {**cfg.to_dict(), "tokenizer_hash": tok.hash, **record, "data_identity": data_identity,
                   "world_size": run.world}
-    start, accum = resume_point(run.dir, resume, cfg.model.to_dict(), tok.hash, cfg.train.data, run_config, run.say,
-                                STAGE[cfg.train.stage].other_ranks)
+    start, accum = resume_point(run.dir, resume, cfg.model.to_dict(), tok.hash, cfg.train.data, run_config,
+                                run.say, STAGE[cfg.train.stage].other_ranks)
     if accum != cfg.train.grad_accum_steps:  # resumed on another number of ranks: the global batch is kept
         cfg = replace(cfg, train=replace(cfg.train, grad_accum_steps=accum))
         run_config["train"]["grad_accum_steps"] = accum
@@ -172,8 +175,8 @@ def init_from(run: Run, model: torch.nn.Module, tok: CodeTokenizer, ck: Path | N
     t = run.cfg.train
     ck = ck or found_by_rank0(lambda: ckpt_io.find_checkpoint(t.init_from, "auto", log=run.say))
     model_dict = run.cfg.model.to_dict()
-    ckpt_io.check_compatible(ck, {**model_dict, "arch": arch} if arch else model_dict, tok.hash, "--init-from",
-                             t.data)
+    ckpt_io.check_compatible(ck, {**model_dict, "arch": arch} if arch else model_dict, tok.hash,
+                             "--init-from", t.data)
     if load:
         ckpt_io.load_weights(model, ck, new_ok=new_ok)
     run.say(f"initialised weights from {ck}{why}")
@@ -188,29 +191,32 @@ def adapters(run: Run, model: torch.nn.Module, run_config: dict, start_ckpt: Pat
     adapters saved beside the merged weights."""
     t = run.cfg.train
     if not t.init_from:
-        raise ConfigError("--lora-rank trains adapters on trained weights: pass --init-from RUN (a codeforge run, "
-                          "or a Hugging Face model brought in with `codeforge import --hf DIR`)")
+        raise ConfigError("--lora-rank trains adapters on trained weights: pass --init-from RUN (a codeforge "
+                          "run, or a Hugging Face model brought in with `codeforge import --hf DIR`)")
     if mode == "fsdp":
-        raise ConfigError("--lora-rank trains with --parallel ddp (or one process): the adapters are small, and the "
-                          "frozen weights are not sharded; a model too large for one device is not LoRA-trained "
-                          "here yet")
+        raise ConfigError("--lora-rank trains with --parallel ddp (or "
+                          "one process): the adapters are small, and the "
+                          "frozen weights are not sharded; a model too large for one device is not "
+                          "LoRA-trained here yet")
     if start_ckpt is not None:  # resume: the same starting weights as the straight run
         saved = ckpt_io.read_config(start_ckpt).get("lora_base") or {}
         if not saved:
-            raise ConfigError(f"--resume {start_ckpt}: that checkpoint was not written by a LoRA run, so there are "
-                              f"no adapters to go on with; drop --lora-rank, or start a new run")
+            raise ConfigError(f"--resume {start_ckpt}: that checkpoint was not written by a LoRA run, so "
+                              f"there are no adapters to go on with; drop --lora-rank, or start a new run")
         began = Path(saved["checkpoint"])
         # the manifest's hashes are checked against the files first, so the recorded sha256 can be trusted
         problem = ckpt_io.verify_checkpoint(began, train_state=False) if began.is_dir() else "it is gone"
         sha = None if problem else ckpt_io.weights_sha256(began)
         if sha != saved.get("sha256"):
-            raise ConfigError(f"--resume {start_ckpt}: the LoRA run started from {began}, and {problem or 'its weights changed since'}; "
-                              f"the adapters mean something only on those weights. Restore that checkpoint, or "
-                              f"start a new run from this one's merged weights (--init-from {start_ckpt})")
+            raise ConfigError(f"--resume {start_ckpt}: the LoRA run started from {began}, and "
+                              f"{problem or 'its weights changed since'}; "
+                              f"the adapters mean something only on those weights. Restore that checkpoint, "
+                              f"or start a new run from this one's merged weights (--init-from {start_ckpt})")
         ckpt_io.load_weights(model, began)
     sha = ckpt_io.weights_sha256(began)
     if sha is None:
-        raise ConfigError(f"--lora-rank starts from a whole-model checkpoint (model.safetensors); {began} is sharded "
+        raise ConfigError("--lora-rank starts from a whole-model checkpoint "
+                          f"(model.safetensors); {began} is sharded "
                           f"(an FSDP run's): export it (`codeforge export --format hf`) and import it back "
                           f"(`codeforge import --hf`), then start from that")
     run_config["lora_base"] = {"checkpoint": str(began.resolve()), "sha256": sha}
@@ -220,8 +226,8 @@ def adapters(run: Run, model: torch.nn.Module, run_config: dict, start_ckpt: Pat
     except lora.LoraError as e:
         raise ConfigError(str(e)) from e
     trainable, total = lora.counts(model)
-    run.say(f"LoRA: rank {t.lora_rank}, alpha {t.lora_alpha:g} on {', '.join(targets)}: {trainable:,} trainable "
-            f"parameters of {total:,} ({trainable / total:.2%}); the starting weights are frozen")
+    run.say(f"LoRA: rank {t.lora_rank}, alpha {t.lora_alpha:g} on {', '.join(targets)}: {trainable:,} "
+            f"trainable parameters of {total:,} ({trainable / total:.2%}); the starting weights are frozen")
 
 
 def train(run: Run, began: Began, model: torch.nn.Module, batches, loss_fn, *, total_steps: int,
@@ -230,7 +236,8 @@ def train(run: Run, began: Began, model: torch.nn.Module, batches, loss_fn, *, t
     speaks) and begin's result (the config it trains with, the record saved with checkpoints, the resume
     point); `parts`: the Trainer's optional ones (evaluate, sample, aux, mode). Returns Trainer.run()'s
     summary."""
-    trainer = Trainer(model, batches, loss_fn, began.cfg.train, run.dir, device=run.device, precision=run.precision,
+    trainer = Trainer(model, batches, loss_fn, began.cfg.train, run.dir, device=run.device,
+                      precision=run.precision,
                       total_steps=total_steps, tokens_per_step=tokens_per_step, run_config=began.record,
                       assets={"tokenizer": tok.path}, start_checkpoint=began.start, rank=run.rank,
                       world=run.world, log=run.say, **parts)
@@ -256,9 +263,10 @@ def sized_evaluation(began: Began, tokens_per_step: int, total: int, say) -> Beg
     evaluations = (total // t.eval_every if t.eval_every else 0) + 1
     sized = sized_eval_tokens(t.eval_tokens, tokens_per_step * total, evaluations)
     if sized != t.eval_tokens:
-        say(f"evaluation: up to {sized:,} validation tokens each (of --eval-tokens {t.eval_tokens:,}): a run of "
-            f"{total} steps x {tokens_per_step:,} tokens with {evaluations} evaluation(s) scores an eighth of what "
-            f"it trains on; saved as eval_tokens in config.toml")
+        say(f"evaluation: up to {sized:,} validation tokens each "
+            f"(of --eval-tokens {t.eval_tokens:,}): a run of "
+            f"{total} steps x {tokens_per_step:,} tokens with {evaluations} evaluation(s) scores an eighth "
+            f"of what it trains on; saved as eval_tokens in config.toml")
         record = {**began.record, "train": {**began.record["train"], "eval_tokens": sized},
                   "eval_tokens_asked": t.eval_tokens}  # what --resume compares a re-run's --eval-tokens with
         return Began(replace(began.cfg, train=replace(t, eval_tokens=sized)), record, began.start)
@@ -271,14 +279,14 @@ def start_point(cfg: RunConfig, say) -> tuple[CodeTokenizer, Path, dict]:
     """(tokenizer, checkpoint, its saved config) of the run --init-from names: these stages continue one."""
     t = cfg.train
     if not t.init_from:
-        raise ConfigError(f"--stage {t.stage} continues a trained model: pass --init-from RUN (a chat run from "
-                          f"--stage sft, or any GPT run)")
+        raise ConfigError(f"--stage {t.stage} continues a trained model: pass --init-from RUN (a chat run "
+                          f"from --stage sft, or any GPT run)")
     check_init_from(t.init_from)
     ck = found_by_rank0(lambda: ckpt_io.find_checkpoint(t.init_from, "auto", log=say))
     saved = ckpt_io.read_config(ck)
     if saved["model"].get("arch", "gpt") != "gpt":
-        raise ConfigError(f"--init-from {ck}: a {saved['model']['arch']} model; --stage {t.stage} trains a GPT "
-                          f"(an SFT run, usually)")
+        raise ConfigError(f"--init-from {ck}: a {saved['model']['arch']} model; --stage {t.stage} trains a "
+                          f"GPT (an SFT run, usually)")
     tok = CodeTokenizer.load(ck / "tokenizer")
     return tok, ck, saved
 

@@ -31,8 +31,8 @@ def tokenizer_dir(cfg: RunConfig) -> Path:
         return Path(t.tokenizer)
     if (Path(t.data) / "tokenizer" / "tokenizer.json").exists():
         return Path(t.data) / "tokenizer"
-    raise ConfigError(f"--stage hrm needs --tokenizer DIR (a trained tokenizer: `codeforge tokenizer train`); "
-                      f"{t.data} holds none")
+    raise ConfigError(f"--stage hrm needs --tokenizer DIR (a trained tokenizer: `codeforge tokenizer "
+                      f"train`); {t.data} holds none")
 
 
 def run(cfg: RunConfig, resume: bool = False, log=print) -> dict:
@@ -75,8 +75,8 @@ def _train(run: Run, resume: bool) -> dict:
     if t.init_from and start_ckpt is None:
         init_from(run, model, tok)
     say(f"model: hrm, {model.num_params():,} parameters ({model.num_params(True):,} non-embedding); planner "
-        f"{m.planner_layers}, generator {m.generator_layers}, refiner {m.refiner_layers} layers x {m.n_embd} wide, "
-        f"{m.n_head} heads; plan context {m.plan_len}, code context {m.code_len}, vocab {m.vocab_size}")
+        f"{m.planner_layers}, generator {m.generator_layers}, refiner {m.refiner_layers} layers x {m.n_embd} "
+        f"wide, {m.n_head} heads; plan context {m.plan_len}, code context {m.code_len}, vocab {m.vocab_size}")
 
     # -- batches and budget ---------------------------------------------------------------------------------
     labels = LabelCache()
@@ -91,13 +91,15 @@ def _train(run: Run, resume: bool) -> dict:
         say(f"truncated to plan_len {m.plan_len} / code_len {m.code_len}: {cut} of {len(train_data)} records")
     # tokens a step reads: planner and generator rows (prompt, plan, body and markers), on average
     tokens_per_step = max(1, round(batches.mean_tokens * t.batch_size * t.grad_accum_steps * world))
-    total = budget(cfg, tokens_per_step, max(1, math.ceil((t.epochs or 1.0) * batches.per_epoch / t.grad_accum_steps)))
+    total = budget(cfg, tokens_per_step,
+                   max(1, math.ceil((t.epochs or 1.0) * batches.per_epoch / t.grad_accum_steps)))
 
     # -- evaluation and samples -----------------------------------------------------------------------------
     began = sized_evaluation(began, tokens_per_step, total, say)  # a short run scores fewer tokens
     t = began.cfg.train
     token_bytes = token_byte_lengths(tok, m.vocab_size).to(device)
-    val_batches = (HRMBatches(val_data, tok, min(t.batch_size, len(val_data)), m.plan_len, m.code_len, seed=t.seed,
+    val_batches = (HRMBatches(val_data, tok, min(t.batch_size, len(val_data)), m.plan_len, m.code_len,
+                              seed=t.seed,
                               shuffle=False, device=device, labels=labels) if val_data is not None else None)
 
     def evaluate(mdl):
@@ -105,9 +107,11 @@ def _train(run: Run, resume: bool) -> dict:
             return None
         r = evaluate_hrm(mdl, val_batches, t.eval_tokens, device, precision, token_bytes)
         if t.syntax_cases:  # the seed's syntax validation during training: generated bodies parsed
-            g = hrm_generation_eval(mdl, tok, val_data, t.syntax_cases, max_plan_tokens=min(64, m.plan_len // 2),
+            g = hrm_generation_eval(mdl, tok, val_data, t.syntax_cases,
+                                    max_plan_tokens=min(64, m.plan_len // 2),
                                     max_code_tokens=min(128, m.code_len // 2))
-            r["extra"].update({k: g[k] for k in ("syntax_valid_rate", "avg_iterations", "plan_exact", "code_ast_f1")
+            r["extra"].update({k: g[k]
+                               for k in ("syntax_valid_rate", "avg_iterations", "plan_exact", "code_ast_f1")
                                if k in g})
         return r
 
@@ -120,7 +124,8 @@ def _train(run: Run, resume: bool) -> dict:
 
 
 def sample_hrm(model, tok: CodeTokenizer, data: PlanData, step: int, max_tokens: int = 64) -> str:
-    """Plan, code and refinement iterations for the first record's prompt, greedy (comparable across steps)."""
+    """Plan, code and refinement iterations for the first record's prompt,
+    greedy (comparable across steps)."""
     was = model.training
     model.eval()
     try:

@@ -23,8 +23,8 @@ from ..tokenizer import CodeTokenizer, token_byte_lengths
 from ..train import parallel
 from ..train.losses import lm_loss_fn
 from ..train.memory import estimate
-from .common import (Run, adapters, begin, budget, built, check_init_from, init_from, launch, sized_evaluation,
-                     train, vocabulary)
+from .common import (Run, adapters, begin, budget, built, check_init_from, init_from, launch,
+                     sized_evaluation, train, vocabulary)
 
 
 def run(cfg: RunConfig, resume: bool = False, log=print) -> dict:
@@ -46,7 +46,8 @@ def _train(run: Run, resume: bool, sampler: Callable[..., str]) -> dict:
     # -- data and tokenizer -------------------------------------------------------------------------------
     train_set = ShardSet(t.data, "train")
     if chat_stage and not train_set.chat:
-        raise ConfigError(f"--stage {t.stage} trains on chat data, but {t.data} holds plain text shards; prepare "
+        raise ConfigError(f"--stage {t.stage} trains on chat data, but "
+                          f"{t.data} holds plain text shards; prepare "
                           f"chat JSONL with `codeforge prepare --chat ...` (or `codeforge make-sft` first)")
     if train_set.chat and not chat_stage:
         raise ConfigError(f"{t.data} holds chat data; train it with --stage sft (or tools), not {t.stage}")
@@ -75,7 +76,8 @@ def _train(run: Run, resume: bool, sampler: Callable[..., str]) -> dict:
         plan = (p.total("ddp"), p.total("fsdp"), mem.item())
     mode = parallel.choose_mode(t.parallel, world, device, plan)
     own = parallel.materialises(mode[0], rank)
-    model = built(cfg, on_meta=not own)  # on the host: the trainer's parallel.wrap places it (FSDP: shard by shard)
+    # on the host: the trainer's parallel.wrap places it (FSDP: shard by shard)
+    model = built(cfg, on_meta=not own)
     model.grad_checkpointing = t.grad_checkpointing
     model.loss_chunk_rows = t.loss_chunk_rows
     loaded = init_from(run, model, tok, load=own) if t.init_from and start_ckpt is None else None
@@ -96,10 +98,12 @@ def _train(run: Run, resume: bool, sampler: Callable[..., str]) -> dict:
     except ValueError as e:  # too little data for one batch
         raise ConfigError(str(e)) from e
     if getattr(batches, "split", 0) or getattr(batches, "dropped", 0):
-        say(f"chat data: {batches.split} conversation(s) longer than one window ({m.block_size} tokens of context and the target after them) "
+        say(f"chat data: {batches.split} conversation(s) longer than one window ({m.block_size} tokens of "
+            "context and the target after them) "
             f"split at turn boundaries, {batches.dropped} dropped (a single turn longer than the context)")
     tokens_per_step = t.batch_size * m.block_size * t.grad_accum_steps * world
-    total = budget(cfg, tokens_per_step, max(1, math.ceil((t.epochs or 1.0) * batches.per_epoch / t.grad_accum_steps)))
+    total = budget(cfg, tokens_per_step,
+                   max(1, math.ceil((t.epochs or 1.0) * batches.per_epoch / t.grad_accum_steps)))
     say(passes_note(total, tokens_per_step, train_set.tokens, bool(t.time_budget)))
 
     # -- evaluation and samples -----------------------------------------------------------------------------
@@ -112,8 +116,8 @@ def _train(run: Run, resume: bool, sampler: Callable[..., str]) -> dict:
         if val_set is None:
             return None
         try:
-            return validation_loss(mdl, val_set, m.block_size, tok.special_ids, t.eval_tokens, device, precision,
-                                   token_bytes)
+            return validation_loss(mdl, val_set, m.block_size, tok.special_ids, t.eval_tokens, device,
+                                   precision, token_bytes)
         except ValueError as e:  # a validation split too small to score
             if not warned:
                 say(f"no evaluation (so no 'best' checkpoint): {e}")
@@ -121,12 +125,13 @@ def _train(run: Run, resume: bool, sampler: Callable[..., str]) -> dict:
             return None
 
     # -- train ----------------------------------------------------------------------------------------------
-    return train(run, began, model, batches, lm_loss_fn, total_steps=total, tokens_per_step=tokens_per_step, tok=tok,
-                 evaluate=evaluate, mode=mode,
+    return train(run, began, model, batches, lm_loss_fn, total_steps=total, tokens_per_step=tokens_per_step,
+                 tok=tok, evaluate=evaluate, mode=mode,
                  sample=lambda mdl, step: sampler(mdl, tok, device, precision, step, t.sample_tokens))
 
 
-MANY_PASSES = 4  # beyond ~4 passes, repeated data is worth much less than new (Muennighoff et al. 2023), and a
+# beyond ~4 passes, repeated data is worth much less than new (Muennighoff et al. 2023), and a
+MANY_PASSES = 4
 # small model on a small repository starts to memorise: validation loss turns up
 
 
@@ -134,22 +139,25 @@ def passes_note(total: int, tokens_per_step: int, train_tokens: int, budgeted: b
     """The plan in passes over the training split, with a warning and what to do where they are many."""
     passes = total * tokens_per_step / max(train_tokens, 1)
     up_to = "up to " if budgeted else ""
-    line = (f"plan: {up_to}{total:,} steps x {tokens_per_step:,} tokens = {up_to}{passes:.1f} passes over the "
-            f"training split ({train_tokens:,} tokens)")
+    line = (f"plan: {up_to}{total:,} steps x {tokens_per_step:,} tokens = {up_to}{passes:.1f} passes over "
+            f"the training split ({train_tokens:,} tokens)")
     if passes <= MANY_PASSES:
         return line
     fewer = max(1, int(MANY_PASSES * train_tokens / tokens_per_step))
-    return (f"{line}\nwarning: {passes:.0f} passes over the same {train_tokens:,} tokens: the model will memorise "
+    return (f"{line}\nwarning: {passes:.0f} passes over the same "
+            f"{train_tokens:,} tokens: the model will memorise "
             f"them (training loss falls toward 0 while validation loss rises after the first few passes; the "
-            f"`best` checkpoint keeps the weights from before that). More code helps most: train on a larger corpus "
-            f"of the same language first, then on this one (docs/pipeline.md, \"A small repository\"); or train "
-            f"less: --max-iters {fewer} is {MANY_PASSES} passes")
+            "`best` checkpoint keeps the weights from before "
+            "that). More code helps most: train on a larger corpus "
+            f"of the same language first, then on this one (docs/pipeline.md, \"A small repository\"); or "
+            f"train less: --max-iters {fewer} is {MANY_PASSES} passes")
 
 
 def plain_sample(model, tok, device, precision, step: int, max_new_tokens: int = 64) -> str:
     """A sample from the start of a document (seeded by the step)."""
     eng = Engine(model, tok, device, precision)
-    return eng.generate([""], SamplingParams(max_new_tokens=max_new_tokens, temperature=0.8, top_k=50, seed=step))[0]
+    return eng.generate([""], SamplingParams(max_new_tokens=max_new_tokens, temperature=0.8, top_k=50,
+                                             seed=step))[0]
 
 
 SAMPLE_PROMPT = [{"role": "user", "content": "Write a Python function that returns the reverse of a string."}]
@@ -158,5 +166,6 @@ SAMPLE_PROMPT = [{"role": "user", "content": "Write a Python function that retur
 def chat_sample(model, tok, device, precision, step: int, max_new_tokens: int = 96) -> str:
     """The model's reply to a fixed request, greedy, so samples across steps are comparable."""
     r = Engine(model, tok, device, precision).chat(SAMPLE_PROMPT, None,
-                                                   SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0))
+                                                   SamplingParams(max_new_tokens=max_new_tokens,
+                                                                  temperature=0.0))
     return r["text"] + ("<|im_end|>" if r["ended"] else " [no <|im_end|>]")

@@ -37,7 +37,8 @@ from ..device import held_threads, thread_policy, usable_cores
 from ..distributed import RENDEZVOUS_ENV, distributed_env, lost_peer
 from ..train.trainer import TrainingError
 
-PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent.parent)  # the directory holding this codeforge package
+# the directory holding this codeforge package
+PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent.parent)
 STARTED_ENV = "CODEFORGE_LOCAL_RANKS"  # set in the ranks run_local starts: they are ranks, not launchers
 STOP_GRACE_S = 60  # how long ranks 1..N-1 may take to finish after rank 0 has
 FAIL_GRACE_S = 10  # after a rank fails: how long rank 0 may take to notice and fail on its own
@@ -74,13 +75,15 @@ def check(cfg: RunConfig) -> None:
     dev = cfg.train.device
     if _on_gpu(cfg):
         raise ConfigError(f"--local-ranks {n} is for training on the CPU, and this run's device is "
-                          f"{'a GPU' if dev == 'auto' else dev}: on GPUs use torchrun --nproc-per-node (one rank "
-                          f"per GPU), or --device cpu")
+                          f"{'a GPU' if dev == 'auto' else dev}: on GPUs use torchrun --nproc-per-node (one "
+                          f"rank per GPU), or --device cpu")
 
 
 def auto_ranks(cfg: RunConfig, most: int = 4) -> int:
-    """How many local ranks a CPU run of cfg's batch is best split over here (the quickstart's choice): one per
-    core this process may use (affinity, cgroup quota), at most `most` and a divisor of the batch (so the global batch stays what it
+    """How many local ranks a CPU run of cfg's batch is best split over here
+    (the quickstart's choice): one per
+    core this process may use (affinity, cgroup quota), at most `most` and a divisor of the batch (so
+    the global batch stays what it
     is, with --batch-size per rank); 1 on a GPU. Measured on 2 cores (docs/LOG.md); beyond `most` the rows
     per rank get few, and each rank holds a whole copy of the model and its optimizer state."""
     if _on_gpu(cfg):
@@ -92,8 +95,8 @@ def auto_ranks(cfg: RunConfig, most: int = 4) -> int:
 
 
 def resolve_auto(cfg: RunConfig) -> RunConfig:
-    """--local-ranks 0 (auto, the lowend-cpu profile's): cfg with as many ranks as auto_ranks chooses, each with
-    its share of --batch-size (the global batch); cfg itself when the ranks are given."""
+    """--local-ranks 0 (auto, the lowend-cpu profile's): cfg with as many ranks as auto_ranks chooses, each
+    with its share of --batch-size (the global batch); cfg itself when the ranks are given."""
     t = cfg.train
     if t.local_ranks != 0:
         return cfg
@@ -168,8 +171,8 @@ def run_local(cfg: RunConfig, resume: bool, log, body: Callable[[RunConfig, bool
             errors = work / f"rank{r}.log"
             with open(errors, "wb") as err:
                 procs.append((subprocess.Popen(
-                    argv, env={**os.environ, **env, "RANK": str(r), "LOCAL_RANK": str(r), "OMP_NUM_THREADS": str(per),
-                               "CODEFORGE_THREADS": str(per)},
+                    argv, env={**os.environ, **env, "RANK": str(r), "LOCAL_RANK": str(r),
+                               "OMP_NUM_THREADS": str(per), "CODEFORGE_THREADS": str(per)},
                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
                     preexec_fn=die_with_parent), errors))
         threading.Thread(target=_watch, args=(procs, done, work), daemon=True).start()
@@ -178,7 +181,8 @@ def run_local(cfg: RunConfig, resume: bool, log, body: Callable[[RunConfig, bool
                 result = body(cfg, resume, log)
         except BaseException as e:
             done.set()
-            if lost_peer(e) or "lost contact" in str(e):  # the cause is another rank: say which, and its words
+            # the cause is another rank: say which, and its words
+            if lost_peer(e) or "lost contact" in str(e):
                 _name_failed(procs)
             raise
         done.set()
@@ -209,9 +213,11 @@ def _finish(procs: list[tuple[subprocess.Popen, Path]]) -> str | None:
         try:
             rc = p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            return f"rank {r} of {len(procs) + 1} (pid {p.pid}) did not end within {STOP_GRACE_S}s of rank 0; stopped"
+            return (f"rank {r} of {len(procs) + 1} (pid {p.pid}) did "
+                    f"not end within {STOP_GRACE_S}s of rank 0; stopped")
         if rc and rc not in INTERRUPTED:
-            return f"rank {r} of {len(procs) + 1} exited with {_code(rc)}; its last messages:\n{_tail(errors)}"
+            return (f"rank {r} of {len(procs) + 1} exited with {_code(rc)}; its last "
+                    f"messages:\n{_tail(errors)}")
     return None
 
 
@@ -223,7 +229,8 @@ def _name_failed(procs: list[tuple[subprocess.Popen, Path]], wait_s: float = 3.0
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         rc = p.poll()
         if rc is not None and rc and rc not in INTERRUPTED:
-            print(f"rank {r} of {len(procs) + 1} exited with {_code(rc)}; its last messages:\n{_tail(errors)}",
+            print(f"rank {r} of {len(procs) + 1} exited with {_code(rc)}; its last "
+                  f"messages:\n{_tail(errors)}",
                   file=sys.stderr, flush=True)
 
 
@@ -244,8 +251,8 @@ def _watch(procs: list[tuple[subprocess.Popen, Path]], done: threading.Event, wo
             if done.wait(FAIL_GRACE_S):  # rank 0 finished or failed meanwhile: it reports
                 return
             print(f"error: rank {r} of {len(procs) + 1} exited with {_code(rc)}; its last messages:\n"
-                  f"{_tail(errors)}\nstopping the job. Checkpoints already written are kept: --resume continues "
-                  f"from the last.", file=sys.stderr, flush=True)
+                  f"{_tail(errors)}\nstopping the job. Checkpoints already written are kept: --resume "
+                  f"continues from the last.", file=sys.stderr, flush=True)
             for q, _ in procs:
                 if q.poll() is None:
                     q.kill()

@@ -73,24 +73,28 @@ def pair_eval(loss_fn, model, data: PairData | None, batch_size: int, pad_id: in
     r = {k: v / n for k, v in tot.items()}
     extra = {k: v for k, v in r.items() if k != "loss"}
     acc = f", pair accuracy {r['pair_accuracy']:.1%}" if "pair_accuracy" in r else ""
-    ties = round(r.get("pair_ties", 0.0) * n)  # the untrained start: a zero score head, a policy = its reference
+    # the untrained start: a zero score head, a policy = its reference
+    ties = round(r.get("pair_ties", 0.0) * n)
     tied = f" ({'all' if ties == n else ties} tie, counted as not ranked right)" if ties else ""
     return {"val_loss": r["loss"], "eval_pairs": n, "extra": extra,
             "message": f"held-out loss {r['loss']:.4f}{acc} over {n} pairs{tied}"}
 
 
-# -- the stage table: one row per preference stage ------------------------------------------------------------
+# -- the stage table: one row per preference stage -----------------------------------------------------------
 
 @dataclass(frozen=True)
 class PrefVariant:
     """What a preference stage is, beside the pairs every one of them reads. A new preference loss (ORPO,
     KTO) is a loss function and a row here, plus its row in config.py's STAGE_TABLE (kind "prefs")."""
-    loss: Callable  # (fwd, model, ref, train settings, batch) -> (loss, metrics); ref is None without a reference
+    # (fwd, model, ref, train settings, batch) -> (loss, metrics); ref is None without a reference
+    loss: Callable
     reference: bool  # a frozen copy of the starting model is kept beside the trained one
-    model: Callable[[dict], object] | None  # the trained model's config from the starting GPT's (None: the GPT)
+    # the trained model's config from the starting GPT's (None: the GPT)
+    model: Callable[[dict], object] | None
     new_ok: tuple[str, ...]  # parameters the starting checkpoint lacks (a new head)
     why: str  # said after "initialised weights from ..."
-    extra_token: int  # the pairs' length limit past the context (dpo scores the target after the last position)
+    # the pairs' length limit past the context (dpo scores the target after the last position)
+    extra_token: int
     settings: Callable[[object], str]  # the stage's own settings, said with the plan
 
 
@@ -98,10 +102,12 @@ VARIANTS = {
     "reward": PrefVariant(loss=lambda fwd, model, ref, t, b: reward_loss(fwd, model, b), reference=False,
                           model=RewardConfig.from_gpt, new_ok=("score.",), why=" (a new scalar head)",
                           extra_token=0, settings=lambda t: ""),
-    "dpo": PrefVariant(loss=lambda fwd, model, ref, t, b: dpo_loss(fwd, ref, t.beta, t.dpo_sft, b), reference=True,
+    "dpo": PrefVariant(loss=lambda fwd, model, ref, t, b: dpo_loss(fwd, ref, t.beta, t.dpo_sft, b),
+                       reference=True,
                        model=None, new_ok=(), why="", extra_token=1, settings=lambda t: f", beta {t.beta}"),
 }
-if set(VARIANTS) != set(PAIR_STAGES):  # a stage of kind "prefs" without its row here would train nothing known
+# a stage of kind "prefs" without its row here would train nothing known
+if set(VARIANTS) != set(PAIR_STAGES):
     raise ImportError(f"stages/prefs.py has rows for {sorted(VARIANTS)}, config.py's prefs stages are "
                       f"{sorted(PAIR_STAGES)}")
 
@@ -114,8 +120,8 @@ def run(cfg: RunConfig, resume: bool = False, log=print) -> dict:
         raise ConfigError(f"--stage {t.stage} needs --data PAIRS (a JSONL file, or a `codeforge make-pairs` "
                           f"directory) and --out RUN")
     if not Path(t.data).exists():
-        raise ConfigError(f"--data {t.data} does not exist; make pairs with `codeforge make-pairs --input SRC "
-                          f"--out {t.data}` or pass your own JSONL (prompt/chosen/rejected)")
+        raise ConfigError(f"--data {t.data} does not exist; make pairs with `codeforge make-pairs --input "
+                          f"SRC --out {t.data}` or pass your own JSONL (prompt/chosen/rejected)")
     with launch(cfg, log) as run:
         return _train(run, resume)
 
@@ -134,8 +140,8 @@ def _train(run: Run, resume: bool) -> dict:
     val = PairData(held_rows, tok, limit) if held_rows else None
     for name, d in (("training", train_pairs), ("held-out", val)):
         if d is not None and (d.dropped or d.cut or d.same):
-            say(f"{name} pairs: {d.dropped} dropped (the prompt fills the context of {m.block_size}), {d.same} "
-                f"dropped (the sides differ only past it), {d.cut} cut at it")
+            say(f"{name} pairs: {d.dropped} dropped (the prompt fills the context of {m.block_size}), "
+                f"{d.same} dropped (the sides differ only past it), {d.cut} cut at it")
 
     # -- the start: lock, recorded config, resume point ------------------------------------------------------
     began = begin(run, cfg, resume, tok, jsonl_identity(t.data, tok.hash), chat=speaks_chat(saved))
@@ -161,5 +167,6 @@ def _train(run: Run, resume: bool) -> dict:
         f"{len(val) if val else 0} held out; {total} steps{variant.settings(t)}")
 
     # -- train ----------------------------------------------------------------------------------------------
-    return train(run, began, model, batches, loss_fn, total_steps=total, tokens_per_step=tokens_per_step, tok=tok,
+    return train(run, began, model, batches, loss_fn, total_steps=total, tokens_per_step=tokens_per_step,
+                 tok=tok,
                  evaluate=lambda mdl: pair_eval(loss_fn, mdl, val, t.batch_size, pad, device, precision))

@@ -38,8 +38,8 @@ from .. import checkpoint as ckpt_io
 from ..config import RL_STAGES, ConfigError, RunConfig, speaks_chat
 from ..device import autocast
 from ..evaluation.tasks import sample_tasks, task_eval
-from ..tasks.code_tasks import (HELDOUT_NAMES, TaskError, end_id, execution_rewards, load_tasks, split_tests, task_prompt_ids,
-                                validate_tasks)
+from ..tasks.code_tasks import (HELDOUT_NAMES, TaskError, end_id, execution_rewards, load_tasks, split_tests,
+                                task_prompt_ids, validate_tasks)
 from ..train import losses
 from ..train.resume import jsonl_identity
 from .common import Run, begin, budget, built, frozen_copy, init_from, launch, start_point, train
@@ -65,11 +65,12 @@ def load_task_splits(path: str, say) -> tuple[list[dict], list[dict]]:
         raise ConfigError(str(e)) from e
     out = []
     for name, tasks in (("training", train), ("held-out", held)):
-        unsplit = [(t, why) for t in tasks if isinstance(why := split_tests(t["tests"], t.get("entry_point")), str)]
+        unsplit = [(t, why) for t in tasks
+                   if isinstance(why := split_tests(t["tests"], t.get("entry_point")), str)]
         if unsplit:  # rewards must come from a verdict the program cannot forge
             t, why = unsplit[0]
-            say(f"left out {len(unsplit)} {name} task(s) whose tests do not split into calls and expected values "
-                f"(first: {t['id']}: {why}); RL rewards use only verdicts judged outside the sandbox")
+            say(f"left out {len(unsplit)} {name} task(s) whose tests do not split into calls and expected "
+                f"values (first: {t['id']}: {why}); RL rewards use only verdicts judged outside the sandbox")
             bad = {id(t) for t, _ in unsplit}
             tasks = [t for t in tasks if id(t) not in bad]
         kept, skipped = validate_tasks(tasks)
@@ -102,8 +103,8 @@ class Rollouts:
     """The batch source of the RL stages (see the module docstring)."""
 
     def __init__(self, variant: "PolicyVariant", policy, tok, tasks: list[dict], t, device, precision: str,
-                 chat: bool, ref=None, reward_model=None, value_head=None, run_dir: Path | None = None, rank: int = 0,
-                 world: int = 1):
+                 chat: bool, ref=None, reward_model=None, value_head=None, run_dir: Path | None = None,
+                 rank: int = 0, world: int = 1):
         self.variant, self.policy, self.tok, self.tasks, self.t = variant, policy, tok, tasks, t
         self.device, self.precision, self.chat = device, precision, chat
         self.ref, self.rm, self.value = ref, reward_model, value_head
@@ -111,7 +112,8 @@ class Rollouts:
         self.rank, self.world = rank, world
         self.per_round = min(max(1, t.rollout_tasks // world), len(tasks) // world)
         if self.per_round < 1:
-            raise ConfigError(f"{len(tasks)} training task(s) for {world} rank(s): every rank needs at least one")
+            raise ConfigError(f"{len(tasks)} training task(s) for {world} "
+                              "rank(s): every rank needs at least one")
         self.rows = self.per_round * t.group_size
         self.chunks = t.ppo_epochs * math.ceil(self.rows / t.batch_size)
         self.rounds_per_epoch = max(1, len(tasks) // (self.per_round * world))
@@ -168,7 +170,8 @@ class Rollouts:
             # read at: its score there is out of distribution and the policy learns to ramble for it (seen in
             # the tests). Such samples get the penalty instead (TRL's missing-EOS penalty, the same idea).
             end = end_id(self.tok, self.chat)
-            ended = torch.tensor([bool(resp) and resp[-1] == end for _, resp, _ in samples], device=self.device)
+            ended = torch.tensor([bool(resp) and resp[-1] == end for _, resp, _ in samples],
+                                 device=self.device)
             rm_scores = torch.where(ended, rm_scores, torch.full_like(rm_scores, -MISSING_END_PENALTY))
             score += rm_scores
         with autocast(self.device, self.precision):  # as in training, so the first ratio is 1
@@ -199,7 +202,7 @@ class Rollouts:
         buf["stats"] = stats
         return buf
 
-    # -- the batch source --------------------------------------------------------------------------------------
+    # -- the batch source ------------------------------------------------------------------------------------
     def __next__(self) -> dict:
         if self.buf is None or self.cursor >= self.chunks:
             if self.buf is not None:
@@ -216,7 +219,8 @@ class Rollouts:
         return mb
 
     def state_dict(self) -> dict:
-        buf = None if self.buf is None else {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in self.buf.items()}
+        buf = None if self.buf is None else {k: (v.cpu() if torch.is_tensor(v) else v)
+                                             for k, v in self.buf.items()}
         return {"round": self.round, "cursor": self.cursor, "buffer": buf, "tasks": len(self.tasks)}
 
     def load_state_dict(self, s: dict) -> None:
@@ -225,7 +229,8 @@ class Rollouts:
                              f"{len(self.tasks)}")
         self.round, self.cursor = s["round"], s["cursor"]
         b = s.get("buffer")
-        self.buf = None if b is None else {k: (v.to(self.device) if torch.is_tensor(v) else v) for k, v in b.items()}
+        self.buf = None if b is None else {k: (v.to(self.device) if torch.is_tensor(v) else v)
+                                           for k, v in b.items()}
 
 
 def last_positions(mask: torch.Tensor) -> torch.Tensor:
@@ -234,7 +239,7 @@ def last_positions(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, idx, torch.zeros_like(idx)).max(1).values
 
 
-# -- what differs between the RL stages: advantages and the loss's extra term -----------------------------------
+# -- what differs between the RL stages: advantages and the loss's extra term --------------------------------
 
 def group_advantages(ro: Rollouts, h, score, mask, lengths, old_logp, ref_logp) -> dict:
     """GRPO: each sample's score against its group's (no value model)."""
@@ -277,7 +282,8 @@ def kl_term(t, value_head, h, logp, mask, b: dict) -> tuple[torch.Tensor | None,
 class PolicyVariant:
     """What an RL stage is beside the rollouts, the clipped objective and the evaluation every one shares."""
     value_head: bool  # a critic trained beside the policy (the Trainer's aux module)
-    advantages: Callable  # (rollouts, hidden, score, mask, lengths, old_logp, ref_logp) -> the buffer's entries
+    # (rollouts, hidden, score, mask, lengths, old_logp, ref_logp) -> the buffer's entries
+    advantages: Callable
     extra: Callable  # (train settings, value head, hidden, logp, mask, batch) -> (term or None, metrics)
     min_group: int  # the smallest --group-size it can learn from
 
@@ -287,10 +293,13 @@ VARIANTS = {
     "grpo": PolicyVariant(value_head=False, advantages=group_advantages, extra=kl_term, min_group=2),
 }
 if set(VARIANTS) != set(RL_STAGES):  # a stage of kind "rl" without its row here would train nothing known
-    raise ImportError(f"stages/rl.py has rows for {sorted(VARIANTS)}, config.py's rl stages are {sorted(RL_STAGES)}")
+    raise ImportError(f"stages/rl.py has rows for {sorted(VARIANTS)}, "
+                      f"config.py's rl stages are {sorted(RL_STAGES)}")
 
 
-def policy_loss(variant: PolicyVariant, t, value_head, fwd, lm_weight_of, b: dict) -> tuple[torch.Tensor, dict]:
+def policy_loss(
+    variant: PolicyVariant, t, value_head, fwd, lm_weight_of, b: dict
+) -> tuple[torch.Tensor, dict]:
     """The clipped surrogate on a micro-batch of a rollout, plus the variant's extra term (ppo: the value
     head's loss; grpo: the k3 KL to the reference when kl_coef > 0). Metrics: the rollout's statistics and
     the loss's own."""
@@ -307,8 +316,8 @@ def policy_loss(variant: PolicyVariant, t, value_head, fwd, lm_weight_of, b: dic
 def run(cfg: RunConfig, resume: bool = False, log=print) -> dict:
     t = cfg.train
     if not t.data or not t.out:
-        raise ConfigError(f"--stage {t.stage} needs --data TASKS (a JSONL file of prompt/tests, or a `codeforge "
-                          f"make-tasks` directory) and --out RUN")
+        raise ConfigError(f"--stage {t.stage} needs --data TASKS (a JSONL file of prompt/tests, or a "
+                          f"`codeforge make-tasks` directory) and --out RUN")
     if not Path(t.data).exists():
         raise ConfigError(f"--data {t.data} does not exist; make tasks with `codeforge make-tasks --out "
                           f"{t.data}` or pass your own JSONL (prompt, tests)")
@@ -333,17 +342,19 @@ def _train(run: Run, resume: bool) -> dict:
     if t.eval_tasks:
         held_tasks = held_tasks[:t.eval_tasks]
     room = m.block_size - min(t.rollout_tokens, m.block_size // 2)
-    fits = [[tk for tk in ts if len(task_prompt_ids(tok, tk, chat)) <= room] for ts in (train_tasks, held_tasks)]
+    fits = [[tk for tk in ts if len(task_prompt_ids(tok, tk, chat)) <= room]
+            for ts in (train_tasks, held_tasks)]
     if sum(map(len, fits)) < len(train_tasks) + len(held_tasks):
-        say(f"skipped {len(train_tasks) - len(fits[0])} training and {len(held_tasks) - len(fits[1])} held-out "
-            f"task(s) whose prompt leaves no room for an answer in the context of {m.block_size}")
+        say(f"skipped {len(train_tasks) - len(fits[0])} training and {len(held_tasks) - len(fits[1])} "
+            f"held-out task(s) whose prompt leaves no room for an answer in the context of {m.block_size}")
     train_tasks, held_tasks = fits
     if not train_tasks:
-        raise ConfigError(f"no training task fits the context of {m.block_size} tokens with room for an answer")
+        raise ConfigError("no training task fits the context of "
+                          f"{m.block_size} tokens with room for an answer")
 
     # -- the start: lock, recorded config, resume point ------------------------------------------------------
-    began = begin(run, run.cfg, resume, tok, jsonl_identity(t.data, tok.hash, ("train.jsonl", *HELDOUT_NAMES)),
-                  chat=chat)
+    began = begin(run, run.cfg, resume, tok,
+                  jsonl_identity(t.data, tok.hash, ("train.jsonl", *HELDOUT_NAMES)), chat=chat)
     cfg, t = began.cfg, began.cfg.train
 
     # -- models: the policy, its reference, the reward model, the value head --------------------------------
@@ -356,11 +367,11 @@ def _train(run: Run, resume: bool) -> dict:
     if use_rm:
         rm, rm_tok, rm_ck, _ = ckpt_io.load_model(t.reward_model, device, log=say)
         if getattr(rm.cfg, "arch", "") != "reward":
-            raise ConfigError(f"--reward-model {rm_ck} is not a reward model (arch {rm.cfg.arch}); train one with "
-                              f"--stage reward")
+            raise ConfigError(f"--reward-model {rm_ck} is not a reward model (arch {rm.cfg.arch}); train one "
+                              f"with --stage reward")
         if rm_tok.hash != tok.hash:
-            raise ConfigError(f"--reward-model {rm_ck} uses tokenizer {rm_tok.hash}, the policy {tok.hash}; it "
-                              f"must score the policy's tokens")
+            raise ConfigError(f"--reward-model {rm_ck} uses tokenizer {rm_tok.hash}, the policy {tok.hash}; "
+                              f"it must score the policy's tokens")
         for p in rm.parameters():
             p.requires_grad_(False)
     value = ValueHead(m.n_embd).to(device) if variant.value_head else None
@@ -370,14 +381,15 @@ def _train(run: Run, resume: bool) -> dict:
            "reward model" if rollouts.use_rm else "execution in the sandbox")
     steps_per_round = math.ceil(rollouts.chunks / t.grad_accum_steps)
     tokens_per_step = t.batch_size * t.rollout_tokens * t.grad_accum_steps * world
-    total = budget(cfg, tokens_per_step, max(1, round((t.epochs or 1.0) * rollouts.rounds_per_epoch * steps_per_round)))
+    total = budget(cfg, tokens_per_step,
+                   max(1, round((t.epochs or 1.0) * rollouts.rounds_per_epoch * steps_per_round)))
     say(f"{t.stage}: rewards from {src}; {rollouts.per_round * world} task(s) x {t.group_size} sample(s) a "
         f"rollout, {t.ppo_epochs} epoch(s) of {rollouts.chunks // t.ppo_epochs} micro-batch(es) each "
         f"({steps_per_round} step(s) a rollout); {total} steps; KL to the reference "
         f"{t.kl_coef if ref is not None else 'off'}")
     if t.grad_accum_steps > rollouts.chunks:
-        raise ConfigError(f"--grad-accum-steps {t.grad_accum_steps} is more than the {rollouts.chunks} micro-batches "
-                          f"of a rollout")
+        raise ConfigError(f"--grad-accum-steps {t.grad_accum_steps} is more than the {rollouts.chunks} "
+                          f"micro-batches of a rollout")
 
     def loss_fn(fwd, b):
         return policy_loss(variant, t, value, fwd, lambda: model.lm_head.weight, b)
@@ -388,10 +400,11 @@ def _train(run: Run, resume: bool) -> dict:
         r = task_eval(mdl, tok, device, precision, held_tasks, chat, max_new_tokens=t.rollout_tokens)
         extra = {k: v for k, v in r.items() if k != "task_outcomes"}
         return {"objective": -r["task_mean_reward"], "extra": extra,
-                "message": f"held-out tasks: pass@1 {r['task_pass_at_1']:.1%} ({r['task_solved']}/{r['tasks']}), "
-                           f"syntax-valid {r['task_syntax_valid']:.1%}, mean reward {r['task_mean_reward']:.3f}, "
-                           f"outcomes {r['task_outcomes']}"}
+                "message": f"held-out tasks: pass@1 {r['task_pass_at_1']:.1%} "
+                           f"({r['task_solved']}/{r['tasks']}), "
+                           f"syntax-valid {r['task_syntax_valid']:.1%}, mean reward "
+                           f"{r['task_mean_reward']:.3f}, outcomes {r['task_outcomes']}"}
 
     # -- train ----------------------------------------------------------------------------------------------
-    return train(run, began, model, rollouts, loss_fn, total_steps=total, tokens_per_step=tokens_per_step, tok=tok,
-                 evaluate=evaluate, aux=value)
+    return train(run, began, model, rollouts, loss_fn, total_steps=total, tokens_per_step=tokens_per_step,
+                 tok=tok, evaluate=evaluate, aux=value)

@@ -7,7 +7,8 @@ A task is a dict:
      "solution": a correct reference function (plain code), "tests": `assert f(...) == ...` lines,
      "split": "train"|"test"}
 
-`generate_tasks` (families.py) makes them procedurally from FAMILIES: string, list, arithmetic and dict functions at
+`generate_tasks` (families.py) makes them procedurally from FAMILIES: string, list,
+arithmetic and dict functions at
 three levels (1: one operation, "return x plus 7"; 2: a loop, filter or comprehension, "sum of the elements
 greater than 3"; 3: two steps combined, "word frequencies of the lower-cased words"). A family draws its
 parameters (constants, the function's name from a small pool of plausible names, argument names) from a
@@ -95,8 +96,8 @@ REWARDS = {"no_parse": 0.0, "early_exit": 0.0, "tampering": 0.0, "not_data": 0.0
 SUSPECT_NAMES = {"__file__", "_getframe", "f_locals", "f_globals", "f_back", "gc", "ctypes", "inspect",
                  "builtins", "__builtins__", "__import__", "sys.modules", "os.read", "os.write", "os.open",
                  "os.fdopen", "os.dup", "os.dup2", "os.pipe", "os.readlink", "os.kill", "signal", "__eq__",
-                 "__ne__", "__class__", "__subclasses__", "__globals__", "__code__", "exec", "eval", "compile",
-                 "open"}
+                 "__ne__", "__class__", "__subclasses__", "__globals__", "__code__", "exec", "eval",
+                 "compile", "open"}
 
 
 # -- user tasks -----------------------------------------------------------------------------------------
@@ -113,8 +114,8 @@ def _lines(fh, path) -> Iterator[tuple[int, bytes]]:
             return
         lineno += 1
         if len(raw) > MAX_LINE_BYTES:
-            raise TaskError(f"{path}:{lineno}: line longer than {MAX_LINE_BYTES} bytes; a task or completion must "
-                            f"be shorter (is this the right file?)")
+            raise TaskError(f"{path}:{lineno}: line longer than {MAX_LINE_BYTES} bytes; a task or completion "
+                            f"must be shorter (is this the right file?)")
         yield lineno, raw
 
 
@@ -141,8 +142,8 @@ def load_tasks(path: str | Path, split: str = "heldout") -> list[dict]:
         raise TaskError(f"tasks file {str(p)!r} does not exist")
     if p.is_dir():
         if tasks_file(p, "train") is None and tasks_file(p, "heldout") is None:
-            raise TaskError(f"{str(p)!r} is a directory without train.jsonl or heldout.jsonl: pass a tasks JSONL "
-                            f"file or a directory written by make-tasks")
+            raise TaskError(f"{str(p)!r} is a directory without train.jsonl or heldout.jsonl: pass a tasks "
+                            f"JSONL file or a directory written by make-tasks")
         found = tasks_file(p, split)
         if found is None:
             raise TaskError(f"{str(p)!r} has no {split}.jsonl (split={split!r}); it has "
@@ -177,7 +178,8 @@ def load_tasks(path: str | Path, split: str = "heldout") -> list[dict]:
             for key, typ in OPTIONAL_FIELDS.items():
                 v = row.get(key)
                 if v is not None and (not isinstance(v, typ) or isinstance(v, bool)):
-                    raise TaskError(f"{where}: {key!r} must be {typ.__name__}, got {type(v).__name__} ({v!r:.40})")
+                    raise TaskError(f"{where}: {key!r} must be {typ.__name__}, "
+                                    f"got {type(v).__name__} ({v!r:.40})")
             row = dict(row)
             if row.get("id") is None:
                 row["id"] = f"line-{lineno}"
@@ -281,7 +283,8 @@ def tampering(code: str) -> str | None:
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and (
                 "/proc" in node.value or "/sandbox" in node.value):
             return f"touches {node.value[:40]!r}"
-        hit = next((n for n in names if n and (n in SUSPECT_NAMES or n.split(".")[0] in ("gc", "ctypes", "inspect"))),
+        hit = next((n for n in names if n
+                    and (n in SUSPECT_NAMES or n.split(".")[0] in ("gc", "ctypes", "inspect"))),
                    None)
         if hit:
             return f"uses {hit}"
@@ -322,7 +325,8 @@ MAX_FOLDED = 100_000  # items of a sequence, or bits of an integer, that folding
 
 def literal(node: ast.AST):
     """The value of a literal expression: what ast.literal_eval accepts, plus +, -, * between literals (as in
-    `'abc' + 'de'`, `2 * 3 * 7`), sizes capped. ValueError for anything else (names, calls, comprehensions)."""
+    `'abc' + 'de'`, `2 * 3 * 7`), sizes capped. ValueError for anything else
+    (names, calls, comprehensions)."""
     try:
         return ast.literal_eval(node)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
@@ -330,10 +334,18 @@ def literal(node: ast.AST):
     if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult)):
         left, right = literal(node.left), literal(node.right)
         for x, y in ((left, right), (right, left)):
-            if isinstance(node.op, ast.Mult) and isinstance(x, (str, bytes, list, tuple)) and isinstance(y, int) \
-                    and len(x) * max(y, 0) > MAX_FOLDED:
+            if (
+                isinstance(node.op, ast.Mult)
+                and isinstance(x, (str, bytes, list, tuple))
+                and isinstance(y, int)
+                and len(x) * max(y, 0) > MAX_FOLDED
+            ):
                 raise ValueError("folded sequence too large")
-        if isinstance(left, int) and isinstance(right, int) and left.bit_length() + right.bit_length() > MAX_FOLDED:
+        if (
+            isinstance(left, int)
+            and isinstance(right, int)
+            and left.bit_length() + right.bit_length() > MAX_FOLDED
+        ):
             raise ValueError("folded integer too large")
         try:
             return {ast.Add: lambda: left + right, ast.Sub: lambda: left - right,
@@ -345,12 +357,15 @@ def literal(node: ast.AST):
 
 def literal_call(node: ast.AST, name: str | None) -> tuple[str, tuple, dict] | None:
     """(function name, args, kwargs) when `node` calls a plain name with literal arguments only."""
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)) or (name and node.func.id != name):
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)) or (
+        name and node.func.id != name
+    ):
         return None
     if any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
         return None
     try:
-        return node.func.id, tuple(literal(a) for a in node.args), {k.arg: literal(k.value) for k in node.keywords}
+        return node.func.id, tuple(literal(a) for a in node.args), {k.arg: literal(k.value)
+                                                                    for k in node.keywords}
     except ValueError:
         return None
 
@@ -381,7 +396,11 @@ def split_tests(tests: str, entry_point: str | None = None) -> Cases | str:
                         except ValueError:
                             return f"{where}: the expected value is not a literal"
                         break
-            elif isinstance(op, ast.Is) and isinstance(right, ast.Constant) and right.value in (None, True, False):
+            elif (
+                isinstance(op, ast.Is)
+                and isinstance(right, ast.Constant)
+                and right.value in (None, True, False)
+            ):
                 call, check = literal_call(left, name), ("is", right.value)
         elif isinstance(t, ast.UnaryOp) and isinstance(t.op, ast.Not):
             call, check = literal_call(t.operand, name), ("truthy", False)
@@ -402,7 +421,8 @@ def same(expected, got, float_tol: float = 0.0) -> bool:
     float_tol > 0, where the expected value is a float a number within float_tol of it (absolute, as
     HumanEval's own checks write `abs(x - y) < 1e-6`) counts as equal, inside lists and tuples too."""
     try:
-        if (type(expected) is bool) != (type(got) is bool):  # True == 1 in Python; a test's `is True` would not
+        # True == 1 in Python; a test's `is True` would not
+        if (type(expected) is bool) != (type(got) is bool):
             return False
         if float_tol > 0:
             if type(expected) is float:
@@ -460,9 +480,10 @@ def judge(cases: Cases, outputs: list | None, float_tol: float = 0.0) -> tuple[s
                 ok = bool(got) == want
         except Exception:
             ok = False
-        if ok and after is not None and not (same(after[0], got_args, float_tol) and same(after[1], got_kwargs, float_tol)):
-            return "wrong", (f"{_shown(cases, i)} left its arguments as {_safe_repr([got_args, got_kwargs])}, "
-                             f"expected {_safe_repr(after)}")
+        if ok and after is not None and not (same(after[0], got_args, float_tol)
+                                             and same(after[1], got_kwargs, float_tol)):
+            return "wrong", (f"{_shown(cases, i)} left its arguments as "
+                             f"{_safe_repr([got_args, got_kwargs])}, expected {_safe_repr(after)}")
         if not ok:
             want_text = {"eq": _safe_repr(want), "ref": _safe_repr(want), "is": repr(want),
                          "pred": getattr(want, "text", "a value with the checked property"),
@@ -572,8 +593,8 @@ def record_calls(jobs: list[tuple[str, str]], timeout: float = 10.0, **kw) -> li
         elif len(rows) > MAX_RECORDED_CALLS:
             out.append(f"the tests call {entry} more than {MAX_RECORDED_CALLS} times")
         elif not all(type(r) is list and len(r) == 4 and type(r[0]) is tuple and type(r[1]) is dict
-                     and all(type(k) is str for k in r[1]) and (r[3] is None or (type(r[3]) is list and len(r[3]) == 2))
-                     for r in rows):
+                     and all(type(k) is str for k in r[1])
+                     and (r[3] is None or (type(r[3]) is list and len(r[3]) == 2)) for r in rows):
             out.append("malformed record of calls")
         else:
             out.append([(r[0], r[1], r[2], r[3]) for r in rows])
@@ -588,12 +609,13 @@ def recorded_cases(entry: str, rows: list, float_tol: float = 0.0, prop=None) ->
     wrap = prop is None and any(changed is not None for *_, changed in rows)
     checks = [("pred", prop(args, kwargs)) if prop else ("ref", (value, changed))
               for args, kwargs, value, changed in rows]
-    return Cases(CALL_ENTRY if wrap else entry, calls, checks, WRAP_CODE.replace("ENTRY", entry) if wrap else "",
-                 entry, float_tol)
+    return Cases(CALL_ENTRY if wrap else entry, calls, checks,
+                 WRAP_CODE.replace("ENTRY", entry) if wrap else "", entry, float_tol)
 
 
 def task_entry(task: dict) -> str | None:
-    """The function a task's tests call: its entry_point, else the one function of its solution the tests use."""
+    """The function a task's tests call: its entry_point, else the one function of
+    its solution the tests use."""
     ep = task.get("entry_point")
     if isinstance(ep, str) and ep.isidentifier():
         return ep
@@ -619,19 +641,21 @@ def _other_names(task: dict, entry: str) -> set[str]:
             for t in (n.targets if isinstance(n, ast.Assign) else [n.target]):
                 defined |= {x.id for x in ast.walk(t) if isinstance(x, ast.Name)}
     own = {x.id for x in ast.walk(tests) if isinstance(x, ast.Name) and isinstance(x.ctx, ast.Store)}
-    own |= {n.name for n in ast.walk(tests) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
-    own |= {(a.asname or a.name).split(".")[0] for n in ast.walk(tests) if isinstance(n, (ast.Import, ast.ImportFrom))
-            for a in n.names}
+    own |= {n.name for n in ast.walk(tests)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    own |= {(a.asname or a.name).split(".")[0] for n in ast.walk(tests)
+            if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
     used = {x.id for x in ast.walk(tests) if isinstance(x, ast.Name) and isinstance(x.ctx, ast.Load)}
     return (defined & used) - own - {entry}
 
 
-RECORDED_FLOAT_TOL = 1e-6  # a float compared with a recorded reference value (the tests' own tolerance is unknown)
+# a float compared with a recorded reference value (the tests' own tolerance is unknown)
+RECORDED_FLOAT_TOL = 1e-6
 
 
 def record_tasks(tasks: list[dict], timeout: float = 10.0, **kw) -> list[Cases | str]:
-    """For tasks whose tests do not split: Cases of the calls the tests make of the entry function, recorded on
-    the task's reference solution (cached per process), or why the task can only be judged in the box (no
+    """For tasks whose tests do not split: Cases of the calls the tests make of the entry function, recorded
+    on the task's reference solution (cached per process), or why the task can only be judged in the box (no
     solution, no single entry function, the tests use more of the solution, a call raised ...)."""
     keys, jobs, out = [], [], []
     for t in tasks:
@@ -661,12 +685,13 @@ def record_tasks(tasks: list[dict], timeout: float = 10.0, **kw) -> list[Cases |
     if fresh:  # the reference replayed on its own recording: calls whose inputs name state the tests made
         # (a temporary directory, a file) do not replay, and such a task can only be judged in the box
         progs = [solutions[k] + ("\n\n" + c.suffix if c.suffix else "") for k, c in fresh]
-        replays = run_many(progs, timeout=timeout, calls=[encode_calls(c.entry, c.calls) for _, c in fresh], **kw)
+        replays = run_many(progs, timeout=timeout, calls=[encode_calls(c.entry, c.calls) for _, c in fresh],
+                           **kw)
         for (key, cases), res in zip(fresh, replays):
             outcome, detail = io_outcome(res, cases)
             if outcome != "passed":
-                _recorded[key] = (f"the reference solution does not pass its own recorded calls when they are "
-                                  f"replayed ({detail}): the tests' calls depend on state they made")
+                _recorded[key] = (f"the reference solution does not pass its own recorded calls when they "
+                                  f"are replayed ({detail}): the tests' calls depend on state they made")
     return [_recorded[k] for k in out]
 
 
@@ -687,7 +712,8 @@ def execution_rewards(tasks: list[dict], completions: list[str], timeout: float 
     inside the program (the reference harness's semantics, which a program written against the runner can
     forge); a completion the name screen flags is then refused unrun ("tampering"), and one that runs to its
     end is "passed_in_box", never "passed": pass rates leave it out and report it apart. trusted_only=True
-    (RL rewards) raises UnsplitTask instead of ever using the in-box kind. "suspect" is the name screen's reason or None: a counter of attempts, not
+    (RL rewards) raises UnsplitTask instead of ever using the in-box kind. "suspect" is the name screen's
+    reason or None: a counter of attempts, not
     the defence; a suspect completion that does not pass earns 0, not partial credit."""
     if len(tasks) != len(completions):
         raise TaskError(f"{len(tasks)} tasks but {len(completions)} completions: they go in pairs")
@@ -708,10 +734,11 @@ def execution_rewards(tasks: list[dict], completions: list[str], timeout: float 
         key = id(task)
         cases = split[key] if isinstance(split[key], Cases) else None
         if cases is None and trusted_only:
-            raise UnsplitTask(f"task {task.get('id')!r}: its tests cannot be split into calls and expected values "
-                              f"nor recorded on a reference solution ({split[key]}), so its verdict could be forged; "
-                              f"rewrite them as `assert f(args) == value` lines, give the task a solution, or leave "
-                              f"it out")
+            raise UnsplitTask(f"task {task.get('id')!r}: its tests cannot be split into calls and expected "
+                              "values nor recorded on a reference solution "
+                              f"({split[key]}), so its verdict could be forged; "
+                              f"rewrite them as `assert f(args) == value` lines, give the task a solution, "
+                              f"or leave it out")
         verdict = "outside" if cases else "in_box"
         code = extract_code(completion)
         err = _syntax_error(code)
@@ -724,14 +751,15 @@ def execution_rewards(tasks: list[dict], completions: list[str], timeout: float 
         except (RecursionError, MemoryError):
             why = "too deeply nested to screen"
         if why and (not cases or key in recorded):  # a recorded task's verdict leans on an in-box run too
-            out[i] = {"reward": REWARDS["tampering"], "outcome": "tampering", "detail": why, "verdict": verdict,
-                      "suspect": why}
+            out[i] = {"reward": REWARDS["tampering"], "outcome": "tampering", "detail": why,
+                      "verdict": verdict, "suspect": why}
         elif cases:
             runs.append((i, code + ("\n\n" + cases.suffix if cases.suffix else ""), cases, why))
             if key in recorded:  # what recording cannot see (printed output, an argument left alone, files,
-                # `is True`) only the tests themselves check: they must pass in the box as well. That run is as
-                # forgeable as any in-box run (the name screen above is its defence, as for in-box tasks); what
-                # it cannot forge is the values, judged outside all the same.
+                # `is True`) only the tests themselves check: they must pass in
+                # the box as well. That run is as
+                # forgeable as any in-box run (the name screen above is its defence, as for in-box tasks);
+                # what it cannot forge is the values, judged outside all the same.
                 runs.append((~i, code + "\n\n" + task["tests"], None, None))
         else:
             runs.append((i, code + "\n\n" + task["tests"], None, None))
@@ -739,7 +767,8 @@ def execution_rewards(tasks: list[dict], completions: list[str], timeout: float 
         calls = [encode_calls(c.entry, c.calls) if c else None for _, _, c, _ in runs]
         results = run_many([prog for _, prog, _, _ in runs], timeout=timeout, memory_mb=memory_mb,
                            workers=workers, calls=calls, unsafe_no_sandbox=unsafe_no_sandbox)
-        also = {~i: res for (i, _, _, _), res in zip(runs, results) if i < 0}  # the in-box runs of recorded tasks
+        # the in-box runs of recorded tasks
+        also = {~i: res for (i, _, _, _), res in zip(runs, results) if i < 0}
         for (i, _, cases, why), res in zip(runs, results):
             if i < 0:
                 continue
@@ -751,10 +780,11 @@ def execution_rewards(tasks: list[dict], completions: list[str], timeout: float 
                     detail = (f"it returns the reference's values, but the task's own tests fail on it: "
                               f"{box.detail}")
                 elif outcome == "wrong" and box is not None and box.passed and not trusted_only:
-                    # other values than the reference's, which the tests accept (any order, a tuple for a list,
+                    # other values than the reference's, which the tests accept
+                    # (any order, a tuple for a list,
                     # a count from elsewhere): a pass only the box saw, reported apart and never in pass@k
-                    outcome, detail = "passed_in_box", (f"its values differ from the reference's ({detail}), but "
-                                                        f"the task's own tests pass in the box")
+                    outcome, detail = "passed_in_box", (f"its values differ from the reference's ({detail}), "
+                                                        f"but the task's own tests pass in the box")
                 reward = REWARDS[outcome] if (outcome == "passed" or not why) else 0.0
                 out[i] = {"reward": reward, "outcome": outcome, "detail": detail,
                           "verdict": "in_box" if outcome == "passed_in_box" else "outside", "suspect": why}
@@ -768,7 +798,8 @@ def execution_rewards(tasks: list[dict], completions: list[str], timeout: float 
 def validate_tasks(tasks: list[dict], timeout: float = 5.0, **kw) -> tuple[list[dict], list[dict]]:
     """(kept, skipped). Skipped, each {"id", "reason"}: tests that do not parse; tests that pass with no
     code before them, or (tests run in the box, with an entry_point) with a stub that returns one meaningless
-    object for every input (they check nothing, and would reward any answer); a "solution" that does not parse or
+    object for every input (they check nothing, and would reward any answer); a
+    "solution" that does not parse or
     fails its tests in the sandbox (judged outside the box where the tests split, as execution_rewards does).
     `kw` goes to sandbox.run_many (memory_mb, workers, unsafe_no_sandbox)."""
     reasons: dict[int, str] = {}
@@ -792,7 +823,8 @@ def validate_tasks(tasks: list[dict], timeout: float = 5.0, **kw) -> tuple[list[
             if err:
                 reasons[i] = f"reference solution does not parse: {err}"
                 continue
-            checks.append((i, "solution", t["solution"].rstrip() + ("\n" if cases else "\n\n" + t["tests"]), cases))
+            checks.append((i, "solution", t["solution"].rstrip() + ("\n" if cases else "\n\n" + t["tests"]),
+                           cases))
     results = run_many([prog for _, _, prog, _ in checks], timeout=timeout,
                        calls=[encode_calls(c.entry, c.calls) if c else None for *_, c in checks], **kw) \
         if checks else []
@@ -800,7 +832,8 @@ def validate_tasks(tasks: list[dict], timeout: float = 5.0, **kw) -> tuple[list[
         if what == "bare" and res.passed:
             reasons.setdefault(i, "tests pass without any solution: they check nothing")
         elif what == "stub" and res.passed:
-            reasons.setdefault(i, "tests pass for a function that returns the same meaningless object for every "
+            reasons.setdefault(i,
+                               "tests pass for a function that returns the same meaningless object for every "
                                   "input: they check nothing about the answer")
         elif what == "solution":
             outcome, detail = io_outcome(res, cases) if cases else (
@@ -822,11 +855,11 @@ def task_conversation(task: dict) -> dict:
                          {"role": "assistant", "content": task["solution"]}]}
 
 
-def write_tasks(out_dir: str | Path, n: int = 2000, seed: int = 0, overwrite: bool = False, validate: bool = True,
-                levels=(1, 2, 3), **sandbox_kw) -> dict:
+def write_tasks(out_dir: str | Path, n: int = 2000, seed: int = 0, overwrite: bool = False,
+                validate: bool = True, levels=(1, 2, 3), **sandbox_kw) -> dict:
     """Generate n tasks, check them in the sandbox (unless validate=False; skipped ones are counted), and
-    write out_dir/train.jsonl (rows carry "messages" for `prepare --chat`), out_dir/heldout.jsonl and meta.json,
-    atomically. Returns the stats also stored in meta.json."""
+    write out_dir/train.jsonl (rows carry "messages" for `prepare --chat`), out_dir/heldout.jsonl and
+    meta.json, atomically. Returns the stats also stored in meta.json."""
     out = output_dir(out_dir, overwrite, TaskError)
     tasks = generate_tasks(n, seed, levels)
     skipped: list[dict] = []
@@ -854,7 +887,8 @@ def task_prompt_ids(tok: CodeTokenizer, task: dict, chat: bool) -> list[int]:
     """The prompt a policy sees for a task: the request as a user turn with the chat template (a chat run), or
     the request as plain text and a newline (a pretrained run)."""
     if chat:
-        return encode_conversation(tok, [{"role": "user", "content": task["prompt"]}], add_generation_prompt=True)[0]
+        return encode_conversation(tok, [{"role": "user", "content": task["prompt"]}],
+                                   add_generation_prompt=True)[0]
     return tok.encode(task["prompt"] + "\n")
 
 

@@ -131,7 +131,8 @@ def _change_case(p: _Draw) -> _Spec:
     s = p.pick(*STR_ARGS)
     does = {"upper": f"returns `{s}` with every letter in upper case",
             "lower": f"returns `{s}` with every letter in lower case",
-            "swapcase": f"returns `{s}` with the case of every letter swapped (upper to lower, lower to upper)"}
+            "swapcase": f"returns `{s}` with the case of every letter "
+                        "swapped (upper to lower, lower to upper)"}
     return _Spec(f, (s,), does[op], f"return {s}.{op}()",
                  lambda r: (_cased(r, _text(r)) + r.choice(["", "!", " 42"]),), [("",)])
 
@@ -149,9 +150,11 @@ def _repeat_string(p: _Draw) -> _Spec:
 @_family("string", 2)
 def _count_char(p: _Draw) -> _Spec:
     c = p.pick(*"aeinorst")
-    f, s = p.pick(f"count_{c}", f"count_letter_{c}", f"occurrences_of_{c}", f"how_many_{c}s"), p.pick(*STR_ARGS)
+    f, s = p.pick(f"count_{c}", f"count_letter_{c}", f"occurrences_of_{c}",
+                  f"how_many_{c}s"), p.pick(*STR_ARGS)
     return _Spec(f, (s,), f"returns how many times the character {_q(c)} occurs in `{s}`",
-                 f"return sum(1 for ch in {s} if ch == {c!r})", lambda r: (_text(r, 1, 8),), [("",), (c * 3,)])
+                 f"return sum(1 for ch in {s} if ch == {c!r})", lambda r: (_text(r, 1, 8),),
+                 [("",), (c * 3,)])
 
 
 @_family("string", 2)
@@ -213,9 +216,11 @@ def _keep_chars(p: _Draw) -> _Spec:
 def _run_length(p: _Draw) -> _Spec:
     order = p.pick("char_first", "count_first")
     f, s = p.pick("run_length", "compress", "rle_encode", "encode_runs"), p.pick(*STR_ARGS)
-    piece, pair, example = ((f"{s}[i] + str(j - i)", "the character followed by the length of the run", "a3b1")
+    piece, pair, example = ((f"{s}[i] + str(j - i)", "the character followed by the length of the run",
+                             "a3b1")
                             if order == "char_first" else
-                            (f"str(j - i) + {s}[i]", "the length of the run followed by the character", "3a1b"))
+                            (f"str(j - i) + {s}[i]", "the length of the run followed by the character",
+                             "3a1b"))
     does = (f"returns the run-length encoding of `{s}`: each run of equal characters becomes {pair}, so "
             f'"aaab" becomes "{example}"')
     body = textwrap.dedent(f"""\
@@ -242,7 +247,8 @@ def _clean_palindrome(p: _Draw) -> _Spec:
         text = half + r.choice(["", "x", " "]) + half[::-1] if r.random() < 0.5 else _text(r, 1, 4)
         return (_cased(r, text).replace(" ", r.choice([" ", ", ", "-"])),)
     body = f"kept = [ch.lower() for ch in {s} if ch.isalnum()]\nreturn kept == kept[::-1]"
-    return _Spec(f, (s,), f"returns True when `{s}` reads the same forwards and backwards once everything but "
+    return _Spec(f, (s,),
+                 f"returns True when `{s}` reads the same forwards and backwards once everything but "
                  f"letters and digits is removed and case is ignored, and False otherwise", body, rand,
                  [("",), ("A man, a plan, a canal: Panama",), ("ab",)])
 
@@ -261,7 +267,8 @@ def _longest_word(p: _Draw) -> _Spec:
         return "" if best is None else best""")
     return _Spec(f, (s,), f"returns the {op} word of `{s}` (words are separated by whitespace)", body,
                  lambda r: (_text(r, 1, 7),), [("",), ("   ",)],
-                 'When several words are equally long, return the first of them; when there are none, return "".')
+                 'When several words are equally long, return the '
+                 'first of them; when there are none, return "".')
 
 
 @_family("string", 3)
@@ -358,7 +365,8 @@ def _map_list(p: _Draw) -> _Spec:
     op, k = p.pick("*", "+", "-"), p.int(2, 9)
     f = p.pick(*{"*": (f"scale_by_{NUM[k]}", f"multiply_all_by_{NUM[k]}", f"times_{NUM[k]}_each"),
                  "+": (f"add_{NUM[k]}_to_each", f"shift_by_{NUM[k]}", f"increase_all_by_{NUM[k]}"),
-                 "-": (f"subtract_{NUM[k]}_from_each", f"decrease_all_by_{NUM[k]}", f"lower_by_{NUM[k]}")}[op])
+                 "-": (f"subtract_{NUM[k]}_from_each", f"decrease_all_by_{NUM[k]}",
+                       f"lower_by_{NUM[k]}")}[op])
     xs = p.pick(*LIST_ARGS)
     how = {"*": f"multiplied by {k}", "+": f"increased by {k}", "-": f"decreased by {k}"}[op]
     return _Spec(f, (xs,), f"returns a new list with every element of `{xs}` {how}",
@@ -408,7 +416,8 @@ def _second_extreme(p: _Draw) -> _Spec:
     xs = p.pick(*LIST_ARGS)
     pos = -2 if op == "largest" else 1
     body = f"distinct = sorted(set({xs}))\nreturn distinct[{pos}] if len(distinct) >= 2 else None"
-    return _Spec(f, (xs,), f"returns the second {op} distinct value in `{xs}`, or None when it has fewer than "
+    return _Spec(f, (xs,),
+                 f"returns the second {op} distinct value in `{xs}`, or None when it has fewer than "
                  f"two distinct values", body, lambda r: (_ints(r, 0, 9, 8),), [([],), ([4, 4],), ([1, 2],)])
 
 
@@ -424,7 +433,8 @@ def _pair_count(p: _Draw) -> _Spec:
                 if {xs}[i] + {xs}[j] == {k}:
                     count += 1
         return count""")
-    return _Spec(f, (xs,), f"returns how many pairs of positions i < j there are with {xs}[i] + {xs}[j] == {k}",
+    return _Spec(f, (xs,),
+                 f"returns how many pairs of positions i < j there are with {xs}[i] + {xs}[j] == {k}",
                  body, lambda r: (_ints(r, -2, k + 2, 8),), [([],), ([k],)])
 
 
@@ -466,9 +476,11 @@ def _two_numbers(p: _Draw) -> _Spec:
     f = p.pick(*{"diff": ("abs_diff", "distance", "gap"), "max": ("larger", "max_of_two", "bigger"),
                  "min": ("smaller", "min_of_two", "lesser")}[op])
     a, b = p.pick(*PAIR_ARGS)
-    does, body = {"diff": (f"returns the absolute difference between `{a}` and `{b}`", f"return abs({a} - {b})"),
+    does, body = {"diff": (f"returns the absolute difference between `{a}` and `{b}`",
+                           f"return abs({a} - {b})"),
                   "max": (f"returns the larger of `{a}` and `{b}`", f"return {a} if {a} >= {b} else {b}"),
-                  "min": (f"returns the smaller of `{a}` and `{b}`", f"return {a} if {a} <= {b} else {b}")}[op]
+                  "min": (f"returns the smaller of `{a}` and `{b}`",
+                          f"return {a} if {a} <= {b} else {b}")}[op]
     return _Spec(f, (a, b), does, body, lambda r: (r.randint(-30, 30), r.randint(-30, 30)), [(0, 0), (3, -3)])
 
 
@@ -477,7 +489,8 @@ def _clamp(p: _Draw) -> _Spec:
     lo = p.int(-10, 10)
     hi = p.int(lo + 1, lo + 20)
     f, x = p.pick("clamp", "limit", "clip", "bound"), p.pick(*INT_ARGS)
-    return _Spec(f, (x,), f"returns `{x}` limited to the range {lo} to {hi}: {lo} when `{x}` is smaller, {hi} "
+    return _Spec(f, (x,),
+                 f"returns `{x}` limited to the range {lo} to {hi}: {lo} when `{x}` is smaller, {hi} "
                  f"when it is larger, else `{x}` itself", f"return min(max({x}, {lo}), {hi})",
                  lambda r: (r.randint(lo - 15, hi + 15),), [(lo,), (hi,)])
 
@@ -487,7 +500,8 @@ def _sum_multiples(p: _Draw) -> _Spec:
     k = p.int(2, 9)
     f = p.pick(f"sum_multiples_of_{NUM[k]}", f"sum_of_{NUM[k]}s", f"multiples_{k}_total")
     n = p.pick("n", "limit", "upto", "top")
-    return _Spec(f, (n,), f"returns the sum of the integers from 1 to `{n}` inclusive that are divisible by {k} "
+    return _Spec(f, (n,),
+                 f"returns the sum of the integers from 1 to `{n}` inclusive that are divisible by {k} "
                  f"(0 when `{n}` is below 1)", f"return sum(i for i in range(1, {n} + 1) if i % {k} == 0)",
                  lambda r: (r.randint(1, 100),), [(0,), (-3,), (k,)])
 
@@ -501,7 +515,8 @@ def _digits(p: _Draw) -> _Spec:
     x = p.pick(*INT_ARGS)
     does, body = {"sum": (f"returns the sum of the decimal digits of `{x}`",
                           f"return sum(int(d) for d in str(abs({x})))"),
-                  "count": (f"returns how many decimal digits `{x}` has (0 has one)", f"return len(str(abs({x})))"),
+                  "count": (f"returns how many decimal digits `{x}` has (0 has one)",
+                            f"return len(str(abs({x})))"),
                   "max": (f"returns the largest decimal digit of `{x}`",
                           f"return max(int(d) for d in str(abs({x})))")}[op]
     return _Spec(f, (x,), does, body, lambda r: (r.randint(-10**6, 10**6),), [(0,), (7,)],
@@ -526,8 +541,8 @@ def _power_sum(p: _Draw) -> _Spec:
     word = "squares" if e == 2 else "cubes"
     f, n = p.pick(f"sum_of_{word}", f"{word}_total", f"add_{word}"), p.pick("n", "limit", "upto", "count")
     return _Spec(f, (n,), f"returns the sum of the {word} of the integers from 1 to `{n}` (0 when `{n}` is "
-                 f"below 1)", f"return sum(i ** {e} for i in range(1, {n} + 1))", lambda r: (r.randint(1, 30),),
-                 [(0,), (1,), (-2,)])
+                 f"below 1)", f"return sum(i ** {e} for i in range(1, {n} + 1))",
+                 lambda r: (r.randint(1, 30),), [(0,), (1,), (-2,)])
 
 
 @_family("arithmetic", 3)
@@ -538,8 +553,8 @@ def _digital_root(p: _Draw) -> _Spec:
     n = p.pick(*INT_ARGS)
     step = f"{n} = sum(int(d) for d in str({n}))"
     if op == "root":
-        does = (f"replaces `{n}`, a non-negative integer, by the sum of its decimal digits until it has a single "
-                f"digit, and returns that digit")
+        does = (f"replaces `{n}`, a non-negative integer, by the sum of its decimal digits until it has a "
+                f"single digit, and returns that digit")
         body = f"while {n} >= 10:\n    {step}\nreturn {n}"
     else:
         does = (f"returns how many times `{n}`, a non-negative integer, must be replaced by the sum of its "
@@ -575,7 +590,8 @@ def _gcd_lcm(p: _Draw) -> _Spec:
                  "lcm": ("lcm", "least_common_multiple", "lowest_common_multiple")}[op])
     a, b = p.pick(*PAIR_ARGS)
     what = "greatest common divisor" if op == "gcd" else "least common multiple"
-    body = f"g, h = {a}, {b}\nwhile h:\n    g, h = h, g % h\nreturn {'g' if op == 'gcd' else f'{a} * {b} // g'}"
+    body = (f"g, h = {a}, {b}\nwhile h:\n    g, h = h, g % h\nreturn "
+            f"{'g' if op == 'gcd' else f'{a} * {b} // g'}")
     return _Spec(f, (a, b), f"returns the {what} of the positive integers `{a}` and `{b}`", body,
                  lambda r: (r.randint(1, 60), r.randint(1, 60)), [(1, 1), (12, 18), (7, 13)])
 
@@ -592,7 +608,8 @@ def _primes(p: _Draw) -> _Spec:
             if all(k % d for d in range(2, int(k ** 0.5) + 1)):
                 total += {'k' if op == 'sum' else '1'}
         return total""")
-    return _Spec(f, (n,), f"returns the {'sum' if op == 'sum' else 'number'} of the prime numbers less than or "
+    return _Spec(f, (n,),
+                 f"returns the {'sum' if op == 'sum' else 'number'} of the prime numbers less than or "
                  f"equal to `{n}`", body, lambda r: (r.randint(3, 200),), [(0,), (1,), (2,)])
 
 
@@ -612,7 +629,8 @@ def _fizzbuzz(p: _Draw) -> _Spec:
                 word += {w2!r}
             out.append(word or str(i))
         return out""")
-    return _Spec(f, (n,), f'returns a list of strings for the numbers 1 to `{n}`: "{w1}" for multiples of {a}, '
+    return _Spec(f, (n,),
+                 f'returns a list of strings for the numbers 1 to `{n}`: "{w1}" for multiples of {a}, '
                  f'"{w2}" for multiples of {b}, "{w1}{w2}" for multiples of both, and the number itself in '
                  f"digits otherwise", body, lambda r: (r.randint(1, 16),), [(0,), (a * b,)])
 
@@ -646,7 +664,8 @@ def _set_key(p: _Draw) -> _Spec:
 @_family("dict", 1)
 def _dict_summary(p: _Draw) -> _Spec:
     op = p.pick("keys", "total", "size")
-    f = p.pick(*{"keys": ("sorted_keys", "key_list", "keys_in_order"), "total": ("total", "sum_values", "value_sum"),
+    f = p.pick(*{"keys": ("sorted_keys", "key_list", "keys_in_order"),
+                 "total": ("total", "sum_values", "value_sum"),
                  "size": ("size", "count_entries", "num_keys")}[op])
     d = p.pick(*DICT_ARGS)
     does, body = {"keys": (f"returns the keys of the dict `{d}` as a sorted list", f"return sorted({d})"),
@@ -662,7 +681,8 @@ def _keys_where(p: _Draw) -> _Spec:
     f = p.pick(*{">": (f"keys_above_{_num(k)}", f"keys_over_{_num(k)}", "high_keys"),
                  "<": (f"keys_below_{_num(k)}", f"keys_under_{_num(k)}", "low_keys")}[op])
     d = p.pick(*DICT_ARGS)
-    return _Spec(f, (d,), f"returns the keys of the dict `{d}` whose value is {'greater' if op == '>' else 'less'} "
+    return _Spec(f, (d,),
+                 f"returns the keys of the dict `{d}` whose value is {'greater' if op == '>' else 'less'} "
                  f"than {k}, as a sorted list", f"return sorted(k for k, v in {d}.items() if v {op} {k})",
                  lambda r: (_scores(r),), [({},), ({"x": k},)])
 
@@ -675,7 +695,8 @@ def _invert(p: _Draw) -> _Spec:
         keys = r.sample(WORDS, r.randint(1, 5))
         return (dict(zip(keys, r.sample(range(-10, 30), len(keys)))),)
     return _Spec(f, (d,), f"returns a new dict that maps each value of the dict `{d}` to its key",
-                 f"return {{v: k for k, v in {d}.items()}}", rand, [({},)], f"The values of `{d}` are all different.")
+                 f"return {{v: k for k, v in {d}.items()}}", rand, [({},)],
+                 f"The values of `{d}` are all different.")
 
 
 @_family("dict", 2)
@@ -684,7 +705,8 @@ def _filter_dict(p: _Draw) -> _Spec:
     f = p.pick(f"keep_{op}_values", f"{op}_entries", f"only_{op}")
     d = p.pick(*DICT_ARGS)
     test = {"even": "v % 2 == 0", "odd": "v % 2 == 1", "positive": "v > 0"}[op]
-    return _Spec(f, (d,), f"returns a new dict holding only the entries of the dict `{d}` whose value is {op}",
+    return _Spec(f, (d,),
+                 f"returns a new dict holding only the entries of the dict `{d}` whose value is {op}",
                  f"return {{k: v for k, v in {d}.items() if {test}}}", lambda r: (_scores(r),), [({},)])
 
 
@@ -697,7 +719,8 @@ def _tally(p: _Draw) -> _Spec:
     def rand(r: random.Random) -> tuple:
         pool = [0, 1, 2, 3, 5] if alphabet == "ints" else list("abcd")
         return ([r.choice(pool) for _ in range(r.randint(1, 8))],)
-    return _Spec(f, (xs,), f"returns a dict mapping each element of the list `{xs}` to the number of times it "
+    return _Spec(f, (xs,),
+                 f"returns a dict mapping each element of the list `{xs}` to the number of times it "
                  f"occurs in `{xs}`", body, rand, [([],)])
 
 
@@ -712,7 +735,8 @@ def _word_freq(p: _Draw) -> _Spec:
             if len(w) >= {k}:
                 out[w] = out.get(w, 0) + 1
         return out""")
-    return _Spec(f, (s,), f"returns a dict mapping {which} of `{s}`, in lower case, to the number of times it "
+    return _Spec(f, (s,),
+                 f"returns a dict mapping {which} of `{s}`, in lower case, to the number of times it "
                  f"occurs", body, lambda r: (_cased(r, _text(r, 1, 9)),), [("",), ("Sun sun SUN",)],
                  "Words are separated by whitespace and counted without regard to case.")
 
@@ -741,7 +765,8 @@ def _merge(p: _Draw) -> _Spec:
     both = "the sum of its two values" if op == "sum" else "the larger of its two values"
     merged = "out[k] + v" if op == "sum" else "max(out[k], v)"
     body = f"out = dict({a})\nfor k, v in {b}.items():\n    out[k] = {merged} if k in out else v\nreturn out"
-    return _Spec(f, (a, b), f"returns a new dict with every key of the dicts `{a}` and `{b}`; a key found in both "
+    return _Spec(f, (a, b),
+                 f"returns a new dict with every key of the dicts `{a}` and `{b}`; a key found in both "
                  f"maps to {both}", body, lambda r: (_scores(r), _scores(r)), [({}, {}), ({"x": 1}, {})])
 
 
@@ -751,9 +776,10 @@ def _arg_extreme(p: _Draw) -> _Spec:
     f = p.pick(*{"largest": ("key_of_max", "argmax", "best_key"),
                  "smallest": ("key_of_min", "argmin", "worst_key")}[op])
     d = p.pick(*DICT_ARGS)
-    body = (f"best = None\nfor k, v in {d}.items():\n    if best is None or v {'>' if op == 'largest' else '<'} "
-            f"{d}[best]:\n        best = k\nreturn best")
-    return _Spec(f, (d,), f"returns the key of the dict `{d}` with the {op} value, or None when `{d}` is empty",
+    body = (f"best = None\nfor k, v in {d}.items():\n    if best is None or v "
+            f"{'>' if op == 'largest' else '<'} {d}[best]:\n        best = k\nreturn best")
+    return _Spec(f, (d,),
+                 f"returns the key of the dict `{d}` with the {op} value, or None when `{d}` is empty",
                  body, lambda r: (_scores(r, 0, 5),), [({},), ({"a": 1, "b": 1},)],
                  f"When several keys tie, return the first of them in the order of `{d}`.")
 
@@ -763,7 +789,8 @@ def _char_index(p: _Draw) -> _Spec:
     op = p.pick("first", "last")
     f, s = p.pick(f"{op}_positions", f"{op}_index_of_each", f"{op}_seen"), p.pick(*STR_ARGS)
     cond = "    if ch not in out:\n        out[ch] = i" if op == "first" else "    out[ch] = i"
-    return _Spec(f, (s,), f"returns a dict mapping each character of `{s}` to the index of its {op} occurrence "
+    return _Spec(f, (s,),
+                 f"returns a dict mapping each character of `{s}` to the index of its {op} occurrence "
                  f"in `{s}`", f"out = {{}}\nfor i, ch in enumerate({s}):\n{cond}\nreturn out",
                  lambda r: (r.choice(WORDS) + r.choice(["", " ", "a"]),), [("",), ("aa",)])
 

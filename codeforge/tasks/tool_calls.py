@@ -107,8 +107,10 @@ def _expression(rng: random.Random) -> str:
     while True:
         ops = [rng.choice(["+", "-", "*", "//"]) for _ in range(2)]
         a = rng.randint(2, 99)
-        b, c = (rng.randint(2, 12) if op in ("*", "//") else rng.randint(2, 99) for op in ops)  # small factors
-        shape = rng.choice(["{a} {o} {b}", "{a} {o} {b} {p} {c}", "({a} {o} {b}) {p} {c}", "{a} {o} ({b} {p} {c})"])
+        # small factors
+        b, c = (rng.randint(2, 12) if op in ("*", "//") else rng.randint(2, 99) for op in ops)
+        shape = rng.choice(["{a} {o} {b}", "{a} {o} {b} {p} {c}", "({a} {o} {b}) {p} {c}",
+                            "{a} {o} ({b} {p} {c})"])
         expr = shape.format(a=a, b=b, c=c, o=ops[0], p=ops[1])
         try:
             evaluate_expression(expr)
@@ -126,17 +128,17 @@ SYSTEM_PROMPTS = [
     "You are CodeForge, a concise programming assistant.",
 ]
 VERBS = {"parse": "parses", "read": "reads", "load": "loads", "encode": "encodes", "decode": "decodes",
-         "validate": "validates", "flush": "flushes", "render": "renders", "merge": "merges", "split": "splits",
-         "retry": "retries", "build": "builds", "close": "closes", "resolve": "resolves"}
-NOUNS = ["header", "config", "token", "request", "cache", "user", "path", "record", "buffer", "query", "entry",
-         "session", "batch", "schema"]
-GO_DIRS = ["pkg/util", "internal/cache", "cmd/server", "pkg/parser", "internal/auth", "pkg/stats", "api/handlers",
-           "pkg/queue", "internal/store", "pkg/codec"]
+         "validate": "validates", "flush": "flushes", "render": "renders", "merge": "merges",
+         "split": "splits", "retry": "retries", "build": "builds", "close": "closes", "resolve": "resolves"}
+NOUNS = ["header", "config", "token", "request", "cache", "user", "path", "record", "buffer", "query",
+         "entry", "session", "batch", "schema"]
+GO_DIRS = ["pkg/util", "internal/cache", "cmd/server", "pkg/parser", "internal/auth", "pkg/stats",
+           "api/handlers", "pkg/queue", "internal/store", "pkg/codec"]
 GO_FILES = ["strings.go", "lru.go", "main.go", "lexer.go", "token.go", "stats.go", "router.go", "queue.go",
             "config.go", "errors.go", "client.go", "encode.go"]
 PY_DIRS = ["src", "app", "lib", "tools", "src/codec", "app/api", "scripts", "src/storage"]
-PY_FILES = ["parser.py", "models.py", "cache.py", "cli.py", "tokenize.py", "views.py", "config.py", "retry.py",
-            "schema.py", "session.py", "io.py", "report.py"]
+PY_FILES = ["parser.py", "models.py", "cache.py", "cli.py", "tokenize.py", "views.py", "config.py",
+            "retry.py", "schema.py", "session.py", "io.py", "report.py"]
 QA_PAIRS: list[tuple[list[str], str]] = [
     (["What is a list comprehension in Python?", "Explain Python list comprehensions."],
      ("A list comprehension builds a list in one expression, e.g. `[x * x for x in nums if x > 0]`: an "
@@ -225,18 +227,21 @@ def _run_tests(rng: random.Random) -> tuple[dict, str, str, str]:
     got, want = rng.sample(range(100), 2)
     if rng.random() < 0.4:
         args["pattern"] = test
-        request = _fill(rng, ["Run the tests matching {pattern} in {path}.", "Can you run only {pattern} under {path}?",
-                              "Please run {path} with the pattern {pattern}.", "Does {pattern} in {path} pass?"],
+        request = _fill(rng, ["Run the tests matching {pattern} in {path}.",
+                              "Can you run only {pattern} under {path}?",
+                              "Please run {path} with the pattern {pattern}.",
+                              "Does {pattern} in {path} pass?"],
                         **args)
     else:
         request = _fill(rng, ["Run the tests in {path}.", "Can you run the test suite at {path}?",
-                              "Please run {path} and tell me whether the tests pass.", "Do the tests in {path} pass?",
-                              "run tests {path}"], **args)
+                              "Please run {path} and tell me whether the tests pass.",
+                              "Do the tests in {path} pass?", "run tests {path}"], **args)
     passed = rng.random() < 0.55
     if lang == "go":
         if passed:
             result = f"PASS\nok  \t{pkg}\t{secs}s"
-            answer = _fill(rng, ["All tests in {path} passed ({secs}s).", "The tests pass: `{pkg}` is ok in {secs}s."],
+            answer = _fill(rng, ["All tests in {path} passed ({secs}s).",
+                                 "The tests pass: `{pkg}` is ok in {secs}s."],
                            path=args["path"], pkg=pkg, secs=secs)
         else:
             line = rng.randint(12, 240)
@@ -244,11 +249,13 @@ def _run_tests(rng: random.Random) -> tuple[dict, str, str, str]:
             result = (f"--- FAIL: {test} (0.00s)\n    {stem}_test.go:{line}: got {got}, want {want}\nFAIL\n"
                       f"FAIL\t{pkg}\t{secs}s")
             answer = _fill(rng, ["`{test}` failed: at {stem}_test.go:{line} it got {got} but wanted {want}.",
-                                 "One failure in `{pkg}`: `{test}` expected {want}, got {got} ({stem}_test.go:{line})."],
+                                 "One failure in `{pkg}`: `{test}` expected {want}, got {got} "
+                                 "({stem}_test.go:{line})."],
                            test=test, stem=stem, line=str(line), got=str(got),
                            want=str(want), pkg=pkg)
     else:
-        n = rng.randint(2, 3) if "pattern" in args else rng.randint(3, 40)  # >= 2: a failure leaves one passing
+        # >= 2: a failure leaves one passing
+        n = rng.randint(2, 3) if "pattern" in args else rng.randint(3, 40)
         file = args["path"] if args["path"].endswith(".py") else "tests/test_" + rng.choice(PY_FILES)
         deselected = f", {rng.randint(2, 30)} deselected" if "pattern" in args else ""
         if passed:
@@ -258,8 +265,10 @@ def _run_tests(rng: random.Random) -> tuple[dict, str, str, str]:
         else:
             result = (f"FAILED {file}::{test} - AssertionError: assert {got} == {want}\n"
                       f"1 failed, {n - 1} passed{deselected} in {secs}s")
-            answer = _fill(rng, ["1 test failed and {ok} passed: `{test}` in {file} fails `assert {got} == {want}`.",
-                                 "`{test}` fails ({file}): it asserts {got} == {want}. The other {ok} passed."],
+            answer = _fill(rng, ["1 test failed and {ok} passed: `{test}` "
+                                 "in {file} fails `assert {got} == {want}`.",
+                                 "`{test}` fails ({file}): it asserts "
+                                 "{got} == {want}. The other {ok} passed."],
                            ok=str(n - 1), test=test, file=file, got=str(got), want=str(want))
     return args, request, result, answer
 
@@ -280,7 +289,8 @@ def _read_file(rng: random.Random) -> tuple[dict, str, str, str]:
                              for name, what in funcs)
         result = f"{body}\n"
     request = _fill(rng, ["Show me {path}.", "What's in {path}?", "Open {path} and tell me what it defines.",
-                          "Read {path} for me.", "Can you read the file {path}?", "What functions does {path} define?"],
+                          "Read {path} for me.", "Can you read the file {path}?",
+                          "What functions does {path} define?"],
                     path=path)
     described = ", and ".join(f"`{name}`, which {what}" for name, what in funcs)
     answer = _fill(rng, ["{path} defines {described}.", "The file has {n} function(s): {names}."],
@@ -294,10 +304,12 @@ def _search_code(rng: random.Random) -> tuple[dict, str, str, str]:
     args = {"query": query}
     if rng.random() < 0.4:
         args["language"] = lang
-        request = _fill(rng, ["Search the {language} files for {query}.", "Find {query} in the {language} code.",
+        request = _fill(rng,
+                        ["Search the {language} files for {query}.", "Find {query} in the {language} code.",
                               "Where is {query} used? Only look at {language} files."], **args)
     else:
-        request = _fill(rng, ["Search the code for {query}.", "Where is {query} used?", "Find all references to {query}.",
+        request = _fill(rng, ["Search the code for {query}.", "Where is {query} used?",
+                              "Find all references to {query}.",
                               "grep for {query}", "Which files mention {query}?"], query=query)
     hits = []
     for i in range(rng.choice([0, 1, 2, 2, 3])):
@@ -309,7 +321,8 @@ def _search_code(rng: random.Random) -> tuple[dict, str, str, str]:
         hits.append((path, line, code))
     if not hits:
         result = "No matches found."
-        answer = _fill(rng, ["I found no matches for `{query}`.", "`{query}` does not appear anywhere in the code."],
+        answer = _fill(rng, ["I found no matches for `{query}`.",
+                             "`{query}` does not appear anywhere in the code."],
                        query=query)
     else:
         result = "\n".join(f"{p}:{n}: {c}" for p, n, c in hits)
@@ -323,7 +336,8 @@ def _search_code(rng: random.Random) -> tuple[dict, str, str, str]:
 def _evaluate(rng: random.Random) -> tuple[dict, str, str, str]:
     expression = _expression(rng)
     value = str(evaluate_expression(expression))
-    request = _fill(rng, ["What is {e}?", "Compute {e}.", "Evaluate {e} for me.", "Can you calculate {e}?", "{e} = ?"],
+    request = _fill(rng, ["What is {e}?", "Compute {e}.", "Evaluate {e} for me.", "Can you calculate {e}?",
+                          "{e} = ?"],
                     e=expression)
     answer = _fill(rng, ["{e} = {v}.", "The result is {v}.", "It comes to {v}."], e=expression, v=value)
     return {"expression": expression}, request, value, answer
@@ -340,7 +354,8 @@ def _list_directory(rng: random.Random) -> tuple[dict, str, str, str]:
     if rng.random() < 0.3:
         files.append("testdata/" if lang == "go" else "fixtures/")
     entries = sorted(set(files))
-    request = _fill(rng, ["List the files in {path}.", "What's inside {path}?", "Show me the contents of {path}.",
+    request = _fill(rng,
+                    ["List the files in {path}.", "What's inside {path}?", "Show me the contents of {path}.",
                           "ls {path}", "Which files are in {path}?"], path=path)
     answer = _fill(rng, ["{path} has {n} entries: {names}.", "In {path} there are {n} entries: {names}."],
                    path=path, n=str(len(entries)), names=_names(entries))
@@ -436,8 +451,8 @@ def _generate_splits(counts: dict[str, int], seed: int, heldout_fraction: float)
             duplicate_run += 1
             if duplicate_run >= MAX_DUPLICATE_RUN:
                 have = {s: len(v) for s, v in kept.items()}
-                raise ToolDataError(f"only {have} distinct examples after {MAX_DUPLICATE_RUN} duplicates in a row "
-                                    f"(asked for {counts}); ask for fewer examples")
+                raise ToolDataError(f"only {have} distinct examples after {MAX_DUPLICATE_RUN} duplicates in "
+                                    f"a row (asked for {counts}); ask for fewer examples")
             continue
         seen.add(digest)
         duplicate_run = 0
@@ -478,7 +493,8 @@ def write_tool_data(out_dir: str | Path, n_train: int, n_heldout: int, seed: int
                             "or choose another output directory")
     heldout_fraction = 0.1
     data = _generate_splits({"train": n_train, "heldout": n_heldout}, seed, heldout_fraction)
-    # "generator" keeps the module name this format shipped with (tasks/tool_data.py), so meta.json is unchanged
+    # "generator" keeps the module name this format shipped with
+    # (tasks/tool_data.py), so meta.json is unchanged
     meta = {"format": "openai-chat-tools", "generator": "codeforge.tasks.tool_data", "seed": seed,
             "heldout_fraction": heldout_fraction, "n_train": n_train, "n_heldout": n_heldout,
             "tools": list(TOOL_BY_NAME),
@@ -506,7 +522,8 @@ def eval_cases(examples: list[dict]) -> list[dict]:
                 continue
             expected = [{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
                         for c in m.get("tool_calls") or []]
-            cases.append({"messages": copy.deepcopy(messages[:i]), "tools": example["tools"], "expected": expected})
+            cases.append({"messages": copy.deepcopy(messages[:i]), "tools": example["tools"],
+                          "expected": expected})
     return cases
 
 
@@ -550,5 +567,7 @@ def score(cases: list[dict], predictions: list[dict]) -> dict:
             no_call_ok += not calls and not errors
     n = len(cases)
     return {"tool_cases": n, "tool_call_cases": call_cases, "no_call_cases": n - call_cases,
-            "tool_parse_rate": _rate(clean, attempted), "tool_cut_by_budget": cut, "tool_unknown_names": unknown, "tool_name_accuracy": _rate(names_ok, call_cases),
-            "tool_args_exact": _rate(args_ok, call_cases), "no_call_accuracy": _rate(no_call_ok, n - call_cases)}
+            "tool_parse_rate": _rate(clean, attempted), "tool_cut_by_budget": cut,
+            "tool_unknown_names": unknown, "tool_name_accuracy": _rate(names_ok, call_cases),
+            "tool_args_exact": _rate(args_ok, call_cases),
+            "no_call_accuracy": _rate(no_call_ok, n - call_cases)}

@@ -82,7 +82,8 @@ class RunLogger:
         for k, v in rec.items():
             if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
                 if self.tb:
-                    self.tb.add_scalar(k if "/" in k else ("val/" if k.startswith("val_") else "train/") + k, v, step)
+                    self.tb.add_scalar(k if "/" in k else ("val/" if k.startswith("val_") else "train/") + k,
+                                       v, step)
         if self.wb:
             self.wb.log(rec, step=step)
 

@@ -49,13 +49,16 @@ def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> tupl
     return -F.logsigmoid(d).mean(), (d > 0).float().mean()
 
 
-def dpo_loss(pi_chosen: torch.Tensor, pi_rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
-             beta: float) -> tuple[torch.Tensor, dict]:
+def dpo_loss(pi_chosen: torch.Tensor, pi_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+             ref_rejected: torch.Tensor, beta: float) -> tuple[torch.Tensor, dict]:
     """DPO (Rafailov et al. 2023, eq. 7) from summed response log-probs (B,) under the policy and the frozen
     reference: -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))), averaged. Metrics: the implicit rewards
     beta * (pi - ref) of each side, their margin, and the shares of pairs ranked right and tied (a tie counts
     as not right: at the first step, where the policy is the reference, every pair ties)."""
-    rc, rr = beta * (pi_chosen.float() - ref_chosen.float()), beta * (pi_rejected.float() - ref_rejected.float())
+    rc, rr = (
+        beta * (pi_chosen.float() - ref_chosen.float()),
+        beta * (pi_rejected.float() - ref_rejected.float()),
+    )
     loss = -F.logsigmoid(rc - rr).mean()
     return loss, {"reward_chosen": rc.mean().detach(), "reward_rejected": rr.mean().detach(),
                   "margin": (rc - rr).mean().detach(), "pair_accuracy": (rc > rr).float().mean(),
@@ -95,8 +98,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4,
     return a.view(-1)
 
 
-def clipped_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                        clip_eps: float = 0.2) -> tuple[torch.Tensor, dict]:
+def clipped_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                        mask: torch.Tensor, clip_eps: float = 0.2) -> tuple[torch.Tensor, dict]:
     """PPO's clipped surrogate (Schulman et al. 2017, eq. 7), negated to minimise, per token:
     -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) with ratio = exp(logp - old_logp). Token-level
     normalisation: the mean over every counted token of the batch (DAPO's choice), so long and short samples
@@ -121,8 +124,8 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
-def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-                       clip: float = 0.2) -> torch.Tensor:
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                       mask: torch.Tensor, clip: float = 0.2) -> torch.Tensor:
     """PPO's value loss: 0.5 * max((V - R)^2, (V_clipped - R)^2), V_clipped = old V + clip(V - old V, +-clip),
     averaged over counted tokens."""
     old = old_values.detach()

@@ -62,10 +62,12 @@ def estimate(model_cfg, train_cfg, world: int, precision: str = "fp32", offload:
     # LoRA (train.lora_rank): the weights are frozen; gradients and optimizer state are the adapters' alone
     rank = getattr(t, "lora_rank", 0)
     targets = {x.strip() for x in getattr(t, "lora_targets", "").split(",") if x.strip()}
-    adapters = sum(rank * (mod.in_features + mod.out_features) for b in blocks for name, mod in b.named_modules()
+    adapters = sum(rank * (mod.in_features + mod.out_features) for b in blocks
+                   for name, mod in b.named_modules()
                    if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets) if rank else 0
     trained = adapters if rank else params
-    opt_bytes = 8 * trained  # AdamW; the adapters train with it whatever the optimizer (Muon skips LoRA's factors)
+    # AdamW; the adapters train with it whatever the optimizer (Muon skips LoRA's factors)
+    opt_bytes = 8 * trained
     if t.optimizer == "adamw8bit" and not rank:
         opt_bytes = 2 * params
     elif t.optimizer == "muon" and not rank:
@@ -81,7 +83,8 @@ def estimate(model_cfg, train_cfg, world: int, precision: str = "fp32", offload:
     mlp = 4 * H if getattr(m, "mlp", "gelu") == "swiglu" else 2 * H
     per_layer = (5 * C + qkv + mlp) * cdt  # input, 2 norm outputs, attn out, residual; q/k/v; MLP hidden
     V = m.vocab_size
-    logits = 0 if getattr(t, "loss_chunk_rows", 0) else rows * V * (cdt + 4 + 4)  # logits, fp32 log-probs, grad
+    # logits, fp32 log-probs, grad
+    logits = 0 if getattr(t, "loss_chunk_rows", 0) else rows * V * (cdt + 4 + 4)
     if t.grad_checkpointing:
         acts = rows * (len(blocks) * C * cdt + per_layer) + logits
     else:
@@ -89,7 +92,8 @@ def estimate(model_cfg, train_cfg, world: int, precision: str = "fp32", offload:
 
     n = world
     shard = 0 if offload else 1
-    gathered_blocks = 3 * block_params  # running + prefetched + the last one kept between forward and backward
+    # running + prefetched + the last one kept between forward and backward
+    gathered_blocks = 3 * block_params
     r = {
         "parameters": (4 * (params + adapters), shard * 4 * params / n),
         "gradients": (4 * trained, shard * 4 * params / n),
@@ -107,18 +111,21 @@ def estimate(model_cfg, train_cfg, world: int, precision: str = "fp32", offload:
 
 def fits(plan: Plan, device_bytes: float) -> tuple[bool, bool]:
     """(DDP fits, FSDP fits) in 90% of `device_bytes` (the allocator, CUDA context and fragmentation)."""
-    return plan.total("ddp") <= 0.9 * device_bytes, not plan.no_fsdp and plan.total("fsdp") <= 0.9 * device_bytes
+    return plan.total("ddp") <= 0.9 * device_bytes, not plan.no_fsdp and plan.total(
+        "fsdp"
+    ) <= 0.9 * device_bytes
 
 
-def report(plan: Plan, model_cfg, train_cfg, precision: str, device_bytes: float | None, name: str = "") -> str:
+def report(plan: Plan, model_cfg, train_cfg, precision: str, device_bytes: float | None,
+           name: str = "") -> str:
     m, t = model_cfg, train_cfg
     gib = lambda b: f"{b / GIB:8.2f} GiB" if b else "        -   "  # noqa: E731
     lines = [f"plan: {name or 'model'}: {plan.params:,} parameters ({m.n_layer} layers x {m.n_embd}, context "
-             f"{m.block_size}, vocab {m.vocab_size}); micro-batch {t.batch_size} x {m.block_size} tokens per rank, "
-             f"{t.optimizer}, {precision}{', gradient checkpointing' if t.grad_checkpointing else ''}"
+             f"{m.block_size}, vocab {m.vocab_size}); micro-batch {t.batch_size} x {m.block_size} tokens per "
+             f"rank, {t.optimizer}, {precision}{', gradient checkpointing' if t.grad_checkpointing else ''}"
              f"{', FSDP CPU offload' if t.fsdp_offload else ''}; {plan.world} rank(s)"
-             + (f"; LoRA rank {t.lora_rank}: {plan.adapters:,} trainable ({plan.adapters / plan.params:.2%}), the "
-                f"rest frozen" if plan.adapters else ""),
+             + (f"; LoRA rank {t.lora_rank}: {plan.adapters:,} trainable "
+                f"({plan.adapters / plan.params:.2%}), the rest frozen" if plan.adapters else ""),
              f"  {'per rank':30s} {'DDP':>12s} {'FSDP':>12s}"]
     for k, (d, f) in plan.rows.items():
         lines.append(f"  {k:30s} {gib(d)} {gib(f)}")
@@ -130,8 +137,8 @@ def report(plan: Plan, model_cfg, train_cfg, precision: str, device_bytes: float
         if ddp_ok:
             advice = "--parallel ddp (the default): every rank holds the whole model and it fits"
         elif plan.no_fsdp:
-            advice = (f"DDP does not fit and {plan.no_fsdp}: try --gradient-checkpointing, a smaller --batch-size "
-                      f"with more --grad-accum-steps, or a smaller model")
+            advice = (f"DDP does not fit and {plan.no_fsdp}: try --gradient-checkpointing, a smaller "
+                      f"--batch-size with more --grad-accum-steps, or a smaller model")
         elif fsdp_ok:
             advice = "--parallel fsdp: DDP does not fit, the sharded run does"
         else:
@@ -142,7 +149,8 @@ def report(plan: Plan, model_cfg, train_cfg, precision: str, device_bytes: float
         lines.append(f"  -> {advice}")
     if plan.no_fsdp:
         lines.append(f"  (FSDP column for comparison only: {plan.no_fsdp})")
-    lines.append("  (an estimate from the shapes; the CUDA context and allocator add ~0.5-1 GiB. Under FSDP one rank "
-                 "per host builds the whole model in host memory (4 bytes a parameter) and the others start empty; "
-                 "each rank then holds its shard on its device)")
+    lines.append("  (an estimate from the shapes; the CUDA context "
+                 "and allocator add ~0.5-1 GiB. Under FSDP one rank "
+                 "per host builds the whole model in host memory (4 bytes a parameter) and the others start "
+                 "empty; each rank then holds its shard on its device)")
     return "\n".join(lines)

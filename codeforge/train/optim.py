@@ -109,8 +109,8 @@ class MuonAdamW:
     schedule drives both at their own peaks. The surface the trainer and GradScaler use: param_groups, step,
     zero_grad, add_param_group (to AdamW), state_dict/load_state_dict."""
 
-    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], momentum: float, fused: bool,
-                 float32_ns: bool = False):
+    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], momentum: float,
+                 fused: bool, float32_ns: bool = False):
         muon = [{k: v for k, v in g.items() if k != "muon"} for g in groups if g.get("muon")]
         rest = [{k: v for k, v in g.items() if k != "muon"} for g in groups if not g.get("muon")]
         if not muon:
@@ -121,7 +121,8 @@ class MuonAdamW:
 
     @property
     def param_groups(self) -> list[dict]:
-        return self.adamw.param_groups + self.muon.param_groups  # AdamW's first: the trainer logs group 0's lr
+        # AdamW's first: the trainer logs group 0's lr
+        return self.adamw.param_groups + self.muon.param_groups
 
     def add_param_group(self, group: dict) -> None:
         self.adamw.add_param_group(group)
@@ -140,8 +141,8 @@ class MuonAdamW:
 
     def load_state_dict(self, sd: dict) -> None:
         if set(sd) != {"adamw", "muon"}:
-            raise ValueError("the checkpoint's optimizer state is not Muon+AdamW's; resume with the optimizer "
-                             "the run was started with (--set optimizer=...)")
+            raise ValueError("the checkpoint's optimizer state is not Muon+AdamW's; resume with the "
+                             "optimizer the run was started with (--set optimizer=...)")
         self.adamw.load_state_dict(sd["adamw"])
         self.muon.load_state_dict(sd["muon"])
 
@@ -157,8 +158,8 @@ def build_optimizer(model, name: str, lr: float, weight_decay: float, betas: tup
         try:
             groups = model.optim_groups(weight_decay, muon=True)
         except TypeError:
-            raise OptimizerError(f"optimizer muon is for GPT models; {type(model).__name__} has per-module groups of "
-                             f"its own: use --set optimizer=adamw") from None
+            raise OptimizerError(f"optimizer muon is for GPT models; {type(model).__name__} has per-module "
+                             f"groups of its own: use --set optimizer=adamw") from None
         for g in groups:
             if g.get("muon"):
                 g.update(lr_scale=muon_lr / lr, weight_decay=muon_weight_decay)
@@ -168,7 +169,8 @@ def build_optimizer(model, name: str, lr: float, weight_decay: float, betas: tup
     groups = model.optim_groups(weight_decay)
     if name == "adamw8bit":
         if device.type != "cuda":
-            raise OptimizerError("optimizer adamw8bit needs a CUDA device and bitsandbytes; use --set optimizer=adamw")
+            raise OptimizerError("optimizer adamw8bit needs a CUDA device "
+                                 "and bitsandbytes; use --set optimizer=adamw")
         try:
             import bitsandbytes as bnb
         except ImportError as e:

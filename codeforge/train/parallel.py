@@ -36,30 +36,33 @@ class ParallelError(CodeforgeError):
 def choose_mode(asked: str, world: int, device: torch.device, plan: tuple[float, float, float] | None = None,
                 ) -> tuple[str, str]:
     """(mode, why) for a run of `world` ranks asking for --parallel `asked` (auto, ddp, fsdp).
-    plan: (DDP, FSDP) estimated bytes per rank (train/memory.py) and the smallest device's memory, given only where
+    plan: (DDP, FSDP) estimated bytes per rank (train/memory.py) and the smallest
+    device's memory, given only where
     FSDP could run (GPUs, AdamW); auto picks FSDP when the DDP estimate does not fit and the FSDP one does."""
     if world <= 1:
         if asked == "fsdp" and torch.distributed.is_initialized():  # torchrun with one rank joined a group
-            return "fsdp", ("--parallel fsdp on one rank: FSDP2 over a mesh of one (its checkpoints are sharded; "
-                            "with --fsdp-offload the state lives in CPU memory)")
+            return "fsdp", ("--parallel fsdp on one rank: FSDP2 over a mesh of one (its checkpoints are "
+                            "sharded; with --fsdp-offload the state lives in CPU memory)")
         if asked == "fsdp":
-            return "none", ("one process: nothing to shard; its checkpoints load on any number of ranks (under "
-                            "torchrun --nproc_per_node 1 it runs FSDP2 over one rank)")
+            return "none", ("one process: nothing to shard; its checkpoints load on any number of ranks "
+                            "(under torchrun --nproc_per_node 1 it runs FSDP2 over one rank)")
         return "none", "one process"
     if asked == "ddp":
         return "ddp", f"--parallel ddp over {world} ranks"
     if asked == "fsdp":
-        return "fsdp", f"--parallel fsdp over {world} ranks: parameters, gradients and optimizer state sharded"
+        return "fsdp", (f"--parallel fsdp over {world} ranks: parameters, "
+                        "gradients and optimizer state sharded")
     if plan and plan[0] > 0.9 * plan[2] and plan[1] <= 0.9 * plan[2]:
-        return "fsdp", (f"auto: DDP would need ~{plan[0] / 2**30:.1f} GiB per rank on a {plan[2] / 2**30:.0f} GiB "
-                        f"device, FSDP ~{plan[1] / 2**30:.1f} GiB")
+        return "fsdp", (f"auto: DDP would need ~{plan[0] / 2**30:.1f} GiB per rank on a "
+                        f"{plan[2] / 2**30:.0f} GiB device, FSDP ~{plan[1] / 2**30:.1f} GiB")
     return "ddp", (f"auto over {world} ranks (each holds the whole model; --parallel fsdp shards it when it "
                    f"does not fit)")
 
 
 def materialises(mode: str, rank: int) -> bool:
     """Whether this rank builds the model's weights itself (initialises or loads them). Under FSDP only rank 0
-    does; the others build the model under `torch.device("meta")` (shapes, no memory) and `wrap` fills them."""
+    does; the others build the model under `torch.device("meta")` (shapes, no
+    memory) and `wrap` fills them."""
     return mode != "fsdp" or rank == 0
 
 
@@ -67,8 +70,8 @@ def blocks_of(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated transformer blocks FSDP shards one by one (every model here keeps them in `blocks`)."""
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, torch.nn.ModuleList) or not len(blocks):
-        raise ParallelError(f"--parallel fsdp shards per transformer block, and {type(model).__name__} has no "
-                            f"`blocks` list; use --parallel ddp")
+        raise ParallelError(f"--parallel fsdp shards per transformer block, and {type(model).__name__} has "
+                            f"no `blocks` list; use --parallel ddp")
     return list(blocks)
 
 
@@ -84,7 +87,8 @@ def wrap(model: torch.nn.Module, device: torch.device, mode: str = "none", compi
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
         # gradients as views into DDP's reduction buckets: no second copy of them (4 bytes a parameter)
-        fwd = DDP(fwd, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+        fwd = DDP(fwd, device_ids=[device.index] if device.type == "cuda" else None,
+                  gradient_as_bucket_view=True)
     return fwd
 
 
@@ -100,8 +104,8 @@ def _fully_shard(model, device, compile, precision, offload):
     kw: dict = {"mesh": mesh}
     if device.type == "cuda" and precision in ("bf16", "fp16"):
         # compute in half precision, keep fp32 master shards and reduce gradients in fp32
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if precision == "bf16" else torch.float16,
-                                               reduce_dtype=torch.float32)
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if precision == "bf16"
+                                               else torch.float16, reduce_dtype=torch.float32)
     if offload:
         kw["offload_policy"] = CPUOffloadPolicy()
     blocks = blocks_of(model)
@@ -132,7 +136,8 @@ def _fill_from_rank0(model, whole: dict, persistent: set, device: torch.device, 
                 for k, b in mod._buffers.items():
                     if b is not None:
                         mod._buffers[k] = b.to(device)
-    set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    set_model_state_dict(model, whole,
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     whole.clear()
     with torch.no_grad():
         for name, buf in model.named_buffers():  # computed, not saved (RoPE tables): rank 0's as they are

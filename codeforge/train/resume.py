@@ -18,8 +18,8 @@ from ..fields import ConfigError
 # batches of this size in this seed's order of this data; the optimizer's saved param groups carry its
 # betas and weight decay (they would silently override new ones).
 # muon_*: the optimizer state restores its groups' rate ratio, momentum and decay, so a change would not apply
-RESUME_FIXED = ("stage", "batch_size", "grad_accum_steps", "seed", "optimizer", "weight_decay", "beta1", "beta2",
-                "fim_rate", "fim_spm_rate", "muon_lr", "muon_momentum", "muon_weight_decay",
+RESUME_FIXED = ("stage", "batch_size", "grad_accum_steps", "seed", "optimizer", "weight_decay", "beta1",
+                "beta2", "fim_rate", "fim_spm_rate", "muon_lr", "muon_momentum", "muon_weight_decay",
                 "lora_rank", "lora_alpha", "lora_targets")  # lora_*: the adapters' shapes and scale
 
 
@@ -39,13 +39,14 @@ def jsonl_identity(path: str | Path, tok_hash: str, names: tuple[str, ...] = ("t
     p = Path(path)
     files = [p] if p.is_file() else [p / n for n in names if (p / n).is_file()]
     return {"tokenizer_hash": tok_hash, "chat": False, "tokens": None, "documents": None,
-            "files": {f.name: f"{f.stat().st_size} bytes, sha256 {hashlib.sha256(f.read_bytes()).hexdigest()[:16]}"
+            "files": {f.name: f"{f.stat().st_size} bytes, sha256 "
+                              f"{hashlib.sha256(f.read_bytes()).hexdigest()[:16]}"
                       for f in files}}
 
 
 def _data_diff(saved: dict, now: dict) -> list[str]:
-    out = [f"data {k} {saved.get(k)!r} -> {now.get(k)!r}" for k in ("tokenizer_hash", "chat", "tokens", "documents")
-           if saved.get(k) != now.get(k)]
+    out = [f"data {k} {saved.get(k)!r} -> {now.get(k)!r}"
+           for k in ("tokenizer_hash", "chat", "tokens", "documents") if saved.get(k) != now.get(k)]
     a, b = saved.get("files", {}), now.get("files", {})
     for name in sorted(set(a) | set(b)):
         if name not in b:
@@ -84,19 +85,21 @@ def check_resume(ck: Path, run_config: dict, other_ranks: str = "rescale") -> tu
         notes += said
     fixed = [f"train.{k} {st[k]!r} -> {nt[k]!r}" for k in keys if k in st and st[k] != nt[k]]
     if moved and chat:
-        fixed.append(f"the number of ranks {sw} -> {nw} (chat batches are packed per rank from its own share of "
-                     f"the conversations, so a chat run resumes on as many ranks as it was saved with)")
+        fixed.append(f"the number of ranks {sw} -> {nw} (chat batches are packed per rank from its own share "
+                     f"of the conversations, so a chat run resumes on as many ranks as it was saved with)")
     elif moved and refuse:
         stage = nt.get("stage")
-        fixed.append(f"the number of ranks {sw} -> {nw} (--stage {stage} deals its examples to the ranks by rank, "
-                     f"and its saved cursor counts them so, so a {stage} run resumes on as many ranks as it was "
-                     f"saved with: run it with {sw})")
+        fixed.append(f"the number of ranks {sw} -> {nw} (--stage "
+                     f"{stage} deals its examples to the ranks by rank, "
+                     f"and its saved cursor counts them so, so a {stage} run resumes on as many ranks as it "
+                     f"was saved with: run it with {sw})")
     elif moved and "batch_size" in st:
         was, now = st["batch_size"] * st["grad_accum_steps"] * sw, nt["batch_size"] * accum * nw
         if was != now:
-            fixed.append(f"the global batch {st['batch_size']} x {st['grad_accum_steps']} x {sw} rank(s) = {was} "
-                         f"sequences -> {nt['batch_size']} x {accum} x {nw} = {now} (set "
-                         f"--batch-size and --grad-accum-steps so that their product times {nw} ranks is {was})")
+            fixed.append(f"the global batch {st['batch_size']} x {st['grad_accum_steps']} x {sw} rank(s) = "
+                         f"{was} sequences -> {nt['batch_size']} x {accum} x {nw} = {now} (set "
+                         "--batch-size and --grad-accum-steps so that "
+                         f"their product times {nw} ranks is {was})")
     sd, nd = saved.get("data_identity"), run_config.get("data_identity")
     if sd is None:
         notes.append(f"{ck} records no identity of its training data (older codeforge): not checked that "
@@ -108,8 +111,8 @@ def check_resume(ck: Path, run_config: dict, other_ranks: str = "rescale") -> tu
         if any(x.startswith("data") for x in fixed):
             fix.append(f"point --data at the data the run was trained on (it was {st.get('data')})")
         raise ConfigError(
-            f"--resume from {ck}: this run differs from the saved one where its optimizer state and data cursor "
-            f"depend on it (checkpoint -> now): {'; '.join(fixed)}. To continue that run exactly, "
+            f"--resume from {ck}: this run differs from the saved one where its optimizer state and data "
+            f"cursor depend on it (checkpoint -> now): {'; '.join(fixed)}. To continue that run exactly, "
             f"{' and '.join(fix)}; or start a new run from its weights with these settings: "
             f"--init-from {ck} --out NEW_RUN")
     # The data cursor, checked against this stage's loader and (packed shards) the data it will read on from:
@@ -118,17 +121,19 @@ def check_resume(ck: Path, run_config: dict, other_ranks: str = "rescale") -> tu
         stage = STAGE.get(nt.get("stage"))
         check_loader(*cursor, ck, stage.data if stage else None, (nd or {}).get("tokens"))
     if nt.get("eval_tokens") == saved.get("eval_tokens_asked"):  # the run sized its evaluation down from this
-        st = {**st, "eval_tokens": nt["eval_tokens"]}  # --eval-tokens: asked again, it is sized the same again
+        # --eval-tokens: asked again, it is sized the same again
+        st = {**st, "eval_tokens": nt["eval_tokens"]}
     changed = [f"train.{k} {st[k]!r} -> {nt[k]!r}" for k in RESUME_NOTED if k in st and st[k] != nt[k]]
     sm, nm = saved.get("model", {}), run_config["model"]
-    changed += [f"model.{k} {sm[k]!r} -> {nm[k]!r}" for k in sm if k.endswith("dropout") and sm[k] != nm.get(k)]
+    changed += [f"model.{k} {sm[k]!r} -> {nm[k]!r}" for k in sm if k.endswith("dropout")
+                and sm[k] != nm.get(k)]
     if changed:
         notes.append(f"resuming with changed settings, in effect from the resumed step on (so the run is no "
                      f"longer what an uninterrupted one would give): {'; '.join(changed)}")
     budget = [f"train.{k} {st[k]!r} -> {nt[k]!r}" for k in RESUME_BUDGET if k in st and st[k] != nt[k]]
     if budget and not st.get("schedule") == nt["schedule"] == "constant":
-        notes.append(f"the budget changed ({'; '.join(budget)}): the {nt['schedule']} learning-rate schedule runs "
-                     f"over the new budget from the resumed step on")
+        notes.append(f"the budget changed ({'; '.join(budget)}): the {nt['schedule']} learning-rate schedule "
+                     f"runs over the new budget from the resumed step on")
     return notes, accum
 
 
@@ -155,5 +160,5 @@ def _world_change(st: dict, nt: dict, sw: int, nw: int) -> tuple[list[str], int]
         return [], accum  # check_resume refuses it, saying what to set
     return [f"resuming on {nw} rank(s), saved on {sw}: the global batch stays {was} sequences (batch "
             f"{nt['batch_size']} x accumulation {accum} x {nw} ranks) and the data continues where "
-            f"it stopped; what changes is how it is split over ranks, so dropout masks and the order in which "
-            f"gradients are summed (float rounding) differ from a run that kept {sw} rank(s)"], accum
+            f"it stopped; what changes is how it is split over ranks, so dropout masks and the order in "
+            f"which gradients are summed (float rounding) differ from a run that kept {sw} rank(s)"], accum

@@ -31,8 +31,8 @@ class StopRequests:
         self.signal = name
         if self.master:  # an evaluation or a long step can take minutes: say that it was heard
             again = "; Ctrl-C again stops at once, without one" if signum == signal.SIGINT else ""
-            print(f"\n{name}: stopping after this step (or evaluation), with a checkpoint{again}", file=sys.stderr,
-                  flush=True)
+            print(f"\n{name}: stopping after this step (or evaluation), with a checkpoint{again}",
+                  file=sys.stderr, flush=True)
 
     def keep(self) -> None:
         """Leave the handlers recording (the process is about to end with its own message)."""
@@ -44,8 +44,8 @@ class StopRequests:
         self.old = {}
 
     def agreed(self, trainer) -> bool:
-        """Whether this step stops. One rank: whether a signal came. Several: stop if one came to any rank, and
-        publish a sharded checkpoint written in the background once every rank's part is done (agreed in
+        """Whether this step stops. One rank: whether a signal came. Several: stop if one came to any rank,
+        and publish a sharded checkpoint written in the background once every rank's part is done (agreed in
         the same all-reduce)."""
         if not trainer.ddp:
             return bool(self.signal)

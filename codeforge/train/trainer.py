@@ -36,20 +36,25 @@ class TrainingError(CodeforgeError):
 
 
 class Trainer:
-    def __init__(self, model: torch.nn.Module, batches, loss_fn: LossFn, cfg: TrainConfig, run_dir: str | Path, *,
-                 device: torch.device, precision: str, total_steps: int, tokens_per_step: int, run_config: dict,
-                 assets: dict[str, Path] | None = None, evaluate: Callable[[torch.nn.Module], dict | None] | None = None,
-                 sample: Callable[[torch.nn.Module, int], str] | None = None, start_checkpoint: Path | None = None,
+    def __init__(self, model: torch.nn.Module, batches, loss_fn: LossFn, cfg: TrainConfig,
+                 run_dir: str | Path, *,
+                 device: torch.device, precision: str, total_steps: int, tokens_per_step: int,
+                 run_config: dict, assets: dict[str, Path] | None = None,
+                 evaluate: Callable[[torch.nn.Module], dict | None] | None = None,
+                 sample: Callable[[torch.nn.Module, int], str] | None = None,
+                 start_checkpoint: Path | None = None,
                  rank: int = 0, world: int = 1, log=print, aux: torch.nn.Module | None = None,
                  mode: tuple[str, str] | None = None):
         """model: initialised (or loaded by the stage), on the host or `device` (wrap places it); under FSDP
-        the ranks other than 0 may hand it on the meta device (parallel.materialises). batches: the training batch source.
+        the ranks other than 0 may hand it on the meta device (parallel.materialises).
+        batches: the training batch source.
         run_config: the resolved configuration saved with every checkpoint (it must let the checkpoint module
         rebuild the model; its model and train sections are also written to RUN/config.toml). assets:
         directories copied into every checkpoint (e.g. {"tokenizer": path}).
-        evaluate(model) -> {"val_loss", ...} or None: every number in it is logged as val_KEY, its "extra" dict
-        too; "objective" (default val_loss; lower is better) picks the "best" checkpoint. sample(model, step) ->
-        text. start_checkpoint: resume from it (weights, optimizer, batch-source cursor, RNG, counters).
+        evaluate(model) -> {"val_loss", ...} or None: every number in it is
+        logged as val_KEY, its "extra" dict
+        too; "objective" (default val_loss; lower is better) picks the "best" checkpoint. sample(model, step)
+        -> text. start_checkpoint: resume from it (weights, optimizer, batch-source cursor, RNG, counters).
         aux: a module trained beside the model whose weights are not the model's (PPO's value head): its
         parameters join the optimizer (no weight decay) and gradient clipping, and its weights are saved in
         the training state, so checkpoints stay the bare model the engine, eval and export read.
@@ -63,23 +68,28 @@ class Trainer:
         self.budget_set = False  # --time-budget: the step count was chosen
         self.budget_cap = total_steps  # the most steps a budget may choose (--max-iters)
         self.rank, self.world, self.master = rank, world, rank == 0
-        self.ddp = world > 1  # several ranks (DDP or FSDP): they agree on stopping and average the logged loss
+        # several ranks (DDP or FSDP): they agree on stopping and average the logged loss
+        self.ddp = world > 1
         self.print = log
         self.mode, why = mode or parallel.choose_mode(cfg.parallel, world, device)
         self.sharded = self.mode == "fsdp"
         if self.sharded and cfg.optimizer != "adamw":
             raise TrainingError(f"--parallel fsdp trains with adamw, not {cfg.optimizer}: "
-                                + ("Muon orthogonalises whole weight matrices, and FSDP splits each across ranks"
-                                   if cfg.optimizer == "muon" else "bitsandbytes' 8-bit state is not shardable")
+                                + ("Muon orthogonalises whole weight "
+                                   "matrices, and FSDP splits each across ranks"
+                                   if cfg.optimizer == "muon"
+                                   else "bitsandbytes' 8-bit state is not shardable")
                                 + "; use --set optimizer=adamw, or --parallel ddp")
         if self.sharded and aux is not None:
-            raise TrainingError("--parallel fsdp does not shard this stage's extra module (PPO's value head); "
-                                "use --parallel ddp")
+            raise TrainingError("--parallel fsdp does not shard this stage's extra module (PPO's value "
+                                "head); use --parallel ddp")
         if world > 1 or cfg.parallel == "fsdp":
             self.say(f"parallel: {self.mode} ({why})")
         self.fwd = parallel.wrap(model, device, self.mode, cfg.compile, precision, cfg.fsdp_offload)
-        background = cfg.async_checkpoint == "on" or (cfg.async_checkpoint == "auto" and device.type == "cuda")
-        # DCP's background writes talk over a group of their own, never interleaved with training's collectives
+        background = cfg.async_checkpoint == "on" or (cfg.async_checkpoint == "auto"
+                                                      and device.type == "cuda")
+        # DCP's background writes talk over a group of their own, never
+        # interleaved with training's collectives
         self.ckpt_group = torch.distributed.new_group(backend="gloo") if self.sharded and background else None
         self.pending = None  # a sharded checkpoint still being written in the background
         self.aux = aux
@@ -152,8 +162,8 @@ class Trainer:
             self.best_val = self.last_val
         state = {"scaler": self.scaler.state_dict(),
                  "loader": self.batches.state_dict(), "rng": ckpt_io.rng_state(), "step": self.step,
-                 "tokens": self.tokens, "best_val": self.best_val, "skipped": self.skipped, "last_val": self.last_val,
-                 "last_val_step": self.last_val_step}
+                 "tokens": self.tokens, "best_val": self.best_val, "skipped": self.skipped,
+                 "last_val": self.last_val, "last_val_step": self.last_val_step}
         if self.aux is not None:
             state["aux"] = {k: v.detach().clone() for k, v in self.aux.state_dict().items()}
         try:
@@ -236,10 +246,12 @@ class Trainer:
             return
         if self.master and not self.evals_done:  # the first one can take minutes on a CPU: say it has begun
             self.logger.message(f"step {self.step}: evaluating (validation every {self.cfg.eval_every} steps"
-                                + (f", up to {self.cfg.eval_tokens:,} tokens" if self.cfg.eval_tokens else "") + ")...")
+                                + (f", up to {self.cfg.eval_tokens:,} tokens" if self.cfg.eval_tokens else "")
+                                + ")...")
         # local ranks (stages/local.py): the others wait for rank 0's evaluation, so it may use their threads
         with alone_threads() if not self.sharded else contextlib.nullcontext():
-            r = self.evaluate_fn(self.model)  # under FSDP every rank runs it: each forward gathers the weights
+            # under FSDP every rank runs it: each forward gathers the weights
+            r = self.evaluate_fn(self.model)
         self.evals_done += 1
         self.model.train()
         if r is None:
@@ -257,13 +269,15 @@ class Trainer:
         if "message" in r:  # a stage that scores otherwise (pair accuracy, pass rate) words its own line
             self.logger.message(f"step {self.step}: {r['message']}")
         else:
-            self.logger.message(f"step {self.step}: val loss {r['val_loss']:.4f}, perplexity {r['perplexity']:.2f}, "
-                                f"{r['bits_per_byte']:.3f} bits/byte ({r.get('eval_tokens', 0):,} validation tokens)")
+            self.logger.message(f"step {self.step}: val loss {r['val_loss']:.4f}, perplexity "
+                                f"{r['perplexity']:.2f}, {r['bits_per_byte']:.3f} bits/byte "
+                                f"({r.get('eval_tokens', 0):,} validation tokens)")
 
     def _sample(self) -> None:
         if self.sample_fn is None or not (self.master or self.sharded):
             return
-        text = self.sample_fn(self.model, self.step)  # FSDP: every rank samples the same (same seed), rank 0 writes
+        # FSDP: every rank samples the same (same seed), rank 0 writes
+        text = self.sample_fn(self.model, self.step)
         self.model.train()
         if not self.master:
             return
@@ -277,7 +291,8 @@ class Trainer:
         decides for itself whether this step is its step: evaluation, sampling, checkpointing, the step count
         a --time-budget fits, the log line."""
         self._open()  # config.toml, the logger, what is about to happen
-        stop = StopRequests(self.master).install()  # Ctrl-C / SIGTERM: stop after this step, with a checkpoint
+        # Ctrl-C / SIGTERM: stop after this step, with a checkpoint
+        stop = StopRequests(self.master).install()
         start = self.step
         pace = Pace(start, self.total_steps, self.device, self.cfg.eval_every if self.evaluate_fn else -1)
         self.model.train()
@@ -309,7 +324,8 @@ class Trainer:
             self.logger.close()
         if stop.signal:
             self.say(f"{stop.signal}: saved a checkpoint at step {self.step}; continue with --resume")
-        return {"step": self.step, "tokens": self.tokens, "val_loss": None if self.last_said else self.last_val,
+        return {"step": self.step, "tokens": self.tokens,
+                "val_loss": None if self.last_said else self.last_val,
                 "val_step": self.last_val_step, "evaluation": self.last_said, "interrupted": stop.signal,
                 "skipped_steps": self.skipped, "run_dir": str(self.run_dir)}
 
@@ -327,22 +343,22 @@ class Trainer:
         left = max(total - self.step, 0)
         where = f"steps {self.step + 1}-{total} ({left} left)" if self.step else f"{total} steps"
         if self.step and not left:
-            self.say(f"the run is already at step {self.step} of {total}: nothing to train (--max-iters N trains on "
-                     f"to N); run directory {self.run_dir}")
+            self.say(f"the run is already at step {self.step} of {total}: nothing to train (--max-iters N "
+                     f"trains on to N); run directory {self.run_dir}")
         else:
             self.say(f"training {where} of {self.tokens_per_step:,} tokens "
                      f"(batch {t.batch_size} x accumulation {t.grad_accum_steps} x {self.world} rank(s)); "
                      f"run directory {self.run_dir}")
         if left and self.master:
-            note = Pace.estimate(left, self.tokens_per_step * left, self.flops_per_token, self.device, self.precision,
-                                 self.world, t.eval_every, t.eval_tokens)
+            note = Pace.estimate(left, self.tokens_per_step * left, self.flops_per_token, self.device,
+                                 self.precision, self.world, t.eval_every, t.eval_tokens)
             if note:
                 self.say(note)
         if t.warmup_steps > total and left and t.learning_rate > 0:
-            self.say(f"warning: --warmup-steps {t.warmup_steps} is longer than the run's {total} steps, so the "
-                     f"learning rate climbs to only {total / t.warmup_steps:.0%} of --learning-rate "
-                     f"{t.learning_rate:g} and never reaches it; set --warmup-steps below the step count (about a "
-                     f"tenth of it: {max(1, total // 10)})")
+            self.say(f"warning: --warmup-steps {t.warmup_steps} is longer than the run's {total} steps, so "
+                     f"the learning rate climbs to only {total / t.warmup_steps:.0%} of --learning-rate "
+                     f"{t.learning_rate:g} and never reaches it; set --warmup-steps below the step count "
+                     f"(about a tenth of it: {max(1, total // 10)})")
 
     def _evaluate_if_due(self, start: int, last: bool, stopping: bool, pace: "Pace", t_run: float) -> None:
         """Every eval_every steps and at the last; not again at the step a resume starts from (the run that
@@ -365,7 +381,8 @@ class Trainer:
             self._sample()
 
     def _save_if_due(self, start: int, last: bool, stopping: bool) -> None:
-        """A checkpoint at the last step, on a stop, every save_every steps, and whenever an evaluation at this
+        """A checkpoint at the last step, on a stop, every save_every steps, and
+        whenever an evaluation at this
         very step beat the best so far (the best weights are kept when they are evaluated, not only at the
         next periodic save); nothing where nothing was trained since the checkpoint the run resumed from."""
         better = (self.last_val is not None and self.last_val_step == self.step and self.step > start
@@ -438,35 +455,38 @@ class Trainer:
         raise TrainingError(
             f"rank {self.rank}: lost contact with the other ranks at step {self.step} ({type(e).__name__}: "
             f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else 'no detail'}). A rank was killed, "
-            f"crashed, ran out of memory or was stuck past --dist-timeout {self.cfg.dist_timeout}s; torchrun's "
-            f"summary (or, with --local-ranks, the line above) names it. The job stops here; "
+            f"crashed, ran out of memory or was stuck past --dist-timeout {self.cfg.dist_timeout}s; "
+            f"torchrun's summary (or, with --local-ranks, the line above) names it. The job stops here; "
             + (f"the last complete checkpoint is {latest}: continue with --resume" if latest else
                "no checkpoint was written yet") + ".") from e
 
     def _optimisation_step(self) -> tuple[float, float]:
-        """One optimizer step at this step's learning rate; counts skipped (non-finite) steps and stops the run
-        after max_bad_steps of them in a row."""
+        """One optimizer step at this step's learning rate; counts skipped (non-finite) steps and stops the
+        run after max_bad_steps of them in a row."""
         t = self.cfg
         lr = lr_at(self.step, base_lr=t.learning_rate, warmup=t.warmup_steps, total=self.total_steps,
                    schedule=t.schedule, min_ratio=t.min_lr_ratio, decay_fraction=t.decay_fraction)
         set_lr(self.opt, lr)
-        loss_v, norm_v, applied = train_step(self.fwd, self.model, self.opt, self.scaler, self.batches, self.loss_fn,
-                                             t.grad_accum_steps, t.grad_clip, self.device, self.precision, self.mode,
-                                             parts=self.parts, params=self.params,
-                                             sync=list(self.aux.parameters()) if self.aux is not None and self.ddp
-                                             else None)
+        loss_v, norm_v, applied = train_step(self.fwd, self.model, self.opt, self.scaler, self.batches,
+                                             self.loss_fn,
+                                             t.grad_accum_steps, t.grad_clip, self.device, self.precision,
+                                             self.mode, parts=self.parts, params=self.params,
+                                             sync=list(self.aux.parameters()) if self.aux is not None
+                                             and self.ddp else None)
         self.parts_steps += 1
         if applied:
             self.bad_in_row = 0
         else:
             self.skipped += 1
             self.bad_in_row += 1
-            self.logger.message(f"step {self.step + 1}: non-finite loss {loss_v} / grad norm {norm_v}; update skipped")
+            self.logger.message(f"step {self.step + 1}: non-finite loss "
+                                f"{loss_v} / grad norm {norm_v}; update skipped")
             if self.bad_in_row >= t.max_bad_steps:
                 raise TrainingError(
-                    f"{self.bad_in_row} non-finite losses in a row at step {self.step + 1}; stopping without writing "
-                    f"NaN weights. Lower --learning-rate, check the data, or use --precision bf16/fp32; the last "
-                    f"good checkpoint is in {self.run_dir / 'checkpoints'}")
+                    f"{self.bad_in_row} non-finite losses in a row at "
+                    f"step {self.step + 1}; stopping without writing "
+                    f"NaN weights. Lower --learning-rate, check the data, or use --precision bf16/fp32; the "
+                    f"last good checkpoint is in {self.run_dir / 'checkpoints'}")
         return loss_v, norm_v
 
 
@@ -503,19 +523,22 @@ class Pace:
         if device.type != "cpu" or not flops_per_token:
             return None
         evals = (steps // eval_every if eval_every else 0) + 1
-        flops = flops_per_token * tokens + flops_per_token / 3 * eval_tokens * evals  # an evaluation: forward only
+        # an evaluation: forward only
+        flops = flops_per_token * tokens + flops_per_token / 3 * eval_tokens * evals
         if flops / (cls.CPU_BOUND * torch.get_num_threads() * world) < 600:
             return None
         rate = matmul_flops(device, precision) * world
         need = flops / (rate * cls.TRAIN_SHARE)
-        msg = (f"estimate: {steps:,} steps of {tokens // steps:,} tokens at {flops_per_token / 1e6:,.0f} MFLOPs a token"
-               f" (and {evals} evaluation(s)) are {flops:.2g} FLOPs; this CPU multiplies at ~{rate / 1e9:,.0f} "
+        msg = (f"estimate: {steps:,} steps of {tokens // steps:,} tokens at {flops_per_token / 1e6:,.0f} "
+               f"MFLOPs a token (and {evals} evaluation(s)) are {flops:.2g} "
+               f"FLOPs; this CPU multiplies at ~{rate / 1e9:,.0f} "
                f"GFLOP/s, so at least ~{duration(need)} (the measured pace follows after the first steps)")
         if need > cls.WARN_SECONDS.get("cpu", cls.WARN_ANY):
-            msg += ("\nwarning: that is far beyond what a CPU does in reasonable time. To finish sooner: a smaller "
-                    "model (a CPU preset: `codeforge presets`; --preset cpu-small lowend-cpu is the quickstart's), a "
-                    "shorter context (--block-size), fewer steps (--max-iters), or a GPU. Ctrl-C saves a checkpoint; "
-                    "--resume continues it.")
+            msg += ("\nwarning: that is far beyond what a CPU does in reasonable time. To finish sooner: a "
+                    "smaller model (a CPU preset: `codeforge presets`; --preset "
+                    "cpu-small lowend-cpu is the quickstart's), a "
+                    "shorter context (--block-size), fewer steps (--max-iters), or a GPU. Ctrl-C saves a "
+                    "checkpoint; --resume continues it.")
         return msg
 
     def pause(self, seconds: float) -> None:
@@ -575,20 +598,23 @@ class Pace:
         need = self.eta(step)
         rate = f"{1 / sps:.2f} steps/s" if sps < 1 else f"{sps:.1f} s/step"
         evals = self.evals_left(step)
-        with_evals = f" with {evals} evaluation(s) of ~{duration(self.eval_s)}" if evals and self.eval_s else ""
+        with_evals = (
+            f" with {evals} evaluation(s) of ~{duration(self.eval_s)}" if evals and self.eval_s else ""
+        )
         msg = (f"pace: {rate} measured over {measured} steps on {self.device.type}; the remaining "
                f"{self.total - step} steps{with_evals} need ~{duration(need)}")
         limit = self.WARN_SECONDS.get(self.device.type, self.WARN_ANY)
         if need > limit:
-            msg += (f"\nwarning: that is far beyond what {self.device.type} does in reasonable time. To finish "
+            msg += ("\nwarning: that is far beyond what "
+                    f"{self.device.type} does in reasonable time. To finish "
                     f"sooner: a smaller model (fewer --n-layer, a narrower --n-embd), a shorter context "
                     f"(--block-size), fewer steps (--max-iters), or a GPU. Ctrl-C saves a checkpoint; "
                     f"--resume continues it.")
         return msg
 
 
-def train_step(fwd, model, opt, scaler, batches, loss_fn: LossFn, accum: int, clip: float, device: torch.device,
-               precision: str, mode: str = "none", parts: dict | None = None,
+def train_step(fwd, model, opt, scaler, batches, loss_fn: LossFn, accum: int, clip: float,
+               device: torch.device, precision: str, mode: str = "none", parts: dict | None = None,
                params: list | None = None, sync: list | None = None) -> tuple[float, float, bool]:
     """Forward/backward over `accum` micro-batches from `batches`, unscale, clip, and step unless the loss or
     the gradient is non-finite (then the weights stay as they were). Returns (mean loss, grad norm, applied).
