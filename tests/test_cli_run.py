@@ -136,6 +136,10 @@ def test_train_help_describes_every_flag(capsys):
     assert main(["config", "keys"]) == 0
     keys = capsys.readouterr().out
     assert "train.warmup_steps" in keys and "model.n_layer" in keys and "train.eval_tokens" in keys
+    # each stage kind's own settings under its stages, after the common ones: beta is DPO's, group_size RL's
+    assert keys.index("# --stage reward, dpo") < keys.index("train.beta ") < keys.index("# --stage ppo, grpo")
+    assert keys.index("train.warmup_steps") < keys.index("# --stage pretrain") < keys.index("train.fim_rate")
+    assert keys.index("# --stage ppo, grpo") < keys.index("train.group_size")
 
 
 def test_review_findings_bad_values_are_refused(run_dir, data_dir, tmp_path, capsys):

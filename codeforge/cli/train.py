@@ -84,13 +84,21 @@ def _config_flags(t) -> None:
 def cmd_config_keys(a: argparse.Namespace) -> int:
     from dataclasses import fields
 
-    from ..config import SECTIONS
+    from ..config import SECTION_OF_KIND, SECTIONS, STAGE_TABLE, CommonTrain
     from ..fields import describe, flag_name
-    for section, cls in SECTIONS.items():
-        print(f"[{section}]")
+
+    def show(section: str, cls) -> None:
         for f in fields(cls):
             flag = flag_name(f) if f.metadata.get("cli", True) else "(config file or --set only)"
             print(f"  {section}.{f.name:22s} {type(f.default).__name__:5s} {flag:24s} {describe(f)}")
+    print("[model]")
+    show("model", SECTIONS["model"])
+    print("[train]  (one table in config files: the settings every stage reads, then each stage kind's own)")
+    show("train", CommonTrain)
+    for kind, cls in SECTION_OF_KIND.items():
+        stages = ", ".join(st.name for st in STAGE_TABLE if st.kind == kind)
+        print(f"  # --stage {stages}")
+        show("train", cls)
     return 0
 
 
