@@ -10,7 +10,7 @@ import dataclasses
 import json
 import math
 import tomllib
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,7 @@ import torch
 from .catalog import CATALOG, catalog_key
 from .checkpoint import CheckpointError, find_checkpoint, read_config, vet_checkpoint
 from .checkpoint.guard import CONFIG_BYTES, field_problem, read_regular
-from .fields import ConfigError, check_fields, setting
+from .fields import ConfigError, check_fields, saved, setting
 from .models import ARCHS, build_model, config_class
 from .models.gpt import GPTConfig
 
@@ -276,9 +276,27 @@ class RLTrain:
 
 @dataclass
 class TrainConfig(RLTrain, PrefsTrain, HRMTrain, LMTrain, CommonTrain):
-    """Every [train] setting: the common section plus one per stage kind
-    (SECTION_OF_KIND), each field declared
-    once, in its section. config.toml keeps them in one flat [train] table, so a saved run loads as it did."""
+    """Every [train] setting: the common section plus one per stage kind (SECTION_OF_KIND), each field
+    declared once, in its section. config.toml keeps them in one flat [train] table, in the order it always
+    had (SAVED_ORDER), so a saved run loads as it did."""
+
+    # the key order of [train] in saved files (fields.saved), from before the sections: common and per-stage
+    # settings as they were interleaved then (a new setting goes after them without being listed)
+    SAVED_ORDER = (
+        "stage", "data", "tokenizer", "out", "batch_size", "grad_accum_steps", "learning_rate",
+        "min_lr_ratio", "schedule", "warmup_steps", "decay_fraction", "max_iters", "max_tokens", "epochs",
+        "weight_decay", "beta1", "beta2", "grad_clip", "optimizer", "muon_lr", "muon_momentum",
+        "muon_weight_decay", "eval_every", "time_budget", "eval_tokens", "sample_every", "sample_tokens",
+        "syntax_cases", "save_every", "keep_last", "log_every", "seed", "device", "threads", "precision",
+        "compile", "grad_checkpointing", "local_ranks", "parallel", "fsdp_offload", "async_checkpoint",
+        "dist_timeout", "fim_rate", "fim_spm_rate", "loss_chunk_rows", "max_bad_steps", "beta", "dpo_sft",
+        "kl_coef", "rewards", "reward_model", "group_size", "rollout_tasks", "rollout_tokens",
+        "rollout_temperature", "ppo_epochs", "clip_eps", "gae_gamma", "gae_lambda", "vf_coef", "eval_tasks",
+        "init_from", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "tensorboard", "wandb",
+        "wandb_project", "progress")
+
+    def to_dict(self) -> dict:
+        return saved(self, self.SAVED_ORDER)
 
 
 # the section of settings each kind of stage adds to the common one (config.STAGE_TABLE's `kind`)
@@ -317,7 +335,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def to_dict(self) -> dict:
-        return {"model": asdict(self.model), "train": asdict(self.train)}
+        return {"model": self.model.to_dict(), "train": self.train.to_dict()}
 
     def validate(self) -> "RunConfig":
         check_fields(self.model, "model")

@@ -28,6 +28,14 @@ def setting(default: Any, help: str = "", range: tuple[float, float] | None = No
                                             "cli": cli, "required": required, "metavar": metavar})
 
 
+def saved(obj: Any, order: tuple[str, ...]) -> dict:
+    """The fields of dataclass `obj` as a dict for a saved file (config.toml, a checkpoint's config.json), the
+    names in `order` first and in that order, the rest after in declaration order: the key order saved files
+    have always had, whichever class now declares a field. A new field need not be added to `order`."""
+    d = {f.name: getattr(obj, f.name) for f in fields(obj)}
+    return {**{k: d[k] for k in order if k in d}, **d}
+
+
 def flag_name(f: Field) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 

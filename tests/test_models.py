@@ -215,3 +215,21 @@ def test_muon_refused_for_models_with_their_own_groups():
     with pytest.raises(ValueError, match="optimizer muon is for GPT models"):
         build_optimizer(HRM(HRMConfig(vocab_size=300, n_embd=32, n_head=2)), "muon", 1e-3, 0.1,
                         (0.9, 0.95), torch.device("cpu"))
+
+
+def test_saved_configs_keep_their_key_order_and_hrm_stacks_their_vocabulary():
+    """Where a field is declared (BlockConfig, a TrainConfig section) does not change saved files: the model
+    and train sections list their keys in the order they always had, every field once; and HRM's stacks keep
+    the model's vocabulary (the GPT baseline of benchmarks/hrm_compare.py is built from one)."""
+    from dataclasses import fields
+
+    from codeforge.config import RunConfig, TrainConfig
+    from codeforge.models.hrm import HRMConfig
+    d = RunConfig().to_dict()
+    assert list(d["model"])[:4] == ["arch", "vocab_size", "block_size", "n_layer"]
+    assert list(d["train"]) == list(TrainConfig.SAVED_ORDER) + [
+        f.name for f in fields(TrainConfig) if f.name not in TrainConfig.SAVED_ORDER]
+    assert sorted(d["train"]) == sorted(f.name for f in fields(TrainConfig))
+    h = HRMConfig(vocab_size=1088)
+    assert list(h.to_dict())[:3] == ["arch", "vocab_size", "n_embd"] and len(h.to_dict()) == len(fields(h))
+    assert h.stack_config(4, 512).vocab_size == 1088

@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
@@ -299,7 +298,7 @@ def export_hf(run: str | Path, out: str | Path, which: str = "auto", overwrite: 
     tmp = staging_dir(out)
     try:
         config = hf_config(m, fam, tok.special_ids)
-        config["codeforge"] = {"checkpoint": str(ck), "model": asdict(m), "tokenizer_hash": tok.hash}
+        config["codeforge"] = {"checkpoint": str(ck), "model": m.to_dict(), "tokenizer_hash": tok.hash}
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         save_file(hf_sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         eos = [i for i in (tok.eot_id, tok.special_ids.get("<|im_end|>")) if i is not None]
@@ -509,9 +508,9 @@ def import_hf(hf_dir: str | Path, out: str | Path, overwrite: bool = False, veri
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             if (hf_dir / name).is_file():
                 shutil.copyfile(hf_dir / name, tok_tmp / name)
-        train = asdict(TrainConfig())
+        train = TrainConfig().to_dict()
         train.update(out=str(out), init_from=str(hf_dir))
-        config = {"model": asdict(m), "train": train, "tokenizer_hash": tok.hash,
+        config = {"model": m.to_dict(), "train": train, "tokenizer_hash": tok.hash,
                   "imported_from": {"path": str(hf_dir.resolve()), "architectures": c.get("architectures"),
                                     "model_type": c["model_type"]}}
         ck = save_checkpoint(out, 0, model, config, {}, {"tokenizer": tok_tmp}, keep_last=1, final=True)

@@ -16,13 +16,13 @@ The surface every model in codeforge shares:
 from __future__ import annotations
 
 import math
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..fields import setting
+from ..fields import saved, setting
 from .cpu_linear import Linear
 from .lm_loss import lm_loss
 
@@ -75,8 +75,13 @@ class GPTConfig(BlockConfig):
     n_layer: int = setting(12, "transformer blocks", range=(1, 256))
     tie_embeddings: bool = setting(True, "share the input embedding with the output matrix")
 
+    # the key order of the model section in saved files (fields.saved), from before BlockConfig was shared
+    SAVED_ORDER = ("arch", "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head", "mlp",
+                   "ffn_hidden", "norm", "norm_eps", "pos", "rope_base", "qk_norm", "tie_embeddings", "bias",
+                   "embd_dropout", "attn_dropout", "resid_dropout")
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        return saved(self, self.SAVED_ORDER)
 
     @classmethod
     def from_dict(cls, d: dict) -> "GPTConfig":

@@ -35,13 +35,13 @@ Marker tokens are reserved special tokens, whose ids are fixed in every codeforg
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..fields import setting
+from ..fields import saved, setting
 from ..tokenizer import EOT, SPECIAL_TOKENS
 from .lm_loss import IGNORE_INDEX
 from .gpt import (Block, BlockConfig, GPTConfig, KVCache, attention_mask, init_gpt2, make_norm, refresh_rope,
@@ -106,10 +106,15 @@ class HRMConfig(BlockConfig):
 
     def stack_config(self, n_layer: int, context: int) -> GPTConfig:
         """The GPTConfig of one module's Block stack (its own depth and context)."""
-        return GPTConfig(**self.block_fields(), n_layer=n_layer, block_size=context)
+        return GPTConfig(**self.block_fields(), vocab_size=self.vocab_size, n_layer=n_layer,
+                         block_size=context)
+
+    # the key order of the model section in saved files (fields.saved), from before BlockConfig was shared
+    SAVED_ORDER = ("arch", "vocab_size", "n_embd", "n_head", "n_kv_head", "planner_layers",
+                   "generator_layers", "refiner_layers", "plan_len", "code_len", "refine_iters")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return saved(self, self.SAVED_ORDER)
 
     @classmethod
     def from_dict(cls, d: dict) -> "HRMConfig":
