@@ -153,8 +153,8 @@ class CommonTrain:
                               "start; $CODEFORGE_THREADS does the same for every command)", range=(0, 4096))
     precision: str = setting("auto",
                              "numeric precision (auto: bf16 on GPUs that have it, else fp16; fp32 on a CPU. "
-                                     "fastest: the same, but bf16 on a CPU that multiplies bfloat16 "
-                                     "natively, AVX512-BF16 or AMX: about 30 percent more tokens/s)",
+                             "fastest: the same, but bf16 on a CPU that multiplies bfloat16 "
+                             "natively, AVX512-BF16 or AMX: about 30 percent more tokens/s)",
                              choices=("auto", "fastest", "fp32", "fp16", "bf16"))
     compile: bool = setting(False, "torch.compile the model")
     grad_checkpointing: bool = setting(False, "recompute activations in backward (less memory)",

@@ -709,17 +709,17 @@ def edit_hf_config(d: Path, **change) -> None:
 BAD_HF = {  # config.json changes -> words of the error
     "num_hidden_layers=1e6": ({"num_hidden_layers": 10**6},
                               "num_hidden_layers = 1000000 (codeforge's model.n_layer) "
-                                                             "is out of range [1, 256]"),
+                              "is out of range [1, 256]"),
     "hidden_size='x'": ({"hidden_size": "x"},
                         "hidden_size = 'x' (codeforge's model.n_embd) is not an integer"),
     "num_attention_heads=0": ({"num_attention_heads": 0},
                               "num_attention_heads = 0 (codeforge's model.n_head) is out "
-                                                          "of range [1, 256]"),
+                              "of range [1, 256]"),
     "vocab_size=null": ({"vocab_size": None},
                         "vocab_size = None (codeforge's model.vocab_size) is not an integer"),
     "intermediate_size=-3": ({"intermediate_size": -3},
                              "intermediate_size = -3 (codeforge's model.ffn_hidden) is out "
-                                                        "of range"),
+                             "of range"),
 }
 
 

@@ -330,10 +330,10 @@ def test_serve_flags_checked(tiny_run, tmp_path, capsys):
                        (["--max-connections", "-1"], "--max-connections -1 must be >= 0"),
                        (["--max-connections", "10000000"],
                         "--max-connections 10000000 is more than this process's "
-                                                           "file limit allows"),
+                        "file limit allows"),
                        (["--api-key-file", str(tmp_path / "missing")],
                         f"--api-key-file {tmp_path / 'missing'}: no "
-                                                                       f"such file")):
+                        f"such file")):
         assert main(["serve", "--run", str(tiny_run), "--device", "cpu", "--port", "0", *flags]) == 2, flags
         err = capsys.readouterr().err
         assert "error: " in err and msg in err, (flags, err)

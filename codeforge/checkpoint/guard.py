@@ -254,7 +254,7 @@ def model_config_from(d: Any, where: str | Path, error: Error, fix: str, names: 
     if cfg.pos == "rope" and cfg.head_dim % 2:
         raise say("n_embd", cfg.n_embd,
                   f"over model.n_head = {cfg.n_head} gives an odd head size {cfg.head_dim}, "
-                                        f"and rotary positions need an even one")
+                  f"and rotary positions need an even one")
     return cfg
 
 

@@ -141,7 +141,7 @@ class ServerState:
         if n > self.opts.max_queue:
             raise ApiError(400,
                            f"the request asks for {n} completions (prompts x n); this server queues at most "
-                                f"{self.opts.max_queue} (--max-queue)", param="n", code="too_many_choices")
+                           f"{self.opts.max_queue} (--max-queue)", param="n", code="too_many_choices")
 
     def check_logprobs(self, tokens: int, top: int, n: int, param: str) -> None:
         """Refuse an answer of more log-prob entries than MAX_LOGPROB_RECORDS: `tokens` scored per choice (the
@@ -473,7 +473,7 @@ async def chat_completions(srv: ServerState, request: Request):
         if max_new < need:
             raise ApiError(400,
                            f"{param} {max_new} is too small for {grammar.describe()}: the shortest one takes "
-                                f"{need} tokens; set {param} to at least {need}", param=param,
+                           f"{need} tokens; set {param} to at least {need}", param=param,
                            code="max_tokens_too_small")
         raise ApiError(400, f"the prompt of {len(ids)} tokens leaves {room} of the model's context of "
                             f"{srv.block_size} for the reply, and {grammar.describe()} takes at least "
@@ -659,8 +659,8 @@ async def infill(srv: ServerState, request: Request):
     if missing:
         raise ApiError(400,
                        f"this model's tokenizer has no {', '.join(missing)} token, so it cannot fill in the "
-                            f"middle: /infill needs a codeforge tokenizer (every `codeforge tokenizer train` "
-                            f"has them) or an imported one with FIM tokens", code="infill_not_supported")
+                       f"middle: /infill needs a codeforge tokenizer (every `codeforge tokenizer train` "
+                       f"has them) or an imported one with FIM tokens", code="infill_not_supported")
     max_new = srv.max_tokens_cap if b.n_predict < 0 else min(b.n_predict, srv.max_tokens_cap)
     # the reply keeps some room even where llama-server's rule would fill the context (its -n -1)
     reserve = min(max_new, max(srv.opts.infill_predict, 16))

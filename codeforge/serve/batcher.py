@@ -442,7 +442,7 @@ class Scheduler:
                     msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
                     self._fail(r, 400,
                                f"constrained decoding failed: the schema reaches a limit of the grammar "
-                                       f"engine ({msg}); simplify it (fewer properties, no recursive $ref)")
+                               f"engine ({msg}); simplify it (fewer properties, no recursive $ref)")
                     out[i] = None
                     continue
             if r.p.logprobs is not None:

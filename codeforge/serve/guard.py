@@ -185,10 +185,10 @@ class Guard:
         shown = h[0] if h else host
         return ApiError(400,
                         f"the Host header {host!r} is neither this machine's loopback nor the server's own "
-                             "address and port: a web page can reach "
-                             "a local server that way (DNS rebinding). "
-                             f"If you reach the server by that name, start it with --allowed-hosts {shown} "
-                             f"(comma-separated; '*' allows any)", param="Host", code="host_not_allowed")
+                        "address and port: a web page can reach "
+                        "a local server that way (DNS rebinding). "
+                        f"If you reach the server by that name, start it with --allowed-hosts {shown} "
+                        f"(comma-separated; '*' allows any)", param="Host", code="host_not_allowed")
 
     def _check_origin(self, scope, origin: str | None, host: str | None) -> ApiError | None:
         if origin is None or self.origins is None:
@@ -203,10 +203,10 @@ class Guard:
                 return None  # the server's own page (the playground)
         return ApiError(403,
                         f"requests from web pages at {origin!r} are refused: a page on another site must not "
-                             "use this server through your browser. To "
-                             "allow that page, start the server with "
-                             f"--allowed-origins {origin.strip() if o else 'ORIGIN'} (comma-separated; '*' "
-                             f"allows any)", param="Origin", code="origin_not_allowed")
+                        "use this server through your browser. To "
+                        "allow that page, start the server with "
+                        f"--allowed-origins {origin.strip() if o else 'ORIGIN'} (comma-separated; '*' "
+                        f"allows any)", param="Origin", code="origin_not_allowed")
 
     def _precheck(self, scope) -> ApiError | None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}

@@ -65,7 +65,7 @@ def parse_body(cls: type[BaseModel], raw: bytes) -> BaseModel:
             name = ".".join(str(x) for x in extra["loc"])
             raise ApiError(400,
                            f"{name} is not supported by this server (leave it out; the fields it takes are "
-                                f"OpenAI's, listed in the serving guide)", param=name,
+                           f"OpenAI's, listed in the serving guide)", param=name,
                            code="unsupported_parameter") from None
         first = errs[0]
         param = _loc(first["loc"])
@@ -176,7 +176,7 @@ class ChatMessage(_Body):
             if part.type != "text" or part.text is None:
                 raise ApiError(400,
                                f"messages.{i}.content: only text parts are supported (got a {part.type!r} "
-                                    f"part)", param=f"messages.{i}.content", code="unsupported_content")
+                               f"part)", param=f"messages.{i}.content", code="unsupported_content")
         return "".join(p.text for p in self.content)
 
 
@@ -220,7 +220,7 @@ class ChatRequest(_Sampling):
                                                                              "json_schema"):
             raise ApiError(400,
                            f"response_format {self.response_format.get('type')!r} is not supported (text, "
-                                f"json_object or json_schema)", param="response_format",
+                           f"json_object or json_schema)", param="response_format",
                                 code="unsupported_parameter")
 
     def rendered_messages(self) -> list[dict]:
@@ -231,8 +231,8 @@ class ChatRequest(_Sampling):
             if m.content is None and not (m.role == "assistant" and m.tool_calls):
                 raise ApiError(400,
                                f"messages.{i}.content is missing: a {m.role} message needs content (a string "
-                                    f"or a list of text parts); only an assistant message with tool_calls "
-                                    f"may leave it out", param=f"messages.{i}.content",
+                               f"or a list of text parts); only an assistant message with tool_calls "
+                               f"may leave it out", param=f"messages.{i}.content",
                                     code="missing_required_parameter")
             d: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
             if m.tool_calls:

@@ -834,7 +834,7 @@ def validate_tasks(tasks: list[dict], timeout: float = 5.0, **kw) -> tuple[list[
         elif what == "stub" and res.passed:
             reasons.setdefault(i,
                                "tests pass for a function that returns the same meaningless object for every "
-                                  "input: they check nothing about the answer")
+                               "input: they check nothing about the answer")
         elif what == "solution":
             outcome, detail = io_outcome(res, cases) if cases else (
                 "passed" if res.passed else res.status, res.detail)
