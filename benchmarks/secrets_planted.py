@@ -1,17 +1,36 @@
-"""Secrets found and missed by `prepare`'s redaction (codeforge/redact.py): planted fake credentials of 35
-kinds, each in the kind of file it is usually found in (Python, Go, YAML, .env, JSON, a PEM block), one file
-each; a secret counts as found when its value is gone from the redacted text and the file still says where it
-was (a REDACTED_ placeholder). Every value is made up; none is live.
+"""Secrets found and missed by `prepare`'s redaction (codeforge/redact.py), and what it replaces that is no
+secret. Every value is made up; none is live. Three parts:
 
-    python benchmarks/secrets_planted.py
+1. KINDS: 35 kinds of fake credential, each in the kind of file it is usually found in (Python, Go, YAML,
+   .env, JSON, a PEM block), one file each.
+2. COMBINATIONS: each token format in each shape code holds a key in (a call's argument, a keyword argument,
+   a dict entry, a list, a commented-out line, a Go struct field, a JS object, a shell export, YAML, prose,
+   an f-string URL, `os.Setenv`), each password in each shape a keyword or position names it in
+   (`connect(password=...)`, `boto3.client(..., aws_secret_access_key=...)`, `create_engine("mysql://u:PW@h")`,
+   `auth=("u", PW)`, `Password: "..."`, `curl -u u:PW`, ...), and PEM private keys written six ways; plus
+   KEPT, look-alikes that must stay (identifiers, None, attributes, hash constants, templates, names).
+3. False positives: every finding in the Python standard library (with and without its tests) and in Go's
+   `crypto/` and whole standard library, where installed (`apt-get install golang-src`).
+
+A secret counts as found when its value is gone from the redacted text and the file still says where it was
+(a REDACTED_ placeholder).
+
+    python benchmarks/secrets_planted.py            # all three
+    python benchmarks/secrets_planted.py --no-fp    # the planted sets only
 """
 
 from __future__ import annotations
 
+import argparse
+import sysconfig
+import time
+from collections import Counter
+from pathlib import Path
+
 from codeforge.redact import redact
 
 B64 = "dGhpcyBpcyBub3QgYSByZWFsIGtleSBidXQgaXQgbG9va3MgbGlrZSBvbmUgdG8gYSBzY2FubmVyIG9rYXk="
-PLANTED = [  # (kind, file name, text, the value that must go)
+KINDS = [  # (kind, file name, text, the value that must go)
     ("aws access key", "s3.py", 'AWS_ACCESS_KEY_ID = "AKIAZ7VQ3X2M4N5P6Q7R"\n', "AKIAZ7VQ3X2M4N5P6Q7R"),
     ("aws secret key", "s3.py", 'aws_secret_access_key = "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"\n',
      "wJalrXUtnFEMI/K7MDENG/bPxRfiCYzQ8XgH2kLm"),
@@ -118,15 +137,214 @@ PLANTED = [  # (kind, file name, text, the value that must go)
 ]
 
 
+# token formats: a shape no identifier has, so each must go wherever it stands
+FORMAT_VALUES = {
+    "github classic": "ghp_R4nd0mT0k3nV4lu3f0rT3st1ngPurp0s3sXy",
+    "github fine-grained":
+        "github_pat_11ABCDEFG0123456789abc_0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVW",
+    "aws access key id": "AKIAZ7VQ3X2M4N5P6Q7R",
+    "stripe live key": "sk_live_51H8zQ2KxYvWuTsRqPoNmLkJi",
+    "slack bot token": "xoxb-123456789012-1234567890123-AbCdEfGhIjKlMnOpQrStUvWx",
+    "anthropic key": "sk-ant-api03-" + "Zx9Yw8Vu7Ts6Rq5Po4Nm3Lk2Jh1Gf0Ed" * 3 + "AbCd-EfGhAA",
+    "openai project key": "sk-proj-" + "Q1w2E3r4T5y6U7i8O9p0AaSsDdFfGgHh" * 2 + "Jk",
+    "openai legacy key": "sk-aBcDeFgHiJkLmNoPqRsTT3BlbkFJaBcDeFgHiJkLmNoPqRsT",
+    "hugging face token": "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",
+    "gitlab token": "glpat-x9Yz8WvU7tS6rQ5pO4nM",
+    "google api key": "AIzaSyD-9tSrke72PouQMnMX-a7eZSW0jkFMBWY",
+    "sendgrid key": "SG.aBcDeFgHiJkLmNoPqRsTuV.aBcDeFgHiJkLmNoPqRsTuVwXyZ0123456789abcdEfG",
+    "npm token": "npm_aBcDeFgHiJkLmNoPqRsTuVwXyZ0123456789",
+}
+FORMAT_SHAPES = {  # shape -> (file name, text with {v} where the value goes)
+    "call argument": ("gh.py", 'g = Github("{v}")\n'),
+    "keyword argument": ("llm.py", 'client = Client(api_key="{v}", timeout=30)\n'),
+    "dict entry, hyphenated key": ("api.py", 'headers = {{"X-Api-Key": "{v}", "Accept": "json"}}\n'),
+    "list element": ("keys.py", 'KEYS = ["{v}", other_key]\n'),
+    "commented out": ("conf.py", '# client = Client(token="{v}")\nclient = Client(token=load())\n'),
+    "subscript assignment": ("env.py", 'os.environ["SERVICE_TOKEN"] = "{v}"\n'),
+    "inside a header value": ("req.py", 'r = requests.get(url, headers={{"Authorization": "token {v}"}})\n'),
+    "Go call": ("main.go", 'client := api.NewClient("{v}")\n'),
+    "Go struct field": ("cfg.go", 'cfg := Config{{Token: "{v}", Retries: 3}}\n'),
+    "JS object": ("app.js", "const client = new Client({{ apiKey: '{v}' }});\n"),
+    "shell export": ("deploy.sh", "export SERVICE_TOKEN={v}\n"),
+    "YAML value": ("ci.yml", "env:\n  SERVICE_TOKEN: {v}\n"),
+    "prose": ("NOTES.md", "The key we use in staging is {v} (rotate it monthly).\n"),
+    "f-string URL": ("q.py", 'url = f"https://api.example.com/v1/items?key={v}&page={{page}}"\n'),
+    "Go Setenv": ("env.go", 'os.Setenv("SERVICE_TOKEN", "{v}")\n'),
+}
+# passwords and secret keys: no format, so only a keyword or a position says what they are
+KEYWORD_VALUES = {
+    "password": "Xy7pQ2rT9wLm",
+    "password with & ! $": "p4ss&W0rd!x$9",
+    "aws secret key": "wJalrXUtnFEMI/K7MDENG/bPxRfiCYzQ8XgH2kLm",
+}
+KEYWORD_SHAPES = {
+    "connect(password=)": ("db.py", 'conn = psycopg2.connect(host="db", user="app", password="{v}")\n'),
+    "boto3.client(aws_secret_access_key=)":
+        ("s3.py", 's3 = boto3.client("s3", aws_access_key_id=kid, aws_secret_access_key="{v}")\n'),
+    "create_engine URL": ("orm.py", 'engine = create_engine("mysql://root:{v}@db.internal/shop")\n'),
+    "amqp URL": ("mq.py", 'BROKER = "amqp://guest:{v}@rabbit:5672/"\n'),
+    "requests auth tuple": ("get.py", 'r = requests.get(url, auth=("admin", "{v}"))\n'),
+    "Go SetBasicAuth": ("req.go", 'req.SetBasicAuth("admin", "{v}")\n'),
+    "Go struct field Password": ("db.go", 'db := DBConfig{{\n\tUser:     "app",\n\tPassword: "{v}",\n}}\n'),
+    "curl -u": ("fetch.sh", "curl -s -u admin:{v} https://ci.internal/api/builds\n"),
+    "dict entry PASSWORD":
+        ("settings.py", 'DATABASES = {{"default": {{"USER": "app", "PASSWORD": "{v}"}}}}\n'),
+    "typed assignment": ("cfg.py", 'password: str = "{v}"\n'),
+    "Java field": ("Db.java", 'private static final String password = "{v}";\n'),
+    "YAML password": ("db.yaml", "db:\n  password: {v}\n"),
+    ".env": (".env", "DB_PASSWORD={v}\n"),
+    "JS object password": ("db.js", 'const db = connect({{ user: "app", password: "{v}" }});\n'),
+    "keyword client_secret=": ("oauth.py", 'flow = OAuth(client_id="app", client_secret="{v}")\n'),
+}
+URL_SHAPES = ("create_engine URL", "amqp URL", "curl -u")  # a `/` in the value would end the URL
+PEM_BODY = ["MIIEpAIBAAKCAQEA75Kb0cn3lZb7Ij0X6q5k8b0v1wYH0Y2n",
+            "Zm9vYmFyYmF6cXV4cXV1eGNvcmdlZ3JhdWx0Z2FycGx5"]
+PEM_WAYS = {
+    "one string":
+        ("k.py", 'KEY = """-----BEGIN RSA PRIVATE KEY-----\n{0}\n{1}\n-----END RSA PRIVATE KEY-----"""\n'),
+    'list of lines, "\\n".join':
+        ("k.py", 'KEY = "\\n".join([\n    "-----BEGIN RSA PRIVATE KEY-----",\n'
+                 '    "{0}",\n    "{1}",\n    "-----END RSA PRIVATE KEY-----",\n])\n'),
+    "commented out (# )": ("k.py", "# -----BEGIN RSA PRIVATE KEY-----\n# {0}\n# {1}\n"
+                                   "# -----END RSA PRIVATE KEY-----\nKEY = load()\n"),
+    "quoted (> )":
+        ("README.md", "> -----BEGIN EC PRIVATE KEY-----\n> {0}\n> {1}\n> -----END EC PRIVATE KEY-----\n"),
+    "Go comment (// )":
+        ("k.go", "// -----BEGIN PRIVATE KEY-----\n// {0}\n// {1}\n// -----END PRIVATE KEY-----\n"),
+    "legacy-encrypted": ("id_rsa.txt", "-----BEGIN RSA PRIVATE KEY-----\nProc-Type: 4,ENCRYPTED\n"
+                                       "DEK-Info: AES-128-CBC,8A7F3C21D9E0B4561F2A3B4C5D6E7F80\n\n{0}\n{1}\n"
+                                       "-----END RSA PRIVATE KEY-----\n"),
+}
+
+
+def combinations() -> list[tuple[str, str, str, str, str]]:
+    """(shape, value kind, file name, text, the value that must go) for every planted combination."""
+    out = []
+    for shape, (name, tpl) in FORMAT_SHAPES.items():
+        for kind, v in FORMAT_VALUES.items():
+            out.append((shape, kind, name, tpl.format(v=v), v))
+    for shape, (name, tpl) in KEYWORD_SHAPES.items():
+        for kind, v in KEYWORD_VALUES.items():
+            if shape in URL_SHAPES and "/" in v:
+                continue
+            out.append((shape, kind, name, tpl.format(v=v), v))
+    for way, (name, tpl) in PEM_WAYS.items():
+        out.append((way, "private key", name, tpl.format(*PEM_BODY), PEM_BODY[0]))
+    return out
+
+
+# look-alikes that must stay as they are: identifiers, None, attributes, calls, hash constants, templates,
+# what a secret is called or where it is kept
+KEPT = [
+    ("a.py", "password = None\n"),
+    ("a.py", "api_key = self.api_key\n"),
+    ("a.py", "token = get_token(user)\n"),
+    ("a.py", 'secret = os.environ["APP_SECRET"]\n'),
+    ("a.py", 'token = os.getenv("GITHUB_TOKEN", "")\n'),
+    ("a.py", "conn = psycopg2.connect(host=host, password=password)\n"),
+    ("a.py", 'headers = {"X-Api-Key": api_key, "Accept": "application/json"}\n'),
+    ("a.py", "r = requests.get(url, auth=(user, password))\n"),
+    ("a.py", 'EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"\n'),
+    ("a.py", 'PASSWORD_HASH = "5f4dcc3b5aa765d61d8327deb882cf99"\n'),
+    ("a.py", 'token_type = "bearer"\n'),
+    ("a.py", 'TOKEN_HEADER = "X-Auth-Token"\n'),
+    ("a.py", 'TOKEN_URL = "https://oauth2.example.com/token"\n'),
+    ("a.py", 'SECRET_KEY_FILE = "secret.pem"\n'),
+    ("a.py", 'url = f"postgres://{user}:{password}@{host}/db"\n'),
+    ("a.py", 'DB_URL = "postgres://app:${DB_PASSWORD}@db/app"\n'),
+    ("a.py", 'parser.add_argument("--password", help="the password to use")\n'),
+    ("a.py", 'password: str = ""\n'),
+    ("a.py", 'if password == "":\n    raise ValueError("no password")\n'),
+    ("a.py", 'grant = {"grant_type": "refresh_token", "refresh_token": refresh_token}\n'),
+    ("a.py", 'kwargs["password"] = "%(password)s"\n'),
+    ("a.go", "db := DBConfig{Password: cfg.Password, Token: os.Getenv(\"TOKEN\")}\n"),
+    ("a.go", 'const tokenHeader = "X-Subject-Token"\n'),
+    ("a.sh", "curl -u $USER:$PASSWORD https://ci.internal/api\n"),
+    ("a.js", "const client = new Client({ apiKey: process.env.API_KEY });\n"),
+]
+
+
+def planted_rows() -> tuple[list[tuple[str, str, bool]], list[tuple[str, bool]]]:
+    """([(shape, value kind, replaced)], [(kept line, unchanged)])"""
+    found = []
+    for shape, kind, name, text, value in combinations():
+        out = redact(text, name)[0]
+        found.append((shape, kind, value not in out and "REDACTED_" in out))
+    kept = [(text, redact(text, name)[0] == text) for name, text in KEPT]
+    return found, kept
+
+
+def false_positives(root: Path, pattern: str,
+                    skip_tests: bool = False) -> tuple[int, int, Counter, list, float]:
+    """(files read, findings, findings per kind, a few examples, seconds) over the files under root."""
+    files = sorted(f for f in root.rglob(pattern) if f.is_file()
+                   and "site-packages" not in f.parts
+                   and not (skip_tests and ("test" in f.parts or "tests" in f.parts or "testdata" in f.parts
+                                            or f.name.endswith("_test.go"))))
+    n, kinds, examples, t0 = 0, Counter(), [], time.perf_counter()
+    for f in files:
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        out, got = redact(text, str(f))
+        if got:
+            n += sum(got.values())
+            kinds.update(got)
+            if len(examples) < 6:
+                line = next(ln for ln in out.splitlines() if "REDACTED_" in ln)
+                examples.append(f"{f.relative_to(root)}: {line.strip()[:100]}")
+    return len(files), n, kinds, examples, time.perf_counter() - t0
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--no-fp", action="store_true", help="skip the standard libraries")
+    args = ap.parse_args()
     found = 0
-    print("| kind | file | found | as |\n| --- | --- | --- | --- |")
-    for kind, name, text, value in PLANTED:
+    print("## 1. 35 kinds, each in its usual file\n\n| kind | file | found | as |\n| --- | --- | --- | --- |")
+    for kind, name, text, value in KINDS:
         out, kinds = redact(text, name)
         ok = value not in out and "REDACTED_" in out
         found += ok
         print(f"| {kind} | {name} | {'yes' if ok else '**missed**'} | {', '.join(kinds) or '-'} |")
-    print(f"\n{found} of {len(PLANTED)} planted secrets replaced")
+    print(f"\n{found} of {len(KINDS)} planted secrets replaced")
+
+    rows, kept = planted_rows()
+    print("\n## 2. shape x value\n\n| shape | replaced |\n| --- | ---: |")
+    by_shape: dict[str, list[bool]] = {}
+    for shape, kind, ok in rows:
+        by_shape.setdefault(shape, []).append(ok)
+    for shape, oks in by_shape.items():
+        print(f"| {shape} | {sum(oks)} of {len(oks)} |")
+    missed = [f"{shape} / {kind}" for shape, kind, ok in rows if not ok]
+    print(f"\n{sum(ok for *_, ok in rows)} of {len(rows)} planted combinations replaced"
+          + (f"; missed: {', '.join(missed)}" if missed else ""))
+    changed = [text.strip() for text, ok in kept if not ok]
+    print(f"{len(kept) - len(changed)} of {len(kept)} look-alikes kept"
+          + (f"; changed: {changed}" if changed else ""))
+    if args.no_fp:
+        return
+
+    print("\n## 3. false positives: every finding in code that holds no secret (or only test ones)\n")
+    print("| tree | files | findings | kinds | seconds |\n| --- | ---: | ---: | --- | ---: |")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    trees = [("Python stdlib, tests left out", stdlib, "*.py", True),
+             ("Python stdlib with its tests", stdlib, "*.py", False)]
+    go_roots = (Path("/usr/lib/go/src"), *sorted(Path("/usr/lib").glob("go-*/src")))
+    go = next((p for p in go_roots if p.is_dir()), None)
+    if go:
+        trees += [("Go crypto/", go / "crypto", "*.go", False),
+                  ("Go stdlib, tests left out", go, "*.go", True),
+                  ("Go stdlib with its tests", go, "*.go", False)]
+    for label, root, pattern, skip in trees:
+        files, n, kinds, examples, secs = false_positives(root, pattern, skip)
+        kinds_said = ", ".join(f"{k} {v}" for k, v in kinds.most_common())
+        print(f"| {label} | {files} | {n} | {kinds_said} | {secs:.1f} |")
+        for e in examples:
+            print("|   e.g. " + e.replace("|", "\\|") + " | | | | |")
+    if not go:
+        print("(Go's standard library is not installed: apt-get install golang-src)")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,22 @@
-"""Secrets out of the training data: API keys, tokens, private keys, passwords in configs, credentials in
-connection strings, found by Yelp's detect-secrets (its plugins and false-positive filters), each replaced
-with a fixed placeholder per kind (`REDACTED_AWS_ACCESS_KEY`), so the code around it stays whole and a model
-never learns to complete the value.
+"""Secrets out of the training data: API keys, tokens, private keys, passwords in code and configs,
+credentials in connection strings and command lines, found by Yelp's detect-secrets (its plugins) and by
+patterns of ours for the shapes it misses, each replaced with a fixed placeholder per kind
+(`REDACTED_AWS_ACCESS_KEY`), so the code around it stays whole and a model never learns to complete the value.
 
-- Only lines a cheap pattern marks (a secret-ish word, a long token, a URL with credentials) go to
-  detect-secrets: most code has none, and its plugins cost ~0.3 ms a line.
-- A high-entropy string alone (hex or base64) is a secret only in an assignment whose name says so (key,
-  secret, token, password, ...): hash constants and test vectors in crypto code are not secrets.
+- Only lines a cheap pattern marks (a secret-ish word, a long token, a URL with credentials, a token prefix)
+  go to detect-secrets: most code has none, and its plugins cost ~0.3 ms a line.
+- A format detector (a GitHub, AWS, Stripe, Slack, Anthropic, OpenAI or Hugging Face token: a shape no
+  identifier has) fires whatever the line looks like. detect-secrets' own line heuristics are not used: one of
+  them (`is_indirect_reference`) drops every line shaped `x = f(...)` or `x = a[...]`, which is where code
+  holds its keys (`g = Github("ghp_...")`, `connect(password="...")`).
+- A loose finding (a secret-ish name's value, a high-entropy string) is replaced only where the value is a
+  string literal (or a config file's value) that could be a secret: not an identifier, `None`, an attribute,
+  an environment variable's name, a template, a file name, or a constant whose name says it is a hash.
 - A finding is widened to the whole token around it (`ghp` -> the GitHub token it starts), and PEM private
-  key blocks are replaced whole (detect-secrets flags only their first line).
+  key blocks are replaced whole, however the code writes them (one string, a list of lines, commented out,
+  legacy-encrypted with `Proc-Type`/`DEK-Info` headers).
+- A JSONL record is scanned as the code it holds (its language guessed from its text), a config file's
+  `KEY=value` lines as config.
 """
 
 from __future__ import annotations
@@ -16,53 +24,117 @@ from __future__ import annotations
 import ipaddress
 import re
 from collections import Counter
+from collections.abc import Iterator
 
-from detect_secrets.core.scan import _process_line_based_plugins  # its own line scan, filters included
-from detect_secrets.settings import default_settings
+from detect_secrets.core.plugins.util import get_mapping_from_secret_type_to_class
+from detect_secrets.core.scan import _process_line_based_plugins  # its own line scan
+from detect_secrets.filters import heuristic
+from detect_secrets.settings import transient_settings
 
-# a PEM private key block: a body of base64, whitespace, quotes and \n escapes only (so it never runs across
-# code, and a key written as string literals keeps its quotes), at most 16 KB (so a header without a footer
-# costs a bounded scan); only the base64 runs in it are replaced, every separator stays
-PEM = re.compile(r"-----BEGIN ((?:[A-Z0-9]+ )*)PRIVATE KEY( BLOCK|)-----([A-Za-z0-9+/=\s\"'\\]{0,16384}?)"
-                 r"-----END \1PRIVATE KEY\2-----")
+from .syntax import guess_language
+
+# a PEM private key block: a body of base64, whitespace, quotes, \n escapes, the commas of a list of lines,
+# comment marks (`# `, `> `, `// `) and the `Proc-Type: 4,ENCRYPTED` / `DEK-Info:` headers of a
+# legacy-encrypted key only (so it never runs across code: no brackets, no operators), at most 16 KB (so a
+# header without a footer costs a bounded scan); only its base64 runs are replaced, every separator stays
+PEM = re.compile(r"-----BEGIN ((?:[A-Z0-9]+ )*)PRIVATE KEY( BLOCK|)-----"
+                 r"([A-Za-z0-9+/=\s\"'\\,#>:\-]{0,16384}?)-----END \1PRIVATE KEY\2-----")
 B64_RUN = re.compile(r"(?:(?<=\\n)|(?<![\\A-Za-z0-9+/=]))[A-Za-z0-9+/]{16,}={0,2}")  # after a \n escape too
-# where a secret can be: a secret-ish name assigned a value, credentials in a URL, a long quoted token, or the
-# prefix of a known token format; one scan of the whole text finds the lines to hand to detect-secrets
+# where a secret can be: a secret-ish name given a value, credentials in a URL or a command line, a long
+# quoted token, or the prefix of a known token format; one scan of the whole text finds the lines to hand on
 PREFILTER = re.compile(
-    r"""(?i:(?:secret|token|passw|pwd|api_?key|access_?key|private_?key|auth|credential|bearer)"""
-    r"""\w*['"]?\s*(?::=|=|:|,)\s*\S)|://[^\s/@]*:[^\s/@]*@|['"`][A-Za-z0-9+/=_\-.]{20,}['"`]"""
+    r"""(?i:(?:secret|token|passw|pwd|api[-_]?key|access[-_]?key|private[-_]?key|auth|credential|bearer)"""
+    r"""[\w.\-]*['"\]]{0,2}\s*(?::=|=|:|,)\s*\S)|://[^\s/@]*:[^\s/]*@|['"`][A-Za-z0-9+/=_\-.]{20,}['"`]"""
     r"""|\b(?:A[KS]IA|A(?:GP|ID|RO|IP|NP|NV)A|gh[pousr]_|github_pat_|glpat-|xox[abposr]-|[sr]k_live|"""
-    r"""AIza|SG\.|eyJ|npm_|pypi-|sk-)|hooks\.slack\.com/|AccountKey=|Bearer\s|\b\d{8,10}:AA"""
+    r"""AIza|SG\.|eyJ|npm_|pypi-|sk-|hf_[A-Za-z]{30})|hooks\.slack\.com/|AccountKey=|Bearer\s|\b\d{8,10}:AA"""
     r"""|\b(?:SK|AC)[0-9a-f]{32}\b|[0-9a-f]{32}-us\d|sq0(?:atp|csp)-|AKC[A-Za-z0-9]{10}"""
-    r"""|\b[MNO][A-Za-z0-9_\-]{23,25}\.[A-Za-z0-9_\-]{6}\."""
+    r"""|\b[MNO][A-Za-z0-9_\-]{23,25}\.[A-Za-z0-9_\-]{6}\.|\s(?:-u|--user|--password)[\s=]|BasicAuth\s*\("""
 )
 # formats detect-secrets 1.5.0 has no plugin for (measured: benchmarks/secrets_planted.py), as (kind, pattern
-# whose group 1 is the value); the value is replaced exactly, wherever it stands
-EXTRA = [(kind, re.compile(rx)) for kind, rx in (
+# whose group 1 is the value); the value is replaced exactly, wherever it stands and whatever the line is
+FORMATS = [(kind, re.compile(rx)) for kind, rx in (
     ("GitHub Token", r"\b(github_pat_[A-Za-z0-9_]{60,})"),
     ("Slack Webhook", r"hooks\.slack\.com/services/(T[A-Z0-9]+/B[A-Z0-9]+/[A-Za-z0-9]{16,})"),
     ("NPM Token", r"\b(npm_[A-Za-z0-9]{36})\b"),
     ("Telegram Bot Token", r"\b(\d{8,10}:AA[A-Za-z0-9_\-]{33})\b"),
     ("Azure Storage Account Key", r"AccountKey=([A-Za-z0-9+/]{40,}={0,2})"),
-    ("Secret Keyword",
-     r"""["'](?:client_secret|secret|password|passwd|api_key|apikey|access_token|token)["']\s*:\s*"""
-                       r"""["']([^"'\s]{8,})["']"""),
     ("Bearer Token", r"\bBearer\s+([A-Za-z0-9\-._~+/]{20,}=*)"),
+    # Anthropic's keys (sk-ant-api03-..., sk-ant-admin01-...), OpenAI's project, service-account and
+    # admin keys and its 48-character legacy ones, Hugging Face's user tokens (hf_ and 34 letters), Google's
+    # API keys
+    ("Anthropic API Key", r"\b(sk-ant-[A-Za-z0-9_\-]{32,})"),
+    ("OpenAI Token", r"\b(sk-(?:proj|svcacct|admin)-[A-Za-z0-9_\-]{32,})"),
+    ("OpenAI Token", r"\b(sk-[A-Za-z0-9]{48})\b"),
+    ("Hugging Face Token", r"\b(hf_[A-Za-z]{34})\b"),
+    ("Google API Key", r"\b(AIza[0-9A-Za-z_\-]{35})(?![0-9A-Za-z_\-])"),
 )]
-NAMED = re.compile(r"(?i)(secret|token|passw|pwd|api_?key|access_?key|private_?key|auth|credential|bearer)"
-                   r"\w*['\"]?\s*(?::=|=|:)")
+# credentials by position, as (kind, pattern with a group named value): the password of a URL (any characters
+# but whitespace, quotes and `/`, up to the last `@` before the host: `&`, `!`, `$`, `@` included), of a
+# `curl -u user:pw` / `--user` / `--password`, of requests' `auth=("user", "pw")` and Go's
+# `SetBasicAuth("user", "pw")`
+CREDENTIALS = [(kind, re.compile(rx)) for kind, rx in (
+    ("Basic Auth Credentials",
+     r"\b[A-Za-z][A-Za-z0-9+.\-]{1,20}://[^\s:/@'\"`]*:(?P<value>[^\s/'\"`]+)@(?=[\w\[(])"),
+    ("Basic Auth Credentials", r"\s(?:-u|--user)[\s=]+['\"]?[^\s:'\"]+:(?P<value>[^\s'\"]+)"),
+    ("Secret Keyword", r"\s--password[\s=]+['\"]?(?P<value>[^\s'\"]+)"),
+    ("Basic Auth Credentials",
+     r"(?i:\bauth\s*=\s*\(|BasicAuth\s*\()\s*(['\"])[^'\"\n]*\1\s*,\s*(['\"])(?P<value>[^'\"\s\\]+)\2"),
+)]
+SECRET_WORD = (r"(?:passw(?:or)?d|passphrase|pwd|secret|token|api[-_]?key|apikey|access[-_]?key|"
+               r"private[-_]?key|auth[-_]?key|credentials?)")
+# a secret-ish name given a string literal, in any language: an assignment (with a type, `password: str =`),
+# a call's keyword argument, a dict entry or struct field (`"X-Api-Key": "..."`, Go's `Password: "..."`), a
+# comparison (`token == "..."`), and a quoted name's pair (`setenv("API_TOKEN", "...")`); the name may be
+# quoted or indexed
+KEYWORD = re.compile(
+    r"(?i)(?<![\w.\-])(?P<nq>['\"]?)(?P<name>[\w.\-]*" + SECRET_WORD + r"[\w.\-]*)['\"\]]{0,3}\s*"
+    r"(?::\s*[\w.\[\]]+\s*)?(?P<op>:=|=>|[!=]==?|=|:|,)\s*(?:[rbu]{1,2}(?=['\"]))?"
+    r"(?P<q>['\"`])(?P<value>[^'\"`\s\\]{1,512})(?P=q)")
+# names whose value is no secret though they hold a secret word: what a secret is called, where it is kept,
+# its hash, a collection of them (`PASSWORD_HASH`, `TOKEN_TYPE`, `SECRET_KEY_FILE`, `api_key_header`,
+# `TOKEN_URL`, `"key.passwd.pem"`, `"tokens"`)
+NOT_A_SECRET_NAME = re.compile(
+    r"(?i)^(?:tokens|secrets|passwords)$|(?:pem|crt|json|ya?ml|txt|ini|cfg|conf|hash|digest|sha\d*|md5|checksum|salt|fingerprint|type|name|names|field|header|env|var|url|uri|"
+    r"path|file|dir|prefix|suffix|format|fmt|len|length|size|regex|re|pattern|label|msg|message|prompt|text|"
+    r"title|placeholder|error|err|policy|algorithm|alg|method|scheme|param|kind|mode|count|attr|column|col|"
+    r"endpoint|cmd|command|id|ttl|expiry|expires|timeout|limit|example|sample|char|chars|sep)s?$")
+# values that are no secret: words and names (letters only: `"Accept"`, `"refresh_token"`, `"masterSecret"`,
+# `"X-Api-Key"`), a constant's name (`"APP_SECRET"`, `"API_KEY_2"`), a template or variable (`${PW}`,
+# `{{ token }}`, `%(password)s`, `<key>`), a placeholder (`***`, `xxxx`, `your-api-key`, `example`), a file
+# name (`secret.pem`), a message (`"Error!"`), a command-line flag (`"-aes256"`). A password of letters only
+# is missed by this: a keyword's value needs a digit or a sign
+NOT_A_SECRET_VALUE = re.compile(
+    r"^(?:[A-Za-z]+(?:[_.\-][A-Za-z]+)*[.!?:,;]*|[A-Z][A-Z0-9]*(?:[_.\-][A-Z0-9]+)*|--?[a-z][\w\-]*"
+    r"|.*\.(?:json|pem|key|crt|cer|p12|pfx|txt|ya?ml|cfg|ini|env|conf|toml))$"
+    r"|^[$<%{@:]|\{\{|\$\{|%s|%\(|(?i:example|placeholder|redacted|your[_\-]|xxxx|\*\*\*|changeme|dummy)")
 TOKEN_CHARS = re.compile(r"[A-Za-z0-9_\-+/.~]+={0,2}")  # a token, with base64 padding at its end
 ENTROPY_KINDS = ("Hex High Entropy String", "Base64 High Entropy String")
-# kinds that name no format of their own (a keyword's value, a high-entropy string):
-# replaced only where the value
-# is a string literal, or a config file's value, never an identifier
-# (`hs.masterSecret = hs.session.masterSecret`)
+# kinds that name no format of their own (a keyword's value, a high-entropy string): replaced only where the
+# value is a string literal, or a config file's value, never an identifier
+# (`hs.masterSecret = hs.session.masterSecret`), and only where it could be a secret (plausible())
 LOOSE_KINDS = ENTROPY_KINDS + ("Secret Keyword",)
+NAMED = re.compile(r"(?i)(secret|token|passw|pwd|api_?key|access_?key|private_?key|auth|credential|bearer)"
+                   r"\w*['\"]?\s*(?::=|=|:)")
 CONFIG_EXT = (".env", ".ini", ".cfg", ".conf", ".properties", ".yaml", ".yml", ".toml", ".json", ".txt",
               ".sh", ".bash", ".md", ".rst")
-# KEY=value text: config files, and the shell scripts, notes and JSONL records a corpus does read
+# KEY=value text: config files, and the shell scripts and notes a corpus does read
 ENV_LIKE = (".env", ".properties", ".cfg", ".conf", ".sh", ".bash", ".txt", ".md", ".rst")
 CONFIG_VALUE = re.compile(r"^\s*(?:export\s+)?[\w.\-]+\s*[:=]\s*\S+\s*$")
+# a record of a JSONL, parquet or hub dataset (`FILE.jsonl:LINE`, `FILE.parquet#ROW`, `hf:NAME#I`): its name
+# says nothing of what it holds, so it is scanned as the code its text is
+RECORD = re.compile(r"(?:\.jsonl?(?:\.gz|\.zst)?:\d+|#\d+)$")
+CODE_LINE = re.compile(r"^\s*(?:def|class|import|from|func|package|return|if|for|while|var|const|type)\b"
+                       r"|[({;]$")
+# detect-secrets' plugins, with none of its line heuristics (they are applied below to the loose kinds only);
+# its two file filters (an unreadable file, a binary extension) stay, as they always do
+SETTINGS = {"plugins_used": [{"name": plugin.__name__}
+                             for plugin in get_mapping_from_secret_type_to_class().values()],
+            "filters_used": []}
+# of detect-secrets' own heuristics, those that judge a value (a run like `abcdefgh`, a UUID, a `${template}`,
+# `$VAR`, no letter at all, an `_id`'s value)
+VALUE_HEURISTICS = (heuristic.is_sequential_string, heuristic.is_potential_uuid,
+                    heuristic.is_templated_secret, heuristic.is_prefixed_with_dollar_sign,
+                    heuristic.is_not_alphanumeric_string)
 
 
 # personal data, replaced only when asked (`prepare --redact-pii`): e-mail addresses and public IP addresses
@@ -126,11 +198,38 @@ def redact_pii(text: str) -> tuple[str, Counter]:
     return text, found
 
 
-RULES = "2"  # the version of what is replaced (patterns, widening, PEM): in the data's fingerprint
+RULES = "3"  # the version of what is replaced (patterns, widening, PEM): in the data's fingerprint
 
 
 def placeholder(kind: str) -> str:
     return "REDACTED_" + re.sub(r"[^A-Z0-9]+", "_", kind.upper()).strip("_")
+
+
+def plausible(value: str, least: int = 6) -> bool:
+    """Whether a loose finding's value could be a secret: `least` characters or more, three distinct
+    characters, and none of what code holds in a secret's place (NOT_A_SECRET_VALUE, detect-secrets' value
+    heuristics)."""
+    return (len(value) >= least and len(set(value)) > 2 and not NOT_A_SECRET_VALUE.search(value)
+            and not any(h(value) for h in VALUE_HEURISTICS))
+
+
+def _scan_name(filename: str, text: str) -> tuple[str, bool]:
+    """(the name detect-secrets scans a text under, whether its `KEY=value` lines are config values). A
+    KEY=value file (.env, .properties, a shell script, notes) is scanned as the .ini file it is (under its own
+    name detect-secrets finds nothing in it); a record of a JSONL or parquet file as its language, unless its
+    lines are KEY=value lines."""
+    name = filename.lower()
+    if RECORD.search(name):
+        lines = [ln for ln in text.split("\n", 200)[:200] if ln.strip() and not ln.lstrip().startswith("#")]
+        config = bool(lines) and not any(CODE_LINE.search(ln) for ln in lines) and (
+            sum(bool(CONFIG_VALUE.match(ln)) for ln in lines) >= 0.8 * len(lines))
+        if config:
+            return "record.ini", True
+        return ("record.go" if guess_language(text) == "go" else "record.py"), False
+    base = name.rsplit("/", 1)[-1]
+    if base.startswith(".env") or base.endswith(ENV_LIKE):
+        return "config.ini", True
+    return filename, name.endswith(CONFIG_EXT)
 
 
 def _widen(line: str, value: str) -> list[tuple[int, int]]:
@@ -152,15 +251,57 @@ def _widen(line: str, value: str) -> list[tuple[int, int]]:
     return out
 
 
-def _literal(line: str, span: tuple[int, int], filename: str) -> bool:
+def _literal(line: str, span: tuple[int, int], config: bool) -> bool:
     """Whether the span is a whole string literal (quotes on both sides, the closing one not escaped), or the
     value of a config file's line."""
     a, b = span
     if 0 < a and b < len(line) and line[a - 1] in "'\"`" and line[b] == line[a - 1] and line[b - 1] != "\\":
         return True
-    name = re.sub(r":\d+$", "", filename.lower())
-    return (name.endswith(CONFIG_EXT + (".jsonl",)) and bool(CONFIG_VALUE.match(line))
-            and line.rstrip().endswith(line[a:b]))
+    return config and bool(CONFIG_VALUE.match(line)) and line.rstrip().endswith(line[a:b])
+
+
+def _loose_name(line: str, at: int) -> str:
+    """The name a loose finding's value is given: the last secret-ish word before it on its line."""
+    names = [m.group(0) for m in re.finditer(r"[\w.\-]*" + SECRET_WORD + r"[\w.\-]*", line[:at], re.I)]
+    return names[-1] if names else ""
+
+
+def _findings(lines: list[str], candidates: list[tuple[int, str]], scan_as: str,
+              config: bool) -> Iterator[tuple[int, int, int, str]]:
+    """(line index, start, end, kind) of every secret on the candidate lines."""
+    with transient_settings(SETTINGS):
+        for secret in _process_line_based_plugins(candidates, scan_as):
+            i = secret.line_number - 1
+            line = lines[i]
+            if secret.type == "Private Key":
+                continue  # whole blocks are replaced above; a lone header line is no key
+            loose = secret.type in LOOSE_KINDS
+            if loose and secret.type in ENTROPY_KINDS and not NAMED.search(line):
+                continue  # a hash constant or test vector, not a credential
+            value = secret.secret_value or ""
+            if any(h(value) for h in VALUE_HEURISTICS) or (
+                    secret.type == "Basic Auth Credentials" and not plausible(value, least=4)):
+                continue  # `://{user}:{password}@`, `${PW}`: a template, not a value
+            for a, b in _widen(line, secret.secret_value or ""):
+                if loose and not (_literal(line, (a, b), config) and plausible(line[a:b])
+                                  and not NOT_A_SECRET_NAME.search(_loose_name(line, a))
+                                  and not heuristic.is_likely_id_string(line[a:b], line)):
+                    continue
+                if b - a >= 4:
+                    yield i, a, b, secret.type
+    for n, line in candidates:
+        for kind, rx in FORMATS:
+            for m in rx.finditer(line):
+                yield n - 1, m.start(1), m.end(1), kind
+        for kind, rx in CREDENTIALS:
+            for m in rx.finditer(line):
+                if plausible(m.group("value"), least=4):
+                    yield n - 1, m.start("value"), m.end("value"), kind
+        for m in KEYWORD.finditer(line):
+            if m.group("op") == "," and not m.group("nq"):
+                continue  # `f(token, "text")`: a bare name before a comma is an argument, not a key
+            if plausible(m.group("value")) and not NOT_A_SECRET_NAME.search(m.group("name")):
+                yield n - 1, m.start("value"), m.end("value"), "Secret Keyword"
 
 
 def redact(text: str, filename: str = "file") -> tuple[str, Counter]:
@@ -184,34 +325,17 @@ def redact(text: str, filename: str = "file") -> tuple[str, Counter]:
         return text, found
     lines = text.split("\n")
     candidates = [(i + 1, lines[i]) for i in sorted(marks)]
+    scan_as, config = _scan_name(filename, text)
     spans: dict[int, list[tuple[int, int, str]]] = {}
-    # detect-secrets reads KEY=value files by their extension: .env and the like are scanned as the .ini
-    # files they are (under their own name it finds nothing in them)
-    base = re.sub(r":\d+$", "", filename.rsplit("/", 1)[-1].lower())  # a JSONL record's name is FILE:LINE
-    scan_as = "config.ini" if base.startswith(".env") or base.endswith(ENV_LIKE + (".jsonl",)) else filename
-    with default_settings():
-        for secret in _process_line_based_plugins(candidates, scan_as):
-            line = lines[secret.line_number - 1]
-            if secret.type in ENTROPY_KINDS and not NAMED.search(line):
-                continue  # a hash constant or test vector, not a credential
-            if secret.type == "Private Key":
-                continue  # whole blocks are replaced above; a lone header line is no key
-            for span in _widen(line, secret.secret_value or ""):
-                if secret.type in LOOSE_KINDS and not _literal(line, span, filename):
-                    continue
-                if span[1] - span[0] >= 4:
-                    spans.setdefault(secret.line_number - 1, []).append((*span, secret.type))
-    for n, line in candidates:
-        for kind, rx in EXTRA:
-            for m in rx.finditer(line):
-                spans.setdefault(n - 1, []).append((m.start(1), m.end(1), kind))
+    for i, a, b, kind in _findings(lines, candidates, scan_as, config):
+        spans.setdefault(i, []).append((a, b, kind))
     for i, got in spans.items():
         line = lines[i]
-        got.sort(key=lambda s: (s[0], -(s[1] - s[0])))
+        got.sort(key=lambda s: (s[0], -(s[1] - s[0]), s[2] in LOOSE_KINDS))  # a format names its kind
         out, at = [], 0
         for a, b, kind in got:
             if a < at:
-                continue  # inside a span already replaced (two plugins on one token: the first kind names it)
+                continue  # inside a span already replaced (two detectors on a token: the first kind names it)
             out += [line[at:a], placeholder(kind)]
             found[kind] += 1
             at = b

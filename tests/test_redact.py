@@ -89,7 +89,7 @@ def test_the_planted_set_of_35_kinds_is_replaced():
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    from secrets_planted import PLANTED
+    from secrets_planted import KINDS as PLANTED
     missed, broken = [], []
     for kind, name, text, value in PLANTED:
         out = redact(text, name)[0]
@@ -128,3 +128,81 @@ def test_what_a_hostile_review_found():
     # 20,000 headers with no footer: each scan is bounded (16 KB), so this returns (the unbounded pattern took
     # minutes: quadratic); nothing is replaced, there is no key
     assert redact("-----BEGIN PRIVATE KEY-----\n" * 20000, "k.txt")[1] == {}
+
+
+def _benchmark():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import secrets_planted
+    return secrets_planted
+
+
+def test_secrets_in_the_shapes_code_holds_them_and_look_alikes_kept():
+    """Every token format in every shape (a call's argument, a keyword argument, a dict entry, a commented-out
+    line, a Go struct field, prose, ...), every password where a keyword or a position names it (connect's
+    password=, boto3's aws_secret_access_key=, a URL with & ! $, requests' auth tuple, curl -u, a Go struct
+    field), PEM keys written six ways: all replaced, the Python files still compile; identifiers, None,
+    attributes, hash constants and templates kept (detect-secrets' is_indirect_reference dropped every line
+    shaped `x = f(...)`: 125 of 243 before)."""
+    bench = _benchmark()
+    combos = bench.combinations()
+    assert len(combos) >= 200
+    missed, broken = [], []
+    for shape, kind, name, text, value in combos:
+        out = redact(text, name)[0]
+        if value in out or "REDACTED_" not in out:
+            missed.append(f"{shape} / {kind}")
+        if name.endswith(".py"):
+            try:
+                compile(out, name, "exec")
+            except SyntaxError:
+                broken.append(f"{shape} / {kind}")
+    assert not missed and not broken, (missed, broken)
+    changed = [text for name, text in bench.KEPT if redact(text, name)[0] != text]
+    assert not changed, changed
+
+
+def test_format_tokens_fire_whatever_the_line_and_keywords_only_on_literals():
+    out, n = redact('g = Github("ghp_R4nd0mT0k3nV4lu3f0rT3st1ngPurp0s3sXy")\n', "gh.py")
+    assert out == 'g = Github("REDACTED_GITHUB_TOKEN")\n' and n["GitHub Token"] == 1
+    out, _ = redact('c = Anthropic(api_key="sk-ant-api03-' + "Ab1" * 30 + '")  # sk-ant\n', "a.py")
+    assert "Ab1Ab1" not in out and "REDACTED_ANTHROPIC_API_KEY" in out
+    assert "hf_" not in redact("login(token='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')\n", "h.py")[0]
+    # a URL password with &, ! and $, up to the last @ before the host
+    out, _ = redact('e = create_engine("mysql://root:p@ss&w0rd!$x@db.internal/shop")\n', "orm.py")
+    assert out == 'e = create_engine("mysql://root:REDACTED_BASIC_AUTH_CREDENTIALS@db.internal/shop")\n'
+    for kept in ('conn = connect(password=os.environ["DB_PASSWORD"])\n',
+                 "cfg := Config{Password: p.Password}\n",
+                 'CHECKSUM_SHA = "9f8e7d6c5b4a39281706f5e4d3c2b1a0"\n', 'TOKEN_KIND = "Bearer"\n'):
+        assert redact(kept, "k.py")[0] == kept, kept
+
+
+def test_jsonl_records_are_scanned_as_their_code(tmp_path, tokenizer_dir):
+    """A JSONL record's code is scanned as code (its language guessed), not as a KEY=value config file:
+    `pwd = None` and `self._authkey = authkey` stay (they were replaced, changing the record's AST); a
+    record of KEY=value lines is still a config, and a literal secret in code still goes."""
+    import ast
+    code = ("import os\n\n\nclass Conn:\n    def __init__(self, authkey=None):\n        pwd = None\n"
+            "        self._authkey = authkey\n        self.secret = os.urandom(8)\n")
+    for where in ("data.jsonl:7", "data.jsonl.gz:7", "data.parquet#3"):
+        out, n = redact(code, where)
+        assert out == code and not n, (where, out)
+        assert ast.dump(ast.parse(out)) == ast.dump(ast.parse(code))
+    out, _ = redact(code + '        self.key = connect(password="Xy7pQ2rT9wLm")\n', "data.jsonl:8")
+    assert "Xy7pQ2rT9wLm" not in out
+    env = "DB_HOST=db.internal\nDB_PASSWORD=Xy7pQ2rT9wLm4v\nDEBUG=false\n"
+    assert "Xy7pQ2rT9wLm4v" not in redact(env, "configs.jsonl:2")[0]
+    go = 'package main\n\nfunc main() {\n\tpwd := os.Getenv("PWD")\n\tfmt.Println(pwd)\n}\n'
+    assert redact(go, "go.jsonl:1")[0] == go
+    # through prepare: the record's code reaches the shards as it was, nothing counted as replaced
+    rec = tmp_path / "corpus.jsonl"
+    rec.write_text("".join(json.dumps({"text": code.replace("Conn", f"Conn{i}")}) + "\n" for i in range(3)))
+    out_dir = tmp_path / "data"
+    assert main(["prepare", "--input", str(rec), "--tokenizer", str(tokenizer_dir), "--out", str(out_dir),
+                 "--val-fraction", "0"]) == 0
+    meta = json.loads((out_dir / "meta.json").read_text())
+    assert not meta["secrets_replaced"]
+    ids = np.fromfile(out_dir / meta["splits"]["train"]["shards"][0]["file"], dtype=meta["dtype"])
+    text = CodeTokenizer.load(tokenizer_dir).decode(ids.tolist())
+    assert "        pwd = None\n        self._authkey = authkey\n" in text and "REDACTED_" not in text
