@@ -27,6 +27,17 @@ fails while encoding is raised as TokenizerError, never as the tokenizer's own P
 
 Special tokens get fixed ids 0..N-1 in the order of SPECIAL_TOKENS, so every tokenizer codeforge trains
 agrees on them and later stages (chat SFT, tool calls, fill-in-the-middle) need no new tokenizer.
+
+Control tokens are never made from plain text. The `tokenizers` library matches every added token it finds
+in a text unless the token is marked special, and Qwen2.5-Coder's tokenizer.json (like CodeGemma's) marks its
+FIM, repository and tool tokens `"special": false`: a training file, an editor's other files in /infill or a
+chat message that mentions `<|fim_middle|>` would become that token. So every load marks special, in the
+loaded Tokenizer (mark_control_tokens), each added token codeforge treats as a control token (is_control:
+the names and aliases of SPECIAL_TOKENS, and what llama.cpp's GGUF converter takes for one, `<|...|>`),
+whatever the file says, and plain text is encoded with special tokens left as text (encode_special_tokens).
+That is llama.cpp's reading of user text too (parse_special=false leaves CONTROL tokens as text), and the GGUF
+export, which types the tokenizer's special tokens CONTROL, carries the marks. Other added tokens (ordinary
+text some tokenizers add as tokens) are still matched, as llama.cpp matches USER_DEFINED ones.
 """
 
 from __future__ import annotations
@@ -42,7 +53,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from . import CodeforgeError
 from .atomic import publish, staging_dir
@@ -71,6 +82,11 @@ SPECIAL_TOKENS = [
 ] + [f"<|reserved_{i}|>" for i in range(6)] + [
     "<|repo_name|>", "<|file_sep|>",  # repo-level FIM (llama.cpp's fim_rep / fim_sep; once reserved_6 and _7)
 ]
+
+# Every spelling of a token codeforge places itself and so never reads from plain text (is_control)
+CONTROL_TEXTS = frozenset(SPECIAL_TOKENS) | frozenset(s for spellings in SPECIAL_ALIASES.values()
+                                                       for s in spellings)
+
 
 CODE_SPLIT_PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}_]?[\p{L}_][\p{L}\p{N}_]*|\p{N}{1,3}"""
@@ -268,12 +284,44 @@ def file_hash(path: str | os.PathLike) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
 
 
+def is_control(text: str) -> bool:
+    """Whether an added token spelled `text` is a control token, never made from plain text: codeforge's own
+    (CONTROL_TEXTS), or one llama.cpp's convert_hf_to_gguf.py (does_token_look_special) makes a CONTROL token
+    whatever its tokenizer.json says, `<|...|>` or DeepSeek's `<｜...｜>` (Qwen's <|fim_pad|>), so that
+    codeforge reads user text as llama.cpp does."""
+    return text in CONTROL_TEXTS or (text.startswith("<|") and text.endswith("|>")) or (
+        text.startswith("<\uff5c") and text.endswith("\uff5c>"))
+
+
+def mark_control_tokens(tok: Tokenizer) -> list[str]:
+    """Mark special, in `tok` (not in its file), every added token is_control takes for a control token and
+    the file does not mark: plain text (encoded with encode_special_tokens) then keeps them as text, and the
+    GGUF export types them CONTROL. Their ids, their other flags and the vocabulary stay as they are.
+    Returns their texts."""
+    fix = {i: a for i, a in tok.get_added_tokens_decoder().items() if not a.special and is_control(a.content)}
+    if fix:
+        # adding a token the vocabulary holds keeps its id and replaces its entry: the same token, now special
+        size = tok.get_vocab_size()
+        tok.add_special_tokens([AddedToken(a.content, single_word=a.single_word, lstrip=a.lstrip,
+                                           rstrip=a.rstrip, normalized=a.normalized, special=True)
+                                for a in fix.values()])
+        # checked, not assumed: a moved id would silently change every shard and prompt
+        if tok.get_vocab_size() != size or any(tok.token_to_id(a.content) != i for i, a in fix.items()):
+            raise TokenizerError(
+                f"marking the control tokens {[a.content for a in fix.values()][:8]} special moved their ids "
+                f"in this version of `tokenizers`; mark them \"special\": true in tokenizer.json instead")
+    return [a.content for a in fix.values()]
+
+
 class CodeTokenizer:
     """A trained tokenizer plus what codeforge needs around it (special ids, content hash)."""
 
     def __init__(self, tok: Tokenizer, path: Path | None = None):
         self.tok = tok
-        # Text from a corpus is data: a literal "<s>" inside a source file must not become the special token.
+        # Text from a corpus is data: a literal "<s>" inside a source file must not become the special token,
+        # nor "<|fim_middle|>" where an imported tokenizer.json leaves it unmarked (mark_control_tokens);
+        # `marked`: the tokens this load marked
+        self.marked = mark_control_tokens(tok)
         self.tok.encode_special_tokens = True
         self.path = path
         self.hash = file_hash(path / TOKENIZER_FILE) if path is not None else ""
