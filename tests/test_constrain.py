@@ -502,3 +502,83 @@ def test_missing_parameters_allow_any_object_and_odd_names_are_escaped(tok):
         for t in [tok.special_ids[CALL_OPEN]] + tok.encode(json.dumps({"name": name, "arguments": {}},
                                                                       separators=(",", ":"))):
             c.advance(t)
+
+
+def writes(grammar: ToolGrammar, text: str) -> bool:
+    """Whether a row of `grammar` may write `text` (a whole reply, <|im_end|> after it) and end there."""
+    tok, c = grammar.tok, grammar.new()
+    ids = []
+    for part in re.split(f"({re.escape(CALL_OPEN)}|{re.escape(CALL_CLOSE)})", text):
+        if part:
+            ids += [tok.special_ids[part]] if part in (CALL_OPEN, CALL_CLOSE) else tok.encode(part)
+    try:
+        for t in ids + [tok.special_ids[IM_END]]:
+            c.advance(t)
+    except ConstraintError:
+        return False
+    return c.finished
+
+
+def call_text(name: str, arguments: dict) -> str:
+    return CALL_OPEN + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + CALL_CLOSE
+
+
+def test_an_object_that_lists_its_keys_takes_no_others_unless_it_says_so(tok):
+    """Tool arguments and JSON replies name only declared keys (issue 55, item 6): a barely trained model
+    wrote `{"path": "...", ":,": true}` under a schema that lists `properties` without saying
+    `additionalProperties`. As llama.cpp's converter reads such a schema, extra keys come only where
+    `additionalProperties` allows them (true, or a schema for their values); nested objects alike. The
+    caller's schema is not changed."""
+    opts = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    params = {"type": "object", "properties": {"path": {"type": "string"}, "opts": opts},
+              "required": ["path"]}
+    given = copy.deepcopy(params)
+    g = ToolGrammar(tok, [tool("read", params)], "required")
+    assert params == given
+    assert writes(g, call_text("read", {"path": "a.py"}))
+    assert writes(g, call_text("read", {"path": "a.py", "opts": {"n": 3}}))
+    assert not writes(g, call_text("read", {"path": "a.py", ":,": True}))
+    assert not writes(g, call_text("read", {"path": "a.py", "opts": {"n": 3, "m": 1}}))
+    # a tool with no arguments: `{"type": "object", "properties": {}}` is `{}` alone
+    g = ToolGrammar(tok, [tool("now", {"type": "object", "properties": {}})], "required")
+    assert writes(g, call_text("now", {})) and not writes(g, call_text("now", {"x": 1}))
+    # said: extras of any kind, or of a schema
+    g = ToolGrammar(tok, [tool("read", {**params, "additionalProperties": True})], "required")
+    assert writes(g, call_text("read", {"path": "a.py", "extra": [1]}))
+    g = ToolGrammar(tok, [tool("read", {**params, "additionalProperties": {"type": "integer"}})], "required")
+    assert writes(g, call_text("read", {"path": "a.py", "k": 1}))
+    assert not writes(g, call_text("read", {"path": "a.py", "k": "s"}))
+    # no properties listed: any object (json_object, a tool without parameters)
+    assert writes(ToolGrammar(tok, None, "auto", {"type": "json_object"}), json.dumps({"k": 1}))
+    # a JSON reply the same way
+    reply = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    g = ToolGrammar(tok, None, "auto", json_reply(reply))
+    assert writes(g, json.dumps({"ok": True})) and not writes(g, json.dumps({"ok": True, "x": 1}))
+    g = ToolGrammar(tok, None, "auto", json_reply({**reply, "additionalProperties": True}))
+    assert writes(g, json.dumps({"ok": True, "x": 1}))
+
+
+def test_objects_made_of_parts_take_the_keys_of_all_their_parts(tok):
+    """An object made of allOf parts (or a $ref beside properties) takes the keys its parts list together:
+    closing each part alone would let no object hold the keys of two parts. A part used elsewhere alone
+    is closed there."""
+    defs = {"base": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}}
+    named = {"properties": {"name": {"type": "string"}}, "required": ["name"]}
+    both = {"$defs": defs, "type": "object", "properties": {
+        "item": {"allOf": [{"$ref": "#/$defs/base"}, named]},
+        "ref": {"$ref": "#/$defs/base", "properties": {"tag": {"type": "string"}}},
+        "plain": {"$ref": "#/$defs/base"}}}
+    g = ToolGrammar(tok, None, "auto", json_reply(both))
+    assert writes(g, json.dumps({"item": {"id": 1, "name": "x"}}))
+    assert not writes(g, json.dumps({"item": {"id": 1, "name": "x", "junk": 2}}))
+    assert not writes(g, json.dumps({"item": {"id": "1", "name": "x"}}))  # the parts' own schemas hold
+    assert writes(g, json.dumps({"ref": {"tag": "t", "id": 1}}))  # its own keys first, then its parts' keys
+    assert not writes(g, json.dumps({"ref": {"id": 1, "junk": "t"}}))
+    assert writes(g, json.dumps({"plain": {"id": 1}})) and not writes(g, json.dumps({"plain": {"id": 1,
+                                                                                               "tag": "t"}}))
+    # alternatives stand alone: each closed on its own
+    either = {"type": "object", "properties": {"v": {"anyOf": [
+        {"type": "object", "properties": {"a": {"type": "integer"}}}, {"type": "string"}]}}}
+    g = ToolGrammar(tok, None, "auto", json_reply(either))
+    assert writes(g, json.dumps({"v": {"a": 1}})) and writes(g, json.dumps({"v": "s"}))
+    assert not writes(g, json.dumps({"v": {"a": 1, "b": 2}}))

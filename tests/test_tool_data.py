@@ -161,8 +161,12 @@ def test_write_tool_data(tmp_path):
     # strict: a constrained call can carry no argument key the tool does not list
     assert all(t["function"]["parameters"]["additionalProperties"] is False for t in TOOLS)
     assert open_tools(TOOLS) == []
-    loose = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    # an object that lists its keys takes no others unless it says so (llama.cpp's rule)
+    unsaid = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "a": {"type": "string"}}}}}]
+    assert open_tools(unsaid) == []
+    loose = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "string"}}, "additionalProperties": True}}}]
     assert open_tools(loose) == ["f"]
     rows = {s: [json.loads(line) for line in (out / f"{s}.jsonl").read_text().splitlines()]
             for s in ("train", "heldout")}

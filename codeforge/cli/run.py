@@ -397,12 +397,10 @@ def cmd_chat(a: argparse.Namespace) -> int:
         except ConstraintError as e:
             raise CLIError(f"--tools {a.tools}: {e}; {shape}") from e
         if loose and not a.no_constrain:
-            print(f"note: --tools {a.tools}: {', '.join(loose)} "
-                  "accept(s) argument keys their schema does not list "
-                  f"(no \"additionalProperties\": false), and the grammar follows the schema, so the model "
-                  "may add keys; add \"additionalProperties\": false to a "
-                  "tool's parameters to keep calls to its own keys",
-                  file=sys.stderr)
+            print(f"note: --tools {a.tools}: {', '.join(loose)} allow(s) argument keys their schema does "
+                  "not list (\"additionalProperties\" is true or a schema), and the grammar follows the "
+                  "schema, so the model may add keys; leave \"additionalProperties\" out (or false) to keep "
+                  "calls to the listed keys", file=sys.stderr)
     params = SamplingParams(a.max_new_tokens, a.temperature, a.top_k, a.top_p, seed=a.seed)
     try:
         params.validate()
