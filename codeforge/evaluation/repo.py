@@ -18,7 +18,9 @@ do not), edit similarity (difflib's ratio of the two texts, 0-1) and whether the
 Three backends answer the same cases: a codeforge run (in process), a server's llama.cpp-style `/infill`
 (llama-server on the exported GGUF, or `codeforge serve`), and an
 OpenAI-compatible `/v1/completions` that takes
-`suffix` (no repo context: that API has no field for it).
+`suffix` (no repo context: that API has no field for it). An endpoint's answer is read up to MAX_REPLY_BYTES
+and REPLY_SECONDS; one that is not a JSON object with a text fill is an EvalError naming the url. A file or
+fill nested past what Python's compiler takes does not parse (no case; a case counted as not parsing).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import json
 import os
 import random
 import re
+import time
 import urllib.error
 import urllib.request
 
@@ -50,6 +53,11 @@ KINDS = ("line", "span", "block")
 MAX_FILE_CHARS = 12_000
 CONTEXT_CHARS = 4_000  # of each other file sent as context
 MAX_FILL = 256  # tokens a case may use at most
+# An endpoint's answer is read up to this many bytes and this many seconds: a fill of MAX_FILL tokens, with
+# the prompt llama-server echoes back (a few files of context), takes well under a MiB; a server that sends
+# without end is cut off instead of filling memory.
+MAX_REPLY_BYTES = 4 << 20
+REPLY_SECONDS = 300.0
 
 
 def repo_files(root: str) -> list[tuple[str, str]]:
@@ -87,12 +95,15 @@ def _norm(text: str) -> str:
 
 
 def parses(code: str, language: str) -> bool:
-    """Python: the compiler's verdict (tree-sitter recovers from a wrongly indented line); Go: tree-sitter."""
+    """Python: the compiler's verdict (tree-sitter recovers from a wrongly indented line); Go: tree-sitter.
+    Code nested deeper than the compiler goes does not parse."""
     if language == "python":
         try:
             compile(code, "<filled>", "exec", dont_inherit=True)
             return True
-        except (SyntaxError, ValueError):
+        # nesting past the compiler's limits: a RecursionError (a long chain of unary operators) or, from
+        # the parser's own stack, a MemoryError; either way Python would not run the file
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
             return False
     return is_valid_syntax(code, language)
 
@@ -192,16 +203,53 @@ def engine_backend(engine, n_batch: int | None = None):
     return fill
 
 
+def _read(r, url: str, limit: int, deadline: float) -> bytes:
+    """An answer's body, at most `limit` bytes and until `deadline` (time.monotonic()): read a piece at a
+    time (read1 returns what has come), so that a body that never ends, or trickles in, is cut off."""
+    got: list[bytes] = []
+    n = 0
+    while True:
+        if time.monotonic() > deadline:
+            raise EvalError(f"{url} did not finish its answer within {REPLY_SECONDS:g} s; is the server "
+                            f"overloaded, or not an /infill or completions server?")
+        piece = r.read1(65536)
+        if not piece:
+            return b"".join(got)
+        n += len(piece)
+        if n > limit:
+            raise EvalError(f"{url} answered more than {limit:,} bytes (a fill takes a few KB): not an "
+                            f"/infill or completions server, or one that sends without end")
+        got.append(piece)
+
+
 def _post(url: str, body: dict, what: str) -> dict:
+    """The JSON object a server answers to `body`; every way it can fail is an EvalError naming the url."""
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    deadline = time.monotonic() + REPLY_SECONDS
     try:
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return json.load(r)
+        # the socket's timeout bounds each wait; the deadline, a body that keeps coming
+        with urllib.request.urlopen(req, timeout=REPLY_SECONDS) as r:
+            data = _read(r, url, MAX_REPLY_BYTES, deadline)
     except urllib.error.HTTPError as e:
-        detail = e.read().decode(errors="replace")[:500]
+        try:
+            detail = _read(e, url, 2000, deadline).decode(errors="replace")[:500]
+        except (EvalError, OSError, AttributeError):
+            detail = "(no readable body)"
         raise EvalError(f"{url} answered HTTP {e.code} to {what}: {detail}") from None
     except (urllib.error.URLError, OSError, ValueError) as e:
         raise EvalError(f"{url}: {e}; is the server running there?") from None
+    try:
+        out = json.loads(data)
+    except RecursionError:
+        raise EvalError(f"{url} answered {what} with text that is not JSON it can read (nested too "
+                        f"deeply): not an /infill or completions server") from None
+    except ValueError as e:  # UnicodeDecodeError included
+        raise EvalError(f"{url} answered {what} with text that is not JSON ({e}): not an /infill or "
+                        f"completions server") from None
+    if not isinstance(out, dict):
+        raise EvalError(f"{url} answered {what} with {type(out).__name__}, not a JSON object: not an /infill "
+                        f"or completions server")
+    return out
 
 
 def infill_backend(url: str):
@@ -224,6 +272,9 @@ def infill_backend(url: str):
             raise
         if "content" not in r:
             raise EvalError(f"{url} answered without `content`: not llama.cpp's /infill")
+        if not isinstance(r["content"], str):
+            raise EvalError(f"{url} answered `content` that is {type(r['content']).__name__}, not text: not "
+                            f"llama.cpp's /infill")
         return r["content"]
     return fill
 
@@ -245,10 +296,14 @@ def completions_backend(url: str, model: str | None):
                                 f"/infill with --endpoint-api infill, or another server") from None
             raise
         try:
-            return r["choices"][0]["text"]
+            text = r["choices"][0]["text"]
         except (KeyError, IndexError, TypeError):
             raise EvalError(f"{url} answered without choices[0].text: "
                             "not an OpenAI completions endpoint") from None
+        if not isinstance(text, str):
+            raise EvalError(f"{url} answered choices[0].text that is {type(text).__name__}, not text: not an "
+                            f"OpenAI completions endpoint")
+        return text
     return fill
 
 

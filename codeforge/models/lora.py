@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
@@ -129,13 +130,26 @@ def adapter_json(model: nn.Module) -> str:
 
 
 def read_adapter(d: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(adapter_config.json, the adapter tensors) of a checkpoint or adapter directory."""
+    """(adapter_config.json, the adapter tensors) of a checkpoint or adapter directory; a file that cannot be
+    read -> LoraError naming it."""
     d = Path(d)
+    f = d / ADAPTER_CONFIG
     try:
-        conf = json.loads((d / ADAPTER_CONFIG).read_text())
-        tensors = load_file(str(d / ADAPTER_FILE))
-    except (OSError, ValueError) as e:
-        raise LoraError(f"{d}: no readable LoRA adapter ({ADAPTER_FILE} and {ADAPTER_CONFIG}): {e}") from None
+        conf = json.loads(f.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise LoraError(f"{f} is missing: no LoRA adapter here") from None
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested past what json reads
+        why = "nested too deeply" if isinstance(e, RecursionError) else e
+        raise LoraError(f"{f}: not readable JSON ({why})") from None
+    if not isinstance(conf, dict):
+        raise LoraError(f"{f}: not a LoRA adapter config (a JSON {type(conf).__name__}, not an object)")
+    f = d / ADAPTER_FILE
+    try:
+        tensors = load_file(str(f))
+    except FileNotFoundError:
+        raise LoraError(f"{f} is missing: no LoRA adapter here") from None
+    except (OSError, ValueError, SafetensorError) as e:  # safetensors' own error: a damaged header or data
+        raise LoraError(f"{f}: not readable safetensors ({e})") from None
     return conf, tensors
 
 
