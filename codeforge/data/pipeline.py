@@ -1,21 +1,25 @@
 """`codeforge prepare` for code, as a datatrove pipeline: every core of this machine, or a Slurm cluster.
 
 datatrove (the engine FineWeb was built with) schedules the work: its executors run each stage as tasks
-(a process pool here, a job array on Slurm), mark every finished task on disk and skip those on a rerun, and
-its staged exact and MinHash deduplication keep their state in files. The steps that read, filter and encode
-are codeforge's (corpus.py's readers with their bounds on hostile input, its filters, decontam.py, redact.py,
-the shard writer), written as datatrove steps.
+(a process pool here, a job array on Slurm: slurm.py), mark every finished task on disk and skip those on a
+rerun, and its staged exact and MinHash deduplication keep their state in files. The steps that read, filter
+and encode are codeforge's (corpus.py's readers with their bounds on hostile input, its filters, decontam.py,
+redact.py, the shard writer), written as datatrove steps.
 
 The work directory, `.OUT.prepare-FINGERPRINT` beside OUT, holds everything between stages:
   plan/       units.jsonl (every file, in reading order, with its size), RANK.jsonl (one task's run of them),
               plan.json (the task count, the start time), stats.json (what the walk skipped)
-  docs/       RANK.jsonl: the documents each task kept after reading, quality filters, benchmark overlap
-              and secrets, with their content hash (taken before secrets are replaced: it picks the split)
+  docs/       RANK.jsonl: the documents each task kept after reading and quality filters, with their content
+              hash (taken before secrets are replaced: it picks the split); raw text, secrets included, so
+              removed as soon as the encode stage is done (the merge starts by removing it)
   exact/, exact_dups/, sigs/, buckets/, clusters/   the engine's deduplication state
   tokens/     RANK/: one task's shards (train_000000.bin, ...), offsets, content hashes, summary.json
   stats/      STEP/RANK.json: each step's counts per task (documents and bytes in and out, skip reasons)
   logs/       STAGE/: the engine's logs per task and its completion markers (completions/RANK)
   out/        the merged dataset, renamed to OUT when complete
+It is this user's alone and trusted no further (workdir.py): 0700, refused if another user owns it or it holds
+a symlink, and never removed while a prepare or Slurm job may use it. A plan entry must lie under the inputs,
+and a file is read only if the file opened is inside its input tree (_read_inside).
 
 Stages (T tasks, T fixed by the corpus or --tasks, never by --workers, so any number of workers writes the
 same shards):
@@ -30,7 +34,8 @@ same shards):
 Killed at any point (kill -9 included), the same command finds the same work directory (same fingerprint),
 skips the finished tasks and redoes the rest; every task rewrites its outputs from the start. A lock on
 WORK/lock keeps a second command out while one runs; pool workers end within a second of the command that
-started them. A stage that fails (a task's error, a full disk) keeps the work directory (StageFailed); an
+started them, and so do the engine's helpers (its manager server, fork server and resource tracker). A stage
+that fails (a task's error, a full disk) keeps the work directory (StageFailed); an
 error in the data (an empty corpus, --strict) removes it. Not handled: a pool worker killed on its own (the
 kernel's OOM killer) leaves the engine's pool waiting for it; stop the command and run it again.
 
@@ -46,7 +51,7 @@ exact duplicates keep the first in reading order.
 
 from __future__ import annotations
 
-import fcntl
+import ctypes
 import io
 import json
 import math
@@ -54,6 +59,8 @@ import os
 import re
 import resource
 import shutil
+import signal
+import stat
 import sys
 import threading
 import time
@@ -63,7 +70,7 @@ import multiprocess  # noqa: E402
 import numpy as np  # noqa: E402
 import orjson  # noqa: E402
 from datatrove.data import Document as EngineDocument  # noqa: E402
-from datatrove.executor import LocalPipelineExecutor, SlurmPipelineExecutor  # noqa: E402
+from datatrove.executor import LocalPipelineExecutor  # noqa: E402
 from datatrove.pipeline.base import PipelineStep  # noqa: E402
 from datatrove.pipeline.dedup.exact_dedup import (ExactDedupConfig, ExactDedupFilter, ExactDedupSignature,  # noqa: E402
                                                   ExactFindDedups)
@@ -73,12 +80,15 @@ from datatrove.pipeline.writers import JsonlWriter  # noqa: E402
 from datatrove.utils.logging import setup_default_logger  # noqa: E402
 from datatrove.utils.word_tokenizers import WordTokenizer  # noqa: E402
 
-from .. import CodeforgeError  # noqa: E402
+from .. import CodeforgeError, printable  # noqa: E402
 from ..atomic import publish  # noqa: E402
 from ..corpus import (CorpusOptions, CorpusStats, Document, check_sources, content_hash, read_unit,  # noqa: E402
                       reject_reason, scrub, source_units, split_of)
 from ..decontam import benchmarks  # noqa: E402
 from ..tokenizer import CodeTokenizer  # noqa: E402
+from . import slurm as slurm_jobs  # noqa: E402
+from . import workdir  # noqa: E402
+from .workdir import KeepWork  # noqa: E402
 from .writer import BATCH_BYTES, SPLITS, RepoDocs, ShardError, SplitWriter, dtype_for, finish_meta  # noqa: E402
 
 ENGINE = "datatrove"
@@ -111,14 +121,14 @@ def make_plan(sources: list[str], opts: CorpusOptions, work: Path, tasks: int | 
     plan.mkdir(parents=True)
     stats = CorpusStats()
     n, total = 0, 0
-    with open(plan / "units.jsonl", "wb") as f:  # streamed: a corpus of millions of files is not held
+    with open(plan / "units.jsonl", "xb") as f:  # streamed: a corpus of millions of files is not held
         for src in sources:
             for unit in source_units(src, opts, stats):
                 f.write(json.dumps(list(unit)).encode() + b"\n")  # json: a file name may hold surrogates
                 n += 1
                 total += unit[2]
     t = max(1, min(tasks, max(n, 1))) if tasks else task_count(n, total)
-    outs = [open(plan / f"{r:05d}.jsonl", "wb") for r in range(t)]
+    outs = [open(plan / f"{r:05d}.jsonl", "xb") for r in range(t)]  # x: a new file, never through a link
     try:
         done, cur, cur_bytes, last_dir = 0, 0, 0, None
         with open(plan / "units.jsonl", "rb") as f:
@@ -142,9 +152,9 @@ def make_plan(sources: list[str], opts: CorpusOptions, work: Path, tasks: int | 
         for o in outs:
             o.close()
     _save_stats(work, "plan", 0, stats)
-    tmp = plan / "plan.json.tmp"  # plan.json marks the plan complete: written whole or not at all
-    tmp.write_text(json.dumps({"tasks": t, "units": n, "bytes": total, "started": time.time()}))
-    tmp.replace(plan / "plan.json")
+    # plan.json marks the plan complete: written whole or not at all
+    workdir.write_text(plan / "plan.json",
+                       json.dumps({"tasks": t, "units": n, "bytes": total, "started": time.time()}))
     return t
 
 
@@ -154,11 +164,59 @@ def auto_workers(total_bytes: int) -> int:
     return max(1, min(len(os.sched_getaffinity(0)), total_bytes // WORKER_BYTES))
 
 
-def _units(work: str, rank: int):
-    with open(Path(work) / "plan" / f"{rank:05d}.jsonl", "rb") as f:
-        for line in f:
-            path, tree, _ = json.loads(line)
-            yield path, tree
+def _real_path(fd: int, path: str) -> str | None:
+    """The real path of the file open on `fd` (opened from `path`), or None when it cannot be told (the file
+    at `path` is no longer the one open)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")  # Linux: where the kernel opened it, every link resolved
+    except OSError:
+        pass
+    real = os.path.realpath(path)  # elsewhere: resolved again, and the same file only if dev and inode match
+    try:
+        st, now = os.fstat(fd), os.stat(real)
+    except OSError:
+        return None
+    return real if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino) else None
+
+
+def _read_inside(path: str, tree: str, opts: CorpusOptions, stats: CorpusStats):
+    """Documents of one file of the walked directory `tree`, read only if the file opened is inside it: a
+    directory swapped for a symlink after the walk would be followed by the name (the reader checks only the
+    file's own name for a link). Opened once, its real path checked, and on Linux read through that same
+    descriptor (/proc/self/fd/N): nothing can be swapped in between. Not a regular file: the reader's."""
+    try:
+        regular = stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        regular = False
+    fd = -1
+    if regular:  # never opened otherwise: opening a device can have effects of its own
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        except OSError:
+            pass
+    if fd < 0:
+        yield from read_unit(path, tree, opts, stats)
+        return
+    try:
+        real = _real_path(fd, path)
+        if real is None or os.path.commonpath([real, tree]) != tree:
+            how = ("name the target as an input to read it" if os.path.islink(path) else
+                   "a directory on its way was replaced by a symlink after the walk")
+            stats.skip("symlink_outside", path, False,
+                       f"opened, it is {real or 'a file swapped while it was opened'}, outside {tree}: not "
+                       f"read; {how}")
+            return
+        via = f"/proc/self/fd/{fd}"
+        if not os.path.exists(via):
+            via = path  # no /proc: read by name again (a swap in between is not caught there)
+        for doc in read_unit(via, tree, opts, stats):
+            doc.source = path
+            yield doc
+        for reason, where in stats.examples.items():  # the reader's own skips name the file as it got it
+            if where == via:
+                stats.examples[reason] = path
+    finally:
+        os.close(fd)
 
 
 def _stats_dict(stats: CorpusStats) -> dict:
@@ -169,9 +227,7 @@ def _stats_dict(stats: CorpusStats) -> dict:
 def _save_stats(work, step: str, rank: int, stats: CorpusStats) -> None:
     d = Path(work) / "stats" / step
     d.mkdir(parents=True, exist_ok=True)
-    tmp = d / f"{rank:05d}.json.tmp"
-    tmp.write_text(json.dumps(_stats_dict(stats)))
-    tmp.replace(d / f"{rank:05d}.json")
+    workdir.write_text(d / f"{rank:05d}.json", json.dumps(_stats_dict(stats)))
 
 
 def _load_stats(work: Path, tasks: int) -> CorpusStats:
@@ -217,13 +273,20 @@ class _Step(PipelineStep):
 
 
 class ReadUnits(_Step):
-    """This task's units of the plan, read by corpus.read_unit (every bound on hostile input there)."""
+    """This task's units of the plan, checked, read by corpus.read_unit (every bound on hostile input there),
+    a directory's files through _read_inside."""
     name, step = "read", "read"
+
+    def __init__(self, work: str, opts: CorpusOptions, sources: list[str]):
+        super().__init__(work, opts)
+        self.sources = list(sources)
 
     def apply(self, data, rank, stats):
         n = 0
-        for path, tree in _units(self.work, rank):
-            for doc in read_unit(path, tree, self.opts, stats):
+        for path, tree in workdir.plan_units(Path(self.work), rank, self.sources):
+            docs = read_unit(path, None, self.opts, stats) if tree is None else \
+                _read_inside(path, tree, self.opts, stats)
+            for doc in docs:
                 stats.step("read", doc.nbytes, True)
                 yield EngineDocument(text=doc.text, id=f"{rank}/{n}",
                                      metadata={"source": _printable(doc.source),
@@ -402,7 +465,7 @@ class Tally(PipelineStep):
             yield doc
         d = Path(self.work) / "tally" / self.name
         d.mkdir(parents=True, exist_ok=True)
-        (d / f"{rank:05d}.json").write_text(json.dumps([docs, nbytes]))
+        workdir.write_text(d / f"{rank:05d}.json", json.dumps([docs, nbytes]))
 
 
 class EncodeShards(PipelineStep):
@@ -495,6 +558,9 @@ class MergeShards(PipelineStep):
 
     def run(self, data=None, rank: int = 0, world_size: int = 1):
         work = Path(self.work)
+        # the documents' raw text, secrets not yet replaced: every encode task is done with it (the merge runs
+        # after the whole encode stage, here and on Slurm), and no later stage or rerun reads it again
+        shutil.rmtree(work / "docs", ignore_errors=True)
         dest = work / "out"
         shutil.rmtree(dest, ignore_errors=True)
         dest.mkdir()
@@ -578,10 +644,6 @@ def _dedup_steps(work: Path, tasks: int, stats: CorpusStats, mode: str) -> None:
 _ENGINE_LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} \| ")
 
 
-class KeepWork(ShardError):
-    """An error after which the work directory is kept (prepare removes it after errors in the data)."""
-
-
 class StageFailed(KeepWork):
     """A stage failed for a reason other than the data (a worker's error, a full disk): the work directory
     is kept, and the same command redoes only the unfinished tasks."""
@@ -591,23 +653,36 @@ class StageFailed(KeepWork):
 _PROGRESS_BAR = re.compile(r"\r|\d+/\d+ \[\d")
 
 
-class _WithoutEngineLog(io.TextIOBase):
-    """stderr less the engine's log records (loguru writes each, traceback included, in one call) and its
-    progress bars (tqdm, when it was imported before TQDM_DISABLE could turn them off): the records stay in
-    the task's log file, and a failure reaches the user as codeforge's error naming that file."""
+class _Escaped(io.TextIOBase):
+    """stderr with control characters written as escapes (codeforge.printable, as every printed name from
+    outside is): the reader's warnings name files, and a name can hold an ESC that retitles the terminal."""
 
     def __init__(self, real):
-        self.real, self.dropped = real, False
+        self.real = real
+
+    def write(self, s: str) -> int:
+        self.real.write(printable(s))
+        return len(s)
+
+    def flush(self) -> None:
+        self.real.flush()
+
+
+class _WithoutEngineLog(_Escaped):
+    """stderr, escaped, less the engine's log records (loguru writes each, traceback included, in one call)
+    and its progress bars (tqdm, when it was imported before TQDM_DISABLE could turn them off): the records
+    stay in the task's log file, and a failure reaches the user as codeforge's error naming that file."""
+
+    def __init__(self, real):
+        super().__init__(real)
+        self.dropped = False
 
     def write(self, s: str) -> int:
         drop = bool(_ENGINE_LOG_LINE.match(s) or _PROGRESS_BAR.search(s) or (s == "\n" and self.dropped))
         self.dropped = drop
         if not drop:
-            self.real.write(s)
+            super().write(s)
         return len(s)
-
-    def flush(self) -> None:
-        self.real.flush()
 
 
 def _exit_with(owner: int) -> None:
@@ -623,6 +698,35 @@ def _exit_with(owner: int) -> None:
             except OSError:
                 pass
     threading.Thread(target=watch, daemon=True).start()
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+try:
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: a forked child only calls it
+except (OSError, AttributeError):  # not Linux
+    _prctl = None
+_command: int | None = None  # the prepare command's pid while run() runs in it; None in every other process
+
+
+def _die_with_command() -> None:
+    """In each child the command forks while run() runs (os.register_at_fork), the engine's manager servers
+    (multiprocess.Manager(), one a stage): end it with the command. A kill -9 left them under init for good,
+    and with them the fork server and resource tracker, which end when the last holder of their pipe closes
+    it (a manager forked after they started holds both): ~170 MB each time. Pool workers watch the command
+    themselves (_exit_with)."""
+    global _command
+    owner, _command = _command, None  # a grandchild is its own parent's business
+    if owner is None:
+        return
+    if _prctl is not None:  # the kernel's: SIGKILL when the thread that forked this one ends
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    else:
+        _exit_with(owner)
+    if os.getppid() != owner:  # the command ended before that took effect
+        os._exit(1)
+
+
+os.register_at_fork(after_in_child=_die_with_command)
 
 
 class _Local(LocalPipelineExecutor):
@@ -645,13 +749,6 @@ class _Local(LocalPipelineExecutor):
             sys.stderr = real
 
 
-def _slurm_env() -> str:
-    """The command a Slurm job runs first: the virtual environment this command runs in, if any."""
-    if sys.prefix != sys.base_prefix:
-        return f"source {Path(sys.prefix) / 'bin' / 'activate'}"
-    return ""
-
-
 def stages(sources: list[str], tokenizer_dir, work: Path, out: Path, opts: CorpusOptions, tasks: int,
            shard_tokens: int, repo_fim: float, workers: int, extra: dict,
            threads: bool = True) -> list[tuple[str, list, int]]:
@@ -661,7 +758,7 @@ def stages(sources: list[str], tokenizer_dir, work: Path, out: Path, opts: Corpu
     then a core)."""
     w = str(work)
     dedup = opts.dedup in ("exact", "near")
-    read = [ReadUnits(w, opts), QualityFilter(w, opts),
+    read = [ReadUnits(w, opts, sources), QualityFilter(w, opts),
             JsonlWriter(f"{w}/docs", output_filename="${rank}.jsonl", compression=None)]
     encode: list = [TaskDocs(w), Tally(w, "before dedup")]
     out_stages: list[tuple[str, list, int]] = [("read", read, tasks)]
@@ -694,9 +791,11 @@ def stages(sources: list[str], tokenizer_dir, work: Path, out: Path, opts: Corpu
 
 class _Quiet:
     """While the stages run: the engine's progress bars off and its console log at warnings (its logs stay
-    in WORK/logs), the soft limit on open files raised to the hard one; all put back after."""
+    in WORK/logs), stderr escaped (_Escaped), the soft limit on open files raised to the hard one; all put
+    back after."""
 
     def __enter__(self):
+        self.stderr, sys.stderr = sys.stderr, _Escaped(sys.stderr)
         self.env = {k: os.environ.get(k) for k in ("TQDM_DISABLE", "LOGURU_LEVEL")}
         os.environ.update(TQDM_DISABLE="1", LOGURU_LEVEL="WARNING")
         self.nofile = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -710,6 +809,7 @@ class _Quiet:
         return self
 
     def __exit__(self, *exc) -> None:
+        sys.stderr = self.stderr
         for k, v in self.env.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -722,35 +822,28 @@ class _Quiet:
         setup_default_logger()  # loguru's default console handler on the real stderr again
 
 
-def _lock(work: Path):
-    """An exclusive lock on the work directory for this command's life: two runs never share one."""
-    f = open(work / "lock", "a+")
-    try:  # a POSIX record lock: held by this process alone (the engine's forked helpers do not inherit it)
-        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.close()
-        raise KeepWork(f"another prepare is working in {work} (the same command, still running): wait for "
-                         f"it, or stop it first") from None
-    return f
-
-
 def run(sources: list[str], tokenizer_dir, work: Path, out: Path, opts: CorpusOptions, shard_tokens: int,
         repo_fim: float, extra: dict, workers: int | None, executor: str = "local", tasks: int | None = None,
         slurm: dict | None = None, log=print) -> dict | None:
     """Plan, then run every stage on `executor`; the dataset's meta (local), or None once the Slurm jobs are
     submitted (the last of them publishes OUT)."""
+    global _command
     if executor not in EXECUTORS:
         raise ShardError(f"--executor {executor!r} is not one of {', '.join(EXECUTORS)}")
     if tasks is not None and not 1 <= tasks <= MAX_TASKS:
         raise ShardError(f"--tasks {tasks}: give 1 to {MAX_TASKS} (the "
                          "dedup stages keep files of every task open)")
     check_sources(sources)  # a missing source, a FIFO or device named directly: refused before any work
-    work.mkdir(parents=True, exist_ok=True)
+    if executor == "slurm":
+        slurm_jobs.check_paths(work)
+    workdir.enter(work)
     # the engine's pool forks its workers from a fork server: with this module loaded there once, a worker
     # starts in milliseconds instead of importing codeforge and datatrove again (~1 s a worker, every stage)
     multiprocess.set_forkserver_preload(["codeforge.data.pipeline"])
-    lock = _lock(work)
+    lock = workdir.lock(work)
+    _command = os.getpid()
     try:
+        workdir.audit(work)
         with _Quiet():
             t = make_plan(sources, opts, work, tasks)
             threads = not workers  # the default: a single process encodes on every core
@@ -759,10 +852,11 @@ def run(sources: list[str], tokenizer_dir, work: Path, out: Path, opts: CorpusOp
             pipeline = stages(sources, tokenizer_dir, work, out, opts, t, shard_tokens, repo_fim, workers,
                               extra, threads)
             if executor == "slurm":
-                return _submit(pipeline, work, slurm or {}, log)
+                return slurm_jobs.submit(pipeline, work, slurm or {}, log)
             for name, steps, n in pipeline:
                 _run_stage(name, steps, n, workers, work, log)
     finally:
+        _command = None
         lock.close()
     return json.loads((out / "meta.json").read_text())
 
@@ -783,34 +877,3 @@ def _run_stage(name: str, steps: list, n: int, workers: int, work: Path, log) ->
     note = f", {done} done before" if done else ""
     log(f"  {name:8s} {n:4d} task(s) on {max(1, min(workers, n))} worker(s){note}: "
         f"{time.perf_counter() - t0:.1f}s")
-
-
-def _submit(pipeline, work: Path, slurm: dict, log) -> None:
-    """One Slurm job array per stage, each after the one before it (afterok)."""
-    if not slurm.get("partition"):
-        raise KeepWork("--executor slurm needs --slurm-partition NAME (the partition the jobs run in)")
-    marker = work / "submitted.json"
-    if marker.exists():
-        jobs = json.loads(marker.read_text())
-        raise KeepWork(f"jobs {', '.join(map(str, jobs['jobs']))} were submitted for this dataset at "
-                         f"{time.ctime(jobs['at'])} and may still be queued or running (squeue -j "
-                         f"{','.join(map(str, jobs['jobs']))}). Once they have all ended, delete {marker} "
-                         f"and run the same command again: it submits only the unfinished tasks")
-    prev, executors = None, []
-    for name, steps, n in pipeline:
-        ex = SlurmPipelineExecutor(
-            steps, tasks=n, time=slurm.get("time", "04:00:00"), partition=slurm["partition"],
-            cpus_per_task=slurm.get("cpus_per_task", 1), mem_per_cpu_gb=slurm.get("mem_per_cpu_gb", 2),
-            job_name=f"codeforge-prepare-{name}", logging_dir=str(work / "logs" / name), depends=prev,
-            env_command=slurm.get("env_command") or _slurm_env(), qos=slurm.get("qos", ""),
-            sbatch_args=slurm.get("sbatch_args"), workers=slurm.get("workers", -1), mail_user=None)
-        executors.append(ex)
-        prev = ex
-    prev.run()  # launches its dependencies first, each with --dependency=afterok on the one before
-    ids = [e.job_id for e in executors if e.job_id not in (None, -1)]
-    marker.write_text(json.dumps({"jobs": ids, "at": time.time()}))
-    log(f"submitted {len(pipeline)} Slurm job arrays (jobs "
-        f"{', '.join(map(str, ids))}; scripts and logs under "
-        f"{work / 'logs'}); the last one writes the dataset. If one fails: once all have ended, delete "
-        f"{marker} and run the same command again to submit only the unfinished tasks")
-    return None

@@ -27,7 +27,6 @@ holds at most 1 MiB plus one document, so at most two documents of --max-file-by
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import math
@@ -46,6 +45,7 @@ from ..decontam import sources_state
 from ..redact import RULES as REDACT_RULES
 from ..tokenizer import CodeTokenizer
 from . import pipeline  # the engine (datatrove: ~0.4 s to import, and it resets loguru's default handler)
+from . import workdir
 from .writer import FORMAT, SPLITS, ShardError, SplitWriter, digest_key, dtype_for, finish_meta
 
 __all__ = ["FORMAT", "SPLITS", "ShardError", "ShardSet", "digest_key", "prepare", "split_digests"]
@@ -169,15 +169,14 @@ def _run_pipeline(sources, tokenizer_dir, out: Path, opts: CorpusOptions, fp: st
                   shard_tokens: int, repo_fim: float, workers: int | None, executor: str, tasks: int | None,
                   slurm: dict | None, log) -> dict | None:
     """pipeline.run in this dataset's work directory; work directories of other fingerprints for the same
-    OUT are removed (their inputs or options changed). A data error (an empty corpus, --strict) removes the
+    OUT are removed (their inputs or options changed), unless a prepare still runs in one (its lock is held)
+    or Slurm jobs may (refused, with the directory named: workdir.remove_others). A data error (an empty corpus, --strict) removes the
     work directory too; an interruption keeps it, for the rerun."""
     work = work_dir(out, fp)
     out.parent.mkdir(parents=True, exist_ok=True)
     clean_stale(out.parent)  # what killed prepares of the single-process kind (chat) left behind
-    for old in out.parent.glob(f".{glob.escape(out.name)}.prepare-*"):
-        if old != work and old.is_dir():
-            log(f"removing {old}: an unfinished prepare of {out} with other inputs or options")
-            shutil.rmtree(old, ignore_errors=True)
+    # other inputs or options: never resumed; but one a prepare runs in, or Slurm jobs may, is refused
+    workdir.remove_others(out, work, log)
     if work.exists():
         log(f"resuming the unfinished prepare in {work}")
     extra = {"fingerprint": fp, "options": options}
