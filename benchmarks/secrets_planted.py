@@ -22,6 +22,7 @@ A secret counts as found when its value is gone from the redacted text and the f
 from __future__ import annotations
 
 import argparse
+import re
 import sysconfig
 import time
 from collections import Counter
@@ -199,6 +200,7 @@ KEYWORD_SHAPES = {
 URL_SHAPES = ("create_engine URL", "amqp URL", "curl -u")  # a `/` in the value would end the URL
 PEM_BODY = ["MIIEpAIBAAKCAQEA75Kb0cn3lZb7Ij0X6q5k8b0v1wYH0Y2n",
             "Zm9vYmFyYmF6cXV4cXV1eGNvcmdlZ3JhdWx0Z2FycGx5"]
+PEM_IV = "8A7F3C21D9E0B4561F2A3B4C5D6E7F80"
 PEM_WAYS = {
     "one string":
         ("k.py", 'KEY = """-----BEGIN RSA PRIVATE KEY-----\n{0}\n{1}\n-----END RSA PRIVATE KEY-----"""\n'),
@@ -212,7 +214,7 @@ PEM_WAYS = {
     "Go comment (// )":
         ("k.go", "// -----BEGIN PRIVATE KEY-----\n// {0}\n// {1}\n// -----END PRIVATE KEY-----\n"),
     "legacy-encrypted": ("id_rsa.txt", "-----BEGIN RSA PRIVATE KEY-----\nProc-Type: 4,ENCRYPTED\n"
-                                       "DEK-Info: AES-128-CBC,8A7F3C21D9E0B4561F2A3B4C5D6E7F80\n\n{0}\n{1}\n"
+                                       "DEK-Info: AES-128-CBC,{2}\n\n{0}\n{1}\n"
                                        "-----END RSA PRIVATE KEY-----\n"),
 }
 
@@ -229,8 +231,94 @@ def combinations() -> list[tuple[str, str, str, str, str]]:
                 continue
             out.append((shape, kind, name, tpl.format(v=v), v))
     for way, (name, tpl) in PEM_WAYS.items():
-        out.append((way, "private key", name, tpl.format(*PEM_BODY), PEM_BODY[0]))
+        out.append((way, "private key", name, tpl.format(*PEM_BODY, PEM_IV), PEM_BODY[0]))
     return out
+
+
+# shapes a hostile review tried after the first version (2026-11-29), beyond the matrix above: values on the
+# next line, escapes and prefixes, fallbacks, setters, JSON-escaped code in records, connection strings, XML,
+# Dockerfiles, command lines, formats inside URLs and paths. (name, file, text, the value that must go)
+PW, PW2 = "Xk9#mQ2vLp7wRz4t", "s3cr3tP4ss9"
+GH = "ghp_aB3dE5fG7hJ9kL1mN3pQ5rS7tU9vW1xY3zA5"
+B = "MIIEvQIBADANBgkqhkiG9w0BAQEFAASCBKcw"  # a PEM body line
+REVIEWED = [
+    ("keyword, value on the next line", "a.py",
+     f'conn = connect(\n    host="db",\n    password=\n        "{PW}",\n)\n', PW),
+    ("dict entry, value on the next line", "a.py", f'cfg = {{\n    "password":\n        "{PW}",\n}}\n', PW),
+    ("Go struct field, value on the next line", "a.go",
+     f'cfg := Config{{\n\tPassword:\n\t\t"{PW}",\n}}\n', PW),
+    ("auth tuple over two lines", "a.py", f'requests.get(u,\n  auth=("user",\n        "{PW}"))\n', PW),
+    ("escaped quote in the value", "a.py", 'password = "Xk9\\"mQ2vLp7wRz4t"\n', "mQ2vLp7wRz4t"),
+    ("f-string without fields", "a.py", f'password = f"{PW}"\n', PW),
+    ("bytes", "a.py", f'password = rb"{PW}"\n', PW),
+    ("typed, Final", "a.py", f'password: Final[str] = "{PW}"\n', PW),
+    ("walrus", "a.py", f'if (token := "{PW}"):\n    pass\n', PW),
+    ("wrapped in str()", "a.py", f'password = str("{PW}")\n', PW),
+    ("or fallback", "a.py", f'token = os.environ.get("T") or "{PW}"\n', PW),
+    ("JS || fallback", "a.js", f'const token = process.env.TOKEN || "{PW}";\n', PW),
+    ("getenv default", "a.py", f'pw = os.getenv("DB_PASSWORD", "{PW}")\n', PW),
+    ("setdefault", "a.py", f'os.environ.setdefault("DB_PASSWORD", "{PW}")\n', PW),
+    ("DB_PASS", "a.py", f'DB_PASS = "{PW}"\n', PW),
+    ("Go typed var", "a.go", f'var apiKey string = "{PW}"\n', PW),
+    ("Go header Set", "a.go", f'req.Header.Set("X-Api-Key", "{PW}")\n', PW),
+    ("Go DSN", "a.go", f'dsn := "user:{PW2}@tcp(127.0.0.1:3306)/db"\n', PW2),
+    ("Java setPassword", "A.java", f'ds.setPassword("{PW}");\n', PW),
+    ("Java props.setProperty", "A.java", f'props.setProperty("password", "{PW}");\n', PW),
+    ("Java getConnection", "A.java", f'DriverManager.getConnection(url, "root", "{PW}");\n', PW),
+    ("smtp login", "a.py", f'smtp.login("me@x.com", "{PW}")\n', PW),
+    ("Ruby hash rocket", "a.rb", f'config = {{ :password => "{PW}" }}\n', PW),
+    ("PHP array", "a.php", f"$cfg = ['password' => '{PW}'];\n", PW),
+    ("PHP define", "a.php", f"define('DB_PASSWORD', '{PW}');\n", PW),
+    ("Rust &str const", "a.rs", f'const API_KEY: &str = "{PW}";\n', PW),
+    ("Rust String::from", "a.rs", f'let password = String::from("{PW}");\n', PW),
+    ("Dockerfile ENV", "Dockerfile", f"ENV DB_PASSWORD={PW}\n", PW),
+    ("Dockerfile ARG", "Dockerfile", f"ARG NPM_TOKEN={PW}\n", PW),
+    ("Kubernetes env pair", "c.yaml", f'env:\n  - name: DB_PASSWORD\n    value: "{PW}"\n', PW),
+    ("AWS credentials file", "credentials",
+     "[default]\naws_secret_access_key = wJalrXUtnFEMI/K7MDENG/bPxRfiCYzQWERTZ\n", "wJalrXUtnFEMI"),
+    ("mysql -p", "a.sh", f"mysql -u root -p{PW} db\n", PW),
+    ("sshpass -p", "a.sh", f'sshpass -p "{PW}" ssh host\n', PW),
+    ("curl -H api key", "a.sh", f'curl -H "X-Api-Key: {PW}" https://x\n', PW),
+    ("Basic header", "a.py", "h = {'Authorization': 'Basic YWRtaW46WGs5I21RMnZMcDd3'}\n",
+     "YWRtaW46WGs5I21RMnZMcDd3"),
+    ("C# connection string", "a.cs", f'var cs = "Server=db;User Id=sa;Password={PW};";\n', PW),
+    ("XML property", "a.xml", f'<property name="password" value="{PW}"/>\n', PW),
+    ("XML element", "a.xml", f"<password>{PW}</password>\n", PW),
+    ("token alone before a URL's @", "a.sh", f"git clone https://{GH}@github.com/o/r\n", GH),
+    ("x-access-token URL", "a.sh", f"git clone https://x-access-token:{GH}@github.com/o/r\n", GH),
+    ("AWS key after a slash", "a.py", 'path = "/keys/AKIAZ7Q3XW2LPK9RTU4M"\n', "AKIAZ7Q3XW2LPK9RTU4M"),
+    ("token after a dash", "a.py", f'x = "prefix-{GH}"\n', GH),
+    ("JSON-escaped code in a JSONL record", "nb.jsonl:7",
+     '{"cells": [{"source": ["openai.api_key = \\"' + PW + '\\"\\n"]}]}\n', PW),
+    ("PEM with ; comments", "a.ini",
+     f"; -----BEGIN PRIVATE KEY-----\n; {B}\n; -----END PRIVATE KEY-----\n", B),
+    ("PEM in a C comment", "a.c",
+     f"/*\n * -----BEGIN PRIVATE KEY-----\n * {B}\n * -----END PRIVATE KEY-----\n */\n", B),
+    ("PEM cut off before its footer", "k.pem", f"-----BEGIN PRIVATE KEY-----\n{B}\n{B}AAAA\n", B + "AAAA"),
+    ("Slack app token", "a.py", "k = 'xapp-1-A0123456789-1234567890123-" + "abcdef0123456789" * 4 + "'\n",
+     "xapp-1-A0123456789"),
+    # known misses, kept here so the table says so
+    ("two literals joined with +", "a.py", 'password = "Xk9#mQ2v" + "Lp7wRz4t"\n', "Lp7wRz4t"),
+    ("triple-quoted", "a.py", f'password = """{PW}"""\n', PW),
+    ("letters only", "a.py", 'password = "hunterhunterqwerty"\n', "hunterhunterqwerty"),
+    ("Ruby %q()", "a.rb", f"config.api_key = %q({PW})\n", PW),
+    ("YAML block scalar", "c.yaml", f"password: |\n  {PW}\n", PW),
+    ("Dockerfile ENV with a space", "Dockerfile", f"ENV DB_PASSWORD {PW}\n", PW),
+    ("Markdown inline code", "README.md", f"Set `API_KEY={PW}` in your env\n", PW),
+    ("PEM in HTML with <br>", "a.html",
+     f"<pre>-----BEGIN PRIVATE KEY-----<br>{B}<br>-----END PRIVATE KEY-----</pre>\n", B),
+]
+KNOWN_MISSES = {"two literals joined with +", "triple-quoted", "letters only", "Ruby %q()",
+                "YAML block scalar", "Dockerfile ENV with a space", "Markdown inline code",
+                "PEM in HTML with <br>"}
+
+
+def exactly_replaced(text: str, out: str, values: list[str]) -> bool:
+    """Whether `out` is `text` with each value (and nothing else) replaced by a REDACTED_ placeholder."""
+    pattern = re.escape(text)
+    for v in values:
+        pattern = pattern.replace(re.escape(v), "REDACTED_[A-Z0-9_]+")
+    return all(v not in out for v in values) and re.fullmatch(pattern, out) is not None
 
 
 # look-alikes that must stay as they are: identifiers, None, attributes, calls, hash constants, templates,
@@ -261,6 +349,22 @@ KEPT = [
     ("a.go", 'const tokenHeader = "X-Subject-Token"\n'),
     ("a.sh", "curl -u $USER:$PASSWORD https://ci.internal/api\n"),
     ("a.js", "const client = new Client({ apiKey: process.env.API_KEY });\n"),
+    # false positives a hostile review found in site-packages (transformers, jinja2, six, huggingface_hub)
+    ("a.py", 'tok = Tokenizer(mask_token="[MASK]", sep_token="[SEP]")\n'),
+    ("a.py", 'if token == "#bygroup":\n    pass\n'),
+    ("a.py", 'MovedAttribute("HTTPPasswordMgr", "urllib2", "urllib.request")\n'),
+    ("a.py", 'login(api_key="hf_...", token="hf_xxx")\n'),
+    ("a.py", 'passwd = "/etc/passwd"\n'),
+    ("a.py", 'token = "utf-8-sig"\n'),
+    ("a.py", 'secret = "sha256:abcd1234"\n'),
+    ("a.py", 'password_validator = "min8,max64"\n'),
+    ("a.py", "# cached token: `get_token()` may refresh it\n"),
+    ("a.py", '_CONTROL_TOKEN_START = "\\U000f0000"\n'),
+    ("a.py", "JobInfo(id='687fb701029421ae5549d998', token=tok)\n"),
+    ("a.py", 'url = "https://x/?api_key=" + key_2 + "&q=1"\n'),
+    ("a.py", "cmd = 'mysql --password=' + pw_1 + ' db'\n"),
+    ("a.py", 'print("token:" + str(tok) + "!")\n'),
+    ("a.py", 'h = {"Authorization": "token " + access_token_v2}\n'),
 ]
 
 
@@ -269,7 +373,9 @@ def planted_rows() -> tuple[list[tuple[str, str, bool]], list[tuple[str, bool]]]
     found = []
     for shape, kind, name, text, value in combinations():
         out = redact(text, name)[0]
-        found.append((shape, kind, value not in out and "REDACTED_" in out))
+        # a legacy-encrypted key's IV (DEK-Info) is key material too, and goes with the body
+        values = [v for v in (*PEM_BODY, PEM_IV) if v in text] if kind == "private key" else [value]
+        found.append((shape, kind, exactly_replaced(text, out, values)))
     kept = [(text, redact(text, name)[0] == text) for name, text in KEPT]
     return found, kept
 
@@ -319,6 +425,10 @@ def main() -> None:
         print(f"| {shape} | {sum(oks)} of {len(oks)} |")
     missed = [f"{shape} / {kind}" for shape, kind, ok in rows if not ok]
     print(f"\n{sum(ok for *_, ok in rows)} of {len(rows)} planted combinations replaced"
+          + (f"; missed: {', '.join(missed)}" if missed else ""))
+    reviewed = [(shape, value not in redact(text, name)[0]) for shape, name, text, value in REVIEWED]
+    missed = [shape for shape, ok in reviewed if not ok]
+    print(f"{sum(ok for _, ok in reviewed)} of {len(reviewed)} shapes from the hostile review replaced"
           + (f"; missed: {', '.join(missed)}" if missed else ""))
     changed = [text.strip() for text, ok in kept if not ok]
     print(f"{len(kept) - len(changed)} of {len(kept)} look-alikes kept"

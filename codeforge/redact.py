@@ -21,6 +21,7 @@ patterns of ours for the shapes it misses, each replaced with a fixed placeholde
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 from collections import Counter
@@ -33,29 +34,43 @@ from detect_secrets.settings import transient_settings
 
 from .syntax import guess_language
 
-# a PEM private key block: a body of base64, whitespace, quotes, \n escapes, the commas of a list of lines,
-# comment marks (`# `, `> `, `// `) and the `Proc-Type: 4,ENCRYPTED` / `DEK-Info:` headers of a
-# legacy-encrypted key only (so it never runs across code: no brackets, no operators), at most 16 KB (so a
-# header without a footer costs a bounded scan); only its base64 runs are replaced, every separator stays
-PEM = re.compile(r"-----BEGIN ((?:[A-Z0-9]+ )*)PRIVATE KEY( BLOCK|)-----"
-                 r"([A-Za-z0-9+/=\s\"'\\,#>:\-]{0,16384}?)-----END \1PRIVATE KEY\2-----")
+# a PEM private key block: a header, a footer of the same kind at most 16 KB on, and between them a body of
+# base64, whitespace, quotes, \n escapes, the commas of a list of lines, comment marks (`# `, `> `, `// `) and
+# the `Proc-Type: 4,ENCRYPTED` / `DEK-Info:` headers of a legacy-encrypted key only (so it never runs across
+# code: no brackets, no operators); only its base64 runs are replaced, every separator stays
+PEM_BEGIN = re.compile(r"-----BEGIN ((?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?)-----")
+PEM_END = re.compile(r"-----END ((?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?)-----")
+PEM_BODY = re.compile(r"[A-Za-z0-9+/=\s\"'\\,#>:;*\-]*")
+# the body of a key cut off before its footer: lines of base64 (16+ characters), each perhaps commented,
+# quoted, comma-separated or ending in a \n escape, right after the header
+PEM_CUT = re.compile(r"(?:[ \t]*(?:\\n|\n)[ \t]*(?:[#>;*]|//)?[ \t]*[\"']?[A-Za-z0-9+/]{16,}={0,2}[\"']?,?)+")
+PEM_SPAN = 16384
 B64_RUN = re.compile(r"(?:(?<=\\n)|(?<![\\A-Za-z0-9+/=]))[A-Za-z0-9+/]{16,}={0,2}")  # after a \n escape too
 # where a secret can be: a secret-ish name given a value, credentials in a URL or a command line, a long
-# quoted token, or the prefix of a known token format; one scan of the whole text finds the lines to hand on
+# quoted token, or the prefix of a known token format; one scan of the whole text finds the lines to hand on.
+# Every repetition is bounded, so a hostile line costs linear time (`"token" * 20000` took 27 s unbounded)
 PREFILTER = re.compile(
-    r"""(?i:(?:secret|token|passw|pwd|api[-_]?key|access[-_]?key|private[-_]?key|auth|credential|bearer)"""
-    r"""[\w.\-]*['"\]]{0,2}\s*(?::=|=|:|,)\s*\S)|://[^\s/@]*:[^\s/]*@|['"`][A-Za-z0-9+/=_\-.]{20,}['"`]"""
-    r"""|\b(?:A[KS]IA|A(?:GP|ID|RO|IP|NP|NV)A|gh[pousr]_|github_pat_|glpat-|xox[abposr]-|[sr]k_live|"""
-    r"""AIza|SG\.|eyJ|npm_|pypi-|sk-|hf_[A-Za-z]{30})|hooks\.slack\.com/|AccountKey=|Bearer\s|\b\d{8,10}:AA"""
-    r"""|\b(?:SK|AC)[0-9a-f]{32}\b|[0-9a-f]{32}-us\d|sq0(?:atp|csp)-|AKC[A-Za-z0-9]{10}"""
-    r"""|\b[MNO][A-Za-z0-9_\-]{23,25}\.[A-Za-z0-9_\-]{6}\.|\s(?:-u|--user|--password)[\s=]|BasicAuth\s*\("""
+    r"""(?i:(?:secret|token|passw|pwd|(?<![a-z])pass(?![a-z])|api[-_]?key|access[-_]?key|private[-_]?key|auth"""
+    r"""|credential|bearer)[\w.\-]{0,64}['"\]>]{0,2}(?:\s[\w.\[\]*]{1,32})?\s{0,16}(?::=|=|:|,|\())|://[^\s/@]{0,256}[:@]|['"`][A-Za-z0-9+/=_\-.]{20,}"""
+    r"""|\b(?:A[KS]IA|A(?:GP|ID|RO|IP|NP|NV)A|gh[pousr]_|github_pat_|glpat-|xox[abposre]|[sr]k_live|"""
+    r"""AIza|SG\.|eyJ|npm_|pypi-|sk-|hf_[A-Za-z]{30})|hooks\.slack\.com/|AccountKey=|Bearer\s|Basic\s"""
+    r"""|\b\d{8,10}:AA|\b(?:SK|AC)[0-9a-f]{32}\b|[0-9a-f]{32}-us\d|sq0(?:atp|csp)-|AKC[A-Za-z0-9]{10}"""
+    r"""|\b[MNO][A-Za-z0-9_\-]{23,25}\.[A-Za-z0-9_\-]{6}\.|\s(?:-u|--user|--password|-p\S)|BasicAuth\s*\("""
+    r"""|(?i:\b(?:pwd|password)\s*=[^;'"\s]{1,256};|sshpass|getConnection\(|\.login\(|\bpass\b)"""
+    r"""|@(?:tcp|unix)\(|(?i:<[\w:\-]{0,64}(?:passw|secret|token|api[-_]?key)[\w:\-]{0,64}>"""
+    r"""|name[=:]\s*["']?[\w.\-]{0,64}(?:passw|secret|token|api[-_]?key|pwd))"""
 )
 # formats detect-secrets 1.5.0 has no plugin for (measured: benchmarks/secrets_planted.py), as (kind, pattern
 # whose group 1 is the value); the value is replaced exactly, wherever it stands and whatever the line is
 FORMATS = [(kind, re.compile(rx)) for kind, rx in (
     ("GitHub Token", r"\b(github_pat_[A-Za-z0-9_]{60,})"),
     ("Slack Webhook", r"hooks\.slack\.com/services/(T[A-Z0-9]+/B[A-Z0-9]+/[A-Za-z0-9]{16,})"),
+    ("Slack Token", r"\b(xox[abposre](?:\.xox[abposr])?-[A-Za-z0-9\-]{20,})"),
     ("NPM Token", r"\b(npm_[A-Za-z0-9]{36})\b"),
+    ("NPM Token", r":_authToken=([A-Za-z0-9\-_.+/=]{20,})"),
+    ("Slack Token", r"\b(xapp-\d-[A-Za-z0-9\-]{20,})"),
+    ("OpenAI Token", r"\b(sk-[A-Za-z0-9_\-]{16,}T3BlbkFJ[A-Za-z0-9_\-]{16,})"),
+    ("Hugging Face Token", r"\b(api_org_[A-Za-z]{34})\b"),
     ("Telegram Bot Token", r"\b(\d{8,10}:AA[A-Za-z0-9_\-]{33})\b"),
     ("Azure Storage Account Key", r"AccountKey=([A-Za-z0-9+/]{40,}={0,2})"),
     ("Bearer Token", r"\bBearer\s+([A-Za-z0-9\-._~+/]{20,}=*)"),
@@ -69,44 +84,90 @@ FORMATS = [(kind, re.compile(rx)) for kind, rx in (
     ("Google API Key", r"\b(AIza[0-9A-Za-z_\-]{35})(?![0-9A-Za-z_\-])"),
 )]
 # credentials by position, as (kind, pattern with a group named value): the password of a URL (any characters
-# but whitespace, quotes and `/`, up to the last `@` before the host: `&`, `!`, `$`, `@` included), of a
-# `curl -u user:pw` / `--user` / `--password`, of requests' `auth=("user", "pw")` and Go's
-# `SetBasicAuth("user", "pw")`
+# but whitespace, quotes and `/`, up to the last `@` before the host: `&`, `!`, `$`, `@` included), a token
+# alone before a URL's `@` (`https://TOKEN@github.com`), a Go DSN's `user:pw@tcp(...)`, `curl -u user:pw`
+# and `--user`, `--password`, `mysql -pPW`, `sshpass -p PW`, requests' `auth=("user", "pw")` and Go's
+# `SetBasicAuth("user", "pw")`, a header given on a command line (`-H "X-Api-Key: ..."`), an HTTP Basic
+# header's base64, a connection string's `Password=...;`, an XML element (`<password>...</password>`)
+AUTH_PAIR = (r"(?i:\bauth\s*=\s*\(|BasicAuth\s*\()\s*(['\"])[^'\"\n]{0,256}\1\s*,\s*(['\"])"
+             r"(?P<value>[^'\"\s\\]{1,256})\2")
 CREDENTIALS = [(kind, re.compile(rx)) for kind, rx in (
     ("Basic Auth Credentials",
-     r"\b[A-Za-z][A-Za-z0-9+.\-]{1,20}://[^\s:/@'\"`]*:(?P<value>[^\s/'\"`]+)@(?=[\w\[(])"),
-    ("Basic Auth Credentials", r"\s(?:-u|--user)[\s=]+['\"]?[^\s:'\"]+:(?P<value>[^\s'\"]+)"),
-    ("Secret Keyword", r"\s--password[\s=]+['\"]?(?P<value>[^\s'\"]+)"),
+     r"\b[A-Za-z][A-Za-z0-9+.\-]{1,20}://[^\s:/@'\"`]{0,256}:(?P<value>[^\s/'\"`]{1,256})@(?=[\w\[(])"),
+    ("URL Token", r"\b(?:https?|git)://(?P<value>[A-Za-z0-9_\-]{20,256})@(?=[\w\[(])"),
+    ("Basic Auth Credentials", r"['\"`][\w.\-]{1,64}:(?P<value>[^\s/'\"`]{1,256})@(?:tcp|unix)\("),
+    ("Basic Auth Credentials", r"\s(?:-u|--user)[\s=]+['\"]?[^\s:'\"]{1,256}:(?P<value>[^\s'\"]{1,256})"),
+    ("Secret Keyword", r"\s--password[\s=]+['\"]?(?P<value>[^\s'\"]{1,256})"),
+    ("Secret Keyword", r"\bmysql(?:dump|admin)?\b[^\n]{0,256}?\s-p(?P<value>[^\s'\"]{1,256})"),
+    ("Secret Keyword", r"\bsshpass\s+-p\s*['\"]?(?P<value>[^\s'\"]{1,256})"),
+    ("Basic Auth Credentials", AUTH_PAIR),
+    ("Secret Keyword",
+     r"(?i)(?:-H|--header)\s+['\"][\w\-]{0,64}(?:api[-_]?key|token|secret)[\w\-]{0,64}\s*:\s*"
+     r"(?P<value>[^'\"\s]{1,256})['\"]"),
+    ("Basic Auth Credentials", r"\bBasic\s+(?P<value>[A-Za-z0-9+/]{12,256}={0,2})(?![A-Za-z0-9+/=])"),
+    ("Secret Keyword", r"(?i)(?:^|[;'\"\s])(?:pwd|password)\s*=\s*(?P<value>[^;'\"\s]{1,256})\s*;"),
     ("Basic Auth Credentials",
-     r"(?i:\bauth\s*=\s*\(|BasicAuth\s*\()\s*(['\"])[^'\"\n]*\1\s*,\s*(['\"])(?P<value>[^'\"\s\\]+)\2"),
+     r"\bgetConnection\([^,\n]{1,128},\s*(['\"])[^'\"\n]{0,64}\1\s*,\s*(['\"])(?P<value>[^'\"\s\\]{1,256})\2"),
+    ("Basic Auth Credentials", r"\.login\([^,\n]{1,128},\s*(['\"])(?P<value>[^'\"\s\\]{1,256})\1\s*\)"),
+    ("Secret Keyword",
+     r"(?i)\bname=(['\"])[\w.\-]{0,64}(?:passw(?:or)?d|secret|token|api[-_]?key|pwd)[\w.\-]{0,64}\1\s+"
+     r"value=(['\"])(?P<value>[^'\"\s]{1,256})\2"),
+    ("Secret Keyword",
+     r"(?i)<(?P<tag>[\w:\-]{0,64}(?:password|passwd|secret|token|api[-_]?key)[\w:\-]{0,64})>"
+     r"(?P<value>[^<\s]{1,256})</(?P=tag)>"),
 )]
-SECRET_WORD = (r"(?:passw(?:or)?d|passphrase|pwd|secret|token|api[-_]?key|apikey|access[-_]?key|"
-               r"private[-_]?key|auth[-_]?key|credentials?)")
+SECRET_WORD = (r"(?:passw(?:or)?d|passphrase|pwd|(?<![a-z])pass(?![a-z])|secret|token|api[-_]?key|apikey|"
+               r"access[-_]?key|private[-_]?key|auth[-_]?key|credentials?)")
 # a secret-ish name given a string literal, in any language: an assignment (with a type, `password: str =`),
-# a call's keyword argument, a dict entry or struct field (`"X-Api-Key": "..."`, Go's `Password: "..."`), a
-# comparison (`token == "..."`), and a quoted name's pair (`setenv("API_TOKEN", "...")`); the name may be
-# quoted or indexed
+# a call's keyword argument, a dict entry or struct field (`"X-Api-Key": "..."`, Go's `Password: "..."`,
+# Ruby's `:password => "..."`), a comparison (`token == "..."`), a setter's pair (`setenv("API_TOKEN",
+# "...")`); the name may be quoted or indexed, the literal prefixed (`f"..."`, `b'...'`) or, inside a JSON
+# string (a notebook in a JSONL record), its quotes escaped (`\"...\"`). Names are bounded (linear time)
 KEYWORD = re.compile(
-    r"(?i)(?<![\w.\-])(?P<nq>['\"]?)(?P<name>[\w.\-]*" + SECRET_WORD + r"[\w.\-]*)['\"\]]{0,3}\s*"
-    r"(?::\s*[\w.\[\]]+\s*)?(?P<op>:=|=>|[!=]==?|=|:|,)\s*(?:[rbu]{1,2}(?=['\"]))?"
-    r"(?P<q>['\"`])(?P<value>[^'\"`\s\\]{1,512})(?P=q)")
+    r"(?i)(?<![\w.\-])(?P<nq>\\?['\"]?)(?P<name>[\w.\-]{0,64}" + SECRET_WORD + r"[\w.\-]{0,64})"
+    r"[\\'\"\]]{0,4}\s{0,16}(?::\s{0,16}[\w.\[\]&]{1,64}\s{0,16}|\s[\w.\[\]*]{1,32}\s{0,16}(?==))?"
+    r"(?P<op>:=|=>|[!=]==?|=|:|,|\()\s{0,16}(?:\S{1,64}\s{0,4}(?:\|\||\?\?|\bor\b)\s{0,4})?"
+    r"(?:(?:str|String(?:::from)?|SecretStr|Secret|bytes)\(\s{0,4})?(?:[rbuf]{1,2}(?=['\"]))?(?P<q>\\?['\"`])(?P<value>(?:[^'\"`\s\\]|\\\S){1,512})(?P=q)")
+# a config file's unquoted value under a secret-ish name (`ARG NPM_TOKEN=...`, `api_token: ...`)
+CONFIG_KEYWORD = re.compile(
+    r"(?i)^\s*(?:export\s+|ENV\s+|ARG\s+)?(?P<name>[\w.\-]{0,64}" + SECRET_WORD + r"[\w.\-]{0,64})\s*[:=]\s*"
+    r"(?P<value>[^\s'\"]{1,512})(?:\s+#.*)?\s*$")
+# a Kubernetes-style pair of lines: `- name: DB_PASSWORD` then `value: "..."`
+NAME_LINE = re.compile(r"(?i)^\s*-?\s*name:\s*['\"]?[\w.\-]{0,64}" + SECRET_WORD + r"[\w.\-]{0,64}['\"]?\s*$")
+VALUE_LINE = re.compile(r"^\s*value:\s*(['\"]?)(?P<value>[^'\"\s]{1,512})\1\s*$")
+# the secret-ish name a value is given, right before it (the end of the text searched)
+NAME_BEFORE = re.compile(
+    r"(?i)(?P<name>[\w.\-]{0,64}" + SECRET_WORD + r"[\w.\-]{0,64})[\\'\"\]]{0,4}\s{0,16}"
+    r"(?::\s{0,16}[\w.\[\]&]{1,64}\s{0,16}|\s[\w.\[\]*]{1,32}\s{0,16}(?==))?(?::=|=>|[!=]==?|=|:|\()\s{0,16}"
+    r"(?:export\s+)?(?:[rbuf]{1,2})?\\?['\"`]?$")
+# a call that sets a named value, whose quoted name and value are a pair: `setenv("API_TOKEN", "...")`,
+# `props.put("password", "...")`, `os.getenv("TOKEN", "default")`
+SETTER = re.compile(r"(?i)(?:set\w{0,32}|put\w{0,32}|add\w{0,32}|getenv|get|update|store\w{0,32}|define)"
+                    r"\s*\(\s*$")
+# a line that ends where its value begins on the next line (`password=` then `"..."`)
+OPEN_END = ("=", ":", "(", ",", "=>", "[", "{")
 # names whose value is no secret though they hold a secret word: what a secret is called, where it is kept,
-# its hash, a collection of them (`PASSWORD_HASH`, `TOKEN_TYPE`, `SECRET_KEY_FILE`, `api_key_header`,
-# `TOKEN_URL`, `"key.passwd.pem"`, `"tokens"`)
+# its hash, a check on it, a collection of them (`PASSWORD_HASH`, `TOKEN_TYPE`, `SECRET_KEY_FILE`,
+# `api_key_header`, `TOKEN_URL`, `"key.passwd.pem"`, `password_validator`, `"tokens"`)
 NOT_A_SECRET_NAME = re.compile(
-    r"(?i)^(?:tokens|secrets|passwords)$|(?:pem|crt|json|ya?ml|txt|ini|cfg|conf|hash|digest|sha\d*|md5|checksum|salt|fingerprint|type|name|names|field|header|env|var|url|uri|"
-    r"path|file|dir|prefix|suffix|format|fmt|len|length|size|regex|re|pattern|label|msg|message|prompt|text|"
-    r"title|placeholder|error|err|policy|algorithm|alg|method|scheme|param|kind|mode|count|attr|column|col|"
+    r"(?i)^(?:tokens|secrets|passwords)$|(?:pem|crt|json|ya?ml|txt|ini|cfg|conf|hash|digest|sha\d*|md5|"
+    r"checksum|salt|fingerprint|type|name|names|field|header|env|var|url|uri|path|file|dir|prefix|suffix|"
+    r"format|fmt|len|length|size|regex|regexp|re|pattern|label|msg|message|prompt|text|title|placeholder|"
+    r"error|err|policy|validator|rule|algorithm|alg|method|scheme|param|kind|mode|count|attr|column|col|"
     r"endpoint|cmd|command|id|ttl|expiry|expires|timeout|limit|example|sample|char|chars|sep)s?$")
-# values that are no secret: words and names (letters only: `"Accept"`, `"refresh_token"`, `"masterSecret"`,
-# `"X-Api-Key"`), a constant's name (`"APP_SECRET"`, `"API_KEY_2"`), a template or variable (`${PW}`,
-# `{{ token }}`, `%(password)s`, `<key>`), a placeholder (`***`, `xxxx`, `your-api-key`, `example`), a file
-# name (`secret.pem`), a message (`"Error!"`), a command-line flag (`"-aes256"`). A password of letters only
-# is missed by this: a keyword's value needs a digit or a sign
+# values that are no secret: words and names (letters, with digits after a separator: `"Accept"`,
+# `"refresh_token"`, `"masterSecret"`, `"X-Api-Key"`, `"utf-8-sig"`), a constant's name (`"APP_SECRET"`,
+# `"API_KEY_2"`), a template or variable (`${PW}`, `{{ token }}`, `{password}`, `%(password)s`, `<key>`), a
+# placeholder (`***`, `xxxx`, `your-api-key`, `example`, `hf_...`), a file name or path (`secret.pem`,
+# `/etc/passwd`), a message (`"Error!"`), a command-line flag (`"-aes256"`), a special token (`"[MASK]"`), a
+# hash's name (`"sha256:..."`), code (`(`, `)`, a `+` at an end: the literal's own quotes were not found).
+# A password of letters only is missed by this: a keyword's value needs a digit or a sign
 NOT_A_SECRET_VALUE = re.compile(
-    r"^(?:[A-Za-z]+(?:[_.\-][A-Za-z]+)*[.!?:,;]*|[A-Z][A-Z0-9]*(?:[_.\-][A-Z0-9]+)*|--?[a-z][\w\-]*"
+    r"^(?:[A-Za-z]+(?:[_.\-]+[A-Za-z0-9]+)*[.!?:,;]*|[A-Z][A-Z0-9]*(?:[_.\-][A-Z0-9]+)*|--?[a-z][\w\-]*"
     r"|.*\.(?:json|pem|key|crt|cer|p12|pfx|txt|ya?ml|cfg|ini|env|conf|toml))$"
-    r"|^[$<%{@:]|\{\{|\$\{|%s|%\(|(?i:example|placeholder|redacted|your[_\-]|xxxx|\*\*\*|changeme|dummy)")
+    r"|^[$<%{@:\[#/.+\\]|[+]$|[()]|\{\w*\}|\.\.\.|\u2026|\$\{|%s|%\("
+    r"|^(?i:sha\d*|md5|blake2\w*|pbkdf2\w*|bcrypt|argon2\w*|scrypt):"
+    r"|(?i:example|placeholder|redacted|your[_\-]|xxxx|\*\*\*|changeme|dummy)")
 TOKEN_CHARS = re.compile(r"[A-Za-z0-9_\-+/.~]+={0,2}")  # a token, with base64 padding at its end
 ENTROPY_KINDS = ("Hex High Entropy String", "Base64 High Entropy String")
 # kinds that name no format of their own (a keyword's value, a high-entropy string): replaced only where the
@@ -114,12 +175,12 @@ ENTROPY_KINDS = ("Hex High Entropy String", "Base64 High Entropy String")
 # (`hs.masterSecret = hs.session.masterSecret`), and only where it could be a secret (plausible())
 LOOSE_KINDS = ENTROPY_KINDS + ("Secret Keyword",)
 NAMED = re.compile(r"(?i)(secret|token|passw|pwd|api_?key|access_?key|private_?key|auth|credential|bearer)"
-                   r"\w*['\"]?\s*(?::=|=|:)")
+                   r"\w{0,64}['\"]?\s{0,16}(?::=|=|:)")
 CONFIG_EXT = (".env", ".ini", ".cfg", ".conf", ".properties", ".yaml", ".yml", ".toml", ".json", ".txt",
               ".sh", ".bash", ".md", ".rst")
 # KEY=value text: config files, and the shell scripts and notes a corpus does read
 ENV_LIKE = (".env", ".properties", ".cfg", ".conf", ".sh", ".bash", ".txt", ".md", ".rst")
-CONFIG_VALUE = re.compile(r"^\s*(?:export\s+)?[\w.\-]+\s*[:=]\s*\S+\s*$")
+CONFIG_VALUE = re.compile(r"^\s*(?:export\s+|ENV\s+|ARG\s+)?[\w.\-]+\s*[:=]\s*\S+\s*$")
 # a record of a JSONL, parquet or hub dataset (`FILE.jsonl:LINE`, `FILE.parquet#ROW`, `hf:NAME#I`): its name
 # says nothing of what it holds, so it is scanned as the code its text is
 RECORD = re.compile(r"(?:\.jsonl?(?:\.gz|\.zst)?:\d+|#\d+)$")
@@ -227,17 +288,18 @@ def _scan_name(filename: str, text: str) -> tuple[str, bool]:
             return "record.ini", True
         return ("record.go" if guess_language(text) == "go" else "record.py"), False
     base = name.rsplit("/", 1)[-1]
-    if base.startswith(".env") or base.endswith(ENV_LIKE):
+    if (base.startswith((".env", "dockerfile", ".npmrc")) or base in ("credentials", "config")
+            or base.endswith(ENV_LIKE + (".dockerfile",))):
         return "config.ini", True
     return filename, name.endswith(CONFIG_EXT)
 
 
-def _widen(line: str, value: str) -> list[tuple[int, int]]:
-    """The spans of the whole tokens `value` begins in `line`, every occurrence: a secret begins its token
-    (`ghp_...`, `AKIA...`); one found inside a longer token is a chance match in
-    other data (`...AIABIAFQ...` in
-    a base64 certificate is no AWS key). A value that ends in a backslash is not cut
-    (an escaped quote follows)."""
+def _widen(line: str, value: str, loose: bool) -> list[tuple[int, int]]:
+    """The spans of the whole tokens `value` begins in `line`, every occurrence. A loose value (a high-entropy
+    string) found inside a longer token is a chance match in other data, not a secret; a format's value
+    (`ghp_...`, `AKIA...`) counts wherever no letter or digit runs into it (`https://ghp_...@github.com`,
+    `/keys/AKIA...`): the odds of a format in a base64 blob's run of letters are what the format's length
+    makes them. A value that ends in a backslash is not cut (an escaped quote follows)."""
     if not value or value.endswith("\\"):
         return []
     starts = {m.start(): m.end() for m in TOKEN_CHARS.finditer(line)}
@@ -248,22 +310,105 @@ def _widen(line: str, value: str) -> list[tuple[int, int]]:
             out.append((i, max(starts[i], m.end())))
         elif not TOKEN_CHARS.match(line, i):  # a value that starts with other characters: itself
             out.append((i, m.end()))
+        elif not loose and not line[i - 1].isalnum():  # a format after `/`, `-`, `+`, `.`: to its token's end
+            out.append((i, max(TOKEN_CHARS.match(line, i).end(), m.end())))
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _openers(line: str) -> frozenset[int]:
+    """The positions of the quotes (' " `) that begin a string literal on the line, in one pass (a backslash
+    escapes inside a string): a quote elsewhere ends one (`"?api_key=" + key + "&q=1"`). Kept for the line's
+    next questions: one pass a line, not one per finding."""
+    out, quote, i, n = [], "", 0, len(line)
+    while i < n:
+        c = line[i]
+        if quote and c == "\\":
+            i += 2
+            continue
+        if c in "'\"`" and (not quote or c == quote):
+            if not quote:
+                out.append(i)
+            quote = "" if quote else c
+        i += 1
+    return frozenset(out)
+
+
 def _literal(line: str, span: tuple[int, int], config: bool) -> bool:
-    """Whether the span is a whole string literal (quotes on both sides, the closing one not escaped), or the
-    value of a config file's line."""
+    """Whether the span is a whole string literal (quotes on both sides, the closing one not escaped, the
+    opening one not the end of another string), or the value of a config file's line."""
     a, b = span
-    if 0 < a and b < len(line) and line[a - 1] in "'\"`" and line[b] == line[a - 1] and line[b - 1] != "\\":
+    if (0 < a and b < len(line) and line[a - 1] in "'\"`" and line[b] == line[a - 1] and line[b - 1] != "\\"
+            and a - 1 in _openers(line)):
         return True
     return config and bool(CONFIG_VALUE.match(line)) and line.rstrip().endswith(line[a:b])
 
 
 def _loose_name(line: str, at: int) -> str:
-    """The name a loose finding's value is given: the last secret-ish word before it on its line."""
-    names = [m.group(0) for m in re.finditer(r"[\w.\-]*" + SECRET_WORD + r"[\w.\-]*", line[:at], re.I)]
-    return names[-1] if names else ""
+    """The secret-ish name a loose finding's value is given right before it (`api_key = "...`, `TOKEN=...`,
+    `"secret": "...`), or "" when the value stands elsewhere on a line that merely mentions one
+    (`JobInfo(id='687f...', token=tok)`)."""
+    m = NAME_BEFORE.search(line, max(0, at - 256), at)
+    return m.group("name") if m else ""
+
+
+def _keyword_values(line: str) -> Iterator[tuple[int, int]]:
+    """The spans of the string literals a secret-ish name is given on a line (KEYWORD), when they could be
+    secrets: a real literal (its opening quote not the end of another string), a name that holds a secret
+    (NOT_A_SECRET_NAME), a plausible value; a quoted name's pair only in a setter's call."""
+    for m in KEYWORD.finditer(line):
+        if m.group("op") == "(" and not m.group("name").rsplit(".", 1)[-1].lower().startswith("set"):
+            continue  # `get_password("user1")`: an argument; `setPassword("...")` sets one
+        if m.group("op") == ",":
+            if not m.group("nq") or not SETTER.search(line, max(0, m.start() - 64), m.start()):
+                continue  # `f(token, "text")`, `("tokens", "symbol2label")`: arguments, not a key and value
+        if not m.group("q").startswith("\\") and m.start("q") not in _openers(line):
+            continue  # the keyword is inside a string: `"?api_key=" + key + "&q=1"`
+        if plausible(m.group("value")) and not NOT_A_SECRET_NAME.search(m.group("name")):
+            yield m.start("value"), m.end("value")
+
+
+def _joined(lines: list[str], n: int) -> tuple[str, int, int] | None:
+    """(line n and the next joined by a space, where the next line's text starts in it, its indent) when
+    line n ends where a value begins (`password=`, `auth=("user",`, `"password":`), else None."""
+    head = lines[n].rstrip()
+    if n + 1 >= len(lines) or not head.endswith(OPEN_END):
+        return None
+    nxt = lines[n + 1]
+    body = nxt.lstrip()
+    return head + " " + body, len(head) + 1, len(nxt) - len(body)
+
+
+def _pattern_findings(lines: list[str], n: int, config: bool) -> Iterator[tuple[int, int, int, str]]:
+    """(line index, start, end, kind) of FORMATS, CREDENTIALS and KEYWORD on line n (CONFIG_KEYWORD in a
+    config file), and of a value on the next line that a name or position on line n begins (`password=` then
+    `"..."`, `- name: DB_PASSWORD` then `value: ...`)."""
+    line = lines[n]
+    m = CONFIG_KEYWORD.match(line) if config else None
+    if m and plausible(m.group("value")) and not NOT_A_SECRET_NAME.search(m.group("name")):
+        yield n, m.start("value"), m.end("value"), "Secret Keyword"
+    m = VALUE_LINE.match(lines[n + 1]) if n + 1 < len(lines) and NAME_LINE.match(line) else None
+    if m and plausible(m.group("value")):
+        yield n + 1, m.start("value"), m.end("value"), "Secret Keyword"
+    for kind, rx in FORMATS:
+        for m in rx.finditer(line):
+            yield n, m.start(1), m.end(1), kind
+    for kind, rx in CREDENTIALS:
+        for m in rx.finditer(line):
+            if plausible(m.group("value"), least=4):
+                yield n, m.start("value"), m.end("value"), kind
+    for a, b in _keyword_values(line):
+        yield n, a, b, "Secret Keyword"
+    join = _joined(lines, n)
+    if join is None:
+        return
+    text, cut, indent = join
+    spans = [(m.start("value"), m.end("value"), "Basic Auth Credentials")
+             for m in re.finditer(AUTH_PAIR, text) if plausible(m.group("value"), least=4)]
+    spans += [(a, b, "Secret Keyword") for a, b in _keyword_values(text)]
+    for a, b, kind in spans:
+        if a >= cut:  # only values the join found on the next line; line n's own are found above
+            yield n + 1, a - cut + indent, b - cut + indent, kind
 
 
 def _findings(lines: list[str], candidates: list[tuple[int, str]], scan_as: str,
@@ -282,40 +427,56 @@ def _findings(lines: list[str], candidates: list[tuple[int, str]], scan_as: str,
             if any(h(value) for h in VALUE_HEURISTICS) or (
                     secret.type == "Basic Auth Credentials" and not plausible(value, least=4)):
                 continue  # `://{user}:{password}@`, `${PW}`: a template, not a value
-            for a, b in _widen(line, secret.secret_value or ""):
+            for a, b in _widen(line, value, loose):
+                name = _loose_name(line, a) if loose else ""
                 if loose and not (_literal(line, (a, b), config) and plausible(line[a:b])
-                                  and not NOT_A_SECRET_NAME.search(_loose_name(line, a))
+                                  and name and not NOT_A_SECRET_NAME.search(name)
                                   and not heuristic.is_likely_id_string(line[a:b], line)):
                     continue
                 if b - a >= 4:
                     yield i, a, b, secret.type
-    for n, line in candidates:
-        for kind, rx in FORMATS:
-            for m in rx.finditer(line):
-                yield n - 1, m.start(1), m.end(1), kind
-        for kind, rx in CREDENTIALS:
-            for m in rx.finditer(line):
-                if plausible(m.group("value"), least=4):
-                    yield n - 1, m.start("value"), m.end("value"), kind
-        for m in KEYWORD.finditer(line):
-            if m.group("op") == "," and not m.group("nq"):
-                continue  # `f(token, "text")`: a bare name before a comma is an argument, not a key
-            if plausible(m.group("value")) and not NOT_A_SECRET_NAME.search(m.group("name")):
-                yield n - 1, m.start("value"), m.end("value"), "Secret Keyword"
+    for n, _ in candidates:
+        yield from _pattern_findings(lines, n - 1, config)
+
+
+def _private_keys(text: str, found: Counter) -> str:
+    """The text with the base64 runs of every PEM private key block replaced. Each header is paired with the
+    first footer after it (found once for the whole text, so 1 MB of headers costs one pass, not a 16 KB
+    scan per header), of the same kind, at most PEM_SPAN characters on, with a body of PEM_BODY characters
+    only (no brackets or operators, so it never runs across code)."""
+    footers = [(m.start(), m.end(), m.group(1)) for m in PEM_END.finditer(text)]
+    out, at, k = [], 0, 0
+    for h in PEM_BEGIN.finditer(text):
+        if h.start() < at:
+            continue  # inside a block already replaced
+        while k < len(footers) and footers[k][0] < h.end():
+            k += 1
+        if k == len(footers):  # no footer after this header: a key cut off, if base64 lines follow at once
+            cut = PEM_CUT.match(text, h.end())
+            if cut:
+                body, n = B64_RUN.subn(placeholder("Private Key"), cut.group(0))
+                found["Private Key"] += 1
+                out += [text[at:h.end()], body]
+                at = cut.end()
+            break
+        f0, f1, kind = footers[k]
+        if kind != h.group(1) or f0 - h.end() > PEM_SPAN or not PEM_BODY.fullmatch(text, h.end(), f0):
+            continue
+        body, n = B64_RUN.subn(placeholder("Private Key"), text[h.end():f0])
+        if not n:
+            continue  # a header and a footer with no key between them (PEM constants in code)
+        found["Private Key"] += 1
+        out += [text[at:h.end()], body]
+        at = f0
+    return "".join(out) + text[at:] if out else text
 
 
 def redact(text: str, filename: str = "file") -> tuple[str, Counter]:
     """(the text with each secret replaced by its kind's placeholder, how many of each kind)."""
     found: Counter = Counter()
 
-    def pem(m: re.Match) -> str:
-        body, n = B64_RUN.subn(placeholder("Private Key"), m.group(3))
-        if not n:
-            return m.group(0)  # a header and a footer with no key between them (PEM constants in code)
-        found["Private Key"] += 1
-        return m.group(0)[:m.start(3) - m.start()] + body + m.group(0)[m.end(3) - m.start():]
     if "PRIVATE KEY" in text:
-        text = PEM.sub(pem, text)
+        text = _private_keys(text, found)
     marks, line, at = set(), 0, 0  # the 0-based numbers of lines with a mark, counted once through the text
     for m in PREFILTER.finditer(text):
         line += text.count("\n", at, m.start())

@@ -48,6 +48,7 @@ import json
 import os
 import re
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -323,6 +324,8 @@ class CodeTokenizer:
         # `marked`: the tokens this load marked
         self.marked = mark_control_tokens(tok)
         self.tok.encode_special_tokens = True
+        self._raw: Tokenizer | None = None  # _reading_special's copy, made on first use
+        self._copy_lock = threading.Lock()
         self.path = path
         self.hash = file_hash(path / TOKENIZER_FILE) if path is not None else ""
         self.vocab_size = tok.get_vocab_size()
@@ -368,15 +371,20 @@ class CodeTokenizer:
     # Every call into the Rust tokenizer goes through _encoding/_guard: what fails there (a panic of its regex
     # engine included, which is a BaseException) comes out as TokenizerError, which the CLI prints and the
     # server answers with a 400.
+    def _reading_special(self) -> Tokenizer:
+        """A copy of the tokenizer that reads special-token strings as their tokens (a prompt given raw).
+        A copy, not the flag flipped on the shared one: another thread encoding plain text meanwhile would
+        read its control-token strings as tokens."""
+        with self._copy_lock:
+            if self._raw is None:
+                self._raw = Tokenizer.from_str(self.tok.to_str())
+                self._raw.encode_special_tokens = False
+            return self._raw
+
     def _encoding(self, text: str, allow_special: bool = False):
         try:
-            if not allow_special:
-                return self.tok.encode(text, add_special_tokens=False)
-            self.tok.encode_special_tokens = False
-            try:
-                return self.tok.encode(text, add_special_tokens=False)
-            finally:
-                self.tok.encode_special_tokens = True
+            tok = self._reading_special() if allow_special else self.tok
+            return tok.encode(text, add_special_tokens=False)
         except BaseException as e:
             if not _tokenizer_failure(e):
                 raise

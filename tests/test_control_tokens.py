@@ -89,6 +89,29 @@ def test_plain_text_never_makes_a_control_token(imported_dir):
     assert tok.encode(USER_WORD) == [tok.tok.token_to_id(USER_WORD)]
 
 
+def test_a_raw_prompt_in_another_thread_does_not_open_plain_text_to_control_tokens(imported_dir):
+    """encode(allow_special=True) reads a raw prompt with its control tokens; it used to flip a flag on the
+    one shared tokenizer, so plain text encoded in another thread meanwhile made control tokens (18,308 of
+    20,000 in a review). It reads through a copy now."""
+    import threading
+    tok = CodeTokenizer.load(imported_dir, log=lambda _: None)
+    text = "x = 1  # <|fim_middle|> <|file_sep|>\n"
+    stop = threading.Event()
+
+    def raw():
+        while not stop.is_set():
+            tok.encode("<|fim_prefix|>a<|fim_suffix|>b<|fim_middle|>", allow_special=True)
+    t = threading.Thread(target=raw, daemon=True)
+    t.start()
+    try:
+        leaked = sum(bool(control_ids(tok) & set(tok.encode(text))) for _ in range(5000))
+    finally:
+        stop.set()
+        t.join()
+    assert leaked == 0
+    assert control_ids(tok) & set(tok.encode(text, allow_special=True))  # the raw reading still works
+
+
 def test_prepare_after_import_keeps_control_text_as_text(tokenizer_dir, tmp_path):
     """`codeforge import --hf` of a Qwen2 model with a Qwen2.5-Coder-style tokenizer, then `prepare` (with
     repo-level FIM documents) of files whose text and paths hold control strings: in the shards the only

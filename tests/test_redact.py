@@ -151,7 +151,9 @@ def test_secrets_in_the_shapes_code_holds_them_and_look_alikes_kept():
     missed, broken = [], []
     for shape, kind, name, text, value in combos:
         out = redact(text, name)[0]
-        if value in out or "REDACTED_" not in out:
+        pem = [v for v in (*bench.PEM_BODY, bench.PEM_IV) if v in text]
+        values = pem if kind == "private key" else [value]
+        if not bench.exactly_replaced(text, out, values):  # the value, and nothing else
             missed.append(f"{shape} / {kind}")
         if name.endswith(".py"):
             try:
@@ -206,3 +208,27 @@ def test_jsonl_records_are_scanned_as_their_code(tmp_path, tokenizer_dir):
     ids = np.fromfile(out_dir / meta["splits"]["train"]["shards"][0]["file"], dtype=meta["dtype"])
     text = CodeTokenizer.load(tokenizer_dir).decode(ids.tolist())
     assert "        pwd = None\n        self._authkey = authkey\n" in text and "REDACTED_" not in text
+
+
+def test_what_the_third_hostile_review_found():
+    """Values on the next line, escaped quotes, f-strings, fallbacks, setters, JSON-escaped code in a record,
+    Dockerfiles, Kubernetes env pairs, connection strings, XML, mysql -p, tokens inside URLs and paths, PEM
+    with other comment marks or cut off: replaced (benchmarks/secrets_planted.py REVIEWED, less its named
+    known misses). A keyword inside a string glued to code (`"?api_key=" + key + "&q=1"`) is no literal: the
+    line stays, and compiles. Names and values that only look like secrets (`mask_token="[MASK]"`,
+    `passwd = "/etc/passwd"`, `"sha256:..."`, an id beside a token) stay."""
+    bench = _benchmark()
+    missed = [shape for shape, name, text, value in bench.REVIEWED
+              if shape not in bench.KNOWN_MISSES and value in redact(text, name)[0]]
+    assert not missed, missed
+    assert len(bench.REVIEWED) - len(bench.KNOWN_MISSES) >= 40
+    for name, text in bench.KEPT:
+        out = redact(text, name)[0]
+        assert out == text, (text, out)
+        if name.endswith(".py"):
+            compile(out, name, "exec")
+    # many findings on one long line cost one pass of the line each, not one per finding (quadratic before)
+    line = "x = [" + '{"password": "Xk9#mQ2v"}, ' * 3000 + "]\n"
+    out, n = redact(line, "a.py")
+    assert n["Secret Keyword"] == 3000 and "Xk9#mQ2v" not in out
+    compile(out, "a.py", "exec")
