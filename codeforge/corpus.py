@@ -93,7 +93,8 @@ REASON_WORDS = {
     "directory symlinks (not followed)", "corrupt_compressed": "damaged .gz/.zst", "corrupt_parquet":
     "damaged parquet", "bad_json": "lines that are not JSON",
     "missing_field": "records without the text field", "vanished": "gone before they were read",
-    "benchmark": "sharing a 13-token run with a benchmark (--decontaminate: HumanEval by default)",
+    "benchmark": "sharing a 13-token run or a solution's shape with a benchmark (--decontaminate: "
+                 "HumanEval by default)",
     "symlink_outside": "file symlinks pointing out of the input tree (not followed)",
     "oversized_record": "records over the read limits (JSONL lines over 12 x --max-file-bytes characters, "
                         "rows of parquet row groups with a page over 64 MiB)",

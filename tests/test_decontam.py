@@ -1,9 +1,11 @@
 """Benchmarks kept out of the training data (decontam.py): a file that holds a HumanEval problem and its
-solution, verbatim or re-indented, is dropped by `prepare` by default and counted; a JSONL of the user's own
-tasks and a directory of held-out files work the same; ordinary code is kept."""
+solution, verbatim or re-indented, is dropped by `prepare` by default and counted, and so is a solution under
+other names and layout (its shape); a JSONL of the user's own tasks and a directory of held-out files work the
+same; ordinary code is kept."""
 
 import gzip
 import json
+import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -55,7 +57,8 @@ def test_benchmark_files_are_dropped_by_default_and_counted(tmp_path, code_corpu
                  "--val-fraction", "0.1", "--decontaminate", "humaneval", str(tasks), str(heldout)]) == 0
     printed = capsys.readouterr().out
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["skipped"]["benchmark"] == 4 and "4 sharing a 13-token run with a benchmark" in printed
+    assert meta["skipped"]["benchmark"] == 4
+    assert "4 sharing a 13-token run or a solution's shape with a benchmark" in printed
     assert meta["options"]["decontaminate"] == ["humaneval", str(tasks), str(heldout)]
     text = decoded(out, tok)
     for p in ps[:2]:
@@ -100,3 +103,127 @@ def test_bad_benchmark_sources_say_what_to_give(tmp_path, code_corpus, tokenizer
         err = capsys.readouterr().err
         assert said in err and "--decontaminate" in err, err
         assert not (tmp_path / "d" / "meta.json").exists()
+
+
+# --- solutions by their shape (decontam.shape): another's names, layout and docstring hide no copy ---------
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+# HumanEval/0 renamed, untyped, tab-indented, its own docstring, an `if` joined onto one line: no run of 13
+# words is left of it
+RENAMED = '''
+def any_two_near(vals, eps):
+\t"""True when two of the values are closer than eps."""
+\tfor p, first in enumerate(vals):
+\t\tfor q, second in enumerate(vals):
+\t\t\tif p != q:
+\t\t\t\tgap = abs(first - second)
+\t\t\t\tif gap < eps: return True
+\treturn False
+'''
+# HumanEval/86 as black would explode it, other quotes: 12 words, so the word rule never saw it
+REFORMATTED = '''
+def anti_shuffle(s):
+    return " ".join(
+        [
+            "".join(sorted(list(i)))
+            for i in s.split(" ")
+        ]
+    )
+'''
+# HumanEval/116 as written, without its docstring: 12 words again
+VERBATIM = '''
+def sort_array(arr):
+    return sorted(sorted(arr), key=lambda x: bin(x)[2:].count('1'))
+'''
+
+
+def test_a_solution_renamed_or_reformatted_is_dropped():
+    from codeforge.decontam import Benchmarks
+    bench = Benchmarks(["humaneval"])
+    host = (STDLIB / "textwrap.py").read_text()
+    assert bench.hit(host) is None
+    docs = [d for c in (RENAMED, REFORMATTED, VERBATIM) for d in (host + "\n" + c, c + "\n\n" + host)]
+    for doc in docs:
+        assert bench.hit(doc) == "humaneval", doc[-400:]
+    words_only = Benchmarks(["humaneval"], shapes=False)
+    assert not any(words_only.hit(doc) for doc in docs)  # what decontam let through before shapes
+
+
+def test_a_users_solution_renamed_is_dropped_and_named(tmp_path):
+    from codeforge.decontam import Benchmarks
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({
+        "task_id": "mine/1",
+        "prompt": "def rotate(items: list, k: int) -> list:\n    '''Rotate left by k.'''\n",
+        "canonical_solution": "    if not items:\n        return []\n    k %= len(items)\n"
+                              "    return items[k:] + items[:k]\n",
+        "tests": "assert rotate([1, 2, 3], 1) == [2, 3, 1]"}) + "\n")
+    copy = "def shift(xs, n):\n    if not xs: return []\n    n %= len(xs)\n    return xs[n:] + xs[:n]\n"
+    assert Benchmarks([str(tasks)]).hit("import os\n\n" + copy) == str(tasks)
+
+
+def test_ordinary_code_is_not_taken_for_a_solution():
+    """Idioms that HumanEval's solutions share with everyone (a loop over pairs, Euclid's gcd, a two-line
+    adder, a table of number words) and standard-library files that hold runs of solutions are kept: a
+    document must hold two thirds of one solution's runs, of a solution of 22 tokens or more."""
+    from codeforge.decontam import Benchmarks
+    bench = Benchmarks(["humaneval"])
+    ordinary = [
+        "def close_pairs(points, limit):\n    out = []\n    for i in range(len(points)):\n"
+        "        for j in range(i + 1, len(points)):\n            if dist(points[i], points[j]) < limit:\n"
+        "                out.append((i, j))\n    return out\n",
+        "def gcd(a, b):\n    while b:\n        a, b = b, a % b\n    return a\n",
+        "def add(x, y):\n    return x + y\n",
+        "def word_value(w):\n    table = {'zero': 0, 'one': 1, 'two': 2, 'three': 3, 'four': 4, 'five': 5, "
+        "'six': 6, 'seven': 7, 'eight': 8, 'nine': 9}\n    return table[w]\n",
+        "package main\n\nfunc gcd(a, b int) int {\n\tfor b != 0 {\n\t\ta, b = b, a%b\n\t}\n\treturn a\n}\n",
+    ]
+    for text in ordinary:
+        assert bench.hit(text) is None, text
+    # flagged when any one run was enough (runs of 20 and 24 tokens): each shares one with a solution
+    for name in ("lib2to3/pgen2/pgen.py", "test/test_buffer.py", "fnmatch.py", "textwrap.py"):
+        if (STDLIB / name).exists():
+            assert bench.hit((STDLIB / name).read_text()) is None, name
+
+
+def test_shape_keeps_the_code_and_drops_the_rest():
+    from codeforge.decontam import shape
+    same = [
+        "def f(xs, n):\n    '''Keep the big ones.'''\n    return [x for x in xs if x > n]  # big\n",
+        "def keep_above(values,limit):\n\treturn ([v for v in values if (v > limit)])\n",
+        'def keep(a, b):\n    r"""Another docstring."""\n    return [\n        c\n        for c in a\n'
+        '        if c > b\n    ]\n',
+    ]
+    assert len({shape(s) for s in same}) == 1
+    assert shape("s = 'a#b'  # c\nt = 1.5") == shape('s = "x"\nt = 2') == shape("s = f'{x}'; t = .5")
+    # a number then a name on the next line stay two tokens
+    assert shape("return (x == 1)\npower = 1") == shape("return x == 1\npower = 1")
+    # builtins and their methods are what keeps a shape apart from any other
+    assert shape("return sorted(x)") != shape("return reversed(x)")
+    assert shape("return s.split()") != shape("return s.strip()") != shape("return s.foo()")
+    # unclosed quotes cost a scan to the end of their line (of the text for a triple quote), and end
+    assert shape('x = "abc\n' * 2000 + "'''" + "y = 1\n" * 2000)
+    assert shape("package main\n\nfunc main() { fmt.Println(`a`, 'b') } // done\n")
+
+
+def test_the_rules_are_in_the_datas_fingerprint(monkeypatch):
+    """Data prepared under other rules is prepared again (sources_state is in shards.py's fingerprint)."""
+    import codeforge.decontam as decontam
+    before = decontam.sources_state(["humaneval"])
+    monkeypatch.setattr(decontam, "RULES", decontam.RULES + ".next")
+    assert decontam.sources_state(["humaneval"]) != before
+
+
+def test_prepare_drops_a_renamed_solution(tmp_path, code_corpus, tokenizer_dir, capsys):
+    tok = CodeTokenizer.load(tokenizer_dir)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for f in sorted(Path(code_corpus).rglob("*.py"))[:8]:
+        (corpus / f.name).write_text(f.read_text())
+    (corpus / "near.py").write_text("import math\n" + RENAMED)
+    out = tmp_path / "data"
+    assert main(["prepare", "--input", str(corpus), "--tokenizer", str(tokenizer_dir), "--out", str(out),
+                 "--val-fraction", "0.1"]) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["skipped"]["benchmark"] == 1 and meta["documents"] == 8
+    assert "any_two_near" not in decoded(out, tok)

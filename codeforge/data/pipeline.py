@@ -320,7 +320,8 @@ class QualityFilter(_Step):
 
 
 class BenchmarkFilter(_Step):
-    """Documents sharing a 13-token run with a benchmark are dropped (decontam.py)."""
+    """Documents sharing a 13-token run, or most of a solution's shape, with a benchmark are dropped
+    (decontam.py)."""
     name, step = "benchmarks out", "benchmarks"
 
     def apply(self, data, rank, stats):

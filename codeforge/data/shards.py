@@ -170,8 +170,8 @@ def _run_pipeline(sources, tokenizer_dir, out: Path, opts: CorpusOptions, fp: st
                   slurm: dict | None, log) -> dict | None:
     """pipeline.run in this dataset's work directory; work directories of other fingerprints for the same
     OUT are removed (their inputs or options changed), unless a prepare still runs in one (its lock is held)
-    or Slurm jobs may (refused, with the directory named: workdir.remove_others). A data error (an empty corpus, --strict) removes the
-    work directory too; an interruption keeps it, for the rerun."""
+    or Slurm jobs may (refused, with the directory named: workdir.remove_others). A data error (an empty
+    corpus, --strict) removes the work directory too; an interruption keeps it, for the rerun."""
     work = work_dir(out, fp)
     out.parent.mkdir(parents=True, exist_ok=True)
     clean_stale(out.parent)  # what killed prepares of the single-process kind (chat) left behind
