@@ -18,7 +18,8 @@ convert the matrices (2-D) and keep vectors (norms, biases) in float32, as conve
 whose rows do not divide into q8_0 blocks of 32 is written f16.
 
 Tokenizer. model "gpt2" (byte-level BPE): every token string in id order (a model vocabulary padded past the
-tokenizer's gets [PADn] tokens of type UNUSED), types (special tokens CONTROL),
+tokenizer's gets [PADn] tokens of type UNUSED), types (special tokens CONTROL, other added ones
+USER_DEFINED),
 the merges, BOS/EOS/EOT/pad/unk,
 the FIM ids, no BOS added, and the chat template. (llama.cpp's whole-text llama_detokenize "cleans up" a space
 before an apostrophe for every llama-bpe model, Llama 3's included, with no key to turn it off; generation
@@ -172,6 +173,9 @@ def write_tokenizer(w, tok, vocab_size: int, pre: str) -> None:
     vocab = tok.tok.get_vocab(with_added_tokens=True)
     by_id = {i: s for s, i in vocab.items()}
     special = {a["id"] for a in tj.get("added_tokens", []) if a.get("special")}
+    # an added token that is plain text (an imported tokenizer's ordinary added word) is USER_DEFINED, as
+    # llama.cpp's converter types it: llama.cpp matches those whole in user text, as `tokenizers` does
+    added = {a["id"] for a in tj.get("added_tokens", [])}
     tokens, types = [], []
     for i in range(vocab_size):
         if i not in by_id:
@@ -179,7 +183,8 @@ def write_tokenizer(w, tok, vocab_size: int, pre: str) -> None:
             types.append(gguf.TokenType.UNUSED)
         else:
             tokens.append(by_id[i])
-            types.append(gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL)
+            types.append(gguf.TokenType.CONTROL if i in special
+                         else gguf.TokenType.USER_DEFINED if i in added else gguf.TokenType.NORMAL)
     merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"].get("merges", [])]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
