@@ -252,6 +252,43 @@ def test_symlinks_planted_in_the_work_directory_are_refused_never_written_throug
         (d / "a.json").unlink()
 
 
+def test_a_fifo_in_a_work_directory_is_refused_never_waited_on(tmp_path, tokenizer_dir, monkeypatch):
+    """Before: a FIFO planted at WORK/docs/RANK.jsonl hung the rerun for ever (the engine opened it to
+    write), one at a sibling's submitted.json hung the next prepare in reading it, and one at WORK/lock
+    raised a traceback. Now each is refused with KeepWork, naming it; an alarm turns a hang into a failure."""
+    from codeforge.corpus import CorpusOptions
+    from codeforge.data import pipeline
+    from codeforge.data.shards import prepare
+    tree = _small_tree(tmp_path / "tree")
+
+    def hung(*_):
+        raise AssertionError("prepare waited on a FIFO")
+    old = signal.signal(signal.SIGALRM, hung)
+    try:
+        for i, name in enumerate(["docs/00000.jsonl", "lock"]):
+            out = tmp_path / f"d{i}"
+            work = _interrupted(monkeypatch, tmp_path, [str(tree)], tokenizer_dir, out, tasks=2)
+            (work / name).unlink(missing_ok=True)
+            os.mkfifo(work / name)
+            signal.alarm(60)
+            with pytest.raises(pipeline.KeepWork, match="FIFO"):
+                prepare([str(tree)], tokenizer_dir, out, CorpusOptions(), log=_quiet, workers=1, tasks=2)
+            signal.alarm(0)
+        # another options' prepare of the same --out, with a FIFO for its submitted.json: not read, refused
+        out = tmp_path / "d2"
+        sibling = _interrupted(monkeypatch, tmp_path, [str(tree)], tokenizer_dir, out, tasks=2)
+        os.mkfifo(sibling / "submitted.json")
+        signal.alarm(60)
+        with pytest.raises(pipeline.KeepWork, match=f"{re.escape(str(sibling))}.*unreadable list"):
+            prepare([str(tree)], tokenizer_dir, out, CorpusOptions(redact_secrets=True), log=_quiet,
+                    workers=1, tasks=2)
+        signal.alarm(0)
+        assert sibling.exists()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
 def test_raw_text_is_private_and_removed_once_encoded(tmp_path, tokenizer_dir, monkeypatch):
     """Before: a killed run left every kept document's raw text, secrets included, readable by every user
     in WORK/docs/ (0755), and it stayed there until the dataset was published. Now the work directory is

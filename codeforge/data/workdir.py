@@ -78,8 +78,9 @@ def enter(work: Path) -> None:
 
 
 def audit(work: Path) -> None:
-    """Refuse a work directory holding a symlink or another user's entry (prepare makes neither: someone else
-    put it there, and a write through a link lands outside). Run under the lock, after `enter`."""
+    """Refuse a work directory holding a symlink, a FIFO, socket or device, or another user's entry (prepare
+    makes none: someone else put it there; a write through a link lands outside, and opening a FIFO hangs).
+    Run under the lock, after `enter`."""
     me = os.geteuid()
     for top, dirs, files in os.walk(work):  # a symlinked directory is listed in dirs, never entered
         for name in dirs + files:
@@ -88,8 +89,10 @@ def audit(work: Path) -> None:
                 st = os.lstat(path)
             except FileNotFoundError:
                 continue
-            if stat.S_ISLNK(st.st_mode) or st.st_uid != me:
+            odd = not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode))
+            if odd or st.st_uid != me:
                 what = (f"a symlink (to {os.readlink(path)!r})" if stat.S_ISLNK(st.st_mode)
+                        else "not a regular file or directory (a FIFO, socket or device)" if odd
                         else f"owned by {_owner(st.st_uid)}")
                 raise KeepWork(f"{path!r} is {what}, which prepare never makes: something other than prepare "
                                f"changed {work}. Look at it, delete the directory and run the same command "
@@ -133,13 +136,24 @@ def _planned(path, tree, sources: list[str], trees: dict[str, list[str]]) -> boo
 
 
 def _open_nofollow(path: Path, flags: int, mode: int = 0o600) -> int:
+    """`path` opened without following a symlink and without blocking on a FIFO (O_NONBLOCK, cleared once
+    the file is known to be a regular one): anything else there is refused, never waited on."""
     try:
-        return os.open(path, flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), mode)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), mode)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise KeepWork(f"{path} is a symlink, which prepare never makes there: delete "
                            f"{path.parent} and run the same command again") from None
+        if e.errno == errno.ENXIO:  # a FIFO opened for writing with no reader
+            raise KeepWork(f"{path} is a FIFO, which prepare never makes there: delete {path.parent} and "
+                           f"run the same command again") from None
         raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise KeepWork(f"{path} is not a regular file (a FIFO, socket or device), which prepare never makes "
+                       f"there: delete {path.parent} and run the same command again")
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    return fd
 
 
 def write_text(path: Path, text: str) -> None:
@@ -174,12 +188,13 @@ def submitted(work: Path) -> str | None:
     """When Slurm jobs were submitted for `work` and may still run: what to do about it; else None."""
     marker = work / SUBMITTED
     try:
-        jobs = json.loads(marker.read_text())
+        with open(_open_nofollow(marker, os.O_RDONLY), "rb") as f:
+            jobs = json.loads(f.read(1 << 20))  # a job list is a few KB
         ids = ", ".join(map(str, jobs["jobs"]))
         when = time.ctime(jobs["at"])
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, KeepWork):
         ids, when = "(unreadable list)", "an unknown time"
     return (f"Slurm jobs {ids} were submitted for {work} at {when} and may still be queued or running "
             f"(squeue -j {ids.replace(', ', ',')}). Once they have all ended, delete {marker} and run the "
