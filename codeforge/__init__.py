@@ -6,7 +6,7 @@ a name ending in / is a package, every module in it in that layer):
 
   0  atomic box_values catalog device distributed fields parquet_pages rundir   (nothing of codeforge's
                                                                                 above layer 0)
-  1  corpus decontam redact tokenizer chat constrain grammar_ways fim sandbox syntax   text and code
+  1  corpus decontam redact tokenizer chat constrain grammar_ways json_schema fim sandbox syntax   text, code
   2  models/ tasks/ mining/
   3  checkpoint/ data/ config engine
   4  evaluation/ train/

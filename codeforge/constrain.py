@@ -24,12 +24,10 @@ part of a JSON schema, so a tool's
 parameters schema stays the root of its own `%json` block and its `$ref`s resolve as written. Property order
 follows the schema's "properties" order (json.dumps keeps the order the data was written in).
 
-Extra keys: an object that lists "properties" takes only those keys unless its "additionalProperties" says
-otherwise (true, or a schema for the other keys' values), in tool arguments and JSON replies alike, at every
-depth (closed_schema). This is how llama.cpp's JSON-schema converter reads a schema, not JSON Schema's
-own rule (extra keys allowed unless "additionalProperties": false): under that rule a barely trained model
-wrote junk keys in 6 of 10 forced calls (`{"path": "...", ":,": true}`). An object without "properties"
-(`{"type": "object"}`, json_object) is any object.
+Extra keys: an object that lists "properties" takes only those keys (and those it requires) unless its
+"additionalProperties" says otherwise, in tool arguments and JSON replies alike, at every depth, as
+llama.cpp's JSON-schema converter reads a schema (json_schema.py closes each schema before it is compiled).
+An object without "properties" (`{"type": "object"}`, json_object) is any object.
 
 Cost: the tokenizer bridge (llguidance's token trie, ~50 ms for 8k tokens) is built once per tokenizer; a
 ToolGrammar compiles its grammar once (~10 ms for five tools; the last few are cached by grammar text), and
@@ -74,10 +72,8 @@ cut the call short. A trained model has no reason to write it.
 
 from __future__ import annotations
 
-import copy
 import json
 import threading
-import urllib.parse
 import weakref
 from collections import OrderedDict
 from typing import TYPE_CHECKING
@@ -85,9 +81,9 @@ from typing import TYPE_CHECKING
 import llguidance
 import torch
 
-from . import CodeforgeError
 from .chat import CALL_CLOSE, CALL_OPEN, IM_END
 from .grammar_ways import LEX_OUT, Ways
+from .json_schema import ConstraintError, closed_schema
 
 if TYPE_CHECKING:
     from .tokenizer import CodeTokenizer
@@ -105,9 +101,7 @@ TOP = 8  # the likeliest tokens checked per watched row and step
 SEARCHES = 2  # ... of which at most this many by a search for a new way (the others must keep the way)
 
 
-class ConstraintError(CodeforgeError):
-    """A tool schema, response_format or tool_choice that cannot be turned into a grammar, or a token fed
-    that the grammar forbids; the message names the tool or field and the fix."""
+# ConstraintError lives in json_schema.py (below this module), which raises it too
 
 
 # -- the tokenizer bridge (one per tokenizer) ------------------------------------------------------------
@@ -211,142 +205,6 @@ def _executor() -> llguidance.LLExecutor:
 
 # -- grammars ----------------------------------------------------------------------------------------------
 
-# JSON Schema keywords whose value is a schema, a list of schemas, or a map of names to schemas: where
-# closed_schema looks for objects (data keywords, enum, const, default, examples, are never walked).
-_SUB_ONE = ("additionalProperties", "items", "additionalItems", "contains", "not", "if", "then", "else",
-            "propertyNames", "unevaluatedItems", "unevaluatedProperties")
-_SUB_LIST = ("prefixItems", "items")
-_SUB_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_PARTS = ("allOf", "anyOf", "oneOf")
-_EXTRA = ("additionalProperties", "unevaluatedProperties")  # what says whether an object takes other keys
-_MERGE_LIMIT = 256  # schemas one merged object may look through (a cycle of $refs among parts ends it)
-_INLINE_LIMIT = 64  # parts copied in from their $ref per schema (a part that refers to itself ends it)
-
-
-class _Open(Exception):
-    """An object made of parts whose keys cannot all be listed: it is left as written."""
-
-
-def closed_schema(schema: dict) -> dict:
-    """A copy of `schema` in which every object that lists "properties" and says nothing of other keys (no
-    "additionalProperties", no "unevaluatedProperties") takes no others, as llama.cpp's JSON-schema converter
-    reads a schema: JSON Schema itself would allow any extra key there, and a barely trained model writes
-    them (`{"path": "a.py", ":,": true}`). `"additionalProperties": true` or a schema keeps them allowed.
-
-    An object made of parts (allOf; anyOf and oneOf beside its own properties; a $ref beside properties)
-    takes the keys its parts list together, each with its part's schema: closing each part alone would let
-    no object hold the keys of two parts. Such parts are copied in from their $ref, so that a definition
-    used elsewhere alone is closed there. Where a part says it takes other keys (or cannot be followed: a
-    $ref outside the schema), the object is left as written. The caller's schema is not changed."""
-    root = copy.deepcopy(schema)  # closed as it is walked; parts are copied in from `schema`, as written
-    todo: list[tuple[object, bool]] = [(root, False)]
-    seen: set[int] = set()
-    inlines = [_INLINE_LIMIT]
-    while todo:
-        node, inner = todo.pop()
-        if not isinstance(node, dict) or id(node) in seen:
-            continue
-        seen.add(id(node))
-        merged = _close(schema, node, inner, inlines)
-        for key in _PARTS:
-            parts = node.get(key)
-            if isinstance(parts, list):
-                # allOf's parts hold together with the object whatever it says: none is closed alone
-                todo += [(p, merged or key == "allOf") for p in parts]
-        for key in _SUB_ONE:
-            if isinstance(node.get(key), dict):
-                todo.append((node[key], False))
-        for key in _SUB_LIST:
-            if isinstance(node.get(key), list):
-                todo += [(p, False) for p in node[key]]
-        for key in _SUB_MAP:
-            if isinstance(node.get(key), dict):
-                todo += [(p, False) for p in node[key].values()]
-    return root
-
-
-def _close(root: dict, node: dict, inner: bool, inlines: list[int]) -> bool:
-    """Close one object of closed_schema (in place); whether its parts are merged into it (so not closed
-    alone). `inner`: the node is itself a part of a merged object. `root`: the schema as written, which the
-    $refs of parts are read from."""
-    if "$ref" in node and ("properties" in node or any(k in node for k in _PARTS)):
-        # a $ref beside other keywords holds together with them (llguidance reads it so, as 2019-09 does)
-        ref = {"$ref": node.pop("$ref")}
-        node["allOf"] = (node["allOf"] if isinstance(node.get("allOf"), list) else []) + [ref]
-    props = node.get("properties")
-    keys = [k for k in _PARTS
-            if isinstance(node.get(k), list) and (k == "allOf" or props is not None or inner)]
-    for k in keys:  # the parts' own copies: their definitions may be closed where used alone
-        for i, part in enumerate(node[k]):
-            if isinstance(part, dict) and set(part) == {"$ref"} and inlines[0] > 0:
-                target = _resolve(root, part["$ref"])
-                if isinstance(target, dict):
-                    inlines[0] -= 1
-                    node[k][i] = copy.deepcopy(target)
-    if inner or any(k in node for k in _EXTRA):
-        return inner or bool(keys)
-    if not keys:
-        if isinstance(props, dict):
-            node["additionalProperties"] = False
-        return False
-    try:
-        names = _names(root, node)
-    except _Open:
-        return True
-    if names is not None and isinstance(props if props is not None else {}, dict):
-        node["properties"] = {**(props or {}), **{n: {} for n in names if n not in (props or {})}}
-        node["additionalProperties"] = False
-    return True
-
-
-def _names(root: dict, node: dict) -> list[str] | None:
-    """The keys an object made of parts lists, its own first, then its parts' in order; None when none lists
-    any; _Open when a part takes keys it does not list or cannot be followed."""
-    out: dict[str, None] = {}
-    listed = [False]
-    count = [0]
-
-    def visit(s: object, top: bool) -> None:
-        count[0] += 1
-        if not isinstance(s, dict) or count[0] > _MERGE_LIMIT:
-            raise _Open
-        if "$ref" in s:
-            visit(_resolve(root, s["$ref"]), False)
-        if not top and (any(s.get(k, False) is not False for k in _EXTRA) or "patternProperties" in s):
-            raise _Open
-        props = s.get("properties", {})
-        if not isinstance(props, dict):
-            raise _Open
-        listed[0] = listed[0] or "properties" in s
-        out.update(dict.fromkeys(props))
-        for key in _PARTS:
-            for part in s.get(key) if isinstance(s.get(key), list) else []:
-                visit(part, False)
-
-    visit(node, True)
-    return list(out) if listed[0] else None
-
-
-def _resolve(root: dict, ref: object, hops: int = 16) -> object:
-    """The schema a local $ref ("#", "#/$defs/x") points at, through chains of $refs; None if none."""
-    for _ in range(hops):
-        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
-            return None
-        at: object = root
-        for step in ref[2:].split("/") if ref != "#" else []:
-            step = urllib.parse.unquote(step).replace("~1", "/").replace("~0", "~")
-            if isinstance(at, dict) and step in at:
-                at = at[step]
-            elif isinstance(at, list) and step.isdigit() and int(step) < len(at):
-                at = at[int(step)]
-            else:
-                return None
-        if not (isinstance(at, dict) and set(at) == {"$ref"}):
-            return at
-        ref = at["$ref"]
-    return None
-
-
 def _schema_block(schema: dict, what: str, bridge: _Bridge) -> str:
     """`%json {...}` for a schema with the json.dumps layout, its objects closed (closed_schema); a schema
     llguidance refuses -> ConstraintError naming `what`."""
@@ -356,6 +214,8 @@ def _schema_block(schema: dict, what: str, bridge: _Bridge) -> str:
         schema = closed_schema(schema)
     except RecursionError:
         raise ConstraintError(f"{what} is nested too deeply to be read; fix the schema") from None
+    except ConstraintError as e:
+        raise ConstraintError(f"{what}: {e}") from None
     own = schema.get("x-guidance")
     schema = {**schema, "x-guidance": {**(own if isinstance(own, dict) else {}), **JSON_LAYOUT}}
     try:

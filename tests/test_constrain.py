@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from codeforge.chat import CALL_CLOSE, CALL_OPEN, IM_END, encode_conversation, parse_assistant
-from codeforge.constrain import ConstraintError, ToolGrammar, mask_logits
+from codeforge.constrain import ConstraintError, ToolGrammar, closed_schema, mask_logits
 from codeforge.engine import Engine, SamplingParams
 from codeforge.models.gpt import GPT, GPTConfig
 from codeforge.tasks.tool_calls import TOOLS
@@ -582,3 +582,58 @@ def test_objects_made_of_parts_take_the_keys_of_all_their_parts(tok):
     g = ToolGrammar(tok, None, "auto", json_reply(either))
     assert writes(g, json.dumps({"v": {"a": 1}})) and writes(g, json.dumps({"v": "s"}))
     assert not writes(g, json.dumps({"v": {"a": 1, "b": 2}}))
+
+
+def shared_definition(objects: int, keys: int) -> dict:
+    """`objects` objects that each add (no) keys beside a $ref to one definition of `keys` properties."""
+    d = {"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(keys)}}
+    return {"$defs": {"D": d}, "type": "object",
+            "properties": {f"p{j}": {"$ref": "#/$defs/D", "properties": {}} for j in range(objects)}}
+
+
+def test_closing_a_schema_takes_work_bounded_by_its_size(tok):
+    """Each object made of parts takes a copy of its parts' keys: 1000 objects beside a $ref to a definition
+    of 2000 properties (a 108 KB schema) would take 2 million keys (4.8 s and ~1 GB; twice that aborted the
+    server in llguidance). Past ~4 times the schema's size plus 500 KB the schema is refused, by name, at
+    once."""
+    big = shared_definition(1000, 2000)
+    with pytest.raises(ConstraintError, match="too large once its objects are closed"):
+        closed_schema(big)
+    with pytest.raises(ConstraintError, match="response_format json_schema.*too large"):
+        ToolGrammar(tok, None, "auto", json_reply(big))
+    # a long $ref read around a cycle of parts (256 times) by every object that uses it
+    long = "d" * 100_000
+    cycle = {"$defs": {long: {"allOf": [{"$ref": "#/$defs/" + long}]}, "B": {"$ref": "#/$defs/" + long}},
+             "type": "object",
+             "properties": {f"p{j}": {"properties": {"a": {}}, "allOf": [{"$ref": "#/$defs/B"}]}
+                            for j in range(200)}}
+    with pytest.raises(ConstraintError, match="too large"):
+        closed_schema(cycle)
+    # the same shape at the size of a real schema is closed: every object takes its definition's keys
+    small = shared_definition(60, 50)
+    g = ToolGrammar(tok, None, "auto", json_reply(small))
+    assert writes(g, json.dumps({"p3": {"k0": 1, "k29": 2}}))
+    assert not writes(g, json.dumps({"p3": {"k0": 1, "x": 2}}))
+
+
+def test_a_required_key_not_listed_takes_any_value(tok):
+    """A key the object requires but does not list in "properties" is allowed, with any value (closed, the
+    object would otherwise require a key it cannot take: unsatisfiable); other keys are not."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"]}
+    g = ToolGrammar(tok, None, "auto", json_reply(schema))
+    assert writes(g, json.dumps({"a": 1, "b": "x"})) and writes(g, json.dumps({"a": 1, "b": [2]}))
+    assert not writes(g, json.dumps({"a": 1, "b": 2, "z": 3}))
+    assert not writes(g, json.dumps({"a": 1}))
+    # required by a part of an object made of parts alike
+    parts = {"allOf": [{"properties": {"a": {"type": "integer"}}}, {"required": ["b"]}]}
+    g = ToolGrammar(tok, None, "auto", json_reply(parts))
+    assert writes(g, json.dumps({"a": 1, "b": "x"}))
+    assert not writes(g, json.dumps({"a": 1, "b": 2, "z": 3}))
+
+
+def test_a_part_true_adds_no_keys(tok):
+    """`true` as a part (any value) lists no keys: the object is closed on the other parts' keys."""
+    schema = {"allOf": [True, {"properties": {"a": {"type": "integer"}}}]}
+    g = ToolGrammar(tok, None, "auto", json_reply(schema))
+    assert writes(g, json.dumps({"a": 1}))
+    assert not writes(g, json.dumps({"a": 1, "z": 1}))
