@@ -106,6 +106,26 @@ def test_non_finite_or_unreadable_weights_are_refused_by_name(base, tmp_path):
         import_adapter(d, base, tmp_path / "m")
 
 
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "int32"])
+def test_weights_of_a_type_codeforge_does_not_merge_are_refused_by_name(base, tmp_path, dtype):
+    """Only float16, bfloat16, float32 and float64 tensors come in: a float8_e4m3fn one (safetensors'
+    F8_E4M3) crashed the finiteness check with NotImplementedError ("isfinite" is not implemented for it)
+    instead of being refused; float8_e5m2 went through to the merge."""
+    if not hasattr(torch, dtype):
+        pytest.skip(f"this torch has no {dtype}")
+    d = write_adapter(tmp_path / "a", base)
+    from safetensors.torch import load_file
+    tensors = load_file(str(d / lora.ADAPTER_FILE))
+    name = sorted(k for k in tensors if "lora_B" in k)[0]
+    tensors[name] = tensors[name].to(getattr(torch, dtype))
+    save_file(tensors, str(d / lora.ADAPTER_FILE))
+    floats = r"torch\.float16, torch\.bfloat16, torch\.float32, torch\.float64"
+    match = rf"adapter_model\.safetensors: {name} is torch\.{dtype}, not one of {floats}"
+    with pytest.raises(ExportError, match=match):
+        import_adapter(d, base, tmp_path / "m")
+    assert not (tmp_path / "m").exists()
+
+
 def test_unreadable_settings_name_the_file_and_field(base, tmp_path, capsys):
     d = write_adapter(tmp_path / "a", base)
     good = (d / lora.ADAPTER_CONFIG).read_text()

@@ -206,6 +206,26 @@ def test_shape_keeps_the_code_and_drops_the_rest():
     assert shape("package main\n\nfunc main() { fmt.Println(`a`, 'b') } // done\n")
 
 
+def test_escaped_quotes_start_no_string_so_a_hostile_line_is_one_pass():
+    """A line of escaped quotes with no closing quote (`"\\"\\"\\...`), or such lines joined by backslash
+    continuations, in a document with a `def `: each quote but the first used to start a string scan to the
+    end of the (logical) line, so shaping was quadratic (80 KB took 20 s, a 1 MB file most of an hour). A
+    backslash and the character after it are read as one match, left to right, so an escaped quote never
+    starts a string: the only matches after the first quote's failed scan are the pairs themselves."""
+    from codeforge.decontam import _LITERAL, NUMBER, benchmarks, shape
+    n = 10_000  # 20 KB a document: over a second each before, milliseconds now
+    head = "def f(): pass\n"
+    continued = ('\\"' * 50 + "\\\n") * (n // 50)  # 50 escaped quotes and a backslash-newline a line
+    for junk, pairs in (('"\\' * n, n - 1), ("'\\" * n, n - 1), (continued, n + n // 50)):
+        text = head + junk
+        found = [m.group() for m in _LITERAL.finditer(text)]
+        assert len(found) == pairs and all(len(g) == 2 and g[0] == "\\" for g in found)
+        assert shape(text).startswith(shape(head)) and benchmarks(["humaneval"]).hit(text) is None
+    # a backslash pair stays as it was: a line continuation is in the shape, as before
+    assert shape("x = 1 + \\\n    2\n") == "v=" + NUMBER + "+\\" + NUMBER
+    assert shape("s = 'it\\'s'  # a # b\ny = \"q\\\"\" \\\n") == shape("s = ''\ny = '' \\\n")
+
+
 def test_the_rules_are_in_the_datas_fingerprint(monkeypatch):
     """Data prepared under other rules is prepared again (sources_state is in shards.py's fingerprint)."""
     import codeforge.decontam as decontam

@@ -5,6 +5,9 @@ EvalError, never a RecursionError, a TypeError or a read without end."""
 
 import http.server
 import json
+import re
+import select
+import socket
 import threading
 import time
 
@@ -139,3 +142,62 @@ def test_a_reply_that_never_ends_stops_at_the_cap(hostile, monkeypatch):
     with pytest.raises(EvalError, match="did not finish its answer within 1 s"):
         completions_backend(hostile, None)("a\n", "b\n", [], 8)
     assert time.monotonic() - t < 10
+
+
+def trickler(mode: str, gap: float = 0.05):
+    """A one-connection server that reads a request, then sends its answer a piece every `gap` seconds: the
+    status line a byte at a time ("status"), the headers a line at a time ("headers") or the body a byte at
+    a time ("body"), each for seconds. `seen["left"]` is how many pieces it still had to send when the
+    client hung up (0: it sent them all)."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    body = b'{"content": "' + b"x" * 100 + b'"}'
+    status = b"HTTP/1.1 200 " + b"O" * 100 + b"\r\n"
+    head = [f"X-Slow-{i}: {i}\r\n".encode() for i in range(60)]
+    end = f"Content-Length: {len(body)}\r\n\r\n".encode()
+    pieces = {"status": [status[i:i + 1] for i in range(len(status))] + head[:1] + [end + body],
+              "headers": [status] + head + [end + body],
+              "body": [status + end] + [body[i:i + 1] for i in range(len(body))]}[mode]
+    seen = {}
+
+    def serve():
+        conn, _ = srv.accept()
+        with conn:
+            conn.settimeout(10)
+            got = b""
+            while b"\r\n\r\n" not in got:
+                got += conn.recv(65536)
+            length = int(re.search(rb"(?i)content-length: *(\d+)", got).group(1))
+            while len(got.split(b"\r\n\r\n", 1)[1]) < length:
+                got += conn.recv(65536)
+            left = len(pieces)
+            try:
+                for p in pieces:
+                    conn.sendall(p)
+                    left -= 1
+                    # the client hanging up (its end shut down: readable, and nothing to read) stops it
+                    if select.select([conn], [], [], gap)[0] and not conn.recv(1024):
+                        break
+            except OSError:
+                pass
+            seen["left"] = left
+        srv.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return f"http://127.0.0.1:{srv.getsockname()[1]}", thread, seen
+
+
+@pytest.mark.parametrize("mode", ["status", "headers", "body"])
+def test_a_server_that_trickles_its_status_line_headers_or_body_is_cut_off_at_the_deadline(monkeypatch, mode):
+    """REPLY_SECONDS bounds the whole request: the socket's timeout starts again with every byte, so a
+    status line or headers sent a byte or a line at a time held the eval as long as the server liked (the
+    deadline was checked only while reading the body). The error says so once, naming the url once."""
+    monkeypatch.setattr(repo_eval, "REPLY_SECONDS", 0.5)
+    base, thread, seen = trickler(mode)
+    with pytest.raises(EvalError) as err:
+        infill_backend(base)("a\n", "b\n", [], 8)
+    msg = str(err.value)
+    assert msg.startswith(f"{base}/infill did not finish its answer within 0.5 s") and msg.count(base) == 1
+    assert "is the server running there" not in msg
+    thread.join(30)
+    assert seen["left"] > 0  # hung up on before the server had sent it all

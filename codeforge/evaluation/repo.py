@@ -19,17 +19,21 @@ Three backends answer the same cases: a codeforge run (in process), a server's l
 (llama-server on the exported GGUF, or `codeforge serve`), and an
 OpenAI-compatible `/v1/completions` that takes
 `suffix` (no repo context: that API has no field for it). An endpoint's answer is read up to MAX_REPLY_BYTES
-and REPLY_SECONDS; one that is not a JSON object with a text fill is an EvalError naming the url. A file or
+and REPLY_SECONDS (the whole request: connecting, status line, headers and body); one that is not a JSON
+object with a text fill is an EvalError naming the url. A file or
 fill nested past what Python's compiler takes does not parse (no case; a case counted as not parsing).
 """
 
 from __future__ import annotations
 
 import difflib
+import http.client
 import json
 import os
 import random
 import re
+import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -203,6 +207,11 @@ def engine_backend(engine, n_batch: int | None = None):
     return fill
 
 
+def _late(url: str) -> EvalError:
+    return EvalError(f"{url} did not finish its answer within {REPLY_SECONDS:g} s; is the server "
+                     f"overloaded, or not an /infill or completions server?")
+
+
 def _read(r, url: str, limit: int, deadline: float) -> bytes:
     """An answer's body, at most `limit` bytes and until `deadline` (time.monotonic()): read a piece at a
     time (read1 returns what has come), so that a body that never ends, or trickles in, is cut off."""
@@ -210,8 +219,7 @@ def _read(r, url: str, limit: int, deadline: float) -> bytes:
     n = 0
     while True:
         if time.monotonic() > deadline:
-            raise EvalError(f"{url} did not finish its answer within {REPLY_SECONDS:g} s; is the server "
-                            f"overloaded, or not an /infill or completions server?")
+            raise _late(url)
         piece = r.read1(65536)
         if not piece:
             return b"".join(got)
@@ -222,22 +230,124 @@ def _read(r, url: str, limit: int, deadline: float) -> bytes:
         got.append(piece)
 
 
+class _Deadline:
+    """The whole of one request held to `seconds`: connecting, the status line, the headers and the body.
+    A socket's timeout bounds each wait alone, and starts again with every byte, so a server that sends its
+    status line or headers a byte at a time held the eval for as long as it liked; a timer shuts the
+    connection down at the deadline instead, which ends any wait on it. It shuts down its own duplicate of
+    each socket (the same connection), closed only once the request is over, so it never touches a
+    descriptor the process has since reused."""
+
+    def __init__(self, seconds: float):
+        self.lock = threading.Lock()
+        self.socks: list[socket.socket] = []
+        self.passed = self.done = False
+        self.timer = threading.Timer(seconds, self._expire)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def watch(self, sock: socket.socket) -> None:
+        with self.lock:
+            if self.done:
+                return
+            self.socks.append(sock.dup())
+            if self.passed:
+                self._shut(self.socks[-1])
+
+    def _expire(self) -> None:
+        with self.lock:
+            if self.done:
+                return
+            self.passed = True
+            for s in self.socks:
+                self._shut(s)
+
+    @staticmethod
+    def _shut(s: socket.socket) -> None:
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def stop(self) -> None:
+        self.timer.cancel()
+        with self.lock:
+            self.done = True
+            for s in self.socks:
+                s.close()
+            self.socks.clear()
+
+
+class _Watched:
+    """An http.client connection whose socket a _Deadline watches from the moment it connects (before a
+    proxy tunnel or TLS handshake, which it bounds too)."""
+
+    def __init__(self, *args, deadline: _Deadline, **kwargs):
+        super().__init__(*args, **kwargs)
+        create = self._create_connection
+
+        def create_watched(*a, **k):
+            sock = create(*a, **k)
+            deadline.watch(sock)
+            return sock
+        self._create_connection = create_watched
+
+
+class _HTTP(_Watched, http.client.HTTPConnection):
+    pass
+
+
+class _HTTPS(_Watched, http.client.HTTPSConnection):
+    pass
+
+
+class _HTTPHandler(urllib.request.HTTPHandler):
+    def __init__(self, deadline: _Deadline):
+        super().__init__()
+        self.deadline = deadline
+
+    def http_open(self, req):
+        return self.do_open(_HTTP, req, deadline=self.deadline)
+
+
+class _HTTPSHandler(urllib.request.HTTPSHandler):
+    def __init__(self, deadline: _Deadline):
+        super().__init__()
+        self.deadline = deadline
+
+    def https_open(self, req):
+        return self.do_open(_HTTPS, req, context=self._context, deadline=self.deadline)
+
+
 def _post(url: str, body: dict, what: str) -> dict:
-    """The JSON object a server answers to `body`; every way it can fail is an EvalError naming the url."""
+    """The JSON object a server answers to `body`; every way it can fail is an EvalError naming the url,
+    once, within REPLY_SECONDS of asking."""
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     deadline = time.monotonic() + REPLY_SECONDS
+    watch = _Deadline(REPLY_SECONDS)
     try:
-        # the socket's timeout bounds each wait; the deadline, a body that keeps coming
-        with urllib.request.urlopen(req, timeout=REPLY_SECONDS) as r:
+        opener = urllib.request.build_opener(_HTTPHandler(watch), _HTTPSHandler(watch))
+        # the timer bounds the whole request; the socket's timeout each wait; _read's check, the body too
+        with opener.open(req, timeout=REPLY_SECONDS) as r:
             data = _read(r, url, MAX_REPLY_BYTES, deadline)
+    except EvalError:
+        raise  # _read's own, already naming the url and the cause
     except urllib.error.HTTPError as e:
         try:
             detail = _read(e, url, 2000, deadline).decode(errors="replace")[:500]
-        except (EvalError, OSError, AttributeError):
+        except (EvalError, OSError, AttributeError, http.client.HTTPException):
             detail = "(no readable body)"
+        if watch.passed:
+            raise _late(url) from None
         raise EvalError(f"{url} answered HTTP {e.code} to {what}: {detail}") from None
-    except (urllib.error.URLError, OSError, ValueError) as e:
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:
+        if watch.passed:  # the timer's shutdown, seen as a connection closed mid-answer
+            raise _late(url) from None
         raise EvalError(f"{url}: {e}; is the server running there?") from None
+    finally:
+        watch.stop()
+    if watch.passed:  # a body without a length, ended by the shutdown: cut short, not whole
+        raise _late(url)
     try:
         out = json.loads(data)
     except RecursionError:

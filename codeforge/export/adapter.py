@@ -47,6 +47,8 @@ def export_adapter(run: str | Path, out: str | Path, which: str = "auto", overwr
 # PEFT settings codeforge's LoRA does not reproduce (it merges W + lora_alpha / r * B A on every target
 # layer) with the values under which they change nothing
 PLAIN = {"use_rslora": False, "use_dora": False, "rank_pattern": {}, "alpha_pattern": {}, "bias": "none"}
+# the tensors' types an adapter may hold: what codeforge's training writes (float32) and what PEFT saves
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 AGAIN = ("export the adapter again with `codeforge export --run RUN --format adapter` from the LoRA run that "
          "trained it")
 
@@ -108,8 +110,9 @@ def check_adapter(adapter: Path, conf: dict,
             raise ExportError(f"{f}: r = {rank}, but {src.name} holds {name} of shape {tuple(t.shape)}, "
                               f"adapters of rank {have}: the config and the tensors are not of one adapter; "
                               f"{AGAIN}")
-        if not t.is_floating_point():
-            raise ExportError(f"{src}: {name} is {t.dtype}, not floating point; {AGAIN}")
+        if t.dtype not in FLOATS:  # float8's have no isfinite: a NotImplementedError, not a refusal
+            raise ExportError(f"{src}: {name} is {t.dtype}, not one of "
+                              f"{', '.join(str(d) for d in FLOATS)}; {AGAIN}")
         if not torch.isfinite(t).all():
             raise ExportError(f"{src}: {name} holds values that are not finite (NaN or infinity): the "
                               f"training that wrote it diverged; export a checkpoint from before it did")
