@@ -114,6 +114,22 @@ def test_damaged_checkpoints_for_inference(data_dir, tmp_path, capsys):
     assert sorted(p.name for p in root.iterdir()) == ["best", "final", "latest", "step_000004", "step_000008"]
 
 
+def test_a_directory_holding_runs_names_them(tmp_path, capsys):
+    """`codeforge eval/generate --run DIR` on a quickstart's directory (DIR/run, DIR/base hold the runs) said
+    "train first"; it names the runs inside instead."""
+    qs = tmp_path / "qs"
+    for name in ("base", "run"):
+        (qs / name / "checkpoints" / "step_000004").mkdir(parents=True)
+    (qs / "data").mkdir()
+    with pytest.raises(ckpt_io.NoCheckpointError, match=r"holds runs: pass .*qs/base or .*/run"):
+        find_checkpoint(qs)
+    assert main(["generate", "--run", str(qs), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert f"{qs / 'run'}" in err and "train first" not in err
+    with pytest.raises(ckpt_io.NoCheckpointError, match="train first"):  # an empty directory: as before
+        find_checkpoint(qs / "data")
+
+
 @pytest.mark.parametrize("error", ["OSError", "SafetensorError"])
 def test_disk_full_during_save_loses_nothing(data_dir, tmp_path, monkeypatch, straight12, error):
     real = ckpt_save.st_save_file

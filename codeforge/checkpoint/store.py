@@ -286,6 +286,13 @@ def find_checkpoint(path: str | Path, which: str = "latest", *, train_state: boo
         raise CheckpointError(f"{p} is the checkpoints folder of a run: pass the run directory {p.parent} "
                               f"(or one checkpoint, e.g. {step_dirs(p)[-1]})")
     if not steps:
+        # a directory that holds runs (a quickstart's: DIR/run, DIR/base) is not itself one: name them
+        inner = [d for d in sorted(p.iterdir()) if d.is_dir() and step_dirs(d / rundir.CHECKPOINTS)] if (
+            p.is_dir()) else []
+        if inner:
+            runs = " or ".join(str(d) for d in inner[:4])
+            raise NoCheckpointError(f"{p} is not a run but holds {'runs' if len(inner) > 1 else 'a run'}: "
+                                    f"pass {runs} (a quickstart's model is in its run/ directory)")
         raise NoCheckpointError(f"no checkpoint in {p}: train first (`codeforge train --out {p}`) or pass a "
                                 f"checkpoint directory")
     if which == "auto":
