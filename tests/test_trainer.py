@@ -417,10 +417,21 @@ def test_interrupted_run_says_where_it_stopped(data_dir, tmp_path, capsys, monke
     out = said.out
     assert "stopped: step 3" in out and "(evaluated at step 0)" in out
     assert "SIGINT: stopping after this step (or evaluation), with a checkpoint" in said.err  # heard at once
+    assert "saved a checkpoint at step 3; continue with --resume" in said.err + out
     monkeypatch.setattr(Trainer, "_optimisation_step", orig)
     args[args.index("100")] = "5"
     assert main(args + ["--resume"]) == 0
     assert "training steps 4-5 (2 left)" in capsys.readouterr().out
+    # a command that wraps training says its own one way on (the quickstart: run it again; no --resume)
+    from codeforge.quickstart import RESUME
+    from codeforge.train.stopping import RESUME_HINT
+    monkeypatch.setenv(RESUME_HINT, RESUME)
+    monkeypatch.setattr(Trainer, "_optimisation_step", step_then_interrupt)
+    args[args.index("5")] = "100"
+    args[args.index(str(tmp_path / "r"))] = str(tmp_path / "r2")
+    assert main(args) == 130
+    said = capsys.readouterr()
+    assert f"saved a checkpoint at step 3; {RESUME}" in said.err + said.out and "--resume" not in said.err
 
 
 def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(data_dir, tmp_path, monkeypatch):

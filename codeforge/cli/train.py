@@ -261,7 +261,9 @@ def add_quickstart_parser(sub) -> None:
 
 
 def cmd_quickstart(a: argparse.Namespace) -> int:
-    from ..quickstart import run_quickstart
+    from ..quickstart import RESUME, run_quickstart
+    from ..train.stopping import RESUME_HINT
+    os.environ[RESUME_HINT] = RESUME  # training's ranks, processes of their own too, say the same way on
     try:
         if a.chat and a.hrm:
             raise CLIError("--chat and --hrm are two different quickstarts: pick one")

@@ -4,10 +4,20 @@ it (a rank that stopped alone would leave the others waiting in an all-reduce)."
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
 import torch
+
+# how the user continues a stopped run, said when a stop saves a checkpoint: a command that wraps training
+# (the quickstart) sets its own in the environment (its training ranks may be processes of their own), so a
+# Ctrl-C is answered with one way to go on, not two
+RESUME_HINT = "CODEFORGE_RESUME_HINT"
+
+
+def resume_hint() -> str:
+    return os.environ.get(RESUME_HINT) or "continue with --resume"
 
 
 class StopRequests:

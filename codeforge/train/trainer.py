@@ -25,7 +25,7 @@ from ..device import alone_threads, autocast, matmul_flops, memory_gib, peak_flo
 from . import parallel
 from .logging import RunLogger, duration
 from .optim import build_optimizer, lr_at, set_lr
-from .stopping import StopRequests
+from .stopping import StopRequests, resume_hint
 from ..distributed import lost_peer
 
 LossFn = Callable[[torch.nn.Module, object], tuple[torch.Tensor, dict]]
@@ -323,7 +323,7 @@ class Trainer:
             stop.restore()
             self.logger.close()
         if stop.signal:
-            self.say(f"{stop.signal}: saved a checkpoint at step {self.step}; continue with --resume")
+            self.say(f"{stop.signal}: saved a checkpoint at step {self.step}; {resume_hint()}")
         return {"step": self.step, "tokens": self.tokens,
                 "val_loss": None if self.last_said else self.last_val,
                 "val_step": self.last_val_step, "evaluation": self.last_said, "interrupted": stop.signal,
