@@ -422,3 +422,16 @@ def test_file_names_prepare_prints_are_escaped(tmp_path, tokenizer_dir):
     said = r.stdout + r.stderr
     assert "\x1b" not in said and "\x07" not in said, said
     assert "b\\x1b]0;pwned\\x07.go" in said and "d\\x1b[2J" in said, said
+
+
+def test_the_engines_log_stays_off_the_console_with_workers(tmp_path, tokenizer_dir):
+    """With --workers 2 the engine's closing stats table (a loguru SUCCESS record with emoji, logged in the
+    command's own process after the workers end) reached the console; it stays in WORK/logs now."""
+    tree = _small_tree(tmp_path / "tree")
+    r = subprocess.run([sys.executable, "-m", "codeforge", "prepare", "--input", str(tree), "--tokenizer",
+                        str(tokenizer_dir), "--out", str(tmp_path / "d"), "--workers", "2",
+                        "--val-fraction", "0"], capture_output=True, text=True, timeout=300)
+    said = r.stdout + r.stderr
+    assert r.returncode == 0, said
+    assert "datatrove" not in said and "SUCCESS" not in said and "\U0001f4c9" not in said, said
+    assert "encode" in said and "documents" in said  # codeforge's own report is all there is

@@ -792,11 +792,14 @@ def stages(sources: list[str], tokenizer_dir, work: Path, out: Path, opts: Corpu
 
 class _Quiet:
     """While the stages run: the engine's progress bars off and its console log at warnings (its logs stay
-    in WORK/logs), stderr escaped (_Escaped), the soft limit on open files raised to the hard one; all put
-    back after."""
+    in WORK/logs), stderr escaped and without the engine's records (_WithoutEngineLog), the soft limit on
+    open files raised to the hard one; all put back after."""
 
     def __enter__(self):
-        self.stderr, sys.stderr = sys.stderr, _Escaped(sys.stderr)
+        # the engine's records (its closing stats table, emoji and all, logged in this process after the
+        # workers end) stay in WORK/logs, as the workers' do
+        self.stderr, sys.stderr = sys.stderr, _WithoutEngineLog(sys.stderr)
+        setup_default_logger()  # loguru's console handler holds the stderr of its making: this one now
         self.env = {k: os.environ.get(k) for k in ("TQDM_DISABLE", "LOGURU_LEVEL")}
         os.environ.update(TQDM_DISABLE="1", LOGURU_LEVEL="WARNING")
         self.nofile = resource.getrlimit(resource.RLIMIT_NOFILE)
