@@ -141,6 +141,19 @@ def test_corpus_names():
         corpus_path("/nonexistent/corpus")
 
 
+def test_a_wrong_corpus_is_refused_before_the_heavy_imports():
+    """A misspelt --corpus took 5-16 s to be refused (the quickstart's imports came first): the command
+    refuses it before importing the quickstart, and names what was meant."""
+    import subprocess
+    import sys
+    code = ("import sys\nfrom codeforge.cli import main\n"
+            "rc = main(['quickstart', '--corpus', 'pythn-stdlib'])\n"
+            "print('heavy', 'torch' in sys.modules, 'codeforge.quickstart' in sys.modules)\nsys.exit(rc)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "did you mean python-stdlib?" in r.stderr
+    assert "heavy False False" in r.stdout
+
+
 def test_quickstart_on_a_small_go_library_speaks_go_and_keeps_its_time_budget(tmp_path, capsys):
     """A user's Go corpus: the sample prompt and the hint are Go, HumanEval (Python) is skipped with the
     reason, the validation split is not empty (--val-fraction), the last stage reuses training's validation

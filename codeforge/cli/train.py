@@ -260,7 +260,22 @@ def add_quickstart_parser(sub) -> None:
     q.set_defaults(func=cmd_quickstart)
 
 
+NAMED_CORPORA = ("python-stdlib", "go")
+
+
+def check_corpus(corpus: str) -> None:
+    """A --corpus that is neither a named corpus nor a path is refused before the quickstart's imports (torch
+    and the rest: seconds), with the name it was probably meant to be."""
+    if corpus in NAMED_CORPORA or os.path.exists(os.path.expanduser(corpus)):
+        return
+    import difflib
+    near = difflib.get_close_matches(corpus, NAMED_CORPORA, n=1)
+    raise CLIError(f"--corpus {corpus!r}: not {' or '.join(NAMED_CORPORA)}, nor an existing directory"
+                   + (f" (did you mean {near[0]}?)" if near else ""))
+
+
 def cmd_quickstart(a: argparse.Namespace) -> int:
+    check_corpus(a.corpus)
     from ..quickstart import RESUME, run_quickstart
     from ..train.stopping import RESUME_HINT
     os.environ[RESUME_HINT] = RESUME  # training's ranks, processes of their own too, say the same way on
