@@ -144,7 +144,8 @@ def test_eval_repo_on_a_run_prints_and_records(repo, tmp_path, tokenizer_dir, ca
                  "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["cases"] == 6 and r["held_out_checked"] is False and r["context_files"] == 4
-    assert set(r["scores"]) == {"line", "span", "block", "all"} and "scores_without_context" in r
+    # "by_file": the average over files, each file alike (test_repo_report.py)
+    assert set(r["scores"]) == {"line", "span", "block", "all", "by_file"} and "scores_without_context" in r
     assert all(0 <= v["edit_similarity"] <= 1 for v in r["scores"].values())
     rec = json.loads((run / "eval.jsonl").read_text().splitlines()[-1])
     assert rec["repo_eval"]["scores"] == r["scores"]

