@@ -24,7 +24,9 @@ SAMPLES = "samples.jsonl"  # the samples training writes at each evaluation
 ROLLOUTS = "rollouts.jsonl"  # the RL stages' rollout statistics
 # sorted uint64 content-hash keys of every document the run (and the runs it
 TRAINED = "trained_documents.npy"
-# started from with --init-from) trained on: evaluation checks its validation split against it
+# started from with --init-from) is known to have trained on: evaluation leaves them out of what it scores
+# {"documents", "sha256" of the keys TRAINED holds, "unknown": [what else it trained on that has no key, in
+TRAINED_INFO = "trained_documents.json"  # words]}: an empty "unknown" is a complete record (data/trained.py)
 LOCK_FILE = ".train.lock"  # flock()ed by the training process (run_lock)
 
 

@@ -203,23 +203,26 @@ def test_a_small_validation_split_is_said_with_the_fix(tmp_path, tokenizer_dir):
     assert meta["splits"]["val"]["documents"] >= 3
 
 
-def test_a_run_records_what_it_trained_on_or_nothing_when_it_cannot_know(tmp_path, data_dir):
+def test_a_run_records_what_it_trained_on_and_what_it_cannot_know(tmp_path, data_dir):
     """RUN/trained_documents.npy: the training split's keys, with the starting run's; a starting run that
-    recorded nothing makes the record unknowable (found in review: it was this split alone, and eval then
-    said 0 of the validation files had been trained on when the base run had seen them)."""
+    recorded nothing leaves this run's own split recorded and the record incomplete, saying why (found in
+    review: it was once this split alone, and eval said 0 of the validation files had been trained on when
+    the base run had seen them; then nothing at all, and a fine-tune of an imported model was scored as
+    held-out on the files it trained on, issue 56)."""
     from codeforge.data.shards import split_digests
     from codeforge.data.trained import record_trained, seen_in_training, trained_documents
     keys = split_digests(data_dir, "train")
-    assert record_trained(tmp_path / "a", data_dir) == len(keys) > 0
+    r = record_trained(tmp_path / "a", data_dir)
+    assert r.complete and np.array_equal(r.keys, keys) and len(keys) > 0
     assert np.array_equal(trained_documents(tmp_path / "a"), keys)
     assert seen_in_training(tmp_path / "a", data_dir, "val")["trained_on"] == 0
     assert seen_in_training(tmp_path / "a", data_dir, "train")["trained_on"] == len(keys)
     (tmp_path / "b" / "checkpoints" / "step_000001").mkdir(parents=True)
     np.save(tmp_path / "b" / "trained_documents.npy", np.array([1, 2, 3], dtype=np.uint64))
-    n = record_trained(tmp_path / "c", data_dir, tmp_path / "b" / "checkpoints" / "step_000001")
-    assert n == len(keys) + 3  # the base run's documents too
-    (tmp_path / "old").mkdir()  # a base run from before the records: nothing known, nothing written
-    assert record_trained(tmp_path / "c", data_dir, tmp_path / "old") is None
-    assert (
-        not (tmp_path / "c" / "trained_documents.npy").exists() and trained_documents(tmp_path / "c") is None
-    )
+    r = record_trained(tmp_path / "c", data_dir, tmp_path / "b" / "checkpoints" / "step_000001")
+    assert r.complete and len(r.keys) == len(keys) + 3  # the base run's documents too
+    (tmp_path / "old").mkdir()  # a base run from before the records: this run's split known, the base's not
+    r = record_trained(tmp_path / "c", data_dir, tmp_path / "old")
+    assert np.array_equal(r.keys, keys) and not r.complete and "left no record" in r.unknown
+    assert trained_documents(tmp_path / "c") is None  # the old reader: only a complete record
+    assert seen_in_training(tmp_path / "c", data_dir, "val") is None  # "0 of them trained on" is not claimed

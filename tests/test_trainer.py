@@ -566,3 +566,24 @@ def test_time_budget_is_fitted_again_when_the_pace_changes(tmp_path, monkeypatch
     assert t.step <= 31 and clock["now"] <= 6.0 + 10 * 0.5
     saved = tomllib.loads((tmp_path / "run" / "config.toml").read_text())["train"]
     assert saved["max_iters"] == t.step and saved["time_budget"] == 0
+
+
+def test_a_budgeted_run_warns_about_the_plan_it_follows(data_dir, tmp_path, capsys):
+    """The repository stage warned "N passes: the model will memorise" for --max-iters' count, then the time
+    budget trained a fraction of one pass. Now a budgeted run says its plan is up to the budget, and says
+    the plan again, judged, once the budget has chosen the count."""
+    from codeforge.cli import main
+    args = ["train", "--data", str(data_dir), "--out", str(tmp_path / "r"), "--n-layer", "1", "--n-head", "2",
+            "--n-embd", "32", "--block-size", "32", "--batch-size", "2", "--max-iters", "100000",
+            "--time-budget", "3", "--eval-every", "100000", "--eval-tokens", "64", "--device", "cpu",
+            "--no-progress"]
+    assert main(args) == 0
+    said = capsys.readouterr()
+    text = said.out + said.err
+    assert "up to 100,000 steps" in text and "the time budget chooses how many" in text
+    assert "will memorise" not in text  # a few seconds of steps are a fraction of one pass
+    plans = [line for line in text.splitlines() if line.startswith("plan: ")]
+    assert len(plans) == 2 and "up to" in plans[0]
+    import re
+    chosen = int(re.search(r"so (\d+) steps \(of --max-iters", text).group(1))
+    assert plans[1].startswith(f"plan: {chosen:,} steps") and "up to" not in plans[1]  # judged, the count run

@@ -309,10 +309,12 @@ def _score_repo(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps(r))
         return 0
+    unknown = r.get("held_out_unknown")
     print(f"eval --repo {r['repo']}: {r['cases']} cases from "
-          f"{r['held_out_files']} held-out files of {r['files']}"
+          f"{r['held_out_files']} {'held-out ' if r['held_out_checked'] else ''}files of {r['files']}"
           + (f" ({r['trained_on_files']} left out: the run trained on them)" if r["trained_on_files"] else "")
-          + ("" if r["held_out_checked"] else " (not checked against training)")
+          + ("" if r["held_out_checked"] else
+             f" (not a held-out score: {unknown})" if unknown else " (not checked against training)")
           + f"; {r['backend']}; {r['context_files']} other file(s) as context")
     for title, scores in (("", r["scores"]), (" without context", r.get("scores_without_context"))):
         if not scores:

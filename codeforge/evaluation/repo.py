@@ -1,7 +1,9 @@
 """`codeforge eval --repo DIR`: fill-in-the-middle on your own code, the way an editor asks for it.
 
-Held-out files of a repository (files the run never trained on: each file's content hash is checked against
-RUN/trained_documents.npy, data/trained.py) become FIM cases of three kinds, chosen by a seeded generator:
+The files of a repository the run is not known to have trained on (each file's content hash is looked up in
+the run's record, RUN/trained_documents.npy: data/trained.py; they are called held-out only when that record
+is complete, and otherwise what it does not know is said) become FIM cases of three kinds, chosen by a seeded
+generator:
   line   one line of code, the rest of the file as prefix and suffix
   span   2-4 consecutive lines
   block  the body of a function or other block (the indented lines under a line ending in ":" or "{"), up to 8
@@ -48,7 +50,7 @@ import torch
 from ..checkpoint import find_checkpoint, load_model, read_config
 from ..corpus import CorpusOptions, CorpusStats, content_hash, iter_documents
 from ..data.shards import digest_key
-from ..data.trained import trained_documents
+from ..data.trained import trained_record
 from ..device import choose_device, choose_precision
 from ..engine import Engine, SamplingParams
 from ..fim import fit_infill, infill_stop_ids, repo_infill
@@ -81,14 +83,14 @@ def repo_files(root: str) -> list[tuple[str, str]]:
 
 
 def held_out(files: list[tuple[str, str]], run_dir: str | None) -> tuple[list[tuple[str, str]], int, bool]:
-    """(files the run never trained on, how many were left out as trained on,
-    whether that could be checked)."""
-    trained = trained_documents(run_dir) if run_dir else None
-    if trained is None:
+    """(files the run is not known to have trained on, how many were left out as trained on, whether the
+    run's record is complete: only then are the files kept held out)."""
+    if not run_dir:
         return files, 0, False
-    keys = set(trained.tolist())
+    record = trained_record(run_dir)  # every known key left out, complete or not
+    keys = set(record.keys.tolist())
     kept = [(p, t) for p, t in files if digest_key(content_hash(t)) not in keys]
-    return kept, len(files) - len(kept), True
+    return kept, len(files) - len(kept), record.complete
 
 
 def split_lines(text: str) -> list[str]:
@@ -587,6 +589,8 @@ def run_repo_eval(repo: str, run: str | None = None, endpoint: str | None = None
          "backend": endpoint and f"{api} {endpoint}" or f"run {run}", "run_dir": run_dir,
          "data_files": "scored" if data_files else "left out",
          "data_like_files": {clean(p): s for p, s in sorted(data.items())}}
+    # what the run's record cannot say (None: nothing, so the files kept are held out; or no run at all)
+    r["held_out_unknown"] = trained_record(run_dir).unknown if run_dir else None
     with torch.no_grad():
         lead = fill_cases(fill, cases, max_new, with_context=context_files > 0)
         second = fill_cases(fill, cases, max_new, with_context=False) if both and context_files else []

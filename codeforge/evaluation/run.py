@@ -12,7 +12,7 @@ from .. import rundir
 from ..checkpoint import load_model
 from ..config import speaks_chat
 from ..data.shards import ShardSet
-from ..data.trained import data_identity, seen_in_training
+from ..data.trained import data_identity, seen_in_training, trained_record
 from ..device import choose_device, choose_precision
 from ..engine import Engine
 from ..tasks.code_tasks import TaskError, load_tasks
@@ -136,7 +136,12 @@ def _unseen_check(run_dir: Path, data: str, split: str, cfg: dict) -> dict:
                   "below flatter the model (the data was prepared "
                   f"again with another split or corpus, or --data names other data). Score a run on the data "
                   f"it was trained with, or on documents it never saw.", file=sys.stderr, flush=True)
-        return {"val_documents": seen["documents"], "val_trained_on": seen["trained_on"]}
+        return {"val_documents": seen["documents"], "val_trained_on": seen["trained_on"],
+                **({} if seen["complete"] else {"val_note": f"at least; not recorded: {seen['unknown']}"})}
+    record = trained_record(run_dir)
+    if not record.complete:  # a fine-tune of an imported model, a chat run: what else it saw has no key
+        return {"val_trained_on": None,
+                "val_note": f"not all the run trained on is recorded: {record.unknown}"}
     saved = cfg.get("data_identity")
     if saved and Path(data).resolve() == Path(cfg["train"].get("data", "")).resolve():
         try:

@@ -20,6 +20,7 @@ import torch
 
 from ..checkpoint import (find_checkpoint, load_model, read_config, save_checkpoint, verify_checkpoint,
                           weights_sha256)
+from ..data.trained import adapter_reason, record_trained
 from ..models import lora
 from . import ExportError, check_out
 
@@ -169,4 +170,6 @@ def import_adapter(adapter: str | Path, base: str | Path, out: str | Path, overw
               "imported_from": {"adapter": str(adapter.resolve())}}
     ck = save_checkpoint(out, 0, model.eval(), config, {}, {"tokenizer": base_ck / "tokenizer"}, keep_last=1,
                          final=True)
+    # the base's record goes on; what the adapter was trained on, an adapter file does not say
+    record_trained(out, None, base_ck, unknown=[adapter_reason(adapter.name)])
     return {"checkpoint": str(ck), "out": str(out), "rank": rank}

@@ -10,6 +10,7 @@ straight down (data -> model -> loss and evaluation -> Trainer).
                                   --resume continues (checked, and the accumulation kept or refused on another
                                   number of ranks): a frozen Began (cfg, record, start)
     init_from(...)                --init-from: the starting weights, checked against this model
+    record_documents(run, ...)    RUN/trained_documents.*: what the run trains on, with its starting runs'
     budget(...)                   the number of optimizer steps: max_iters, else max_tokens, else epochs
     train(run, began, ...)        the one Trainer, handed the run and begin's result, run to the end
 
@@ -29,6 +30,7 @@ import torch
 from .. import rundir
 from .. import checkpoint as ckpt_io
 from ..config import FSDP_STAGES, STAGE, ConfigError, RunConfig
+from ..data.trained import record_trained, recorded
 from ..device import choose_device, choose_precision
 from ..distributed import (distributed_env, found_by_rank0, launched_by_torchrun, setup_distributed,
                            teardown_distributed)
@@ -156,6 +158,21 @@ def begin(run: Run, cfg: RunConfig, resume: bool, tok: CodeTokenizer, data_ident
         cfg = replace(cfg, train=replace(cfg.train, grad_accum_steps=accum))
         run_config["train"]["grad_accum_steps"] = accum
     return Began(cfg, run_config, start)
+
+
+def record_documents(run: Run, began: Began, data: str | None = None, started_from: str | None = None, *,
+                     also_from: tuple[str, ...] = (), unknown: tuple[str, ...] = ()) -> None:
+    """Write what this run trains on (data/trained.py): the training split of `data` (prepared shards; None
+    for a stage whose data has no document keys, which says why in `unknown`), with what the runs it starts
+    from trained on. Once: at a fresh start, or on a resume that finds no intact record (rank 0 writes it).
+    An incomplete record is said, so a later score that cannot be called held-out is no surprise."""
+    if run.rank != 0 or (began.start is not None and recorded(run.dir)):
+        return
+    r = record_trained(run.dir, data, started_from, also_from=also_from, unknown=unknown)
+    if not r.complete:
+        run.say(f"note: recorded {len(r.keys):,} trained document(s) in {run.dir / rundir.TRAINED}, but not "
+                f"everything the model has seen: {r.unknown}. `codeforge eval --repo` leaves the recorded "
+                f"files out and does not call its score held-out")
 
 
 def built(cfg: RunConfig, on_meta: bool = False) -> torch.nn.Module:

@@ -11,12 +11,14 @@ from pathlib import Path
 
 import torch
 
+from .. import printable
 from ..config import ConfigError, RunConfig
 from ..data.hrm_batches import HRMBatches, LabelCache, PlanData
 from ..evaluation.hrm import PARTS, evaluate_hrm, hrm_generation_eval
 from ..tokenizer import CodeTokenizer, token_byte_lengths
 from ..train.resume import jsonl_identity
-from .common import Run, begin, budget, built, init_from, launch, sized_evaluation, train, vocabulary
+from .common import (Run, begin, budget, built, init_from, launch, record_documents, sized_evaluation, train,
+                     vocabulary)
 
 
 def hrm_loss_fn(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, dict]:
@@ -69,6 +71,10 @@ def _train(run: Run, resume: bool) -> dict:
     began = begin(run, cfg, resume, tok, jsonl_identity(t.data, tok.hash))
     cfg, start_ckpt = began.cfg, began.start
     t, m = cfg.train, cfg.model
+    # plans carry the path of the file each function came from, not its content key
+    record_documents(run, began, started_from=t.init_from or None, unknown=(
+        f"the plans in {printable(t.data)}: the functions they hold are not recorded by the file they came "
+        f"from",))
 
     # -- model ----------------------------------------------------------------------------------------------
     model = built(cfg).to(device)

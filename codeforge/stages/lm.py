@@ -12,11 +12,10 @@ from pathlib import Path
 
 import torch
 
-from .. import rundir
 from ..config import STAGE, ConfigError, RunConfig
 from ..data.loader import batch_source
 from ..data.shards import ShardSet
-from ..data.trained import data_identity, record_trained
+from ..data.trained import data_identity
 from ..engine import Engine, SamplingParams
 from ..evaluation.lm import validation_loss
 from ..tokenizer import CodeTokenizer, token_byte_lengths
@@ -24,7 +23,7 @@ from ..train import parallel
 from ..train.losses import lm_loss_fn
 from ..train.memory import estimate
 from .common import (Run, adapters, begin, budget, built, check_init_from, init_from, launch,
-                     sized_evaluation, train, vocabulary)
+                     record_documents, sized_evaluation, train, vocabulary)
 
 
 def run(cfg: RunConfig, resume: bool = False, log=print) -> dict:
@@ -62,9 +61,8 @@ def _train(run: Run, resume: bool, sampler: Callable[..., str]) -> dict:
     began = begin(run, vocabulary(run.cfg, tok, "data"), resume, tok, data_identity(t.data))
     cfg, start_ckpt = began.cfg, began.start
     t, m = cfg.train, cfg.model
-    if rank == 0 and (start_ckpt is None or not (run.dir / rundir.TRAINED).exists()):
-        # the documents this run trains on (and its --init-from run did), so a later score can be checked
-        record_trained(run.dir, t.data, t.init_from or None)
+    # the documents this run trains on (and its --init-from run did), so a later score can be checked
+    record_documents(run, began, t.data, t.init_from or None)
 
     # -- model: under FSDP only rank 0 builds the whole model (parallel.wrap fills the other ranks) ----------
     plan = None
@@ -127,7 +125,8 @@ def _train(run: Run, resume: bool, sampler: Callable[..., str]) -> dict:
     # -- train ----------------------------------------------------------------------------------------------
     return train(run, began, model, batches, lm_loss_fn, total_steps=total, tokens_per_step=tokens_per_step,
                  tok=tok, evaluate=evaluate, mode=mode,
-                 sample=lambda mdl, step: sampler(mdl, tok, device, precision, step, t.sample_tokens))
+                 sample=lambda mdl, step: sampler(mdl, tok, device, precision, step, t.sample_tokens),
+                 plan_note=lambda steps: passes_note(steps, tokens_per_step, train_set.tokens, False))
 
 
 # beyond ~4 passes, repeated data is worth much less than new (Muennighoff et al. 2023), and a
@@ -143,6 +142,8 @@ def passes_note(total: int, tokens_per_step: int, train_tokens: int, budgeted: b
             f"the training split ({train_tokens:,} tokens)")
     if passes <= MANY_PASSES:
         return line
+    if budgeted:  # the time budget chooses the count after the first steps; that plan is the one judged
+        return line + "; the time budget chooses how many, and the plan is said again then"
     fewer = max(1, int(MANY_PASSES * train_tokens / tokens_per_step))
     return (f"{line}\nwarning: {passes:.0f} passes over the same "
             f"{train_tokens:,} tokens: the model will memorise "

@@ -11,13 +11,15 @@ from pathlib import Path
 
 import torch
 
+from .. import printable
 from ..config import PAIR_STAGES, ConfigError, RunConfig, speaks_chat
 from ..data.pairs import PairBatches, PairData, load_pair_rows
 from ..device import autocast
 from ..models.reward import RewardConfig
 from ..train import losses
 from ..train.resume import jsonl_identity
-from .common import Run, begin, budget, built, frozen_copy, init_from, launch, start_point, train
+from .common import (Run, begin, budget, built, frozen_copy, init_from, launch, record_documents, start_point,
+                     train)
 
 
 # -- losses and evaluation --------------------------------------------------------------------------------
@@ -146,6 +148,11 @@ def _train(run: Run, resume: bool) -> dict:
     # -- the start: lock, recorded config, resume point ------------------------------------------------------
     began = begin(run, cfg, resume, tok, jsonl_identity(t.data, tok.hash), chat=speaks_chat(saved))
     t = began.cfg.train
+    # pairs carry no document keys (make-pairs answers with your files' functions): the starting run's record
+    # goes on, incomplete
+    record_documents(run, began, started_from=t.init_from, unknown=(
+        f"the preference pairs in {printable(t.data)}: the code in their answers is not recorded by the file "
+        f"it came from (make-pairs takes your files' functions)",))
 
     # -- model ----------------------------------------------------------------------------------------------
     model = built(began.cfg).to(device)

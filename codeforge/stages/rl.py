@@ -42,7 +42,8 @@ from ..tasks.code_tasks import (HELDOUT_NAMES, TaskError, end_id, execution_rewa
                                 task_prompt_ids, validate_tasks)
 from ..train import losses
 from ..train.resume import jsonl_identity
-from .common import Run, begin, budget, built, frozen_copy, init_from, launch, start_point, train
+from .common import (Run, begin, budget, built, frozen_copy, init_from, launch, record_documents, start_point,
+                     train)
 
 
 MISSING_END_PENALTY = 1.0  # the reward-model score of a sample that never wrote its end token
@@ -357,13 +358,18 @@ def _train(run: Run, resume: bool) -> dict:
                   jsonl_identity(t.data, tok.hash, ("train.jsonl", *HELDOUT_NAMES)), chat=chat)
     cfg, t = began.cfg, began.cfg.train
 
+    # The policy's targets are its own samples (a task's prompt carries no loss): it trains on no new text, so
+    # the record is the starting run's, with the reward model's when one scores the samples (the policy is
+    # pulled toward what that model learned from)
+    use_rm = t.reward_model and t.rewards in ("auto", "model", "both")
+    record_documents(run, began, started_from=t.init_from, also_from=(t.reward_model,) if use_rm else ())
+
     # -- models: the policy, its reference, the reward model, the value head --------------------------------
     model = built(cfg).to(device)
     if began.start is None:
         init_from(run, model, tok, ck=init_ck, why=f" ({'chat template' if chat else 'plain-text prompts'})")
     ref = frozen_copy(m, init_ck, device) if t.kl_coef > 0 else None
     rm = None
-    use_rm = t.reward_model and t.rewards in ("auto", "model", "both")
     if use_rm:
         rm, rm_tok, rm_ck, _ = ckpt_io.load_model(t.reward_model, device, log=say)
         if getattr(rm.cfg, "arch", "") != "reward":

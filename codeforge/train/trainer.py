@@ -44,7 +44,7 @@ class Trainer:
                  sample: Callable[[torch.nn.Module, int], str] | None = None,
                  start_checkpoint: Path | None = None,
                  rank: int = 0, world: int = 1, log=print, aux: torch.nn.Module | None = None,
-                 mode: tuple[str, str] | None = None):
+                 mode: tuple[str, str] | None = None, plan_note: Callable[[int], str] | None = None):
         """model: initialised (or loaded by the stage), on the host or `device` (wrap places it); under FSDP
         the ranks other than 0 may hand it on the meta device (parallel.materialises).
         batches: the training batch source.
@@ -59,11 +59,14 @@ class Trainer:
         parameters join the optimizer (no weight decay) and gradient clipping, and its weights are saved in
         the training state, so checkpoints stay the bare model the engine, eval and export read.
         rank, world: this process among torchrun's. mode: (mode, why) from parallel.choose_mode, when the
-        stage decided it (before building the model); otherwise decided here from cfg.parallel."""
+        stage decided it (before building the model); otherwise decided here from cfg.parallel.
+        plan_note(steps) -> what that many steps mean for the data (passes over it, and a warning): said
+        again when --time-budget chooses the count, so a warning is about the plan that runs."""
         self.model, self.batches, self.loss_fn, self.cfg = model, batches, loss_fn, cfg
         self.run_dir, self.device, self.precision = Path(run_dir), device, precision
         self.total_steps, self.tokens_per_step, self.run_config = total_steps, tokens_per_step, run_config
         self.assets, self.evaluate_fn, self.sample_fn = assets or {}, evaluate, sample
+        self.plan_note = plan_note
         self.evals_done = 0  # evaluations this process ran
         self.budget_set = False  # --time-budget: the step count was chosen
         self.budget_cap = total_steps  # the most steps a budget may choose (--max-iters)
@@ -225,6 +228,8 @@ class Trainer:
                  + (f" and {duration(per_eval)} per evaluation" if per_eval else "") + f", so {total} steps"
                  + (f" (of --max-iters {chosen_from})" if total < chosen_from else " (all of --max-iters)")
                  + f"; saved as max_iters in {rundir.CONFIG}: a re-run with --max-iters {total} repeats it")
+        if self.plan_note:
+            self.say(self.plan_note(total))
         return total
 
     def _refit_budget(self, pace: "Pace", t_run: float) -> int:
