@@ -11,7 +11,7 @@ a name ending in / is a package, every module in it in that layer):
   3  checkpoint/ data/ config engine
   4  evaluation/ train/
   5  stages/
-  6  quickstart serve/ export/
+  6  quickstart open_model serve/ export/
   7  cli __main__
 
 1. A module imports only from its own layer or a lower one.

@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from . import rundir
-from .checkpoint import find_checkpoint, load_model, read_config
+from .checkpoint import find_checkpoint, load_model
 from .config import ConfigError, load_file, resolve
 from .corpus import (EXT_TO_LANG, CorpusOptions, CorpusStats, describe_secrets, describe_skipped,
                      iter_documents, sized_val_fraction, walk_tree)
@@ -27,12 +27,12 @@ from .data.shards import ShardError, prepare
 from .device import choose_device
 from .engine import Engine, SamplingParams
 from .evaluation.lm import EvalError
-from .export.hf import import_hf
 from .evaluation.repo import run_repo_eval
 from .evaluation.run import run_eval
 from .evaluation.tool_calls import chat_end_rate, tool_calling_eval
 from .mining.plans import write_plans
 from .mining.sft import write_sft
+from .open_model import estimate_first, has_fim, imported_model, tune_settings
 from .sandbox import SandboxUnavailable, check_available
 from .stages import run as run_stage
 from .stages.local import resolve_auto
@@ -242,30 +242,6 @@ def _same_split(out_dir: Path, old: dict, opts: CorpusOptions) -> None:
                           f"on with this run (nothing was changed)")
 
 
-# --from-hf: fine-tuning an open model on your code, whole or with LoRA (the usual rates: LoRA's adapters
-# take a larger one)
-FULL_TUNE = {"learning_rate": 1e-4, "warmup_steps": 10, "min_lr_ratio": 0.1, "weight_decay": 0.0}
-LORA_TUNE = {"learning_rate": 1e-3, "warmup_steps": 10, "min_lr_ratio": 0.1, "weight_decay": 0.0}
-
-
-def imported_model(out_dir: Path, hf_dir: str) -> Path:
-    """--from-hf, before the tokenizer step: the open model imported into OUT/imported (once), its tokenizer
-    copied to OUT/tokenizer (the one the data is prepared with). Returns the imported run."""
-    run = out_dir / "imported"
-    if not (run / rundir.CHECKPOINTS).exists():
-        out_dir.mkdir(parents=True, exist_ok=True)
-        r = import_hf(hf_dir, run, log=lambda m: print(f"      {m}"))
-        print(f"      model: imported {hf_dir} ({r['family']}, {r['params']:,} parameters) -> {run}"
-              + (f"; its logits equal transformers' to {r['max_abs_diff']:.1e}"
-                 if r["max_abs_diff"] is not None else ""))
-    else:
-        print(f"      model: reusing {run}")
-    tok_dir = out_dir / "tokenizer"
-    if not (tok_dir / "tokenizer.json").exists():
-        shutil.copytree(find_checkpoint(run, "auto") / "tokenizer", tok_dir)
-    return run
-
-
 def pretrain_config(data_dir: Path, run_dir: Path, meta: dict, steps: int, budget: float, device: str,
                     chat: bool = False, over: dict | None = None):
     """The quickstart's pretraining config: the presets, RUN's cadence, steps (or as many as fit in budget
@@ -439,7 +415,9 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     # a run that has trained keeps the documents it trained on (data prepared before repo-level FIM had none)
     repo_fim = old["options"].get("repo_fim", 0.0) if trained and old else REPO_FIM
     if repo_fim and not _has_repo_tokens(tok_dir):
-        print(f"      note: {tok_dir} was trained before <|repo_name|> and <|file_sep|> existed, so no "
+        print(f"      note: {from_hf}'s tokenizer has no repository tokens, so no repo-level "
+              "fill-in-the-middle" if imported else
+              f"      note: {tok_dir} was trained before <|repo_name|> and <|file_sep|> existed, so no "
               f"repo-level fill-in-the-middle; delete it (and {data_dir}) to train a tokenizer that has them")
         repo_fim = 0.0
     meta = _prepare(out_dir, src, tok_dir, opts, keep=trained, repo_fim=repo_fim)
@@ -475,15 +453,10 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
             budget = max(60.0, total - used)
         over = {**{f"train.{k}": v for k, v in REPO_STAGE.items()}, "train.init_from": str(base_run)}
     elif imported:  # an open model on your code: as many passes as fit, at most MANY_PASSES (STEPS at most)
-        block = read_config(find_checkpoint(imported, "auto"))["model"]["block_size"]
-        batch = max(1, RUN_TOKENS_PER_STEP // block)
-        steps = max_iters or kept or min(STEPS,
-                                         max(1, math.ceil(MANY_PASSES * meta["splits"]["train"]["tokens"]
-                                                                 / (batch * block))))
+        passes_fit, over = tune_settings(imported, lora_rank, meta["splits"]["train"]["tokens"],
+                                         RUN_TOKENS_PER_STEP, STEPS, MANY_PASSES)
+        steps = max_iters or kept or passes_fit
         budget = 0.0 if max_iters or kept else total
-        over = {"train.init_from": str(imported), "train.batch_size": batch, "train.optimizer": "adamw",
-                **{f"train.{k}": v for k, v in (LORA_TUNE if lora_rank else FULL_TUNE).items()},
-                **({"train.lora_rank": lora_rank, "train.lora_alpha": 2.0 * lora_rank} if lora_rank else {})}
     else:
         steps = max_iters or kept or (CHAT_STEPS if chat else STEPS)  # a re-run keeps the count it chose
         budget = 0.0 if max_iters or kept or chat else total
@@ -491,6 +464,9 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     # natively; local_ranks 0: one process per core, up to 4): the same recipe as `train --preset cpu-small
     # lowend-cpu`. --chat trains in one process (its batch of 3 does not split).
     cfg = pretrain_config(data_dir, run_dir, meta, steps, budget, device, chat, over)
+    said: list[str] = []
+    if imported:  # an open model (0.5B+ parameters): its time and memory, said before the long part
+        cfg, said = estimate_first(cfg, run_dir, resume)
     _enough(meta, cfg, src)
     step_no = 5 if base_corpus else 4
     on = " on your files" if base_corpus or imported else ""
@@ -502,6 +478,8 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
     if base_corpus:
         print(f"      from the base's best weights ({base_run}), at learning rate "
               f"{cfg.train.learning_rate:g}, at most {MANY_PASSES} passes over your training files")
+    for line in said:
+        print(f"      {line}")
     if imported:
         print(f"      from {imported}, "
               + (f"LoRA adapters of rank {lora_rank}" if lora_rank else "every weight")
@@ -559,7 +537,8 @@ def run_quickstart(out: str, corpus: str = "python-stdlib", max_iters: int | Non
         round(sv * ev["syntax_samples"]), ev["syntax_samples"])
     he_text = (f"HumanEval not run ({he_skip or 'no problems scored'})" if ev["pass_at_1"] is None else
                f"HumanEval pass@1 {ev['pass_at_1']:.3f}, pass@5 {ev['pass_at_k'].get('5', 0.0):.3f} "
-               f"on {ev['humaneval_problems']} problems (a model this small is not expected to pass any)")
+               f"on {ev['humaneval_problems']} problems"
+               + ("" if imported else " (a model this small is not expected to pass any)"))
     print(f"syntax-valid completions: {sv_text}; {he_text}")
     fim = repo_fim_score(src, best, device) if not langs else None  # your own code: as an editor asks
     print(f"sample (step {ev['step']}):\n{prompt}{sample}\n")
@@ -578,16 +557,25 @@ REPO_CASES = 10  # eval --repo cases of each kind the quickstart scores on your 
 def repo_fim_score(src: str, best: Path, device: str) -> dict | None:
     """`eval --repo` on your held-out files (the validation split: files the run trained on are left out),
     with the other files as context, printed in a line; None (and said) when no held-out file gives a case."""
+    if not has_fim(CodeTokenizer.load(best / "tokenizer", log=lambda m: None).special_ids):
+        print("fill-in-the-middle on your files: not scored (the model's tokenizer has no FIM "
+              "tokens)")
+        return None
     try:
         r = run_repo_eval(src, run=str(best), n=REPO_CASES, device=device)
     except EvalError as e:
         print(f"fill-in-the-middle on your held-out files: not scored ({str(e).splitlines()[0]})")
         return None
     a = r["scores"]["all"]
-    print(f"fill-in-the-middle on your held-out files (as an editor asks, with other files as context): "
-          f"{r['cases']} cases from {r['held_out_files']} files, exact {a['exact_match']:.0%}, edit "
-          f"similarity {a['edit_similarity']:.3f}, {a['syntax_valid']:.0%} "
+    held = r["held_out_checked"]  # the run's record is complete: no file it trained on is among these
+    print(f"fill-in-the-middle on your {'held-out ' if held else ''}files (as an editor asks, with other "
+          f"files as context): {r['cases']} cases from {r['held_out_files']} files, exact "
+          f"{a['exact_match']:.0%}, edit similarity {a['edit_similarity']:.3f}, {a['syntax_valid']:.0%} "
           "of filled files parse (codeforge eval --repo)")
+    if not held:  # a model imported with --from-hf trained on what nobody here knows, maybe these very files
+        unknown = r.get("held_out_unknown") or "what the run trained on is not known"
+        print(f"      not a held-out score: {unknown} (the {r['trained_on_files']} file(s) it is known to "
+              f"have trained on were left out)")
     return r
 
 

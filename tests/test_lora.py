@@ -259,7 +259,11 @@ def test_quickstart_from_an_open_model_with_lora_in_one_command(tmp_path, tokeni
                        device="cpu")
     printed = capsys.readouterr().out
     assert "model: imported" in printed and "LoRA adapters of rank 4" in printed and r["step"] == 3
-    assert "fill-in-the-middle on your held-out files" in printed and "base:" not in printed
+    # the imported model's data is unknown: its score is not called held-out, and says why
+    assert "fill-in-the-middle on your held-out files" not in printed and "base:" not in printed
+    assert ("fill-in-the-middle on your files (as an editor asks" in printed and "not a held-out score: the "
+            "imported model qwen: what it was trained on is not known" in printed)
+    assert r["repo_eval"]["trained_on_files"] > 0 and not r["repo_eval"]["held_out_checked"]
     assert (out / "tokenizer" / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
     ck = find_checkpoint(out / "run", "latest")
     assert (ck / lora.ADAPTER_FILE).exists() and json.loads((ck / "config.json").read_text())["model"][

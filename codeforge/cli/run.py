@@ -616,10 +616,11 @@ def add_export_parser(sub) -> None:
                    help="gguf: say how the tokenizer's split differs from llama.cpp's")
     e.set_defaults(func=cmd_export)
     i = sub.add_parser("import",
-                       help="a codeforge run from a local Hugging Face model directory (GPT-2, Llama, "
-                                      "Qwen2, Qwen3, Arcee), to train from with --init-from RUN")
-    i.add_argument("--hf", default=None, metavar="DIR",
-                   help="directory with config.json, *.safetensors, tokenizer.json")
+                       help="a codeforge run from a Hugging Face model, a directory or a Hub name (GPT-2, "
+                                      "Llama, Qwen2, Qwen3, Arcee), to train from with --init-from RUN")
+    i.add_argument("--hf", default=None, metavar="DIR|ORG/NAME",
+                   help="directory with config.json, *.safetensors, tokenizer.json, or a Hub name "
+                        "(fetched once with huggingface_hub, then read from its cache)")
     i.add_argument("--adapter", default=None, metavar="DIR",
                    help="instead of --hf: a LoRA adapter (`export --format adapter`), merged onto --base")
     i.add_argument("--base", default=None, metavar="RUN",

@@ -243,10 +243,10 @@ def add_quickstart_parser(sub) -> None:
                         "a base on a public corpus of its language, then goes on on your files: auto (the "
                         "default: Python's or Go's standard library), none "
                         "(your files alone), python-stdlib, go or a PATH")
-    q.add_argument("--from-hf", default=None, metavar="DIR",
-                   help="fine-tune an open code model you downloaded (a Hugging Face directory: "
-                        "Qwen2.5-Coder, Llama, GPT-2, ...) on your code with its own "
-                        "tokenizer, instead of training one from scratch")
+    q.add_argument("--from-hf", default=None, metavar="DIR|ORG/NAME",
+                   help="fine-tune an open code model on your code with its own tokenizer, instead of "
+                        "training one from scratch: a Hugging Face directory or a Hub name "
+                        "(Qwen/Qwen2.5-Coder-0.5B; fetched once, then read from the cache)")
     q.add_argument("--lora-rank", type=int, default=0, metavar="R",
                    help="--from-hf: train LoRA adapters of rank R (e.g. "
                         "16), the model frozen (default 0: every weight)")
@@ -286,8 +286,8 @@ def cmd_quickstart(a: argparse.Namespace) -> int:
             raise CLIError("--base, --from-hf and --lora-rank are for the plain quickstart on your code, not "
                            "--chat or --hrm")
         if a.lora_rank and not a.from_hf:
-            raise CLIError("--lora-rank adapts an open model: give --from-hf DIR (a model trained from "
-                           "scratch trains every weight)")
+            raise CLIError("--lora-rank adapts an open model: give --from-hf DIR|ORG/NAME (a model trained "
+                           "from scratch trains every weight)")
         r = run_quickstart(a.out or default_out(a.corpus, a.chat, a.hrm), a.corpus, a.max_iters, a.device,
                            chat=a.chat, hrm=a.hrm, val_fraction=a.val_fraction, time_budget=a.time_budget,
                            base_dir=default_out(a.corpus) if a.chat else None, base=a.base, from_hf=a.from_hf,

@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -44,10 +45,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from . import ExportError, check_out
+from .hub import model_source
 from ..atomic import publish, staging_dir
 from ..checkpoint import load_model, save_checkpoint
-from ..checkpoint.guard import (CONFIG_BYTES, check_inside, check_memory, check_regular, declared_shapes,
-                                dims, header_bytes, model_config_from, read_json, safetensors_header)
+from ..checkpoint.guard import (CONFIG_BYTES, available_memory, check_inside, check_memory, check_regular,
+                                declared_shapes, dims, header_bytes, model_config_from, read_json,
+                                safetensors_header)
 from ..config import TrainConfig
 from ..models import build_model, state_shapes
 from ..models.gpt import GPTConfig, unknown_options
@@ -456,20 +459,33 @@ def load_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
-def import_hf(hf_dir: str | Path, out: str | Path, overwrite: bool = False, verify: bool = True,
-              log: Callable[[str], None] = print) -> dict:
+def import_hf(hf_dir: str | Path, out: str | Path, overwrite: bool = False, verify: bool | None = True,
+              log: Callable[[str], None] = print, context: int | None = None) -> dict:
     """A codeforge run directory `out` (one checkpoint, step 0, with the
     tokenizer) from the Hugging Face model
-    in `hf_dir`, to start training from (`codeforge train --init-from OUT`), generate, evaluate or export."""
-    hf_dir = Path(hf_dir)
+    in `hf_dir` (a directory, or a Hub name ORG/NAME: hub.model_source), to start training from (`codeforge
+    train --init-from OUT`), generate, evaluate or export. context: at most this many positions for a rotary
+    model (its block_size, the context it trains and serves at; nothing in its weights depends on it): the
+    Hub's code models declare 32,768, and one training window that long does not fit a CPU's memory.
+    verify None: compare logits with transformers' where its copy of the model fits in memory too."""
+    hf_dir, hub_name = model_source(hf_dir, log)
     c = read_hf_config(hf_dir)
     m, fam = config_from_hf(c, hf_dir / "config.json")
+    declared = m.block_size
+    if context and m.pos == "rope" and m.block_size > context:
+        m = replace(m, block_size=context)
     out = check_out(out, overwrite)
     # the weights' headers, and the memory: our float32 model, the tensors read, their float32 copies
     # (from_hf), and transformers' own copy when verifying
     stored = sum(header_bytes(safetensors_header(f, ExportError, NOT_IMPORTABLE))
                  for f in hf_weight_files(hf_dir))
     params = declared_shapes(m)[2]
+    if verify is None:
+        have = available_memory()
+        verify = have is None or 4 * params * 3 + stored <= have[0]
+        if not verify:  # a 1.5B model on a 24 GiB machine: the import fits, a second float32 copy does not
+            log(f"note: not comparing logits with transformers': its float32 copy of {params:,} parameters "
+                f"would not fit in the memory available ({have[0] / 2**30:.1f} GiB)")
     check_memory(4 * params * (3 if verify else 2) + stored,
                  f"{hf_dir / 'config.json'} declares a model of "
                  f"{params:,} parameters ({dims(m)}): importing it",
@@ -512,13 +528,16 @@ def import_hf(hf_dir: str | Path, out: str | Path, overwrite: bool = False, veri
         train.update(out=str(out), init_from=str(hf_dir))
         config = {"model": m.to_dict(), "train": train, "tokenizer_hash": tok.hash,
                   "imported_from": {"path": str(hf_dir.resolve()), "architectures": c.get("architectures"),
-                                    "model_type": c["model_type"]}}
+                                    "model_type": c["model_type"],
+                                    **({"hub": hub_name} if hub_name else {}),
+                                    **({"context": declared} if declared != m.block_size else {})}}
         ck = save_checkpoint(out, 0, model, config, {}, {"tokenizer": tok_tmp}, keep_last=1, final=True)
     finally:
         shutil.rmtree(tok_tmp, ignore_errors=True)
     diff = verify_logits(model, hf_dir, tok) if verify else None
     return {"family": fam.name, "checkpoint": str(ck), "out": str(out), "max_abs_diff": diff,
-            "params": model.num_params()}
+            "params": model.num_params(), "path": str(hf_dir), "hub": hub_name, "context": m.block_size,
+            "declared_context": declared}
 
 
 # -- parity --------------------------------------------------------------------------------------------------
