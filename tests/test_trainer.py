@@ -418,6 +418,10 @@ def test_interrupted_run_says_where_it_stopped(data_dir, tmp_path, capsys, monke
     assert "stopped: step 3" in out and "(evaluated at step 0)" in out
     assert "SIGINT: stopping after this step (or evaluation), with a checkpoint" in said.err  # heard at once
     assert "saved a checkpoint at step 3; continue with --resume" in said.err + out
+    # the quickstart's own way on is its command's alone: it does not outlive it in the process
+    from codeforge.train.stopping import RESUME_HINT as HINT
+    assert main(["quickstart", "--chat", "--hrm", "--out", str(tmp_path / "q")]) == 2  # refused inside it
+    assert HINT not in os.environ
     monkeypatch.setattr(Trainer, "_optimisation_step", orig)
     args[args.index("100")] = "5"
     assert main(args + ["--resume"]) == 0

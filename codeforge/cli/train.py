@@ -278,7 +278,10 @@ def cmd_quickstart(a: argparse.Namespace) -> int:
     check_corpus(a.corpus)
     from ..quickstart import RESUME, run_quickstart
     from ..train.stopping import RESUME_HINT
-    os.environ[RESUME_HINT] = RESUME  # training's ranks, processes of their own too, say the same way on
+    # training's ranks, processes of their own too, say the same way on; for this command only (a caller in
+    # the same process, a test or a script, trains on with its own)
+    before = os.environ.get(RESUME_HINT)
+    os.environ[RESUME_HINT] = RESUME
     try:
         if a.chat and a.hrm:
             raise CLIError("--chat and --hrm are two different quickstarts: pick one")
@@ -294,6 +297,11 @@ def cmd_quickstart(a: argparse.Namespace) -> int:
                            lora_rank=a.lora_rank)
     except FileNotFoundError as e:
         raise CLIError(str(e)) from e
+    finally:
+        if before is None:
+            os.environ.pop(RESUME_HINT, None)
+        else:
+            os.environ[RESUME_HINT] = before
     return stopped_code(r)
 
 
