@@ -204,8 +204,8 @@ def add_parsers(sub) -> None:
     pr.add_argument("--out", required=True,
                     help="directory to write the token shards, the tokenizer copy and meta.json to")
     pr.add_argument("--decontaminate", nargs="+", default=["humaneval"], metavar="SRC",
-                    help="drop every document that shares a 13-token "
-                         "run with a benchmark: humaneval (the default), "
+                    help="drop every document that shares a 13-token run, or most of a solution's "
+                         "shape (names and layout aside), with a benchmark: humaneval (the default), "
                          "a JSONL file of benchmark records (every string field), or a directory of held-out "
                          "files (those `eval --repo` will score); counted in the report")
     pr.add_argument("--no-decontaminate", action="store_true",
