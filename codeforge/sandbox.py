@@ -850,6 +850,12 @@ def _verdict(err: bytes, rep: bytes, token: bytes, rc: int, timed_out: bool, oom
     return SandboxResult("failed", last or f"exit code {rc}", seconds)
 
 
+# CPython 3.11 keeps the AST builder's recursion count per interpreter, not per thread: two threads parsing
+# at once (a garbage collection inside one parse can hand the GIL over) end in "SystemError: AST constructor
+# recursion depth mismatch". run_many's threads all decode reports, so they take turns.
+_PARSE_LOCK = threading.Lock()
+
+
 def _decode_report(text: bytes, calls: tuple[str, bytes]) -> list | None:
     """The runner's line of return values (repr of tagged plain data), parsed without evaluating anything;
     None when it is not exactly one well-formed record per call (the program wrote to the report pipe
@@ -857,7 +863,8 @@ def _decode_report(text: bytes, calls: tuple[str, bytes]) -> list | None:
     try:
         if len(text) > REPORT_CAP or not text.endswith(b"\n"):
             return None
-        rows = ast.literal_eval(text.decode("utf-8"))
+        with _PARSE_LOCK:
+            rows = ast.literal_eval(text.decode("utf-8"))
         n = len(marshal.loads(calls[1]))
         if not isinstance(rows, list) or len(rows) != n:
             return None

@@ -9,6 +9,7 @@ an exception message) is only used as a second witness or for diagnostics.
 
 from __future__ import annotations
 
+import marshal
 import os
 import re
 import secrets
@@ -932,3 +933,38 @@ def test_rl_rewards_of_ordinary_solutions_without_a_cgroup(no_cgroup):
     res = execution_rewards(tasks, [t["solution"] for t in tasks], timeout=5.0, trusted_only=True)
     assert [r["outcome"] for r in res] == ["passed"] * len(tasks), [r for r in res
                                                                     if r["outcome"] != "passed"]
+
+
+def test_reports_are_never_parsed_by_two_threads_at_once(monkeypatch):
+    """CPython 3.11's AST builder counts its recursion per interpreter: two threads inside ast.literal_eval at
+    once can fail with "AST constructor recursion depth mismatch" (it failed a CI run once). run_many decodes
+    reports on its threads, so each parse must run alone."""
+    import ast as real_ast
+    import threading
+    import time
+    import types
+
+    from codeforge import sandbox
+
+    inside, most = [0], [0]
+    guard = threading.Lock()
+
+    def slow_literal_eval(text):
+        with guard:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.02)  # hands the GIL over, as a collection inside a parse can
+        with guard:
+            inside[0] -= 1
+        return real_ast.literal_eval(text)
+
+    monkeypatch.setattr(sandbox, "ast", types.SimpleNamespace(literal_eval=slow_literal_eval))
+    calls = ("f", marshal.dumps([((), {})]))
+    report = b"[['ok', {'l': [1, 2]}]]\n"
+    threads = [threading.Thread(target=sandbox._decode_report, args=(report, calls)) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == 1
+    assert sandbox._decode_report(report, calls) is not None
