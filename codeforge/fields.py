@@ -1,11 +1,15 @@
-"""A config field declared once: default, allowed range or choices, and help, in the dataclass itself.
+"""An option declared once: default, allowed range or choices, and help, in the dataclass itself.
 
-Validation (`check_fields`) and the command line (cli/train.py generates a flag per field) both read this
-declaration, so a range, a choice list or a help text is written in exactly one place.
+Every options object of every command (the run's [model] and [train], and corpus, prepare, tokenizer, serve,
+eval, export, import, quickstart) declares its fields with `setting`. Validation (`check_fields`), the
+command line (`add_flags` makes a flag per field, `from_args` builds the object back) and `codeforge config
+keys` all read this declaration, so a default, a range, a choice list or a help text is written in exactly
+one place.
 """
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import MISSING, Field, field, fields
 from typing import Any
 
@@ -18,14 +22,36 @@ class ConfigError(CodeforgeError):
 
 def setting(default: Any, help: str = "", range: tuple[float, float] | None = None, open_low: bool = False,
             choices: tuple[str, ...] | None = None, zero_means: str = "", flag: str | None = None,
-            cli: bool = True, required: bool = False, metavar: str | None = None) -> Any:
+            cli: bool = True, required: bool = False, metavar: str | None = None, type: type | None = None,
+            many: bool = False, positional: bool = False) -> Any:
     """A dataclass field with its declaration in metadata. range: inclusive [lo, hi] (open at lo with
     open_low); zero_means: 0 is allowed outside the range and means this (e.g. "from the data"); flag: the
     command-line name when it is not --field-name; cli=False keeps the field off the command line;
-    required: the run cannot start without it (said in --help); metavar: the placeholder in --help."""
-    return field(default=default, metadata={"help": help, "range": range, "open_low": open_low,
-                                            "choices": choices, "zero_means": zero_means, "flag": flag,
-                                            "cli": cli, "required": required, "metavar": metavar})
+    required: the command cannot start without it (the flag is required, and --help says so); metavar: the
+    placeholder in --help; type: the value's type where the default (None) does not show it; many: the
+    flag takes one or more values (a list default is copied for each object); positional: an argument
+    without a flag."""
+    meta = {"help": help, "range": range, "open_low": open_low, "choices": choices, "zero_means": zero_means,
+            "flag": flag, "cli": cli, "required": required, "metavar": metavar, "type": type,
+            "many": many or isinstance(default, list), "positional": positional}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def default_of(f: Field) -> Any:
+    """A field's default value (a fresh one for a list), MISSING when it has none."""
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
+def value_type(f: Field) -> type:
+    """The type of one value of the field: declared, else the default's (an element's for a list)."""
+    d = default_of(f)
+    if f.metadata.get("type"):
+        return f.metadata["type"]
+    if isinstance(d, (list, tuple)):
+        return type(d[0]) if d else str
+    return str if d is None or d is MISSING else type(d)
 
 
 def saved(obj: Any, order: tuple[str, ...]) -> dict:
@@ -53,24 +79,81 @@ def describe(f: Field) -> str:
         parts.append(f"0: {m['zero_means']}")
     if m.get("required"):
         parts.append("required")
-    elif f.default is not MISSING:
-        parts.append(f"default {f.default}" if f.default != "" else "default: none")
+    elif "default" not in m.get("help", ""):  # a help that says its default itself ("default: both") keeps it
+        d = default_of(f)
+        if isinstance(d, bool):
+            parts.append(f"default {'on' if d else 'off'}")
+        elif isinstance(d, (list, tuple)) and d:
+            parts.append("default " + " ".join(map(str, d)))
+        elif d in (None, "", [], ()):
+            parts.append("default: none")
+        elif d is not MISSING:
+            parts.append(f"default {d}")
     return "; ".join(p for p in parts if p)
 
 
-def check_fields(obj: Any, section: str) -> None:
-    """Raise ConfigError for the first field of `obj` outside its declared range or choices."""
+def add_flags(parser: argparse.ArgumentParser, cls: type, group: str | None = None, dest_prefix: str = "",
+              given_only: bool = False, skip: tuple[str, ...] = ()) -> None:
+    """A command-line argument per field of dataclass `cls` (those declared with `setting`, cli=True, not in
+    `skip`), its name, type, choices, help and default all from the declaration. dest_prefix: the
+    namespace key is PREFIX + field name (cli/train.py's "model."); given_only: every default is None, so a
+    caller can tell a flag given from one left out (a bool then also gets its --no- form). Each action
+    remembers its field (`action.field`), and the parser the classes it holds (`parser.options`), for the
+    test that no flag is declared twice."""
+    target = parser.add_argument_group(group) if group else parser
+    parser.options = [*getattr(parser, "options", []), cls]
+    for f in fields(cls):
+        m = f.metadata
+        if "cli" not in m or not m["cli"] or f.name in skip:
+            continue
+        d, vt = default_of(f), value_type(f)
+        kw: dict = {"help": describe(f).replace("%", "%%")}
+        if vt is bool and not m.get("many"):
+            kw["action"] = (argparse.BooleanOptionalAction if given_only or d is True
+                            else "store_true")
+        else:
+            kw["type"] = vt
+            if m.get("choices"):
+                kw["choices"] = m["choices"]
+            else:
+                kw["metavar"] = m.get("metavar") or {int: "N", float: "X"}.get(vt, "TEXT")
+            if m.get("many"):
+                kw["nargs"] = "+"
+        kw["default"] = None if given_only else d
+        if m.get("positional"):
+            action = target.add_argument(dest_prefix + f.name, **kw)
+        else:
+            if m.get("required") and not given_only:
+                kw["required"] = True
+            action = target.add_argument(flag_name(f), dest=dest_prefix + f.name, **kw)
+        action.field = (cls, f)
+
+
+def from_args(cls: type, a: argparse.Namespace, section: str, **given: Any) -> Any:
+    """The `cls` object the parsed flags describe (fields without a flag keep their defaults, `given`
+    overrides), checked against its declaration: ConfigError names the flag and the allowed values."""
+    kw = {f.name: getattr(a, f.name) for f in fields(cls) if f.name not in given and hasattr(a, f.name)}
+    obj = cls(**kw, **given)
+    check_fields(obj, section, via_set=False)
+    return obj
+
+
+def check_fields(obj: Any, section: str, via_set: bool = True) -> None:
+    """Raise ConfigError for the first field of `obj` outside its declared range or choices. section: the
+    config table ("train") or the command ("prepare") the message names; via_set: the field can also be
+    given as --set SECTION.FIELD=... (the run's config sections)."""
     for f in fields(obj):
         m, v = f.metadata, getattr(obj, f.name)
-        key = f"{section}.{f.name}"
-        if m.get("choices") and v not in m["choices"]:
-            raise ConfigError(f"{key} = {v!r} is not one of {m['choices']}; "
-                              f"set {flag_name(f)} (or --set {key}=...)")
-        if m.get("range"):
-            if m.get("zero_means") and v == 0:
-                continue
-            lo, hi = m["range"]
-            ok = (lo < v if m.get("open_low") else lo <= v) and v <= hi
-            if not ok:
-                raise ConfigError(f"{key} = {v!r} is out of range {'(' if m.get('open_low') else '['}{lo}, "
-                                  f"{hi}]; set {flag_name(f)} (or --set {key}=...) to a value in that range")
+        if v is None:
+            continue
+        key = f"{section}.{f.name}" if via_set else f"{section} {flag_name(f)}"
+        fix = f"set {flag_name(f)} (or --set {section}.{f.name}=...)" if via_set else f"give {flag_name(f)}"
+        values = v if m.get("many") and isinstance(v, (list, tuple)) else [v]
+        for x in values:
+            if m.get("choices") and x not in m["choices"]:
+                raise ConfigError(f"{key} = {x!r} is not one of {m['choices']}; {fix}")
+            if m.get("range") and not (m.get("zero_means") and x == 0):
+                lo, hi = m["range"]
+                if not ((lo < x if m.get("open_low") else lo <= x) and x <= hi):
+                    raise ConfigError(f"{key} = {x!r} is out of range {'(' if m.get('open_low') else '['}"
+                                      f"{lo}, {hi}]; {fix} to a value in that range")

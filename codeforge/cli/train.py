@@ -52,10 +52,8 @@ def add_parsers(sub, config_flags: bool = True) -> None:
 
 def _config_flags(t) -> None:
     """--preset, --config, --set, --dropout and a flag per config field."""
-    from dataclasses import fields
-
     from ..config import SECTIONS
-    from ..fields import describe, flag_name
+    from ..fields import add_flags
     t.add_argument("--preset", nargs="+", action="extend", default=[], metavar="NAME",
                    help="model and/or hardware presets, applied in order (see `codeforge presets`)")
     t.add_argument("--config", help="TOML or YAML file with [model] and [train] tables")
@@ -65,20 +63,7 @@ def _config_flags(t) -> None:
     t.add_argument("--dropout", type=float, default=None,
                    help="sets embedding, attention and residual dropout")
     for section, cls in SECTIONS.items():
-        g = t.add_argument_group(f"{section} settings")
-        for f in fields(cls):
-            if not f.metadata.get("cli", True):
-                continue
-            kw: dict = {"dest": f"{section}.{f.name}", "default": None, "help": describe(f)}
-            if isinstance(f.default, bool):
-                kw["action"] = argparse.BooleanOptionalAction
-            else:
-                kw["type"] = type(f.default)
-                kw["metavar"] = None if f.metadata.get("choices") else (
-                    f.metadata.get("metavar") or {int: "N", float: "X"}.get(type(f.default), "TEXT"))
-                if f.metadata.get("choices"):
-                    kw["choices"] = f.metadata["choices"]
-            g.add_argument(flag_name(f), **kw)
+        add_flags(t, cls, group=f"{section} settings", dest_prefix=f"{section}.", given_only=True)
 
 
 def cmd_config_keys(a: argparse.Namespace) -> int:
