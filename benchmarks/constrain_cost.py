@@ -26,7 +26,7 @@ from pathlib import Path
 # as decode_speed.py: spinning threads collapse when shared
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402
+import torch
 
 # presets/models.toml cpu-small
 SHAPE = dict(vocab_size=8192, block_size=256, n_layer=4, n_head=3, n_embd=192)

@@ -26,7 +26,7 @@ from pathlib import Path
 # passive. Applied to every engine alike; pass OMP_WAIT_POLICY=ACTIVE to measure spinning on an idle machine.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402
+import torch
 
 MODELS = {  # Llama-style, so that every engine (and llama.cpp's llama architecture) runs it
     "small": dict(vocab_size=8192, block_size=1024, n_layer=4, n_head=4, n_embd=256, mlp="swiglu",

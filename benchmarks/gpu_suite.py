@@ -46,7 +46,7 @@ then on the device, from the repository root (the prepared Python-library shards
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \\
     PYTHONPATH=/tmp/site:$PWD python3 benchmarks/gpu_suite.py --out $OUT --data .gpu/data
 
-docs/LOG.md has every table this wrote, with its device.
+docs/LOG.md#2026-11-27-gpu-suite-h100 has every table this wrote, with its device.
 """
 
 from __future__ import annotations
@@ -443,7 +443,7 @@ def job_serve(p: dict) -> dict:
            "server_log": lines[-4:]}
     try:
         out["decode"] = _decode(run, p["device"], p["decode_tokens"], work)
-    except Exception as e:  # noqa: BLE001 - the streams' figures stand without the comparison
+    except Exception as e:  # the streams' figures stand without the comparison
         out["decode_error"] = f"{type(e).__name__}: {e}"
     return out
 
@@ -695,7 +695,7 @@ def main() -> None:
         else:
             try:
                 row["result"], row["error"], row["seconds"] = run_job(kind, params, left, log)
-            except Exception:  # noqa: BLE001 - the runner itself must never stop the rest
+            except Exception:  # the runner itself must never stop the rest
                 row["error"] = traceback.format_exc().strip().splitlines()[-1]
             if kind == "env" and row["result"]:
                 res["env"] = row["result"]

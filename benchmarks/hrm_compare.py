@@ -314,8 +314,8 @@ def worker(spec: dict) -> None:
         log.write(m + "\n")
         log.flush()
 
-    from codeforge.models import build_model  # noqa: F401  (imported before the base RSS is read)
-    from codeforge.train.trainer import Trainer  # noqa: F401
+    from codeforge.models import build_model  # imported before the base RSS is read
+    from codeforge.train.trainer import Trainer
     base_rss = rss_mb()  # Python, torch and codeforge loaded; no data, no model yet
     tok = CodeTokenizer.load(spec["tokenizer"])
     kind, seed, B = spec["model"], spec["seed"], TRAIN["batch_size"]

@@ -29,9 +29,21 @@ TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "25
 # default follows the cores other work leaves free, and another thread count sums in another order
 
 
+EMPTY_DIR = tempfile.mkdtemp(prefix="same_losses_cwd_")
+
+
 def cf(checkout: Path, *args: str) -> None:
+    # run from an empty directory: `python -m` puts the working directory first on the import path, so run
+    # from a checkout it would import that checkout's codeforge whatever PYTHONPATH says (and from a shared
+    # directory such as /tmp, any stray timeit.py there would shadow the standard library's)
     env = {**os.environ, "PYTHONPATH": str(checkout.resolve())}
-    r = subprocess.run([sys.executable, "-m", "codeforge", *args], env=env, capture_output=True, text=True)
+    here = EMPTY_DIR
+    found = subprocess.run([sys.executable, "-c", "import codeforge; print(codeforge.__file__)"], env=env,
+                           cwd=here, capture_output=True, text=True).stdout.strip()
+    if not Path(found).resolve().is_relative_to(checkout.resolve()):
+        raise SystemExit(f"{checkout}: `import codeforge` finds {found}, not this checkout's")
+    r = subprocess.run([sys.executable, "-m", "codeforge", *args], env=env, capture_output=True, text=True,
+                       cwd=here)
     if r.returncode:
         raise SystemExit(f"{checkout}: codeforge {' '.join(args)} failed:\n{r.stderr[-3000:]}")
 

@@ -1,7 +1,7 @@
 """Would two Python threads, each running forward and backward on half the batch with PyTorch's pool at one
 thread (so no OpenMP barrier after every operation), train faster than one process-wide pool? An experiment
-(docs/LOG.md, 2026-11-25, fifth session); codeforge's trainer does not do this. Prints tokens/s as JSON, for
-benchmarks/under_load.py:
+(docs/LOG.md#2026-11-25-split-batch-threads); codeforge's trainer does not do this. Prints tokens/s as JSON,
+for benchmarks/under_load.py:
 
     python benchmarks/split_batch_threads.py --mode intra1|intra2|dp2 [--preset cpu-small] [--vocab N]
     python benchmarks/under_load.py --loads none,spin6 -- python benchmarks/split_batch_threads.py --mode dp2

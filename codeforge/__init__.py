@@ -1,11 +1,11 @@
 """codeforge: train code language models from scratch.
 
 The package is in layers; a module imports only from its own layer or a lower one (tests/test_layers.py
-reads the table below, the one place it is written, and checks the first five rules by parsing every import;
-a name ending in / is a package, every module in it in that layer):
+reads the table below, the one place it is written, and checks the rules after it, and that the imports make
+no cycle, by parsing every import; a name ending in / is a package, every module in it in that layer):
 
-  0  atomic box_values catalog device distributed fields parquet_pages rundir   (nothing of codeforge's
-                                                                                above layer 0)
+  0  atomic box_memory box_runner box_values catalog device distributed fields parquet_pages rundir
+                                                                  (nothing of codeforge's above layer 0)
   1  corpus decontam redact tokenizer chat constrain grammar_ways json_schema fim sandbox syntax   text, code
   2  models/ tasks/ mining/
   3  checkpoint/ data/ config engine
@@ -29,9 +29,10 @@ import os as _os
 __version__ = "0.1.0"
 
 # OpenMP threads that wait for each other sleep instead of spinning, so on cores shared with other work a
-# waiting thread does not burn the time the thread it waits for needs (1.7x the training rate under load,
-# docs/LOG.md). libgomp reads this once, when torch loads it: hence here, before any codeforge module imports
-# torch. A value already set is kept. The thread count is device.py's thread_policy.
+# waiting thread does not burn the time the thread it waits for needs (with device.py's thread count, 2.7x
+# the training rate beside a second training: docs/LOG.md#2026-11-25-under-load-idle-cores). libgomp reads
+# this once, when torch loads it: hence here, before any codeforge module imports torch. A value already set
+# is kept. The thread count is device.py's thread_policy.
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The same for the OpenBLAS numpy ships, which decoding's matrix-vector products use (models/cpu_linear.py):
 # its idle threads sleep after 2**4 cycles instead of spinning for about 0.1 s.

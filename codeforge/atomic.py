@@ -1,9 +1,9 @@
 """Write a directory aside, then rename it into place: a crash never leaves one that looks complete.
 
 Used for tokenizers, prepared shards, checkpoints and the miners' JSONL directories (output_dir,
-write_splits). `staging_dir(out)` gives an empty hidden sibling of
-`out` (same filesystem, so the rename is atomic); `publish(tmp, out)` moves it into place, replacing an
-existing `out` only after the new one is complete.
+write_splits). `staging_dir(out)` gives an empty hidden sibling of `out` (same filesystem, so the rename is
+atomic); `publish(tmp, out)` moves it into place, replacing an existing `out` only after the new one is
+complete.
 
 Names, with the writing process's PID: `.NAME.tmp-PID` is being written (or is garbage), `.NAME.old-PID` is
 the previous complete `NAME` during the two renames of a replacement. A process killed midway leaves them
@@ -61,9 +61,8 @@ def clean_stale(parent: Path) -> list[Path]:
             path, target = Path(e.path), parent / m["name"]
             if m["kind"] == "old" and not os.path.lexists(target):
                 path.rename(target)
-                print(f"note: restored {target} from {path.name}, "
-                      "left by a process that died while replacing it",
-                      file=sys.stderr)
+                print(f"note: restored {target} from {path.name}, left by a process that died while "
+                      "replacing it", file=sys.stderr)
             else:
                 shutil.rmtree(path)
             acted.append(path)

@@ -276,9 +276,8 @@ def read_conversations(paths: list[str], stats, strict: bool = False, max_line_c
             files.append((p, None))
     for path, tree in files:
         if tree is not None and (real := leaves_tree(path, tree)):
-            stats.skip("symlink_outside", path, False,
-                       f"a symlink to {real}, outside {tree}: not read; name the "
-                       f"target as an input to read it")
+            stats.skip("symlink_outside", path, False, f"a symlink to {real}, outside {tree}: not read; "
+                       "name the target as an input to read it")
             continue
         try:
             with open_text(path) as f:

@@ -77,14 +77,32 @@ def speaks_chat(saved: dict) -> bool:
     return stage is not None and stage.chat != "no"
 
 
+# -- the common [train] section, by component --------------------------------------------------------------
+# Each class below holds the settings one component reads, and its docstring names that component's module.
+# They are declared here rather than beside their readers because config.py (layer 3) may not import train/
+# or stages/ (layers 4 and 5), and resolve() must see every field. CommonTrain joins them, so a stage still
+# reads cfg.train.<field> and config.toml keeps one flat [train] table.
+
+
 @dataclass
-class CommonTrain:
-    """The [train] settings every stage reads: data, run directory, batch, optimizer, schedule, budget,
-    evaluation, checkpoints, device and parallelism, logging."""
+class RunSettings:
+    """What run this is (stages/__init__.py picks the stage file; stages/common.py opens the run directory,
+    loads --init-from and seeds the weights)."""
     stage: str = setting("pretrain",
-                         "training stage: packed text (pretrain, code) or chat conversations with "
-                         "a loss mask (sft, tools); each stage has its seed's defaults (presets/stages.toml)",
+                         "training stage: packed text (pretrain, code) or chat conversations with a loss "
+                         "mask (sft, tools); each stage has its seed's defaults (presets/stages.toml)",
                          choices=STAGES)
+    out: str = setting("", "run directory (checkpoints, metrics, config)", required=True, metavar="RUN")
+    init_from: str = setting("",
+                             "start from another run's weights (staged training); a run or checkpoint dir",
+                             metavar="RUN")
+    seed: int = setting(1337, "seed of weights, data order and dropout", range=(0, 2**63 - 1))
+
+
+@dataclass
+class DataSettings:
+    """What a step trains on (each stage's batch source, data/; the accumulation loop in
+    train/trainer.py)."""
     data: str = setting("",
                         "prepared data directory (from `codeforge prepare`; --stage hrm: mined plans from "
                         "`codeforge make-plans`; reward, dpo: preference pairs, a JSONL file or a `codeforge "
@@ -93,22 +111,15 @@ class CommonTrain:
     tokenizer: str = setting("",
                              "tokenizer directory, for stages that train on raw JSONL (hrm); the prepared "
                              "stages take the one beside their shards", metavar="DIR")
-    out: str = setting("", "run directory (checkpoints, metrics, config)", required=True, metavar="RUN")
     batch_size: int = setting(8, "micro-batch size", range=(1, 4096))
     grad_accum_steps: int = setting(1, "micro-batches per optimizer step", range=(1, 4096))
+
+
+@dataclass
+class OptimizerSettings:
+    """The optimizer and the update it makes (train/optim.py's build_optimizer; the gradient clipping of
+    train/trainer.py's train_step)."""
     learning_rate: float = setting(3e-4, "peak learning rate", range=(0.0, 0.1), open_low=True)
-    min_lr_ratio: float = setting(0.1, "the schedule's floor, as a fraction of learning_rate",
-                                  range=(0.0, 1.0))
-    schedule: str = setting("cosine", "learning-rate schedule",
-                            choices=("cosine", "linear", "constant", "wsd"))
-    warmup_steps: int = setting(100, "linear warm-up steps", range=(0, 10**9))
-    decay_fraction: float = setting(0.2, "wsd: share of the run spent decaying", range=(0.0, 1.0))
-    max_iters: int = setting(0, "optimizer steps (budget)", range=(0, 10**12),
-                             zero_means="from max_tokens or epochs")
-    max_tokens: int = setting(0, "tokens (budget, if max_iters is 0)", range=(0, 10**15),
-                              zero_means="from epochs")
-    epochs: float = setting(0.0, "epochs over the training split (budget)", range=(0.0, 1e6),
-                            zero_means="1 epoch")
     weight_decay: float = setting(0.1, "AdamW weight decay of matrices", range=(0.0, 10.0))
     beta1: float = setting(0.9, "AdamW beta1", range=(0.0, 0.999999))
     beta2: float = setting(0.95, "AdamW beta2", range=(0.0, 0.999999))
@@ -124,98 +135,160 @@ class CommonTrain:
     muon_momentum: float = setting(0.95, "muon: momentum (Nesterov)", range=(0.0, 0.999999))
     muon_weight_decay: float = setting(0.0, "muon: decoupled weight decay of the hidden matrices",
                                        range=(0.0, 10.0))
-    eval_every: int = setting(250, "evaluate every N steps", range=(0, 10**9), zero_means="only at the end")
+
+
+@dataclass
+class ScheduleSettings:
+    """The learning rate over the run, a pure function of the step (train/optim.py's lr_at)."""
+    min_lr_ratio: float = setting(0.1, "the schedule's floor, as a fraction of learning_rate",
+                                  range=(0.0, 1.0))
+    schedule: str = setting("cosine", "learning-rate schedule",
+                            choices=("cosine", "linear", "constant", "wsd"))
+    warmup_steps: int = setting(100, "linear warm-up steps", range=(0, 10**9))
+    decay_fraction: float = setting(0.2, "wsd: share of the run spent decaying", range=(0.0, 1.0))
+
+
+@dataclass
+class StoppingSettings:
+    """When training ends (stages/common.py's budget: steps from iterations, tokens or epochs; in
+    train/trainer.py, the step count a time budget fits and the stop after non-finite losses)."""
+    max_iters: int = setting(0, "optimizer steps (budget)", range=(0, 10**12),
+                             zero_means="from max_tokens or epochs")
+    max_tokens: int = setting(0, "tokens (budget, if max_iters is 0)", range=(0, 10**15),
+                              zero_means="from epochs")
+    epochs: float = setting(0.0, "epochs over the training split (budget)", range=(0.0, 1e6),
+                            zero_means="1 epoch")
     time_budget: float = setting(0.0,
                                  "seconds the run may take: after its first steps it measures the pace and "
                                  "sets the step count (at most --max-iters) so that training and its "
-                                 "evaluations end within this (on --resume: counted from "
-                                 "the resumed step); the count is saved as "
-                                 "max_iters, so a re-run or --resume repeats it", range=(1.0, 10.0**9),
-                                 zero_means="no budget: --max-iters steps")
-    eval_tokens: int = setting(262_144, "validation tokens per evaluation, at most: the validation split in "
-                               "order, in whole context windows until N tokens are covered (chat rows count "
-                               "their masked and padding tokens). A pretraining run too short to pay for N "
-                               "scores an eighth of the tokens it trains on, spread over its evaluations (at "
-                               "least 16,384) and saves that count; the same set in training, the quickstart "
-                               "and `codeforge eval`",
-                               range=(1, 10**12), zero_means="the whole split")
+                                 "evaluations end within this (on --resume: counted from the resumed step); "
+                                 "the count is saved as max_iters, so a re-run or --resume repeats it",
+                                 range=(1.0, 10.0**9), zero_means="no budget: --max-iters steps")
+    max_bad_steps: int = setting(5, "stop after this many non-finite losses in a row", range=(1, 10**6))
+
+
+@dataclass
+class EvaluationSettings:
+    """Validation and samples during training (train/trainer.py decides when; the evaluate and sample
+    callbacks each stage hands it, through evaluation/lm.py, decide how much)."""
+    eval_every: int = setting(250, "evaluate every N steps", range=(0, 10**9), zero_means="only at the end")
+    eval_tokens: int = setting(262_144,
+                               "validation tokens per evaluation, at most: the validation split in order, in "
+                               "whole context windows until N tokens are covered (chat rows count their "
+                               "masked and padding tokens). A pretraining run too short to pay for N scores "
+                               "an eighth of the tokens it trains on, spread over its evaluations (at least "
+                               "16,384) and saves that count; the same set in training, the quickstart and "
+                               "`codeforge eval`", range=(1, 10**12), zero_means="the whole split")
     sample_every: int = setting(0, "write a sample every N steps", range=(0, 10**9), zero_means="never")
     sample_tokens: int = setting(64, "tokens per sample", range=(1, 10**6))
+
+
+@dataclass
+class CheckpointSettings:
+    """When checkpoints are written and how many are kept (train/trainer.py's saves, through
+    checkpoint/save.py)."""
     save_every: int = setting(500,
                               "checkpoint every N steps (and at every evaluation that beats the best so far, "
                               "so the `best` checkpoint is the best evaluated weights)", range=(0, 10**9),
                               zero_means="only at the end and at improving evaluations")
     keep_last: int = setting(3, "periodic checkpoints kept (plus best and final)", range=(1, 10**6))
+    async_checkpoint: str = setting("auto",
+                                    "fsdp: write checkpoint shards in the background while training goes on "
+                                    "(DCP async_save; the state is copied to host memory first, and the "
+                                    "checkpoint is published once every rank's part is written); auto: on "
+                                    "GPUs", choices=("auto", "on", "off"))
+
+
+@dataclass
+class LoggingSettings:
+    """Where the run's numbers go (train/logging.py's RunLogger)."""
     log_every: int = setting(10, "log a training line every N steps", range=(1, 10**9))
-    seed: int = setting(1337, "seed of weights, data order and dropout", range=(0, 2**63 - 1))
+    tensorboard: bool = setting(True, "write TensorBoard events")
+    wandb: bool = setting(False, "log to Weights & Biases")
+    wandb_project: str = setting("codeforge", "W&B project")
+    progress: bool = setting(True, "a progress bar on a terminal; off (or output not a terminal): a progress "
+                                   "line every log_every steps, at least once a minute")
+
+
+@dataclass
+class DeviceSettings:
+    """What the model runs on and how (device.py, called once by stages/common.py's launch; the compiled
+    and checkpointed forward that train/parallel.py and the stages build)."""
     device: str = setting("auto", "auto|cpu|cuda|cuda:N|mps")
     threads: int = setting(0, "CPU threads for PyTorch's operations (0: the cores other work leaves free at "
                               "start; $CODEFORGE_THREADS does the same for every command)", range=(0, 4096))
     precision: str = setting("auto",
                              "numeric precision (auto: bf16 on GPUs that have it, else fp16; fp32 on a CPU. "
-                             "fastest: the same, but bf16 on a CPU that multiplies bfloat16 "
-                             "natively, AVX512-BF16 or AMX: about 30 percent more tokens/s)",
+                             "fastest: the same, but bf16 on a CPU that multiplies bfloat16 natively, "
+                             "AVX512-BF16 or AMX: about 30 percent more tokens/s)",
                              choices=("auto", "fastest", "fp32", "fp16", "bf16"))
     compile: bool = setting(False, "torch.compile the model")
     grad_checkpointing: bool = setting(False, "recompute activations in backward (less memory)",
                                        flag="--gradient-checkpointing")
-    local_ranks: int = setting(1, "CPU: run as N processes on this machine, data parallel (DDP over gloo, as "
-                               "torchrun would start them), the cores' "
-                               "threads split between them; --batch-size "
-                               "and --threads are per process, as under torchrun. On cores other programs "
-                               "share, N one-thread "
-                               "processes keep their share where one N-thread process waits for its slowest "
-                               "thread (docs/LOG.md)", range=(1, 256),
-                               zero_means="auto: on a CPU, one process per "
-                                          "usable core (at most 4, a divisor of "
-                                          "--batch-size), with --batch-size the global batch split between "
-                                          "them (the quickstart's choice); one process on a GPU")
+
+
+@dataclass
+class ParallelSettings:
+    """How many processes train and how they share the model (train/parallel.py; stages/local.py for
+    --local-ranks; distributed.py's process group)."""
+    local_ranks: int = setting(1,
+                               "CPU: run as N processes on this machine, data parallel (DDP over gloo, as "
+                               "torchrun would start them), the cores' threads split between them; "
+                               "--batch-size and --threads are per process, as under torchrun. On cores "
+                               "other programs share, N one-thread processes keep their share where one "
+                               "N-thread process waits for its slowest thread "
+                               "(docs/LOG.md#2026-11-25-local-ranks-measured)", range=(1, 256),
+                               zero_means="auto: on a CPU, one process per usable core (at most 4, a divisor "
+                                          "of --batch-size), with --batch-size the global batch split "
+                                          "between them (the quickstart's choice); one process on a GPU")
     parallel: str = setting("auto",
                             "data parallelism under torchrun: ddp (every rank holds the whole model, its "
-                            "gradients and optimizer state) or fsdp "
-                            "(PyTorch FSDP2: each rank holds 1/N of them; "
-                            "sharded checkpoints with DCP); auto: ddp, or fsdp on GPUs when `codeforge plan` "
-                            "says DDP does not fit", choices=("auto", "ddp", "fsdp"))
+                            "gradients and optimizer state) or fsdp (PyTorch FSDP2: each rank holds 1/N of "
+                            "them; sharded checkpoints with DCP); auto: ddp, or fsdp on GPUs when `codeforge "
+                            "plan` says DDP does not fit", choices=("auto", "ddp", "fsdp"))
     fsdp_offload: bool = setting(False,
                                  "fsdp: keep parameter shards, gradients and optimizer state in CPU memory "
                                  "(PyTorch's CPUOffloadPolicy): slower, for shards that do not fit the GPU")
-    async_checkpoint: str = setting("auto",
-                                    "fsdp: write checkpoint shards in the background while training goes "
-                                    "on (DCP async_save; the state is copied to host memory first, and the "
-                                    "checkpoint is published once every "
-                                    "rank's part is written); auto: on GPUs",
-                                    choices=("auto", "on", "off"))
-    dist_timeout: int = setting(600, "seconds a rank waits in a collective "
-                                     "for the others before failing (a killed "
-                                "or stuck rank then ends the job instead of hanging it)", range=(5, 86400))
-    max_bad_steps: int = setting(5, "stop after this many non-finite losses in a row", range=(1, 10**6))
-    init_from: str = setting("",
-                             "start from another run's weights (staged training); a run or checkpoint dir",
-                             metavar="RUN")
-    tensorboard: bool = setting(True, "write TensorBoard events")
-    wandb: bool = setting(False, "log to Weights & Biases")
-    wandb_project: str = setting("codeforge", "W&B project")
-    progress: bool = setting(True, "a progress bar on a terminal; off (or output not a terminal): a progress "
-                                       "line every log_every steps, at least once a minute")
+    dist_timeout: int = setting(600,
+                                "seconds a rank waits in a collective for the others before failing (a "
+                                "killed or stuck rank then ends the job instead of hanging it)",
+                                range=(5, 86400))
+
+
+# the components in the order `codeforge config keys` lists them (and the flags appear in --help)
+COMMON_SECTIONS = {"run": RunSettings, "data": DataSettings, "optimizer": OptimizerSettings,
+                   "schedule": ScheduleSettings, "stopping": StoppingSettings,
+                   "evaluation": EvaluationSettings, "checkpointing": CheckpointSettings,
+                   "logging": LoggingSettings, "device": DeviceSettings, "parallelism": ParallelSettings}
+
+
+@dataclass
+class CommonTrain(ParallelSettings, DeviceSettings, LoggingSettings, CheckpointSettings, EvaluationSettings,
+                  StoppingSettings, ScheduleSettings, OptimizerSettings, DataSettings, RunSettings):
+    """The [train] settings every stage reads: COMMON_SECTIONS joined into one flat class, so that a reader
+    writes cfg.train.learning_rate, not cfg.train.optimizer.learning_rate. The bases are listed last-first
+    because a dataclass collects its bases' fields from the last base to the first: this way the fields
+    (and the flags in --help) run in COMMON_SECTIONS' order."""
 
 
 @dataclass
 class LMTrain:
-    """The language-model stages' own (pretrain, code, sft, tools):
-    fill-in-the-middle, the fused loss, LoRA."""
+    """The language-model stages' own (pretrain, code, sft, tools): fill-in-the-middle, the fused loss,
+    LoRA."""
     fim_rate: float = setting(0.0,
                               "share of training documents reordered for fill-in-the-middle (prefix-suffix-"
                               "middle or suffix-prefix-middle; 0.5 in the pretrain and code stages)",
                               range=(0.0, 1.0))
     fim_spm_rate: float = setting(0.5, "of those, the share in suffix-prefix-middle order", range=(0.0, 1.0))
-    # fused chunked lm_head + cross-entropy (train/losses.py): off by default, neutral on a CPU (docs/LOG.md)
-    # and not yet measured on a GPU; it saves the (B*T, vocab) logits' memory
+    # fused chunked lm_head + cross-entropy (train/losses.py): off by default. It saves the (B*T, vocab)
+    # logits' memory; neutral in speed on a CPU (docs/LOG.md#2026-11-22-cpu-training-step), and on an H200
+    # it saved memory at some cost in speed (docs/LOG.md#2026-11-27-chunked-loss-h200)
     loss_chunk_rows: int = setting(0, "fused chunked LM loss, rows per chunk", range=(0, 10**7),
                                    zero_means="off")
     lora_rank: int = setting(0, "LoRA: train adapters of this rank on the blocks' linear layers, the "
-                                "--init-from weights frozen (models/lora.py, with "
-                                "PEFT); checkpoints hold the merged weights "
-                                "and the adapter alone", range=(1, 4096), zero_means="full fine-tuning")
+                             "--init-from weights frozen (models/lora.py, with PEFT); checkpoints hold the "
+                             "merged weights and the adapter alone", range=(1, 4096),
+                             zero_means="full fine-tuning")
     lora_alpha: float = setting(16.0, "LoRA: the adapters' scale is alpha / rank", range=(0.0, 1e6),
                                 open_low=True)
     lora_dropout: float = setting(0.0, "LoRA: dropout on the adapters' input", range=(0.0, 1.0))
@@ -227,10 +300,9 @@ class LMTrain:
 @dataclass
 class HRMTrain:
     """The hierarchical model's stage's own (hrm)."""
-    syntax_cases: int = setting(8, "hrm stage: held-out functions planned, "
-                                   "written and parsed at each evaluation "
-                                "(syntax-valid rate, avg iterations in metrics.jsonl)", range=(0, 10**6),
-                                zero_means="off")
+    syntax_cases: int = setting(8, "hrm stage: held-out functions planned, written and parsed at each "
+                                "evaluation (syntax-valid rate, avg iterations in metrics.jsonl)",
+                                range=(0, 10**6), zero_means="off")
 
 
 @dataclass
@@ -276,9 +348,9 @@ class RLTrain:
 
 @dataclass
 class TrainConfig(RLTrain, PrefsTrain, HRMTrain, LMTrain, CommonTrain):
-    """Every [train] setting: the common section plus one per stage kind (SECTION_OF_KIND), each field
-    declared once, in its section. config.toml keeps them in one flat [train] table, in the order it always
-    had (SAVED_ORDER), so a saved run loads as it did."""
+    """Every [train] setting: the common section (CommonTrain, by component) plus one per stage kind
+    (SECTION_OF_KIND), each field declared once, in its section. config.toml keeps them in one flat [train]
+    table, in the order it always had (SAVED_ORDER), so a saved run loads as it did."""
 
     # the key order of [train] in saved files (fields.saved), from before the sections: common and per-stage
     # settings as they were interleaved then (a new setting goes after them without being listed)
@@ -346,8 +418,8 @@ class RunConfig:
                               "pick n_embd a multiple of n_head (e.g. "
                               f"{m.n_head * max(1, round(m.n_embd / m.n_head))})")
         if m.n_head % m.n_kv_head:
-            raise ConfigError(f"model.n_head = {m.n_head} is not divisible "
-                              f"by model.n_kv_head = {m.n_kv_head}")
+            raise ConfigError(f"model.n_head = {m.n_head} is not divisible by "
+                              f"model.n_kv_head = {m.n_kv_head}")
         if m.pos == "rope" and m.head_dim % 2:
             raise ConfigError(f"rotary positions need an even head size; n_embd/n_head = {m.head_dim}")
         t = self.train
@@ -388,8 +460,8 @@ def preset_catalog() -> dict:
 
 
 def write_catalog() -> str:
-    """Compute the catalog and write it over the shipped one (`codeforge presets
-    --write-catalog`); its path."""
+    """Compute the catalog and write it over the shipped one (`codeforge presets --write-catalog`); its
+    path."""
     path = str(resources.files("codeforge.presets").joinpath(CATALOG))
     with open(path, "w") as f:
         f.write(json.dumps(preset_catalog(), indent=1, sort_keys=True) + "\n")
@@ -570,12 +642,16 @@ def resolve(presets: list[str] = (), file: str | None = None, sets: list[str] = 
     values["model"].update(start_model)
     foreign = sorted({k for k, _ in layers if k.startswith("model.") and k.split(".", 1)[1] not in own})
     if foreign:
-        raise ConfigError(f"{', '.join(foreign)}: not settings of "
-                          f"model.arch = {arch!r} (its keys: {sorted(own)}); "
-                          f"drop them, or choose the architecture that has them (--arch, or a preset of it)")
+        raise ConfigError(f"{', '.join(foreign)}: not settings of model.arch = {arch!r} (its keys: "
+                          f"{sorted(own)}); drop them, or choose the architecture that has them (--arch, or "
+                          "a preset of it)")
     stage = next((v for k, v in reversed(layers) if k == "train.stage"), values["train"]["stage"])
-    if stage not in tables["stage"]:
+    if stage not in STAGE:
         raise ConfigError(f"train.stage = {stage!r} is not one of {STAGES}; set --stage")
+    if stage not in tables["stage"]:  # a stage added to STAGE_TABLE without its defaults
+        raise ConfigError(f"train.stage = {stage!r} is a stage of config.py's STAGE_TABLE, but "
+                          f"codeforge/presets/stages.toml has no [{stage}] section for its defaults; add one "
+                          f"(an empty [{stage}] table keeps the declared defaults)")
     if not base:  # a resumed run keeps its saved values; the stage's defaults came in when it started
         layers = [(f"train.{k}", v) for k, v in tables["stage"][stage].items()] + layers
     for key, v in layers:

@@ -16,11 +16,10 @@ What a row may write, by mode (chat.py's format; <x> are special tokens, written
   response_format json_object / json_schema: the whole reply is one JSON value of the schema, then <|im_end|>
             (with tools in auto mode: that, or tool calls as in required mode).
 
-The JSON is laid out as `json.dumps` writes it by default, as the training data is (chat.py renders
-arguments with json.dumps(..., ensure_ascii=False)): separators ", " and ": ", no other whitespace, strings
-escape only `"`, `\\` and \\b \\f \\n \\r \\t (no \\u, no \\/; non-ASCII text is written as itself). The
-wrapper `{"name": ..., "arguments": ` is a literal of the grammar rather than
-part of a JSON schema, so a tool's
+The JSON is laid out as `json.dumps` writes it by default, as the training data is (chat.py renders arguments
+with json.dumps(..., ensure_ascii=False)): separators ", " and ": ", no other whitespace, strings escape only
+`"`, `\\` and \\b \\f \\n \\r \\t (no \\u, no \\/; non-ASCII text is written as itself). The wrapper
+`{"name": ..., "arguments": ` is a literal of the grammar rather than part of a JSON schema, so a tool's
 parameters schema stays the root of its own `%json` block and its `$ref`s resolve as written. Property order
 follows the schema's "properties" order (json.dumps keeps the order the data was written in).
 
@@ -33,7 +32,7 @@ Cost: the tokenizer bridge (llguidance's token trie, ~50 ms for 8k tokens) is bu
 ToolGrammar compiles its grammar once (~10 ms for five tools; the last few are cached by grammar text), and
 each Constraint is a copy of the compiled matcher (microseconds). Per constrained step, the masks of all rows
 are computed in one call on llguidance's thread pool and applied to the logits in one masked_fill
-(benchmarks/constrain_cost.py; docs/LOG.md, 2026-11-25).
+(benchmarks/constrain_cost.py; docs/LOG.md#2026-11-25-constrain-cost).
 
 Budget: a reply the grammar must complete (required or named tool_choice, a JSON response_format) has to end
 within the row's token budget (max_tokens; `Constraint.set_budget`, which the engine and the server call), and
@@ -294,11 +293,10 @@ class ToolGrammar:
                 (mode.get("function") or {}).get("name") if isinstance(mode.get("function"), dict) else None
             )
             if not isinstance(mode, str):
-                raise ConstraintError('tool_choice object must be {"type": '
-                                      '"function", "function": {"name": ...}}')
+                raise ConstraintError('tool_choice object must be '
+                                      '{"type": "function", "function": {"name": ...}}')
         if not isinstance(mode, str) or not mode:
-            raise ConstraintError(f"tool_choice {mode!r} must be \"auto\", "
-                                  "\"required\", \"none\" or a tool name")
+            raise ConstraintError(f'tool_choice {mode!r} must be "auto", "required", "none" or a tool name')
         specs = tool_specs(tools)
         if mode not in MODES:
             specs = [s for s in specs if s[0] == mode]
@@ -360,8 +358,8 @@ class ToolGrammar:
         if self.mode not in MODES:
             return f"tool_choice {self.mode!r} (a complete call of that tool)"
         if self.mode == "auto" and self.tools:
-            return ("response_format with tools (one complete JSON "
-                    "value of the schema, or a complete tool call)")
+            return ("response_format with tools (one complete JSON value of the schema, "
+                    "or a complete tool call)")
         return "response_format (one complete JSON value of the schema)"
 
     def _reply_block(self, rf: dict | None) -> str | None:

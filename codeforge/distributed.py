@@ -35,10 +35,9 @@ def launched_by_torchrun() -> bool:
 def setup_distributed(device: torch.device, timeout_s: int = 600, alone: bool = False) -> bool:
     """Join the process group when torchrun started several ranks (NCCL on GPUs, gloo on CPU); True if so.
     alone: join it also when torchrun started one rank (--parallel fsdp on one GPU: FSDP2 over a mesh of one,
-    for --fsdp-offload or the sharded checkpoints). timeout_s: how long a
-    collective waits for a rank that does
-    not come (killed, stuck) before it fails, so the job ends instead of hanging. Called at the entry point,
-    paired with teardown_distributed."""
+    for --fsdp-offload or the sharded checkpoints). timeout_s: how long a collective waits for a rank that
+    does not come (killed, stuck) before it fails, so the job ends instead of hanging. Called at the entry
+    point, paired with teardown_distributed."""
     _, world = distributed_env()
     if world <= 1 and not (alone and launched_by_torchrun() and RENDEZVOUS_ENV not in os.environ):
         return False

@@ -117,8 +117,8 @@ class Engine:
             ids = [self.tok.eot_id]  # an empty prompt starts a new document
         room = self.block_size - 1
         if len(ids) > room:
-            warn(f"prompt of {len(ids)} tokens exceeds the context "
-                 f"({self.block_size}); keeping the last {room}")
+            warn(f"prompt of {len(ids)} tokens exceeds the context ({self.block_size}); "
+                 f"keeping the last {room}")
             ids = ids[-room:]
         return ids, min(max_new, self.block_size - len(ids))
 

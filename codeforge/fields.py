@@ -146,8 +146,12 @@ def check_fields(obj: Any, section: str, via_set: bool = True) -> None:
         m, v = f.metadata, getattr(obj, f.name)
         if v is None:
             continue
-        key = f"{section}.{f.name}" if via_set else f"{section} {flag_name(f)}"
-        fix = f"set {flag_name(f)} (or --set {section}.{f.name}=...)" if via_set else f"give {flag_name(f)}"
+        on_cli = m.get("cli", True)
+        key = f"{section}.{f.name}" if via_set or not on_cli else f"{section} {flag_name(f)}"
+        if via_set:
+            fix = f"set {flag_name(f)} (or --set {key}=...)" if on_cli else f"set it with --set {key}=..."
+        else:
+            fix = f"set {flag_name(f)}" if on_cli else f"set {f.name} (it has no flag)"
         values = v if m.get("many") and isinstance(v, (list, tuple)) else [v]
         for x in values:
             if m.get("choices") and x not in m["choices"]:
@@ -155,5 +159,6 @@ def check_fields(obj: Any, section: str, via_set: bool = True) -> None:
             if m.get("range") and not (m.get("zero_means") and x == 0):
                 lo, hi = m["range"]
                 if not ((lo < x if m.get("open_low") else lo <= x) and x <= hi):
+                    zero = f" (or 0: {m['zero_means']})" if m.get("zero_means") else ""
                     raise ConfigError(f"{key} = {x!r} is out of range {'(' if m.get('open_low') else '['}"
-                                      f"{lo}, {hi}]; {fix} to a value in that range")
+                                      f"{lo}, {hi}]{zero}; {fix} to a value in that range")

@@ -43,20 +43,18 @@ def repo_infill_ids(tok, prefix: str, suffix: str, extra=(), prompt: str = "", *
 def repo_infill(tok, prefix: str, suffix: str, extra: list[tuple[str | None, str]] = (), prompt: str = "", *,
                 n_ctx: int, n_batch: int, n_predict: int, project: str = "myproject",
                 filename: str = "filename") -> tuple[list[int], bool]:
-    """The repo-level FIM prompt llama.cpp's `llama-server /infill` builds
-    (tools/server: format_prompt_infill;
-    Qwen2.5-Coder's report, arXiv 2409.12186), token for token given the same n_ctx, n_batch and n_predict:
+    """The repo-level FIM prompt llama.cpp's `llama-server /infill` builds (tools/server:
+    format_prompt_infill; Qwen2.5-Coder's report, arXiv 2409.12186), token for token given the same n_ctx,
+    n_batch and n_predict:
 
         <|repo_name|>project\\n <|file_sep|>name\\n text ... <|file_sep|>filename\\n
         <fim_prefix> prefix prompt <fim_suffix> suffix <fim_middle>
 
-    Each piece is tokenized on its own. At most 3/4 of n_batch of the prefix (its
-    end), n_batch/4 - 2 - len(prompt)
-    of the suffix (its start), and n_ctx - n_batch - 2 n_predict of the extra
-    context (its end) are kept. Without
-    <|repo_name|>/<|file_sep|> in the vocabulary (a tokenizer from before they were added) the chunks are
-    joined with llama.cpp's snippet separator and no names. extra: (file name or None for "tmp", text).
-    Returns (prompt ids, whether anything was cut)."""
+    Each piece is tokenized on its own. At most 3/4 of n_batch of the prefix (its end),
+    n_batch/4 - 2 - len(prompt) of the suffix (its start), and n_ctx - n_batch - 2 n_predict of the extra
+    context (its end) are kept. Without <|repo_name|>/<|file_sep|> in the vocabulary (a tokenizer from before
+    they were added) the chunks are joined with llama.cpp's snippet separator and no names. extra: (file name
+    or None for "tmp", text). Returns (prompt ids, whether anything was cut)."""
     sp = tok.special_ids
     rep, sep = sp.get(FIM_REPO), sp.get(FIM_FILE_SEP)
     # the prompt field is read with its special tokens, as llama-server reads it; the rest as plain text
@@ -152,8 +150,7 @@ def permute_window(window: np.ndarray, eot: int, fim: tuple[int, int, int], rate
     out, start = [], 0
     for end in list(cuts) + [n]:
         piece = window[start:end]
-        # a piece that holds a FIM token already (a repo-level FIM document, made at
-        # prepare time) stays as it is
+        # a piece holding a FIM token already (a repo-level FIM document, made at prepare time) stays as it is
         if len(piece) >= 2 and rng.random() < rate and not (piece == pre).any():
             a, b = sorted(rng.integers(0, len(piece) + 1, size=2))
             p, m, s = piece[:a], piece[a:b], piece[b:]

@@ -229,10 +229,9 @@ class Ways:
 
     def after(self, m: llguidance.LLMatcher, state: int, token: int, old: list[int], end: bool,
               search: bool) -> list[int] | None:
-        """A way to the end from the matcher `m`, which has just consumed
-        `token` off the way `old` (in lexical
-        state `state` now): `old` realigned (the token is the start of old's first token: the rest of that
-        token's bytes, then old's rest), or `_join`; else (`search`) a walk that rejoins old within a few
+        """A way to the end from the matcher `m`, which has just consumed `token` off the way `old` (in
+        lexical state `state` now): `old` realigned (the token is the start of old's first token: the rest of
+        that token's bytes, then old's rest), or `_join`; else (`search`) a walk that rejoins old within a few
         steps, or a new way. None when none is found (without `search`: none cheaply)."""
         if old:
             b, first = self.bytes[token], self.bytes[old[0]]

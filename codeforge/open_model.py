@@ -1,12 +1,12 @@
 """`quickstart --from-hf SOURCE [--lora-rank R]`: an open code model (a directory, or a Hugging Face Hub name
 such as Qwen/Qwen2.5-Coder-0.5B) imported once and fine-tuned on your code, whole or with LoRA.
 
-What is its own here (quickstart.py runs the rest of the pipeline as for a model trained from scratch): the
-import (export/hf.py's import_hf, at FROM_HF_CONTEXT), the training settings of a fine-tune (AdamW at the
-usual rates, the batch that keeps the quickstart's tokens per step, the chunked loss where the vocabulary's
-logits would be large), and the estimate of time and memory said before training (train/estimate.py), which
-also fits a CPU run to the memory there is: one process where copies of the model in several would not fit,
-then a smaller batch with accumulation.
+What is its own here (the quickstart runs the rest of the pipeline as for a model trained from scratch, its
+"from-hf" recipe in quickstart/recipes.py): the import (export/hf.py's import_hf, at FROM_HF_CONTEXT), the
+training settings of a fine-tune (AdamW at the usual rates, the batch that keeps the quickstart's tokens per
+step, the chunked loss where the vocabulary's logits would be large), and the estimate of time and memory
+said before training (train/estimate.py), which also fits a CPU run to the memory there is: one process
+where copies of the model in several would not fit, then a smaller batch with accumulation.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from .fim import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX
 from .tokenizer import CodeTokenizer
 from .train.estimate import before_training
 
-# the usual rates for a real checkpoint (LoRA's adapters take a larger one); not swept here (docs/LOG.md)
+# the usual rates for a real checkpoint (LoRA's adapters take a larger one); not swept here
+# (docs/LOG.md#2026-11-27-quickstart-from-hf)
 FULL_TUNE = {"learning_rate": 1e-4, "warmup_steps": 10, "min_lr_ratio": 0.1, "weight_decay": 0.0}
 LORA_TUNE = {"learning_rate": 1e-3, "warmup_steps": 10, "min_lr_ratio": 0.1, "weight_decay": 0.0}
 # The context an open model trains at here. The Hub's code models declare 32,768 positions, and one window

@@ -27,11 +27,6 @@ import re
 from collections import Counter
 from collections.abc import Iterator
 
-from detect_secrets.core.plugins.util import get_mapping_from_secret_type_to_class
-from detect_secrets.core.scan import _process_line_based_plugins  # its own line scan
-from detect_secrets.filters import heuristic
-from detect_secrets.settings import transient_settings
-
 from .syntax import guess_language
 
 # a PEM private key block: a header, a footer of the same kind at most 16 KB on, and between them a body of
@@ -213,16 +208,25 @@ CONFIG_VALUE = re.compile(r"^\s*(?:export\s+|ENV\s+|ARG\s+)?[\w.\-]+\s*[:=]\s*\S
 RECORD = re.compile(r"(?:\.jsonl?(?:\.gz|\.zst)?:\d+|#\d+)$")
 CODE_LINE = re.compile(r"^\s*(?:def|class|import|from|func|package|return|if|for|while|var|const|type)\b"
                        r"|[({;]$")
-# detect-secrets' plugins, with none of its line heuristics (they are applied below to the loose kinds only);
-# its two file filters (an unreadable file, a binary extension) stay, as they always do
-SETTINGS = {"plugins_used": [{"name": plugin.__name__}
-                             for plugin in get_mapping_from_secret_type_to_class().values()],
-            "filters_used": []}
-# of detect-secrets' own heuristics, those that judge a value (a run like `abcdefgh`, a UUID, a `${template}`,
-# `$VAR`, no letter at all, an `_id`'s value)
-VALUE_HEURISTICS = (heuristic.is_sequential_string, heuristic.is_potential_uuid,
-                    heuristic.is_templated_secret, heuristic.is_prefixed_with_dollar_sign,
-                    heuristic.is_not_alphanumeric_string)
+@functools.cache
+def _detector():
+    """detect-secrets, imported on first use: it pulls in `requests` and every plugin (~0.2 s), which every
+    `codeforge --help` would pay, since the corpus options import this module. Returns its settings (its
+    plugins, with none of its line heuristics: they are applied below to the loose kinds only; its two file
+    filters, an unreadable file and a binary extension, stay as they always do), its line scan, its
+    heuristics module, and those of its heuristics that judge a value (a run like `abcdefgh`, a UUID, a
+    `${template}`, `$VAR`, no letter at all)."""
+    from detect_secrets.core.plugins.util import get_mapping_from_secret_type_to_class
+    from detect_secrets.core.scan import _process_line_based_plugins  # its own line scan
+    from detect_secrets.filters import heuristic
+    from detect_secrets.settings import transient_settings
+    settings = {"plugins_used": [{"name": plugin.__name__}
+                                 for plugin in get_mapping_from_secret_type_to_class().values()],
+                "filters_used": []}
+    value_heuristics = (heuristic.is_sequential_string, heuristic.is_potential_uuid,
+                        heuristic.is_templated_secret, heuristic.is_prefixed_with_dollar_sign,
+                        heuristic.is_not_alphanumeric_string)
+    return settings, transient_settings, _process_line_based_plugins, heuristic, value_heuristics
 
 
 # personal data, replaced only when asked (`prepare --redact-pii`): e-mail addresses and public IP addresses
@@ -238,8 +242,8 @@ ROLE_ACCOUNTS = frozenset({"git", "noreply", "no-reply", "donotreply", "do-not-r
 IPV4 = re.compile(
     r"(?<![\w.])(?:(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(?![\w.]*\d)"
 )
-# at least three colons and a digit, not a call or a template (`dead::beef()`,
-# `ab::cd<T>` are C++ and Rust paths)
+# at least three colons and a digit, not a call or a template (`dead::beef()` and `ab::cd<T>` are
+# C++ and Rust paths)
 IPV6 = re.compile(r"(?<![\w:])(?=[0-9A-Fa-f:]*\d)(?:[0-9A-Fa-f]{0,4}:){3,7}[0-9A-Fa-f]{0,4}(?![\w:(<])")
 EXAMPLE_DOMAINS = re.compile(
     r"(?i)@(?:[\w-]+\.)*(?:example\.(?:com|org|net)|localhost|test|invalid|example)$"
@@ -298,7 +302,7 @@ def plausible(value: str, least: int = 6) -> bool:
     characters, and none of what code holds in a secret's place (NOT_A_SECRET_VALUE, detect-secrets' value
     heuristics)."""
     return (len(value) >= least and len(set(value)) > 2 and not NOT_A_SECRET_VALUE.search(value)
-            and not any(h(value) for h in VALUE_HEURISTICS))
+            and not any(h(value) for h in _detector()[4]))
 
 
 def _scan_name(filename: str, text: str) -> tuple[str, bool]:
@@ -441,8 +445,9 @@ def _pattern_findings(lines: list[str], n: int, config: bool) -> Iterator[tuple[
 def _findings(lines: list[str], candidates: list[tuple[int, str]], scan_as: str,
               config: bool) -> Iterator[tuple[int, int, int, str]]:
     """(line index, start, end, kind) of every secret on the candidate lines."""
-    with transient_settings(SETTINGS):
-        for secret in _process_line_based_plugins(candidates, scan_as):
+    settings, transient_settings, line_scan, heuristic, value_heuristics = _detector()
+    with transient_settings(settings):
+        for secret in line_scan(candidates, scan_as):
             i = secret.line_number - 1
             line = lines[i]
             if secret.type == "Private Key":
@@ -451,7 +456,7 @@ def _findings(lines: list[str], candidates: list[tuple[int, str]], scan_as: str,
             if loose and secret.type in ENTROPY_KINDS and not NAMED.search(line):
                 continue  # a hash constant or test vector, not a credential
             value = secret.secret_value or ""
-            if any(h(value) for h in VALUE_HEURISTICS) or (
+            if any(h(value) for h in value_heuristics) or (
                     secret.type == "Basic Auth Credentials" and not plausible(value, least=4)):
                 continue  # `://{user}:{password}@`, `${PW}`: a template, not a value
             for a, b in _widen(line, value, loose):

@@ -19,7 +19,7 @@ the box is enforced by the kernel.
     cgroup when one can be made.
   * Limits: wall time (the evaluator kills the box), CPU seconds, address space per process and, where the
     evaluator may create cgroups (root, or a delegated cgroup), memory and process count for the whole tree.
-    Without a memory cgroup the asked memory is split (box_limits): at most NO_CGROUP_PROCESSES processes
+    Without a memory cgroup the asked memory is split (box_memory.py): at most NO_CGROUP_PROCESSES processes
     (an rlimit counted inside the box's own user namespace, threads included) of memory / processes address
     space each, so the tree holds no more than asked; fewer processes where one would get under
     MIN_PROCESS_MB, and a warning (once, on stderr, and in SandboxResult.limits) where less than that was
@@ -34,10 +34,10 @@ the box is enforced by the kernel.
   * System calls: a seccomp filter (built with libseccomp through `pyseccomp`, loaded by bubblewrap) refuses
     with EPERM what a test program never needs and an escape or a forgery would: ptrace, process_vm_readv
     and _writev, new namespaces (unshare, setns, clone with a CLONE_NEW* flag), vsock sockets (a VM's line to
-    its host, which the network namespace does not cover), mounts, kernel keyrings,
-    bpf, perf_event_open, userfaultfd, io_uring, module loading; system calls of a foreign ABI (x32, i386)
-    kill the process. Where libseccomp cannot be loaded the box runs without the filter (SECCOMP_ERROR says
-    why) and the namespaces above still hold.
+    its host, which the network namespace does not cover), mounts, kernel keyrings, bpf, perf_event_open,
+    userfaultfd, io_uring, module loading; system calls of a foreign ABI (x32, i386) kill the process. Where
+    libseccomp cannot be loaded the box runs without the filter (SECCOMP_ERROR says why) and the namespaces
+    above still hold.
   * Inherited descriptors: the box gets stdin (the run's nonce), stdout, stderr, the report pipe and the
     read-only program files; nothing else of the evaluator (every other fd is close-on-exec).
 
@@ -62,6 +62,11 @@ Two ways to decide "passed":
 Where bubblewrap is missing, run_python refuses with the command to install it, unless the caller passes
 `unsafe_no_sandbox=True` (`--unsafe-no-sandbox` on the command line): the same limits and runner, no
 isolation at all.
+
+This file makes the box (its mounts, its seccomp filter, the bwrap command line), runs programs in it one at a
+time or many in parallel, and reads the verdict from the box's exit and its report. The program the box's
+Python runs is box_runner.py; the memory and process bounds of the whole tree (cgroups, or the split over
+processes without one) are box_memory.py; values come back as plain data through box_values.py.
 """
 
 from __future__ import annotations
@@ -86,22 +91,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import CodeforgeError
-from .box_values import (ENCODE_CODE, MAX_HASHED_ITEMS, MAX_INT_DIGITS, MAX_VALUE_DEPTH, MAX_VALUE_ITEMS,  # noqa: F401
-                         REPORT_CAP, decode_value, encode_value)
+from .box_memory import MAX_PROCESSES, BoxLimits, Cgroups, box_limits, warn_limits
+from .box_runner import RUNNER
+# MAX_HASHED_ITEMS and MAX_INT_DIGITS: the decoder's other bounds, importable from here with it
+from .box_values import (MAX_HASHED_ITEMS, MAX_INT_DIGITS, MAX_VALUE_ITEMS, REPORT_CAP,  # noqa: F401
+                         decode_value, encode_value)
 
 OUTPUT_CAP = 64 * 1024          # bytes of stdout and of stderr kept (the head of stdout, the tail of stderr)
 SCRATCH_MB = 64                 # size of the writable /tmp inside the box
 SHM_MB = 16                     # and of /dev/shm (POSIX semaphores for multiprocessing)
-MAX_PROCESSES = 32              # processes and threads the program may have at once (with a memory cgroup)
-# Without a memory cgroup nothing in the kernel bounds a process tree's memory: each process's address space
-# (RLIMIT_AS) is bounded, and their number (RLIMIT_NPROC). So the asked memory is split: at most
-# NO_CGROUP_PROCESSES processes of memory_mb / processes each, and fewer processes where that would leave one
-# under MIN_PROCESS_MB. Processes x address space is then the asked memory, except under MIN_PROCESS_MB
-# asked, where the one process still gets MIN_PROCESS_MB (and the caller is warned). A bare `python3 -c pass`
-# peaks at 14 MB of address space in the box, with a dozen standard-library imports at 21 MB.
-NO_CGROUP_PROCESSES = 4  # 8 left a single process of an RL box (512 MB) 64 MB: a 12M-element list or sorting
-# 2M floats failed (review); with 4 it has 128 MB, and a program may still start 3 more threads or processes
-MIN_PROCESS_MB = 64
 MAX_OPEN_FILES = 256
 MAX_FILE_MB = 16
 SLOT_UID_BASE = 1_719_000       # host uids used for boxes started by root (no passwd entry needed)
@@ -127,105 +125,6 @@ class SandboxResult:
     @property
     def passed(self) -> bool:
         return self.status == "passed"
-
-
-# The runner: the box's Python executes this file, which sets the limits, then runs the program as __main__
-# and, only if the program's last statement returned, writes the nonce it read from stdin to the report pipe,
-# followed (with calls) by one line, repr() of a list with, per call, ["ok", encoded value] |
-# ["error", "Type: message"] |
-# ["not_data", "Type"].
-RUNNER = r"""
-import marshal, os, resource, sys
-MAX_VALUE_ITEMS, MAX_VALUE_DEPTH, REPORT_CAP = %d, %d, %d
-""" % (MAX_VALUE_ITEMS, MAX_VALUE_DEPTH, REPORT_CAP) + ENCODE_CODE + r"""
-def _limits(mem, cpu, nproc, nofile, fsize):
-    for what, v in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_CPU, cpu), (resource.RLIMIT_NPROC, nproc),
-                    (resource.RLIMIT_NOFILE, nofile), (resource.RLIMIT_FSIZE, fsize),
-                    (resource.RLIMIT_CORE, 0)):
-        resource.setrlimit(what, (v, v))
-def _say(text):
-    try:
-        sys.stderr.write(text + "\n")
-        sys.stderr.flush()
-    except BaseException:
-        pass
-def _run(report, _exit=os._exit, _read=os.read, _write=os.write, _dup=os.dup, _dup2=os.dup2,
-         _loads=marshal.loads, _encode=encode_value, _type=type, _str=str, _repr=repr, _len=len):
-    # os functions bound here, before the program can replace them; the nonce stays in the stdin pipe
-    # (moved off fd 0) until the program has returned, so it is in no Python object while the program runs
-    held = _dup(0)
-    devnull = os.open("/dev/null", os.O_RDONLY)
-    _dup2(devnull, 0)
-    os.close(devnull)
-    _limits(*[int(a) for a in sys.argv[3:8]])
-    path = sys.argv[1]
-    entry, calls = None, None
-    if len(sys.argv) > 9:
-        entry = sys.argv[8]
-        with open(sys.argv[9], "rb") as f:
-            calls = f.read()  # decoded afresh for each call, after the program ran
-    with open(path, encoding="utf-8") as f:
-        source = f.read()
-    sys.argv = [path]
-    main = type(sys)("__main__")
-    main.__file__ = path
-    sys.modules["__main__"] = main
-    results = []
-    try:
-        exec(compile(source, path, "exec"), main.__dict__)
-        if entry is not None:
-            fn = main.__dict__.get(entry)
-            if not callable(fn):
-                raise NameError("the program defines no function " + repr(entry))
-            for i in range(_len(_loads(calls))):
-                args, kwargs = _loads(calls)[i]
-                try:
-                    value = fn(*args, **kwargs)
-                except (SystemExit, KeyboardInterrupt):
-                    raise
-                except BaseException as e:
-                    try:
-                        why = _type(e).__name__ + ": " + _str(e)[:300]
-                    except BaseException:
-                        why = "an exception that cannot be shown"
-                    results.append(["error", why])
-                    continue
-                try:
-                    results.append(["ok", _encode(value)])
-                except TypeError:
-                    results.append(["not_data", _type(value).__qualname__])
-                except (ValueError, RecursionError):
-                    results.append(["error", "ValueError: the returned value is too large or too deep"])
-    except SystemExit as e:
-        try:
-            _say(f"sandbox: the program exited (SystemExit({e.code!r})) before its end")
-        finally:
-            _exit(3)
-    except BaseException as e:
-        try:
-            import traceback
-            traceback.print_exception(type(e), e, e.__traceback__.tb_next)
-            sys.stderr.flush()
-        finally:
-            _exit(1)
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except BaseException:
-        pass
-    data = _read(held, 64)
-    if entry is not None:
-        text = _repr(results)
-        if _len(text) > REPORT_CAP - 64:
-            text = _repr([["error", "ValueError: the return values are larger than %d bytes" % REPORT_CAP]]
-                         * _len(results))
-        data += (text + "\n").encode("utf-8")
-    while data:
-        data = data[_write(report, data):]
-    _exit(0)
-os.set_inheritable(int(sys.argv[2]), False)
-_run(int(sys.argv[2]))
-"""
 
 
 # -- what the box is made of ------------------------------------------------------------------------------
@@ -337,12 +236,10 @@ AF_VSOCK = 40  # a VM's socket to its host: network namespaces do not cover it
 DENIED_SYSCALLS = ("ptrace", "process_vm_readv", "process_vm_writev", "unshare", "setns", "mount", "umount2",
                    "pivot_root", "chroot", "move_mount", "open_tree", "fsopen", "fsmount", "fsconfig",
                    "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd",
-                   "io_uring_setup",
-                   "io_uring_enter", "io_uring_register", "init_module", "finit_module", "delete_module",
-                   "kexec_load", "kexec_file_load", "open_by_handle_at", "name_to_handle_at",
-                   "lookup_dcookie",
-                   "quotactl", "swapon", "swapoff", "reboot", "syslog", "acct", "settimeofday",
-                   "clock_settime", "clock_adjtime", "adjtimex", "pidfd_getfd", "kcmp")
+                   "io_uring_setup", "io_uring_enter", "io_uring_register", "init_module", "finit_module",
+                   "delete_module", "kexec_load", "kexec_file_load", "open_by_handle_at", "name_to_handle_at",
+                   "lookup_dcookie", "quotactl", "swapon", "swapoff", "reboot", "syslog", "acct",
+                   "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "pidfd_getfd", "kcmp")
 # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME (linux/sched.h)
 CLONE_NEW_FLAGS = (0x20000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000, 0x80)
 # Without a memory cgroup, memory that lies in no process's address space escapes RLIMIT_AS: a memfd (one
@@ -354,11 +251,10 @@ _bpf: dict[bool, bytes] = {}
 
 
 def seccomp_program(no_memory_cgroup: bool = False) -> bytes | None:
-    """The box's seccomp filter as a BPF program for `bwrap --seccomp FD` (built
-    once), or None where libseccomp
-    cannot be loaded (SECCOMP_ERROR says why). Denied calls fail with EPERM; clone3 with ENOSYS, so the C
-    library falls back to clone, whose namespace flags the filter can see (clone3 passes them in memory).
-    no_memory_cgroup: also NO_CGROUP_DENIED_SYSCALLS (a box whose memory no cgroup bounds)."""
+    """The box's seccomp filter as a BPF program for `bwrap --seccomp FD` (built once), or None where
+    libseccomp cannot be loaded (SECCOMP_ERROR says why). Denied calls fail with EPERM; clone3 with ENOSYS,
+    so the C library falls back to clone, whose namespace flags the filter can see (clone3 passes them in
+    memory). no_memory_cgroup: also NO_CGROUP_DENIED_SYSCALLS (a box whose memory no cgroup bounds)."""
     global SECCOMP_ERROR
     if no_memory_cgroup in _bpf or SECCOMP_ERROR is not None:
         return _bpf.get(no_memory_cgroup)
@@ -385,222 +281,10 @@ def seccomp_program(no_memory_cgroup: bool = False) -> bytes | None:
     return _bpf[no_memory_cgroup]
 
 
-# -- cgroups: memory and process count for the whole tree, and a kill switch ------------------------------
-
-class _Cgroups:
-    """A fresh cgroup per run (v2 where the evaluator may create one with the memory and pids controllers,
-    else v1 memory + pids hierarchies); `paths` empty when neither can be made here."""
-
-    _base: dict | None = None
-    _lock = threading.Lock()
-
-    @classmethod
-    def base(cls) -> dict:
-        with cls._lock:
-            if cls._base is None:
-                cls._base = cls._probe()
-            return cls._base
-
-    @staticmethod
-    def _probe() -> dict:
-        try:
-            mounts = Path("/proc/self/mountinfo").read_text().splitlines()
-            own = Path("/proc/self/cgroup").read_text().splitlines()
-        except OSError:
-            return {}
-        mine = {}
-        for line in own:
-            hid, ctrls, path = line.split(":", 2)
-            for c in (ctrls.split(",") if ctrls else [""]):
-                mine[c] = path
-        found: dict[str, str] = {}
-        for line in mounts:
-            pre, _, post = line.partition(" - ")
-            fields, post_f = pre.split(), post.split()
-            if len(post_f) < 3:
-                continue
-            point, fstype, opts = fields[4], post_f[0], post_f[2].split(",")
-            if fstype == "cgroup2" and "" in mine:
-                d = point + mine[""]
-                ctl = Path(d, "cgroup.subtree_control")
-                try:
-                    if {"memory", "pids"} <= set(ctl.read_text().split()) and os.access(d, os.W_OK):
-                        found.setdefault("v2", d)
-                except OSError:
-                    pass
-            elif fstype == "cgroup":
-                for c in ("memory", "pids"):
-                    if c in opts and c in mine:
-                        d = point + mine[c]
-                        if os.access(d, os.W_OK):
-                            found.setdefault(c, d)
-        base = {"v2": found["v2"]} if "v2" in found else {c: found[c] for c in ("memory", "pids")
-                                                          if c in found}
-        for parent in base.values():  # cgroups left by evaluators that were killed before cleaning up
-            for d in Path(parent).glob("codeforge-sandbox-*"):
-                try:
-                    os.kill(int(d.name.split("-")[2]), 0)
-                except ProcessLookupError:
-                    try:
-                        d.rmdir()
-                    except OSError:
-                        pass
-                except (ValueError, IndexError, PermissionError):
-                    pass
-        return base
-
-    def __init__(self, memory_bytes: int, max_procs: int):
-        self.paths: dict[str, Path] = {}
-        name = f"codeforge-sandbox-{os.getpid()}-{secrets.token_hex(4)}"
-        try:
-            for kind, parent in self.base().items():
-                d = Path(parent, name)
-                d.mkdir()
-                self.paths[kind] = d
-                if kind == "v2":
-                    (d / "memory.max").write_text(str(memory_bytes))
-                    if (d / "memory.swap.max").exists():
-                        (d / "memory.swap.max").write_text("0")
-                    (d / "pids.max").write_text(str(max_procs))
-                elif kind == "memory":
-                    (d / "memory.limit_in_bytes").write_text(str(memory_bytes))
-                    if (d / "memory.memsw.limit_in_bytes").exists():
-                        try:
-                            (d / "memory.memsw.limit_in_bytes").write_text(str(memory_bytes))
-                        except OSError:
-                            pass
-                else:
-                    (d / "pids.max").write_text(str(max_procs))
-        except OSError:
-            self.remove()
-            self.paths = {}
-
-    @property
-    def procs_files(self) -> list[str]:
-        return [str(d / "cgroup.procs") for d in self.paths.values()]
-
-    def oom_killed(self) -> bool:
-        for kind, d in self.paths.items():
-            f = d / ("memory.events" if kind == "v2" else "memory.oom_control")
-            try:
-                for line in f.read_text().splitlines():
-                    k, _, v = line.partition(" ")
-                    if k == "oom_kill" and int(v) > 0:
-                        return True
-                if kind == "memory" and int((d / "memory.failcnt").read_text()) > 0:
-                    return True
-            except (OSError, ValueError):
-                pass
-        return False
-
-    def kill(self) -> None:
-        for kind, d in self.paths.items():
-            if kind == "v2" and (d / "cgroup.kill").exists():
-                try:
-                    (d / "cgroup.kill").write_text("1")
-                    continue
-                except OSError:
-                    pass
-            for _ in range(100):
-                try:
-                    pids = [int(p) for p in (d / "cgroup.procs").read_text().split()]
-                except OSError:
-                    break
-                if not pids:
-                    break
-                for pid in pids:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                time.sleep(0.005)
-
-    def remove(self) -> None:
-        for d in self.paths.values():
-            for _ in range(200):
-                try:
-                    d.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError as e:
-                    if e.errno != errno.EBUSY:
-                        break
-                    time.sleep(0.01)
-
-
-# -- memory limits: the whole tree's, with or without a cgroup -----------------------------------------------
-
-@dataclass(frozen=True)
-class BoxLimits:
-    """The memory limits of one box: `processes` (RLIMIT_NPROC, threads included) of `process_mb` address
-    space each (RLIMIT_AS), and with `cgroup` a memory cgroup of `memory_mb` over the whole tree."""
-    memory_mb: int    # asked
-    processes: int
-    process_mb: int
-    cgroup: bool
-
-    @property
-    def tree_mb(self) -> int:
-        """What the whole process tree can hold at most (resident memory is within address space)."""
-        return self.memory_mb if self.cgroup else self.processes * self.process_mb
-
-    @property
-    def weaker(self) -> bool:
-        return self.tree_mb > self.memory_mb
-
-    def describe(self) -> str:
-        if self.cgroup:
-            return (f"{self.memory_mb} MB for the whole process tree (memory cgroup), {self.processes} "
-                    f"processes of at most {self.process_mb} MB address space each")
-        text = (f"no memory cgroup: {self.processes} process{'es' if self.processes > 1 else ''} of at most "
-                f"{self.process_mb} MB address space each, {self.tree_mb} MB for the whole tree")
-        if self.weaker:
-            text += (f" (WEAKER than the {self.memory_mb} MB asked: no process is given less "
-                     f"than {MIN_PROCESS_MB} MB)")
-        return text
-
-
-def box_limits(memory_mb: int, cgroup: bool) -> BoxLimits:
-    """The limits of a box asked for `memory_mb`: with a memory cgroup, the cgroup bounds the tree and each
-    process may use all of it (MAX_PROCESSES of them); without, processes x address space <= memory_mb
-    (NO_CGROUP_PROCESSES at most, fewer below MIN_PROCESS_MB each; one of
-    MIN_PROCESS_MB when less is asked)."""
-    if cgroup:
-        return BoxLimits(memory_mb, MAX_PROCESSES, memory_mb, True)
-    processes = max(1, min(NO_CGROUP_PROCESSES, memory_mb // MIN_PROCESS_MB))
-    return BoxLimits(memory_mb, processes, max(MIN_PROCESS_MB, memory_mb // processes), False)
-
-
-_warned_limits: set[int] = set()
-_warn_lock = threading.Lock()
-
-
-def _warn_limits(limits: BoxLimits) -> None:
-    """Once per asked size: say on stderr that the tree's memory is split over processes (no cgroup here),
-    loudly where that is weaker than asked."""
-    if limits.cgroup:
-        return
-    with _warn_lock:
-        if limits.memory_mb in _warned_limits:
-            return
-        _warned_limits.add(limits.memory_mb)
-    how = ("run the evaluator as root or in a delegated cgroup (e.g. `systemd-run --user --scope -p "
-           "Delegate=yes ...`) to bound the tree with a cgroup instead")
-    if limits.weaker:
-        print(f"WARNING: sandbox memory limit is WEAKER than asked: {limits.memory_mb} MB asked, but a box "
-              f"without a memory cgroup gives its one process {limits.process_mb} MB of address space (the "
-              f"least any process is given), so the tree may hold {limits.tree_mb} MB; {how}",
-              file=sys.stderr)
-    else:
-        print("sandbox: no memory cgroup here, so a box's "
-              f"{limits.memory_mb} MB is split over its process tree: "
-              f"at most {limits.processes} processes (threads included) of {limits.process_mb} MB address "
-              f"space each; {how}", file=sys.stderr)
-
-
 # -- running --------------------------------------------------------------------------------------------
 
+# A slot per box running at once: under root it is also the box's host uid (SLOT_UID_BASE + slot), so no two
+# boxes share a user. 256 is far above any useful number of workers; a run past it waits for a free slot.
 _slots: queue.Queue[int] = queue.Queue()
 for _i in range(256):
     _slots.put(_i)
@@ -650,7 +334,7 @@ def _read_capped(proc: subprocess.Popen, report_r: int, deadline: float) -> tupl
 
 
 def _command(bwrap: str | None, files: dict[str, int], report_fd: int, box: BoxLimits, cpu: int,
-             isolate_net: bool, uid: int | None, cg: _Cgroups | None, keep: list[int],
+             isolate_net: bool, uid: int | None, cg: Cgroups | None, keep: list[int],
              entry: str | None = None) -> list[str]:
     """The command line that starts the box. `files` maps a name under /sandbox to a readable fd (unsafe mode:
     to a path); fds that must stay open for bwrap are appended to `keep`."""
@@ -710,8 +394,8 @@ def _memfd(name: str, text: str) -> int:
 
 
 def encode_calls(entry: str, calls: list[tuple[tuple, dict]]) -> tuple[str, bytes]:
-    """(entry, what the runner reads): each call's positional and keyword
-    arguments, plain data, marshalled."""
+    """(entry, what the runner reads): each call's positional and keyword arguments, plain data,
+    marshalled."""
     if not (isinstance(entry, str) and entry.isidentifier()):
         raise ValueError(f"entry = {entry!r} must be a Python identifier (the function to call)")
     calls = [(tuple(args), dict(kwargs)) for args, kwargs in calls]
@@ -750,10 +434,11 @@ def run_python(code: str, timeout: float = 5.0, memory_mb: int = 1024, isolate_n
     slot = _slots.get()
     uid = SLOT_UID_BASE + slot if (root and bwrap) else None
     workdir = None if bwrap else tempfile.mkdtemp(prefix="codeforge-sandbox-")
-    cg = _Cgroups(memory_mb * 2**20, MAX_PROCESSES + 2) if bwrap else None
+    # + 2: bwrap's own processes in the tree (the one outside that waits for the box, and the box's PID 1)
+    cg = Cgroups(memory_mb * 2**20, MAX_PROCESSES + 2) if bwrap else None
     # the tree's memory: the cgroup's where a memory controller could be made, else processes x address space
     limits = box_limits(memory_mb, cgroup=cg is not None and bool({"v2", "memory"} & set(cg.paths)))
-    _warn_limits(limits)
+    warn_limits(limits)
     token = secrets.token_hex(16).encode()
     report_r, report_w = os.pipe()
     keep: list[int] = []

@@ -6,7 +6,8 @@ decides what a token may span. Two rules (`split`):
   llama3 (the default): Llama 3's regex, which llama.cpp implements under the name "llama-bpe", so every
     model exports to GGUF and runs in llama.cpp, Ollama and LM Studio with the same token ids. Of the
     pre-tokenizers llama.cpp knows, it compresses held-out code best (with gpt-4o's, which is ahead on Go and
-    behind on Python); it costs 7-11% bytes per token against the code rule (docs/LOG.md, 2026-11-24).
+    behind on Python); it costs 7-11% bytes per token against the code rule
+    (docs/LOG.md#2026-11-24-llama3-split-default).
   code: codeforge's own (a regex in the style of GPT-4's, tuned on Go):
     - contractions; identifiers (letters, digits, `_`, not starting with a digit) with at most one leading
       non-identifier character (`.Println`, ` func`, `(int64`),
@@ -17,13 +18,12 @@ decides what a token may span. Two rules (`split`):
 Then every byte is mapped to a printable symbol (byte-level), so any UTF-8 text round-trips byte for byte.
 The rule's llama.cpp name (LLAMA_CPP_PRE) is recorded in codeforge_tokenizer.json for the GGUF export.
 
-A tokenizer.json is vetted when it loads (CodeTokenizer.load: training, generating, serving, `codeforge import
---hf`): a split regex codeforge does not know (KNOWN_SPLIT_PATTERNS) is run on
-probe texts first, and refused when
-the tokenizer fails or crawls on one (a rule such as `(a+)+$` backtracks
-catastrophically: the Rust regex engine
-gives up and tokenizers panics on a 35-character prompt); one that passes loads with a warning. Whatever still
-fails while encoding is raised as TokenizerError, never as the tokenizer's own PanicException.
+A tokenizer.json is vetted when it loads (CodeTokenizer.load: training, generating, serving,
+`codeforge import --hf`): a split regex codeforge does not know (KNOWN_SPLIT_PATTERNS) is run on probe texts
+first, and refused when the tokenizer fails or crawls on one (a rule such as `(a+)+$` backtracks
+catastrophically: the Rust regex engine gives up and tokenizers panics on a 35-character prompt); one that
+passes loads with a warning. Whatever still fails while encoding is raised as TokenizerError, never as the
+tokenizer's own PanicException.
 
 Special tokens get fixed ids 0..N-1 in the order of SPECIAL_TOKENS, so every tokenizer codeforge trains
 agrees on them and later stages (chat SFT, tool calls, fill-in-the-middle) need no new tokenizer.
@@ -95,7 +95,8 @@ CODE_SPLIT_PATTERN = (
 )
 # Llama 3's split, which llama.cpp implements under the pre-tokenizer name "llama-bpe" (llama-vocab.cpp): the
 # choice for a model that will run in llama.cpp, which refuses pre-tokenizers it does not know and has no
-# code-aware one. It costs some compression on code (identifiers split at `_` and digits; docs/LOG.md).
+# code-aware one. It costs some compression on code (identifiers split at `_` and digits;
+# docs/LOG.md#2026-11-24-llama3-split-default).
 LLAMA3_SPLIT_PATTERN = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| """
     r"""?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
@@ -117,11 +118,10 @@ KNOWN_SPLIT_PATTERNS = {
 }
 REGEX_FIELDS = ("normalizer", "pre_tokenizer", "decoder")  # the tokenizer.json fields that may hold a regex
 # Probe texts for a regex not in the allow-list: runs of one kind of text (letters, words and spaces, digits,
-# punctuation, whitespace, newlines, non-ASCII letters), cut short by another kind, at
-# growing lengths. A rule that
-# backtracks catastrophically fails (onig's retry limit: a panic) or crawls on one of them; a sound one takes
-# about 0.1 s for all of them. A probe may take at most PROBE_SECONDS + PROBE_SECONDS_PER_CHAR per character
-# (a sound rule: ~5 us per character), timed twice before it counts as too slow.
+# punctuation, whitespace, newlines, non-ASCII letters), cut short by another kind, at growing lengths. A rule
+# that backtracks catastrophically fails (onig's retry limit: a panic) or crawls on one of them; a sound one
+# takes about 0.1 s for all of them. A probe may take at most PROBE_SECONDS + PROBE_SECONDS_PER_CHAR per
+# character (a sound rule: ~5 us per character), timed twice before it counts as too slow.
 PROBE_UNITS = ("a", "a ", "ab1_", "A", "Ab ", "1", "1 ", "!", "!(", " ", "\n", "\t ", "\u00e9", "\u00c9",
                "'s", "\r\n", "\u4e2d", "\U0001f600")
 PROBE_ENDS = ("", "!", "a", " ", "1", "\n")
@@ -141,10 +141,10 @@ class TokenizerError(CodeforgeError):
 
 
 def _tokenizer_failure(e: BaseException) -> bool:
-    """Whether `e`, raised by HF tokenizers, is the tokenizer failing: a Rust
-    panic (pyo3_runtime.PanicException,
-    a BaseException, e.g. the regex engine giving up) or one of its errors (bare Exceptions); not a
-    KeyboardInterrupt, SystemExit or GeneratorExit, nor a wrong argument (TypeError) or MemoryError."""
+    """Whether `e`, raised by HF tokenizers, is the tokenizer failing: a Rust panic
+    (pyo3_runtime.PanicException, a BaseException, e.g. the regex engine giving up) or one of its errors (bare
+    Exceptions); not a KeyboardInterrupt, SystemExit or GeneratorExit, nor a wrong argument (TypeError) or
+    MemoryError."""
     if isinstance(e, Exception):
         return not isinstance(e, (TypeError, MemoryError, CodeforgeError))
     return _is_panic(e)
@@ -175,9 +175,9 @@ def _regexes(node: object, field: str, out: list[tuple[str, str]]) -> list[tuple
 
 
 def _probe_texts(extra: tuple[str, ...] = ()) -> Iterator[str]:
-    """The probe texts; `extra`: characters the rule names itself, as units and
-    ends of their own (a rule keyed
-    on a character no fixed unit holds, `(c+c+)+d`, passed the fixed probes and panicked on "c" * 40)."""
+    """The probe texts; `extra`: characters the rule names itself, as units and ends of their own (a rule
+    keyed on a character no fixed unit holds, `(c+c+)+d`, passed the fixed probes and panicked on
+    `"c" * 40`)."""
     for n in PROBE_LENGTHS:
         for unit in PROBE_UNITS + extra:
             for end in PROBE_ENDS + extra[:8]:
@@ -255,10 +255,9 @@ def vet_rules(tok: Tokenizer, f: Path, content_hash: str, log: Callable[[str], N
         shown = repr(text) if len(text) <= 40 else f"{text[:20]!r}...{text[-8:]!r}"
         raise TokenizerError(
             f"{f}: {what} not one codeforge knows, and the tokenizer fails on a {len(text)}-character probe "
-            f"text ({shown}): {why}, so prompts like it would fail "
-            f"too. Fix: give {f} a {fields} with a rule codeforge "
-            f"knows ({known}), e.g. save the model's original tokenizer again, or train a tokenizer with "
-            f"`codeforge tokenizer train`")
+            f"text ({shown}): {why}, so prompts like it would fail too. Fix: give {f} a {fields} with a rule "
+            f"codeforge knows ({known}), e.g. save the model's original tokenizer again, or train a "
+            f"tokenizer with `codeforge tokenizer train`")
     msg = (f"{f}: {what} not one codeforge knows ({known}); it passed codeforge's probe for catastrophic "
            f"backtracking and is used as it is")
     (log or _warn)(msg)
@@ -347,16 +346,16 @@ class CodeTokenizer:
     @classmethod
     def load(cls, path: str | os.PathLike, log: Callable[[str], None] | None = None) -> "CodeTokenizer":
         """The tokenizer in directory `path` (or its tokenizer.json), vetted (vet_rules): a rule that fails on
-        probe texts is refused with TokenizerError; an unknown one that passes is said
-        to `log` (default: stderr)."""
+        probe texts is refused with TokenizerError; an unknown one that passes is said to `log` (default:
+        stderr)."""
         p = Path(path)
         if p.is_file() and p.name == TOKENIZER_FILE:
             p = p.parent
         f = p / TOKENIZER_FILE
         if not f.exists():
             raise TokenizerError(
-                f"no tokenizer at {p} (expected {f}); train one with "
-                f"`codeforge tokenizer train --input SRC --out {p}`")
+                f"no tokenizer at {p} (expected {f}); "
+                f"train one with `codeforge tokenizer train --input SRC --out {p}`")
         try:
             tok = Tokenizer.from_file(str(f))
         except Exception as e:  # tokenizers raises a bare Exception on a corrupt file
@@ -460,9 +459,8 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int, out_dir: str | os.Pat
                     min_frequency: int = 2, show_progress: bool = False,
                     overwrite: bool = False, split: str = DEFAULT_SPLIT) -> tuple[CodeTokenizer, dict]:
     """Train byte-level BPE from an iterator of texts (streamed: memory grows with distinct pre-tokens,
-    not with the corpus) and write tokenizer.json, the HF wrapper files and codeforge's metadata.
-    A non-empty `out_dir` is replaced only with overwrite (shards and runs made
-    with it would no longer match).
+    not with the corpus) and write tokenizer.json, the HF wrapper files and codeforge's metadata. A non-empty
+    `out_dir` is replaced only with overwrite (shards and runs made with it would no longer match).
     split: the pre-tokenizer rule, "llama3" (the default; llama.cpp's "llama-bpe": GGUF export) or "code"
     (CODE_SPLIT_PATTERN: 8-12% fewer tokens on code, no GGUF)."""
     if split not in SPLITS:
@@ -478,8 +476,8 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int, out_dir: str | os.Pat
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         what = "a tokenizer" if (out / TOKENIZER_FILE).exists() else "other files"
-        raise TokenizerError(f"{out} already holds {what}; choose another "
-                             "--out, or pass --overwrite to replace it")
+        raise TokenizerError(f"{out} already holds {what}; "
+                             "choose another --out, or pass --overwrite to replace it")
     stats = {"documents": 0, "bytes": 0}
 
     def counted() -> Iterator[str]:

@@ -194,7 +194,8 @@ def test_a_replaced_module_or_a_hook_is_never_skipped():
 
 def test_a_one_thread_pool_keeps_openblas_to_one_thread(monkeypatch):
     """With PyTorch's pool at one thread the numpy step's products run on one thread too (OpenBLAS's default
-    is every core: two pools wanting every core is what docs/LOG.md measured as a collapse)."""
+    is every core: two pools wanting every core is what docs/LOG.md#2026-11-25-openblas-decode-products
+    measured as a collapse)."""
     from threadpoolctl import threadpool_info
     m = model_of(OPTIONS["llama"])
     seen = []

@@ -1,14 +1,17 @@
 """The package's layer rules, checked on the source text (no codeforge module is imported).
 
-DESIGN.md ("Layout: layers, each importing only from below") and the codeforge/__init__.py docstring
-describe the layout; LAYERS below is read from that docstring's table. The rules:
+The layer table is written once, in codeforge/__init__.py's docstring; LAYERS below is read from it, so a new
+module is placed by adding it to that table (a module of a package listed as `name/` is covered already).
+docs/layout.md ("The layer rules") explains the layers and lists every file. The rules checked:
 
 1. a module imports only from its own layer or a lower one (an import from a higher layer is an "arrow up");
 2. evaluation and train never import each other, nor stages;
 3. models never import train, checkpoint or data;
 4. mining and tasks never import data, evaluation, train or stages;
 5. no module imports another module's _private name (nor a _private module from outside its package);
-6. the import graph of codeforge's own modules has no cycle.
+6. a stage imports stages/common.py, never another stage;
+7. codeforge's own modules are imported inside functions only in the CLI;
+8. the import graph of codeforge's own modules has no cycle.
 
 Every import counts (module level and inside functions) except those under `if TYPE_CHECKING:`.
 Every module must be placed in a layer. Run as a script (`python tests/test_layers.py [-v]`) for the
@@ -30,12 +33,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent / "codeforge"
 PKG = "codeforge"
 
-# (prefix, layer); "x.*" is x itself and everything under it, a plain name is that module only.
-# Longest prefix wins.
 def read_layers() -> list[tuple[str, int]]:
-    """The layer table of codeforge/__init__.py's docstring (the one place it is written), as (module pattern,
-    layer): `models/` is every module of that package, `corpus` one module; the
-    package __init__ is layer 0."""
+    """The layer table of codeforge/__init__.py's docstring, the one place it is written, as (module pattern,
+    layer): `models/` is every module of that package, `corpus` one module, the package itself layer 0."""
     doc = ast.get_docstring(ast.parse((ROOT / "__init__.py").read_text()))
     out: list[tuple[str, int]] = [("codeforge", 0)]
     for line in doc.splitlines():
@@ -50,6 +50,8 @@ def read_layers() -> list[tuple[str, int]]:
     return out
 
 
+# (pattern, layer): "x.*" is x itself and everything under it, a plain name that module only; where several
+# match a module, the longest pattern wins (codeforge.x.y over codeforge.x.*)
 LAYERS: list[tuple[str, int]] = read_layers()
 
 # rules 2-4: (importer pattern, imported pattern), patterns as in LAYERS
@@ -353,8 +355,8 @@ def _fail(title: str, items: list[str]) -> None:
 
 
 def test_every_module_is_placed() -> None:
-    _fail("not placed in a layer: add it to LAYERS in tests/test_layers.py and to the layout in "
-          "DESIGN/README", unplaced(collect()))
+    _fail("not placed in a layer: add it to the layer table in codeforge/__init__.py's docstring and to the "
+          "file list in docs/layout.md", unplaced(collect()))
 
 
 def test_imports_resolve() -> None:

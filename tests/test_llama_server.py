@@ -19,7 +19,7 @@ from conftest import free_port, wait_healthy
 from test_export import make_run
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from build_llama_server import binary_path  # noqa: E402
+from build_llama_server import binary_path
 
 pytestmark = pytest.mark.slow
 

@@ -16,8 +16,9 @@ import pytest
 from conftest import make_go_file
 
 from codeforge.corpus import CorpusOptions, CorpusStats, iter_documents
-from codeforge.data import pipeline
+from codeforge.data import local, pipeline
 from codeforge.data.shards import ShardError, ShardSet, prepare
+from codeforge.data.steps import lsh_bands
 from codeforge.redact import redact_pii
 from codeforge.tokenizer import CodeTokenizer
 
@@ -106,7 +107,7 @@ def test_lsh_bands_are_datasketchs():
     from datasketch import MinHashLSH
     for t in (0.7, 0.85, 0.9):
         lsh = MinHashLSH(threshold=t, num_perm=128)
-        assert pipeline.lsh_bands(t) == (lsh.b, lsh.r)
+        assert lsh_bands(t) == (lsh.b, lsh.r)
 
 
 def test_task_count_and_plan_do_not_depend_on_workers(tmp_path, code_corpus):
@@ -331,7 +332,7 @@ def test_engine_output_stays_off_the_console():
     """The engine's log records and progress bars are dropped from stderr; codeforge's own lines pass."""
     import io
     sink = io.StringIO()
-    err = pipeline._WithoutEngineLog(sink)
+    err = local._WithoutEngineLog(sink)
     for s in ("2026-11-28 00:00:00.000 | ERROR    | datatrove:run:1 - boom\nTraceback ...\n",
               "\rInitializing pq...:   0%|          | 0/16 [00:00<?, ?it/s]", "\n",
               "warning: skipping a.jsonl:3: bad_json", "\n"):

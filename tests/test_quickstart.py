@@ -69,11 +69,12 @@ def test_quickstart_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
 def test_quickstart_chat_stages_end_to_end(tmp_path, capsys, monkeypatch):
     """--chat, every stage a few steps long: SFT on mined pairs with the tool conversations mixed in, the
     tools stage, and tool-calling scores after each (a model this short-trained calls nothing that parses)."""
-    import codeforge.quickstart as qs
-    monkeypatch.setattr(qs, "SFT", {**qs.SFT, "max_iters": 2, "eval_every": 2, "save_every": 2})
-    monkeypatch.setattr(qs, "TOOLS", {**qs.TOOLS, "max_iters": 2, "eval_every": 2, "save_every": 2})
-    monkeypatch.setattr(qs, "TOOL_EXAMPLES", 40)
-    monkeypatch.setattr(qs, "TOOL_CASES", 3)
+    from codeforge.quickstart import RECIPES, SFT, TOOLS
+    short = {"max_iters": 2, "eval_every": 2, "save_every": 2}
+    chat = (RECIPES["chat"].changed("sft", training={**SFT, **short})
+            .changed("tools", training={**TOOLS, **short})
+            .changed("chat-data", tool_examples=40).changed("tool-calling", cases=3))
+    monkeypatch.setitem(RECIPES, "chat", chat)
     out = tmp_path / "qs"
     r = run_quickstart(str(out), corpus=str(STDLIB / "email"), max_iters=2, chat=True)
     assert r["sft"]["step"] == 2 and r["tools"]["step"] == 2
@@ -148,7 +149,8 @@ def test_a_wrong_corpus_is_refused_before_the_heavy_imports():
     import sys
     code = ("import sys\nfrom codeforge.cli import main\n"
             "rc = main(['quickstart', '--corpus', 'pythn-stdlib'])\n"
-            "print('heavy', 'torch' in sys.modules, 'codeforge.quickstart' in sys.modules)\nsys.exit(rc)")
+            "print('heavy', 'torch' in sys.modules, 'codeforge.quickstart.recipes' in sys.modules)\n"
+            "sys.exit(rc)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "did you mean python-stdlib?" in r.stderr
     assert "heavy False False" in r.stdout
@@ -207,14 +209,14 @@ def test_each_corpus_gets_its_own_default_directory():
 def test_quickstart_chat_stops_when_a_chat_stage_is_interrupted(tmp_path, capsys, monkeypatch):
     """Ctrl-C or SIGTERM in SFT (or the tools stage) stops the quickstart there, as in pretraining: no scoring
     of a half-trained model, and the result says interrupted (the CLI's exit status 130/143)."""
-    import codeforge.quickstart as qs
+    from codeforge.quickstart import RECIPES, chat
     asked = []
 
     def stage(name, *a, **k):
         asked.append(name)
         return {"interrupted": True, "step": 1}
-    monkeypatch.setattr(qs, "_stage", stage)
-    monkeypatch.setattr(qs, "TOOL_EXAMPLES", 40)
+    monkeypatch.setattr(chat, "finetune", stage)
+    monkeypatch.setitem(RECIPES, "chat", RECIPES["chat"].changed("chat-data", tool_examples=40))
     r = run_quickstart(str(tmp_path / "qs"), corpus=str(STDLIB / "email"), max_iters=2, chat=True)
     assert r["interrupted"] and asked == ["sft"]
     printed = capsys.readouterr().out
@@ -242,9 +244,9 @@ def test_a_small_repository_gets_an_honest_split_that_nothing_changes_under_its_
     the run with another split makes `eval --run` say loudly how many validation files the run trained on."""
     src = _small_library(tmp_path / "golib")
     out = tmp_path / "qs"
-    from codeforge import quickstart
+    from codeforge.quickstart import RECIPES
     with monkeypatch.context() as m:  # a run whose data was prepared before repo-level FIM was the default
-        m.setattr(quickstart, "REPO_FIM", 0.0)
+        m.setitem(RECIPES, "scratch", RECIPES["scratch"].changed("prepare", repo_fim=0.0))
         r = run_quickstart(str(out), corpus=str(src), max_iters=30, base="none")
     printed = capsys.readouterr().out
     meta = json.loads((out / "data" / "meta.json").read_text())
@@ -375,6 +377,7 @@ def test_a_small_repository_trains_on_a_base_first_then_on_its_own_files(tmp_pat
 
 def test_which_repositories_get_a_base_first(tmp_path, monkeypatch):
     from codeforge import quickstart
+    from codeforge.quickstart import base as qs_base
     small = tmp_path / "small"
     small.mkdir()
     (small / "a.py").write_text("def f(x):\n    return x + 1\n" * 50)
@@ -386,7 +389,7 @@ def test_which_repositories_get_a_base_first(tmp_path, monkeypatch):
     (rust / "a.rs").write_text("fn f(x: i32) -> i32 { x + 1 }\n" * 50)
 
     def choose(src, lang, base="auto", langs=None, trained=False):
-        return quickstart.choose_base(base, str(src), str(src), langs, lang, tmp_path / "out", trained, 0.1)
+        return quickstart.choose_base(base, str(src), langs, lang, tmp_path / "out", trained, 0.1)
     # small Python: the standard library
     assert choose(small, "python") == quickstart.corpus_path("python-stdlib")
     assert choose(small, "python", base="none") is None
@@ -398,12 +401,12 @@ def test_which_repositories_get_a_base_first(tmp_path, monkeypatch):
     assert choose(stdlib, "python", langs=langs) is None  # a built-in corpus is its own base
     # inside the base corpus: its validation files would train it
     assert choose(STDLIB / "json", "python") is None
-    monkeypatch.setattr(quickstart, "STEPS", 1)  # a repository the run would pass over fewer than 4 times
-    monkeypatch.setattr(quickstart, "RUN_TOKENS_PER_STEP", 100)
+    monkeypatch.setattr(qs_base, "STEPS", 1)  # a repository the run would pass over fewer than 4 times
+    monkeypatch.setattr(qs_base, "RUN_TOKENS_PER_STEP", 100)
     assert choose(small, "python") is None
-    monkeypatch.setattr(quickstart, "STEPS", 560)
-    monkeypatch.setattr(quickstart, "RUN_TOKENS_PER_STEP", 4096)
-    monkeypatch.setattr(quickstart, "corpus_path",
+    monkeypatch.setattr(qs_base, "STEPS", 560)
+    monkeypatch.setattr(qs_base, "RUN_TOKENS_PER_STEP", 4096)
+    monkeypatch.setattr(qs_base, "corpus_path",
                         lambda c: (_ for _ in ()).throw(FileNotFoundError("no Go")))
     assert choose(go, "go") is None  # Go's standard library not installed: said, and the repository alone
 

@@ -31,9 +31,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from build_llama_server import cache_dir, pinned_version  # noqa: E402
+from build_llama_server import cache_dir, pinned_version
 
-from codeforge.tokenizer import QWEN2_SPLIT_PATTERN  # noqa: E402
+from codeforge.tokenizer import QWEN2_SPLIT_PATTERN
 
 pytestmark = pytest.mark.slow
 

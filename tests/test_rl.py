@@ -135,8 +135,8 @@ def test_grpo_raises_the_pass_rate(world, before, tmp_path):
 
 def test_dpo_raises_the_pass_rate(world, before, tmp_path):
     """DPO with the chosen side's LM loss beside it (RPO) raises the pass rate; plain DPO raises its implicit
-    reward margin, but here (as in docs/LOG.md) it also lowers the likelihood of both sides, and the
-    sampled answers degrade: the test records that rather than hiding it."""
+    reward margin, but here (as in docs/LOG.md#2026-11-23-preference-and-rl) it also lowers the likelihood of
+    both sides, and the sampled answers degrade: the test records that rather than hiding it."""
     run = tmp_path / "dpo"
     run_stage(cfg_for(world / "pairs", run, train__stage="dpo", train__init_from=str(world / "sft"),
                       train__max_iters=15, train__learning_rate=1e-3, train__eval_every=15,

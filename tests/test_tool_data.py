@@ -184,7 +184,8 @@ def test_write_tool_data(tmp_path):
 def test_schemas_are_compact():
     """Every offered schema sits in the system turn, before the first token that carries loss: one short
     description per tool and none per parameter keep five of them at ~360 tokens (528 with the descriptions
-    this data first had; docs/LOG.md, 2026-11-25), ~400 with "additionalProperties": false in each."""
+    this data first had; docs/LOG.md#2026-11-25-quickstart-chat-tool-calling), ~400 with
+    "additionalProperties": false in each."""
     assert sum(len(json.dumps(t)) for t in TOOLS) <= 1300
     for t in TOOLS:
         fn = t["function"]

@@ -13,8 +13,8 @@ import shutil
 
 import pytest
 
-from codeforge.tasks.code_tasks import (REWARDS, Cases, UnsplitTask, execution_rewards, generate_tasks, judge,
-                                        split_tests)
+from codeforge.tasks.code_tasks import REWARDS, UnsplitTask, execution_rewards, generate_tasks
+from codeforge.tasks.verdict import Cases, judge, literal, split_tests
 
 needs_sandbox = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 
@@ -133,8 +133,7 @@ def test_split_tests_takes_the_assert_forms_and_says_why_not():
     assert "literal arguments" in split_tests("assert f(1) == 1\nassert h(1) == 1\n")  # two functions
     assert "not a literal" in split_tests("assert f(1) == y\n")
     assert "literal arguments" in split_tests("assert f(1) == 1\n", "g")  # not the entry point
-    assert "too large" in str(pytest.raises(ValueError,
-                                            __import__("codeforge.tasks.code_tasks", fromlist=["x"]) .literal,
+    assert "too large" in str(pytest.raises(ValueError, literal,
                                             __import__("ast").parse("'a' * 1000000000", mode="eval").body))
 
 

@@ -96,8 +96,8 @@ def read_regular(path: Path, limit: int, error: Error, fix: str) -> bytes:
     fd, st = open_regular(path, error, fix)
     with os.fdopen(fd, "rb") as f:
         if st.st_size > limit:
-            raise error(f"{path} is {st.st_size:,} bytes, more than "
-                        f"the {limit:,} such a file may have; {fix}")
+            raise error(f"{path} is {st.st_size:,} bytes, more than the {limit:,} such a file may have; "
+                        f"{fix}")
         try:
             data = f.read(limit + 1)
         except OSError as e:
@@ -154,8 +154,8 @@ def safetensors_header(path: Path, error: Error, fix: str) -> dict[str, tuple[st
             raise error(f"{path}: header length {n:,} is larger than the file ({size:,} bytes): not a "
                         f"safetensors file, or a truncated one; {fix}")
         if n > HEADER_BYTES:
-            raise error(f"{path}: header length {n:,} is more than the "
-                        f"{HEADER_BYTES:,} bytes codeforge reads; {fix}")
+            raise error(f"{path}: header length {n:,} is more than the {HEADER_BYTES:,} bytes codeforge "
+                        f"reads; {fix}")
         raw = f.read(n)
     try:
         header = json.loads(raw)
@@ -178,8 +178,8 @@ def safetensors_header(path: Path, error: Error, fix: str) -> dict[str, tuple[st
             raise error(f"{where}: shape {shape!r} is not a list of sizes; {fix}")
         if (not isinstance(offs, list) or len(offs) != 2 or not all(_is_int(o) for o in offs)
                 or not 0 <= offs[0] <= offs[1] <= data):
-            raise error(f"{where}: data_offsets {offs!r} do not lie "
-                        f"within the file's {data:,} bytes of data; {fix}")
+            raise error(f"{where}: data_offsets {offs!r} do not lie within the file's {data:,} bytes "
+                        f"of data; {fix}")
         if offs[1] - offs[0] != math.prod(shape) * DTYPE_BYTES[dtype]:
             raise error(f"{where}: data_offsets {offs!r} hold {offs[1] - offs[0]:,} bytes, but shape {shape} "
                         f"of {dtype} needs {math.prod(shape) * DTYPE_BYTES[dtype]:,}; {fix}")
@@ -254,7 +254,7 @@ def model_config_from(d: Any, where: str | Path, error: Error, fix: str, names: 
     if cfg.pos == "rope" and cfg.head_dim % 2:
         raise say("n_embd", cfg.n_embd,
                   f"over model.n_head = {cfg.n_head} gives an odd head size {cfg.head_dim}, "
-                  f"and rotary positions need an even one")
+                  "and rotary positions need an even one")
     return cfg
 
 

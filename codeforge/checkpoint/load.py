@@ -46,8 +46,8 @@ def load_whole_into_sharded(model: torch.nn.Module, optimizer, ck: Path, optimiz
     try:
         weights = st_load_file(str(Path(ck) / "model.safetensors"), device="cpu")
     except (OSError, SafetensorError) as e:
-        raise CheckpointError(f"{ck}/model.safetensors cannot be "
-                              f"read ({e}); the checkpoint is damaged") from e
+        raise CheckpointError(f"{ck}/model.safetensors cannot be read ({e}); "
+                              "the checkpoint is damaged") from e
     names = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
@@ -60,8 +60,8 @@ def load_whole_into_sharded(model: torch.nn.Module, optimizer, ck: Path, optimiz
     saved_groups = optimizer_state["param_groups"]
     if sum(len(g["params"]) for g in saved_groups) != len(flat):
         raise CheckpointError(f"{ck}: its optimizer state has {sum(len(g['params']) for g in saved_groups)} "
-                              "parameters and this model's optimizer "
-                              f"{len(flat)}; it was written for another model")
+                              f"parameters and this model's optimizer {len(flat)}; "
+                              "it was written for another model")
     fqn = {}
     for g in saved_groups:
         for i in g["params"]:

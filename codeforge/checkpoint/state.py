@@ -60,8 +60,8 @@ def _encode(obj, path: str, tensors: dict[str, torch.Tensor], seen: set[int]):
                                 "data": obj.ravel().tolist()}}
     if isinstance(obj, np.generic):
         if obj.dtype.kind not in "biuf":
-            raise CheckpointError(f"training state at {path or '/'}: NumPy "
-                                  f"{obj.dtype} cannot be stored safely")
+            raise CheckpointError(f"training state at {path or '/'}: "
+                                  f"NumPy {obj.dtype} cannot be stored safely")
         return {"__npscalar__": [obj.dtype.str, obj.item()]}
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
@@ -151,13 +151,11 @@ def check_counters(st, f: Path, ckpt: Path) -> dict:
     return st
 
 
-# The data cursor: train_state.json's "loader", the batch source's state_dict().
-# The keys its load_state_dict()
-# reads, per kind of training data (config.py's Stage.data), and the values every key may take: counters as a
-# signed 64-bit count, sizes as positive 32-bit ones, the seed as train.seed may be
-# (config.py), the FIM rates as
-# fractions, flags as booleans. Keys a loader saves but reads with a default (start, rank, fim_*) are checked
-# when present, so a state written before they existed still resumes.
+# The data cursor: train_state.json's "loader", the batch source's state_dict(). The keys its
+# load_state_dict() reads, per kind of training data (config.py's Stage.data), and the values every key may
+# take: counters as a signed 64-bit count, sizes as positive 32-bit ones, the seed as train.seed may be
+# (config.py), the FIM rates as fractions, flags as booleans. Keys a loader saves but reads with a default
+# (start, rank, fim_*) are checked when present, so a state written before they existed still resumes.
 LOADER_KEYS = {
     "shards": ("epoch", "pos", "seed", "shuffle", "world_size", "B", "T"),  # data/loader.py BatchLoader
     # data/loader.py ChatBatchLoader
@@ -203,37 +201,35 @@ def check_loader(loader, f: Path, ckpt: Path, data: str | None = None, tokens: i
         if not lo <= v <= hi:
             raise CheckpointError(f"{f}: loader.{key} = {v!r} is out of range [{lo}, {hi}]; {fix}")
     if "buffer" in loader and not (loader["buffer"] is None or isinstance(loader["buffer"], dict)):
-        raise CheckpointError(f"{f}: loader.buffer is a "
-                              f"{type(loader['buffer']).__name__}, not a rollout; {fix}")
+        raise CheckpointError(f"{f}: loader.buffer is a {type(loader['buffer']).__name__}, "
+                              f"not a rollout; {fix}")
     if tokens is not None and data in ("shards", "chat shards") and "pos" in loader:
         _check_cursor_in_data(loader, f, data, tokens, fix)
     return loader
 
 
 def _check_cursor_in_data(loader: dict, f: Path, data: str, tokens: int, fix: str) -> None:
-    """A packed loader has read start + pos x B x world_size sequences of T+1
-    tokens of one epoch's order, never
-    more than the split holds (tokens // T: fewer still, as no sequence spans two shards); a chat loader's pos
-    counts conversation pieces of at least one token each."""
+    """A packed loader has read start + pos x B x world_size sequences of T+1 tokens of one epoch's order,
+    never more than the split holds (tokens // T: fewer still, as no sequence spans two shards); a chat
+    loader's pos counts conversation pieces of at least one token each."""
     if data == "chat shards":
         if loader["pos"] > tokens:
-            raise CheckpointError(f"{f}: loader.pos = {loader['pos']!r} is beyond the data: it counts "
-                                  "conversation pieces read this epoch, and the training "
-                                  f"split holds {tokens:,} tokens; {fix}")
+            raise CheckpointError(f"{f}: loader.pos = {loader['pos']!r} is beyond the data: "
+                                  "it counts conversation pieces read this epoch, "
+                                  f"and the training split holds {tokens:,} tokens; {fix}")
         return
     most = tokens // loader["T"]
     start = loader.get("start", 0)
     if start > most:
         raise CheckpointError(f"{f}: loader.start = {start!r} is beyond the data: the training split holds "
-                              f"{tokens:,} tokens, at most {most:,} "
-                              f"sequences of T+1 = {loader['T'] + 1}; {fix}")
+                              f"{tokens:,} tokens, at most {most:,} sequences of T+1 = {loader['T'] + 1}; "
+                              f"{fix}")
     read = start + loader["pos"] * loader["B"] * loader["world_size"]
     if read > most:
         raise CheckpointError(f"{f}: loader.pos = {loader['pos']!r} is beyond the data: start {start} + pos "
-                              f"x B {loader['B']} x world_size {loader['world_size']} "
-                              f"= {read:,} sequences read this "
-                              f"epoch, but the training split holds {tokens:,} tokens, at most {most:,} "
-                              f"sequences of T+1 = {loader['T'] + 1}; {fix}")
+                              f"x B {loader['B']} x world_size {loader['world_size']} = {read:,} sequences "
+                              f"read this epoch, but the training split holds {tokens:,} tokens, at most "
+                              f"{most:,} sequences of T+1 = {loader['T'] + 1}; {fix}")
 
 
 class _Unread(dict):
@@ -308,21 +304,21 @@ def _load_legacy_state(ckpt: Path) -> dict:
     try:
         with torch.serialization.safe_globals(allowed):
             st = torch.load(f, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 (a damaged file fails in many ways)
+    except Exception as e:  # a damaged file fails in many ways
         if not (isinstance(e, pickle.UnpicklingError) and "Weights only load failed" in str(e)):
             raise CheckpointError(f"{f} is unreadable ({type(e).__name__}: {str(e)[:300]}); the checkpoint "
                                   f"is damaged: use another one") from e
         names = {f"{g.__module__}.{g.__qualname__}" for g in allowed}
         try:
             others = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(f)) - names)
-        except Exception:  # noqa: BLE001 (only for the message)
+        except Exception:  # only for the message
             others = []
         holds = f" (it names {', '.join(others[:8])})" if others else ""
         raise CheckpointError(
             f"{f}, written by an older codeforge, holds more than tensors and plain values{holds}: loading "
-            "it would run code from the file, so it was not "
-            "loaded. If you trust this run, start a new one from "
-            f"its weights, which load safely: codeforge train --init-from {ckpt} --out NEW_RUN ...") from e
+            "it would run code from the file, so it was not loaded. If you trust this run, start a new one "
+            "from its weights, which load safely: "
+            f"codeforge train --init-from {ckpt} --out NEW_RUN ...") from e
     if not isinstance(st, dict) or "step" not in st:
         raise CheckpointError(f"{f} is not a codeforge training state")
     return st

@@ -275,7 +275,7 @@ def find_checkpoint(path: str | Path, which: str = "latest", *, train_state: boo
     root = p / rundir.CHECKPOINTS
     inside, checked = root.resolve(), check  # RUN/checkpoints may itself be a link (to a bigger disk)
 
-    def check(c: Path, state: bool) -> str | None:  # noqa: F811 - the same check; a step linked elsewhere refused
+    def check(c: Path, state: bool) -> str | None:  # the same check; a step linked elsewhere refused
         real = c.resolve()
         if inside not in real.parents:
             return (f"it is a link to {real}, outside the run's {root} (codeforge never writes one); copy "

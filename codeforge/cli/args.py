@@ -1,5 +1,5 @@
 """What every command group shares: the error a command raises for bad arguments, the parser class (no
-silent abbreviations), parsing with "did you mean" hints, and the corpus options of tokenizer and prepare."""
+silent abbreviations), and parsing with "did you mean" hints."""
 
 from __future__ import annotations
 
@@ -18,42 +18,6 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *a, **k):
         k.setdefault("allow_abbrev", False)
         super().__init__(*a, **k)
-
-
-def sampling_args(p: argparse.ArgumentParser, max_new_tokens: int, temperature: float, what: str) -> None:
-    """The sampling flags generate and chat share (their defaults differ)."""
-    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
-                   help=f"tokens to generate at most (default {max_new_tokens})")
-    p.add_argument("--temperature", type=float, default=temperature,
-                   help=f"sampling temperature; 0 is greedy (default {temperature})")
-    p.add_argument("--top-k", type=int, default=50,
-                   help="sample from the K most likely tokens only; 0 is off "
-                                                          "(default 50)")
-    p.add_argument("--top-p", type=float, default=0.95,
-                   help="sample from the smallest set of tokens whose "
-                        "probabilities reach P; 1 is off (default 0.95)")
-    p.add_argument("--seed", type=int, default=None,
-                   help=f"random seed for reproducible {what} (default: fresh each run)")
-
-
-def corpus_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                   help="directories, .txt, .jsonl[.gz|.zst], .parquet files, or hf:NAME[:SPLIT]")
-    p.add_argument("--languages", nargs="+", default=None,
-                   help="keep files of these languages (by extension)")
-    p.add_argument("--text-field", default="text", help="JSONL/parquet field that holds the text")
-    p.add_argument("--max-file-bytes", type=int, default=1_000_000, help="skip larger documents")
-    p.add_argument("--max-line-length", type=int, default=1000, help="a longer line marks a file minified")
-    p.add_argument("--exclude-tests", action="store_true",
-                   help="skip test files (_test.go, test_*.py, tests/)")
-    p.add_argument("--strict", action="store_true", help="fail on a malformed input instead of skipping it")
-
-
-def corpus_opts(a: argparse.Namespace, **kw):
-    from ..corpus import CorpusOptions
-    return CorpusOptions(languages=a.languages, text_field=a.text_field, max_file_bytes=a.max_file_bytes,
-                         max_line_length=a.max_line_length, exclude_tests=a.exclude_tests, strict=a.strict,
-                         **kw)
 
 
 def _chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:

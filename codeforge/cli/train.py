@@ -69,7 +69,7 @@ def _config_flags(t) -> None:
 def cmd_config_keys(a: argparse.Namespace) -> int:
     from dataclasses import fields
 
-    from ..config import SECTION_OF_KIND, SECTIONS, STAGE_TABLE, CommonTrain
+    from ..config import COMMON_SECTIONS, SECTION_OF_KIND, SECTIONS, STAGE_TABLE
     from ..fields import describe, flag_name
 
     def show(section: str, cls) -> None:
@@ -78,8 +78,12 @@ def cmd_config_keys(a: argparse.Namespace) -> int:
             print(f"  {section}.{f.name:22s} {type(f.default).__name__:5s} {flag:24s} {describe(f)}")
     print("[model]")
     show("model", SECTIONS["model"])
-    print("[train]  (one table in config files: the settings every stage reads, then each stage kind's own)")
-    show("train", CommonTrain)
+    print("[train]  (one table in config files: the settings every stage reads, by the component that reads "
+          "them, then each stage kind's own)")
+    for name, cls in COMMON_SECTIONS.items():
+        doc = " ".join(cls.__doc__.split())  # the component's docstring names the module that reads it
+        print(f"  # {name}: {doc[0].lower()}{doc[1:]}")
+        show("train", cls)
     for kind, cls in SECTION_OF_KIND.items():
         stages = ", ".join(st.name for st in STAGE_TABLE if st.kind == kind)
         print(f"  # --stage {stages}")
@@ -203,45 +207,12 @@ def cmd_presets(a: argparse.Namespace) -> int:
 
 
 def add_quickstart_parser(sub) -> None:
+    from ..fields import add_flags
+    from ..quickstart.options import QuickstartOptions  # no torch: the parser of every command has this one
     q = sub.add_parser("quickstart", help="the whole pipeline on your code (a directory) or a corpus this "
                                           "machine has (Python's or Go's standard library): tokenizer, "
                                           "prepare, train, eval, sample")
-    q.add_argument("--out", default=None, help="default runs/quickstart (runs/quickstart-chat with --chat, "
-                   "-hrm with --hrm); another --corpus adds its name: runs/quickstart-go, "
-                   "runs/quickstart-NAME")
-    q.add_argument("--corpus", default="python-stdlib", help="python-stdlib (the default: Python's standard "
-                   "library) | go (Go's, where installed) | PATH (your code: a directory or a file)")
-    q.add_argument("--max-iters", type=int, default=None,
-                   help="pretraining steps, a fixed count (default: as many of 560 as fit in --time-budget)")
-    q.add_argument("--time-budget", type=float, default=None, metavar="MINUTES",
-                   help="minutes pretraining may take on this CPU; the step count follows the pace it "
-                        "measures (default 8; ignored with --max-iters)")
-    q.add_argument("--val-fraction", type=float, default=None,
-                   help="share of the corpus's files kept for validation (default: 0.02, or more for a small "
-                        "corpus, so validation holds at least ~20k tokens (at most a tenth of the code) in "
-                        "3+ files; a run that has trained keeps the split it trained on)")
-    q.add_argument("--device", default="auto",
-                   help="auto (a GPU if there is one, else the CPU), cpu, cuda, cuda:N or mps (default auto)")
-    q.add_argument("--base", default="auto", metavar="CORPUS",
-                   help="a small repository of yours (one the run would "
-                        "pass over more than 4 times) first trains "
-                        "a base on a public corpus of its language, then goes on on your files: auto (the "
-                        "default: Python's or Go's standard library), none "
-                        "(your files alone), python-stdlib, go or a PATH")
-    q.add_argument("--from-hf", default=None, metavar="DIR|ORG/NAME",
-                   help="fine-tune an open code model on your code with its own tokenizer, instead of "
-                        "training one from scratch: a Hugging Face directory or a Hub name "
-                        "(Qwen/Qwen2.5-Coder-0.5B; fetched once, then read from the cache)")
-    q.add_argument("--lora-rank", type=int, default=0, metavar="R",
-                   help="--from-hf: train LoRA adapters of rank R (e.g. "
-                        "16), the model frozen (default 0: every weight)")
-    q.add_argument("--chat", action="store_true",
-                   help="then chat SFT on pairs mined from the corpus and tool "
-                   "calling (about 20 CPU minutes; default --out runs/quickstart-chat)")
-    q.add_argument("--hrm", action="store_true",
-                   help="the hierarchical planner/generator model instead (docs/hierarchical-model.md): mine "
-                        "plans from the corpus, train it, print its metrics (about 7 CPU minutes; default "
-                        "--out runs/quickstart-hrm)")
+    add_flags(q, QuickstartOptions)
     q.set_defaults(func=cmd_quickstart)
 
 
@@ -260,7 +231,13 @@ def check_corpus(corpus: str) -> None:
 
 
 def cmd_quickstart(a: argparse.Namespace) -> int:
-    check_corpus(a.corpus)
+    from dataclasses import asdict
+
+    from ..fields import from_args
+    from ..quickstart.options import QuickstartOptions
+    opts = from_args(QuickstartOptions, a, "quickstart", out=a.out or default_out(a.corpus, a.chat, a.hrm))
+    check_corpus(opts.corpus)
+    opts.recipe()  # flags that contradict each other, refused before the quickstart's imports too
     from ..quickstart import RESUME, run_quickstart
     from ..train.stopping import RESUME_HINT
     # training's ranks, processes of their own too, say the same way on; for this command only (a caller in
@@ -268,18 +245,7 @@ def cmd_quickstart(a: argparse.Namespace) -> int:
     before = os.environ.get(RESUME_HINT)
     os.environ[RESUME_HINT] = RESUME
     try:
-        if a.chat and a.hrm:
-            raise CLIError("--chat and --hrm are two different quickstarts: pick one")
-        if (a.chat or a.hrm) and (a.base != "auto" or a.from_hf or a.lora_rank):
-            raise CLIError("--base, --from-hf and --lora-rank are for the plain quickstart on your code, not "
-                           "--chat or --hrm")
-        if a.lora_rank and not a.from_hf:
-            raise CLIError("--lora-rank adapts an open model: give --from-hf DIR|ORG/NAME (a model trained "
-                           "from scratch trains every weight)")
-        r = run_quickstart(a.out or default_out(a.corpus, a.chat, a.hrm), a.corpus, a.max_iters, a.device,
-                           chat=a.chat, hrm=a.hrm, val_fraction=a.val_fraction, time_budget=a.time_budget,
-                           base_dir=default_out(a.corpus) if a.chat else None, base=a.base, from_hf=a.from_hf,
-                           lora_rank=a.lora_rank)
+        r = run_quickstart(**asdict(opts), base_dir=default_out(opts.corpus) if opts.chat else None)
     except FileNotFoundError as e:
         raise CLIError(str(e)) from e
     finally:

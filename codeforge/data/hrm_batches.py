@@ -146,9 +146,9 @@ class HRMBatches:
         self.labels = labels or LabelCache()
         self.per_epoch = len(data) // world_size // batch_size
         if self.per_epoch == 0:
-            raise ValueError(f"{data.path} has {len(data)} usable records: "
-                             f"too few for one batch of {batch_size} "
-                             f"per rank over {world_size} rank(s); lower --batch-size or mine more functions")
+            raise ValueError(f"{data.path} has {len(data)} usable records: too few for one batch of "
+                             f"{batch_size} per rank over {world_size} rank(s); "
+                             f"lower --batch-size or mine more functions")
         self.epoch, self.pos, self.drawn = 0, 0, 0
         self._order: np.ndarray | None = None
         self.truncated: Counter = Counter()

@@ -169,10 +169,9 @@ class ChatBatchLoader:
         if self.per_epoch == 0:
             raise ValueError(
                 f"{shards.dir} split {shards.split!r} has {len(self.pieces)} usable conversation pieces "
-                f"({self.dropped} dropped with a turn longer than "
-                f"{block_size + 1} tokens): too few for one batch "
-                f"of {batch_size} rows per rank over {world_size} rank(s); lower --batch-size, raise the "
-                f"model's context, or add data")
+                f"({self.dropped} dropped with a turn longer than {block_size + 1} tokens): too few for one "
+                f"batch of {batch_size} rows per rank over {world_size} rank(s); lower --batch-size, raise "
+                f"the model's context, or add data")
 
     def _epoch_order(self) -> np.ndarray:
         if self._order is None:

@@ -1,8 +1,8 @@
 """Documents -> token shards on disk, and the memmap reader.
 
 Layout of a prepared directory:
-  meta.json                 tokenizer hash, dtype, counts per split, skipped
-                            counts by reason, sources, options
+  meta.json                 tokenizer hash, dtype, counts per split, skipped counts by reason, sources,
+                            options
   tokenizer/                a copy of the tokenizer the shards were made with
   train_000000.bin ...      raw token ids (uint16 when the vocab fits, else uint32), documents back to back,
   val_000000.bin ...        each followed by the end-of-text token
@@ -16,13 +16,12 @@ Layout of a prepared directory:
 Speed: code runs as a datatrove pipeline (pipeline.py): tasks of whole files on --workers processes, the
 same shards for any number of them. Chat data (--chat) is read and encoded here, in one process.
 
-Memory: a batch closes at 512 documents (`batch_docs` for chat) or BATCH_BYTES (1 MiB)
-of text, whichever comes first.
-The Rust tokenizer holds 150-320 bytes per byte of text while it encodes a document (measured with a
-300-token vocabulary: 900 KB of code 140 MB, 900 KB of `b = 1` lines 290 MB), so one 512-document batch of
-900 KB documents (a few KB as .jsonl.zst, or one parquet dictionary value repeated) took 20 GB. Now a batch
-holds at most 1 MiB plus one document, so at most two documents of --max-file-bytes are encoded at once
-(the Python stdlib: 1.06 GB peak before, 0.40 GB now, at the same speed).
+Memory: a batch closes at 512 documents (`batch_docs` for chat) or BATCH_BYTES (1 MiB) of text, whichever
+comes first. The Rust tokenizer holds 150-320 bytes per byte of text while it encodes a document (measured
+with a 300-token vocabulary: 900 KB of code 140 MB, 900 KB of `b = 1` lines 290 MB), so one 512-document
+batch of 900 KB documents (a few KB as .jsonl.zst, or one parquet dictionary value repeated) took 20 GB. Now
+a batch holds at most 1 MiB plus one document, so at most two documents of --max-file-bytes are encoded at
+once (the Python stdlib: 1.06 GB peak before, 0.40 GB now, at the same speed).
 """
 
 from __future__ import annotations
@@ -42,10 +41,12 @@ from ..atomic import clean_stale, publish, staging_dir
 from ..chat import encode_conversation, read_conversations, render_text
 from ..corpus import CorpusOptions, CorpusStats, content_hash, line_limit, split_of, walk_tree
 from ..decontam import sources_state
+from ..fields import check_fields
 from ..redact import RULES as REDACT_RULES
 from ..tokenizer import CodeTokenizer
 from . import pipeline  # the engine (datatrove: ~0.4 s to import, and it resets loguru's default handler)
 from . import workdir
+from .options import PrepareOptions
 from .writer import FORMAT, SPLITS, ShardError, SplitWriter, digest_key, dtype_for, finish_meta
 
 __all__ = ["FORMAT", "SPLITS", "ShardError", "ShardSet", "digest_key", "prepare", "split_digests"]
@@ -90,8 +91,8 @@ def _fingerprint(sources: list[str], tok_hash: str, options: dict) -> str:
 def prepare(sources: list[str], tokenizer_dir: str | os.PathLike, out_dir: str | os.PathLike,
             opts: CorpusOptions | None = None, overwrite: bool = False, shard_tokens: int = 100_000_000,
             batch_docs: int = 512, log=print, chat: bool = False, repo_fim: float = 0.0,
-            workers: int | None = None,
-            executor: str = "local", tasks: int | None = None, slurm: dict | None = None) -> dict | None:
+            workers: int | None = None, executor: str = "local", tasks: int | None = None,
+            slurm: dict | None = None) -> dict | None:
     """Read, filter, dedup, split and tokenize `sources` into shards under `out_dir`; return meta.
     Code runs as a datatrove pipeline (pipeline.py): `workers` processes (default: pipeline.auto_workers) on
     `executor` "local", or Slurm job arrays ("slurm", options in `slurm`; returns None once submitted); the
@@ -102,11 +103,12 @@ def prepare(sources: list[str], tokenizer_dir: str | os.PathLike, out_dir: str |
     files of the same directory as context, the file in PSM order after them), the layout llama-server's
     /infill builds for editors."""
     opts = opts or CorpusOptions()
-    opts.validate()
+    # what the CLI checked already (fields.from_args), for callers in code: against the same declarations
+    opts.validate("prepare")
+    check_fields(PrepareOptions(repo_fim=repo_fim, shard_tokens=shard_tokens, workers=workers or 0),
+                 "prepare", via_set=False)
     tok = CodeTokenizer.load(tokenizer_dir)
     out = Path(out_dir)
-    if not 0.0 <= repo_fim <= 1.0:
-        raise ShardError(f"--repo-fim {repo_fim}: give a share of the training files between 0 and 1")
     options = {**opts.to_dict(), "shard_tokens": shard_tokens, "chat": chat}
     if opts.decontaminate:  # what the benchmark sources hold now, and the rules secrets are replaced by
         options["decontaminate_state"] = sources_state(opts.decontaminate)
@@ -119,10 +121,9 @@ def prepare(sources: list[str], tokenizer_dir: str | os.PathLike, out_dir: str |
         missing = [t for t in ("<|repo_name|>", "<|file_sep|>", "<fim_prefix>")
                    if tok.special_ids.get(t) is None]
         if missing:
-            raise ShardError("--repo-fim needs the tokenizer's "
-                             f"{', '.join(missing)} token(s), which {tokenizer_dir} "
-                             f"lacks (it was trained before they existed): train a tokenizer again "
-                             f"(`codeforge tokenizer train`), or leave out --repo-fim")
+            raise ShardError(f"--repo-fim needs the tokenizer's {', '.join(missing)} token(s), which "
+                             f"{tokenizer_dir} lacks (it was trained before they existed): train a tokenizer "
+                             "again (`codeforge tokenizer train`), or leave out --repo-fim")
     if chat and executor != "local":
         raise ShardError(f"--chat data is prepared in this process: leave out --executor {executor}")
     fp = _fingerprint(sources, tok.hash, options)
@@ -134,9 +135,9 @@ def prepare(sources: list[str], tokenizer_dir: str | os.PathLike, out_dir: str |
             shutil.rmtree(work_dir(out, fp), ignore_errors=True)  # left by a cluster run that published it
             return json.loads(old.read_text())
         if not overwrite:
-            raise ShardError(f"{out} already holds "
-                             f"{'a different dataset' if old.exists() else 'other files'}; "
-                             f"pass --overwrite to replace it or choose another --out")
+            what = "a different dataset" if old.exists() else "other files"
+            raise ShardError(f"{out} already holds {what}; pass --overwrite to replace it or choose another "
+                             "--out")
 
     if chat:
         tmp = staging_dir(out)
@@ -207,19 +208,17 @@ def empty_validation_note(meta: dict, val_fraction: float) -> str | None:
     if total < 2 or val_fraction <= 0 or (docs >= 3 and (tokens >= SMALL_VALIDATION_TOKENS
                                                          or tokens >= 0.1 * all_tokens)):
         return None
-    # always more
+    # the share that would give 3 documents and 5 times SMALL_VALIDATION_TOKENS, always more than was given
     share = max(3 / total, 5 * SMALL_VALIDATION_TOKENS / max(all_tokens, 1), 1.5 * val_fraction)
     want = min(0.5, max(0.05, math.ceil(share * 100) / 100))
+    about = f"--val-fraction {want:g} (about {max(1, round(want * total))} documents)"
     if not docs:
         return (f"warning: the validation split is empty: {total} documents at --val-fraction "
-                f"{val_fraction:g} left "
-                f"none for it, so evaluation would score the training split (which flatters the model). "
-                f"Prepare again with --val-fraction {want:g} (about "
-                f"{max(1, round(want * total))} documents) or with more files")
+                f"{val_fraction:g} left none for it, so evaluation would score the training split (which "
+                f"flatters the model). Prepare again with {about} or with more files")
     return (f"warning: the validation split is small: {docs} document(s), {tokens:,} tokens at "
-            f"--val-fraction {val_fraction:g}, too few to tell a model that "
-            "learns from one that memorises. Prepare again with "
-            f"--val-fraction {want:g} (about {max(1, round(want * total))} documents) or with more files")
+            f"--val-fraction {val_fraction:g}, too few to tell a model that learns from one that memorises. "
+            f"Prepare again with {about} or with more files")
 
 
 def _write_chat(sources, tok: CodeTokenizer, tmp: Path, opts: CorpusOptions, shard_tokens: int,
@@ -247,9 +246,8 @@ def _write_chat(sources, tok: CodeTokenizer, tmp: Path, opts: CorpusOptions, sha
     splits = {s: w.close() for s, w in writers.items()}
     if stats.documents == 0:
         raise ShardError(f"no usable conversation in {list(sources)} (skipped: "
-                         f"{dict(stats.skipped) or 'nothing found'}); "
-                         f"each JSONL line needs {{\"messages\": [{{\"role\": ..., \"content\": ...}}, "
-                         f"...]}} with an assistant turn")
+                         f"{dict(stats.skipped) or 'nothing found'}); each JSONL line needs "
+                         '{"messages": [{"role": ..., "content": ...}, ...]} with an assistant turn')
     meta = finish_meta(tok, tmp, stats, splits, sources, time.perf_counter() - t0)
     meta["chat"] = True
     meta["loss_tokens"] = {s: int(sum(np.fromfile(tmp / sh["file"].replace(".bin", ".mask"),
@@ -299,8 +297,7 @@ class ShardSet:
         """Refuse to use shards with a tokenizer other than the one they were made with."""
         if tok_hash != self.tokenizer_hash:
             raise ShardError(f"{self.dir} was prepared with tokenizer {self.tokenizer_hash} but {what} is "
-                             f"{tok_hash}; prepare the data again with "
-                             "this tokenizer or use the matching one")
+                             f"{tok_hash}; prepare the data again with this one or use the one they match")
 
     def doc_starts(self) -> np.ndarray:
         return np.load(self.dir / f"{self.split}_docs.npy")

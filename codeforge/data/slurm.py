@@ -95,8 +95,7 @@ def submit(pipeline: list[tuple[str, list, int]], work: Path, slurm: dict, log=p
     prev.run()  # launches its dependencies first, each with --dependency=afterok on the one before
     ids = [e.job_id for e in executors if e.job_id not in (None, -1)]
     workdir.write_text(marker, json.dumps({"jobs": ids, "at": time.time()}))
-    log(f"submitted {len(pipeline)} Slurm job arrays (jobs "
-        f"{', '.join(map(str, ids))}; scripts and logs under "
-        f"{work / 'logs'}); the last one writes the dataset. If one fails: once all have ended, delete "
-        f"{marker} and run the same command again to submit only the unfinished tasks")
+    log(f"submitted {len(pipeline)} Slurm job arrays (jobs {', '.join(map(str, ids))}; scripts and logs "
+        f"under {work / 'logs'}); the last one writes the dataset. If one fails: once all have ended, "
+        f"delete {marker} and run the same command again to submit only the unfinished tasks")
     return None

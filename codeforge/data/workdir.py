@@ -31,7 +31,7 @@ from .. import printable
 from .writer import ShardError
 
 LOCK = "lock"
-SUBMITTED = "submitted.json"  # the Slurm jobs working here (pipeline._submit), until the user deletes it
+SUBMITTED = "submitted.json"  # the Slurm jobs working here (slurm.submit), until the user deletes it
 
 
 class KeepWork(ShardError):
@@ -142,8 +142,8 @@ def _open_nofollow(path: Path, flags: int, mode: int = 0o600) -> int:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), mode)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise KeepWork(f"{path} is a symlink, which prepare never makes there: delete "
-                           f"{path.parent} and run the same command again") from None
+            raise KeepWork(f"{path} is a symlink, which prepare never makes there: delete {path.parent} and "
+                           f"run the same command again") from None
         if e.errno == errno.ENXIO:  # a FIFO opened for writing with no reader
             raise KeepWork(f"{path} is a FIFO, which prepare never makes there: delete {path.parent} and "
                            f"run the same command again") from None

@@ -65,8 +65,8 @@ class SplitWriter:
     def add(self, docs: list[list[int]], n_bytes: int, masks: list[list[int]] | None = None,
             digests: list[bytes] = ()) -> None:
         """Append documents (id lists already ending in end-of-text) in one write per shard touched, and their
-        content hashes. A document never straddles two shards: one larger than a
-        shard gets a shard of its own."""
+        content hashes. A document never straddles two shards: one larger than a shard gets a shard of its
+        own."""
         self.digests.extend(digest_key(d) for d in digests)
         flat = np.fromiter(itertools.chain.from_iterable(docs), dtype=self.dtype)
         flat_m = np.fromiter(itertools.chain.from_iterable(masks), dtype=np.uint8) if self.with_mask else None

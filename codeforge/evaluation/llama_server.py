@@ -26,10 +26,12 @@ from .lm import EvalError
 
 
 def infill_predict(ctx: int) -> int:
-    """The tokens a fill may take (llama-server's -n, which caps every request's
-    n_predict and sets aside 2 n of
-    the context in /infill's prompt layout): an eighth of the context, 16 to 128, so other files keep room."""
+    """The tokens a fill may take (llama-server's -n, which caps every request's n_predict and sets aside 2 n
+    of the context in /infill's prompt layout): an eighth of the context, 16 to 128, so other files keep
+    room."""
     return max(16, min(128, ctx // 8))
+
+
 FIM_KEYS = ("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.fim_suf_token_id",
             "tokenizer.ggml.fim_mid_token_id")
 
@@ -39,8 +41,8 @@ def find_binary(given: str | None = None) -> str:
     if given or os.environ.get("CODEFORGE_LLAMA_SERVER"):
         path = Path(given or os.environ["CODEFORGE_LLAMA_SERVER"])
         if not (path.is_file() and os.access(path, os.X_OK)):
-            raise EvalError(f"llama-server {path} (--llama-server or "
-                            "$CODEFORGE_LLAMA_SERVER) is not an executable file")
+            raise EvalError(f"llama-server {path} (--llama-server or $CODEFORGE_LLAMA_SERVER) "
+                            "is not an executable file")
         return str(path)
     cache = Path(os.environ.get("CODEFORGE_CACHE", Path.home() / ".cache" / "codeforge"))
     built = sorted(cache.glob("llama-server-*/bin/llama-server"), key=lambda p: p.stat().st_mtime)
@@ -50,8 +52,8 @@ def find_binary(given: str | None = None) -> str:
     if not found:
         raise EvalError("no llama-server found (--llama-server PATH, $CODEFORGE_LLAMA_SERVER, the build "
                         "cache, or the PATH): build it from the pinned llama-cpp-python's sources with "
-                        "`python benchmarks/build_llama_server.py`, "
-                        "or start one yourself and pass --endpoint URL")
+                        "`python benchmarks/build_llama_server.py`, or start one yourself and pass "
+                        "--endpoint URL")
     return found
 
 
@@ -64,13 +66,13 @@ def gguf_facts(path: str) -> dict:
         raise EvalError(f"--gguf {path}: no such file")
     try:
         reader = gguf.GGUFReader(str(p))
-    except Exception as e:  # noqa: BLE001 - any unreadable file gets the same message
+    except Exception as e:  # any unreadable file gets the same message
         raise EvalError(f"--gguf {path}: not a GGUF file llama.cpp reads ({type(e).__name__}: {e})") from None
     fields = reader.fields
     arch_field = fields.get("general.architecture")
     if arch_field is None:
-        raise EvalError(f"--gguf {path}: no general.architecture in "
-                        "its metadata: not a model llama-server loads")
+        raise EvalError(f"--gguf {path}: no general.architecture in its metadata: "
+                        "not a model llama-server loads")
     arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
     ctx_field = fields.get(f"{arch}.context_length")
     ctx = int(ctx_field.parts[ctx_field.data[0]][0]) if ctx_field is not None else 0
@@ -90,10 +92,9 @@ def running(gguf_path: str, binary: str | None = None, threads: int | None = Non
     facts = gguf_facts(gguf_path)
     if not facts["fim"]:
         raise EvalError(f"--gguf {gguf_path} has no fill-in-the-middle token ids ({', '.join(FIM_KEYS)}), so "
-                        "llama-server's /infill refuses it: export "
-                        "it again with `codeforge export --run RUN "
-                        f"--format gguf` from a run whose tokenizer has "
-                        f"<fim_prefix>/<fim_suffix>/<fim_middle> (every tokenizer codeforge trains has them)")
+                        "llama-server's /infill refuses it: export it again with "
+                        "`codeforge export --run RUN --format gguf` from a run whose tokenizer has "
+                        "<fim_prefix>/<fim_suffix>/<fim_middle> (every tokenizer codeforge trains has them)")
     exe = find_binary(binary)
     ctx = facts["context"] or 2048
     batch = max(32, ctx // 2)

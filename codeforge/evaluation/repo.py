@@ -23,12 +23,11 @@ cases unless asked (data_files): every line of it is a case like the last, a tes
 than writing code, and there are enough of them to outweigh the code files in a case average.
 
 Three backends answer the same cases: a codeforge run (in process), a server's llama.cpp-style `/infill`
-(llama-server on the exported GGUF, or `codeforge serve`), and an
-OpenAI-compatible `/v1/completions` that takes
-`suffix` (no repo context: that API has no field for it). An endpoint's answer is read up to MAX_REPLY_BYTES
-and REPLY_SECONDS (the whole request: connecting, status line, headers and body); one that is not a JSON
-object with a text fill is an EvalError naming the url. A file or
-fill nested past what Python's compiler takes does not parse (no case; a case counted as not parsing).
+(llama-server on the exported GGUF, or `codeforge serve`), and an OpenAI-compatible `/v1/completions` that
+takes `suffix` (no repo context: that API has no field for it). An endpoint's answer is read up to
+MAX_REPLY_BYTES and REPLY_SECONDS (the whole request: connecting, status line, headers and body); one that is
+not a JSON object with a text fill is an EvalError naming the url. A file or fill nested past what Python's
+compiler takes does not parse (no case; a case counted as not parsing).
 """
 
 from __future__ import annotations
@@ -177,8 +176,7 @@ def data_like(text: str) -> float | None:
 
 
 def _block(lines: list[str], i: int) -> int:
-    """The end (exclusive) of the block whose header is line i: the following lines
-    indented deeper, at most 8."""
+    """The end (exclusive) of the block whose header is line i: at most 8 following lines indented deeper."""
     indent = len(lines[i]) - len(lines[i].lstrip())
     j = i + 1
     while j < len(lines) and j - i <= 8 and (not lines[j].strip()
@@ -446,9 +444,9 @@ def infill_backend(url: str):
             # llama-server's and codeforge serve's words for a model without FIM
             if "not supported" in str(e).lower():
                 raise EvalError(f"{e}\nthe model it serves has no fill-in-the-middle tokens: export the run "
-                                "again with `codeforge export --run RUN --format "
-                                "gguf` (it writes their ids) from a run "
-                                f"whose tokenizer has them, or score the run itself with --run") from None
+                                "again with `codeforge export --run RUN --format gguf` (it writes their ids) "
+                                "from a run whose tokenizer has them, "
+                                "or score the run itself with --run") from None
             raise
         if "content" not in r:
             raise EvalError(f"{url} answered without `content`: not llama.cpp's /infill")
@@ -548,9 +546,8 @@ def run_repo_eval(repo: str, run: str | None = None, endpoint: str | None = None
     if not files:
         raise EvalError(f"--repo {repo}: no code files found (Go, Python and other languages by extension)")
     if not kept:
-        raise EvalError(f"--repo {repo}: all {len(files)} files were "
-                        "in the run's training data, so no score on "
-                        f"them would be honest; give a directory of files it never trained on (its "
+        raise EvalError(f"--repo {repo}: all {len(files)} files were in the run's training data, so no score "
+                        f"on them would be honest; give a directory of files it never trained on (its "
                         f"validation files, or code written since)")
     cases = repo_cases(kept, n, seed, context_files, data_files)
     # the data-like files among those that could give cases (a longer file gives none anyway)

@@ -105,8 +105,8 @@ def run_eval(run: str, data: str | None = None, eval_tokens: int | None = None, 
         docs = [tok.decode(val.document(i).tolist()) for i in range(min(200, val.documents))]
         if language:
             docs = [d for d in docs if guess_language(d) == language]
-        with _step(f"syntax of up to {syntax_samples} completions "
-                   f"of functions in {len(docs)} validation file(s)"):
+        with _step(f"syntax of up to {syntax_samples} completions of functions in {len(docs)} "
+                   "validation file(s)"):
             r.update(syntax_validity(eng, docs, syntax_samples, max_new_tokens=min(max_new_tokens, 128)))
     else:
         r["syntax_valid_rate"] = None
@@ -132,10 +132,10 @@ def _unseen_check(run_dir: Path, data: str, split: str, cfg: dict) -> dict:
     if seen is not None:
         if seen["trained_on"]:
             print(f"WARNING: {seen['trained_on']} of the {seen['documents']} documents in {data}'s {split} "
-                  "split were in this run's training data, so the scores "
-                  "below flatter the model (the data was prepared "
-                  f"again with another split or corpus, or --data names other data). Score a run on the data "
-                  f"it was trained with, or on documents it never saw.", file=sys.stderr, flush=True)
+                  "split were in this run's training data, so the scores below flatter the model (the data "
+                  "was prepared again with another split or corpus, or --data names other data). Score a run "
+                  "on the data it was trained with, or on documents it never saw.", file=sys.stderr,
+                  flush=True)
         return {"val_documents": seen["documents"], "val_trained_on": seen["trained_on"],
                 **({} if seen["complete"] else {"val_note": f"at least; not recorded: {seen['unknown']}"})}
     record = trained_record(run_dir)
@@ -149,10 +149,9 @@ def _unseen_check(run_dir: Path, data: str, split: str, cfg: dict) -> dict:
         except (OSError, ValueError, KeyError):
             changed = True
         if changed:
-            print(f"WARNING: {data} changed since this run trained "
-                  "on it (prepared again?), and neither records "
-                  f"its documents, so whether the {split} split holds documents the run trained on cannot be "
-                  f"checked: the scores below may flatter the model", file=sys.stderr, flush=True)
+            print(f"WARNING: {data} changed since this run trained on it (prepared again?), and neither "
+                  f"records its documents, so whether the {split} split holds documents the run trained on "
+                  "cannot be checked: the scores below may flatter the model", file=sys.stderr, flush=True)
             return {"val_trained_on": None, "val_note": "the data changed since training; overlap unknown"}
     return {}
 

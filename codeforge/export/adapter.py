@@ -50,8 +50,8 @@ def export_adapter(run: str | Path, out: str | Path, which: str = "auto", overwr
 PLAIN = {"use_rslora": False, "use_dora": False, "rank_pattern": {}, "alpha_pattern": {}, "bias": "none"}
 # the tensors' types an adapter may hold: what codeforge's training writes (float32) and what PEFT saves
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-AGAIN = ("export the adapter again with `codeforge export --run RUN --format adapter` from the LoRA run that "
-         "trained it")
+AGAIN = ("export the adapter again with `codeforge export --run RUN --format adapter` from the LoRA run "
+         "that trained it")
 
 
 def read_record(adapter: Path) -> dict:
@@ -83,8 +83,8 @@ def check_adapter(adapter: Path, conf: dict,
     f, src = adapter / lora.ADAPTER_CONFIG, adapter / lora.ADAPTER_FILE
     rank = conf.get("r")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise ExportError(f"{f}: r = {rank!r}: the adapters' rank must be a whole number of 1 or more; "
-                          f"{AGAIN}")
+        raise ExportError(f"{f}: r = {rank!r}: the adapters' rank must be a whole number of 1 or "
+                          f"more; {AGAIN}")
     alpha = conf.get("lora_alpha")
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
         raise ExportError(f"{f}: lora_alpha = {alpha!r}: must be a finite number (the adapters' scale is "
@@ -109,8 +109,8 @@ def check_adapter(adapter: Path, conf: dict,
         have = t.shape[0] if kind == "lora_A" else t.shape[1]
         if have != rank:
             raise ExportError(f"{f}: r = {rank}, but {src.name} holds {name} of shape {tuple(t.shape)}, "
-                              f"adapters of rank {have}: the config and the tensors are not of one adapter; "
-                              f"{AGAIN}")
+                              f"adapters of rank {have}: the config and the tensors are not of one "
+                              f"adapter; {AGAIN}")
         if t.dtype not in FLOATS:  # float8's have no isfinite: a NotImplementedError, not a refusal
             raise ExportError(f"{src}: {name} is {t.dtype}, not one of "
                               f"{', '.join(str(d) for d in FLOATS)}; {AGAIN}")
@@ -138,10 +138,9 @@ def import_adapter(adapter: str | Path, base: str | Path, out: str | Path, overw
         raise ExportError(f"--base {base_ck}: {problem}")
     want = record["base"]["sha256"]
     if weights_sha256(base_ck) != want:
-        raise ExportError(f"{adapter} was trained on the weights of "
-                          f"{record['base'].get('checkpoint')} (sha256 "
-                          f"{want[:12]}...), not on {base_ck}'s: adapters mean something only on the weights "
-                          f"they were trained on. Give that checkpoint as --base")
+        raise ExportError(f"{adapter} was trained on the weights of {record['base'].get('checkpoint')} "
+                          f"(sha256 {want[:12]}...), not on {base_ck}'s: adapters mean something only on the "
+                          "weights they were trained on. Give that checkpoint as --base")
     model, tok, _, cfg = load_model(base_ck, torch.device("cpu"))
     if record.get("model") and record["model"] != cfg["model"]:
         raise ExportError(f"{adapter} was trained on another model than {base_ck}'s")

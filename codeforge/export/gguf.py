@@ -55,6 +55,7 @@ from ..models.gpt import GPTConfig
 from ..tokenizer import EOT, LLAMA3_SPLIT_PATTERN, META_FILE
 from .families import FAMILIES, expand, splits
 from .hf import SAMPLE, choose_family
+from .options import GGUF_DTYPES
 
 def permute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """convert_hf_to_gguf's LlamaModel.permute: within each head, rows (i, i + hd/2) of the rotate-half
@@ -234,8 +235,8 @@ def export_gguf(run: str | Path, out: str | Path, which: str = "auto", dtype: st
     "tokenizer_mismatch"}. `verbose` receives the details of a tokenizer llama.cpp cannot reproduce."""
     import gguf
 
-    if dtype not in ("f32", "f16", "q8_0"):
-        raise ExportError(f"--dtype {dtype!r} is not one of f32, f16, q8_0")
+    if dtype not in GGUF_DTYPES:
+        raise ExportError(f"--dtype {dtype!r} is not one of {', '.join(GGUF_DTYPES)}")
     out = check_out(out, overwrite)
     if out.is_dir():
         raise ExportError(f"--out {out} is a directory; GGUF is one file (e.g. {out / 'model.gguf'})")
@@ -245,10 +246,10 @@ def export_gguf(run: str | Path, out: str | Path, which: str = "auto", dtype: st
     fam = choose_family(m, sd)
     if FAMILIES[fam.model_type].gguf_mlp not in (None, m.mlp):
         raise ExportError(
-            f"llama.cpp has no architecture for this model: RoPE + RMSNorm + a non-gated {m.mlp.upper()} MLP "
-            "(its arcee computes ReLU^2, gpt2/starcoder2 use "
-            "LayerNorm). `codeforge export --format hf` writes it "
-            f"as {fam.name}; for llama.cpp train with --set model.mlp=swiglu (Llama) or relu2 (Arcee)")
+            f"llama.cpp has no architecture for this model: RoPE + RMSNorm + a non-gated {m.mlp.upper()} "
+            "MLP (its arcee computes ReLU^2, gpt2/starcoder2 use LayerNorm). "
+            f"`codeforge export --format hf` writes it as {fam.name}; for llama.cpp train with "
+            "--set model.mlp=swiglu (Llama) or relu2 (Arcee)")
     arch = FAMILIES[fam.model_type].gguf_arch
     tensors = gguf_tensors(sd, m, fam.model_type)
 
@@ -257,10 +258,9 @@ def export_gguf(run: str | Path, out: str | Path, which: str = "auto", dtype: st
     recorded = recorded_pre(tok)
     if recorded is not None and recorded != pre:
         actual = f"llama.cpp's {pre!r}" if pre else "a rule llama.cpp does not implement"
-        raise ExportError(f"{tok.path / META_FILE} says the tokenizer "
-                          f"splits text as llama.cpp's {recorded!r}, but "
-                          f"its tokenizer.json splits with {actual}: the two files do not belong together; "
-                          f"train the tokenizer again")
+        raise ExportError(f"{tok.path / META_FILE} says the tokenizer splits text as llama.cpp's "
+                          f"{recorded!r}, but its tokenizer.json splits with {actual}: the two files do not "
+                          "belong together; train the tokenizer again")
     mismatch = None
     if pre is None:
         texts = [SAMPLE] + [p.read_text(errors="replace") for p in sorted(Path(__file__).parent.glob("*.py"))]
@@ -271,20 +271,18 @@ def export_gguf(run: str | Path, out: str | Path, which: str = "auto", dtype: st
                 f"of {total:,} tokens of a code sample come out differently")
         if not allow_tokenizer_mismatch:
             raise ExportError(
-                "this run's tokenizer uses codeforge's code split, "
-                f"which llama.cpp does not implement ({share} of "
-                "the tokens of a code sample would differ), so "
-                "it cannot run in llama.cpp: train the tokenizer "
-                f"with the default split (`codeforge tokenizer train`, or `--split llama3`) and the model on "
-                f"it, or pass --allow-tokenizer-mismatch to write the file anyway (--verbose shows the rule)")
+                "this run's tokenizer uses codeforge's code split, which llama.cpp does not implement "
+                f"({share} of the tokens of a code sample would differ), so it cannot run in llama.cpp: "
+                "train the tokenizer with the default split (`codeforge tokenizer train`, or `--split "
+                "llama3`) and the model on it, or pass --allow-tokenizer-mismatch to write the file anyway "
+                "(--verbose shows the rule)")
         pre = "llama-bpe"
         bar = "!" * 100
-        log(f"{bar}\nWARNING: llama.cpp will split text differently "
-            f"from this tokenizer ({share} of the tokens "
-            f"of a code sample would come out differently), so the model sees tokens it was not trained on.\n"
-            f"Written anyway (--allow-tokenizer-mismatch) with pre-tokenizer {pre}; the file records "
-            "codeforge.tokenizer_mismatch = true. Expect worse "
-            f"output in llama.cpp than in codeforge.\n{bar}")
+        log(f"{bar}\nWARNING: llama.cpp will split text differently from this tokenizer ({share} of the "
+            "tokens of a code sample would come out differently), so the model sees tokens it was not "
+            f"trained on.\nWritten anyway (--allow-tokenizer-mismatch) with pre-tokenizer {pre}; the file "
+            "records codeforge.tokenizer_mismatch = true. Expect worse output in llama.cpp than in "
+            f"codeforge.\n{bar}")
 
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     out.parent.mkdir(parents=True, exist_ok=True)

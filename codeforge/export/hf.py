@@ -92,10 +92,9 @@ def choose_family(m: GPTConfig, sd: dict[str, torch.Tensor] | None = None) -> Fa
         raise ExportError(f"model arch {m.arch!r} has no Hugging Face counterpart; only arch 'gpt' exports")
     unknown = unknown_options(m, EXPORTED_OPTIONS)
     if unknown:
-        raise ExportError(f"model option(s) {', '.join(f'{k}={getattr(m, k)!r}' for k in unknown)} "
-                          "are not mapped to "
-                          f"any Hugging Face or GGUF family yet (export/families.py, EXPORTED_OPTIONS): the "
-                          f"exported file would compute another model")
+        raise ExportError(f"model option(s) {', '.join(f'{k}={getattr(m, k)!r}' for k in unknown)} are not "
+                          "mapped to any Hugging Face or GGUF family yet (export/families.py, "
+                          "EXPORTED_OPTIONS): the exported file would compute another model")
     if m.pos == "learned":  # GPT-2
         if m.norm != "layernorm":
             why.append(f"norm={m.norm} with learned positions (GPT-2 has LayerNorm)")
@@ -114,8 +113,8 @@ def choose_family(m: GPTConfig, sd: dict[str, torch.Tensor] | None = None) -> Fa
             if m.qk_norm:
                 mlp_b = _nonzero(sd, ("mlp.c_fc.bias", "mlp.c_proj.bias")) if m.bias else []
                 if mlp_b:
-                    why.append("bias=true with qk_norm: Qwen3 has no MLP "
-                               f"biases, and these are not zero: {mlp_b[:3]}")
+                    why.append("bias=true with qk_norm: Qwen3 has no MLP biases, and these are not zero: "
+                               f"{mlp_b[:3]}")
                 if not why:
                     return Family("qwen3", attention_bias=m.bias)
             elif m.bias and not _nonzero(sd, ("attn.c_proj.bias", "mlp.c_fc.bias", "mlp.c_proj.bias")) and sd:
@@ -182,8 +181,8 @@ def to_hf(sd: dict[str, torch.Tensor], m: GPTConfig, fam: Family) -> dict[str, t
         if isinstance(theirs, tuple):
             kind = next(k for k in rows if f".{k}." in f".{ours}")
             parts = t.split(rows[kind][:len(theirs)], dim=0)
-            assert sum(p.shape[0] for p in parts) == t.shape[0], (f"{ours}: split {rows[kind]} "
-                                                                  f"of {tuple(t.shape)}")
+            assert sum(p.shape[0] for p in parts) == t.shape[0], (f"{ours}: split {rows[kind]} of "
+                                                                  f"{tuple(t.shape)}")
             out.update({name: p.contiguous() for name, p in zip(theirs, parts)})
         else:
             if ours.endswith(fam.record.conv1d):
@@ -487,8 +486,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, overwrite: bool = False, veri
             log(f"note: not comparing logits with transformers': its float32 copy of {params:,} parameters "
                 f"would not fit in the memory available ({have[0] / 2**30:.1f} GiB)")
     check_memory(4 * params * (3 if verify else 2) + stored,
-                 f"{hf_dir / 'config.json'} declares a model of "
-                 f"{params:,} parameters ({dims(m)}): importing it",
+                 f"{hf_dir / 'config.json'} declares a model of {params:,} parameters ({dims(m)}): "
+                 "importing it",
                  ExportError)
     if not os.path.lexists(hf_dir / "tokenizer.json"):
         raise ExportError(f"{hf_dir} has no tokenizer.json (the fast tokenizer); codeforge needs it to train "
@@ -499,8 +498,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, overwrite: bool = False, veri
     except TokenizerError as e:
         raise ExportError(str(e)) from e
     if tok.vocab_size > m.vocab_size:
-        raise ExportError(f"{hf_dir}: the tokenizer has {tok.vocab_size} "
-                          f"tokens but the model only {m.vocab_size}")
+        raise ExportError(f"{hf_dir}: the tokenizer has {tok.vocab_size} tokens but the model only "
+                          f"{m.vocab_size}")
     lacking = [t for t in SPECIAL_TOKENS if tok.special_ids.get(t) is None and not t.startswith("<|reserved")
                # without them /infill joins other files as llama.cpp does
                and t not in (FIM_REPO, FIM_FILE_SEP)]
@@ -512,8 +511,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, overwrite: bool = False, veri
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and m.tie_embeddings)]
     if missing or unexpected:
-        raise ExportError(f"{hf_dir}: weights do not fit (missing "
-                          f"{missing[:4]}, unexpected {unexpected[:4]})")
+        raise ExportError(f"{hf_dir}: weights do not fit (missing {missing[:4]}, unexpected "
+                          f"{unexpected[:4]})")
     model.eval()
     if out.exists() and overwrite:
         shutil.rmtree(out) if out.is_dir() else out.unlink()

@@ -103,9 +103,9 @@ def snapshot(name: str, log: Callable[[str], None] = print) -> Path:
                           f"https://huggingface.co/{name} and log in (`hf auth login`, or HF_TOKEN), or "
                           f"{elsewhere(name)}") from None
     except RepositoryNotFoundError:
-        raise ExportError(f"{name}: no such model on the Hugging Face Hub (or it is private: log in with `hf "
-                          f"auth login`), and no directory of that name here; check the spelling (e.g. "
-                          f"{EXAMPLE})") from None
+        raise ExportError(f"{name}: no such model on the Hugging Face Hub (or it is private: log in with "
+                          "`hf auth login`), and no directory of that name here; check the spelling "
+                          f"(e.g. {EXAMPLE})") from None
     except RevisionNotFoundError as e:
         raise ExportError(f"{name}: the Hub has no such revision ({e})") from None
     except LocalEntryNotFoundError as e:
@@ -115,9 +115,9 @@ def snapshot(name: str, log: Callable[[str], None] = print) -> Path:
         why = ("HF_HUB_OFFLINE is set" if offline else
                "huggingface.co cannot be reached from here (no network, or a proxy in the way)")
         raise ExportError(f"no directory {name} here, and the model {name} is not in the Hugging Face cache "
-                          f"{cache} and {why}. Either run this where "
-                          f"the Hub can be reached (the download is cached, later runs work offline), set "
-                          f"HF_HUB_CACHE to a cache that has it, or {elsewhere(name)}") from None
+                          f"{cache} and {why}. Either run this where the Hub can be reached (the download is "
+                          "cached, later runs work offline), set HF_HUB_CACHE to a cache that has it, or "
+                          f"{elsewhere(name)}") from None
     except HfHubHTTPError as e:
         raise ExportError(f"{name}: the Hugging Face Hub answered with an error ({str(e)[:300]}); try again "
                           f"later, or {elsewhere(name)}") from None
@@ -130,6 +130,6 @@ def snapshot(name: str, log: Callable[[str], None] = print) -> Path:
     if missing:
         raise ExportError(f"{name}: the copy in the Hugging Face cache ({where}) lacks {', '.join(missing)}"
                           + (" (HF_HUB_OFFLINE is set: fetch the rest online, " if offline else
-                             " (the model may not publish them: codeforge reads safetensors weights and "
-                             "a fast tokenizer.json; ") + f"or {elsewhere(name)})")
+                             " (the model may not publish them: codeforge reads safetensors weights and a "
+                             "fast tokenizer.json; ") + f"or {elsewhere(name)})")
     return where

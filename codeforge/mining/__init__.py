@@ -4,4 +4,5 @@
 - sft.py        `codeforge make-sft`: instruction pairs (signature + doc -> the real function)
 - plans.py      `codeforge make-plans`: prompt, statement-skeleton plan and body for the hierarchical model
 - pairs.py      `codeforge make-pairs`: the real function against a broken variant, for reward and dpo
+- options.py    the options of those three commands, declared once (their flags are made from them)
 """

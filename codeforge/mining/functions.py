@@ -14,11 +14,12 @@ from collections.abc import Callable, Iterator
 from .. import CodeforgeError
 from ..corpus import CorpusOptions, CorpusStats, iter_documents
 from ..syntax import parser
+from .options import LANG_NAME
 
 MINED_LANGUAGES = {".go": "go", ".py": "python"}  # extension -> language; other files are not mined
 MIN_DOC_CHARS = 10  # "Add adds." and shorter say nothing the name does not
-LANG_NAME = {"go": "Go", "python": "Python"}
 DOC_NAME = {"go": "doc comment", "python": "docstring"}
+# go/ast's rule for a directive line (//go:noinline, //line ...), which is not part of a doc comment
 GO_DIRECTIVE = re.compile(r"^//(line |extern |export |[a-z0-9]+:[a-z0-9])")
 
 

@@ -525,8 +525,8 @@ def write_pairs(sources: list[str], out_dir: str | Path, overwrite: bool = False
     if not stats["pairs"]:
         raise MineError(f"no preference pairs found in {sources}: {stats['files']} .go/.py files, "
                         f"{stats['functions']} functions, skipped {stats['skipped']}; check the paths hold "
-                        f"documented Go or Python functions, or pass --languages go,python "
-                        f"(now {','.join(bound.arguments['languages'] or ['go', 'python'])})")
+                        f"documented Go or Python functions, or pass --languages go python "
+                        f"(now {' '.join(bound.arguments['languages'] or ['go', 'python'])})")
     write_splits(out, {"train.jsonl": train, "heldout.jsonl": heldout},
                  {"sources": list(sources),
                   "options": {k: v for k, v in bound.arguments.items() if k != "sources"}, "stats": stats})
@@ -537,8 +537,8 @@ def write_pairs(sources: list[str], out_dir: str | Path, overwrite: bool = False
 
 def _task_field(task: dict, key: str, i: int):
     if not isinstance(task, dict) or key not in task:
-        raise MineError(f"task {i} has no {key!r}: tasks are dicts "
-                        "with 'id', 'prompt', 'solution' and 'tests'")
+        raise MineError(f"task {i} has no {key!r}: tasks are dicts with 'id', 'prompt', 'solution' and "
+                        "'tests'")
     return task[key]
 
 
@@ -603,8 +603,8 @@ def write_task_pairs(tasks_path: str | Path, out_dir: str | Path, overwrite: boo
         rows[name] = kept
     if not rows["train"]:
         raise MineError(f"no preference pairs from the tasks in {p}: skipped {dict(stats['skipped'])}, "
-                        f"dropped {dict(stats['dropped'])}; the tasks need "
-                        "reference solutions whose broken copies fail")
+                        f"dropped {dict(stats['dropped'])}; the tasks need reference solutions whose broken "
+                        "copies fail")
     st = {"tasks": {k: len(v) for k, v in splits.items()}, "pairs": sum(map(len, rows.values())),
           "train": len(rows["train"]), "heldout": len(rows["heldout"]),
           **{k: dict(sorted(v.items())) for k, v in stats.items()}}
@@ -625,8 +625,8 @@ def _content(side) -> str:
         and isinstance(side[-1].get("content"), str)
     ):
         return side[-1]["content"]
-    raise MineError("a pair side must be text or a list ending in "
-                    f"an assistant message, got {str(side)[:80]!r}")
+    raise MineError("a pair side must be text or a list ending in an assistant message, got "
+                    f"{str(side)[:80]!r}")
 
 
 def check_pairs_by_tests(rows: list[dict], tasks_by_id: dict, timeout: float = 5.0, *,

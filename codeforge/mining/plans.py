@@ -322,8 +322,8 @@ def _go_units(src: bytes, root, skipped: Counter) -> list[dict]:
 
 def mine_units(text: str, language: str, skipped: Counter | None = None) -> list[dict]:
     """The non-trivial functions of one source file, in file order, each {"name", "prompt", "body", "plan",
-    "key"} (plan uncapped; key: the code mining/sft.py hashes). Functions left
-    out are counted in `skipped`."""
+    "key"} (plan uncapped; key: the code mining/sft.py hashes). Functions left out are counted in
+    `skipped`."""
     if language not in LANG_NAME:
         raise PlanMineError(f"cannot mine functions of language {language!r}: only {sorted(LANG_NAME)}")
     skipped = Counter() if skipped is None else skipped

@@ -39,7 +39,7 @@ from ..atomic import output_dir, write_splits
 from ..corpus import CorpusOptions, CorpusStats, content_hash, split_of
 from .functions import DOC_NAME, LANG_NAME, MineError, mined_files
 
-# go/ast's rule for a directive line, which is not part of a doc comment
+# several wordings, so the model learns the task rather than one sentence (conversation() draws one)
 PHRASINGS = (
     "Implement this {Lang} function. The signature and {doc} are given; write the whole function.\n\n{block}",
     "Write `{name}` in {Lang} so that it does what its {doc} says:\n\n{block}",
@@ -48,9 +48,6 @@ PHRASINGS = (
      "implementation.\n\n{block}"),
     "Fill in the body of the following {Lang} function.\n\n{block}",
 )
-
-
-# -- finding functions -----------------------------------------------------------------------------------
 
 
 # -- conversations ---------------------------------------------------------------------------------------
@@ -127,8 +124,8 @@ def write_sft(sources: list[str], out_dir: str | Path, overwrite: bool = False, 
     if not stats["examples"]:
         raise MineError(f"no instruction pairs found in {sources}: {stats['files']} .go/.py files, "
                         f"{stats['functions']} functions, skipped {stats['skipped']}; check the paths hold "
-                        f"documented Go or Python functions, or pass --languages go,python "
-                        f"(now {','.join(bound.arguments['languages'] or ['go', 'python'])})")
+                        f"documented Go or Python functions, or pass --languages go python "
+                        f"(now {' '.join(bound.arguments['languages'] or ['go', 'python'])})")
     write_splits(out, {"train.jsonl": train, "heldout.jsonl": heldout},
                  {"sources": list(sources),
                   "options": {k: v for k, v in bound.arguments.items() if k != "sources"}, "stats": stats})

@@ -7,7 +7,7 @@ turns, the residual adds, the MLP's activation, and attention of one query over 
 4-40 us on each of them whatever its size (its dispatcher, TensorIterator setup, F.rms_norm as seven
 operations) and its CPU attention kernel ~150-260 us a layer for one query; numpy spends ~1-3 us on such an
 operation, and attention for one query is two small products and a softmax. At 128M parameters this was 14
-of a ~45 ms token (docs/LOG.md, "a decoding step in numpy").
+of a ~45 ms token (docs/LOG.md#2026-11-25-numpy-decode-step).
 
 `stepper(model, ...)` gives the engine and the server's scheduler a Stepper where it applies (`usable`): a
 GPT whose forward is GPT's (the reward model's is) and whose every option set is one the step implements
@@ -70,18 +70,19 @@ def usable(model: nn.Module, device: torch.device, precision: str) -> bool:
             and model.wte.weight.dtype == torch.float32 and backend() == "openblas")
 
 
-_STEPPERS: "weakref.WeakKeyDictionary[nn.Module, Stepper]" = weakref.WeakKeyDictionary()  # one per model,
-# kept beside it (not on it: a deepcopy of the model must not copy the views, nor a cycle keep the weights)
+# one per model, kept beside it (not on it: a deepcopy of the model must not copy the views, nor a cycle keep
+# the weights)
+_STEPPERS: "weakref.WeakKeyDictionary[nn.Module, Stepper]" = weakref.WeakKeyDictionary()
 
 
 def stepper(model: nn.Module, device: torch.device, precision: str, rows: int = 1) -> "Stepper | None":
     """The model's Stepper for a step of `rows` sequences, where `usable` and where OpenBLAS pays for the
     products (cpu_linear.openblas_pays: one row, or a model mostly in large matrices; a small model's 8-row
-    products ran faster in PyTorch's threads: 445-475 tokens/s against 780 for a 3.4M model, docs/LOG.md);
-    else None, and PyTorch runs the step. Made again when a module or a weight the step reads is not the
-    one it was made from (a replaced layer, model.to(), load_state_dict with assign); never where a module
-    is of a class of its own, has a hook, or holds a sharded (FSDP) parameter: the step would not be the
-    module's forward."""
+    products ran faster in PyTorch's threads: 445-475 tokens/s against 780 for a 3.4M model,
+    docs/LOG.md#2026-11-25-numpy-step-batch-8); else None, and PyTorch runs the step. Made again when a module
+    or a weight the step reads is not the one it was made from (a replaced layer, model.to(), load_state_dict
+    with assign); never where a module is of a class of its own, has a hook, or holds a sharded (FSDP)
+    parameter: the step would not be the module's forward."""
     if not usable(model, device, precision) or not openblas_pays(model, rows):
         _STEPPERS.pop(model, None)  # no views left holding weights the model no longer uses
         return None

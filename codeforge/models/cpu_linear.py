@@ -4,7 +4,7 @@ MKL.
 Decoding multiplies one token's activations (a row, or one per sequence in a batch) by every weight matrix:
 a matrix-vector product that only reads memory. PyTorch's CPU build sends it to MKL's sgemm, which runs it
 on one thread at 8-13 GB/s on an AVX2 AMD EPYC, while the OpenBLAS that numpy ships reads the same matrix
-with both threads at 16-37 GB/s (docs/LOG.md, 2026-11-25, "decode on the CPU"). So a product goes to
+with both threads at 16-37 GB/s (docs/LOG.md#2026-11-25-decode-time-mkl-openblas). So a product goes to
 OpenBLAS when all of these hold, and to F.linear otherwise:
 
 - inside `decode_threads()` (a decoding step that pays for it, below), with no gradient recorded;
@@ -15,13 +15,15 @@ OpenBLAS when all of these hold, and to F.linear otherwise:
 OpenBLAS runs as many threads as PyTorch's intra-op pool (device.thread_policy chose it), set through
 threadpoolctl. Outside a decoding step every product stays with PyTorch: OpenBLAS's threads beside
 PyTorch's, both wanting every core, made a 5M model's batch-8 decoding 2.4x slower (285 against 676
-tokens/s, docs/LOG.md). Its idle threads sleep almost at once (OPENBLAS_THREAD_TIMEOUT,
-set in codeforge/__init__.py before anything loads OpenBLAS), for the same reason OpenMP's do.
+tokens/s, docs/LOG.md#2026-11-25-openblas-final-rule). Its idle threads sleep almost at once
+(OPENBLAS_THREAD_TIMEOUT, set in codeforge/__init__.py before anything loads OpenBLAS), for the same reason
+OpenMP's do.
 
 A decoding step runs inside `decode_threads()`: OpenBLAS keeps the pool's thread count for the products and
 PyTorch's own operations (norms, attention over one query, sampling) run on one thread. Two pools that both
 want every core wake each other's sleeping threads dozens of times a token: 8.3 tokens/s at 128M
-parameters with both at 2 threads, 17-20 with PyTorch at 1 and OpenBLAS at 2 (docs/LOG.md).
+parameters with both at 2 threads, 17-20 with PyTorch at 1 and OpenBLAS at 2
+(docs/LOG.md#2026-11-25-openblas-decode-products).
 
 The two libraries add in different orders, so logits differ in the last bits (about 1e-6 relative); the
 tests compare both paths.
@@ -38,8 +40,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 MAX_ROWS = 16  # up to a batch of 16 sequences decoding one token each
-MIN_WEIGHTS = 1 << 19  # smaller matrices (2 MB) stay with PyTorch: waking OpenBLAS's threads costs more than
-# it saves there (a 5M-parameter model decoded slower through OpenBLAS on every product, docs/LOG.md)
+# smaller matrices (2 MB) stay with PyTorch: waking OpenBLAS's threads costs more than it saves there (a
+# 5M-parameter model decoded slower through OpenBLAS on every product,
+# docs/LOG.md#2026-11-25-openblas-decode-products)
+MIN_WEIGHTS = 1 << 19
 MATMUL_ENV = "CODEFORGE_CPU_MATMUL"  # "torch": never OpenBLAS; "auto" or unset: the rule above
 
 _state: dict = {}
@@ -99,9 +103,9 @@ def decode_threads(model: nn.Module | None = None, rows: int = 1):
     """Around one decoding step of `rows` sequences on the CPU: PyTorch on one thread, OpenBLAS on the pool's
     count (see above). Only where that pays: one row, or a model whose weights are mostly in matrices that
     OpenBLAS multiplies (with 8 rows, a 5M-parameter model's small products are worth PyTorch's threads:
-    727 tokens/s with them against 459 without, docs/LOG.md). Does nothing where OpenBLAS is not used; with
-    a pool of one thread it only holds OpenBLAS to one too (the numpy decoding step multiplies through it,
-    models/cpu_decode.py, and its default is every core)."""
+    727 tokens/s with them against 459 without, docs/LOG.md#2026-11-25-openblas-final-rule). Does nothing
+    where OpenBLAS is not used; with a pool of one thread it only holds OpenBLAS to one too (the numpy
+    decoding step multiplies through it, models/cpu_decode.py, and its default is every core)."""
     n = torch.get_num_threads()
     if n == 1 and not getattr(_local, "decoding", False) and _openblas() is not None:
         _set_blas_threads(_openblas()[1], 1)

@@ -128,10 +128,9 @@ def rope_tables(head_dim: int, length: int, base: float, device=None) -> tuple[t
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, heads, T, head_dim) rotated: [x1 cos - x2 sin, x2 cos + x1 sin] for
-    halves x1, x2; cos/sin (B or 1,
-    1, T, head_dim) from rope_tables. Three operations where the halves took eight (a decoding step runs
-    this 24 times at 12 layers)."""
+    """x (B, heads, T, head_dim) rotated: [x1 cos - x2 sin, x2 cos + x1 sin] for halves x1, x2; cos/sin
+    (B or 1, 1, T, head_dim) from rope_tables. Three operations where the halves took eight (a decoding step
+    runs this 24 times at 12 layers)."""
     xf = x.float()
     return torch.addcmul(xf * cos, xf.roll(x.size(-1) // 2, dims=-1), sin).type_as(x)
 
@@ -167,8 +166,8 @@ def refresh_rope(module: nn.Module, cfg: BlockConfig, device) -> None:
 
 
 class KVCache:
-    """Keys and values of every layer for up to `max_len` positions: (B,
-    n_kv_head, max_len, head_dim) each."""
+    """Keys and values of every layer for up to `max_len` positions: (B, n_kv_head, max_len, head_dim)
+    each."""
 
     def __init__(self, cfg: GPTConfig, batch: int, max_len: int, device, dtype):
         shape = (batch, cfg.n_kv_head, max_len, cfg.head_dim)
@@ -229,7 +228,7 @@ class Attention(nn.Module):
         # (B, q heads + k heads + v heads, T, hd)
         heads = self.c_attn(x).view(B, T, H + 2 * KV, hd).transpose(1, 2)
         # split, not slices: the backward of a split is one concatenation, where each slice's backward fills a
-        # gradient the size of `heads` with zeros and adds them up (docs/LOG.md, 2026-11-27, eighth session)
+        # gradient the size of `heads` with zeros and adds them up (docs/LOG.md#2026-11-27-qkv-split)
         if self.q_norm is not None:
             q, k, v = heads.split([H, KV, KV], dim=1)
             q, k = self.q_norm(q), self.k_norm(k)
@@ -341,8 +340,8 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         if cfg.pos not in ("learned", "rope") or cfg.norm not in ("layernorm", "rmsnorm"):
-            raise ValueError("pos must be learned|rope and norm "
-                             f"layernorm|rmsnorm, got {cfg.pos}, {cfg.norm}")
+            raise ValueError("pos must be learned|rope and norm layernorm|rmsnorm, "
+                             f"got {cfg.pos}, {cfg.norm}")
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.pos == "learned" else None
@@ -376,8 +375,8 @@ class GPT(nn.Module):
         return self.cfg.block_size
 
     def new_kv_cache(self, batch: int, max_len: int, device, dtype) -> KVCache:
-        """An empty cache for `batch` rows of up to `max_len` positions (the engine
-        asks; it never builds one)."""
+        """An empty cache for `batch` rows of up to `max_len` positions (the engine asks; it never builds
+        one)."""
         return KVCache(self.cfg, batch, max_len, device, dtype)
 
     def num_params(self, non_embedding: bool = False) -> int:
@@ -402,15 +401,15 @@ class GPT(nn.Module):
         blocks' weight matrices form a third group marked "muon" (embeddings, the output head and any head a
         subclass adds stay with AdamW). Every parameter is in exactly one group (asserted)."""
         params = {n: p for n, p in self.named_parameters() if p.requires_grad}
-        # LoRA's low-rank factors (models/lora.py) stay with AdamW: Muon's
-        # orthogonalised steps are for full matrices
+        # LoRA's low-rank factors (models/lora.py) stay with AdamW: Muon's orthogonalised steps are for full
+        # matrices
         hidden = ({id(p) for n, p in self.blocks.named_parameters() if p.dim() == 2 and ".lora_" not in n}
                   if muon else set())
         matrices = [p for p in params.values() if p.dim() == 2 and id(p) in hidden]
         decay = [p for p in params.values() if p.dim() >= 2 and id(p) not in hidden]
         no_decay = [p for p in params.values() if p.dim() < 2]
-        assert len(matrices) + len(decay) + len(no_decay) == len(params), ("a parameter is in "
-                                                                           "no optimizer group")
+        assert len(matrices) + len(decay) + len(no_decay) == len(params), (
+            "a parameter is in no optimizer group")
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         return groups + ([{"params": matrices, "weight_decay": weight_decay, "muon": True}] if muon else [])
 
@@ -453,4 +452,4 @@ class GPT(nn.Module):
             return self.lm_head(self.ln_f(x[:, -1:] if last_only else x))
         x = self.ln_f(x)
         return lm_loss(x, self.lm_head.weight, targets, self.loss_chunk_rows if self.training else 0,
-                              reduction=loss_reduction)
+                       reduction=loss_reduction)

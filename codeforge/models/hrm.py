@@ -43,9 +43,9 @@ import torch.nn.functional as F
 
 from ..fields import saved, setting
 from ..tokenizer import EOT, SPECIAL_TOKENS
-from .lm_loss import IGNORE_INDEX
 from .gpt import (Block, BlockConfig, GPTConfig, KVCache, attention_mask, init_gpt2, make_norm, refresh_rope,
                   rope_tables)
+from .lm_loss import IGNORE_INDEX
 
 EOT_ID = SPECIAL_TOKENS.index(EOT)
 PAD_ID = SPECIAL_TOKENS.index("<pad>")
@@ -195,8 +195,8 @@ class HRM(nn.Module):
     def __init__(self, cfg: HRMConfig):
         super().__init__()
         if cfg.pos not in ("learned", "rope") or cfg.norm not in ("layernorm", "rmsnorm"):
-            raise ValueError("pos must be learned|rope and norm "
-                             f"layernorm|rmsnorm, got {cfg.pos}, {cfg.norm}")
+            raise ValueError("pos must be learned|rope and norm layernorm|rmsnorm, "
+                             f"got {cfg.pos}, {cfg.norm}")
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.planner = Stack(cfg.stack_config(cfg.planner_layers, cfg.plan_len))
@@ -316,11 +316,10 @@ class HRM(nn.Module):
         return c.ss_max_prob * min(1.0, (step - c.ss_start_step + 1) / c.ss_ramp_steps)
 
     def forward(self, batch: dict, step: int | None = None) -> dict:
-        """Losses of one batch (codeforge/data/hrm_batches.py's layout). step: the
-        optimizer step (default batch["step"])
-        for the refinement warm-up and scheduled sampling; in eval mode neither applies (refinement on, gold
-        plan). Returns {"loss": weighted total, "plan", "code", "refine", "decision": parts, and
-        token/decision accuracies} (detached except "loss")."""
+        """Losses of one batch (codeforge/data/hrm_batches.py's layout). step: the optimizer step (default
+        batch["step"]) for the refinement warm-up and scheduled sampling; in eval mode neither applies
+        (refinement on, gold plan). Returns {"loss": weighted total, "plan", "code", "refine", "decision":
+        parts, and token/decision accuracies} (detached except "loss")."""
         c = self.cfg
         step = int(batch.get("step", 0)) if step is None else step
         plan_idx, plan_lens = batch["plan_idx"], batch["plan_lens"]

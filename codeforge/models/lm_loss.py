@@ -52,8 +52,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     Each chunk makes one pass for the row maxima and one softmax; the log-sum-exp is read back from the
     softmax at each row's largest logit m (p_max = exp(m - lse), at least 1/vocab, so never underflows):
     lse = m - log(p_max). That made the chunked path 5-26% faster than the logsumexp version on an H200 and
-    ~5% on the CPU, where it is still no faster than the plain path (docs/LOG.md,
-    2026-11-27, eighth session)."""
+    ~5% on the CPU, where it is still no faster than the plain path
+    (docs/LOG.md#2026-11-27-eighth-session)."""
 
     @staticmethod
     def forward(ctx, h, weight, targets, chunk_rows):

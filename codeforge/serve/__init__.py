@@ -1,6 +1,7 @@
 """Serving a run over HTTP: OpenAI-compatible completions and chat (tool calls, streaming), llama.cpp-style
 /infill, health and Prometheus metrics, on one continuous-batching generation loop.
 
+  options.py   ServeOptions: every option of `codeforge serve`, declared once (flags and checks come from it)
   batcher.py   the generation loop: slot KV cache, rows joining and leaving at step boundaries
   protocol.py  request bodies, OpenAI's error shape, response and stream-chunk builders
   app.py       the FastAPI app: server state, handlers, streaming, the route table
@@ -8,9 +9,19 @@
   metrics.py   /metrics in the Prometheus text format
   connections.py  the HTTP connection: head and body deadlines, a connection cap below the file limit
   server.py    `codeforge serve`: load the run, bind, run uvicorn with the connection guard
+
+The names below are imported when first used (PEP 562): `codeforge serve --help` reads options.py alone,
+and importing app.py or server.py would load torch and FastAPI first.
 """
 
-from .app import ServeOptions, create_app
-from .server import ServeError, serve_command
+import importlib
 
-__all__ = ["ServeOptions", "ServeError", "create_app", "serve_command"]
+_HOME = {"ServeOptions": "options", "create_app": "app", "ServeError": "server", "serve_command": "server"}
+
+__all__ = list(_HOME)
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)

@@ -23,7 +23,6 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -40,6 +39,7 @@ from ..fim import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, fit_infill, infill_ids, in
 from .batcher import Event, QueueFull, Row, RowParams, Scheduler
 from .guard import Guard, error_response, page_security_headers
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
+from .options import ServeOptions
 from .protocol import (ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, InfillRequest,
                        NamedToolChoice, SSE_DONE, TokenizeRequest, chat_logprobs, chat_message, chat_response,
                        completion_logprobs,
@@ -51,28 +51,6 @@ MAX_LOGPROB_RECORDS = 200_000  # entries (tokens x (top + 1) x choices) one comp
 PLACEHOLDER = ("<!doctype html><html><head><meta charset='utf-8'><title>codeforge</title></head><body>"
                "<h1>codeforge</h1><p>playground not built: codeforge/serve/static/playground.html is "
                "missing. The API is at <code>/v1</code> (OpenAI-compatible).</p></body></html>")
-
-
-@dataclass
-class ServeOptions:
-    model_name: str
-    api_key: str | None = None
-    max_batch: int = 8
-    max_queue: int = 64
-    max_prompt_tokens: int = 0  # 0: the model's context minus one
-    max_tokens_cap: int = 0  # 0: the model's context
-    request_timeout: float = 600.0  # seconds from arrival to the last token; 0: none
-    max_body_bytes: int = 1 << 20
-    stage: str = "pretrain"
-    checkpoint: str = ""  # the checkpoint's name (step_000100), never its path: /v1/models shows it
-    chat_note: str | None = None  # a run no chat stage trained: said at start and on every chat answer
-    language: str | None = None  # the language the run was trained on (the playground's examples follow it)
-    infill_batch: int = 0  # /infill's budget rule as llama-server's -b (0: half the context; fim.repo_infill)
-    infill_predict: int = -1  # ... and as its -n (default -1): other files get context - batch - 2 x this
-    host: str = ""  # the --host the server is bound to: a name in the Host header it answers to
-    allowed_hosts: tuple[str, ...] = ()  # more Host names (NAME or NAME:PORT) to answer to; "*": any
-    # web pages (scheme://host[:port]) allowed besides its own; "*": any
-    allowed_origins: tuple[str, ...] = ()
 
 
 class ClientGone(Exception):
@@ -108,9 +86,9 @@ class ServerState:
         more than max_token_chars characters. (Encoding a megabyte holds the tokenizer lock the generation
         loop needs for every token, so it must not happen for a request that will be refused anyway.)"""
         if len(text) > (self.max_prompt + 1) * self.max_token_chars:
-            raise ApiError(400, f"{param}: {len(text):,} characters, more than the {self.max_prompt} "
-                                f"tokens this server takes could hold (model context {self.block_size}, "
-                                f"--max-prompt-tokens)", param=param, code="context_length_exceeded")
+            raise ApiError(400, f"{param}: {len(text):,} characters, more than the {self.max_prompt} tokens "
+                                f"this server takes could hold (model context {self.block_size}, "
+                                "--max-prompt-tokens)", param=param, code="context_length_exceeded")
 
     def check_prompt(self, ids: list[int], param: str = "prompt", score_only: bool = False) -> list[int]:
         """Ids of a prompt that fits: at most --max-prompt-tokens, or the whole context when nothing is to be
@@ -150,10 +128,10 @@ class ServerState:
         megabytes to hold."""
         entries = tokens * (top + 1) * n
         if entries > MAX_LOGPROB_RECORDS:
-            raise ApiError(400, f"this request asks for {entries:,} log-prob "
-                                f"entries (tokens x ({param} + 1) x n); "
-                                f"this server answers at most {MAX_LOGPROB_RECORDS:,}: lower {param}, n, "
-                                f"max_tokens or the number of prompts", param=param, code="too_many_logprobs")
+            raise ApiError(400, f"this request asks for {entries:,} log-prob entries (tokens x "
+                                f"({param} + 1) x n); this server answers at most "
+                                f"{MAX_LOGPROB_RECORDS:,}: lower {param}, n, max_tokens or the "
+                                "number of prompts", param=param, code="too_many_logprobs")
 
     def row_params(self, b, max_new: int, choice: int, stop_ids: set[int], **more) -> RowParams:
         seed = None if b.seed is None else (b.seed + choice) % 2**63  # choice i of a seeded request: seed + i
@@ -293,9 +271,9 @@ async def completions(srv: ServerState, request: Request):
     if b.suffix is not None and not all(isinstance(p, str) for p in prompts):
         raise ApiError(400, "suffix (fill in the middle) needs a text prompt", param="suffix")
     if b.suffix is not None and b.echo:
-        raise ApiError(400, "echo with suffix is not supported: the prompt "
-                            "the model sees holds the suffix and the "
-                            "fill-in-the-middle tokens, which the echoed text would not", param="echo")
+        raise ApiError(400, "echo with suffix is not supported: the prompt the model sees holds the suffix "
+                            "and the fill-in-the-middle tokens, which the echoed text would not",
+                       param="echo")
     n = b.n or 1
     srv.check_rows(len(prompts) * n)
     max_new = srv.budget(b.max_tokens, "max_tokens", default=16)  # OpenAI's default for completions
@@ -659,8 +637,8 @@ async def infill(srv: ServerState, request: Request):
     if missing:
         raise ApiError(400,
                        f"this model's tokenizer has no {', '.join(missing)} token, so it cannot fill in the "
-                       f"middle: /infill needs a codeforge tokenizer (every `codeforge tokenizer train` "
-                       f"has them) or an imported one with FIM tokens", code="infill_not_supported")
+                       "middle: /infill needs a codeforge tokenizer (every `codeforge tokenizer train` has "
+                       "them) or an imported one with FIM tokens", code="infill_not_supported")
     max_new = srv.max_tokens_cap if b.n_predict < 0 else min(b.n_predict, srv.max_tokens_cap)
     # the reply keeps some room even where llama-server's rule would fill the context (its -n -1)
     reserve = min(max_new, max(srv.opts.infill_predict, 16))
@@ -769,7 +747,7 @@ def create_app(engine, opts: ServeOptions) -> FastAPI:
 
     def model_card() -> dict:
         return {"id": opts.model_name, "object": "model", "created": srv.created, "owned_by": "codeforge",
-                "max_model_len": srv.block_size, "stage": opts.stage, "checkpoint": opts.checkpoint,
+                "max_model_len": srv.block_size, "stage": opts.stage, "checkpoint": opts.checkpoint_name,
                 "chat": opts.chat_note is None, "language": opts.language}
 
     async def health():

@@ -11,6 +11,7 @@ import os
 import socket
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 from .. import CodeforgeError, rundir
@@ -20,8 +21,9 @@ from ..syntax import guess_language
 from ..config import chat_notice, speaks_chat
 from ..device import choose_device, choose_precision, system_memory
 from ..engine import Engine
-from .app import ServeOptions, create_app
+from .app import create_app
 from .guard import parse_hosts, parse_origins
+from .options import ServeOptions
 from .connections import (MAX_DEFAULT_CONNECTIONS, ConnectionGuard, ConnectionLimits, Server, body_pieces,
                           connection_budget)
 
@@ -32,48 +34,24 @@ class ServeError(CodeforgeError):
     """A serve option that cannot work; the message names it and the fix."""
 
 
-def check_options(a) -> None:
-    for flag, value, lo in (("--max-batch", a.max_batch, 1), ("--max-queue", a.max_queue, 1),
-                            ("--max-prompt-tokens", a.max_prompt_tokens, 0),
-                            ("--max-tokens-cap", a.max_tokens_cap, 0),
-                            ("--max-body-bytes", a.max_body_bytes, 1024),
-                            ("--infill-batch", a.infill_batch, 0),
-                            ("--infill-predict", a.infill_predict, -1)):
-        if value < lo:
-            raise ServeError(f"{flag} {value} must be at least {lo}")
-    if a.max_batch > 256:
-        raise ServeError(f"--max-batch {a.max_batch} is more than 256 "
-                         "rows per step; the cache is sized for it")
-    if a.request_timeout < 0:
-        raise ServeError(f"--request-timeout {a.request_timeout} must be >= 0 (0: no limit)")
-    for flag, value in (("--header-timeout", a.header_timeout), ("--body-timeout", a.body_timeout)):
-        if not value > 0:
-            raise ServeError(f"{flag} {value} must be more than 0 seconds (a client may not hold a "
-                             f"connection for ever)")
-    if a.keep_alive < 0:
-        raise ServeError(f"--keep-alive {a.keep_alive} must be >= 0 seconds (0: close after each response)")
-    if a.max_connections < 0:
-        raise ServeError(f"--max-connections {a.max_connections} must be >= 0 (0: as many as the file limit "
-                         f"allows, at most {MAX_DEFAULT_CONNECTIONS})")
-    if not 0 <= a.port <= 65535:
-        raise ServeError(f"--port {a.port} is not a TCP port (0..65535; 0 picks a free one)")
+def check_options(opts: ServeOptions) -> tuple[ServeOptions, str]:
+    """What the declared ranges (options.py, checked when the flags were read) cannot say: the Host and
+    Origin lists parse, and the API key is readable. Returns the options with the key read, and where it
+    came from."""
     try:
-        parse_hosts(split_list(a.allowed_hosts))
-        parse_origins(split_list(a.allowed_origins))
+        parse_hosts(opts.allowed_hosts)
+        parse_origins(opts.allowed_origins)
     except ValueError as e:
         raise ServeError(str(e)) from None
-    a.api_key, a.api_key_from = api_key(a)
-
-
-def split_list(value: str | None) -> tuple[str, ...]:
-    return tuple(x.strip() for x in (value or "").split(",") if x.strip())
+    key, key_from = api_key(opts)
+    return replace(opts, api_key=key), key_from
 
 
 def api_key(a) -> tuple[str | None, str]:
     """(the key, where it came from): --api-key, else --api-key-file, else $CODEFORGE_API_KEY, else none."""
     if a.api_key is not None and a.api_key_file:
-        raise ServeError("--api-key and --api-key-file both given; use one (--api-key-file keeps the key out "
-                         "of `ps`)")
+        raise ServeError("--api-key and --api-key-file both given; use one (--api-key-file keeps the key "
+                         "out of `ps`)")
     if a.api_key is not None:
         if not a.api_key.strip():
             raise ServeError("--api-key is empty; give a key, or leave the option out for no authentication")
@@ -99,20 +77,19 @@ def api_key(a) -> tuple[str | None, str]:
     return None, ""
 
 
-def connection_limits(a) -> tuple[ConnectionLimits, int]:
-    """The limits from the flags, the cap checked against the file limit, and the listen backlog."""
+def connection_limits(opts: ServeOptions) -> tuple[ConnectionLimits, int]:
+    """The limits from the options, the cap checked against the file limit, and the listen backlog."""
     safe, backlog, soft, now = connection_budget()
-    if a.max_connections > safe:
-        raise ServeError(f"--max-connections {a.max_connections} is "
-                         "more than this process's file limit allows: "
-                         f"{safe} (ulimit -n {soft}, {now} files open, {soft - now - safe} kept free for "
-                         f"accepting and serving); lower it, or raise the limit (ulimit -n)")
+    if opts.max_connections > safe:
+        raise ServeError(f"--max-connections {opts.max_connections} is more than this process's file limit "
+                         f"allows: {safe} (ulimit -n {soft}, {now} files open, {soft - now - safe} kept free "
+                         f"for accepting and serving); lower it, or raise the limit (ulimit -n)")
     if safe < 1:
         raise ServeError(f"this process may open only {soft} files (ulimit -n) and has {now} open: too few "
                          f"to take connections; raise the limit (ulimit -n 1024)")
-    cap = a.max_connections or min(MAX_DEFAULT_CONNECTIONS, safe)
-    return ConnectionLimits(header_timeout=a.header_timeout, body_timeout=a.body_timeout,
-                            keep_alive=a.keep_alive, max_body_pieces=body_pieces(a.max_body_bytes),
+    cap = opts.max_connections or min(MAX_DEFAULT_CONNECTIONS, safe)
+    return ConnectionLimits(header_timeout=opts.header_timeout, body_timeout=opts.body_timeout,
+                            keep_alive=opts.keep_alive, max_body_pieces=body_pieces(opts.max_body_bytes),
                             max_connections=cap), backlog
 
 
@@ -156,60 +133,56 @@ def _loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def serve_command(a) -> int:
-    check_options(a)
+def serve_command(opts: ServeOptions) -> int:
+    """`codeforge serve` with options already checked against their declared ranges (fields.from_args)."""
+    opts, key_from = check_options(opts)
     # glibc's memory policy while it serves (device.system_memory)
     with system_memory("a long-running server"):
-        return _serve(a)
+        return _serve(opts, key_from)
 
 
-def _serve(a) -> int:
+def _serve(opts: ServeOptions, key_from: str) -> int:
     import uvicorn
 
-    dev, why = choose_device(a.device, a.threads or None)
-    precision, why_precision = choose_precision(dev, getattr(a, "precision", "auto"))
-    model, tok, ck, cfg = load_model(a.run, dev, a.checkpoint,
+    dev, why = choose_device(opts.device, opts.threads or None)
+    precision, why_precision = choose_precision(dev, opts.precision)
+    model, tok, ck, cfg = load_model(opts.run, dev, opts.checkpoint,
                                      log=lambda m: print(f"note: {m}", file=sys.stderr))
     engine = Engine(model, tok, dev, precision)
     block = engine.block_size
-    if a.max_prompt_tokens >= block:
-        raise ServeError(f"--max-prompt-tokens {a.max_prompt_tokens} must be below the model's context of "
+    if opts.max_prompt_tokens >= block:
+        raise ServeError(f"--max-prompt-tokens {opts.max_prompt_tokens} must be below the model's context of "
                          f"{block} (one position is left for the reply)")
-    if a.infill_batch > block:
-        raise ServeError(f"--infill-batch {a.infill_batch} is larger than the model's context of {block}: "
+    if opts.infill_batch > block:
+        raise ServeError(f"--infill-batch {opts.infill_batch} is larger than the model's context of {block}: "
                          f"give at most {block} (half of it, the default, leaves room for other files)")
     stage = cfg.get("train", {}).get("stage", "pretrain")
-    opts = ServeOptions(model_name=a.model_name or rundir.model_name(a.run), api_key=a.api_key,
-                        max_batch=a.max_batch, max_queue=a.max_queue, max_prompt_tokens=a.max_prompt_tokens,
-                        max_tokens_cap=a.max_tokens_cap,
-                        request_timeout=a.request_timeout, max_body_bytes=a.max_body_bytes, stage=stage,
-                        chat_note=chat_notice(cfg), language=run_language(cfg, tok),
-                        infill_batch=a.infill_batch, infill_predict=a.infill_predict,
-                        checkpoint=Path(ck).name, host=a.host, allowed_hosts=split_list(a.allowed_hosts),
-                        allowed_origins=split_list(a.allowed_origins))
-    sock = bind(a.host, a.port)
+    opts = replace(opts, model_name=opts.model_name or rundir.model_name(opts.run), stage=stage,
+                   checkpoint_name=Path(ck).name, chat_note=chat_notice(cfg), language=run_language(cfg, tok))
+    sock = bind(opts.host, opts.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    limits, backlog = connection_limits(a)  # after loading and binding: the files those hold are counted
+    limits, backlog = connection_limits(opts)  # after loading and binding: the files those hold are counted
     guard = ConnectionGuard(limits)
     app = create_app(engine, opts)
     app.state.srv.metrics.attach_connections(guard)
     kinds = "chat and tools" if speaks_chat(cfg) else "completions and fill-in-the-middle"
     print(f"serving {opts.model_name} ({model.num_params() / 1e6:.1f}M parameters, {stage} run: {kinds}; "
           f"context {block}) from {ck}")
-    print(f"device {dev} ({why}), precision {precision} ({why_precision}); batch {a.max_batch} rows, "
-          f"queue {a.max_queue}")
+    print(f"device {dev} ({why}), precision {precision} ({why_precision}); batch {opts.max_batch} rows, "
+          f"queue {opts.max_queue}")
     print(f"connections: at most {limits.max_connections}; request head within {limits.header_timeout:g}s, "
           f"body within {limits.body_timeout:g}s, idle {limits.keep_alive:g}s between requests")
     print(f"listening on http://{shown}:{port}/  (OpenAI base URL http://{shown}:{port}/v1"
-          f"{f', API key required (from {a.api_key_from})' if a.api_key else ''})", flush=True)
+          f"{f', API key required (from {key_from})' if opts.api_key else ''})", flush=True)
     if opts.chat_note:
         print(f"note: /v1/chat/completions answers, but {opts.chat_note}", file=sys.stderr)
-    if not a.api_key and not _loopback(host):
+    if not opts.api_key and not _loopback(host):
         print(f"warning: {host} is reachable from other machines and there is no API key (--api-key-file): "
               f"anyone who can reach port {port} can use the model", file=sys.stderr)
-    config = uvicorn.Config(app, log_level="info" if a.access_log else "warning", access_log=a.access_log,
-                            timeout_graceful_shutdown=5, http=guard.protocol_class(), ws="none",
-                            timeout_keep_alive=limits.keep_alive, backlog=backlog)
+    config = uvicorn.Config(app, log_level="info" if opts.access_log else "warning",
+                            access_log=opts.access_log, timeout_graceful_shutdown=5,
+                            http=guard.protocol_class(), ws="none", timeout_keep_alive=limits.keep_alive,
+                            backlog=backlog)
     Server(config).run(sockets=[sock])
     return 0

@@ -3,16 +3,21 @@ straight down (data -> model -> loss and evaluation -> Trainer).
 
     launch(cfg, log)              device and precision (said once), the process group under torchrun, a `say`
                                   only rank 0 speaks through, and what the run holds (the run lock)
-    vocabulary(cfg, ...)          cfg with the vocabulary from the tokenizer (a new
-                                  config: nothing is changed in place)
-    begin(run, cfg, ...)          validation, the run lock, the run's recorded
-                                  configuration, and the checkpoint a
-                                  --resume continues (checked, and the accumulation kept or refused on another
-                                  number of ranks): a frozen Began (cfg, record, start)
+    vocabulary(cfg, ...)          cfg with the vocabulary from the tokenizer (a new config: nothing is changed
+                                  in place)
+    begin(run, cfg, ...)          validation, the run lock, the run's recorded configuration, and the
+                                  checkpoint a --resume continues (checked, and the accumulation kept or
+                                  refused on another number of ranks): a frozen Began (cfg, record, start)
+    built(cfg)                    the model, seeded by train.seed (on the meta device for FSDP's other ranks)
     init_from(...)                --init-from: the starting weights, checked against this model
-    record_documents(run, ...)    RUN/trained_documents.*: what the run trains on, with its starting runs'
+    adapters(...)                 --lora-rank: LoRA adapters on the starting weights, the rest frozen
+    record_documents(run, ...)    RUN/trained_documents.*: what the run trains on, with what its starting runs
+                                  trained on
     budget(...)                   the number of optimizer steps: max_iters, else max_tokens, else epochs
+    sized_evaluation(...)         fewer validation tokens for a run too short to pay for --eval-tokens
     train(run, began, ...)        the one Trainer, handed the run and begin's result, run to the end
+    start_point(cfg, say)         (preference and RL stages) the run --init-from names, which they continue
+    frozen_copy(...)              (preference and RL stages) the reference model, never trained
 
 What a stage is (chat or not, FSDP or not, its data, what a change of ranks does) is config.py's stage table.
 """
@@ -27,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from .. import rundir
 from .. import checkpoint as ckpt_io
+from .. import rundir
 from ..config import FSDP_STAGES, STAGE, ConfigError, RunConfig
 from ..data.trained import record_trained, recorded
 from ..device import choose_device, choose_precision
@@ -72,10 +77,9 @@ def launch(cfg: RunConfig, log) -> Iterator[Run]:
     precision, why_prec = choose_precision(device, t.precision)
     rank, world = distributed_env()
     if t.parallel == "fsdp" and not STAGE[t.stage].fsdp and (world > 1 or launched_by_torchrun()):
-        raise ConfigError("--parallel fsdp is for the language-model "
-                          f"stages ({', '.join(FSDP_STAGES)}); --stage "
-                          f"{t.stage} builds extra models (reference, reward, value) beside the trained one "
-                          f"and runs with --parallel ddp")
+        raise ConfigError(f"--parallel fsdp is for the language-model stages ({', '.join(FSDP_STAGES)}); "
+                          f"--stage {t.stage} builds extra models (reference, reward, value) beside the "
+                          "trained one and runs with --parallel ddp")
     setup_distributed(device, t.dist_timeout, alone=t.parallel == "fsdp")
     try:
         say = log if rank == 0 else (lambda m: None)
@@ -211,9 +215,8 @@ def adapters(run: Run, model: torch.nn.Module, run_config: dict, start_ckpt: Pat
         raise ConfigError("--lora-rank trains adapters on trained weights: pass --init-from RUN (a codeforge "
                           "run, or a Hugging Face model brought in with `codeforge import --hf DIR`)")
     if mode == "fsdp":
-        raise ConfigError("--lora-rank trains with --parallel ddp (or "
-                          "one process): the adapters are small, and the "
-                          "frozen weights are not sharded; a model too large for one device is not "
+        raise ConfigError("--lora-rank trains with --parallel ddp (or one process): the adapters are small, "
+                          "and the frozen weights are not sharded; a model too large for one device is not "
                           "LoRA-trained here yet")
     if start_ckpt is not None:  # resume: the same starting weights as the straight run
         saved = ckpt_io.read_config(start_ckpt).get("lora_base") or {}
@@ -226,16 +229,15 @@ def adapters(run: Run, model: torch.nn.Module, run_config: dict, start_ckpt: Pat
         sha = None if problem else ckpt_io.weights_sha256(began)
         if sha != saved.get("sha256"):
             raise ConfigError(f"--resume {start_ckpt}: the LoRA run started from {began}, and "
-                              f"{problem or 'its weights changed since'}; "
-                              f"the adapters mean something only on those weights. Restore that checkpoint, "
-                              f"or start a new run from this one's merged weights (--init-from {start_ckpt})")
+                              f"{problem or 'its weights changed since'}; the adapters mean something only "
+                              "on those weights. Restore that checkpoint, or start a new run from this one's "
+                              f"merged weights (--init-from {start_ckpt})")
         ckpt_io.load_weights(model, began)
     sha = ckpt_io.weights_sha256(began)
     if sha is None:
-        raise ConfigError("--lora-rank starts from a whole-model checkpoint "
-                          f"(model.safetensors); {began} is sharded "
-                          f"(an FSDP run's): export it (`codeforge export --format hf`) and import it back "
-                          f"(`codeforge import --hf`), then start from that")
+        raise ConfigError(f"--lora-rank starts from a whole-model checkpoint (model.safetensors); {began} is "
+                          "sharded (an FSDP run's): export it (`codeforge export --format hf`) and import it "
+                          "back (`codeforge import --hf`), then start from that")
     run_config["lora_base"] = {"checkpoint": str(began.resolve()), "sha256": sha}
     targets = [x.strip() for x in t.lora_targets.split(",") if x.strip()]
     try:
@@ -280,10 +282,9 @@ def sized_evaluation(began: Began, tokens_per_step: int, total: int, say) -> Beg
     evaluations = (total // t.eval_every if t.eval_every else 0) + 1
     sized = sized_eval_tokens(t.eval_tokens, tokens_per_step * total, evaluations)
     if sized != t.eval_tokens:
-        say(f"evaluation: up to {sized:,} validation tokens each "
-            f"(of --eval-tokens {t.eval_tokens:,}): a run of "
-            f"{total} steps x {tokens_per_step:,} tokens with {evaluations} evaluation(s) scores an eighth "
-            f"of what it trains on; saved as eval_tokens in config.toml")
+        say(f"evaluation: up to {sized:,} validation tokens each (of --eval-tokens {t.eval_tokens:,}): a run "
+            f"of {total} steps x {tokens_per_step:,} tokens with {evaluations} evaluation(s) scores an "
+            "eighth of what it trains on; saved as eval_tokens in config.toml")
         record = {**began.record, "train": {**began.record["train"], "eval_tokens": sized},
                   "eval_tokens_asked": t.eval_tokens}  # what --resume compares a re-run's --eval-tokens with
         return Began(replace(began.cfg, train=replace(t, eval_tokens=sized)), record, began.start)

@@ -45,9 +45,9 @@ def _train(run: Run, resume: bool, sampler: Callable[..., str]) -> dict:
     # -- data and tokenizer -------------------------------------------------------------------------------
     train_set = ShardSet(t.data, "train")
     if chat_stage and not train_set.chat:
-        raise ConfigError(f"--stage {t.stage} trains on chat data, but "
-                          f"{t.data} holds plain text shards; prepare "
-                          f"chat JSONL with `codeforge prepare --chat ...` (or `codeforge make-sft` first)")
+        raise ConfigError(f"--stage {t.stage} trains on chat data, but {t.data} holds plain text shards; "
+                          "prepare chat JSONL with `codeforge prepare --chat ...` "
+                          "(or `codeforge make-sft` first)")
     if train_set.chat and not chat_stage:
         raise ConfigError(f"{t.data} holds chat data; train it with --stage sft (or tools), not {t.stage}")
     val_set = ShardSet(t.data, "val") if train_set.meta["splits"]["val"]["tokens"] else None
@@ -97,8 +97,8 @@ def _train(run: Run, resume: bool, sampler: Callable[..., str]) -> dict:
         raise ConfigError(str(e)) from e
     if getattr(batches, "split", 0) or getattr(batches, "dropped", 0):
         say(f"chat data: {batches.split} conversation(s) longer than one window ({m.block_size} tokens of "
-            "context and the target after them) "
-            f"split at turn boundaries, {batches.dropped} dropped (a single turn longer than the context)")
+            f"context and the target after them) split at turn boundaries, {batches.dropped} dropped (a "
+            "single turn longer than the context)")
     tokens_per_step = t.batch_size * m.block_size * t.grad_accum_steps * world
     total = budget(cfg, tokens_per_step,
                    max(1, math.ceil((t.epochs or 1.0) * batches.per_epoch / t.grad_accum_steps)))
@@ -129,9 +129,9 @@ def _train(run: Run, resume: bool, sampler: Callable[..., str]) -> dict:
                  plan_note=lambda steps: passes_note(steps, tokens_per_step, train_set.tokens, False))
 
 
-# beyond ~4 passes, repeated data is worth much less than new (Muennighoff et al. 2023), and a
+# beyond ~4 passes, repeated data is worth much less than new (Muennighoff et al. 2023), and a small model on
+# a small repository starts to memorise: validation loss turns up
 MANY_PASSES = 4
-# small model on a small repository starts to memorise: validation loss turns up
 
 
 def passes_note(total: int, tokens_per_step: int, train_tokens: int, budgeted: bool) -> str:
@@ -145,13 +145,11 @@ def passes_note(total: int, tokens_per_step: int, train_tokens: int, budgeted: b
     if budgeted:  # the time budget chooses the count after the first steps; that plan is the one judged
         return line + "; the time budget chooses how many, and the plan is said again then"
     fewer = max(1, int(MANY_PASSES * train_tokens / tokens_per_step))
-    return (f"{line}\nwarning: {passes:.0f} passes over the same "
-            f"{train_tokens:,} tokens: the model will memorise "
-            f"them (training loss falls toward 0 while validation loss rises after the first few passes; the "
-            "`best` checkpoint keeps the weights from before "
-            "that). More code helps most: train on a larger corpus "
-            f"of the same language first, then on this one (docs/pipeline.md, \"A small repository\"); or "
-            f"train less: --max-iters {fewer} is {MANY_PASSES} passes")
+    return (f"{line}\nwarning: {passes:.0f} passes over the same {train_tokens:,} tokens: the model will "
+            "memorise them (training loss falls toward 0 while validation loss rises after the first few "
+            "passes; the `best` checkpoint keeps the weights from before that). More code helps most: train "
+            "on a larger corpus of the same language first, then on this one (docs/pipeline.md, \"A small "
+            f"repository\"); or train less: --max-iters {fewer} is {MANY_PASSES} passes")
 
 
 def plain_sample(model, tok, device, precision, step: int, max_new_tokens: int = 64) -> str:

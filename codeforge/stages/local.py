@@ -7,7 +7,7 @@ thread (neighbours started from the same shell, a container, Linux without autog
 its share: beside six busy programs on two cores, 2 x 1 thread trained 1.64x faster than the one process
 the thread policy gives 1 thread. Where it shares per session first (autogroup, neighbours in sessions of
 their own), the whole job gets its session's share however it is split: there the two are within a few
-percent; on idle cores too (docs/LOG.md, 2026-11-25 sixth session).
+percent; on idle cores too (docs/LOG.md#2026-11-25-local-ranks-measured).
 
 How: this process is rank 0 and runs the stage itself (so the caller gets its result, as with one
 process); ranks 1..N-1 are `codeforge train --config FILE` with the run's resolved configuration, started in
@@ -80,12 +80,11 @@ def check(cfg: RunConfig) -> None:
 
 
 def auto_ranks(cfg: RunConfig, most: int = 4) -> int:
-    """How many local ranks a CPU run of cfg's batch is best split over here
-    (the quickstart's choice): one per
-    core this process may use (affinity, cgroup quota), at most `most` and a divisor of the batch (so
-    the global batch stays what it
-    is, with --batch-size per rank); 1 on a GPU. Measured on 2 cores (docs/LOG.md); beyond `most` the rows
-    per rank get few, and each rank holds a whole copy of the model and its optimizer state."""
+    """How many local ranks a CPU run of cfg's batch is best split over here (the quickstart's choice): one
+    per core this process may use (affinity, cgroup quota), at most `most` and a divisor of the batch (so the
+    global batch stays what it is, with --batch-size per rank); 1 on a GPU. Measured on 2 cores
+    (docs/LOG.md#2026-11-25-local-ranks-measured); beyond `most` the rows per rank get few, and each rank
+    holds a whole copy of the model and its optimizer state."""
     if _on_gpu(cfg):
         return 1
     n = max(1, min(usable_cores(), most, cfg.train.batch_size))
@@ -213,8 +212,8 @@ def _finish(procs: list[tuple[subprocess.Popen, Path]]) -> str | None:
         try:
             rc = p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            return (f"rank {r} of {len(procs) + 1} (pid {p.pid}) did "
-                    f"not end within {STOP_GRACE_S}s of rank 0; stopped")
+            return (f"rank {r} of {len(procs) + 1} (pid {p.pid}) did not end within {STOP_GRACE_S}s "
+                    "of rank 0; stopped")
         if rc and rc not in INTERRUPTED:
             return (f"rank {r} of {len(procs) + 1} exited with {_code(rc)}; its last "
                     f"messages:\n{_tail(errors)}")

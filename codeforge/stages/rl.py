@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .. import rundir
 from .. import checkpoint as ckpt_io
+from .. import rundir
 from ..config import RL_STAGES, ConfigError, RunConfig, speaks_chat
 from ..device import autocast
 from ..evaluation.tasks import sample_tasks, task_eval
@@ -113,8 +113,8 @@ class Rollouts:
         self.rank, self.world = rank, world
         self.per_round = min(max(1, t.rollout_tasks // world), len(tasks) // world)
         if self.per_round < 1:
-            raise ConfigError(f"{len(tasks)} training task(s) for {world} "
-                              "rank(s): every rank needs at least one")
+            raise ConfigError(f"{len(tasks)} training task(s) for {world} rank(s): "
+                              "every rank needs at least one")
         self.rows = self.per_round * t.group_size
         self.chunks = t.ppo_epochs * math.ceil(self.rows / t.batch_size)
         self.rounds_per_epoch = max(1, len(tasks) // (self.per_round * world))
@@ -294,8 +294,8 @@ VARIANTS = {
     "grpo": PolicyVariant(value_head=False, advantages=group_advantages, extra=kl_term, min_group=2),
 }
 if set(VARIANTS) != set(RL_STAGES):  # a stage of kind "rl" without its row here would train nothing known
-    raise ImportError(f"stages/rl.py has rows for {sorted(VARIANTS)}, "
-                      f"config.py's rl stages are {sorted(RL_STAGES)}")
+    raise ImportError(f"stages/rl.py has rows for {sorted(VARIANTS)}, config.py's rl stages are "
+                      f"{sorted(RL_STAGES)}")
 
 
 def policy_loss(
@@ -350,8 +350,8 @@ def _train(run: Run, resume: bool) -> dict:
             f"held-out task(s) whose prompt leaves no room for an answer in the context of {m.block_size}")
     train_tasks, held_tasks = fits
     if not train_tasks:
-        raise ConfigError("no training task fits the context of "
-                          f"{m.block_size} tokens with room for an answer")
+        raise ConfigError(f"no training task fits the context of {m.block_size} tokens "
+                          "with room for an answer")
 
     # -- the start: lock, recorded config, resume point ------------------------------------------------------
     began = begin(run, run.cfg, resume, tok,
@@ -407,9 +407,8 @@ def _train(run: Run, resume: bool) -> dict:
         extra = {k: v for k, v in r.items() if k != "task_outcomes"}
         return {"objective": -r["task_mean_reward"], "extra": extra,
                 "message": f"held-out tasks: pass@1 {r['task_pass_at_1']:.1%} "
-                           f"({r['task_solved']}/{r['tasks']}), "
-                           f"syntax-valid {r['task_syntax_valid']:.1%}, mean reward "
-                           f"{r['task_mean_reward']:.3f}, outcomes {r['task_outcomes']}"}
+                           f"({r['task_solved']}/{r['tasks']}), syntax-valid {r['task_syntax_valid']:.1%}, "
+                           f"mean reward {r['task_mean_reward']:.3f}, outcomes {r['task_outcomes']}"}
 
     # -- train ----------------------------------------------------------------------------------------------
     return train(run, began, model, rollouts, loss_fn, total_steps=total, tokens_per_step=tokens_per_step,

@@ -7,26 +7,25 @@ A task is a dict:
      "solution": a correct reference function (plain code), "tests": `assert f(...) == ...` lines,
      "split": "train"|"test"}
 
-`generate_tasks` (families.py) makes them procedurally from FAMILIES: string, list,
-arithmetic and dict functions at
-three levels (1: one operation, "return x plus 7"; 2: a loop, filter or comprehension, "sum of the elements
-greater than 3"; 3: two steps combined, "word frequencies of the lower-cased words"). A family draws its
-parameters (constants, the function's name from a small pool of plausible names, argument names) from a
-`random.Random` seeded by `seed`; the instance's id is the family plus a hash of those parameters, and its
-test inputs come from a Random seeded by that id, so a task is a pure function of its id. The expected
-values in the tests are computed at generation time by running the reference solution on the inputs
-(edge cases such as empty inputs first). Instances are produced one after another and duplicates dropped,
-so the first n tasks of a larger generation are the tasks of a smaller one.
+`generate_tasks` (families.py) makes them procedurally from FAMILIES: string, list, arithmetic and dict
+functions at three levels (1: one operation, "return x plus 7"; 2: a loop, filter or comprehension, "sum of
+the elements greater than 3"; 3: two steps combined, "word frequencies of the lower-cased words"). A family
+draws its parameters (constants, the function's name from a small pool of plausible names, argument names)
+from a `random.Random` seeded by `seed`; the instance's id is the family plus a hash of those parameters, and
+its test inputs come from a Random seeded by that id, so a task is a pure function of its id. The expected
+values in the tests are computed at generation time by running the reference solution on the inputs (edge
+cases such as empty inputs first). Instances are produced one after another and duplicates dropped, so the
+first n tasks of a larger generation are the tasks of a smaller one.
 
 Held-out split: a task is in "test" when the hash of its id falls in the lowest HELDOUT_FRACTION (about
 20%), so a task keeps its split when n grows. Held-out tasks are new *instances* (other constants, names,
 argument names) of the *same families* as the training tasks: they measure generalisation within the
 families, not to new kinds of problems.
 
-Scoring a completion (`execution_rewards`): the verdict is decided outside the box. The tests (`assert
-f(args) == value` lines) are split into calls and expected values (`split_tests`); the first fenced code
-block of the answer (or the whole answer) runs once in the sandbox (codeforge.sandbox: bubblewrap, seccomp,
-time and memory limits), which calls f on each input and returns the values as plain data; here they are
+Scoring a completion (`execution_rewards`): the verdict is decided outside the box (verdict.py). The tests
+(`assert f(args) == value` lines) are split into calls and expected values (`split_tests`); the first fenced
+code block of the answer (or the whole answer) runs once in the sandbox (codeforge.sandbox: bubblewrap,
+seccomp, time and memory limits), which calls f on each input and returns the values as plain data; they are
 compared with the expected values, which never enter the box. All programs of a batch run in one parallel
 `run_many`. The outcome classes and their rewards, REWARDS:
 
@@ -45,16 +44,13 @@ The partial credit orders "runs but is wrong" above "crashes" so a policy has a 
 at least executes. A program cannot forge a pass: writing the right values means computing them. The name
 screen (`tampering`: frames, the report pipes, its own file, __eq__ ...) only counts attempts (`suspect`)
 and withholds partial credit from them. Tests that do not split (other statements, loops, random or
-computed arguments) are judged outside too when the task has a reference "solution" (`record_tasks`): the
-tests run once in the box against the solution, with the global random generator seeded, and record every
-call they make of the entry function (its arguments, the solution's value and, where the solution changed
-an argument in place, the argument afterwards); a completion must then give the same plain values on those
-calls (floats within RECORDED_FLOAT_TOL), judged here like split tests (verdict "outside"). That is stricter
-than tests that accept several answers. Only where that cannot be done (no solution, no single entry
-function, tests that expect an exception or use more of the solution than the entry) do the tests run inside
-the program as before (verdict "in_box", the reference harness's semantics, forgeable by code written against
-the runner; a flagged completion is then refused unrun, "tampering"): a pass there is "passed_in_box", which
-pass rates and pass@k leave out and report apart. RL rewards refuse that kind (trusted_only).
+computed arguments) are judged outside too when the task has a reference "solution": their calls of the entry
+function are recorded on it (`record_tasks`), and a completion must give the solution's values on those calls
+(verdict "outside"). Only where that cannot be done (no solution, no single entry function, tests that expect
+an exception or use more of the solution than the entry) do the tests run inside the program (verdict
+"in_box", the reference harness's semantics, forgeable by code written against the runner; a flagged
+completion is then refused unrun, "tampering"): a pass there is "passed_in_box", which pass rates and pass@k
+leave out and report apart. RL rewards refuse that kind (trusted_only).
 
 Users bring their own tasks as JSONL (`load_tasks`): "prompt" and "tests" required; "entry_point",
 "solution", "id", "level", "family" optional. `validate_tasks` drops tasks whose tests do not parse, that
@@ -70,20 +66,18 @@ from __future__ import annotations
 
 import ast
 import json
-import math
 import re
 import textwrap
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from ..atomic import output_dir, write_splits
 from ..chat import encode_conversation
-from ..corpus import content_hash
 from ..sandbox import check_available, encode_calls, run_many
-
+# families.py's names are importable from here too: tests and callers of make-tasks import them from this file
 from .families import FAMILIES, HELDOUT_FRACTION, KINDS, LEVELS, Family, TaskError, generate_tasks  # noqa: F401
+from .verdict import Cases, io_outcome, record_tasks, split_tests, syntax_error
 
 if TYPE_CHECKING:
     from ..tokenizer import CodeTokenizer
@@ -178,8 +172,8 @@ def load_tasks(path: str | Path, split: str = "heldout") -> list[dict]:
             for key, typ in OPTIONAL_FIELDS.items():
                 v = row.get(key)
                 if v is not None and (not isinstance(v, typ) or isinstance(v, bool)):
-                    raise TaskError(f"{where}: {key!r} must be {typ.__name__}, "
-                                    f"got {type(v).__name__} ({v!r:.40})")
+                    raise TaskError(f"{where}: {key!r} must be {typ.__name__}, got {type(v).__name__} "
+                                    f"({v!r:.40})")
             row = dict(row)
             if row.get("id") is None:
                 row["id"] = f"line-{lineno}"
@@ -247,16 +241,6 @@ def task_program(task: dict, completion: str) -> str:
     return extract_code(completion) + "\n\n" + task["tests"]
 
 
-def _syntax_error(code: str) -> str | None:
-    try:
-        ast.parse(code)
-    except SyntaxError as e:
-        return f"{type(e).__name__}: {e.msg} (line {e.lineno})"
-    except (ValueError, RecursionError, MemoryError) as e:  # null bytes; absurd nesting
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
 def _dotted(node) -> str | None:
     """"a.b.c" for a chain of attributes on a name (iterative: a chain of 2000 links is valid Python)."""
     parts = []
@@ -291,206 +275,7 @@ def tampering(code: str) -> str | None:
     return None
 
 
-# -- the verdict: return values compared outside the box -----------------------------------------------------
-
-@dataclass
-class Cases:
-    """A task's tests split into calls and what must come back: the box is given `calls` only; `checks`
-    (per call ("eq", expected) | ("truthy", bool) | ("is", None/True/False) | ("pred", a Property judged
-    here on the plain value) | ("ref", (expected value, arguments after the call or None)): the reference's
-    value, and where the reference changed its arguments in place, their state afterwards) never enter it.
-    `suffix` is code appended to the program (WRAP_CODE, for "ref" checks of arguments), `shown` the name
-    details use for `entry`, `float_tol` the least tolerance on float values (recorded references)."""
-    entry: str
-    calls: list[tuple[tuple, dict]]
-    checks: list[tuple[str, object]]
-    suffix: str = ""
-    shown: str | None = None
-    float_tol: float = 0.0
-
-
-class Property:
-    """A check judged outside the box on a call's plain return value (HumanEval/32: a root of the polynomial,
-    not the canonical solution's root): `test(value)` -> bool, `text` says what was expected."""
-
-    def __init__(self, test: Callable[[object], bool], text: str):
-        self.test, self.text = test, text
-
-    def __call__(self, value) -> bool:
-        return bool(self.test(value))
-
-
-MAX_FOLDED = 100_000  # items of a sequence, or bits of an integer, that folding `'ab' * 3` may build
-
-
-def literal(node: ast.AST):
-    """The value of a literal expression: what ast.literal_eval accepts, plus +, -, * between literals (as in
-    `'abc' + 'de'`, `2 * 3 * 7`), sizes capped. ValueError for anything else
-    (names, calls, comprehensions)."""
-    try:
-        return ast.literal_eval(node)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        pass
-    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult)):
-        left, right = literal(node.left), literal(node.right)
-        for x, y in ((left, right), (right, left)):
-            if (
-                isinstance(node.op, ast.Mult)
-                and isinstance(x, (str, bytes, list, tuple))
-                and isinstance(y, int)
-                and len(x) * max(y, 0) > MAX_FOLDED
-            ):
-                raise ValueError("folded sequence too large")
-        if (
-            isinstance(left, int)
-            and isinstance(right, int)
-            and left.bit_length() + right.bit_length() > MAX_FOLDED
-        ):
-            raise ValueError("folded integer too large")
-        try:
-            return {ast.Add: lambda: left + right, ast.Sub: lambda: left - right,
-                    ast.Mult: lambda: left * right}[type(node.op)]()
-        except TypeError as e:
-            raise ValueError(str(e)) from None
-    raise ValueError(f"not a literal: {ast.dump(node)[:60]}")
-
-
-def literal_call(node: ast.AST, name: str | None) -> tuple[str, tuple, dict] | None:
-    """(function name, args, kwargs) when `node` calls a plain name with literal arguments only."""
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)) or (
-        name and node.func.id != name
-    ):
-        return None
-    if any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
-        return None
-    try:
-        return node.func.id, tuple(literal(a) for a in node.args), {k.arg: literal(k.value)
-                                                                    for k in node.keywords}
-    except ValueError:
-        return None
-
-
-def split_tests(tests: str, entry_point: str | None = None) -> Cases | str:
-    """The tests as Cases, or why they cannot be split. Each statement must be one of `assert f(...) == v`,
-    `assert v == f(...)`, `assert f(...)`, `assert not f(...)`, `assert f(...) is None|True|False`, with
-    literal arguments and v, all calling the same function (entry_point when given)."""
-    try:
-        body = ast.parse(tests).body
-    except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
-        return f"tests do not parse ({type(e).__name__})"
-    name = entry_point
-    calls, checks = [], []
-    for st in body:
-        where = f"line {getattr(st, 'lineno', '?')}"
-        if not isinstance(st, ast.Assert):
-            return f"{where}: not an assert statement"
-        t, check, call = st.test, None, None
-        if isinstance(t, ast.Compare) and len(t.ops) == 1:
-            left, op, right = t.left, t.ops[0], t.comparators[0]
-            if isinstance(op, ast.Eq):
-                for c, v in ((left, right), (right, left)):
-                    call = literal_call(c, name)
-                    if call:
-                        try:
-                            check = ("eq", literal(v))
-                        except ValueError:
-                            return f"{where}: the expected value is not a literal"
-                        break
-            elif (
-                isinstance(op, ast.Is)
-                and isinstance(right, ast.Constant)
-                and right.value in (None, True, False)
-            ):
-                call, check = literal_call(left, name), ("is", right.value)
-        elif isinstance(t, ast.UnaryOp) and isinstance(t.op, ast.Not):
-            call, check = literal_call(t.operand, name), ("truthy", False)
-        else:
-            call, check = literal_call(t, name), ("truthy", True)
-        if not call:
-            return f"{where}: not a call of {name or 'one function'} with literal arguments"
-        name = call[0]
-        calls.append((call[1], call[2]))
-        checks.append(check)
-    if not calls:
-        return "no assert statements"
-    return Cases(name, calls, checks)
-
-
-def same(expected, got, float_tol: float = 0.0) -> bool:
-    """`expected == got` between plain values (both decoded from data, so no program code runs). With
-    float_tol > 0, where the expected value is a float a number within float_tol of it (absolute, as
-    HumanEval's own checks write `abs(x - y) < 1e-6`) counts as equal, inside lists and tuples too."""
-    try:
-        # True == 1 in Python; a test's `is True` would not
-        if (type(expected) is bool) != (type(got) is bool):
-            return False
-        if float_tol > 0:
-            if type(expected) is float:
-                return (type(got) in (int, float) and math.isfinite(expected)
-                        and abs(expected - got) <= float_tol) or expected == got
-            if type(expected) in (list, tuple) and type(got) is type(expected):
-                return len(expected) == len(got) and all(same(x, y, float_tol) for x, y in zip(expected, got))
-        return bool(expected == got)
-    except Exception:  # OverflowError (a huge int against a float), RecursionError, MemoryError
-        return False
-
-
-def _safe_repr(v, n: int = 80) -> str:
-    try:
-        text = repr(v)
-    except Exception:  # an int of more than 4300 digits has no repr
-        return f"<a {type(v).__name__} too large to show>"
-    return text[:n] + ("..." if len(text) > n else "")
-
-
-def _shown(cases: Cases, i: int) -> str:
-    args, kwargs = cases.calls[i]
-    text = ", ".join([_safe_repr(a) for a in args] + [f"{k}={_safe_repr(v)}" for k, v in kwargs.items()])
-    return f"{cases.shown or cases.entry}({text[:80]}{'...' if len(text) > 80 else ''})"
-
-
-def judge(cases: Cases, outputs: list | None, float_tol: float = 0.0) -> tuple[str, str]:
-    """(outcome, detail) of one run's return values against the checks: passed, wrong (a value differs),
-    runtime_error (a call raised), not_data (a value that is not plain data came back)."""
-    checks = cases.checks
-    float_tol = max(float_tol, cases.float_tol)
-    if outputs is None or len(outputs) != len(checks):
-        return "runtime_error", "no return values"
-    for i, ((kind, want), (status, got)) in enumerate(zip(checks, outputs)):
-        if status == "error":
-            return "runtime_error", f"{_shown(cases, i)} raised {got}"
-        if status == "not_data":
-            return "not_data", f"{_shown(cases, i)} returned a {got}, not plain data"
-        if kind == "ref" and cases.suffix and not (type(got) is list and len(got) == 3):
-            return "bad_report", f"{_shown(cases, i)}: the wrapper's record is malformed"
-    for i, ((kind, want), (_, got)) in enumerate(zip(checks, outputs)):
-        after = None
-        if kind == "ref":  # the reference's value, and its arguments afterwards where it changed them
-            want, after = want
-            if cases.suffix:
-                got, got_args, got_kwargs = got
-        try:
-            if kind in ("eq", "ref"):
-                ok = same(want, got, float_tol)
-            elif kind == "is":
-                ok = got is want
-            elif kind == "pred":
-                ok = want(got)
-            else:
-                ok = bool(got) == want
-        except Exception:
-            ok = False
-        if ok and after is not None and not (same(after[0], got_args, float_tol)
-                                             and same(after[1], got_kwargs, float_tol)):
-            return "wrong", (f"{_shown(cases, i)} left its arguments as "
-                             f"{_safe_repr([got_args, got_kwargs])}, expected {_safe_repr(after)}")
-        if not ok:
-            want_text = {"eq": _safe_repr(want), "ref": _safe_repr(want), "is": repr(want),
-                         "pred": getattr(want, "text", "a value with the checked property"),
-                         "truthy": "a true value" if want else "a false value"}[kind]
-            return "wrong", f"{_shown(cases, i)} returned {_safe_repr(got)}, expected {want_text}"
-    return "passed", ""
-
+# -- execution rewards and task checks: every program of a batch in one run_many ---------------------------
 
 def _asserts(code: str) -> bool:
     """Whether the completion raises AssertionError itself (an `assert` or the name), so a failing run could
@@ -508,191 +293,6 @@ def _outcome(res, own_asserts: bool = False) -> str:
     if res.status == "failed" and res.detail.startswith("AssertionError") and not own_asserts:
         return "wrong"
     return "runtime_error"
-
-
-def io_outcome(res, cases: Cases, float_tol: float = 0.0) -> tuple[str, str]:
-    """The outcome of a run with calls: the sandbox's failure, or the return values judged here."""
-    if res.passed:
-        return judge(cases, res.outputs, float_tol)
-    if "before its end" in res.detail:
-        return "early_exit", res.detail
-    if res.detail.startswith("sandbox: malformed report"):
-        return "bad_report", res.detail
-    return "runtime_error", res.detail
-
-
-# -- tests that do not split: their calls recorded on the reference, judged outside all the same -------------
-
-RECORD_ENTRY = "__codeforge_record__"   # the recording program's function that returns the record
-CALL_ENTRY = "__codeforge_call__"       # the candidate's wrapper where arguments changed in place matter
-RECORD_SEED = 0                         # random test inputs are drawn the same way every time
-# Put between the reference solution and the tests (ENTRY replaced by the function's name): ENTRY becomes a
-# wrapper that records each outermost call's arguments (copied before the call), its return value and, where
-# the call changed them in place, the arguments afterwards; the global random generator is seeded. Runs in the
-# box like any program (the reference is the task author's code), the record comes back as plain data.
-RECORD_CODE = """
-import copy as _cf_copy, random as _cf_random
-_cf_calls, _cf_depth, _cf_real = [], [0], ENTRY
-def ENTRY(*args, **kwargs):
-    if _cf_depth[0]:
-        return _cf_real(*args, **kwargs)
-    before = _cf_copy.deepcopy((args, kwargs))
-    seen = repr(before)
-    _cf_depth[0] += 1
-    try:
-        value = _cf_real(*args, **kwargs)
-    except BaseException as e:
-        _cf_calls.append(["raised", type(e).__name__])
-        raise
-    finally:
-        _cf_depth[0] -= 1
-    changed = None if repr((args, kwargs)) == seen else _cf_copy.deepcopy([args, kwargs])
-    _cf_calls.append([before[0], before[1], _cf_copy.deepcopy(value), changed])
-    return value
-def __codeforge_record__():
-    return _cf_calls
-_cf_random.seed(%d)
-""" % RECORD_SEED
-# Appended to a candidate's program when a recorded call changed its arguments: the values and the arguments
-# afterwards come back together (as plain data, like any return value).
-WRAP_CODE = """
-def __codeforge_call__(*args, **kwargs):
-    return [ENTRY(*args, **kwargs), args, kwargs]
-"""
-MAX_RECORDED_CALLS = 2000
-_recorded: dict[str, "Cases | str"] = {}  # content hash of (solution, tests, entry) -> Cases, or why none
-
-
-def record_program(reference: str, entry: str, tests: str) -> str:
-    """The program that records the calls `tests` make of `entry`, defined by `reference` (RECORD_CODE)."""
-    return reference.rstrip() + "\n\n" + RECORD_CODE.replace("ENTRY", entry) + "\n" + tests.rstrip() + "\n"
-
-
-def record_calls(jobs: list[tuple[str, str]], timeout: float = 10.0, **kw) -> list[list | str]:
-    """For each (program from record_program, entry): [(args, kwargs, value, arguments afterwards or None)] of
-    every outermost call the tests made, or why the calls cannot be judged outside (the reference failed, a
-    value is not plain data, a call raised, no call at all)."""
-    if not jobs:
-        return []
-    results = run_many([prog for prog, _ in jobs], timeout=timeout,
-                       calls=[encode_calls(RECORD_ENTRY, [((), {})])] * len(jobs), **kw)
-    out: list[list | str] = []
-    for (_, entry), res in zip(jobs, results):
-        if not res.passed:
-            out.append(f"the reference solution fails its tests: {res.status}: {res.detail}")
-            continue
-        status, rows = res.outputs[0]
-        if status != "ok":
-            out.append(f"the reference's calls of {entry} do not come back as plain data ({status}: {rows})")
-            continue
-        raised = next((r[1] for r in rows if isinstance(r, list) and len(r) == 2 and r[0] == "raised"), None)
-        if raised is not None:
-            out.append(f"the tests expect {entry} to raise ({raised}), which return values cannot show")
-        elif not rows:
-            out.append(f"the tests never call {entry}")
-        elif len(rows) > MAX_RECORDED_CALLS:
-            out.append(f"the tests call {entry} more than {MAX_RECORDED_CALLS} times")
-        elif not all(type(r) is list and len(r) == 4 and type(r[0]) is tuple and type(r[1]) is dict
-                     and all(type(k) is str for k in r[1])
-                     and (r[3] is None or (type(r[3]) is list and len(r[3]) == 2)) for r in rows):
-            out.append("malformed record of calls")
-        else:
-            out.append([(r[0], r[1], r[2], r[3]) for r in rows])
-    return out
-
-
-def recorded_cases(entry: str, rows: list, float_tol: float = 0.0, prop=None) -> Cases:
-    """Cases from record_calls' rows: each call must give the reference's value ("ref"), or pass `prop(args,
-    kwargs)` -> Property where one is given; where the reference changed an argument in place, the candidate's
-    arguments afterwards must equal the reference's too (the program then gets WRAP_CODE)."""
-    calls = [(args, kwargs) for args, kwargs, _, _ in rows]
-    wrap = prop is None and any(changed is not None for *_, changed in rows)
-    checks = [("pred", prop(args, kwargs)) if prop else ("ref", (value, changed))
-              for args, kwargs, value, changed in rows]
-    return Cases(CALL_ENTRY if wrap else entry, calls, checks,
-                 WRAP_CODE.replace("ENTRY", entry) if wrap else "", entry, float_tol)
-
-
-def task_entry(task: dict) -> str | None:
-    """The function a task's tests call: its entry_point, else the one function of
-    its solution the tests use."""
-    ep = task.get("entry_point")
-    if isinstance(ep, str) and ep.isidentifier():
-        return ep
-    try:
-        defined = {n.name for n in ast.parse(task.get("solution") or "").body
-                   if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-        used = {n.id for n in ast.walk(ast.parse(task["tests"])) if isinstance(n, ast.Name)}
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return None
-    both = defined & used
-    return next(iter(both)) if len(both) == 1 else None
-
-
-def _other_names(task: dict, entry: str) -> set[str]:
-    """Names the solution defines at its top level (functions, classes, variables) that the tests use besides
-    `entry`: recorded values of `entry` alone would not judge those."""
-    sol, tests = ast.parse(task["solution"]), ast.parse(task["tests"])
-    defined = set()
-    for n in sol.body:
-        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            defined.add(n.name)
-        elif isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-            for t in (n.targets if isinstance(n, ast.Assign) else [n.target]):
-                defined |= {x.id for x in ast.walk(t) if isinstance(x, ast.Name)}
-    own = {x.id for x in ast.walk(tests) if isinstance(x, ast.Name) and isinstance(x.ctx, ast.Store)}
-    own |= {n.name for n in ast.walk(tests)
-            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
-    own |= {(a.asname or a.name).split(".")[0] for n in ast.walk(tests)
-            if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
-    used = {x.id for x in ast.walk(tests) if isinstance(x, ast.Name) and isinstance(x.ctx, ast.Load)}
-    return (defined & used) - own - {entry}
-
-
-# a float compared with a recorded reference value (the tests' own tolerance is unknown)
-RECORDED_FLOAT_TOL = 1e-6
-
-
-def record_tasks(tasks: list[dict], timeout: float = 10.0, **kw) -> list[Cases | str]:
-    """For tasks whose tests do not split: Cases of the calls the tests make of the entry function, recorded
-    on the task's reference solution (cached per process), or why the task can only be judged in the box (no
-    solution, no single entry function, the tests use more of the solution, a call raised ...)."""
-    keys, jobs, out = [], [], []
-    for t in tasks:
-        entry = task_entry(t)
-        why = None
-        if not t.get("solution"):
-            why = "no reference solution to record the tests' calls on"
-        elif entry is None:
-            why = "no entry_point (and not one function of the solution the tests call)"
-        elif _syntax_error(t["solution"]) or _syntax_error(t["tests"]):
-            why = "the solution or the tests do not parse"
-        elif other := _other_names(t, entry):
-            why = f"the tests use {', '.join(sorted(other))} of the solution besides {entry}"
-        key = content_hash(f"{t.get('solution')}\0{t['tests']}\0{entry}").hex()
-        if why:
-            _recorded.setdefault(key, why)
-        elif key not in _recorded and key not in keys:
-            keys.append(key)
-            jobs.append((record_program(t["solution"], entry, t["tests"]), entry))
-        out.append(key)
-    solutions = {k: t["solution"] for k, t in zip(out, tasks) if t.get("solution")}
-    fresh: list[tuple[str, Cases]] = []
-    for key, (_, entry), rows in zip(keys, jobs, record_calls(jobs, timeout, **kw)):
-        _recorded[key] = rows if isinstance(rows, str) else recorded_cases(entry, rows, RECORDED_FLOAT_TOL)
-        if isinstance(_recorded[key], Cases):
-            fresh.append((key, _recorded[key]))
-    if fresh:  # the reference replayed on its own recording: calls whose inputs name state the tests made
-        # (a temporary directory, a file) do not replay, and such a task can only be judged in the box
-        progs = [solutions[k] + ("\n\n" + c.suffix if c.suffix else "") for k, c in fresh]
-        replays = run_many(progs, timeout=timeout, calls=[encode_calls(c.entry, c.calls) for _, c in fresh],
-                           **kw)
-        for (key, cases), res in zip(fresh, replays):
-            outcome, detail = io_outcome(res, cases)
-            if outcome != "passed":
-                _recorded[key] = (f"the reference solution does not pass its own recorded calls when they "
-                                  f"are replayed ({detail}): the tests' calls depend on state they made")
-    return [_recorded[k] for k in out]
 
 
 class UnsplitTask(TaskError):
@@ -713,8 +313,8 @@ def execution_rewards(tasks: list[dict], completions: list[str], timeout: float 
     forge); a completion the name screen flags is then refused unrun ("tampering"), and one that runs to its
     end is "passed_in_box", never "passed": pass rates leave it out and report it apart. trusted_only=True
     (RL rewards) raises UnsplitTask instead of ever using the in-box kind. "suspect" is the name screen's
-    reason or None: a counter of attempts, not
-    the defence; a suspect completion that does not pass earns 0, not partial credit."""
+    reason or None: a counter of attempts, not the defence; a suspect completion that does not pass earns 0,
+    not partial credit."""
     if len(tasks) != len(completions):
         raise TaskError(f"{len(tasks)} tasks but {len(completions)} completions: they go in pairs")
     out: list[dict | None] = [None] * len(tasks)
@@ -725,6 +325,7 @@ def execution_rewards(tasks: list[dict], completions: list[str], timeout: float 
             split[id(task)] = split_tests(task["tests"], task.get("entry_point"))
     unsplit = [t for t in {id(t): t for t in tasks}.values() if not isinstance(split[id(t)], Cases)]
     recorded: set[int] = set()  # tasks judged on recorded calls: their own tests must pass in the box too
+    # a recording runs the task's whole tests through a copying wrapper, once (cached): at least 10 s for it
     for task, rec in zip(unsplit, record_tasks(unsplit, timeout=max(timeout, 10.0), memory_mb=memory_mb,
                                                workers=workers, unsafe_no_sandbox=unsafe_no_sandbox)):
         split[id(task)] = rec if isinstance(rec, Cases) else f"{split[id(task)]}; {rec}"
@@ -735,13 +336,12 @@ def execution_rewards(tasks: list[dict], completions: list[str], timeout: float 
         cases = split[key] if isinstance(split[key], Cases) else None
         if cases is None and trusted_only:
             raise UnsplitTask(f"task {task.get('id')!r}: its tests cannot be split into calls and expected "
-                              "values nor recorded on a reference solution "
-                              f"({split[key]}), so its verdict could be forged; "
-                              f"rewrite them as `assert f(args) == value` lines, give the task a solution, "
-                              f"or leave it out")
+                              f"values nor recorded on a reference solution ({split[key]}), so its verdict "
+                              f"could be forged; rewrite them as `assert f(args) == value` lines, give the "
+                              f"task a solution, or leave it out")
         verdict = "outside" if cases else "in_box"
         code = extract_code(completion)
-        err = _syntax_error(code)
+        err = syntax_error(code)
         if err:
             out[i] = {"reward": REWARDS["no_parse"], "outcome": "no_parse", "detail": err, "verdict": verdict,
                       "suspect": None}
@@ -756,10 +356,9 @@ def execution_rewards(tasks: list[dict], completions: list[str], timeout: float 
         elif cases:
             runs.append((i, code + ("\n\n" + cases.suffix if cases.suffix else ""), cases, why))
             if key in recorded:  # what recording cannot see (printed output, an argument left alone, files,
-                # `is True`) only the tests themselves check: they must pass in
-                # the box as well. That run is as
-                # forgeable as any in-box run (the name screen above is its defence, as for in-box tasks);
-                # what it cannot forge is the values, judged outside all the same.
+                # `is True`) only the tests themselves check: they must pass in the box as well. That run is
+                # as forgeable as any in-box run (the name screen above is its defence, as for in-box
+                # tasks); what it cannot forge is the values, judged outside all the same.
                 runs.append((~i, code + "\n\n" + task["tests"], None, None))
         else:
             runs.append((i, code + "\n\n" + task["tests"], None, None))
@@ -780,9 +379,9 @@ def execution_rewards(tasks: list[dict], completions: list[str], timeout: float 
                     detail = (f"it returns the reference's values, but the task's own tests fail on it: "
                               f"{box.detail}")
                 elif outcome == "wrong" and box is not None and box.passed and not trusted_only:
-                    # other values than the reference's, which the tests accept
-                    # (any order, a tuple for a list,
-                    # a count from elsewhere): a pass only the box saw, reported apart and never in pass@k
+                    # other values than the reference's, which the tests accept (any order, a tuple for a
+                    # list, a count from elsewhere): a pass only the box saw, reported apart and never in
+                    # pass@k
                     outcome, detail = "passed_in_box", (f"its values differ from the reference's ({detail}), "
                                                         f"but the task's own tests pass in the box")
                 reward = REWARDS[outcome] if (outcome == "passed" or not why) else 0.0
@@ -798,14 +397,13 @@ def execution_rewards(tasks: list[dict], completions: list[str], timeout: float 
 def validate_tasks(tasks: list[dict], timeout: float = 5.0, **kw) -> tuple[list[dict], list[dict]]:
     """(kept, skipped). Skipped, each {"id", "reason"}: tests that do not parse; tests that pass with no
     code before them, or (tests run in the box, with an entry_point) with a stub that returns one meaningless
-    object for every input (they check nothing, and would reward any answer); a
-    "solution" that does not parse or
-    fails its tests in the sandbox (judged outside the box where the tests split, as execution_rewards does).
-    `kw` goes to sandbox.run_many (memory_mb, workers, unsafe_no_sandbox)."""
+    object for every input (they check nothing, and would reward any answer); a "solution" that does not
+    parse or fails its tests in the sandbox (judged outside the box where the tests split, as
+    execution_rewards does). `kw` goes to sandbox.run_many (memory_mb, workers, unsafe_no_sandbox)."""
     reasons: dict[int, str] = {}
     checks: list[tuple[int, str, str, Cases | None]] = []  # (task index, what is run, program, cases)
     for i, t in enumerate(tasks):
-        err = _syntax_error(t["tests"])
+        err = syntax_error(t["tests"])
         if err:
             reasons[i] = f"tests do not parse: {err}"
             continue
@@ -819,7 +417,7 @@ def validate_tasks(tasks: list[dict], timeout: float = 5.0, **kw) -> tuple[list[
                 checks.append((i, "stub", f"_ANY = object()\ndef {t['entry_point']}(*args, **kwargs):\n"
                                           f"    return _ANY\n\n" + t["tests"], None))
         if t.get("solution"):
-            err = _syntax_error(t["solution"])
+            err = syntax_error(t["solution"])
             if err:
                 reasons[i] = f"reference solution does not parse: {err}"
                 continue
@@ -832,9 +430,8 @@ def validate_tasks(tasks: list[dict], timeout: float = 5.0, **kw) -> tuple[list[
         if what == "bare" and res.passed:
             reasons.setdefault(i, "tests pass without any solution: they check nothing")
         elif what == "stub" and res.passed:
-            reasons.setdefault(i,
-                               "tests pass for a function that returns the same meaningless object for every "
-                               "input: they check nothing about the answer")
+            reasons.setdefault(i, "tests pass for a function that returns the same meaningless object for "
+                                  "every input: they check nothing about the answer")
         elif what == "solution":
             outcome, detail = io_outcome(res, cases) if cases else (
                 "passed" if res.passed else res.status, res.detail)

@@ -131,8 +131,8 @@ def _change_case(p: _Draw) -> _Spec:
     s = p.pick(*STR_ARGS)
     does = {"upper": f"returns `{s}` with every letter in upper case",
             "lower": f"returns `{s}` with every letter in lower case",
-            "swapcase": f"returns `{s}` with the case of every letter "
-                        "swapped (upper to lower, lower to upper)"}
+            "swapcase": f"returns `{s}` with the case of every letter swapped "
+                        "(upper to lower, lower to upper)"}
     return _Spec(f, (s,), does[op], f"return {s}.{op}()",
                  lambda r: (_cased(r, _text(r)) + r.choice(["", "!", " 42"]),), [("",)])
 
@@ -267,8 +267,8 @@ def _longest_word(p: _Draw) -> _Spec:
         return "" if best is None else best""")
     return _Spec(f, (s,), f"returns the {op} word of `{s}` (words are separated by whitespace)", body,
                  lambda r: (_text(r, 1, 7),), [("",), ("   ",)],
-                 'When several words are equally long, return the '
-                 'first of them; when there are none, return "".')
+                 'When several words are equally long, return the first of them; '
+                 'when there are none, return "".')
 
 
 @_family("string", 3)

@@ -55,7 +55,7 @@ def _tool(name: str, description: str, properties: dict, required: list[str]) ->
 # Compact schemas: one short description per tool and none per parameter. The system turn holds every offered
 # schema, and with the longer descriptions this data first had (one per parameter too) five tools took 528
 # tokens of the quickstart's tokenizer, ~90% of a conversation's tokens and none of them carrying loss; these
-# take 360 (docs/LOG.md, 2026-11-25).
+# take 360 (docs/LOG.md#2026-11-25-quickstart-chat-tool-calling).
 TOOLS: list[dict] = [
     _tool("run_tests", "Run the tests at a path.", {
         "path": {"type": "string"}, "pattern": {"type": "string"}}, ["path"]),

@@ -14,7 +14,7 @@ gradient, Python, torch and the allocator), once per process.
 
 GPU (estimated, not measured: no GPU run of LoRA yet). Time: the FLOPs at an assumed share of the datasheet
 peak (GPU_ASSUMED: 37.6%, what codeforge's compiled 124M and 142M models reached training every weight on an
-H100, docs/LOG.md, 2026-11-27, ninth session; an eager LoRA step of a larger model may reach more or less).
+H100, docs/LOG.md#2026-11-27-gpu-suite-h100; an eager LoRA step of a larger model may reach more or less).
 Memory: the plan's estimate in bf16 times the nearest CPU row's peak over plan, plus the CUDA context.
 
 FLOPs: a full-training step is 6 per weight (forward 2, backward 4: the input's gradient and the weight's)
@@ -57,7 +57,7 @@ MEASURED_ON = "2026-11-29, one core of an AMD EPYC (Zen 5, AVX512-BF16; 2 cores,
 
 GPU_ASSUMED = {"name": "H100 SXM", "peak_tflops": 989.0, "mfu": 0.376,
                "why": "what codeforge's compiled 124M/142M models reached training every weight on an H100, "
-                      "docs/LOG.md 2026-11-27; assumed for LoRA"}
+                      "docs/LOG.md#2026-11-27-gpu-suite-h100; assumed for LoRA"}
 CUDA_CONTEXT = 1.0 * GIB  # the CUDA context and allocator slack beyond the plan (memory.py says ~0.5-1 GiB)
 
 

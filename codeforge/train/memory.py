@@ -2,7 +2,7 @@
 autocast's weight copies and activations, under DDP and under FSDP, for a model and training config.
 
 An estimate from the model's shapes, not a measurement: `benchmarks/fsdp_memory.py` measures peak memory of
-CPU ranks against it (docs/LOG.md has the comparison). The terms:
+CPU ranks against it (docs/LOG.md#2026-11-23-fsdp-memory has the comparison). The terms:
   - parameters, gradients: fp32, 4 bytes each; FSDP keeps 1/N of them per rank.
   - optimizer state: AdamW two fp32 moments (8 bytes per parameter); Muon one momentum for the hidden
     matrices; 8-bit AdamW 2 bytes. FSDP: 1/N. With LoRA (train.lora_rank) gradients and optimizer state are
@@ -149,8 +149,7 @@ def report(plan: Plan, model_cfg, train_cfg, precision: str, device_bytes: float
         lines.append(f"  -> {advice}")
     if plan.no_fsdp:
         lines.append(f"  (FSDP column for comparison only: {plan.no_fsdp})")
-    lines.append("  (an estimate from the shapes; the CUDA context "
-                 "and allocator add ~0.5-1 GiB. Under FSDP one rank "
-                 "per host builds the whole model in host memory (4 bytes a parameter) and the others start "
-                 "empty; each rank then holds its shard on its device)")
+    lines.append("  (an estimate from the shapes; the CUDA context and allocator add ~0.5-1 GiB. Under FSDP "
+                 "one rank per host builds the whole model in host memory (4 bytes a parameter) and the "
+                 "others start empty; each rank then holds its shard on its device)")
     return "\n".join(lines)

@@ -68,7 +68,7 @@ def orthogonalised(m: torch.Tensor, coefficients: tuple[float, float, float], st
 class CpuMuon(torch.optim.Muon):
     """torch.optim.Muon with its Newton-Schulz iterations in float32 instead of bfloat16, for a CPU that
     multiplies bfloat16 only in emulation (AVX2 without AVX512-BF16 or AMX): there the bfloat16 products cost
-    more than the whole forward and backward pass (docs/LOG.md, 2026-11-25, fifth session). Same update rule,
+    more than the whole forward and backward pass (docs/LOG.md#2026-11-25-cpu-muon-float32). Same update rule,
     hyperparameters and state (one "momentum_buffer" per matrix), so checkpoints move between the two."""
 
     ns_dtype = torch.float32
@@ -159,7 +159,7 @@ def build_optimizer(model, name: str, lr: float, weight_decay: float, betas: tup
             groups = model.optim_groups(weight_decay, muon=True)
         except TypeError:
             raise OptimizerError(f"optimizer muon is for GPT models; {type(model).__name__} has per-module "
-                             f"groups of its own: use --set optimizer=adamw") from None
+                                 f"groups of its own: use --set optimizer=adamw") from None
         for g in groups:
             if g.get("muon"):
                 g.update(lr_scale=muon_lr / lr, weight_decay=muon_weight_decay)
@@ -169,8 +169,8 @@ def build_optimizer(model, name: str, lr: float, weight_decay: float, betas: tup
     groups = model.optim_groups(weight_decay)
     if name == "adamw8bit":
         if device.type != "cuda":
-            raise OptimizerError("optimizer adamw8bit needs a CUDA device "
-                                 "and bitsandbytes; use --set optimizer=adamw")
+            raise OptimizerError("optimizer adamw8bit needs a CUDA device and bitsandbytes; "
+                                 "use --set optimizer=adamw")
         try:
             import bitsandbytes as bnb
         except ImportError as e:

@@ -22,7 +22,6 @@ runs. Three ways, all PyTorch's own and launched by torchrun:
 
 from __future__ import annotations
 
-
 import torch
 
 from .. import CodeforgeError
@@ -36,9 +35,9 @@ class ParallelError(CodeforgeError):
 def choose_mode(asked: str, world: int, device: torch.device, plan: tuple[float, float, float] | None = None,
                 ) -> tuple[str, str]:
     """(mode, why) for a run of `world` ranks asking for --parallel `asked` (auto, ddp, fsdp).
-    plan: (DDP, FSDP) estimated bytes per rank (train/memory.py) and the smallest
-    device's memory, given only where
-    FSDP could run (GPUs, AdamW); auto picks FSDP when the DDP estimate does not fit and the FSDP one does."""
+    plan: (DDP, FSDP) estimated bytes per rank (train/memory.py) and the smallest device's memory, given only
+    where FSDP could run (GPUs, AdamW); auto picks FSDP when the DDP estimate does not fit and the FSDP one
+    does."""
     if world <= 1:
         if asked == "fsdp" and torch.distributed.is_initialized():  # torchrun with one rank joined a group
             return "fsdp", ("--parallel fsdp on one rank: FSDP2 over a mesh of one (its checkpoints are "

@@ -7,7 +7,6 @@ import hashlib
 import json
 from pathlib import Path
 
-
 from ..checkpoint import STATE_JSON, read_config
 from ..checkpoint.state import check_loader, loader_state
 from ..config import STAGE
@@ -89,17 +88,15 @@ def check_resume(ck: Path, run_config: dict, other_ranks: str = "rescale") -> tu
                      f"of the conversations, so a chat run resumes on as many ranks as it was saved with)")
     elif moved and refuse:
         stage = nt.get("stage")
-        fixed.append(f"the number of ranks {sw} -> {nw} (--stage "
-                     f"{stage} deals its examples to the ranks by rank, "
-                     f"and its saved cursor counts them so, so a {stage} run resumes on as many ranks as it "
-                     f"was saved with: run it with {sw})")
+        fixed.append(f"the number of ranks {sw} -> {nw} (--stage {stage} deals its examples to the ranks by "
+                     f"rank, and its saved cursor counts them so, so a {stage} run resumes on as many ranks "
+                     f"as it was saved with: run it with {sw})")
     elif moved and "batch_size" in st:
         was, now = st["batch_size"] * st["grad_accum_steps"] * sw, nt["batch_size"] * accum * nw
         if was != now:
             fixed.append(f"the global batch {st['batch_size']} x {st['grad_accum_steps']} x {sw} rank(s) = "
-                         f"{was} sequences -> {nt['batch_size']} x {accum} x {nw} = {now} (set "
-                         "--batch-size and --grad-accum-steps so that "
-                         f"their product times {nw} ranks is {was})")
+                         f"{was} sequences -> {nt['batch_size']} x {accum} x {nw} = {now} (set --batch-size "
+                         f"and --grad-accum-steps so that their product times {nw} ranks is {was})")
     sd, nd = saved.get("data_identity"), run_config.get("data_identity")
     if sd is None:
         notes.append(f"{ck} records no identity of its training data (older codeforge): not checked that "
@@ -120,8 +117,8 @@ def check_resume(ck: Path, run_config: dict, other_ranks: str = "rescale") -> tu
     if (cursor := loader_state(ck)) is not None:
         stage = STAGE.get(nt.get("stage"))
         check_loader(*cursor, ck, stage.data if stage else None, (nd or {}).get("tokens"))
-    if nt.get("eval_tokens") == saved.get("eval_tokens_asked"):  # the run sized its evaluation down from this
-        # --eval-tokens: asked again, it is sized the same again
+    # the run sized its evaluation down from this --eval-tokens: asked again, it is sized the same again
+    if nt.get("eval_tokens") == saved.get("eval_tokens_asked"):
         st = {**st, "eval_tokens": nt["eval_tokens"]}
     changed = [f"train.{k} {st[k]!r} -> {nt[k]!r}" for k in RESUME_NOTED if k in st and st[k] != nt[k]]
     sm, nm = saved.get("model", {}), run_config["model"]
@@ -159,6 +156,6 @@ def _world_change(st: dict, nt: dict, sw: int, nw: int) -> tuple[list[str], int]
     if nt["batch_size"] * accum * nw != was:
         return [], accum  # check_resume refuses it, saying what to set
     return [f"resuming on {nw} rank(s), saved on {sw}: the global batch stays {was} sequences (batch "
-            f"{nt['batch_size']} x accumulation {accum} x {nw} ranks) and the data continues where "
-            f"it stopped; what changes is how it is split over ranks, so dropout masks and the order in "
-            f"which gradients are summed (float rounding) differ from a run that kept {sw} rank(s)"], accum
+            f"{nt['batch_size']} x accumulation {accum} x {nw} ranks) and the data continues where it "
+            "stopped; what changes is how it is split over ranks, so dropout masks and the order in which "
+            f"gradients are summed (float rounding) differ from a run that kept {sw} rank(s)"], accum

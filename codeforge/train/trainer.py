@@ -17,16 +17,15 @@ from pathlib import Path
 
 import torch
 
-from .. import rundir
-from .. import CodeforgeError
+from .. import CodeforgeError, rundir
 from .. import checkpoint as ckpt_io
 from ..config import SECTIONS, TrainConfig, dumps_toml
 from ..device import alone_threads, autocast, matmul_flops, memory_gib, peak_flops
+from ..distributed import lost_peer
 from . import parallel
 from .logging import RunLogger, duration
 from .optim import build_optimizer, lr_at, set_lr
 from .stopping import StopRequests, resume_hint
-from ..distributed import lost_peer
 
 LossFn = Callable[[torch.nn.Module, object], tuple[torch.Tensor, dict]]
 
@@ -49,12 +48,12 @@ class Trainer:
         the ranks other than 0 may hand it on the meta device (parallel.materialises).
         batches: the training batch source.
         run_config: the resolved configuration saved with every checkpoint (it must let the checkpoint module
-        rebuild the model; its model and train sections are also written to RUN/config.toml). assets:
-        directories copied into every checkpoint (e.g. {"tokenizer": path}).
-        evaluate(model) -> {"val_loss", ...} or None: every number in it is
-        logged as val_KEY, its "extra" dict
-        too; "objective" (default val_loss; lower is better) picks the "best" checkpoint. sample(model, step)
-        -> text. start_checkpoint: resume from it (weights, optimizer, batch-source cursor, RNG, counters).
+        rebuild the model; its model and train sections are also written to RUN/config.toml).
+        assets: directories copied into every checkpoint (e.g. {"tokenizer": path}).
+        evaluate(model) -> {"val_loss", ...} or None: every number in it is logged as val_KEY, its "extra"
+        dict too; "objective" (default val_loss; lower is better) picks the "best" checkpoint.
+        sample(model, step) -> text.
+        start_checkpoint: resume from it (weights, optimizer, batch-source cursor, RNG, counters).
         aux: a module trained beside the model whose weights are not the model's (PPO's value head): its
         parameters join the optimizer (no weight decay) and gradient clipping, and its weights are saved in
         the training state, so checkpoints stay the bare model the engine, eval and export read.
@@ -78,9 +77,8 @@ class Trainer:
         self.sharded = self.mode == "fsdp"
         if self.sharded and cfg.optimizer != "adamw":
             raise TrainingError(f"--parallel fsdp trains with adamw, not {cfg.optimizer}: "
-                                + ("Muon orthogonalises whole weight "
-                                   "matrices, and FSDP splits each across ranks"
-                                   if cfg.optimizer == "muon"
+                                + ("Muon orthogonalises whole weight matrices, and FSDP splits each "
+                                   "across ranks" if cfg.optimizer == "muon"
                                    else "bitsandbytes' 8-bit state is not shardable")
                                 + "; use --set optimizer=adamw, or --parallel ddp")
         if self.sharded and aux is not None:
@@ -91,8 +89,8 @@ class Trainer:
         self.fwd = parallel.wrap(model, device, self.mode, cfg.compile, precision, cfg.fsdp_offload)
         background = cfg.async_checkpoint == "on" or (cfg.async_checkpoint == "auto"
                                                       and device.type == "cuda")
-        # DCP's background writes talk over a group of their own, never
-        # interleaved with training's collectives
+        # DCP's background writes talk over a group of their own, never interleaved with training's
+        # collectives
         self.ckpt_group = torch.distributed.new_group(backend="gloo") if self.sharded and background else None
         self.pending = None  # a sharded checkpoint still being written in the background
         self.aux = aux
@@ -238,6 +236,8 @@ class Trainer:
         old = self.total_steps
         total, sps, per_eval = self._budget_steps(pace, t_run, self.budget_cap, pace.recent(self.step))
         pace.mark(self.step)
+        # within 5%, the change is the noise of a measured pace: keep the count rather than rewrite
+        # config.toml and announce a new one after every evaluation
         if abs(total - old) <= max(1, 0.05 * old):
             return old
         self._set_total(pace, total)
@@ -386,10 +386,10 @@ class Trainer:
             self._sample()
 
     def _save_if_due(self, start: int, last: bool, stopping: bool) -> None:
-        """A checkpoint at the last step, on a stop, every save_every steps, and
-        whenever an evaluation at this
-        very step beat the best so far (the best weights are kept when they are evaluated, not only at the
-        next periodic save); nothing where nothing was trained since the checkpoint the run resumed from."""
+        """A checkpoint at the last step, on a stop, every save_every steps, and whenever an evaluation at
+        this very step beat the best so far (the best weights are kept when they are evaluated, not only at
+        the next periodic save); nothing where nothing was trained since the checkpoint the run resumed
+        from."""
         better = (self.last_val is not None and self.last_val_step == self.step and self.step > start
                   and self.last_val < self.best_val)
         trained = self.step > start or start == 0
@@ -484,14 +484,13 @@ class Trainer:
         else:
             self.skipped += 1
             self.bad_in_row += 1
-            self.logger.message(f"step {self.step + 1}: non-finite loss "
-                                f"{loss_v} / grad norm {norm_v}; update skipped")
+            self.logger.message(f"step {self.step + 1}: non-finite loss {loss_v} / grad norm {norm_v}; "
+                                "update skipped")
             if self.bad_in_row >= t.max_bad_steps:
                 raise TrainingError(
-                    f"{self.bad_in_row} non-finite losses in a row at "
-                    f"step {self.step + 1}; stopping without writing "
-                    f"NaN weights. Lower --learning-rate, check the data, or use --precision bf16/fp32; the "
-                    f"last good checkpoint is in {self.run_dir / 'checkpoints'}")
+                    f"{self.bad_in_row} non-finite losses in a row at step {self.step + 1}; stopping without "
+                    "writing NaN weights. Lower --learning-rate, check the data, or use --precision "
+                    f"bf16/fp32; the last good checkpoint is in {self.run_dir / 'checkpoints'}")
         return loss_v, norm_v
 
 
@@ -500,6 +499,8 @@ class Pace:
     says, once the first steps are timed, how long the run will take, with a warning and what to change
     when that is far beyond what this device does in reasonable time."""
 
+    # the pace is trusted once 5 steps or 5 seconds are timed, whichever comes first: a few steps average out
+    # one slow one, and a model whose steps take minutes gets its pace line after one timed step
     MEASURE_STEPS, MEASURE_SECONDS = 5, 5.0
     WARN_SECONDS = {"cpu": 2 * 3600}   # beyond this, a run on this device gets the warning
     WARN_ANY = 48 * 3600
@@ -535,15 +536,14 @@ class Pace:
         rate = matmul_flops(device, precision) * world
         need = flops / (rate * cls.TRAIN_SHARE)
         msg = (f"estimate: {steps:,} steps of {tokens // steps:,} tokens at {flops_per_token / 1e6:,.0f} "
-               f"MFLOPs a token (and {evals} evaluation(s)) are {flops:.2g} "
-               f"FLOPs; this CPU multiplies at ~{rate / 1e9:,.0f} "
-               f"GFLOP/s, so at least ~{duration(need)} (the measured pace follows after the first steps)")
+               f"MFLOPs a token (and {evals} evaluation(s)) are {flops:.2g} FLOPs; this CPU multiplies at "
+               f"~{rate / 1e9:,.0f} GFLOP/s, so at least ~{duration(need)} (the measured pace follows after "
+               "the first steps)")
         if need > cls.WARN_SECONDS.get("cpu", cls.WARN_ANY):
             msg += ("\nwarning: that is far beyond what a CPU does in reasonable time. To finish sooner: a "
-                    "smaller model (a CPU preset: `codeforge presets`; --preset "
-                    "cpu-small lowend-cpu is the quickstart's), a "
-                    "shorter context (--block-size), fewer steps (--max-iters), or a GPU. Ctrl-C saves a "
-                    "checkpoint; --resume continues it.")
+                    "smaller model (a CPU preset: `codeforge presets`; --preset cpu-small lowend-cpu is the "
+                    "quickstart's), a shorter context (--block-size), fewer steps (--max-iters), or a GPU. "
+                    "Ctrl-C saves a checkpoint; --resume continues it.")
         return msg
 
     def pause(self, seconds: float) -> None:
@@ -610,11 +610,10 @@ class Pace:
                f"{self.total - step} steps{with_evals} need ~{duration(need)}")
         limit = self.WARN_SECONDS.get(self.device.type, self.WARN_ANY)
         if need > limit:
-            msg += ("\nwarning: that is far beyond what "
-                    f"{self.device.type} does in reasonable time. To finish "
-                    f"sooner: a smaller model (fewer --n-layer, a narrower --n-embd), a shorter context "
-                    f"(--block-size), fewer steps (--max-iters), or a GPU. Ctrl-C saves a checkpoint; "
-                    f"--resume continues it.")
+            msg += (f"\nwarning: that is far beyond what {self.device.type} does in reasonable time. To "
+                    "finish sooner: a smaller model (fewer --n-layer, a narrower --n-embd), a shorter "
+                    "context (--block-size), fewer steps (--max-iters), or a GPU. Ctrl-C saves a checkpoint; "
+                    "--resume continues it.")
         return msg
 
 
