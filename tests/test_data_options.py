@@ -108,7 +108,7 @@ def test_out_of_range_values_are_refused_naming_the_flag(tmp_path, capsys, argv,
     assert main([*argv, *needed]) == 2
     err = capsys.readouterr().err
     value = argv[argv.index(flag) + 1]
-    assert f"{' '.join(words)} {flag} = {value}" in err and "out of range [" in err and f"give {flag}" in err
+    assert f"{' '.join(words)} {flag} = {value}" in err and "out of range [" in err and f"set {flag}" in err
     assert not (tmp_path / "out").exists()
 
 
