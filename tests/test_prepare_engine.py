@@ -204,6 +204,9 @@ def test_slurm_writes_one_job_array_per_stage(tmp_path, code_corpus, tokenizer_d
         "echo \"$@\" > %s/$n.args\ncp \"$last\" %s/$n.sh\necho \"Submitted batch job $((100 + n))\"\n"
         % (calls, calls, calls))
     (bindir / "sbatch").chmod(0o755)
+    # squeue cannot answer (no cluster), as on a machine without Slurm: a rerun cannot tell the jobs left
+    (bindir / "squeue").write_text("#!/bin/sh\necho 'squeue: error: no controller' >&2\nexit 1\n")
+    (bindir / "squeue").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
     with pytest.raises(ShardError, match="--slurm-partition"):
         prepare([str(code_corpus)], tokenizer_dir, tmp_path / "d", CorpusOptions(dedup="near"), log=_quiet,

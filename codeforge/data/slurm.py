@@ -5,13 +5,23 @@ The engine writes paths into its job scripts bare: an --out with a space broke t
 $(...) ran that command. Here every value of an #SBATCH line is quoted as sbatch reads it (_sbatch_word),
 every path on a command line as bash reads it (shlex.quote), and a work directory no quoting can carry (a
 control character; a %, which Slurm expands in log file names) is refused before anything is written.
+
+Run on a real (one-node) cluster (tests/test_slurm_cluster.py), two things did not work as the docs said:
+- a job that failed or was cancelled left every later stage's job pending for ever (DependencyNeverSatisfied:
+  Slurm keeps an afterok job whose dependency failed), so "once all have ended" never came: every job is now
+  submitted with --kill-on-invalid-dep=yes, and Slurm cancels the rest of the chain;
+- the same command again refused while submitted.json was there, even with the queue empty: it now asks
+  squeue, and submits the unfinished tasks once none of the recorded jobs is pending or running (if squeue
+  cannot say, it refuses as before).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -81,7 +91,20 @@ def submit(pipeline: list[tuple[str, list, int]], work: Path, slurm: dict, log=p
     marker = work / workdir.SUBMITTED
     why = workdir.submitted(work)
     if why:
-        raise KeepWork(f"{why}: it submits only the unfinished tasks")
+        left = queued(marker)
+        if left is None:  # squeue could not say: the user checks
+            raise KeepWork(f"{why}: it submits only the unfinished tasks")
+        if left:
+            raise KeepWork(f"Slurm jobs {', '.join(left)} submitted for {work} are still in the queue "
+                           f"(squeue -j {','.join(left)}): wait for them to end, or cancel them (scancel "
+                           f"{' '.join(left)}), then run the same command again to submit the unfinished "
+                           f"tasks")
+        log(f"the Slurm jobs submitted before for {work} have all left the queue: submitting the unfinished "
+            f"tasks")
+        marker.unlink()
+    # a job that fails or is cancelled: Slurm cancels the jobs after it (without this they wait for ever,
+    # pending with DependencyNeverSatisfied, and "once all have ended" never comes)
+    sbatch_args = {"kill-on-invalid-dep": "yes", **(slurm.get("sbatch_args") or {})}
     prev, executors = None, []
     for name, steps, n in pipeline:
         ex = _Slurm(
@@ -89,13 +112,34 @@ def submit(pipeline: list[tuple[str, list, int]], work: Path, slurm: dict, log=p
             cpus_per_task=slurm.get("cpus_per_task", 1), mem_per_cpu_gb=slurm.get("mem_per_cpu_gb", 2),
             job_name=f"codeforge-prepare-{name}", logging_dir=str(work / "logs" / name), depends=prev,
             env_command=slurm.get("env_command") or env_command(), qos=slurm.get("qos", ""),
-            sbatch_args=slurm.get("sbatch_args"), workers=slurm.get("workers", -1), mail_user=None)
+            sbatch_args=sbatch_args, workers=slurm.get("workers", -1), mail_user=None)
         executors.append(ex)
         prev = ex
     prev.run()  # launches its dependencies first, each with --dependency=afterok on the one before
     ids = [e.job_id for e in executors if e.job_id not in (None, -1)]
     workdir.write_text(marker, json.dumps({"jobs": ids, "at": time.time()}))
     log(f"submitted {len(pipeline)} Slurm job arrays (jobs {', '.join(map(str, ids))}; scripts and logs "
-        f"under {work / 'logs'}); the last one writes the dataset. If one fails: once all have ended, "
-        f"delete {marker} and run the same command again to submit only the unfinished tasks")
+        f"under {work / 'logs'}); the last one writes the dataset. If one fails, Slurm cancels the ones "
+        f"after it: once none is in the queue, run the same command again to submit only the unfinished "
+        f"tasks")
     return None
+
+
+QUEUED_TIMEOUT = 60  # seconds squeue may take to answer
+
+
+def queued(marker: Path) -> list[str] | None:
+    """The jobs recorded in `marker` (submitted.json) that are still pending, running or completing, as
+    squeue lists this user's jobs (an array by its job id); None when that cannot be known: the list is
+    unreadable, or squeue is missing or failed (no cluster configured here, the controller unreachable)."""
+    try:
+        with open(workdir._open_nofollow(marker, os.O_RDONLY), "rb") as f:  # as workdir.submitted reads it
+            ids = {str(j) for j in json.loads(f.read(1 << 20))["jobs"]}
+        got = subprocess.run(["squeue", "--noheader", "--me", "--format=%F"], capture_output=True, text=True,
+                             timeout=QUEUED_TIMEOUT)
+    except (OSError, ValueError, KeyError, TypeError, KeepWork, subprocess.SubprocessError):
+        return None
+    if got.returncode:
+        return None
+    listed = {line.strip() for line in got.stdout.splitlines()}
+    return sorted(ids & listed, key=lambda j: (len(j), j))
