@@ -415,11 +415,11 @@ class RunConfig:
         m = self.model
         if m.n_embd % m.n_head:
             raise ConfigError(f"model.n_embd = {m.n_embd} is not divisible by model.n_head = {m.n_head}; "
-                              "pick n_embd a multiple of n_head (e.g. "
-                              f"{m.n_head * max(1, round(m.n_embd / m.n_head))})")
+                              "pick n_embd a multiple of n_head "
+                              f"(e.g. {m.n_head * max(1, round(m.n_embd / m.n_head))})")
         if m.n_head % m.n_kv_head:
-            raise ConfigError(f"model.n_head = {m.n_head} is not divisible by "
-                              f"model.n_kv_head = {m.n_kv_head}")
+            raise ConfigError(
+                f"model.n_head = {m.n_head} is not divisible by model.n_kv_head = {m.n_kv_head}")
         if m.pos == "rope" and m.head_dim % 2:
             raise ConfigError(f"rotary positions need an even head size; n_embd/n_head = {m.head_dim}")
         t = self.train
@@ -488,8 +488,8 @@ def _coerce(key: str, value: Any, current: Any) -> Any:
         if isinstance(current, float):
             return float(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{key} = {value!r} is not "
-                          f"a{'n integer' if isinstance(current, int) else ' number'}") from None
+        raise ConfigError(
+            f"{key} = {value!r} is not a{'n integer' if isinstance(current, int) else ' number'}") from None
     return str(value)
 
 
@@ -557,8 +557,8 @@ def _checked(p: Path, key: str, v: Any) -> Any:
         sec, name = full.split(".")
         f = next(f for f in fields(SECTIONS[sec]) if f.name == name)
         if isinstance(v, bool) and not isinstance(f.default, bool):  # _coerce would take true for 1
-            raise ConfigError(f"{full} = {v!r} is not "
-                              f"a{'n integer' if isinstance(f.default, int) else ' number'}")
+            raise ConfigError(
+                f"{full} = {v!r} is not a{'n integer' if isinstance(f.default, int) else ' number'}")
         if isinstance(v, (dict, list)):
             raise ConfigError(f"{full} = {v!r} is not a single value")
         value = _coerce(full, v, f.default)

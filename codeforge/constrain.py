@@ -293,8 +293,8 @@ class ToolGrammar:
                 (mode.get("function") or {}).get("name") if isinstance(mode.get("function"), dict) else None
             )
             if not isinstance(mode, str):
-                raise ConstraintError('tool_choice object must be '
-                                      '{"type": "function", "function": {"name": ...}}')
+                raise ConstraintError(
+                    'tool_choice object must be {"type": "function", "function": {"name": ...}}')
         if not isinstance(mode, str) or not mode:
             raise ConstraintError(f'tool_choice {mode!r} must be "auto", "required", "none" or a tool name')
         specs = tool_specs(tools)

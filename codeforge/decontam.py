@@ -272,9 +272,9 @@ def _texts(source: str):
                 if stat.S_ISREG(st.st_mode) and st.st_size <= MAX_SOURCE_BYTES:
                     total += st.st_size
                     if total > MAX_SOURCE_BYTES:
-                        raise DecontamError(f"--decontaminate {source}: "
-                                            f"more than {MAX_SOURCE_BYTES // 2**20} MB of files; "
-                                            "give the directory of the held-out files alone")
+                        raise DecontamError(
+                            f"--decontaminate {source}: more than {MAX_SOURCE_BYTES // 2**20} MB of files; "
+                            "give the directory of the held-out files alone")
                     # comment lines are left out: a licence header shared with every file of a project is no
                     # copy
                     text = f.read_bytes().decode("utf-8", errors="replace")

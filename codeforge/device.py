@@ -126,8 +126,8 @@ def thread_policy(requested: int | None = None) -> tuple[int, str]:
         try:
             n, why = int(env), f"${THREADS_ENV}"
         except ValueError:
-            raise DeviceError(f"${THREADS_ENV}={env!r} is not a number of threads; "
-                              "unset it or give e.g. 2") from None
+            raise DeviceError(
+                f"${THREADS_ENV}={env!r} is not a number of threads; unset it or give e.g. 2") from None
     elif os.environ.get("OMP_NUM_THREADS", "").strip():
         n, why = torch.get_num_threads(), "$OMP_NUM_THREADS"
     else:
@@ -194,8 +194,8 @@ def keep_freed_memory() -> str:
     ) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         _MALLOC = "memory policy: the C library's, as its environment variables set it"
     elif not choice and _MALLOC_DEFAULT[0] == "system":
-        _MALLOC = (f"memory policy: the C library's ({_MALLOC_DEFAULT[1]}; "
-                   f"${MALLOC_ENV}=keep keeps freed memory)")
+        _MALLOC = (
+            f"memory policy: the C library's ({_MALLOC_DEFAULT[1]}; ${MALLOC_ENV}=keep keeps freed memory)")
     else:
         import ctypes
         try:
@@ -288,8 +288,8 @@ def choose_device(requested: str = "auto", threads: int | None = None) -> tuple[
         try:
             dev = torch.device(requested)
         except RuntimeError as e:
-            raise DeviceError(f"--device {requested!r} is not a device: "
-                              "use auto, cpu, cuda, cuda:N or mps") from e
+            raise DeviceError(
+                f"--device {requested!r} is not a device: use auto, cpu, cuda, cuda:N or mps") from e
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise DeviceError(f"--device {requested}: no CUDA/ROCm device is visible; "
                               "use --device cpu or auto")
@@ -348,8 +348,8 @@ def cpu_native_bf16() -> bool:
     if forced in ("0", "false", "off", "no"):
         return False
     if forced:
-        raise DeviceError(f"{CPU_BF16_ENV}={forced!r}: "
-                          "use 1 (bf16 on), 0 (bf16 off) or leave it unset (ask the CPU)")
+        raise DeviceError(
+            f"{CPU_BF16_ENV}={forced!r}: use 1 (bf16 on), 0 (bf16 off) or leave it unset (ask the CPU)")
     try:
         return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
     except AttributeError:  # private helpers of torch.cpu; absent: assume no

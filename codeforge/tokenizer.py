@@ -476,8 +476,8 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int, out_dir: str | os.Pat
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         what = "a tokenizer" if (out / TOKENIZER_FILE).exists() else "other files"
-        raise TokenizerError(f"{out} already holds {what}; "
-                             "choose another --out, or pass --overwrite to replace it")
+        raise TokenizerError(
+            f"{out} already holds {what}; choose another --out, or pass --overwrite to replace it")
     stats = {"documents": 0, "bytes": 0}
 
     def counted() -> Iterator[str]:

@@ -46,8 +46,8 @@ def load_whole_into_sharded(model: torch.nn.Module, optimizer, ck: Path, optimiz
     try:
         weights = st_load_file(str(Path(ck) / "model.safetensors"), device="cpu")
     except (OSError, SafetensorError) as e:
-        raise CheckpointError(f"{ck}/model.safetensors cannot be read ({e}); "
-                              "the checkpoint is damaged") from e
+        raise CheckpointError(
+            f"{ck}/model.safetensors cannot be read ({e}); the checkpoint is damaged") from e
     names = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)

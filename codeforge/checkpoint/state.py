@@ -60,8 +60,8 @@ def _encode(obj, path: str, tensors: dict[str, torch.Tensor], seen: set[int]):
                                 "data": obj.ravel().tolist()}}
     if isinstance(obj, np.generic):
         if obj.dtype.kind not in "biuf":
-            raise CheckpointError(f"training state at {path or '/'}: "
-                                  f"NumPy {obj.dtype} cannot be stored safely")
+            raise CheckpointError(
+                f"training state at {path or '/'}: NumPy {obj.dtype} cannot be stored safely")
         return {"__npscalar__": [obj.dtype.str, obj.item()]}
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
@@ -253,8 +253,8 @@ def loader_state(ckpt: Path) -> tuple[object, Path] | None:
             try:  # NumPy scalars as they were saved; a tensor (a rollout's) as None, as it is not read here
                 st = {"loader": decode_state(st["loader"], _Unread())}
             except (ValueError, TypeError, AttributeError, RecursionError) as e:
-                raise CheckpointError(f"{f}: the loader is unreadable "
-                                      f"({type(e).__name__}: {e}); {DAMAGED}") from e
+                raise CheckpointError(
+                    f"{f}: the loader is unreadable ({type(e).__name__}: {e}); {DAMAGED}") from e
     else:
         st, f = load_train_state(ckpt), ckpt / LEGACY_STATE
     if not isinstance(st, dict):

@@ -330,8 +330,8 @@ def _repo_notes(r: dict) -> list[str]:
                 else "left out of the cases; --repo-data-files scores them")
         out.append(f"{len(data)} data-like file(s) (mostly literals: tables, lists, frames), {what}: {names}")
     if r.get("report"):
-        out.append(f"every case: {printable(r['report']['cases'])}; side by side: "
-                   f"{printable(r['report']['html'])}")
+        out.append(f"every case: {printable(r['report']['cases'])}; "
+                   f"side by side: {printable(r['report']['html'])}")
     return out
 
 

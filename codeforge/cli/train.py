@@ -18,19 +18,18 @@ def add_parsers(sub, config_flags: bool = True) -> None:
     t = sub.add_parser("train", help="train a model on prepared shards (any stage)",
                        usage="codeforge train --data DIR --out RUN [--stage S] [--preset NAME ...] "
                              "[--resume] [options]",
-                       description="Every config field is a flag (generated "
-                                   "from its declaration in config.py "
-                                   "and models/gpt.py); precedence, later wins: defaults < --stage defaults "
-                                   "< --preset < --config < --set < flags.")
+                       description="Every config field is a flag (generated from its declaration "
+                                   "in config.py and models/gpt.py); precedence, later wins: "
+                                   "defaults < --stage defaults < --preset < --config < --set < flags.")
     t.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
     if config_flags:
         _config_flags(t)
     t.set_defaults(func=cmd_train)
     pl = sub.add_parser("plan",
                         help="memory per rank (parameters, gradients, optimizer state, activations) under "
-                                     "DDP and FSDP, before launching",
-                        usage="codeforge plan --preset NAME [--world-size "
-                              "N] [--gpu-memory GIB] [train options]",
+                             "DDP and FSDP, before launching",
+                        usage="codeforge plan --preset NAME [--world-size N] "
+                              "[--gpu-memory GIB] [train options]",
                         description="An estimate from the model's shapes and the training settings (the same "
                                     "presets, --set and flags as `train`); benchmarks/fsdp_memory.py checks "
                                     "it against measured peaks.")
@@ -42,8 +41,8 @@ def add_parsers(sub, config_flags: bool = True) -> None:
     pl.set_defaults(func=cmd_plan)
     p = sub.add_parser("presets", help="list model presets (with parameter counts) and hardware profiles")
     p.add_argument("--write-catalog", action="store_true",
-                   help="(for developers) recompute "
-                        "codeforge/presets/catalog.json after changing models.toml")
+                   help="(for developers) recompute codeforge/presets/catalog.json "
+                        "after changing models.toml")
     p.set_defaults(func=cmd_presets)
     c = sub.add_parser("config", help="`config keys`: every settable key (--set KEY=VALUE, config files)")
     c.add_argument("what", choices=["keys"], help="keys: list every settable key")
@@ -120,10 +119,9 @@ def _preset_advice(presets: list[str], cfg) -> None:
     if not presets or any(p in names["train"] for p in presets) or cfg.train.stage != "pretrain":
         return
     if choose_device(cfg.train.device)[0].type == "cpu":
-        print(f"note: --preset {' '.join(presets)} sets the model's "
-              "shape only; on a CPU, the recipe the quickstart "
-              f"trains with (optimizer, learning rate, batch) comes with a hardware profile too: --preset "
-              f"{' '.join(presets)} lowend-cpu (`codeforge presets` lists them)", file=sys.stderr)
+        print(f"note: --preset {' '.join(presets)} sets the model's shape only; on a CPU, the recipe the "
+              "quickstart trains with (optimizer, learning rate, batch) comes with a hardware profile too: "
+              f"--preset {' '.join(presets)} lowend-cpu (`codeforge presets` lists them)", file=sys.stderr)
 
 
 def cmd_plan(a: argparse.Namespace) -> int:

@@ -110,8 +110,8 @@ class PairBatches:
 
     def load_state_dict(self, s: dict) -> None:
         if s.get("pairs") != len(self.data):
-            raise ValueError(f"the checkpoint counted {s.get('pairs')} pairs, "
-                             f"the data now holds {len(self.data)}")
+            raise ValueError(
+                f"the checkpoint counted {s.get('pairs')} pairs, the data now holds {len(self.data)}")
         self.epoch, self.cursor = s["epoch"], s["cursor"]
 
 

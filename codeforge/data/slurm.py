@@ -133,7 +133,7 @@ def queued(marker: Path) -> list[str] | None:
     squeue lists this user's jobs (an array by its job id); None when that cannot be known: the list is
     unreadable, or squeue is missing or failed (no cluster configured here, the controller unreachable)."""
     try:
-        with open(workdir._open_nofollow(marker, os.O_RDONLY), "rb") as f:  # as workdir.submitted reads it
+        with open(workdir.open_nofollow(marker, os.O_RDONLY), "rb") as f:  # as workdir.submitted reads it
             ids = {str(j) for j in json.loads(f.read(1 << 20))["jobs"]}
         got = subprocess.run(["squeue", "--noheader", "--me", "--format=%F"], capture_output=True, text=True,
                              timeout=QUEUED_TIMEOUT)

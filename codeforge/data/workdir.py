@@ -135,7 +135,7 @@ def _planned(path, tree, sources: list[str], trees: dict[str, list[str]]) -> boo
     return False
 
 
-def _open_nofollow(path: Path, flags: int, mode: int = 0o600) -> int:
+def open_nofollow(path: Path, flags: int, mode: int = 0o600) -> int:
     """`path` opened without following a symlink and without blocking on a FIFO (O_NONBLOCK, cleared once
     the file is known to be a regular one): anything else there is refused, never waited on."""
     try:
@@ -164,7 +164,7 @@ def write_text(path: Path, text: str) -> None:
         os.unlink(tmp)  # a leftover of a killed task, or a planted link: O_EXCL below creates a new file
     except FileNotFoundError:
         pass
-    fd = _open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    fd = open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     with open(fd, "w", encoding="utf-8") as f:
         f.write(text)
     os.replace(tmp, path)
@@ -173,7 +173,7 @@ def write_text(path: Path, text: str) -> None:
 def lock(work: Path):
     """An exclusive lock on the work directory for this command's life: two runs never share one. The
     returned file holds it; closing it lets go."""
-    fd = _open_nofollow(work / LOCK, os.O_RDWR | os.O_CREAT)
+    fd = open_nofollow(work / LOCK, os.O_RDWR | os.O_CREAT)
     f = open(fd, "a+")
     try:  # a POSIX record lock: held by this process alone (the engine's forked helpers do not inherit it)
         fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -188,7 +188,7 @@ def submitted(work: Path) -> str | None:
     """When Slurm jobs were submitted for `work` and may still run: what to do about it; else None."""
     marker = work / SUBMITTED
     try:
-        with open(_open_nofollow(marker, os.O_RDONLY), "rb") as f:
+        with open(open_nofollow(marker, os.O_RDONLY), "rb") as f:
             jobs = json.loads(f.read(1 << 20))  # a job list is a few KB
         ids = ", ".join(map(str, jobs["jobs"]))
         when = time.ctime(jobs["at"])

@@ -71,8 +71,8 @@ def gguf_facts(path: str) -> dict:
     fields = reader.fields
     arch_field = fields.get("general.architecture")
     if arch_field is None:
-        raise EvalError(f"--gguf {path}: no general.architecture in its metadata: "
-                        "not a model llama-server loads")
+        raise EvalError(
+            f"--gguf {path}: no general.architecture in its metadata: not a model llama-server loads")
     arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
     ctx_field = fields.get(f"{arch}.context_length")
     ctx = int(ctx_field.parts[ctx_field.data[0]][0]) if ctx_field is not None else 0

@@ -476,8 +476,8 @@ def completions_backend(url: str, model: str | None):
         try:
             text = r["choices"][0]["text"]
         except (KeyError, IndexError, TypeError):
-            raise EvalError(f"{url} answered without choices[0].text: "
-                            "not an OpenAI completions endpoint") from None
+            raise EvalError(
+                f"{url} answered without choices[0].text: not an OpenAI completions endpoint") from None
         if not isinstance(text, str):
             raise EvalError(f"{url} answered choices[0].text that is {type(text).__name__}, not text: not an "
                             f"OpenAI completions endpoint")

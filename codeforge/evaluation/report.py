@@ -114,8 +114,8 @@ def write_report(out_dir: str | Path, result: dict, records: list[dict]) -> tupl
     an interrupted run leaves the previous pair or none, never half a file. Returns their paths."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
-        raise OSError(f"--repo-report {out} is a file: "
-                      f"give a directory ({CASES_FILE} and {HTML_FILE} go in it)")
+        raise OSError(
+            f"--repo-report {out} is a file: give a directory ({CASES_FILE} and {HTML_FILE} go in it)")
     out.mkdir(parents=True, exist_ok=True)
     cases, page = out / CASES_FILE, out / HTML_FILE
     write_jsonl(cases, records)

@@ -1,8 +1,7 @@
-"""A LoRA run's adapter alone, out and in: `codeforge export --format adapter`
-writes the few-MB directory (PEFT's
-adapter_model.safetensors and adapter_config.json, plus codeforge_adapter.json naming the starting weights
-and their sha256); `codeforge import --adapter DIR --base RUN` merges it onto those weights into a run
-every command takes as an ordinary model (serve, eval, generate, the HF and GGUF exports).
+"""A LoRA run's adapter alone, out and in: `codeforge export --format adapter` writes the few-MB directory
+(PEFT's adapter_model.safetensors and adapter_config.json, plus codeforge_adapter.json naming the starting
+weights and their sha256); `codeforge import --adapter DIR --base RUN` merges it onto those weights into a
+run every command takes as an ordinary model (serve, eval, generate, the HF and GGUF exports).
 
 An adapter is checked before anything is allocated for it: its record of the base must be there (without it
 the merge could not be checked), its rank must be that of its tensors, its numbers finite and its PEFT
@@ -112,8 +111,8 @@ def check_adapter(adapter: Path, conf: dict,
                               f"adapters of rank {have}: the config and the tensors are not of one "
                               f"adapter; {AGAIN}")
         if t.dtype not in FLOATS:  # float8's have no isfinite: a NotImplementedError, not a refusal
-            raise ExportError(f"{src}: {name} is {t.dtype}, not one of "
-                              f"{', '.join(str(d) for d in FLOATS)}; {AGAIN}")
+            raise ExportError(
+                f"{src}: {name} is {t.dtype}, not one of {', '.join(str(d) for d in FLOATS)}; {AGAIN}")
         if not torch.isfinite(t).all():
             raise ExportError(f"{src}: {name} holds values that are not finite (NaN or infinity): the "
                               f"training that wrote it diverged; export a checkpoint from before it did")

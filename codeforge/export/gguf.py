@@ -18,21 +18,19 @@ convert the matrices (2-D) and keep vectors (norms, biases) in float32, as conve
 whose rows do not divide into q8_0 blocks of 32 is written f16.
 
 Tokenizer. model "gpt2" (byte-level BPE): every token string in id order (a model vocabulary padded past the
-tokenizer's gets [PADn] tokens of type UNUSED), types (special tokens CONTROL, other added ones
-USER_DEFINED),
-the merges, BOS/EOS/EOT/pad/unk,
-the FIM ids, no BOS added, and the chat template. (llama.cpp's whole-text llama_detokenize "cleans up" a space
-before an apostrophe for every llama-bpe model, Llama 3's included, with no key to turn it off; generation
-writes text token by token and is unaffected.) llama.cpp splits text with one of the pre-tokenizers it knows
-by name (llama-vocab.cpp) and refuses any other, so the name must be the rule the tokenizer was trained with
-(recorded as llama_cpp_pre in codeforge_tokenizer.json, and checked against tokenizer.json's regex):
+tokenizer's gets [PADn] tokens of type UNUSED), types (special tokens CONTROL, other added ones USER_DEFINED),
+the merges, BOS/EOS/EOT/pad/unk, the FIM ids, no BOS added, and the chat template. (llama.cpp's whole-text
+llama_detokenize "cleans up" a space before an apostrophe for every llama-bpe model, Llama 3's included, with
+no key to turn it off; generation writes text token by token and is unaffected.) llama.cpp splits text with
+one of the pre-tokenizers it knows by name (llama-vocab.cpp) and refuses any other, so the name must be the
+rule the tokenizer was trained with (recorded as llama_cpp_pre in codeforge_tokenizer.json, and checked
+against tokenizer.json's regex):
   --split llama3 (the default)      -> "llama-bpe"  (the same regex)
   a Qwen2 / GPT-2 tokenizer (import) -> "qwen2" / "gpt2"
-  --split code                      -> no llama.cpp pre-tokenizer is this rule:
-                                    refused in one sentence, unless
-                                        --allow-tokenizer-mismatch, which writes "llama-bpe", says loudly how
-                                        many tokens of a code sample come out differently, and records it in
-                                        the file (codeforge.tokenizer_mismatch).
+  --split code                      -> no llama.cpp pre-tokenizer is this rule: refused in one sentence,
+                                       unless --allow-tokenizer-mismatch, which writes "llama-bpe", says
+                                       loudly how many tokens of a code sample come out differently, and
+                                       records it in the file (codeforge.tokenizer_mismatch).
 """
 
 from __future__ import annotations

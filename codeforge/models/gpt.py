@@ -340,8 +340,8 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         if cfg.pos not in ("learned", "rope") or cfg.norm not in ("layernorm", "rmsnorm"):
-            raise ValueError("pos must be learned|rope and norm layernorm|rmsnorm, "
-                             f"got {cfg.pos}, {cfg.norm}")
+            raise ValueError(
+                f"pos must be learned|rope and norm layernorm|rmsnorm, got {cfg.pos}, {cfg.norm}")
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.pos == "learned" else None

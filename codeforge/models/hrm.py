@@ -175,8 +175,8 @@ def prefix_mask(valid: torch.Tensor, T: int) -> torch.Tensor:
 class HRM(nn.Module):
     @staticmethod
     def shapes(cfg: HRMConfig) -> tuple[dict[str, tuple[int, ...]], list[list[str]]]:
-        """({state-dict name: shape}, tied groups: none) of HRM(cfg), from the
-        config alone (gpt.Block.shapes)."""
+        """({state-dict name: shape}, tied groups: none) of HRM(cfg), from the config alone
+        (gpt.Block.shapes)."""
         out = {"wte.weight": (cfg.vocab_size, cfg.n_embd)}
         for name, n_layer, context in (("planner", cfg.planner_layers, cfg.plan_len),
                                        ("generator", cfg.generator_layers, cfg.plan_len + cfg.code_len),
@@ -195,8 +195,8 @@ class HRM(nn.Module):
     def __init__(self, cfg: HRMConfig):
         super().__init__()
         if cfg.pos not in ("learned", "rope") or cfg.norm not in ("layernorm", "rmsnorm"):
-            raise ValueError("pos must be learned|rope and norm layernorm|rmsnorm, "
-                             f"got {cfg.pos}, {cfg.norm}")
+            raise ValueError(
+                f"pos must be learned|rope and norm layernorm|rmsnorm, got {cfg.pos}, {cfg.norm}")
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.planner = Stack(cfg.stack_config(cfg.planner_layers, cfg.plan_len))
@@ -211,8 +211,8 @@ class HRM(nn.Module):
     @torch.no_grad()
     def init_weights(self) -> None:
         """GPT-2 initialisation per stack: weights N(0, 0.02), residual projections N(0, 0.02/sqrt(2 n_layer))
-        with n_layer the stack's own depth (its residual stream sums that many
-        branches), biases 0, norms 1."""
+        with n_layer the stack's own depth (its residual stream sums that many branches),
+        biases 0, norms 1."""
         std = 0.02
         for stack in (self.planner, self.generator, self.refiner):
             for m in stack.modules():

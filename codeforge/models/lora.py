@@ -39,8 +39,8 @@ def _peft():
     try:
         import peft
     except ImportError as e:
-        raise LoraError(f"LoRA needs Hugging Face's PEFT library ({e}): "
-                        "pip install 'codeforge[lora]'") from None
+        raise LoraError(
+            f"LoRA needs Hugging Face's PEFT library ({e}): pip install 'codeforge[lora]'") from None
     return peft
 
 

@@ -171,9 +171,9 @@ def tool_scores(r: dict) -> str:
         return "n/a" if v is None else f"{v:.0%}"
     cut = f", {r['tool_cut_by_budget']} cut by the token budget" if r.get("tool_cut_by_budget") else ""
     bad = f", {r['tool_unknown_names']} naming no offered tool" if r.get("tool_unknown_names") else ""
-    return (f"parse {pct(r['tool_parse_rate'])}{cut}, right tool {pct(r['tool_name_accuracy'])}, exact "
-            f"arguments {pct(r['tool_args_exact'])}, no call when none needed "
-            f"{pct(r['no_call_accuracy'])}{bad}")
+    return (f"parse {pct(r['tool_parse_rate'])}{cut}, right tool {pct(r['tool_name_accuracy'])}, "
+            f"exact arguments {pct(r['tool_args_exact'])}, "
+            f"no call when none needed {pct(r['no_call_accuracy'])}{bad}")
 
 
 def minutes(t0: float) -> str:

@@ -113,8 +113,8 @@ class Rollouts:
         self.rank, self.world = rank, world
         self.per_round = min(max(1, t.rollout_tasks // world), len(tasks) // world)
         if self.per_round < 1:
-            raise ConfigError(f"{len(tasks)} training task(s) for {world} rank(s): "
-                              "every rank needs at least one")
+            raise ConfigError(
+                f"{len(tasks)} training task(s) for {world} rank(s): every rank needs at least one")
         self.rows = self.per_round * t.group_size
         self.chunks = t.ppo_epochs * math.ceil(self.rows / t.batch_size)
         self.rounds_per_epoch = max(1, len(tasks) // (self.per_round * world))

@@ -265,10 +265,10 @@ def _run_tests(rng: random.Random) -> tuple[dict, str, str, str]:
         else:
             result = (f"FAILED {file}::{test} - AssertionError: assert {got} == {want}\n"
                       f"1 failed, {n - 1} passed{deselected} in {secs}s")
-            answer = _fill(rng, ["1 test failed and {ok} passed: `{test}` "
-                                 "in {file} fails `assert {got} == {want}`.",
-                                 "`{test}` fails ({file}): it asserts "
-                                 "{got} == {want}. The other {ok} passed."],
+            answer = _fill(rng, ["1 test failed and {ok} passed: "
+                                 "`{test}` in {file} fails `assert {got} == {want}`.",
+                                 "`{test}` fails ({file}): it asserts {got} == {want}. "
+                                 "The other {ok} passed."],
                            ok=str(n - 1), test=test, file=file, got=str(got), want=str(want))
     return args, request, result, answer
 

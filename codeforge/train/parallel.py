@@ -49,8 +49,8 @@ def choose_mode(asked: str, world: int, device: torch.device, plan: tuple[float,
     if asked == "ddp":
         return "ddp", f"--parallel ddp over {world} ranks"
     if asked == "fsdp":
-        return "fsdp", (f"--parallel fsdp over {world} ranks: parameters, "
-                        "gradients and optimizer state sharded")
+        return "fsdp", (f"--parallel fsdp over {world} ranks: "
+                        "parameters, gradients and optimizer state sharded")
     if plan and plan[0] > 0.9 * plan[2] and plan[1] <= 0.9 * plan[2]:
         return "fsdp", (f"auto: DDP would need ~{plan[0] / 2**30:.1f} GiB per rank on a "
                         f"{plan[2] / 2**30:.0f} GiB device, FSDP ~{plan[1] / 2**30:.1f} GiB")
@@ -60,8 +60,8 @@ def choose_mode(asked: str, world: int, device: torch.device, plan: tuple[float,
 
 def materialises(mode: str, rank: int) -> bool:
     """Whether this rank builds the model's weights itself (initialises or loads them). Under FSDP only rank 0
-    does; the others build the model under `torch.device("meta")` (shapes, no
-    memory) and `wrap` fills them."""
+    does; the others build the model under `torch.device("meta")` (shapes, no memory)
+    and `wrap` fills them."""
     return mode != "fsdp" or rank == 0
 
 
