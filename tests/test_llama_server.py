@@ -3,6 +3,7 @@
 files in `input_extra`; codeforge's own /infill must build the same prompt (the same number of tokens
 evaluated) and, greedy, write the same middle. Slow: it needs the built binary (skipped without it)."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -13,10 +14,15 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
+from codeforge.checkpoint import save_checkpoint
 from codeforge.cli import main
+from codeforge.models import build_model
+from codeforge.models.gpt import GPTConfig
+from codeforge.tokenizer import CodeTokenizer
 from conftest import free_port, wait_healthy
-from test_export import make_run
+from test_export import make_run, randomize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from build_llama_server import binary_path
@@ -44,13 +50,11 @@ def post(url: str, body: dict) -> dict:
         pytest.fail(f"{url}: HTTP {e.code}: {e.read().decode(errors='replace')[:1000]}")
 
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory, tokenizer_dir):
-    """llama-server on the GGUF (f32, so greedy is not moved by quantization) and codeforge serve on the run,
-    both keeping what llama-server keeps with -c 192 -b 64 -n 16."""
+@contextlib.contextmanager
+def both_servers(tmp: Path, run: Path):
+    """llama-server on the run's GGUF (f32, so greedy is not moved by quantization) and codeforge serve on the
+    run, both keeping what llama-server keeps with -c 192 -b 64 -n 16: their URLs."""
     binary = llama_server()
-    tmp = tmp_path_factory.mktemp("llama-server")
-    run = make_run(tmp / "run", tokenizer_dir, seed=3)
     gguf = tmp / "m.gguf"
     assert main(["export", "--run", str(run), "--format", "gguf", "--out", str(gguf)]) == 0
     procs = []
@@ -78,6 +82,14 @@ def servers(tmp_path_factory, tokenizer_dir):
                 p.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, tokenizer_dir):
+    llama_server()
+    tmp = tmp_path_factory.mktemp("llama-server")
+    with both_servers(tmp, make_run(tmp / "run", tokenizer_dir, seed=3)) as urls:
+        yield urls
 
 
 REQUESTS = [
@@ -164,3 +176,109 @@ def test_a_lora_runs_merged_gguf_continues_as_codeforge_does(tmp_path, tokenizer
                                                 "ignore_eos": True})
             assert theirs["tokens"] == ours, (text, theirs["tokens"], ours)
     assert moved  # the adapters changed what the model writes
+
+
+# -- llama-server's own semantics: n_indent, the sampler chain, /completion ---------------------------------
+#
+# A random model rarely writes a newline and never a probability the infill sampler keeps, so these run on a
+# model built to be a Markov chain: its blocks write nothing into the residual stream (their output
+# projections are zero), so the next token's logits depend on the last token only, and they are set:
+#   <fim_middle> -> x (9), b (8.8);  x -> "\n" (9), <|endoftext|> (3);  "\n" -> "  " (9);  "  " -> b (9);
+#   b -> "\n" (9)
+# every other token at logit 0 and the other special tokens far below. Greedy, a fill is "x\n  b\n  b...":
+# its second line is indented by 2. The infill sampler (on the whole vocabulary) keeps x and b after
+# <fim_middle>, then after x ends the fill: 3 x p(<|endoftext|>) x 1024 candidates outweighs the text.
+
+def markov_run(root: Path, tokenizer_dir: Path) -> tuple[Path, dict[str, int]]:
+    tok = CodeTokenizer.load(tokenizer_dir)
+    sp = tok.special_ids
+    ids = {s: tok.encode(s) for s in ("x", "b", "\n", "  ")}
+    assert all(len(v) == 1 for v in ids.values()), ids
+    ids = {s: v[0] for s, v in ids.items()}
+    eot, mid = tok.eot_id, sp["<fim_middle>"]
+    moves = {mid: {ids["x"]: 9.0, ids["b"]: 8.8}, ids["x"]: {ids["\n"]: 9.0, eot: 3.0},
+             ids["\n"]: {ids["  "]: 9.0}, ids["  "]: {ids["b"]: 9.0}, ids["b"]: {ids["\n"]: 9.0}}
+    cfg = GPTConfig(vocab_size=64 * -(-tok.vocab_size // 64), block_size=192, n_layer=1, n_head=4, n_embd=64,
+                    tie_embeddings=False)
+    model = build_model(cfg)
+    randomize(model, 5, zero=("c_proj.weight", "c_proj.bias"))
+    bias = cfg.n_embd - 1  # a dimension the final norm holds at 1: each token's logit offset
+    with torch.no_grad():
+        model.ln_f.weight.fill_(1.0)
+        model.ln_f.weight[bias] = 0.0
+        model.ln_f.bias.zero_()
+        model.ln_f.bias[bias] = 1.0
+        head = model.lm_head.weight
+        head.zero_()
+        for i in sp.values():
+            if i is not None and i != eot:
+                head[i, bias] = -30.0
+        # a token embedded as 10 e_d normalises to about 7.94 in dimension d (the norm's mean and spread)
+        for d, (a, nexts) in enumerate(moves.items()):
+            model.wte.weight[a] = 0.0
+            model.wte.weight[a, d] = 10.0
+            for b, logit in nexts.items():
+                head[b, d] += logit / 7.94
+    config = {"model": cfg.to_dict(), "train": {}, "tokenizer_hash": tok.hash}
+    save_checkpoint(root, 1, model, config, {}, {"tokenizer": tokenizer_dir}, keep_last=1)
+    return root, ids
+
+
+@pytest.fixture(scope="module")
+def markov(tmp_path_factory, tokenizer_dir):
+    llama_server()
+    tmp = tmp_path_factory.mktemp("llama-server-markov")
+    run, _ = markov_run(tmp / "run", tokenizer_dir)
+    with both_servers(tmp, run) as urls:
+        yield urls
+
+
+FILL = {"input_prefix": "def f(a):\n", "input_suffix": "\n    return a\n", "cache_prompt": False, "seed": 0}
+SEMANTICS = [
+    # greedy: the second line, indented by 2, is cut before its text at n_indent 3 ("x\n  ", limit)...
+    ("/infill", {**FILL, "n_indent": 3, "n_predict": 24, "temperature": 0}, "x\n  ", "limit"),
+    # ... kept at n_indent 2 (the budget ends it), and the first line is never judged
+    ("/infill", {**FILL, "n_indent": 2, "n_predict": 12, "temperature": 0}, None, "limit"),
+    ("/infill", {**FILL, "n_indent": 8, "n_predict": 2, "temperature": 0}, "x\n", "limit"),
+    # the infill sampler first, then top-k 1: x survives it, and after x the end of the fill does
+    ("/infill", {**FILL, "samplers": ["infill", "top_k"], "top_k": 1, "n_predict": 12}, "x", "eos"),
+    ("/infill", {**FILL, "samplers": "ik", "top_k": 1, "n_predict": 12}, "x", "eos"),
+    # without the infill sampler the same chain writes on
+    ("/infill", {**FILL, "samplers": ["top_k"], "top_k": 1, "n_predict": 6}, None, "limit"),
+    # /completion: text (its last token picks the chain) and a FIM template written as text
+    # (the prompt's last token is "\n": a first line "  b" that is never judged, then the second is cut)
+    ("/completion", {"prompt": "y = 1\n", "n_predict": 9, "temperature": 0, "n_indent": 3,
+                     "cache_prompt": False}, "  b\n  ", "limit"),
+    ("/completion", {"prompt": "<fim_prefix>def f(x):\n<fim_suffix>\n<fim_middle>", "n_predict": 8,
+                     "temperature": 0, "cache_prompt": False}, None, "limit"),
+]
+
+
+@pytest.mark.parametrize("i", range(len(SEMANTICS)))
+def test_llama_servers_semantics(markov, i):
+    """The same request to both servers on the Markov model: the same content, stop type and counts."""
+    llama, ours = markov
+    path, body, want, stop_type = SEMANTICS[i]
+    theirs, mine = post(llama + path, body), post(ours + path, body)
+    print(f"\n{path} {i}: llama-server {theirs['content']!r} ({theirs['stop_type']}); "
+          f"codeforge {mine['content']!r} ({mine['stop_type']})")
+    for k in ("content", "stop_type", "tokens_evaluated", "tokens_predicted", "has_new_line", "truncated"):
+        assert mine[k] == theirs[k], (k, theirs, mine)
+    assert theirs["stop_type"] == stop_type and (want is None or theirs["content"] == want), theirs
+
+
+def test_completion_token_ids_and_response_fields_match(servers):
+    llama, ours = servers
+    text = post(ours + "/completion", {"prompt": "import os\n\ndef main():\n", "n_predict": 12,
+                                        "temperature": 0, "return_tokens": True, "cache_prompt": False})
+    ids = post(ours + "/tokenize", {"prompt": "import os\n\ndef main():\n"})["tokens"]
+    fields = ["content", "tokens_predicted", "generation_settings/n_predict", "timings/nope", "stop"]
+    body = {"prompt": ids, "n_predict": 12, "temperature": 0, "top_k": 1, "cache_prompt": False,
+            "response_fields": fields}
+    theirs, mine = post(llama + "/completion", body), post(ours + "/completion", body)
+    assert list(mine) == list(theirs) == [f for f in fields if f != "timings/nope"]
+    assert mine == theirs and mine["content"] == text["content"]
+    # a text prompt: the same tokens evaluated, the same greedy continuation
+    body = {"prompt": "def add(a, b):\n    return", "n_predict": 16, "temperature": 0, "cache_prompt": False}
+    theirs, mine = post(llama + "/completion", body), post(ours + "/completion", body)
+    assert (mine["tokens_evaluated"], mine["content"]) == (theirs["tokens_evaluated"], theirs["content"])

@@ -182,7 +182,7 @@ def test_names_and_notices_a_user_sees(base_run, chat_run, tmp_path, capsys, mon
 
 def test_what_a_hostile_or_careless_client_gets(base, chat_run, monkeypatch):  # noqa: F811
     """Found in review: each of these was a stall, a 500 or wrong offsets."""
-    import codeforge.serve.app as app
+    import codeforge.serve.state as app
     h, tok = base.http, base.engine.tok
     # log-prob answers are bounded (tokens x (logprobs + 1) x n), refused by name past it (the bound is
     # lowered here: this model's context of 64 cannot reach the real one)
@@ -233,8 +233,9 @@ def test_chat_logprobs_share_the_cap_and_are_built_off_the_event_loop(chat_run, 
     import asyncio
 
     import codeforge.serve.app as app
+    import codeforge.serve.state as state
     # this model's context of 64 cannot reach the real one
-    monkeypatch.setattr(app, "MAX_LOGPROB_RECORDS", 2_000)
+    monkeypatch.setattr(state, "MAX_LOGPROB_RECORDS", 2_000)
     built_on = []
     real = app.chat_logprobs
 

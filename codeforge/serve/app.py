@@ -1,5 +1,6 @@
-"""The HTTP app: OpenAI-compatible completions and chat (with tool calls), llama.cpp-style /infill, models,
-health and Prometheus metrics, over one continuous-batching generation loop (batcher.py).
+"""The HTTP app: OpenAI-compatible completions and chat (with tool calls), models, health and Prometheus
+metrics, and the route table, which also serves llama-server's own /infill and /completion (llama_api.py),
+over one continuous-batching generation loop (batcher.py).
 
 Request flow: the connection layer (connections.py) has already bounded how long the head and body may take
 and how many connections are open. The guard (a plain ASGI middleware) then refuses a Host header that names
@@ -16,11 +17,9 @@ which leave the batch at the next step.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -30,229 +29,51 @@ from fastapi.responses import HTMLResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
-from starlette.responses import StreamingResponse
 
 from ..chat import CHAT_TEMPLATE, IM_END, encode_conversation
 from ..constrain import ConstraintError, ToolGrammar, calls_kept_out
 from ..tokenizer import EOT, TokenizerError
-from ..fim import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, fit_infill, infill_ids, infill_stop_ids, repo_infill
-from .batcher import Event, QueueFull, Row, RowParams, Scheduler
+from . import llama_api
+from .batcher import Event
 from .guard import Guard, error_response, page_security_headers
-from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .options import ServeOptions
-from .protocol import (ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, InfillRequest,
-                       NamedToolChoice, SSE_DONE, TokenizeRequest, chat_logprobs, chat_message, chat_response,
-                       completion_logprobs,
-                       completion_response, held_back, new_id, parse_body, sse, token_text, usage)
+from .protocol import (
+    SSE_DONE,
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    NamedToolChoice,
+    TokenizeRequest,
+    chat_logprobs,
+    chat_message,
+    chat_response,
+    completion_logprobs,
+    completion_response,
+    held_back,
+    new_id,
+    parse_body,
+    sse,
+    token_text,
+    usage,
+)
+from .state import (
+    ClientGone,
+    Generation,
+    ServerState,
+    error_event,
+    fit_fim,
+    merged,
+    notice_headers,
+    streaming,
+)
 
 PLAYGROUND = Path(__file__).parent / "static" / "playground.html"
 MAX_SCHEMA_CHARS = 32_768  # a response_format schema (compiling a grammar grows faster than its size)
-MAX_LOGPROB_RECORDS = 200_000  # entries (tokens x (top + 1) x choices) one completions answer may hold
 PLACEHOLDER = ("<!doctype html><html><head><meta charset='utf-8'><title>codeforge</title></head><body>"
                "<h1>codeforge</h1><p>playground not built: codeforge/serve/static/playground.html is "
                "missing. The API is at <code>/v1</code> (OpenAI-compatible).</p></body></html>")
-
-
-class ClientGone(Exception):
-    pass
-
-
-class ServerState:
-    """What the handlers share: engine, scheduler, metrics, limits."""
-
-    def __init__(self, engine, opts: ServeOptions):
-        self.engine, self.opts, self.tok = engine, opts, engine.tok
-        self.block_size = engine.block_size
-        self.tok_lock = threading.Lock()
-        self.metrics = Metrics()
-        self.sched = Scheduler(engine, opts.max_batch, opts.max_queue, self.tok_lock,
-                               on_first_token=self.metrics.observe_ttft)
-        self.metrics.attach(self.sched)
-        self.max_prompt = min(opts.max_prompt_tokens or self.block_size - 1, self.block_size - 1)
-        self.infill_batch = opts.infill_batch or self.block_size // 2
-        self.max_tokens_cap = opts.max_tokens_cap or self.block_size
-        self.created = int(time.time())
-        self.max_token_chars = max(len(self.tok.decode([i])) for i in range(self.tok.vocab_size))
-
-    # -- checks -------------------------------------------------------------------------------------------
-    def check_model(self, model: str | None) -> None:
-        if model and model != self.opts.model_name:
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
-                                f"{self.opts.model_name!r} (GET /v1/models)", param="model",
-                                code="model_not_found")
-
-    def check_chars(self, text: str, param: str = "prompt") -> None:
-        """Refuse, before tokenizing it, a text too long to fit whatever it encodes to: no token covers
-        more than max_token_chars characters. (Encoding a megabyte holds the tokenizer lock the generation
-        loop needs for every token, so it must not happen for a request that will be refused anyway.)"""
-        if len(text) > (self.max_prompt + 1) * self.max_token_chars:
-            raise ApiError(400, f"{param}: {len(text):,} characters, more than the {self.max_prompt} tokens "
-                                f"this server takes could hold (model context {self.block_size}, "
-                                "--max-prompt-tokens)", param=param, code="context_length_exceeded")
-
-    def check_prompt(self, ids: list[int], param: str = "prompt", score_only: bool = False) -> list[int]:
-        """Ids of a prompt that fits: at most --max-prompt-tokens, or the whole context when nothing is to be
-        generated (max_tokens 0 with echo scores every token of a full-context prompt)."""
-        if not ids:
-            ids = [self.tok.eot_id]  # an empty prompt starts a new document (as Engine does)
-        limit = self.block_size if score_only else self.max_prompt
-        if len(ids) > limit:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens; this server takes at most {limit} "
-                                f"(model context {self.block_size}, --max-prompt-tokens)", param=param,
-                           code="context_length_exceeded")
-        bad = next((t for t in ids if not 0 <= t < self.tok.vocab_size), None)
-        if bad is not None:
-            raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {self.tok.vocab_size})",
-                           param=param, code="invalid_token")
-        return ids
-
-    def budget(self, requested: int | None, param: str, default: int | None = None) -> int:
-        """max_tokens as asked (the context still cuts a row short: finish_reason "length")."""
-        if requested is not None and requested > self.max_tokens_cap:
-            raise ApiError(400, f"{param} {requested} exceeds this server's cap of {self.max_tokens_cap} "
-                                f"(--max-tokens-cap; model context {self.block_size})", param=param,
-                           code="max_tokens_exceeded")
-        return requested if requested is not None else min(default or self.max_tokens_cap,
-                                                           self.max_tokens_cap)
-
-    def check_rows(self, n: int) -> None:
-        if n > self.opts.max_queue:
-            raise ApiError(400,
-                           f"the request asks for {n} completions (prompts x n); this server queues at most "
-                           f"{self.opts.max_queue} (--max-queue)", param="n", code="too_many_choices")
-
-    def check_logprobs(self, tokens: int, top: int, n: int, param: str) -> None:
-        """Refuse an answer of more log-prob entries than MAX_LOGPROB_RECORDS: `tokens` scored per choice (the
-        echoed prompt's and the generated), each with its own and `top` alternatives, times `n` choices. One
-        limit for /v1/completions and /v1/chat/completions: a bigger body takes seconds to build and tens of
-        megabytes to hold."""
-        entries = tokens * (top + 1) * n
-        if entries > MAX_LOGPROB_RECORDS:
-            raise ApiError(400, f"this request asks for {entries:,} log-prob entries (tokens x "
-                                f"({param} + 1) x n); this server answers at most "
-                                f"{MAX_LOGPROB_RECORDS:,}: lower {param}, n, max_tokens or the "
-                                "number of prompts", param=param, code="too_many_logprobs")
-
-    def row_params(self, b, max_new: int, choice: int, stop_ids: set[int], **more) -> RowParams:
-        seed = None if b.seed is None else (b.seed + choice) % 2**63  # choice i of a seeded request: seed + i
-        return RowParams(**more, max_new_tokens=max_new,
-                         temperature=1.0 if b.temperature is None else b.temperature,
-                         top_p=1.0 if b.top_p is None else b.top_p, top_k=max(0, b.top_k or 0), seed=seed,
-                         presence_penalty=b.presence_penalty or 0.0,
-                         frequency_penalty=b.frequency_penalty or 0.0,
-                         repetition_penalty=b.repetition_penalty or 1.0, stop=b.stops(),
-                         stop_ids=frozenset(stop_ids))
-
-    async def encode(self, fn):
-        """Tokenizer work off the event loop and under the tokenizer lock; a text the tokenizer fails on is
-        the request's fault (a 400), not the server's."""
-        def locked():
-            with self.tok_lock:
-                return fn()
-        try:
-            return await run_in_threadpool(locked)
-        except TokenizerError as e:
-            raise ApiError(400, str(e), code="tokenizer_failed") from None
-
-
-class Generation:
-    """The rows of one request and the asyncio queue their events come back on."""
-
-    def __init__(self, srv: ServerState, specs: list[tuple[int, list[int], RowParams]]):
-        self.srv = srv
-        loop = asyncio.get_running_loop()
-        self.q: asyncio.Queue = asyncio.Queue()
-        t = srv.opts.request_timeout
-        deadline = time.monotonic() + t if t else None
-
-        def emitter(tag: int):
-            return lambda ev: self.q.put_nowait((tag, ev))  # runs in this event loop (Row.loop)
-
-        self.rows = [Row(ids, p, emitter(tag), deadline, tag, loop=loop) for tag, ids, p in specs]
-        self.pending = {r.tag for r in self.rows}
-        try:
-            srv.sched.submit(self.rows)
-        except QueueFull as e:
-            raise ApiError(429, f"the server is busy: {srv.sched.queue_length()} requests are waiting "
-                                f"(--max-queue {srv.opts.max_queue}); retry after {e.retry_after}s",
-                           code="queue_full", headers={"Retry-After": str(e.retry_after)}) from None
-        except RuntimeError as e:
-            raise ApiError(503, str(e), code="unavailable") from None
-
-    def _cancel(self) -> None:
-        if self.pending:
-            self.srv.sched.cancel([r for r in self.rows if r.tag in self.pending])
-
-    async def _watch(self, request: Request) -> None:
-        """Cancel the rows when the client disconnects (also when nobody reads the events any more)."""
-        while True:
-            msg = await request.receive()
-            if msg["type"] == "http.disconnect":
-                self._cancel()
-                self.q.put_nowait((None, None))
-                return
-
-    async def events(self, request: Request) -> AsyncIterator[list[tuple[int, Event]]]:
-        """Batches of (tag, event): everything that arrived since the last batch, so a slow reader gets
-        fewer, larger chunks. Ends when every row is done; closing it early cancels the rest."""
-        watcher = asyncio.create_task(self._watch(request))
-        try:
-            while self.pending:
-                got = [await self.q.get()]
-                while not self.q.empty():
-                    got.append(self.q.get_nowait())
-                if any(tag is None for tag, _ in got):
-                    raise ClientGone()
-                for tag, ev in got:
-                    if ev.kind in ("done", "error"):
-                        self.pending.discard(tag)
-                yield got
-        finally:
-            watcher.cancel()
-            self._cancel()
-
-    async def collect(self, request: Request) -> dict[int, Event]:
-        """The done event of every row (an error event raises it as an ApiError)."""
-        out: dict[int, Event] = {}
-        async with contextlib.aclosing(self.events(request)) as evs:
-            async for got in evs:
-                for tag, ev in got:
-                    if ev.kind == "error":
-                        raise ApiError(ev.status, ev.text, code="timeout" if ev.status == 504 else None)
-                    if ev.kind == "done":
-                        out[tag] = ev
-        return out
-
-
-def merged(got: list[tuple[int, Event]]) -> list[tuple[int, Event]]:
-    """Consecutive text events of one row joined into one."""
-    out: list[tuple[int, Event]] = []
-    for tag, ev in got:
-        if ev.kind == "text" and out and out[-1][0] == tag and out[-1][1].kind == "text":
-            prev = out[-1][1]
-            lps = None if prev.logprobs is None else prev.logprobs + (ev.logprobs or [])
-            out[-1] = (tag, Event("text", prev.text + ev.text, completion_tokens=ev.completion_tokens,
-                                  logprobs=lps))
-        else:
-            out.append((tag, ev))
-    return out
-
-
-def error_event(ev: Event) -> bytes:
-    return sse(ApiError(ev.status, ev.text, code="timeout" if ev.status == 504 else None).body())
-
-
-def streaming(gen: AsyncIterator[bytes], headers: dict | None = None) -> StreamingResponse:
-    return StreamingResponse(gen, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                      **(headers or {})})
-
-
-def notice_headers(srv: ServerState) -> dict:
-    """A chat answer from a model no chat stage trained says so in a header (HTTP's Warning, code 299),
-    since OpenAI's body has no place for it."""
-    note = srv.opts.chat_note
-    return {"Warning": f'299 codeforge "{note}"'} if note else {}
 
 
 # -- handlers ------------------------------------------------------------------------------------------------
@@ -276,11 +97,28 @@ async def completions(srv: ServerState, request: Request):
                        param="echo")
     n = b.n or 1
     srv.check_rows(len(prompts) * n)
-    max_new = srv.budget(b.max_tokens, "max_tokens", default=16)  # OpenAI's default for completions
+    # Fill in the middle (a suffix, or a prompt that is a FIM template as text, as editors send it) and
+    # llama-server's n_predict take what fits, as llama-server does: a max_tokens past the cap or past what
+    # the prompt leaves is cut to it (finish_reason "length" when the reply reaches it), and a suffix
+    # request's prefix and suffix are cut at their far ends to fit the context, never refused. Otherwise a
+    # max_tokens past the cap is OpenAI's 400.
+    fim = b.suffix is not None or any(isinstance(p, str) and srv.fim_text(p) for p in prompts)
+    want = b.max_tokens if b.n_predict is None else (None if b.n_predict < 0 else b.n_predict)
+    param = "max_tokens" if b.n_predict is None else "n_predict"
+    if fim or b.n_predict is not None:
+        asked = (srv.max_tokens_cap if b.n_predict is not None else 16) if want is None else want
+        max_new = min(asked, srv.max_tokens_cap)
+    else:
+        max_new = srv.budget(b.max_tokens, "max_tokens", default=16)  # OpenAI's default for completions
     score_only = max_new == 0
+    # the characters the context could hold (more than that is never encoded)
+    chars = (srv.block_size + 1) * srv.max_token_chars
+    reserve = min(max_new, max(srv.opts.infill_predict, 16))  # a suffix request's reply keeps this room
+    room = max(8, min(srv.max_prompt, srv.block_size - reserve))
     for p in prompts:
         if isinstance(p, str):
-            srv.check_chars(p + (b.suffix or ""))
+            if b.suffix is None:
+                srv.check_chars(p)
         else:
             srv.check_prompt(list(p), score_only=score_only)  # ids checked before echo decodes them
 
@@ -288,29 +126,40 @@ async def completions(srv: ServerState, request: Request):
         tok, out = srv.tok, []
         for p in prompts:
             if not isinstance(p, str):
-                out.append((list(p), tok.decode(p) if b.echo else ""))
+                out.append((list(p), tok.decode(p) if b.echo else "", False))
             elif b.suffix is not None:
-                out.append((infill_ids(tok, p, b.suffix), p))
+                ids, cut = fit_fim(tok, p[-chars:], b.suffix[:chars], room)
+                out.append((ids, p, cut or len(p) > chars or len(b.suffix) > chars))
             else:
-                out.append((srv.engine._encode_prompt(p), p))
+                out.append((srv.engine._encode_prompt(p), p, False))
         return out
 
     encoded = await srv.encode(encode)
-    ids = [srv.check_prompt(x, score_only=score_only) for x, _ in encoded]
+    ids = [srv.check_prompt(x, score_only=score_only) for x, _, _ in encoded]
+    notes = []
+    if any(cut for _, _, cut in encoded):
+        notes.append(f"the prompt was cut to fit the context of {srv.block_size} tokens (the start of the "
+                     f"prefix, the end of the suffix)")
+    fits = min(srv.block_size - len(x) for x in ids)
+    if fim or b.n_predict is not None:
+        if (want is not None and want > max_new) or max_new > fits:
+            notes.append(f"{param} {want if want is not None else -1} is more than fits: at most "
+                         f"{min(max_new, fits)} tokens (finish_reason \"length\" when the reply reaches it)")
+    headers = {"Warning": "299 codeforge " + json.dumps("; ".join(notes))} if notes else {}
     if b.logprobs is not None:
         srv.check_logprobs(sum((len(x) if b.echo else 0) + max_new for x in ids), b.logprobs, n, "logprobs")
     stop_ids = {srv.tok.eot_id}
     lp = {"logprobs": b.logprobs, "prompt_logprobs": b.logprobs if b.echo else None}
-    specs = [(i * n + j, x, srv.row_params(b, max_new, j, stop_ids, **lp)) for i, x in enumerate(ids)
-             for j in range(n)]
-    echo = {i * n + j: (t if b.echo else "") for i, (_, t) in enumerate(encoded) for j in range(n)}
+    specs = [(i * n + j, x, srv.row_params(b, max_new, j, stop_ids, first=i == j == 0, **lp))
+             for i, x in enumerate(ids) for j in range(n)]
+    echo = {i * n + j: (t if b.echo else "") for i, (_, t, _) in enumerate(encoded) for j in range(n)}
     prompt_tokens = sum(len(x) for x in ids)
     gen = Generation(srv, specs)
     rid, model = new_id("cmpl"), srv.opts.model_name
     if b.stream:
         include_usage = bool(b.stream_options and b.stream_options.include_usage)
         return streaming(stream_completions(gen, request, rid, model, echo, prompt_tokens, include_usage,
-                                            srv.tok if b.logprobs is not None else None))
+                                            srv.tok if b.logprobs is not None else None), headers)
     done = await gen.collect(request)
 
     def logprobs(ev: Event) -> dict | None:
@@ -327,8 +176,8 @@ async def completions(srv: ServerState, request: Request):
         return json.dumps(completion_response(rid, model, choices, use), ensure_ascii=False).encode()
 
     if b.logprobs is not None:
-        return Response(await run_in_threadpool(build), media_type="application/json")
-    return Response(build(), media_type="application/json")
+        return Response(await run_in_threadpool(build), media_type="application/json", headers=headers)
+    return Response(build(), media_type="application/json", headers=headers)
 
 
 async def stream_completions(gen: Generation, request: Request, rid: str, model: str, echo: dict[int, str],
@@ -415,8 +264,11 @@ async def chat_completions(srv: ServerState, request: Request):
     parallel = b.parallel_tool_calls is not False
     n = b.n or 1
     srv.check_rows(n)
-    max_new = srv.budget(b.max_completion_tokens or b.max_tokens,
-                         "max_completion_tokens" if b.max_completion_tokens else "max_tokens")
+    if b.n_predict is not None:  # llama-server's budget: what fits, never refused
+        max_new = srv.max_tokens_cap if b.n_predict < 0 else min(b.n_predict, srv.max_tokens_cap)
+    else:
+        max_new = srv.budget(b.max_completion_tokens or b.max_tokens,
+                             "max_completion_tokens" if b.max_completion_tokens else "max_tokens")
 
     def encode():
         return encode_conversation(srv.tok, msgs, tools, add_generation_prompt=True)[0]
@@ -462,7 +314,8 @@ async def chat_completions(srv: ServerState, request: Request):
         srv.check_logprobs(max_new, top, n, "top_logprobs")
     lp = {"logprobs": top if b.logprobs else None}
     specs = [(j, ids,
-              srv.row_params(b, max_new, j, stop_ids, constraint=grammar.new() if grammar else None, **lp))
+              srv.row_params(b, max_new, j, stop_ids, first=j == 0,
+                             constraint=grammar.new() if grammar else None, **lp))
              for j in range(n)]
     gen = Generation(srv, specs)
     rid, model = new_id("chatcmpl"), srv.opts.model_name
@@ -611,91 +464,6 @@ def tokenizer_info(srv: ServerState) -> dict:
             "chat_template": CHAT_TEMPLATE, "special_tokens": {t: i for t, i in sp.items() if i is not None}}
 
 
-def _clip_extra(chunks, chars: int) -> list[tuple[str | None, str]]:
-    """input_extra as (filename, text), the last `chars` characters of it in all (the prompt keeps the end of
-    the extra context, so what is clipped here is never what llama.cpp's rule would keep)."""
-    out: list[tuple[str | None, str]] = []
-    for c in reversed(chunks):
-        if chars <= 0:
-            break
-        out.append((c.filename, c.text[-chars:]))
-        chars -= len(c.text) + len(c.filename or "") + 1
-    return out[::-1]
-
-
-async def infill(srv: ServerState, request: Request):
-    """llama.cpp's /infill: the middle between input_prefix (+ prompt) and input_suffix, with the files of
-    input_extra before it in the repo-level layout llama-server builds
-    (fim.repo_infill_ids: the same tokens for
-    the same request, given --infill-batch and --infill-predict as llama-server's -b and -n, and the model's
-    context as its -c). A prompt still too long for the context (llama-server refuses it) loses extra context
-    first, then the start of the prefix; "truncated" says when anything was cut. Special tokens are never part
-    of the text returned (as in llama-server)."""
-    b = parse_body(InfillRequest, await request.body())
-    srv.check_model(b.model)
-    missing = [t for t in (FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE) if srv.tok.special_ids.get(t) is None]
-    if missing:
-        raise ApiError(400,
-                       f"this model's tokenizer has no {', '.join(missing)} token, so it cannot fill in the "
-                       "middle: /infill needs a codeforge tokenizer (every `codeforge tokenizer train` has "
-                       "them) or an imported one with FIM tokens", code="infill_not_supported")
-    max_new = srv.max_tokens_cap if b.n_predict < 0 else min(b.n_predict, srv.max_tokens_cap)
-    # the reply keeps some room even where llama-server's rule would fill the context (its -n -1)
-    reserve = min(max_new, max(srv.opts.infill_predict, 16))
-    room = max(8, min(srv.max_prompt, srv.block_size - reserve))
-    # more characters than the context holds: never encoded
-    chars = (srv.block_size + 1) * srv.max_token_chars
-    prefix_text = b.input_prefix[-chars:]
-    suffix_text = b.input_suffix[:chars]
-    prompt_text = b.prompt[-chars:]
-    for c in b.input_extra:
-        if c.filename is not None and len(c.filename) > 4096:  # a name is a path, not a file's worth of text
-            c.filename = c.filename[:4096]
-    clipped = (len(prefix_text), len(suffix_text), len(prompt_text)) != (len(b.input_prefix),
-                                                                         len(b.input_suffix), len(b.prompt))
-
-    def encode():
-        extra = _clip_extra(b.input_extra, chars)
-        # n_predict: the server's --infill-predict, as llama-server's rule reads its own -n, not the request's
-        ids, cut = repo_infill(srv.tok, prefix_text, suffix_text, extra, prompt_text, n_ctx=srv.block_size,
-                               n_batch=srv.infill_batch, n_predict=srv.opts.infill_predict)
-        if len(ids) > room:
-            ids, cut = fit_infill(ids, room, srv.tok.special_ids), True
-        return ids, cut or clipped
-
-    ids, truncated = await srv.encode(encode)
-    ids = srv.check_prompt(ids)
-    model = srv.opts.model_name
-    final = {"stop": True, "model": model, "tokens_evaluated": len(ids), "truncated": truncated}
-    if max_new == 0:
-        return {"content": "", **final, "tokens_predicted": 0, "stop_type": "limit"}
-    p = RowParams(max_new_tokens=max_new, temperature=b.temperature, top_p=b.top_p, top_k=max(0, b.top_k),
-                  seed=None if b.seed == -1 else b.seed % 2**63, stop=[s for s in b.stop if s],
-                  stop_ids=infill_stop_ids(srv.tok), hide_special=True)
-    gen = Generation(srv, [(0, ids, p)])
-    if b.stream:
-        async def events() -> AsyncIterator[bytes]:
-            try:
-                async with contextlib.aclosing(gen.events(request)) as evs:
-                    async for got in evs:
-                        for _, ev in merged(got):
-                            if ev.kind == "error":
-                                yield error_event(ev)
-                                return
-                            if ev.kind == "text" and ev.text:
-                                yield sse({"content": ev.text, "stop": False, "index": 0})
-                            elif ev.kind == "done":
-                                yield sse({"content": "", "index": 0, **final,
-                                           "tokens_predicted": ev.completion_tokens,
-                                           "stop_type": ev.stop_type})
-            except ClientGone:
-                return
-        return streaming(events())
-    ev = (await gen.collect(request))[0]
-    return {"content": ev.text, "index": 0, **final, "tokens_predicted": ev.completion_tokens,
-            "stop_type": ev.stop_type}
-
-
 # -- the app -------------------------------------------------------------------------------------------------
 
 def create_app(engine, opts: ServeOptions) -> FastAPI:
@@ -783,7 +551,9 @@ def create_app(engine, opts: ServeOptions) -> FastAPI:
               ("GET", "/v1/models/{model_id:path}", model),
               ("POST", "/v1/completions", on_request(completions)),
               ("POST", "/v1/chat/completions", on_request(chat_completions)),
-              ("POST", "/infill", on_request(infill)),
+              ("POST", "/infill", on_request(llama_api.infill)),
+              ("POST", "/completion", on_request(llama_api.completion)),
+              ("POST", "/completions", on_request(llama_api.completion)),
               ("POST", "/tokenize", on_request(tokenize)),
               ("POST", "/detokenize", on_request(detokenize)),
               ("GET", "/tokenizer_info", tokenizer_info_route),

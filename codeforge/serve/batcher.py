@@ -19,6 +19,12 @@ attends over [min start, len] only (a view of the cache), and when the write col
 shift left by the oldest row's start; since a row never holds more than block_size tokens that happens at
 most once per block_size steps. Slots stay packed at the front: a leaving row's slot is filled by the last
 row, so the forward pass runs on the first n rows, a view, never a gather.
+
+A prompt cache (prompt_cache.py, llama-server's per-slot cache) keeps the one-row prefill caches of the last
+prompts: a newcomer whose prompt shares a prefix with one copies those positions and computes the rest only
+(Event.prompt_n says how many). Rows can also ask for llama-server's behaviours: its sampler chain
+(RowParams.samplers, sampling.py, the infill sampler included), its n_indent and t_max_predict_ms stops
+(Scheduler._limits), and its timings on the "done" event.
 """
 
 from __future__ import annotations
@@ -42,10 +48,11 @@ from ..device import autocast
 from ..engine import apply_repetition_penalty, filter_logits
 from ..models.cpu_decode import stepper
 from ..models.cpu_linear import decode_threads
+from .prompt_cache import PromptCache
+from .sampling import SAMPLING_EPS, PieceIndex, piece_index, sample_chain
 
-# Temperatures below this sample greedily: dividing by a near-zero temperature overflows the logits (vLLM
-# draws the same line).
-SAMPLING_EPS = 1e-5
+# SAMPLING_EPS (sampling.py): temperatures below it sample greedily: dividing by a near-zero temperature
+# overflows the logits (vLLM draws the same line).
 PROMPT_CHUNK = 256  # positions whose full-vocabulary logits exist at once when scoring a prompt (echo)
 
 
@@ -71,6 +78,20 @@ class RowParams:
     constraint: object | None = None  # constrain.Constraint: the tokens this row may sample, step by step;
     # given max_new_tokens (as the context cuts it) as its budget when the row is admitted, so that a tool
     # call or JSON reply always ends within it
+    # llama-server's stops (see _limits): n_indent > 0 ends the reply at the first line (after the first
+    # newline) indented by fewer than n_indent spaces/tabs, cut before its text; t_max_predict_ms > 0 ends it
+    # on a newline once that many ms have passed since its first token. Both stop with stop_type "limit".
+    n_indent: int = 0
+    t_max_predict_ms: int = -1
+    # llama.cpp's sampler chain (sampling.py): None samples as above (temperature, top_k, top_p); a tuple of
+    # names from sampling.CHAIN_SAMPLERS runs them in that order, then draws (at T=1 unless "temperature" is
+    # in it); min_p is used by the chain only
+    samplers: tuple[str, ...] | None = None
+    min_p: float = 0.05
+    # the prompt cache (prompt_cache.py): the entry to use (None or < 0: the best shared prefix), and whether
+    # to use one at all
+    cache_slot: int | None = None
+    cache_prompt: bool = True
 
 
 # One log-prob record: (token id, log-prob of that token, [(id, log-prob) of the top N, most likely first]);
@@ -95,6 +116,17 @@ class Event:
     # text: the records of tokens since the last event; done: all of them
     logprobs: list[LogProb] | None = None
     prompt_logprobs: list[LogProb] | None = None  # "prompt" (and done): one per prompt token
+    # done: llama-server's timings (zeros where nothing ran): prompt tokens computed (those the prompt cache
+    # held are not), ms from the row's admission to its first token (or to the end of a prefill that
+    # samples none), tokens sampled (an end token and text a stop cut included), ms from the first token to
+    # the last; the tokens whose keys and values the row held at the end (prompt + sampled - 1, as
+    # llama-server's tokens_cached; the prompt for a row that samples none) and the context
+    prompt_n: int = 0
+    prompt_ms: float = 0.0
+    predicted_n: int = 0
+    predicted_ms: float = 0.0
+    tokens_cached: int = 0
+    n_ctx: int = 0
 
 
 class Row:
@@ -121,6 +153,15 @@ class Row:
         self.lp: list[LogProb] = []  # log-prob records of out (when params.logprobs is set)
         self.lp_sent = 0  # records already handed out with text events
         self.prompt_lp: list[LogProb] | None = None
+        self.t_start: float | None = None  # admitted (its prefill began)
+        self.t_prefilled: float | None = None
+        self.t_last: float | None = None  # its last token sampled
+        self.prompt_n = 0  # prompt tokens its prefill computed
+        # llama-server's process_token state for n_indent / t_max_predict_ms (_limits): characters of text
+        # released by its stop-word rule, the start of the line checked next, a newline released yet
+        self.ll_sent = 0
+        self.last_nl = 0
+        self.has_new_line = False
 
 
 class QueueFull(Exception):
@@ -207,7 +248,8 @@ class Scheduler:
 
     def __init__(self, engine, max_batch: int = 8, max_queue: int = 64,
                  tok_lock: threading.Lock | None = None,
-                 on_first_token: Callable[[float], None] | None = None):
+                 on_first_token: Callable[[float], None] | None = None,
+                 prompt_cache_entries: int | None = None):
         self.engine = engine
         self.model, self.tok, self.device = engine.model, engine.tok, engine.device
         self.block_size = engine.block_size
@@ -226,7 +268,12 @@ class Scheduler:
         self.stats = {"generated_tokens": 0, "prompt_tokens": 0, "steps": 0, "step_rows": 0,
                       "rows_admitted": 0,
                       "rows_finished": 0, "rows_cancelled": 0, "rows_timed_out": 0, "rows_failed": 0,
-                      "max_active": 0, "loop_errors": 0}
+                      "max_active": 0, "loop_errors": 0, "prompt_tokens_cached": 0}
+        # llama-server's per-slot prompt cache (prompt_cache.py): as many entries as rows run at once, at
+        # least its 4 slots (0: none)
+        n_cache = max(max_batch, 4) if prompt_cache_entries is None else prompt_cache_entries
+        self.prompt_cache: PromptCache | None = PromptCache(n_cache) if n_cache > 0 else None
+        self._pieces: PieceIndex | None = None  # the tokenizer's pieces, for the infill sampler
         self._outbox: dict = {}  # event loop -> [(row, event)] of the current step
         self.mean_row_seconds = 1.0  # moving average of a row's time in the server (for Retry-After)
         self.thread = threading.Thread(target=self._loop, name="codeforge-generate", daemon=True)
@@ -312,6 +359,8 @@ class Scheduler:
                         if not r.done:
                             self._fail(r, 500, f"generation failed: {type(e).__name__}: {e}")
                     self.active, self.logits, self.cache = [], None, None
+                    if self.prompt_cache is not None:
+                        self.prompt_cache.clear()
                 self._flush()
                 if self.step_delay:
                     time.sleep(self.step_delay)
@@ -356,12 +405,16 @@ class Scheduler:
             self.logits = None
 
     def _admit(self, r: Row) -> None:
-        """Prefill a newcomer alone, move its cache into a slot and keep its next-token logits."""
+        """Prefill a newcomer alone, move its cache into a slot and keep its next-token logits. The prefix
+        its prompt shares with a prompt-cache entry is copied from there, not computed (the model runs on
+        the rest, after those positions), and the entry then holds this prompt."""
+        r.t_start = time.monotonic()
         if self.cache is None:
             self.cache = SlotCache(self.model, self.max_batch, self.block_size, self.device,
                                    self.engine.cache_dtype)
         P = len(r.prompt)
-        # echo with max_tokens 0: the prompt's log-probs, nothing generated
+        # max_tokens 0: echo's prompt log-probs, or a warm-up (llama-server's n_predict 0) that fills the
+        # prompt cache; nothing is generated
         score_only = r.p.max_new_tokens == 0
         if not 0 < P <= self.block_size - (0 if score_only else 1):
             self._fail(r, 400, f"prompt of {P} tokens does not fit the context of {self.block_size}")
@@ -370,12 +423,22 @@ class Scheduler:
         if r.p.constraint is not None and not score_only:
             # the grammar keeps the tokens that end its reply in reserve within this budget (constrain.py)
             r.p.constraint.set_budget(r.p.max_new_tokens)
-        if score_only and r.p.prompt_logprobs is None:
+        # echo scores every position: it computes the whole prompt and leaves the cache alone
+        cached = self.prompt_cache is not None and r.p.cache_prompt and r.p.prompt_logprobs is None
+        if score_only and r.p.prompt_logprobs is None and not cached:
             self.stats["rows_admitted"] += 1
             self._finish(r, "length", stop_type="limit")
             return
         tmp = self.model.new_kv_cache(1, P, self.device, self.engine.cache_dtype)
-        idx = torch.tensor([r.prompt], device=self.device)
+        n_past = entry = 0
+        if cached:
+            entry = self.prompt_cache.choose(r.prompt, r.p.cache_slot)
+            n_past, ck, cv = self.prompt_cache.reuse(entry, r.prompt)
+            if n_past:
+                for dst, src in zip(tmp.k + tmp.v, ck + cv):
+                    dst[0, :, :n_past] = src[:, :n_past]
+                tmp.len = n_past
+        idx = torch.tensor([r.prompt[n_past:]], device=self.device)
         with autocast(self.device, self.engine.precision):
             if r.p.prompt_logprobs is None:
                 logits = self.model(idx, kv_cache=tmp, last_only=True)[:, -1, :]  # (1, model vocab)
@@ -389,9 +452,13 @@ class Scheduler:
                     r.prompt_lp += prompt_logprobs(F.linear(h[s:e], head), r.prompt[s + 1:e + 1],
                                                    self.tok.vocab_size, r.p.prompt_logprobs)
                 self._emit(r, Event("prompt", prompt_logprobs=r.prompt_lp))
+        r.prompt_n, r.t_prefilled = P - n_past, time.monotonic()
+        if cached:  # the one-row cache holds exactly this prompt: the entry keeps it (not copied)
+            self.prompt_cache.store(entry, r.prompt, [t[0] for t in tmp.k], [t[0] for t in tmp.v])
+        self.stats["prompt_tokens"] += P - n_past
+        self.stats["prompt_tokens_cached"] += n_past
         if score_only:
             self.stats["rows_admitted"] += 1
-            self.stats["prompt_tokens"] += P
             self._finish(r, "length", stop_type="limit")
             return
         self.cache.add([t[0] for t in tmp.k], [t[0] for t in tmp.v])
@@ -403,12 +470,11 @@ class Scheduler:
             r.counts = torch.zeros(V, device=self.device)
         if r.p.repetition_penalty != 1.0:
             r.seen = torch.zeros(V, dtype=torch.bool, device=self.device)
-            r.seen[idx[0]] = True
+            r.seen[torch.tensor(r.prompt, device=self.device)] = True
         self.active.append(r)
         self.logits = logits if self.logits is None else torch.cat([self.logits,
                                                                     logits.to(self.logits.dtype)])
         self.stats["rows_admitted"] += 1
-        self.stats["prompt_tokens"] += P
 
     def _sample(self) -> list[int]:
         """One token per active row, each with its own settings and generator (a row samples exactly as
@@ -421,7 +487,8 @@ class Scheduler:
         constraints = [r.p.constraint for r in rows]
         if any(c is not None for c in constraints):
             logits = mask_logits(constraints, logits)
-        if all(r.p.temperature == 0 and r.counts is None and r.seen is None for r in rows):
+        if all(r.p.temperature == 0 and r.counts is None and r.seen is None and r.p.samplers is None
+               for r in rows):
             out = logits.argmax(-1).tolist()
         else:
             for i, r in enumerate(rows):
@@ -449,21 +516,37 @@ class Scheduler:
                 r.lp.append(token_logprobs(raw[i], out[i], r.p.logprobs, V))
         return out
 
-    @staticmethod
-    def _sample_row(r: Row, x: torch.Tensor, V: int) -> int:
+    def _sample_row(self, r: Row, x: torch.Tensor, V: int) -> int:
         if r.seen is not None:
             x = apply_repetition_penalty(x, r.seen[:V].unsqueeze(0), r.p.repetition_penalty)
         if r.counts is not None:
             c = r.counts[:V]
             x = x - r.p.frequency_penalty * c - r.p.presence_penalty * (c > 0).float()
+        if r.p.samplers is not None:  # llama.cpp's chain, after the penalties (sampling.py)
+            # the infill sampler's forced end: end-of-text where it ends the row (as llama.cpp's EOT), else
+            # one of the row's end tokens
+            stop_ids, eot = r.p.stop_ids, self.tok.eot_id
+            if stop_ids and eot not in stop_ids:
+                eot = min(stop_ids)
+            return sample_chain(x[0], r.p.samplers, top_k=r.p.top_k, top_p=r.p.top_p, min_p=r.p.min_p,
+                                temperature=r.p.temperature, gen=r.gen, eog=stop_ids, eot=eot,
+                                index=self._piece_index)
         if r.p.temperature < SAMPLING_EPS:  # 0, or so small that x / temperature overflows: greedy
             return int(x.argmax(-1))
         x = torch.nan_to_num(x / r.p.temperature, nan=-float("inf"), posinf=torch.finfo(x.dtype).max)
         probs = filter_logits(x, r.p.top_k, r.p.top_p).softmax(-1)
         return int(torch.multinomial(probs, 1, generator=r.gen))
 
+    def _piece_index(self) -> PieceIndex:
+        """The tokenizer's pieces for the infill sampler, made on first use (a decode per token id)."""
+        if self._pieces is None:
+            with self.tok_lock:
+                self._pieces = piece_index(self.tok)
+        return self._pieces
+
     def _accept(self, r: Row, t: int) -> None:
-        """Append a sampled token to a row: decode, check stops and budget, emit the settled text."""
+        """Append a sampled token to a row: decode, check stops and budget (and llama-server's n_indent and
+        t_max_predict_ms after them, in its order: _limits), emit the settled text."""
         if r.cancelled:
             return
         now = time.monotonic()
@@ -471,10 +554,16 @@ class Scheduler:
             r.t_first = now
             if self.on_first_token is not None:
                 self.on_first_token(now - r.t_submit)
+        r.t_last = now
         self.stats["generated_tokens"] += 1
+        llama = r.p.n_indent > 0 or r.p.t_max_predict_ms > 0
         if t in r.p.stop_ids:
             r.out.append(t)  # counted as generated, never shown
-            self._finish(r, "stop", drop_last=True, stop_type="eos")
+            # llama-server checks the indentation on an end token too (the cut stands); "eos" wins
+            if llama and self._limits(r, now, eog=True, word=False)[1]:
+                self._finish(r, "stop", decoded=True, stop_type="eos")
+            else:
+                self._finish(r, "stop", drop_last=True, stop_type="eos")
             return
         r.out.append(t)
         r.last = t
@@ -485,6 +574,7 @@ class Scheduler:
         with self.tok_lock:
             prev = self.tok.decode(r.out[r._prefix_off:r._read_off], skip_special=r.p.hide_special)
             new = self.tok.decode(r.out[r._prefix_off:], skip_special=r.p.hide_special)
+        word = False
         if len(new) > len(prev) and not new.endswith("\ufffd"):
             before = len(r.text)
             r.text += new[len(prev):]
@@ -495,16 +585,67 @@ class Scheduler:
                 hit = _first_stop(r.text, stops, max(0, before - longest + 1), calls)
                 if hit is not None:
                     r.text = r.text[:hit]
-                    self._finish(r, "stop", decoded=True, stop_type="word")
-                    return
-        if len(r.out) >= r.p.max_new_tokens:
+                    if not llama:
+                        self._finish(r, "stop", decoded=True, stop_type="word")
+                        return
+                    word = True
+        budget = not word and len(r.out) >= r.p.max_new_tokens
+        if budget and not llama:
             self._finish(r, "length", stop_type="limit")
             return
+        if llama:
+            if self._limits(r, now, eog=False, word=word)[0]:  # llama-server's LIMIT, over a stop word too
+                self._finish(r, "length", decoded=True, stop_type="limit")
+                return
+            if word:
+                self._finish(r, "stop", decoded=True, stop_type="word")
+                return
+            if budget:
+                self._finish(r, "length", stop_type="limit")
+                return
         hold = max((len(s) for s in _stops_of(r.p)[0]), default=1) - 1
         safe = len(r.text) - hold
         if safe > r.sent:
             piece, r.sent = r.text[r.sent:safe], safe
             self._emit(r, Event("text", piece, completion_tokens=len(r.out), logprobs=self._new_lp(r)))
+
+    @staticmethod
+    def _limits(r: Row, now: float, eog: bool, word: bool) -> tuple[bool, bool]:
+        """llama-server's n_indent and t_max_predict_ms checks for the token just accepted
+        (tools/server/server-context.cpp process_token, 1884-1931): (stop with "limit", the text was cut).
+
+        Its text sent this token is the text not yet released, held back while its end could start a stop
+        sequence (not on an end token or once a stop sequence matched). n_indent: once an earlier token
+        released a newline, the line starting at last_nl (a line is judged from the token after the one
+        that moved last_nl to it, and nothing before the first line's newline is) is checked when a
+        character other than a space or tab follows its indentation: fewer than n_indent spaces/tabs cut the
+        text there (the newline and the short indentation stay) and stop; then last_nl moves past the next
+        newline (one per token). t_max_predict_ms: a token whose released text has a newline stops once
+        more than that many ms have passed since the first token."""
+        text = r.text
+        unsent = text[min(r.ll_sent, len(text)):]
+        stops = _stops_of(r.p)[0]
+        held = not eog and not word and any(unsent.endswith(s[:n]) for s in stops
+                                            for n in range(min(len(s), len(unsent)), 0, -1))
+        released = "" if held else unsent
+        r.ll_sent = min(r.ll_sent, len(text)) + len(released)
+        limit = cut = False
+        if r.has_new_line and r.p.n_indent > 0:
+            if r.last_nl > 0:  # the first line is never judged
+                pos = r.last_nl
+                while pos < len(text) and text[pos] in " \t":
+                    pos += 1
+                if pos < len(text) and pos - r.last_nl < r.p.n_indent:
+                    r.text = text = text[:pos]
+                    limit = cut = True
+            nl = text.find("\n", r.last_nl)
+            if nl >= 0:
+                r.last_nl = nl + 1
+        if "\n" in released:
+            r.has_new_line = True
+            if r.p.t_max_predict_ms > 0 and (now - r.t_first) * 1000 > r.p.t_max_predict_ms:
+                limit = True
+        return limit, cut
 
     def _finish(self, r: Row, reason: str | None, cancelled: bool = False, drop_last: bool = False,
                 decoded: bool = False, stop_type: str = "") -> None:
@@ -521,13 +662,22 @@ class Scheduler:
                 text, reason, stop_type = text[:cut], "stop", "word"
             r.text = text if text.startswith(r.text[:r.sent]) else r.text
         self.stats["rows_finished"] += 1
-        self.mean_row_seconds = 0.9 * self.mean_row_seconds + 0.1 * (time.monotonic() - r.t_submit)
+        now = time.monotonic()
+        self.mean_row_seconds = 0.9 * self.mean_row_seconds + 0.1 * (now - r.t_submit)
         if len(r.text) > r.sent:
             self._emit(r,
                        Event("text", r.text[r.sent:], completion_tokens=len(r.out), logprobs=self._new_lp(r)))
             r.sent = len(r.text)
+        # llama-server's timings: the prompt until the first token (or the prefill's end), generation from
+        # the first token to the last (at least 1 us once there is one)
+        ends = r.t_first if r.t_first is not None else r.t_prefilled
+        prompt_ms = (ends - r.t_start) * 1000 if r.t_start is not None and ends is not None else 0.0
+        predicted_ms = max(0.001, (r.t_last - r.t_first) * 1000) if r.t_first is not None else 0.0
+        held = len(r.prompt) + len(r.out) - 1 if r.out else len(r.prompt) if r.t_prefilled is not None else 0
         self._emit(r, Event("done", r.text, reason, completion_tokens=len(r.out), stop_type=stop_type,
-                            logprobs=r.lp if r.p.logprobs is not None else None, prompt_logprobs=r.prompt_lp))
+                            logprobs=r.lp if r.p.logprobs is not None else None, prompt_logprobs=r.prompt_lp,
+                            prompt_n=r.prompt_n, prompt_ms=prompt_ms, predicted_n=len(r.out),
+                            predicted_ms=predicted_ms, tokens_cached=held, n_ctx=self.block_size))
 
     @staticmethod
     def _new_lp(r: Row) -> list[LogProb] | None:

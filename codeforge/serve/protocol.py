@@ -1,5 +1,6 @@
-"""The wire format: request bodies (pydantic, strict types: "0.5" is not a number), OpenAI's error shape, and
-the builders that turn generated text into OpenAI (and llama.cpp /infill) responses and stream chunks.
+"""The wire format: request bodies (pydantic, strict types: "0.5" is not a number; OpenAI's, and
+llama-server's for /infill and /completion, whose replies llama_api.py builds), OpenAI's error shape, the
+builders that turn generated text into OpenAI responses and stream chunks, and llama.cpp's sampler names.
 
 Errors are always {"error": {"message", "type", "param", "code"}}: 400 a request that is well-formed but
 cannot be served (prompt too long, unsupported option, a message without content, a Host the server does not
@@ -15,9 +16,9 @@ import codecs
 import json
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from ..chat import CALL_CLOSE, CALL_OPEN, IM_END, parse_assistant
 
@@ -65,7 +66,7 @@ def parse_body(cls: type[BaseModel], raw: bytes) -> BaseModel:
             name = ".".join(str(x) for x in extra["loc"])
             raise ApiError(400,
                            f"{name} is not supported by this server (leave it out; the fields it takes are "
-                           f"OpenAI's, listed in the serving guide)", param=name,
+                           f"{getattr(cls, 'API', 'OpenAI')}'s, listed in the serving guide)", param=name,
                            code="unsupported_parameter") from None
         first = errs[0]
         param = _loc(first["loc"])
@@ -85,9 +86,10 @@ class _Body(BaseModel):
 
 
 class _Request(_Body):
-    """A top-level OpenAI request body: a field this server does not know is refused by name (400
+    """A top-level request body: a field this server does not know is refused by name (400
     unsupported_parameter), never dropped, so a client never believes an option
     took effect when it did not."""
+    API: ClassVar[str] = "OpenAI"  # whose fields the body takes (the refusal says)
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
@@ -115,6 +117,19 @@ class _Sampling(_Request):
     safety_identifier: str | None = None  # OpenAI: who the end user is (user's successor); accepted, unused
     prompt_cache_key: str | None = None  # OpenAI: a cache hint; accepted, unused
     service_tier: str | None = None  # OpenAI: a billing tier; accepted, unused
+    # llama-server's fields that llama.cpp clients send to /v1 too (llama.vim's instruct mode); the meaning
+    # is theirs (llama_api.py), and OpenAI's defaults stay: samplers picks and orders the chain (without
+    # "penalties" in it, no penalty applies), id_slot and cache_prompt the prompt cache
+    n_predict: int | None = Field(None, ge=-1, description="llama-server's max_tokens: -1 as many as fit; "
+                                                            "takes precedence; past what fits it is cut")
+    id_slot: int | None = None
+    cache_prompt: bool | None = None
+    samplers: object = None
+    min_p: float | None = Field(None, ge=0, le=1)
+    n_indent: int | None = Field(None, ge=0)
+    t_max_predict_ms: int | None = Field(None, ge=-1)
+    t_max_prompt_ms: object = None  # accepted, unused (llama-server does not implement it either)
+    response_fields: list[str] | None = None  # accepted; llama-server projects no OpenAI reply either
 
     def stops(self) -> list[str]:
         s = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -245,11 +260,6 @@ class ChatRequest(_Sampling):
         return out
 
 
-class ExtraChunk(_Body):
-    filename: str | None = None  # absent: llama-server names the chunk "tmp" (fim.repo_infill); "" stays ""
-    text: str = ""
-
-
 class TokenizeRequest(_Request):
     """vLLM's /tokenize: text (`prompt`) or a conversation (`messages`, rendered as the chat template)."""
     model: str | None = None
@@ -266,20 +276,204 @@ class DetokenizeRequest(_Request):
     tokens: list[int] = Field(max_length=1 << 20)
 
 
-class InfillRequest(_Body):
-    """llama.cpp server's /infill body (the fields codeforge uses; others are ignored)."""
-    model: str | None = None
-    input_prefix: str = ""
-    input_suffix: str = ""
-    input_extra: list[ExtraChunk] = Field(default_factory=list, max_length=256)
-    prompt: str = ""  # appended to input_prefix (llama.cpp: the text of the current line)
-    n_predict: int = Field(-1, ge=-1)
-    temperature: float = Field(0.8, ge=0, le=5)
-    top_k: int = Field(40, ge=-1)
-    top_p: float = Field(0.95, gt=0, le=1)
-    seed: int = Field(-1, ge=-1, le=2**64 - 1)
-    stop: list[str] = Field(default_factory=list, max_length=16)
-    stream: bool = False
+# -- llama-server's own API (/infill, /completion): llama_api.py ------------------------------------------
+
+def _integral(v):
+    """llama-server reads a whole number given as 3.0 as 3 (JSON numbers are numbers)."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+INT32_MAX = 2**31 - 1
+
+# llama-server's request fields (tools/server/server-schema.cpp at the pinned llama.cpp, and what
+# handle_completions_impl and post_infill read) that codeforge takes but does not act on: accepted, whatever
+# their value, and named in a Warning header when given (the serving guide lists them). A field neither
+# server knows is refused by name.
+LLAMA_IGNORED = (
+    "verbose", "timings_per_token", "stream_options", "return_progress", "sse_ping_interval", "n_keep",
+    "n_discard", "n_cache_reuse", "top_n_sigma", "xtc_probability", "xtc_threshold", "typical_p",
+    "dynatemp_range", "dynatemp_exponent", "repeat_last_n", "dry_multiplier", "dry_base",
+    "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "mirostat", "mirostat_tau",
+    "mirostat_eta", "adaptive_target", "adaptive_decay", "n_probs", "logprobs", "min_keep",
+    "backend_sampling", "post_sampling_probs", "lora", "json_schema", "grammar", "grammar_type",
+    "grammar_lazy", "grammar_triggers", "preserved_tokens", "chat_format", "reasoning_format",
+    "generation_prompt", "parse_tool_calls", "chat_parser", "continue_final_message", "echo",
+    "reasoning_control", "reasoning_budget_tokens", "reasoning_budget_start_tag", "reasoning_budget_end_tags",
+    "reasoning_budget_end_tag", "reasoning_budget_message", "logit_bias", "ignore_eos", "message_delimiters",
+)
+# (t_max_prompt_ms and model are accepted without a warning: llama-server ignores them too, the first a TODO
+# of its schema, the second because it serves one model)
+
+
+class LlamaBody(_Request):
+    """What /infill and /completion both take: llama-server's completion fields. null is "not given" (the
+    server's default), as in llama-server. Ranges llama-server enforces (n_predict, n_indent, n_cmpl,
+    t_max_predict_ms) are enforced (422; n_cmpl past the slot count 400); those it clamps (top_k, top_p,
+    min_p, temperature) are clamped."""
+    API: ClassVar[str] = "llama-server"
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    stream: bool | None = None
+    cache_prompt: bool | None = None
+    return_tokens: bool | None = None
+    n_predict: Int | None = Field(None, ge=-1, le=INT32_MAX)
+    max_tokens: Int | None = Field(None, ge=-1, le=INT32_MAX)  # llama-server's aliases of n_predict
+    max_completion_tokens: Int | None = Field(None, ge=-1, le=INT32_MAX)
+    n_indent: Int | None = Field(None, ge=0, le=INT32_MAX)
+    n_cmpl: Int | None = Field(None, ge=1, le=INT32_MAX)  # at most the slot count (--max-batch): 400 past it
+    n: Int | None = Field(None, ge=1, le=INT32_MAX)  # n_cmpl's alias
+    t_max_predict_ms: Int | None = Field(None, ge=-1, le=2**63 - 1)
+    response_fields: list[str] | None = None
+    top_k: Int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    temperature: float | None = None
+    repeat_penalty: float | None = Field(None, gt=0)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: Int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    stop: str | Annotated[list[str], Field(max_length=64)] | None = None
+    samplers: object = None  # names (a list) or letters (a string); any other JSON is ignored, as there
+    id_slot: Int | None = None
+    # accepted, not acted on
+    t_max_prompt_ms: object = None
+    model: object = None
+    verbose: object = None
+    timings_per_token: object = None
+    stream_options: object = None
+    return_progress: object = None
+    sse_ping_interval: object = None
+    n_keep: object = None
+    n_discard: object = None
+    n_cache_reuse: object = None
+    top_n_sigma: object = None
+    xtc_probability: object = None
+    xtc_threshold: object = None
+    typical_p: object = None
+    dynatemp_range: object = None
+    dynatemp_exponent: object = None
+    repeat_last_n: object = None
+    dry_multiplier: object = None
+    dry_base: object = None
+    dry_allowed_length: object = None
+    dry_penalty_last_n: object = None
+    dry_sequence_breakers: object = None
+    mirostat: object = None
+    mirostat_tau: object = None
+    mirostat_eta: object = None
+    adaptive_target: object = None
+    adaptive_decay: object = None
+    n_probs: object = None
+    logprobs: object = None
+    min_keep: object = None
+    backend_sampling: object = None
+    post_sampling_probs: object = None
+    lora: object = None
+    json_schema: object = None
+    grammar: object = None
+    grammar_type: object = None
+    grammar_lazy: object = None
+    grammar_triggers: object = None
+    preserved_tokens: object = None
+    chat_format: object = None
+    reasoning_format: object = None
+    generation_prompt: object = None
+    parse_tool_calls: object = None
+    chat_parser: object = None
+    continue_final_message: object = None
+    echo: object = None
+    reasoning_control: object = None
+    reasoning_budget_tokens: object = None
+    reasoning_budget_start_tag: object = None
+    reasoning_budget_end_tags: object = None
+    reasoning_budget_end_tag: object = None
+    reasoning_budget_message: object = None
+    logit_bias: object = None
+    ignore_eos: object = None
+    message_delimiters: object = None
+
+    def predict(self) -> int:
+        """n_predict, or its aliases in llama-server's order; -1 (no limit but the context) when none."""
+        for v in (self.n_predict, self.max_completion_tokens, self.max_tokens):
+            if v is not None:
+                return v
+        return -1
+
+    def completions(self) -> int:
+        return self.n_cmpl if self.n_cmpl is not None else (self.n if self.n is not None else 1)
+
+    def stops(self) -> list[str]:
+        """The stop strings that can match (llama-server stops at once on an empty one; here it is passed
+        over, as /v1 does)."""
+        s = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return [x for x in s if x]
+
+    def ignored(self) -> list[str]:
+        """The fields given that llama-server acts on and this server does not."""
+        return [f for f in LLAMA_IGNORED if getattr(self, f) is not None]
+
+
+class LlamaExtraChunk(_Body):
+    """One of /infill's input_extra chunks: text, an optional file name; other keys (llama.vim's "time") are
+    ignored, as llama-server ignores them."""
+    text: str
+    filename: str | None = None  # absent: llama-server names the chunk "tmp" (fim.repo_infill); "" stays ""
+
+
+Piece = str | Annotated[list[Int | str], Field(max_length=1 << 20)]
+
+
+class InfillRequest(LlamaBody):
+    """llama-server's /infill body: input_prefix and input_suffix (text, token ids or both mixed),
+    input_extra (other files), prompt (text after the prefix, read with its special tokens)."""
+    input_prefix: Piece = ""
+    input_suffix: Piece = ""
+    input_extra: list[LlamaExtraChunk] = Field(default_factory=list, max_length=256)
+    prompt: str = ""
+
+
+class LlamaCompletionRequest(LlamaBody):
+    """llama-server's /completion body: prompt is text, token ids, ids and text mixed, an object with
+    prompt_string, or a list of these (several prompts, an array in reply)."""
+    prompt: object
+
+
+# -- samplers (llama.cpp's common/sampling.cpp: common_sampler_types_from_names / _from_chars) ---------------
+SAMPLERS = ("dry", "top_k", "top_p", "top_n_sigma", "typ_p", "min_p", "temperature", "xtc", "infill",
+            "penalties", "adaptive_p")
+SAMPLER_NAMES = {**{s: s for s in SAMPLERS},
+                 **{s.replace("_", "-"): s for s in SAMPLERS if "_" in s},
+                 **{s.replace("_", ""): s for s in SAMPLERS if "_" in s},
+                 "nucleus": "top_p", "temp": "temperature", "typ": "typ_p"}
+SAMPLER_CHARS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
+                 "t": "temperature", "x": "xtc", "i": "infill", "e": "penalties", "a": "adaptive_p"}
+# llama-server's chain when a request names none (common/common.h)
+DEFAULT_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc",
+                    "temperature")
+# the samplers the generation loop runs (batcher.RowParams.samplers, in chain order). Of the others, the
+# penalties are applied apart (first, where llama-server's default chain has them), and dry, top_n_sigma,
+# typ_p, xtc and adaptive_p do nothing at llama-server's defaults (their settings are ignored fields)
+CHAIN = ("top_k", "top_p", "min_p", "temperature", "infill")
+
+
+def parse_samplers(value) -> list[str] | None:
+    """The canonical sampler names a request's `samplers` gives, read as llama-server reads it: a list of
+    names (any case; kebab-case, no-underscore and nucleus/temp/typ aliases), or a string of letters; names
+    and letters it does not know are dropped. None: no chain given (any other JSON is ignored, as there)."""
+    if isinstance(value, list):
+        if not all(isinstance(x, str) for x in value):
+            raise ApiError(422, "samplers: a list of sampler names (strings), or a string of sampler letters",
+                           param="samplers", code="invalid_value")
+        return [SAMPLER_NAMES[x.lower()] for x in value if x.lower() in SAMPLER_NAMES]
+    if isinstance(value, str):
+        return [SAMPLER_CHARS[c] for c in value if c in SAMPLER_CHARS]
+    return None
+
+
+def chain(names: list[str]) -> tuple[str, ...]:
+    """The samplers of `names` the generation loop runs, in their order."""
+    return tuple(n for n in names if n in CHAIN)
 
 
 # -- responses ---------------------------------------------------------------------------------------------
