@@ -28,6 +28,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -47,8 +48,11 @@ def post(url: str, body: dict, timeout: float = 300.0) -> tuple[dict, float]:
     data = json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        raw = r.read()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+    except urllib.error.HTTPError as e:
+        raise SystemExit(f"{url}: {e.code} {e.read()[:500]!r}") from None
     return json.loads(raw or b"{}"), (time.perf_counter() - t0) * 1000
 
 
@@ -124,11 +128,13 @@ def main() -> None:
         port = free_port()
         if gguf is None:
             cmd = [sys.executable, "-m", "codeforge", "serve", "--run", os.path.abspath(a.run),
-                   "--port", str(port)]
+                   "--port", str(port), "--infill-predict", str(a.n_predict)]
         else:
-            # one slot and codeforge's context: llama.vim's id_slot 0 lands in the same cache on both
+            # one slot, codeforge's context, and the same /infill budget (-b as --infill-batch, half the
+            # context; -n as --infill-predict): the same prompt on both, llama.vim's id_slot 0 one cache
             cmd = [binary, "-m", str(gguf), "--port", str(port), "-t", str(a.threads), "-np", "1",
-                   "-c", str(ctx), "--no-webui"]
+                   "-c", str(ctx), "-b", str(ctx // 2), "-ub", str(ctx // 2), "-n", str(a.n_predict),
+                   "--no-webui"]
         proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             url = f"http://127.0.0.1:{port}"

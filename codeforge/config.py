@@ -90,7 +90,7 @@ class RunSettings:
     loads --init-from and seeds the weights)."""
     stage: str = setting("pretrain",
                          "training stage: packed text (pretrain, code) or chat conversations with a loss "
-                         "mask (sft, tools); each stage has its seed's defaults (presets/stages.toml)",
+                         "mask (sft, tools); each stage has its own defaults (presets/stages.toml)",
                          choices=STAGES)
     out: str = setting("", "run directory (checkpoints, metrics, config)", required=True, metavar="RUN")
     init_from: str = setting("",

@@ -10,6 +10,7 @@ one place.
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import MISSING, Field, field, fields
 from typing import Any
 
@@ -79,7 +80,8 @@ def describe(f: Field) -> str:
         parts.append(f"0: {m['zero_means']}")
     if m.get("required"):
         parts.append("required")
-    elif "default" not in m.get("help", ""):  # a help that says its default itself ("default: both") keeps it
+    # a help that says its default itself ("default: both") keeps it
+    elif not re.search(r"\bdefault\b", m.get("help", "")):
         d = default_of(f)
         if isinstance(d, bool):
             parts.append(f"default {'on' if d else 'off'}")

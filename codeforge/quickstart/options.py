@@ -22,7 +22,7 @@ class QuickstartOptions:
         "installed) | PATH (your code: a directory or a file)", metavar="NAME|PATH")
     max_iters: int | None = setting(
         None, "pretraining steps, a fixed count (default: as many of 560 as fit in --time-budget)", type=int,
-        range=(1, 10**12))
+        range=(1, 10**12), zero_means="as many as fit in --time-budget")
     time_budget: float | None = setting(
         None, "minutes pretraining may take on this CPU; the step count follows the pace it measures "
         "(default 8; ignored with --max-iters)", type=float, metavar="MINUTES", range=(0.0, 100_000.0))

@@ -122,7 +122,7 @@ def walk(q: Quickstart, recipe: Recipe) -> dict:
     return q.result
 
 
-def run_quickstart(out: str, base_dir: str | None = None, **options: Any) -> dict:
+def run_quickstart(out: str, *, base_dir: str | None = None, **options: Any) -> dict:
     """The quickstart into `out`. options: QuickstartOptions' fields (corpus, max_iters, device, chat, hrm,
     val_fraction, time_budget, base, from_hf, lora_rank), their defaults the command's flags'. base_dir: with
     chat, the plain quickstart's directory for the same corpus, whose tokenizer and shards are reused when it

@@ -28,7 +28,7 @@ class TasksOptions:
 class ToolsOptions:
     """`codeforge make-tools` (tool_calls.write_tool_data)."""
     out: str = setting("", "directory: train.jsonl, heldout.jsonl, meta.json", required=True, metavar="DIR")
-    count: int = setting(2000, "training conversations", range=(1, 10**7))
+    count: int = setting(2000, "training conversations (0: a held-out set alone)", range=(0, 10**7))
     heldout: int = setting(200, "held-out conversations", range=(0, 10**7))
     seed: int = setting(0, "random seed: the same seed writes the same conversations")
     overwrite: bool = setting(False, "replace an existing --out directory")
