@@ -406,3 +406,28 @@ def test_v1_rows_keep_openai_sampling_unless_llama_fields_are_given(live):
     assert r.status_code == 200 and row.p.max_new_tokens == BLOCK - len(row.prompt)
     assert live.rows[-1].p.samplers == ("top_k",) and live.rows[-1].p.presence_penalty == 0.0
     assert_error(live.http.post("/v1/completions", json={"prompt": "x", "samplers": [1]}), 422)
+
+
+def test_what_the_hostile_review_found(live):
+    """A samplers chain of a million letters (a body under the size limit) ran a million top_k steps for every
+    token in the shared loop and stalled every request: refused past 64 entries. An infinite temperature
+    (JSON 1e999 reads as inf) was answered with `Infinity` in generation_settings, which strict JSON parsers
+    (llama.vscode's) refuse: non-finite numbers are refused. /infill said truncated where llama-server's own
+    budget rule trimmed the prompt (llama-server says truncated only for a prompt cut further to fit)."""
+    h = live.http
+    for samplers in ("k" * 65, ["top_k"] * 65):
+        body = {"prompt": "def f", "n_predict": 2, "samplers": samplers}
+        err = assert_error(h.post("/completion", json=body), 422, "invalid_value")
+        assert "samplers" in err["message"] and "at most 64" in err["message"]
+    ok = h.post("/completion", json={"prompt": "def f", "n_predict": 2, "samplers": "k" * 64})
+    assert ok.status_code == 200, ok.text
+    for field in ("temperature", "top_p", "min_p"):
+        raw = '{"prompt": "def f", "n_predict": 2, "%s": 1e999}' % field
+        r = h.post("/completion", content=raw, headers={"Content-Type": "application/json"})
+        assert r.status_code == 422, (field, r.status_code, r.text[:200])
+    # a prefix longer than llama-server's budget keeps (3/4 of --infill-batch): trimmed by its rule, not
+    # truncated
+    long_prefix = "".join(f"x{i} = {i}\n" for i in range(200))
+    got = h.post("/infill", json={"input_prefix": long_prefix, "input_suffix": "y = 1\n", "n_predict": 2})
+    assert got.status_code == 200, got.text
+    assert got.json()["truncated"] is False and got.json()["tokens_evaluated"] < BLOCK

@@ -363,12 +363,15 @@ async def infill(srv: ServerState, request: Request):
 
     def encode():
         # n_predict: the server's --infill-predict, as llama-server's rule reads its own -n, not the request's
-        ids, cut = repo_infill(_Pieces(srv.tok), prefix, suffix, _clip_extra(extra, chars), prompt,
-                               n_ctx=srv.block_size, n_batch=srv.infill_batch,
-                               n_predict=srv.opts.infill_predict)
-        if len(ids) > room:
-            ids, cut = fit_infill(ids, room, srv.tok.special_ids), True
-        return ids, cut or clipped
+        # what llama-server's own budget rule drops is not "truncated" (it says so only for a prompt cut
+        # further to fit the context), so repo_infill's own cut is not reported
+        ids, _ = repo_infill(_Pieces(srv.tok), prefix, suffix, _clip_extra(extra, chars), prompt,
+                             n_ctx=srv.block_size, n_batch=srv.infill_batch,
+                             n_predict=srv.opts.infill_predict)
+        fitted = len(ids) > room
+        if fitted:
+            ids = fit_infill(ids, room, srv.tok.special_ids)
+        return ids, fitted or clipped
 
     ids, cut = await srv.encode(encode)
     ids = srv.check_prompt(ids, "input_prefix")

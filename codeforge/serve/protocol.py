@@ -326,12 +326,12 @@ class LlamaBody(_Request):
     t_max_predict_ms: Int | None = Field(None, ge=-1, le=2**63 - 1)
     response_fields: list[str] | None = None
     top_k: Int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    temperature: float | None = None
-    repeat_penalty: float | None = Field(None, gt=0)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    top_p: float | None = Field(None, allow_inf_nan=False)
+    min_p: float | None = Field(None, allow_inf_nan=False)
+    temperature: float | None = Field(None, allow_inf_nan=False)
+    repeat_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)
+    presence_penalty: float | None = Field(None, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, allow_inf_nan=False)
     seed: Int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stop: str | Annotated[list[str], Field(max_length=64)] | None = None
     samplers: object = None  # names (a list) or letters (a string); any other JSON is ignored, as there
@@ -455,12 +455,18 @@ DEFAULT_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p"
 # penalties are applied apart (first, where llama-server's default chain has them), and dry, top_n_sigma,
 # typ_p, xtc and adaptive_p do nothing at llama-server's defaults (their settings are ignored fields)
 CHAIN = ("top_k", "top_p", "min_p", "temperature", "infill")
+MAX_SAMPLERS = 64
 
 
 def parse_samplers(value) -> list[str] | None:
     """The canonical sampler names a request's `samplers` gives, read as llama-server reads it: a list of
     names (any case; kebab-case, no-underscore and nucleus/temp/typ aliases), or a string of letters; names
-    and letters it does not know are dropped. None: no chain given (any other JSON is ignored, as there)."""
+    and letters it does not know are dropped. None: no chain given (any other JSON is ignored, as there).
+    At most MAX_SAMPLERS entries: the chain runs for every token of the shared generation loop, so a chain of
+    a million steps (a body under the size limit can hold one) would slow every request on the server."""
+    if isinstance(value, (list, str)) and len(value) > MAX_SAMPLERS:
+        raise ApiError(422, f"samplers: {len(value):,} entries; at most {MAX_SAMPLERS} (the chain runs for "
+                            "every token)", param="samplers", code="invalid_value")
     if isinstance(value, list):
         if not all(isinstance(x, str) for x in value):
             raise ApiError(422, "samplers: a list of sampler names (strings), or a string of sampler letters",
