@@ -213,7 +213,8 @@ class LoggingSettings:
 @dataclass
 class DeviceSettings:
     """What the model runs on and how (device.py, called once by stages/common.py's launch; the compiled
-    and checkpointed forward that train/parallel.py and the stages build)."""
+    and checkpointed forward that train/parallel.py and the stages build; the attention kernel,
+    models/gpt.py's set_attention)."""
     device: str = setting("auto", "auto|cpu|cuda|cuda:N|mps")
     threads: int = setting(0, "CPU threads for PyTorch's operations (0: the cores other work leaves free at "
                               "start; $CODEFORGE_THREADS does the same for every command)", range=(0, 4096))
@@ -223,6 +224,15 @@ class DeviceSettings:
                              "AVX512-BF16 or AMX: about 30 percent more tokens/s)",
                              choices=("auto", "fastest", "fp32", "fp16", "bf16"))
     compile: bool = setting(False, "torch.compile the model")
+    attention: str = setting(
+        "auto",
+        "PyTorch SDPA kernel for attention (a runtime choice, not saved with the model's architecture). "
+        "auto: cuDNN first, then flash, efficient, math on a Hopper GPU (sm90+) with cuDNN attention, "
+        "PyTorch's own choice elsewhere; cudnn: cuDNN fused attention (CUDA sm80+, cuDNN 9); flash: "
+        "FlashAttention-2 (CUDA sm80+ in fp16/bf16; also a CPU kernel, without dropout); efficient: "
+        "memory-efficient kernel (CUDA only); math: the plain reference implementation (every device, "
+        "slowest). A forced kernel the device or the model's shapes cannot run is refused",
+        choices=("auto", "cudnn", "flash", "efficient", "math"))
     grad_checkpointing: bool = setting(False, "recompute activations in backward (less memory)",
                                        flag="--gradient-checkpointing")
 

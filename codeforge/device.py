@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from . import CodeforgeError
+from .fields import ConfigError
 
 
 class DeviceError(CodeforgeError):
@@ -330,6 +331,49 @@ def choose_precision(device: torch.device, requested: str = "auto") -> tuple[str
     if device.type == "mps":
         return "fp32", "MPS autocast is not used by default; fp32"
     return "fp32", "CPU: fp32 is the fastest exact choice on most CPUs"
+
+
+# --attention: which PyTorch SDPA kernels the model's attention may use (config.DeviceSettings.attention)
+ATTENTION_CHOICES = ("auto", "cudnn", "flash", "efficient", "math")
+# where each forced backend has a kernel in torch 2.13: on a CPU, math and flash (flash: no dropout there);
+# efficient and cudnn are CUDA only; other devices (MPS) run math
+_ATTENTION_ON = {"cpu": ("math", "flash"), "cuda": ("cudnn", "flash", "efficient", "math")}
+
+
+def _sdp(name: str):
+    from torch.nn.attention import SDPBackend
+    return {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
+
+
+def cudnn_sdpa(device: torch.device) -> bool:
+    """Whether cuDNN's fused attention can run on `device`: CUDA (not ROCm), cuDNN 9 or later, sm80+."""
+    return (device.type == "cuda" and torch.version.hip is None and torch.backends.cudnn.is_available()
+            and (torch.backends.cudnn.version() or 0) >= 90000
+            and torch.cuda.get_device_capability(device) >= (8, 0))
+
+
+def attention_backends(device: torch.device, requested: str = "auto") -> tuple[list | None, str]:
+    """(backends, reason) for --attention: the SDPBackend list the model's attention runs under (in priority
+    order), or None for PyTorch's own choice (no sdpa_kernel context: today's path). auto: cuDNN, then flash,
+    efficient, math on a Hopper GPU (sm90+) with cuDNN attention; elsewhere PyTorch's choice. A forced backend
+    the device has no kernel for is refused here, naming the setting and what to pick."""
+    if requested not in ATTENTION_CHOICES:
+        raise ConfigError(f"--attention (train.attention) {requested!r} is not one of "
+                          f"{', '.join(ATTENTION_CHOICES)}; auto picks for the device")
+    if requested == "auto":
+        if cudnn_sdpa(device) and torch.cuda.get_device_capability(device) >= (9, 0):
+            return ([_sdp(n) for n in ("cudnn", "flash", "efficient", "math")],
+                    "auto: cuDNN attention first on this Hopper-class GPU, then flash, efficient, math")
+        return None, "auto: PyTorch's own choice of SDPA kernel"
+    usable = _ATTENTION_ON.get(device.type, ("math",))
+    no_flash = device.type == "cuda" and not torch.backends.cuda.is_flash_attention_available()
+    if requested not in usable or (requested == "cudnn" and not cudnn_sdpa(device)) or (
+            requested == "flash" and no_flash):
+        raise ConfigError(f"--attention (train.attention) {requested}: PyTorch {torch.__version__} has no "
+                          f"{requested} attention kernel on {device}; pick auto (PyTorch's choice) or one of "
+                          f"{', '.join(n for n in usable if n != 'cudnn' or cudnn_sdpa(device))}")
+    return [_sdp(requested)], "requested"
 
 
 CPU_BF16_ENV = "CODEFORGE_CPU_BF16"  # 1: act as if the CPU had native bf16; 0: as if not; unset: ask the CPU

@@ -22,7 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..fields import saved, setting
+from ..device import attention_backends
+from ..fields import ConfigError, saved, setting
 from .cpu_linear import Linear
 from .lm_loss import lm_loss
 
@@ -206,6 +207,37 @@ def positions(T: int, cached: int, starts: list[int] | None, device) -> torch.Te
     return (cols - torch.tensor(starts, device=device).unsqueeze(1)).clamp(min=0)
 
 
+def sdpa_under(backends: list, q, k, v, **kw) -> torch.Tensor:
+    """scaled_dot_product_attention restricted to `backends` (tried in that order). A single forced backend
+    that cannot run this call (its dtype, head size, mask or dropout) fails naming --attention, not with
+    PyTorch's "No available kernel"."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(backends, set_priority=True):
+        try:
+            return F.scaled_dot_product_attention(q, k, v, **kw)
+        except RuntimeError as e:
+            if len(backends) > 1 or backends[0] == SDPBackend.MATH:
+                raise
+            name = {SDPBackend.CUDNN_ATTENTION: "cudnn", SDPBackend.FLASH_ATTENTION: "flash",
+                    SDPBackend.EFFICIENT_ATTENTION: "efficient"}.get(backends[0], str(backends[0]))
+            raise ConfigError(
+                f"--attention (train.attention) {name} cannot run this attention on {q.device} ({q.dtype}, "
+                f"head size {q.shape[-1]}, {'a mask' if kw.get('attn_mask') is not None else 'causal'}"
+                f"{', dropout' if kw.get('dropout_p') else ''}); pick --attention auto (PyTorch's choice) or "
+                f"math. PyTorch said: {str(e).strip().splitlines()[0]}") from e
+
+
+def set_attention(model: nn.Module, requested: str, device) -> str:
+    """Run every attention layer of `model` (GPT, the reward model, HRM: any built from Block) with the SDPA
+    kernels --attention names for `device` (device.attention_backends; a kernel the device lacks is refused
+    here). The reason, for the run's log."""
+    backends, why = attention_backends(torch.device(device), requested)
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.sdpa_backends = None if backends is None else list(backends)
+    return f"attention: {requested} ({why})"
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig, layer: int):
         super().__init__()
@@ -220,6 +252,9 @@ class Attention(nn.Module):
         self.q_norm = make_norm(cfg, hd) if cfg.qk_norm else None
         self.k_norm = make_norm(cfg, hd) if cfg.qk_norm else None
         self.resid_drop = nn.Dropout(cfg.resid_dropout)
+        # the SDPA kernels, in priority order, or None for PyTorch's choice: a runtime choice (set_attention,
+        # from --attention), not architecture, so no checkpoint records it
+        self.sdpa_backends: list | None = None
 
     def forward(self, x, rope, kv_cache: KVCache | None, attn_mask):
         B, T, C = x.shape
@@ -246,9 +281,12 @@ class Attention(nn.Module):
         # attn_mask None: plain causal attention from column 0 (the model builds every other mask, once per
         # forward, in attention_mask)
         is_causal = attn_mask is None and T > 1
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=is_causal,
-            dropout_p=cfg.attn_dropout if self.training else 0.0, enable_gqa=cfg.n_kv_head != cfg.n_head)
+        kw = dict(attn_mask=attn_mask, is_causal=is_causal, enable_gqa=cfg.n_kv_head != cfg.n_head,
+                  dropout_p=cfg.attn_dropout if self.training else 0.0)
+        if self.sdpa_backends is None:  # PyTorch's own choice of kernel (--attention auto off Hopper)
+            y = F.scaled_dot_product_attention(q, k, v, **kw)
+        else:
+            y = sdpa_under(self.sdpa_backends, q, k, v, **kw)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, n_embd)
         return self.resid_drop(self.c_proj(y))
 

@@ -17,6 +17,7 @@ from ..data.loader import batch_source
 from ..data.shards import ShardSet
 from ..data.trained import data_identity
 from ..engine import Engine, SamplingParams
+from ..models.gpt import set_attention
 from ..evaluation.lm import validation_loss
 from ..tokenizer import CodeTokenizer, token_byte_lengths
 from ..train import parallel
@@ -77,6 +78,7 @@ def _train(run: Run, resume: bool, sampler: Callable[..., str]) -> dict:
     # on the host: the trainer's parallel.wrap places it (FSDP: shard by shard)
     model = built(cfg, on_meta=not own)
     model.grad_checkpointing = t.grad_checkpointing
+    say(set_attention(model, t.attention, device))
     model.loss_chunk_rows = t.loss_chunk_rows
     loaded = init_from(run, model, tok, load=own) if t.init_from and start_ckpt is None else None
     if t.lora_rank:

@@ -15,6 +15,7 @@ from .. import printable
 from ..config import PAIR_STAGES, ConfigError, RunConfig, speaks_chat
 from ..data.pairs import PairBatches, PairData, load_pair_rows
 from ..device import autocast
+from ..models.gpt import set_attention
 from ..models.reward import RewardConfig
 from ..train import losses
 from ..train.resume import jsonl_identity
@@ -157,6 +158,7 @@ def _train(run: Run, resume: bool) -> dict:
     # -- model ----------------------------------------------------------------------------------------------
     model = built(began.cfg).to(device)
     model.grad_checkpointing = t.grad_checkpointing
+    say(set_attention(model, t.attention, device))
     if began.start is None:
         init_from(run, model, tok, ck=init_ck, arch="gpt", new_ok=variant.new_ok, why=variant.why)
 
