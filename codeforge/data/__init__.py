@@ -8,6 +8,8 @@
 - local.py        the local executor: a process pool whose workers end with the command, the engine's console
                   output kept off the terminal
 - slurm.py        the Slurm executor: one job array per stage, every path in the job scripts quoted
+- ray_executor.py the Ray executor (`--executor ray`): each stage's tasks as Ray actors, a failed task fails
+                  its stage
 - workdir.py      prepare's work directory: this user's alone, its lock, the plan checked against the inputs
 - writer.py       token ids -> shard files, repo-level FIM documents, the meta.json report
 - loader.py       packed (B, T) batches from shards; conversation rows with masked targets; resumable cursors

@@ -47,7 +47,8 @@ class TokenizerEvalOptions(CorpusInput):
 @dataclass
 class PrepareOptions(CorpusInput):
     """`codeforge prepare` (plus CorpusOptions): the tokenizer and output, benchmark and secret hygiene, and
-    the engine that runs it (pipeline.py; slurm.py for --executor slurm)."""
+    the engine that runs it (pipeline.py; slurm.py for --executor slurm, ray_executor.py for --executor
+    ray)."""
     tokenizer: str = setting("", "directory holding tokenizer.json", required=True, metavar="DIR")
     out: str = setting("", "directory to write the token shards, the tokenizer copy and meta.json to",
                        required=True, metavar="DIR")
@@ -72,8 +73,10 @@ class PrepareOptions(CorpusInput):
                            "number", range=(1, 100_000), zero_means="this machine's cores, one per 8 MB of "
                            "input at most (a single one then encodes on every core)")
     executor: str = setting("local", "local: a process pool here; slurm: one job array per stage, submitted "
-                            "with sbatch (needs --slurm-partition), the last job writes --out",
-                            choices=("local", "slurm"))  # pipeline.EXECUTORS (tests check they agree)
+                            "with sbatch (needs --slurm-partition), the last job writes --out; ray: each "
+                            "stage's tasks on Ray, a local instance or --ray-address (needs pip install "
+                            "'codeforge[ray]'); every executor writes the same shards",
+                            choices=("local", "slurm", "ray"))  # pipeline.EXECUTORS (tests check they agree)
     # at most pipeline.MAX_TASKS (the exact-dedup stage holds files of every task open); pipeline.py imports
     # datatrove, too slow for --help, so tests/test_data_options.py checks that the two agree
     tasks: int = setting(0, "cut the corpus into this many tasks; the shards depend on it, so keep it when "
@@ -86,6 +89,14 @@ class PrepareOptions(CorpusInput):
     slurm_env: str | None = setting(None, "--executor slurm: the shell command a job runs first (default: "
                                     "activate the virtual environment this command runs in, if any)",
                                     type=str, metavar="COMMAND")
+    ray_address: str | None = setting(None, "--executor ray: the Ray cluster to run on: auto (the one `ray "
+                                      "start` joined this machine to), HOST:6379, or ray://HOST:10001 (Ray "
+                                      "Client); default: RAY_ADDRESS if set, else a local instance started "
+                                      "for this command and stopped after it", type=str, metavar="ADDRESS")
+    ray_cpus: int = setting(1, "--executor ray: CPUs each task reserves", range=(1, 100_000))
+    ray_mem_gb: float = setting(2.0, "--executor ray: memory each task reserves per CPU, in GB",
+                                range=(0.1, 100_000.0), zero_means="none reserved (Ray schedules by CPUs "
+                                "alone)")
     shard_tokens: int = setting(100_000_000, "tokens per shard file", range=(1, 10**12))
     overwrite: bool = setting(False, "replace an existing, different dataset")
     chat: bool = setting(False, 'inputs are chat JSONL ({"messages": [...], "tools": [...]}); render with '
@@ -101,9 +112,14 @@ class PrepareOptions(CorpusInput):
                        redact_pii=code and opts.redact_pii)
 
     def slurm(self) -> dict:
-        """The --slurm-* options as slurm.submit takes them."""
-        return {"partition": self.slurm_partition, "time": self.slurm_time, "cpus_per_task": self.slurm_cpus,
-                "mem_per_cpu_gb": self.slurm_mem_gb, "env_command": self.slurm_env}
+        """The --slurm-* options as slurm.submit takes them; with --executor ray, the --ray-* ones too, under
+        "ray" (pipeline.run's `slurm` argument carries the cluster options of either executor)."""
+        got = {"partition": self.slurm_partition, "time": self.slurm_time, "cpus_per_task": self.slurm_cpus,
+               "mem_per_cpu_gb": self.slurm_mem_gb, "env_command": self.slurm_env}
+        if self.executor == "ray":
+            got["ray"] = {"address": self.ray_address, "cpus_per_task": self.ray_cpus,
+                          "mem_per_cpu_gb": self.ray_mem_gb}
+        return got
 
 
 @dataclass

@@ -1,11 +1,11 @@
-"""`codeforge prepare` for code, as a datatrove pipeline: every core of this machine, or a Slurm cluster.
+"""`codeforge prepare` for code, as a datatrove pipeline: every core of this machine, a Slurm or Ray cluster.
 
 datatrove (the engine FineWeb was built with) schedules the work: its executors run each stage as tasks
-(a process pool here: local.py; a job array on Slurm: slurm.py), mark every finished task on disk and skip
-those on a rerun, and its staged exact and MinHash deduplication keep their state in files. The steps that
-read, filter and encode are codeforge's (corpus.py's readers with their bounds on hostile input, its filters,
-decontam.py, redact.py, the shard writer), written as datatrove steps in steps.py. This file makes the plan,
-puts the stages in order and runs them.
+(a process pool here: local.py; a job array on Slurm: slurm.py; Ray actors: ray_executor.py), mark every
+finished task on disk and skip those on a rerun, and its staged exact and MinHash deduplication keep their
+state in files. The steps that read, filter and encode are codeforge's (corpus.py's readers with their bounds
+on hostile input, its filters, decontam.py, redact.py, the shard writer), written as datatrove steps in
+steps.py. This file makes the plan, puts the stages in order and runs them.
 
 The work directory, `.OUT.prepare-FINGERPRINT` beside OUT, holds everything between stages:
   plan/       units.jsonl (every file, in reading order, with its size), RANK.jsonl (one task's run of them),
@@ -67,7 +67,7 @@ from datatrove.pipeline.writers import JsonlWriter
 
 from .. import CodeforgeError
 from ..corpus import CorpusOptions, CorpusStats, check_sources, source_units
-from . import local, workdir
+from . import local, ray_executor, workdir
 from . import slurm as slurm_jobs
 from .steps import (EXACT, BenchmarkFilter, CodeMinhashSignature, EncodeShards, ExactSignature, MergeShards,
                     QualityFilter, ReadUnits, RedactSecrets, Tally, TaskDocs, minhash_config, save_stats)
@@ -79,7 +79,7 @@ MIN_TASKS = 16  # a small corpus is still cut in this many tasks (if it has the 
 MAX_TASKS = 300  # the exact-dedup stage holds up to 3 open files per task (the usual limit is 1,024;
 # local.Quiet raises the soft limit to the hard one while the stages run, and run() refuses more tasks)
 WORKER_BYTES = 8 << 20  # input bytes that pay for one more worker process (auto_workers)
-EXECUTORS = ("local", "slurm")
+EXECUTORS = ("local", "slurm", "ray")
 
 
 # -- the plan: units of reading, cut into tasks -------------------------------------------------------------
@@ -193,10 +193,13 @@ def stages(sources: list[str], tokenizer_dir, work: Path, out: Path, opts: Corpu
 def run(sources: list[str], tokenizer_dir, work: Path, out: Path, opts: CorpusOptions, shard_tokens: int,
         repo_fim: float, extra: dict, workers: int | None, executor: str = "local", tasks: int | None = None,
         slurm: dict | None = None, log=print) -> dict | None:
-    """Plan, then run every stage on `executor`; the dataset's meta (local), or None once the Slurm jobs are
-    submitted (the last of them publishes OUT)."""
+    """Plan, then run every stage on `executor`; the dataset's meta (local, ray), or None once the Slurm jobs
+    are submitted (the last of them publishes OUT). slurm: the --slurm-* options (slurm.submit), and under
+    "ray" the --ray-* ones (ray_executor.options: address, cpus_per_task, mem_per_cpu_gb)."""
     if executor not in EXECUTORS:
         raise ShardError(f"--executor {executor!r} is not one of {', '.join(EXECUTORS)}")
+    if executor == "ray":
+        ray_executor.need_ray()  # not installed: said before any work
     if tasks is not None and not 1 <= tasks <= MAX_TASKS:
         raise ShardError(f"--tasks {tasks}: give 1 to {MAX_TASKS} (dedup holds every task's files open)")
     check_sources(sources)  # a missing source, a FIFO or device named directly: refused before any work
@@ -212,6 +215,15 @@ def run(sources: list[str], tokenizer_dir, work: Path, out: Path, opts: CorpusOp
             workdir.audit(work)
             with local.Quiet():
                 t = make_plan(sources, opts, work, tasks)
+                if executor == "ray":  # a task is a Ray actor with its own CPUs: the encoder stays on them
+                    pipeline = stages(sources, tokenizer_dir, work, out, opts, t, shard_tokens, repo_fim,
+                                      workers or 1, extra, threads=False)
+                    ray_opts = ray_executor.options((slurm or {}).get("ray"))
+                    with ray_executor.connected(ray_opts["address"], log) as ray:
+                        ray_executor.fits(ray, ray_opts["cpus_per_task"], ray_opts["mem_per_cpu_gb"])
+                        for name, steps, n in pipeline:
+                            _run_stage(name, steps, n, workers, work, log, ray_opts)
+                    return json.loads((out / "meta.json").read_text())
                 threads = not workers  # the default: a single process encodes on every core
                 if not workers:
                     workers = auto_workers(json.loads((work / "plan" / "plan.json").read_text())["bytes"])
@@ -226,12 +238,19 @@ def run(sources: list[str], tokenizer_dir, work: Path, out: Path, opts: CorpusOp
     return json.loads((out / "meta.json").read_text())
 
 
-def _run_stage(name: str, steps: list, n: int, workers: int, work: Path, log) -> None:
-    """One stage's n tasks on the local executor, `workers` at a time; its line of the log."""
+def _run_stage(name: str, steps: list, n: int, workers: int | None, work: Path, log,
+               ray_opts: dict | None = None) -> None:
+    """One stage's n tasks on the local executor, `workers` at a time, or with ray_opts on Ray (ray_executor:
+    at most `workers` at once if given); its line of the log."""
     logs = work / "logs" / name
     done = len(list((logs / "completions").iterdir())) if (logs / "completions").is_dir() else 0
     t0 = time.perf_counter()
-    ex = local.LocalExecutor(steps, tasks=n, workers=max(1, min(workers, n)), logging_dir=str(logs))
+    if ray_opts is None:
+        ex = local.LocalExecutor(steps, tasks=n, workers=max(1, min(workers, n)), logging_dir=str(logs))
+        where = f"{max(1, min(workers, n))} worker(s)"
+    else:
+        ex = ray_executor.executor(steps, n, workers, logs, ray_opts)
+        where = f"Ray, {ray_opts['cpus_per_task']} CPU(s) each"
     try:
         ex.run()
     except CodeforgeError:
@@ -240,6 +259,10 @@ def _run_stage(name: str, steps: list, n: int, workers: int, work: Path, log) ->
         why = f"{type(e).__name__}: {e}"
         raise StageFailed(f"prepare's {name} stage failed: {why} (each task's log is in {logs / 'logs'}; run "
                           f"the same command again to redo only the unfinished tasks)") from e
+    left = ex.get_incomplete_ranks() if ray_opts is not None else []
+    if left:  # the engine's Ray executor logs a task's error and returns as if the stage were done
+        raise StageFailed(f"prepare's {name} stage failed: {len(left)} of {n} task(s) did not finish "
+                          f"({ray_executor.why_failed(logs, left)}; each task's log is in {logs / 'logs'}; "
+                          f"run the same command again to redo only the unfinished tasks)")
     note = f", {done} done before" if done else ""
-    log(f"  {name:8s} {n:4d} task(s) on {max(1, min(workers, n))} worker(s){note}: "
-        f"{time.perf_counter() - t0:.1f}s")
+    log(f"  {name:8s} {n:4d} task(s) on {where}{note}: {time.perf_counter() - t0:.1f}s")
