@@ -142,6 +142,18 @@ class LocalExecutor(LocalPipelineExecutor):
             sys.stderr = real
 
 
+
+def raise_open_files() -> None:
+    """The soft limit on open files raised to the hard one (65536 where there is none): the exact-dedup stage
+    holds files of every task open. Left as it is where the system refuses."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 65536
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):
+            pass
+
 class Quiet:
     """While the stages run: the engine's progress bars off and its console log at warnings (its logs stay
     in WORK/logs), stderr escaped and without the engine's records (_WithoutEngineLog), the soft limit on
@@ -155,13 +167,7 @@ class Quiet:
         self.env = {k: os.environ.get(k) for k in ("TQDM_DISABLE", "LOGURU_LEVEL")}
         os.environ.update(TQDM_DISABLE="1", LOGURU_LEVEL="WARNING")
         self.nofile = resource.getrlimit(resource.RLIMIT_NOFILE)
-        soft, hard = self.nofile
-        want = hard if hard != resource.RLIM_INFINITY else 65536
-        if soft != resource.RLIM_INFINITY and soft < want:
-            try:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-            except (ValueError, OSError):
-                pass
+        raise_open_files()
         return self
 
     def __exit__(self, *exc) -> None:

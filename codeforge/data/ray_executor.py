@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import resource
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,6 +29,7 @@ from pathlib import Path
 from datatrove.executor import RayPipelineExecutor
 
 from .. import printable
+from .local import raise_open_files
 from .workdir import KeepWork
 from .writer import ShardError
 
@@ -114,13 +114,7 @@ class RayExecutor(RayPipelineExecutor):
     exact-dedup stage holds files of every task open; local.Quiet does the same for the local executor)."""
 
     def _run_for_rank(self, rank: int, local_rank: int = 0, node_rank: int = -1):
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        want = hard if hard != resource.RLIM_INFINITY else 65536
-        if soft != resource.RLIM_INFINITY and soft < want:
-            try:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-            except (ValueError, OSError):
-                pass
+        raise_open_files()
         return super()._run_for_rank(rank, local_rank, node_rank)
 
 
