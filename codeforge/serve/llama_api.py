@@ -282,15 +282,7 @@ async def run(srv: ServerState, request: Request, b: LlamaBody, tasks: list[Task
                 return
         return streaming(events(), headers)
 
-    got: dict[int, Event] = {}
-    if gen is not None:
-        async with contextlib.aclosing(gen.events(request)) as evs:
-            async for batch in evs:
-                for tag, ev in batch:
-                    if ev.kind == "error":
-                        raise ApiError(ev.status, ev.text, code="timeout" if ev.status == 504 else None)
-                    if ev.kind == "done":
-                        got[tag] = ev
+    got: dict[int, Event] = await gen.collect(request) if gen is not None else {}
     out = [answer.final(tag, got.get(tag), stream=False) for tag in tags]
     return json_reply(out[0] if len(out) == 1 else out, headers)
 
