@@ -68,7 +68,7 @@ def worker(a) -> None:
     from codeforge.train import parallel
     from codeforge.train.losses import lm_loss_fn
     from codeforge.train.optim import build_optimizer
-    from codeforge.train.trainer import train_step
+    from codeforge.train.step import train_step
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     if world > 1:

@@ -278,7 +278,7 @@ def time_steps(model, batches, loss_fn, n: int, device, step: int | None = None)
     import torch
 
     from codeforge.train.optim import build_optimizer
-    from codeforge.train.trainer import train_step
+    from codeforge.train.step import train_step
 
     class Fixed:  # the HRM reads batch["step"]: pin it to time one regime
         def __next__(self):

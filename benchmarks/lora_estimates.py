@@ -79,7 +79,7 @@ def child(name: str, steps: int, threads: int) -> dict:
     from codeforge.train import estimate as est
     from codeforge.train.memory import estimate as plan
     from codeforge.train.optim import build_optimizer
-    from codeforge.train.trainer import train_step
+    from codeforge.train.step import train_step
     shape, precision, batch, context = RUNS[name]
     m, t = configs(shape, batch, context)
     cpu = torch.device("cpu")

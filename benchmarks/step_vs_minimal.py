@@ -100,7 +100,7 @@ def codeforge_stepper(a):
     from codeforge.models import build_model
     from codeforge.train.losses import lm_loss_fn
     from codeforge.train.optim import build_optimizer
-    from codeforge.train.trainer import train_step
+    from codeforge.train.step import train_step
     cfg = resolve(["fragment-lowend"], None,
                   [f"model.block_size={a.block_size}", f"model.vocab_size={a.vocab_size}"])
     m = cfg.model

@@ -24,7 +24,7 @@ from codeforge.device import choose_device, choose_precision, peak_flops
 from codeforge.models import build_model
 from codeforge.train.optim import build_optimizer
 from codeforge.train.losses import lm_loss_fn
-from codeforge.train.trainer import train_step
+from codeforge.train.step import train_step
 
 
 def measure(a, batch_size: int) -> dict:

@@ -20,7 +20,7 @@ import torch
 from .catalog import CATALOG, catalog_key
 from .checkpoint import CheckpointError, find_checkpoint, read_config, vet_checkpoint
 from .checkpoint.guard import CONFIG_BYTES, field_problem, read_regular
-from .fields import ConfigError, check_fields, saved, setting
+from .fields import ConfigError, check_fields, saved, setting, switch_value
 from .models import ARCHS, build_model, config_class
 from .models.gpt import GPTConfig
 
@@ -223,7 +223,34 @@ class DeviceSettings:
                              "fastest: the same, but bf16 on a CPU that multiplies bfloat16 natively, "
                              "AVX512-BF16 or AMX: about 30 percent more tokens/s)",
                              choices=("auto", "fastest", "fp32", "fp16", "bf16"))
-    compile: bool = setting(False, "torch.compile the model")
+    compile: str = setting("auto",
+                           "torch.compile the model for training; evaluation and samples run it uncompiled. "
+                           "auto: on a CUDA GPU, where it is worth 1.67x "
+                           "(docs/LOG.md#2026-11-27-gpu-suite-h100), off elsewhere (on a CPU compiling "
+                           "takes longer than most runs save); `--compile` alone is on, --no-compile off "
+                           "(true/false in an older config.toml read as on/off)",
+                           choices=("auto", "on", "off"), switch=True)
+    compile_shapes: str = setting(
+        "static",
+        "what a compiled training step is compiled for. static: the one batch shape training runs, as one "
+        "whole graph where the model traces without a break (fullgraph; a model that breaks is compiled in "
+        "pieces, said once); dynamic: PyTorch's default (a second shape recompiles with symbolic sizes)",
+        choices=("static", "dynamic"))
+    host_sync: str = setting(
+        "auto",
+        "when the step's loss and gradient norm are read to the host. step: after every step (the GPU idles "
+        "while the host reads, then while the optimizer's launches queue); log: kept on the device and read "
+        "once per log line, a step late, with a non-finite step skipped on the device by the fused AdamW "
+        "(the same weights, losses and skip counts; a run stopped for --max-bad-steps stops up to one log "
+        "interval later, its weights untouched). auto: log on a GPU where the optimizer can skip on the "
+        "device (fused AdamW, not fp16, not FSDP), step elsewhere",
+        choices=("auto", "step", "log"))
+    prefetch: str = setting(
+        "auto",
+        "build the next training batch in a background thread while the current step runs (on a GPU copied "
+        "from pinned memory on a side stream). The same batches in the same order; a checkpoint's cursor is "
+        "the consumed batches'. auto: on on a GPU, off on a CPU (its cores are busy with the step)",
+        choices=("auto", "on", "off"), switch=True)
     attention: str = setting(
         "auto",
         "PyTorch SDPA kernel for attention (a runtime choice, not saved with the model's architecture). "
@@ -480,6 +507,9 @@ def write_catalog() -> str:
 
 def _coerce(key: str, value: Any, current: Any) -> Any:
     """Convert a `--set` string (or a file value) to the type of the field it sets."""
+    f = _field(key)
+    if f is not None and f.metadata.get("switch"):
+        return switch_value(f, value)
     if isinstance(current, bool):
         if isinstance(value, bool):
             return value
@@ -557,6 +587,12 @@ def load_file(path: str | Path) -> dict:
     return out
 
 
+def _field(key: str):
+    """The declaration of setting `key` (section.name), None for a key no section has."""
+    sec, _, name = key.partition(".")
+    return next((f for f in fields(SECTIONS[sec]) if f.name == name), None) if sec in SECTIONS else None
+
+
 def _checked(p: Path, key: str, v: Any) -> Any:
     """Value `v` of setting `key` as file `p` gives it, converted to its field's type and checked against
     the field's declaration (type, choices, range); retired keys pass (resolve() says what replaced them)."""
@@ -566,7 +602,8 @@ def _checked(p: Path, key: str, v: Any) -> Any:
         full = _key(key)
         sec, name = full.split(".")
         f = next(f for f in fields(SECTIONS[sec]) if f.name == name)
-        if isinstance(v, bool) and not isinstance(f.default, bool):  # _coerce would take true for 1
+        if isinstance(v, bool) and not isinstance(f.default, bool) and not f.metadata.get("switch"):
+            # _coerce would take true for 1
             raise ConfigError(
                 f"{full} = {v!r} is not a{'n integer' if isinstance(f.default, int) else ' number'}")
         if isinstance(v, (dict, list)):
@@ -648,7 +685,8 @@ def resolve(presets: list[str] = (), file: str | None = None, sets: list[str] = 
     values = {sec: {f.name: f.default for f in fields(cls)} for sec, cls in sections.items()}
     if base:  # a saved config: keys this version retired are dropped (their replacement keeps its default)
         for sec in SECTIONS:
-            values[sec].update({k: v for k, v in base.get(sec, {}).items() if f"{sec}.{k}" not in RETIRED})
+            values[sec].update({k: _coerce(f"{sec}.{k}", v, v) if isinstance(v, bool) else v
+                                for k, v in base.get(sec, {}).items() if f"{sec}.{k}" not in RETIRED})
     values["model"].update(start_model)
     foreign = sorted({k for k, _ in layers if k.startswith("model.") and k.split(".", 1)[1] not in own})
     if foreign:

@@ -24,20 +24,32 @@ class ConfigError(CodeforgeError):
 def setting(default: Any, help: str = "", range: tuple[float, float] | None = None, open_low: bool = False,
             choices: tuple[str, ...] | None = None, zero_means: str = "", flag: str | None = None,
             cli: bool = True, required: bool = False, metavar: str | None = None, type: type | None = None,
-            many: bool = False, positional: bool = False) -> Any:
+            many: bool = False, positional: bool = False, switch: bool = False) -> Any:
     """A dataclass field with its declaration in metadata. range: inclusive [lo, hi] (open at lo with
     open_low); zero_means: 0 is allowed outside the range and means this (e.g. "from the data"); flag: the
     command-line name when it is not --field-name; cli=False keeps the field off the command line;
     required: the command cannot start without it (the flag is required, and --help says so); metavar: the
     placeholder in --help; type: the value's type where the default (None) does not show it; many: the
     flag takes one or more values (a list default is copied for each object); positional: an argument
-    without a flag."""
+    without a flag; switch: an auto/on/off choice whose flag alone means on (`--compile`), `--no-X` off,
+    and whose saved true/false (from when it was a plain on/off setting) read as on/off."""
     meta = {"help": help, "range": range, "open_low": open_low, "choices": choices, "zero_means": zero_means,
             "flag": flag, "cli": cli, "required": required, "metavar": metavar, "type": type,
-            "many": many or isinstance(default, list), "positional": positional}
+            "many": many or isinstance(default, list), "positional": positional,
+            "switch": switch}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def switch_value(f: Field, value: Any) -> Any:
+    """A switch's value as its field holds it: true/false (a bool, or its words) as on/off."""
+    if not f.metadata.get("switch"):
+        return value
+    word = str(value).lower()
+    if isinstance(value, bool) or word in ("true", "false", "yes", "no", "1", "0"):
+        return "on" if word in ("true", "yes", "1") else "off"
+    return value
 
 
 def default_of(f: Field) -> Any:
@@ -94,6 +106,20 @@ def describe(f: Field) -> str:
     return "; ".join(p for p in parts if p)
 
 
+class SwitchAction(argparse.Action):
+    """A switch's flags: `--X` alone is on, `--X VALUE` one of its choices, `--no-X` off."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs="?", const="on", **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string and option_string.startswith("--no-"):
+            if values not in (None, self.const):  # nargs "?" hands the const when no value follows
+                parser.error(f"{option_string} takes no value")
+            values = "off"
+        setattr(namespace, self.dest, values)
+
+
 def add_flags(parser: argparse.ArgumentParser, cls: type, group: str | None = None, dest_prefix: str = "",
               given_only: bool = False, skip: tuple[str, ...] = ()) -> None:
     """A command-line argument per field of dataclass `cls` (those declared with `setting`, cli=True, not in
@@ -113,6 +139,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, group: str | None = No
         if vt is bool and not m.get("many"):
             kw["action"] = (argparse.BooleanOptionalAction if given_only or d is True
                             else "store_true")
+        elif m.get("switch"):  # --X (on), --X auto|on|off, --no-X (off)
+            kw.update(type=str, choices=m["choices"], action=SwitchAction)
         else:
             kw["type"] = vt
             if m.get("choices"):
@@ -127,7 +155,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, group: str | None = No
         else:
             if m.get("required") and not given_only:
                 kw["required"] = True
-            action = target.add_argument(flag_name(f), dest=dest_prefix + f.name, **kw)
+            names = [flag_name(f)] + (["--no-" + flag_name(f)[2:]] if m.get("switch") else [])
+            action = target.add_argument(*names, dest=dest_prefix + f.name, **kw)
         action.field = (cls, f)
 
 

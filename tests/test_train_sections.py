@@ -140,7 +140,7 @@ def train_actions() -> dict:
 
 def test_the_components_partition_the_common_section_in_their_order():
     names = [f.name for cls in COMMON_SECTIONS.values() for f in fields(cls)]
-    assert len(names) == len(set(names)) == 48
+    assert len(names) == len(set(names)) == 51
     # CommonTrain's fields are the components' own, in COMMON_SECTIONS' order (its bases listed last-first)
     assert [f.name for f in fields(CommonTrain)] == names
     assert set(names) <= {f.name for f in fields(TrainConfig)}
@@ -185,17 +185,22 @@ def test_config_keys_lists_the_common_settings_by_component(capsys):
 def test_a_config_toml_from_before_the_split_loads_the_same(tmp_path):
     path = tmp_path / "config.toml"
     path.write_text(OLD_CONFIG_TOML)
-    expected = TrainConfig(**tomllib.loads(OLD_CONFIG_TOML)["train"])
+    # compile was true/false before it became an auto/on/off switch: false reads as "off"
+    old_train = {**tomllib.loads(OLD_CONFIG_TOML)["train"], "compile": "off"}
+    expected = TrainConfig(**old_train)
     assert expected.schedule == "wsd" and expected.keep_last == 2 and expected.tensorboard is False
     # --resume builds on the saved file
     resumed = resolve(base=load_file(path))
     assert resumed.train == expected
-    # saved again in the same order, byte for byte, settings added since (at their defaults) after it
+    # saved again in the same order, byte for byte but the switch's new spelling, settings added since (at
+    # their defaults) after it
     again = dumps_toml(resumed.to_dict())
-    assert again.startswith(OLD_CONFIG_TOML) and again[len(OLD_CONFIG_TOML):] == 'attention = "auto"\n'
+    before = OLD_CONFIG_TOML.replace("compile = false", 'compile = "off"')
+    assert again.startswith(before) and again[len(before):] == (
+        'compile_shapes = "static"\nhost_sync = "auto"\nprefetch = "auto"\nattention = "auto"\n')
     # and as a --config file (its --init-from left out: that run is not here)
     given = resolve(file=str(path), flags={"train.init_from": ""})
-    assert given.train == TrainConfig(**{**tomllib.loads(OLD_CONFIG_TOML)["train"], "init_from": ""})
+    assert given.train == TrainConfig(**{**old_train, "init_from": ""})
 
 
 def test_a_stage_without_its_stages_toml_section_says_what_is_missing(monkeypatch):

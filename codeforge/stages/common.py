@@ -260,7 +260,12 @@ def train(run: Run, began: Began, model: torch.nn.Module, batches, loss_fn, *, t
                       total_steps=total_steps, tokens_per_step=tokens_per_step, run_config=began.record,
                       assets={"tokenizer": tok.path}, start_checkpoint=began.start, rank=run.rank,
                       world=run.world, log=run.say, **parts)
-    return trainer.run()
+    try:
+        return trainer.run()
+    finally:
+        close = getattr(batches, "close", None)  # a Prefetcher's thread
+        if callable(close):
+            close()
 
 
 def budget(cfg: RunConfig, tokens_per_step: int, epoch_steps: int) -> int:

@@ -23,6 +23,7 @@ from ..tokenizer import CodeTokenizer, token_byte_lengths
 from ..train import parallel
 from ..train.losses import lm_loss_fn
 from ..train.memory import estimate
+from ..train.step import Prefetcher
 from .common import (Run, adapters, begin, budget, built, check_init_from, init_from, launch,
                      record_documents, sized_evaluation, train, vocabulary)
 
@@ -97,6 +98,8 @@ def _train(run: Run, resume: bool, sampler: Callable[..., str]) -> dict:
                                fim_spm_rate=t.fim_spm_rate)
     except ValueError as e:  # too little data for one batch
         raise ConfigError(str(e)) from e
+    if t.prefetch == "on" or (t.prefetch == "auto" and device.type == "cuda"):
+        batches = Prefetcher(batches, device)  # the next batch built while the step runs
     if getattr(batches, "split", 0) or getattr(batches, "dropped", 0):
         say(f"chat data: {batches.split} conversation(s) longer than one window ({m.block_size} tokens of "
             f"context and the target after them) split at turn boundaries, {batches.dropped} dropped (a "

@@ -2,7 +2,8 @@
 
 The trainer calls `wrap` once, before it builds the optimizer; what it returns is what the loss function
 runs. Three ways, all PyTorch's own and launched by torchrun:
-  - none: one process; `torch.compile` of the whole model if asked.
+  - none: one process; `torch.compile` of the whole model if asked (`static`: for the one batch shape,
+          as one graph where the model traces without a break, `compiled`).
   - ddp:  DistributedDataParallel. Every rank holds the whole model, its gradients and optimizer state;
           gradients are averaged in backward. The returned wrapper is what runs; the bare model is what the
           optimizer, checkpoints and evaluation use.
@@ -75,20 +76,63 @@ def blocks_of(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def wrap(model: torch.nn.Module, device: torch.device, mode: str = "none", compile: bool = False,
-         precision: str = "fp32", offload: bool = False) -> torch.nn.Module:
+         precision: str = "fp32", offload: bool = False, static: bool = True, say=print,
+         backend: str = "inductor") -> torch.nn.Module:
     """The module the loss function runs, wrapped as `mode` says (see the module docstring). The model may
     come on the host: FSDP moves each block's shard to the device as it shards it (the device never holds
     the whole model); the other modes move it whole."""
     if mode == "fsdp":
         return _fully_shard(model, device, compile, precision, offload)
     model.to(device)
-    fwd = torch.compile(model) if compile else model
+    fwd = compiled(model, static, say, backend) if compile else model
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
         # gradients as views into DDP's reduction buckets: no second copy of them (4 bytes a parameter)
         fwd = DDP(fwd, device_ids=[device.index] if device.type == "cuda" else None,
                   gradient_as_bucket_view=True)
     return fwd
+
+
+def compiled(model: torch.nn.Module, static: bool = True, say=print, backend: str = "inductor"):
+    """torch.compile of `model` for training. static: no symbolic sizes (training runs one batch shape; the
+    evaluation and samples run the bare model, so nothing recompiles the training graph) and the whole
+    forward as one graph (fullgraph: no Python between kernels); a model that does not trace as one graph is
+    compiled in pieces instead, said once. Otherwise PyTorch's defaults."""
+    if not static:
+        return torch.compile(model, backend=backend)
+    return WholeGraph(model, say, backend)
+
+
+class WholeGraph(torch.nn.Module):
+    """The model compiled as one static graph, falling back to a static compile in pieces the first time
+    tracing meets a graph break. Attributes other than forward are the model's (loss functions call its
+    other methods uncompiled, as they would through torch.compile's wrapper)."""
+
+    def __init__(self, model: torch.nn.Module, say=print, backend: str = "inductor"):
+        super().__init__()
+        self.inner = model
+        self._run = torch.compile(model, dynamic=False, fullgraph=True, backend=backend)
+        self._say, self._backend, self.whole = say, backend, True
+
+    def forward(self, *args, **kwargs):
+        if not self.whole:
+            return self._run(*args, **kwargs)
+        from torch._dynamo.exc import Unsupported, UserError
+        try:
+            return self._run(*args, **kwargs)
+        except (Unsupported, UserError) as e:
+            why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            self._say(f"compile: {type(self.inner).__name__} does not trace as one graph ({why}); compiled "
+                      "in pieces")
+            self.whole = False
+            self._run = torch.compile(self.inner, dynamic=False, backend=self._backend)
+            return self._run(*args, **kwargs)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["inner"], name)
 
 
 def _fully_shard(model, device, compile, precision, offload):

@@ -20,14 +20,14 @@ import torch
 from .. import CodeforgeError, rundir
 from .. import checkpoint as ckpt_io
 from ..config import SECTIONS, TrainConfig, dumps_toml
-from ..device import alone_threads, autocast, matmul_flops, memory_gib, peak_flops
+from ..device import alone_threads, matmul_flops, memory_gib, peak_flops
 from ..distributed import lost_peer
 from . import parallel
 from .logging import RunLogger, duration
 from .optim import build_optimizer, lr_at, set_lr
+from .step import LossFn, Readback, skips_on_device, train_step
 from .stopping import StopRequests, resume_hint
 
-LossFn = Callable[[torch.nn.Module, object], tuple[torch.Tensor, dict]]
 
 
 class TrainingError(CodeforgeError):
@@ -86,7 +86,10 @@ class Trainer:
                                 "head); use --parallel ddp")
         if world > 1 or cfg.parallel == "fsdp":
             self.say(f"parallel: {self.mode} ({why})")
-        self.fwd = parallel.wrap(model, device, self.mode, cfg.compile, precision, cfg.fsdp_offload)
+        compiled = cfg.compile == "on" or (cfg.compile == "auto" and device.type == "cuda")
+        self.fwd = parallel.wrap(model, device, self.mode, compiled, precision, cfg.fsdp_offload,
+                                 static=cfg.compile_shapes == "static", say=self.say)
+        self.compiled = compiled
         background = cfg.async_checkpoint == "on" or (cfg.async_checkpoint == "auto"
                                                       and device.type == "cuda")
         # DCP's background writes talk over a group of their own, never interleaved with training's
@@ -100,6 +103,10 @@ class Trainer:
         if aux is not None:
             self.opt.add_param_group({"params": list(aux.parameters()), "weight_decay": 0.0})
         self.params = [p for g in self.opt.param_groups for p in g["params"]]
+        self.defer = self._host_sync(cfg.host_sync, device, precision)
+        self.readback = Readback()  # --host-sync log: the steps' numbers not read yet
+        self.line_wait: tuple | None = None  # a log line due at a step whose numbers are not read yet
+        self.last_numbers = (math.nan, math.nan)  # --host-sync step: the last step's (loss, norm)
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
         self.flops_per_token = model.flops_per_token()
         self.peak = peak_flops(device)
@@ -116,6 +123,15 @@ class Trainer:
     def say(self, msg: str) -> None:
         if self.master:
             self.print(msg)
+
+    def _host_sync(self, asked: str, device: torch.device, precision: str) -> bool:
+        """Whether the steps' numbers stay on the device until a log line (--host-sync log)."""
+        able = skips_on_device(self.opt, precision, self.mode)
+        if asked == "log" and not able:
+            self.say("note: --host-sync log needs the fused AdamW to skip a non-finite step on the device "
+                     f"(not {self.cfg.optimizer} with --precision {precision} under --parallel "
+                     f"{self.mode}): the step's numbers are read after every step")
+        return able and (asked == "log" or (asked == "auto" and device.type == "cuda"))
 
     def _restore(self, ck: Path) -> None:
         st = ckpt_io.load_train_state(ck)
@@ -153,6 +169,7 @@ class Trainer:
 
     def _save(self, final: bool = False, now: bool = False) -> None:
         """now: not in the background (the run ends here)."""
+        self._read_back()  # the skip count and the log line of the steps saved
         if self.pending is not None:
             self._finish_pending()
         if not self.master and not self.sharded:
@@ -247,6 +264,7 @@ class Trainer:
         return total
 
     def _evaluate(self) -> None:
+        self._read_back()
         if self.evaluate_fn is None or not (self.master or self.sharded):
             return
         if self.master and not self.evals_done:  # the first one can take minutes on a CPU: say it has begun
@@ -279,6 +297,7 @@ class Trainer:
                                 f"({r.get('eval_tokens', 0):,} validation tokens)")
 
     def _sample(self) -> None:
+        self._read_back()
         if self.sample_fn is None or not (self.master or self.sharded):
             return
         # FSDP: every rank samples the same (same seed), rank 0 writes
@@ -314,12 +333,13 @@ class Trainer:
                 if last or stopping:
                     break
                 self._set_aside(time.perf_counter() - t_aside, pace)
-                loss, norm = self._optimisation_step()
+                self._optimisation_step()
                 self.step += 1
                 self.tokens += self.tokens_per_step
                 self._fit_budget_if_due(pace, t_run)
                 self._note_pace(pace)
-                self._log_if_due(loss, norm, pace)
+                self._log_if_due(pace)
+            self._read_back()
             if self.ddp:  # normal end only (after an error a barrier would hang): rank 0 may still be saving
                 torch.distributed.barrier()
         except Exception as e:
@@ -414,33 +434,59 @@ class Trainer:
         if note:
             self.logger.message(note)
 
-    def _log_if_due(self, loss: float, norm: float, pace: "Pace") -> None:
+    def _log_if_due(self, pace: "Pace") -> None:
         """A metrics record and the progress line every log_every steps, at the first and the last, and at
-        least once a minute (the logger says when)."""
-        if not (self.step % self.cfg.log_every == 0 or self.step == 1 or self.step == self.total_steps
-                or self.logger.line_due()):
+        least once a minute (the logger says when). Under --host-sync log the line of step k is written once
+        step k+1 is queued, with the numbers of step k read then (and those of the steps before it)."""
+        due = (self.step % self.cfg.log_every == 0 or self.step == 1 or self.step == self.total_steps
+               or self.logger.line_due())
+        if self.defer and (self.line_wait is not None or len(self.readback) >= 256):
+            self._read_back(upto=self.step - 1)
+        if not due:
             return
         now = time.perf_counter()
         t_last, tokens_last = self.clock
-        tps = (self.tokens - tokens_last) / max(now - t_last, 1e-9)
         self.clock = (now, self.tokens)
-        rec = {"step": self.step, "loss": loss, "lr": self.opt.param_groups[0]["lr"],
-               "grad_norm": norm, "tokens": self.tokens, "tokens_per_s": tps}
+        # what the line says, as it is at this step (the loss_fn's own terms stay tensors until written)
+        at = {"step": self.step, "tokens": self.tokens, "lr": self.opt.param_groups[0]["lr"],
+              "tokens_per_s": (self.tokens - tokens_last) / max(now - t_last, 1e-9),
+              "eta": pace.eta(self.step), "parts": (self.parts, self.parts_steps)}
+        self.parts, self.parts_steps = {}, 0
+        if self.defer:
+            self.line_wait = at
+        else:
+            self._log_line(at, *self.last_numbers)
+
+    def _read_back(self, upto: int | None = None) -> None:
+        """--host-sync log: the numbers of the steps up to `upto` (all by default) read in one transfer: the
+        skipped steps counted (and the run stopped after max_bad_steps in a row), the waiting log line
+        written."""
+        if not self.defer or not len(self.readback):
+            return
+        for step, loss, norm, applied in self.readback.read(upto):
+            self._account(step, loss, norm, applied)
+            if self.line_wait is not None and self.line_wait["step"] == step:
+                at, self.line_wait = self.line_wait, None
+                self._log_line(at, loss, norm)
+
+    def _log_line(self, at: dict, loss: float, norm: float) -> None:
+        rec = {"step": at["step"], "loss": loss, "lr": at["lr"], "grad_norm": norm, "tokens": at["tokens"],
+               "tokens_per_s": at["tokens_per_s"]}
+        tps = rec["tokens_per_s"]
         if self.peak:
             rec["mfu"] = tps * self.flops_per_token / (self.peak * self.world)
         if self.device.type == "cuda":
             rec["memory_gib"] = memory_gib(self.device)
         # a loss_fn's own terms (e.g. the hierarchical model's plan/code/refine), mean since last line
-        rec.update({f"train_{k}": float(v) / self.parts_steps for k, v in self.parts.items()})
-        self.parts.clear()
-        self.parts_steps = 0
+        parts, n = at["parts"]
+        rec.update({f"train_{k}": float(v) / n for k, v in parts.items()})
         self.logger.log(rec)
         post = {"loss": f"{loss:.4f}", "lr": f"{rec['lr']:.2e}", "tok/s": f"{tps:,.0f}"}
         if "mfu" in rec:
             post["mfu"] = f"{rec['mfu']:.1%}"
         if "memory_gib" in rec:
             post["mem"] = f"{rec['memory_gib']:.1f}G"
-        self.logger.progress(self.step, post, pace.eta(self.step))
+        self.logger.progress(at["step"], post, at["eta"])
 
     def _fail(self, e: Exception, stop: "StopRequests") -> None:
         """An error in the loop: raised as it is, unless another rank was lost (then the message says what
@@ -465,33 +511,40 @@ class Trainer:
             + (f"the last complete checkpoint is {latest}: continue with --resume" if latest else
                "no checkpoint was written yet") + ".") from e
 
-    def _optimisation_step(self) -> tuple[float, float]:
-        """One optimizer step at this step's learning rate; counts skipped (non-finite) steps and stops the
-        run after max_bad_steps of them in a row."""
+    def _optimisation_step(self) -> None:
+        """One optimizer step at this step's learning rate; its numbers accounted for now, or (--host-sync
+        log) kept on the device for _read_back."""
         t = self.cfg
         lr = lr_at(self.step, base_lr=t.learning_rate, warmup=t.warmup_steps, total=self.total_steps,
                    schedule=t.schedule, min_ratio=t.min_lr_ratio, decay_fraction=t.decay_fraction)
         set_lr(self.opt, lr)
-        loss_v, norm_v, applied = train_step(self.fwd, self.model, self.opt, self.scaler, self.batches,
-                                             self.loss_fn,
-                                             t.grad_accum_steps, t.grad_clip, self.device, self.precision,
-                                             self.mode, parts=self.parts, params=self.params,
-                                             sync=list(self.aux.parameters()) if self.aux is not None
-                                             and self.ddp else None)
+        loss, norm, applied = train_step(self.fwd, self.model, self.opt, self.scaler, self.batches,
+                                         self.loss_fn, t.grad_accum_steps, t.grad_clip, self.device,
+                                         self.precision, self.mode, parts=self.parts, params=self.params,
+                                         sync=list(self.aux.parameters()) if self.aux is not None
+                                         and self.ddp else None, defer=self.defer)
         self.parts_steps += 1
+        if self.defer:
+            self.readback.add(self.step + 1, loss, norm, applied)
+        else:
+            self.last_numbers = (loss, norm)
+            self._account(self.step + 1, loss, norm, applied)
+
+    def _account(self, step: int, loss_v: float, norm_v: float, applied: bool) -> None:
+        """Count a skipped (non-finite) step, and stop the run after max_bad_steps of them in a row."""
+        t = self.cfg
         if applied:
             self.bad_in_row = 0
         else:
             self.skipped += 1
             self.bad_in_row += 1
-            self.logger.message(f"step {self.step + 1}: non-finite loss {loss_v} / grad norm {norm_v}; "
+            self.logger.message(f"step {step}: non-finite loss {loss_v} / grad norm {norm_v}; "
                                 "update skipped")
             if self.bad_in_row >= t.max_bad_steps:
                 raise TrainingError(
-                    f"{self.bad_in_row} non-finite losses in a row at step {self.step + 1}; stopping without "
+                    f"{self.bad_in_row} non-finite losses in a row at step {step}; stopping without "
                     "writing NaN weights. Lower --learning-rate, check the data, or use --precision "
                     f"bf16/fp32; the last good checkpoint is in {self.run_dir / 'checkpoints'}")
-        return loss_v, norm_v
 
 
 class Pace:
@@ -615,50 +668,3 @@ class Pace:
                     "context (--block-size), fewer steps (--max-iters), or a GPU. Ctrl-C saves a checkpoint; "
                     "--resume continues it.")
         return msg
-
-
-def train_step(fwd, model, opt, scaler, batches, loss_fn: LossFn, accum: int, clip: float,
-               device: torch.device, precision: str, mode: str = "none", parts: dict | None = None,
-               params: list | None = None, sync: list | None = None) -> tuple[float, float, bool]:
-    """Forward/backward over `accum` micro-batches from `batches`, unscale, clip, and step unless the loss or
-    the gradient is non-finite (then the weights stay as they were). Returns (mean loss, grad norm, applied).
-    The single host sync per optimizer step is the read of loss and norm together. The benchmarks time this.
-    `parts`, when given, gathers the metrics loss_fn returns beside the loss (a model's loss terms), each
-    averaged over the micro-batches and added to what the dict holds, as tensors (no sync). `params`: what
-    the gradient norm is clipped over (default: the model's). `sync`: parameters DDP does not cover (the
-    trainer's aux module) whose gradients are all-reduced here. mode: parallel.py's none, ddp or fsdp; with
-    several ranks the loss returned is the mean over all of them (each rank's is a mean over an equal share
-    of the global batch) and the norm is the global one, so every rank takes the same decision."""
-    loss_acc = torch.zeros((), device=device)
-    for micro in range(accum):
-        batch = next(batches)
-        with parallel.set_grad_sync(fwd, mode, micro == accum - 1):
-            with autocast(device, precision):
-                loss, metrics = loss_fn(fwd, batch)
-                loss = loss / accum
-            if parts is not None:
-                for k, v in metrics.items():
-                    v = v.detach().float() if torch.is_tensor(v) else float(v)
-                    parts[k] = parts.get(k, 0.0) + v / accum
-            scaler.scale(loss).backward()
-        loss_acc += loss.detach()
-    for p in sync or ():  # parameters outside DDP (an aux head): average their gradients across ranks by hand
-        if p.grad is not None:
-            torch.distributed.all_reduce(p.grad)
-            p.grad /= torch.distributed.get_world_size()
-    scaler.unscale_(opt)
-    norm = torch.nn.utils.clip_grad_norm_(params if params is not None else model.parameters(),
-                                          clip if clip > 0 else math.inf)
-    if hasattr(norm, "full_tensor"):  # FSDP: a DTensor, already reduced over the ranks' shards
-        norm = norm.full_tensor()
-    if mode != "none":
-        torch.distributed.all_reduce(loss_acc)
-        loss_acc /= torch.distributed.get_world_size()
-    loss_v, norm_v = torch.stack([loss_acc.float(), norm.float()]).tolist()
-    fp16_overflow = precision == "fp16" and math.isfinite(loss_v) and not math.isfinite(norm_v)
-    applied = math.isfinite(loss_v) and (math.isfinite(norm_v) or fp16_overflow)
-    if applied:
-        scaler.step(opt)  # on an fp16 overflow the scaler skips the step itself and lowers the scale
-    scaler.update()
-    opt.zero_grad(set_to_none=True)
-    return loss_v, norm_v, applied
