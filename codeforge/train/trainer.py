@@ -430,7 +430,11 @@ class Trainer:
 
     def _note_pace(self, pace: "Pace") -> None:
         """The step timed; the pace line (how long the rest will take) once the first steps are measured."""
+        first = pace.t_first is None
         note = pace.step(self.step)
+        if first and self.compiled:  # the first step traced and compiled the model: say what that cost
+            self.logger.message(f"compile: the first step took {duration(pace.t_first - pace.t0)} "
+                                "(torch.compile building the training graph; --no-compile skips it)")
         if note:
             self.logger.message(note)
 
