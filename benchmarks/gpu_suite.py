@@ -10,6 +10,21 @@ Parts, in the order they run (each job in a process of its own, so peak memory a
 and one failure never stops the rest; a job that fails or runs out of time is written down with its error):
   env       device name, torch, CUDA, driver, clocks and power limit (nvidia-smi), the bf16 peak MFU is taken
             against, and a measured bf16 matrix-product rate (8192^3 on random data)
+  levers    the training step's GPU speed levers one at a time against the step before them
+            (benchmarks/train_throughput.py on gpt2-small, batch 16, context 1024, bf16, compiled, batches
+            built on the host as the loader builds them, window timing: warm-up 5, then 20 steps with one sync
+            around them): "before" (compile dynamic, host-sync step, no prefetch, flash attention: PyTorch's
+            own pick on an H100); + cudnn attention; + static whole graph (--compile-shapes static);
+            + host-sync log (numbers read once, non-finite steps skipped on the device); + prefetch (the next
+            batch built by a background thread); all levers. Tokens/s, the ratio to "before", MFU, peak
+            memory, the first step's seconds. A kernel the device lacks (cuDNN attention on a CPU) makes its
+            row "not available on this device" and the all-levers rows run the before's attention instead.
+            Then the quality guard: 50 steps from one seed on the same batches before and with all levers,
+            the final loss of each and their difference.
+  profile   torch.profiler over 3 steps of the all-levers step after warm-up: the top 10 kernels by self
+            device time (ops by self CPU time on a CPU), device-busy time against wall time per step, the
+            share of the GPU's timeline idle between kernels, the host's time per step (its launch cost with
+            host-sync log); the Chrome trace written beside the results when under 50 MB
   train     codeforge's real training step (benchmarks/train_throughput.py: trainer.train_step with autocast,
             clipping, fused AdamW, the non-finite check) on random tokens: gpt2-small, batch 16, context
             1024, vocabulary 50304, bf16; eager and torch.compile, plain and chunked loss; tokens/s (median of
@@ -76,6 +91,7 @@ SEED000 = ["--preset", "gpt2-small", "--block-size", "1024", "--vocab-size", "50
 TINY = ["--set", "model.n_layer=2", "--set", "model.n_head=2", "--set", "model.n_embd=64", "--block-size",
         "64", "--vocab-size", "512", "--batch-size", "2"]
 CHUNK = ["--loss-chunk-rows", "4096"]
+PARTS = ("env", "levers", "profile", "train", "hf", "seed000", "data", "quality", "fsdp", "serve")
 WHEELS = ["fastapi==0.163.2", "starlette==1.10.0", "pydantic==2.14.4", "pydantic_core==2.50.5",
           "annotated-types==0.8.0", "typing-inspection==0.4.5", "uvicorn==0.54.0", "llguidance==1.9.1",
           "sniffio==1.3.1", "datasketch==2.0.0", "zstandard==0.25.0", "tree-sitter==0.26.1",
@@ -129,6 +145,128 @@ def job_train(p: dict) -> dict:
     import train_throughput
     a = train_throughput.parser().parse_args(p["args"])
     return train_throughput.measure(a, a.batch_size)
+
+
+def _lever_args(p: dict):
+    """(train_throughput arguments, note) for a lever job. An --attention kernel the device lacks (cuDNN's on
+    a CPU): with p["fallback"] the job runs that attention instead and the note says so; without, the
+    arguments are None and the note is "not available on this device: ..." (nothing runs)."""
+    import train_throughput
+    from codeforge.device import attention_backends, choose_device
+    from codeforge.fields import ConfigError
+    a = train_throughput.parser().parse_args(p["args"])
+    if not a.attention:
+        return a, None
+    try:
+        attention_backends(choose_device(a.device)[0], a.attention)
+        return a, None
+    except ConfigError as e:
+        if not p.get("fallback"):
+            return None, f"not available on this device: {e}"
+        asked, a.attention = a.attention, p["fallback"]
+        return a, f"{asked} attention not available on this device: ran {a.attention}"
+
+
+def job_lever(p: dict) -> dict:
+    import train_throughput
+    a, note = _lever_args(p)
+    if a is None:
+        return {"not_available": note}
+    return {**train_throughput.measure(a, a.batch_size), "fallback_note": note}
+
+
+def job_losscheck(p: dict) -> dict:
+    """The quality guard: `steps` steps from the same seed on the same (host-built) batches, once as "before"
+    and once with all levers; the final loss of each and their difference (all minus before)."""
+    import torch
+    import train_throughput
+    out, notes = {"steps": p["steps"]}, []
+    for side in ("before", "all"):
+        a, note = _lever_args({"args": p[side] + ["--loss-check", str(p["steps"])],
+                               "fallback": p["fallback"]})
+        r = train_throughput.measure(a, a.batch_size)
+        torch._dynamo.reset()  # the second model compiles as the first did, not as a recompile of it
+        notes += [note] if note else []
+        out[f"{side}_losses"], out[f"{side}_loss"] = r["losses"], r["loss"]
+        out[f"{side}_whole_graph"] = r["whole_graph"]
+        print(f"{side}: losses {r['losses']}", flush=True)
+    out["diff"] = out["all_loss"] - out["before_loss"]
+    out["max_step_diff"] = max(abs(x - y) for x, y in zip(out["before_losses"], out["all_losses"]))
+    out["fallback_note"] = "; ".join(notes) or None
+    return out
+
+
+def _busy_us(intervals: list[tuple[float, float]]) -> float:
+    """The time covered by the union of (start, end) intervals."""
+    busy, end = 0.0, None
+    for s, e in sorted(intervals):
+        if end is None or s > end:
+            busy += e - s
+            end = e
+        elif e > end:
+            busy += e - end
+            end = e
+    return busy
+
+
+def job_profile(p: dict) -> dict:
+    """torch.profiler over p["steps"] steps of the all-levers step, after its warm-up (see the docstring)."""
+    from torch.profiler import ProfilerActivity, profile
+    import train_throughput
+    a, note = _lever_args(p)
+    b = train_throughput.Bench(a, a.batch_size)
+    n = p["steps"]
+    try:
+        for _ in range(max(1, a.warmup)):
+            b.step()
+            b.sync()
+        b.drain()
+        cuda = b.device.type == "cuda"
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        host = []
+        with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                h0 = time.perf_counter()
+                b.step()  # returns once its kernels are queued (with host-sync log: nothing read)
+                host.append(time.perf_counter() - h0)
+            b.drain()
+            b.sync()
+            wall = time.perf_counter() - t0
+    finally:
+        b.close()
+
+    def self_us(e) -> float:
+        if not cuda:
+            return e.self_cpu_time_total
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+    avgs = sorted((e for e in prof.key_averages() if self_us(e) > 0), key=self_us, reverse=True)
+    top = [{"name": e.key[:160], "self_ms_per_step": self_us(e) / 1e3 / n, "calls_per_step": e.count / n}
+           for e in avgs[:10]]
+    trace = Path(p["trace"])
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(trace))
+    busy = idle = None
+    if cuda:  # the device's timeline: kernels, copies and fills, and the gaps between them
+        events = json.loads(trace.read_text()).get("traceEvents", [])
+        spans = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
+                 if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+        if spans:
+            busy = _busy_us(spans)
+            timeline = max(e for _, e in spans) - min(s for s, _ in spans)
+            idle = 1 - busy / timeline if timeline > 0 else 0.0
+    size = trace.stat().st_size
+    kept = size < 50 * 2**20
+    if not kept:
+        trace.unlink()
+    return {"steps": n, "device": str(b.device), "top": top,
+            "top_by": "self device time" if cuda else "self CPU time",
+            "wall_ms_per_step": wall * 1e3 / n,
+            "device_busy_ms_per_step": busy / 1e3 / n if busy is not None else None,
+            "device_busy_fraction": busy / 1e6 / wall if busy is not None else None,
+            "idle_gap_fraction": idle, "host_ms_per_step": statistics.mean(host) * 1e3,
+            "trace": str(trace) if kept else None, "trace_mb": size / 2**20,
+            "settings": b.settings(), "fallback_note": note}
 
 
 def job_hf(p: dict) -> dict:
@@ -448,7 +586,8 @@ def job_serve(p: dict) -> dict:
     return out
 
 
-JOBS = {"env": job_env, "train": job_train, "hf": job_hf, "prepare": job_prepare, "quality": job_quality,
+JOBS = {"env": job_env, "train": job_train, "lever": job_lever, "losscheck": job_losscheck,
+        "profile": job_profile, "hf": job_hf, "prepare": job_prepare, "quality": job_quality,
         "fsdp": job_fsdp, "serve": job_serve}
 
 
@@ -481,6 +620,28 @@ def plan(a) -> list[tuple[str, str, str, dict, float]]:
     work = Path(a.work)
     data = Path(a.data) if a.data else work / "prepared"
     jobs = [("env", "env", "env", {}, 15)]
+
+    def lever(attention: str = "flash", shapes: str = "dynamic", sync: str = "step", prefetch: bool = False,
+              ) -> list[str]:  # "before" unless told: PyTorch's own attention pick on an H100 (flash)
+        return (["--compile", "--timing", "window", "--host-batches", "--attention", attention,
+                 "--compile-shapes", shapes, "--host-sync", sync] + (["--prefetch"] if prefetch else []))
+    every = lever("cudnn", "static", "log", True)
+    # rough seconds on an H100/H200: the first compile is cold, the rest mostly hit inductor's caches
+    for name, extra, secs in (("before", lever(), 75), ("+ cudnn attention", lever(attention="cudnn"), 50),
+                              ("+ static whole graph", lever(shapes="static"), 45),
+                              ("+ host-sync log", lever(sync="log"), 40),
+                              ("+ prefetch", lever(prefetch=True), 40),
+                              ("all levers", every, 50)):
+        # the all-levers row runs the before's attention where the device has no cuDNN kernel (a CPU)
+        jobs.append(("levers", name, "lever", {**tt(GPT2, *extra), "fallback": "flash" if extra is every
+                                                 else None}, secs))
+    n_check = 3 if smoke else 50
+    jobs.append(("levers", f"quality guard: before vs all levers, {n_check} steps", "losscheck",
+                 {"before": tt(GPT2, *lever())["args"], "all": tt(GPT2, *every)["args"], "fallback": "flash",
+                  "steps": n_check}, 90))
+    jobs.append(("profile", "torch.profiler, all levers, 3 steps", "profile",
+                 {**tt(GPT2, *every), "fallback": "flash", "steps": 3,
+                  "trace": str(Path(a.out or a.work) / "profile-trace.json")}, 50))
     for name, extra, secs in (("gpt2 eager, plain loss", [], 15), ("gpt2 eager, chunked loss", CHUNK, 15),
                               ("gpt2 compile, plain loss", ["--compile"], 60),
                               ("gpt2 compile, chunked loss", ["--compile", *CHUNK], 45)):
@@ -558,6 +719,69 @@ def fmt(v, spec: str = ",.0f", none: str = "-") -> str:
     return none if v is None else format(v, spec)
 
 
+def _cell(text: str, width: int = 100) -> str:
+    text = str(text).replace("|", "\\|").replace("\n", " ")
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def levers_table(res: dict) -> list[str]:
+    """The levers part (its rows and its quality guard) and the profile part, as Markdown lines."""
+    lines: list[str] = []
+    rows = [j for j in res["jobs"] if j["part"] == "levers" and j["kind"] == "lever"]
+    ran = [j["result"] for j in rows if j["result"] and j["result"].get("tokens_per_s")]
+    if rows:
+        before = next((j["result"] for j in rows if j["name"] == "before" and j["result"]
+                       and j["result"].get("tokens_per_s")), None)
+        what = (f"{ran[0]['preset']}, batch {ran[0]['batch_size']} x {ran[0]['block_size']}, "
+                f"{ran[0]['precision']}, compiled, {ran[0]['steps_timed']} steps timed in one window, "
+                "batches built on the host" if ran else "no row ran")
+        lines += ["", f"**GPU speed levers**, each against \"before\" ({what})", "",
+                  "| step | tokens/s | x vs before | MFU | peak GiB | first step s | loss |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for j in rows:
+            r = j["result"]
+            if r is None:
+                lines.append(f"| {j['name']} | {_cell(j['error'] or 'not run')} | | | | | |")
+                continue
+            if r.get("not_available"):
+                lines.append(f"| {j['name']} | not available on this device | | | | | |")
+                continue
+            name = j["name"]
+            if r.get("fallback_note"):
+                name += f" ({r['fallback_note']})"
+            if r.get("whole_graph") is False:
+                name += " (compiled in pieces: not one graph)"
+            ratio = r["tokens_per_s"] / before["tokens_per_s"] if before else None
+            lines.append(f"| {_cell(name, 160)} | {fmt(r['tokens_per_s'])} | {fmt(ratio, '.2f')}"
+                         f"{'x' if ratio else ''} | {fmt(r.get('mfu'), '.1%')} | "
+                         f"{fmt(r.get('peak_memory_gib'), '.2f')} | {fmt(r.get('first_step_s'), '.1f')} | "
+                         f"{fmt(r.get('loss'), '.3f')} |")
+    for j in res["jobs"]:
+        r, e = j["result"], j["error"]
+        if j["kind"] == "losscheck":
+            lines += ["", f"**Quality guard** (levers: {j['name'].split(': ', 1)[-1]}, one seed, the same "
+                      "batches): " + (
+                f"final loss before {r['before_loss']:.4f}, all levers {r['all_loss']:.4f}, difference "
+                f"{r['diff']:+.2e} (largest at any step {r['max_step_diff']:.2e})"
+                + (f"; {r['fallback_note']}" if r.get("fallback_note") else "") if r else e or "not run")]
+        elif j["kind"] == "profile":
+            lines += ["", f"**Profile** ({j['name']}): " + (e or "not run" if not r else
+                      f"{r['wall_ms_per_step']:.1f} ms wall per step under the profiler, "
+                      + ("no device timeline (a CPU)" if r["device_busy_ms_per_step"] is None else
+                         f"device busy {r['device_busy_ms_per_step']:.1f} ms per step "
+                         f"({r['device_busy_fraction']:.0%} of wall), idle between kernels "
+                         f"{fmt(r['idle_gap_fraction'], '.1%')} of the GPU's timeline")
+                      + f", host {r['host_ms_per_step']:.1f} ms per step to queue a step; trace "
+                      + (r["trace"] or f"not kept ({r['trace_mb']:.0f} MB)")
+                      + (f"; {r['fallback_note']}" if r.get("fallback_note") else ""))]
+            if r:
+                lines += ["", f"| top ops by {r['top_by']} | ms per step | calls per step |",
+                          "| --- | ---: | ---: |"]
+                lines += [f"| `{_cell(t['name'], 90)}` | {t['self_ms_per_step']:.3f} | "
+                          f"{t['calls_per_step']:g} |" for t in r["top"]]
+    return lines
+
+
 def table(res: dict) -> str:
     env = res.get("env") or {}
     lines = [f"# GPU suite: {env.get('device', '?')}", "",
@@ -569,6 +793,9 @@ def table(res: dict) -> str:
              "TFLOP/s, an 8192^3 bf16 matrix product measured "
              f"{fmt(env.get('matmul_bf16_tflops'), '.0f')} TFLOP/s; "
              f"{res.get('started', '')}, {'smoke (CPU, tiny shapes)' if res.get('smoke') else 'full'}", ""]
+    lines += levers_table(res)
+    if lines[-1]:
+        lines.append("")
     rows = [j for j in res["jobs"] if j["part"] in ("train", "hf", "seed000")]
     hf = next((j["result"] for j in rows if j["part"] == "hf" and j["result"]), None)
     lines += ["| training step | tokens/s | vs transformers | MFU | peak GiB | first step s | loss |",
@@ -650,8 +877,8 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=540.0, help="seconds the whole suite may take")
     ap.add_argument("--quality-seconds", type=float, default=150.0)
     ap.add_argument("--only", nargs="+", metavar="PART",
-                    help="parts to run, or jobs by the start of their name "
-                    "('modern', 'gpt2 compile'); env and the data preparation always run")
+                    help=f"parts to run ({', '.join(PARTS)}), or jobs by the start of their name "
+                    "('modern', 'gpt2 compile', 'all levers'); env and the data preparation always run")
     ap.add_argument("--prepare", metavar="DIR", help="only prepare the Python-library data into DIR and stop")
     ap.add_argument("--wheels", metavar="DIR",
                     help="only download the device's missing wheels into DIR and stop")
@@ -682,7 +909,11 @@ def main() -> None:
     deadline = t_start + a.budget_s
     res = {"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "smoke": a.smoke,
            "budget_s": a.budget_s, "argv": sys.argv[1:], "jobs": []}
-    for part, name, kind, params, est in plan(a):
+    jobs = plan(a)
+    unknown = [o for o in a.only or () if o not in PARTS and not any(j[1].startswith(o) for j in jobs)]
+    if unknown:
+        ap.error(f"--only {' '.join(unknown)}: not a part ({', '.join(PARTS)}) nor the start of a job's name")
+    for part, name, kind, params, est in jobs:
         row = {"part": part, "name": name, "kind": kind, "result": None, "error": None, "seconds": None}
         res["jobs"].append(row)
         if a.only and part not in ("env", "data") and not any(part == o or name.startswith(o)

@@ -330,10 +330,11 @@ def parquet_page_limit(max_file_bytes: int) -> int:
     return max(PARQUET_PAGE_BYTES, line_limit(max_file_bytes))
 
 
-def bounded_lines(f: io.TextIOBase, limit: int) -> Iterator[tuple[int, str | None]]:
+def bounded_lines(f: io.TextIOBase, limit: int, first: int = 1) -> Iterator[tuple[int, str | None]]:
     """(line number, line) of a text stream, never holding more than `limit` characters of one line (plus
-    its newline): a longer line is read through in LINE_PIECE pieces, discarded, and given as (n, None)."""
-    lineno = 0
+    its newline): a longer line is read through in LINE_PIECE pieces, discarded, and given as (n, None).
+    first: the number of the stream's first line."""
+    lineno = first - 1
     while line := f.readline(limit + 1):
         lineno += 1
         if len(line) <= limit or line.endswith("\n"):
@@ -456,11 +457,15 @@ class _Decompressed(io.RawIOBase):
         super().close()
 
 
-def open_text(path: str) -> io.TextIOBase:
-    """UTF-8 text of a regular file, decompressed by extension (.gz, .zst). Raises UnusableInput for a file
-    that is not regular, a broken symlink, unreadable, or (while reading) damaged compressed data."""
+def open_text(path: str, span: tuple[int, int] | None = None) -> io.TextIOBase:
+    """UTF-8 text of a regular file, decompressed by extension (.gz, .zst); span: only bytes [start, end) of a
+    plain file (a piece of it, data/pieces.py). Raises UnusableInput for a file that is not regular, a broken
+    symlink, unreadable, or (while reading) damaged compressed data."""
     f, _ = _open_regular(path)
-    raw = io.BufferedReader(_Decompressed(f, path), 1 << 16) if path.endswith((".gz", ".zst")) else f
+    if span is not None:
+        raw = io.BufferedReader(_Span(f, *span), 1 << 16)
+    else:
+        raw = io.BufferedReader(_Decompressed(f, path), 1 << 16) if path.endswith((".gz", ".zst")) else f
     text = io.TextIOWrapper(raw, encoding="utf-8", errors="strict")
     # Bytes decoded per step (8 KiB by default): reading through a 6 GiB line of a .zst takes 4.7 s of CPU,
     # not 8.6 (measured; larger zstd output buffers cost more in page faults than they save)
@@ -468,15 +473,50 @@ def open_text(path: str) -> io.TextIOBase:
     return text
 
 
-def _read_jsonl(path: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[Document]:
+def open_bytes(path: str) -> io.BufferedIOBase:
+    """The bytes of a regular file (decompressed by extension, .gz and .zst), for a pass over them
+    (data/pieces.py); UnusableInput as open_text raises it."""
+    f, _ = _open_regular(path)
+    return io.BufferedReader(_Decompressed(f, path), 1 << 16) if path.endswith((".gz", ".zst")) else f
+
+
+class _Span(io.RawIOBase):
+    """Bytes [start, end) of an open file."""
+
+    def __init__(self, f: io.BufferedReader, start: int, end: int):
+        self._f, self._left = f, max(0, end - start)
+        f.seek(start)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        data = self._f.read(min(len(b), self._left))
+        self._left -= len(data)
+        b[:len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._f.close()
+        super().close()
+
+
+def _read_jsonl(path: str, opts: CorpusOptions, stats: CorpusStats, piece: dict | None = None,
+                ) -> Iterator[Document]:
     """Documents of a JSONL file, streamed. A damaged compressed file keeps the records read before the
     damage and is counted once under corrupt_compressed (refused under --strict). A line over
-    line_limit(--max-file-bytes) is counted as oversized_record without being held whole."""
+    line_limit(--max-file-bytes) is counted as oversized_record without being held whole. piece: one piece of
+    the file (data/pieces.py): its bytes, the number of its first line, and the file they are read from (the
+    input itself, or a decompressed chunk of it); documents are named by the input's path and line as when
+    the whole file is read."""
     kept = 0
     limit = line_limit(opts.max_file_bytes)
+    read_from, span, first = ((piece.get("file", path), tuple(piece["bytes"]), piece["line"]) if piece
+                              else (path, None, 1))
     try:
-        with open_text(path) as f:
-            for lineno, line in bounded_lines(f, limit):
+        with open_text(read_from, span) as f:
+            for lineno, line in bounded_lines(f, limit, first):
                 where = f"{path}:{lineno}"
                 if line is None:
                     stats.skip("oversized_record", where, opts.strict,
@@ -505,13 +545,15 @@ def _read_jsonl(path: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[
         stats.skip("unreadable", path, opts.strict, e.strerror or str(e))
 
 
-def _read_parquet(path: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[Document]:
+def _read_parquet(path: str, opts: CorpusOptions, stats: CorpusStats, piece: dict | None = None,
+                  ) -> Iterator[Document]:
     """Rows of a parquet file, row group by row group. pyarrow decodes a page whole (a 10 KB file can hold
     one 300 MB value), so each row group's text-column page headers are read first: a row group with a page
     over parquet_page_limit(--max-file-bytes) is skipped unread, its rows counted as oversized_record. The
     others are read in batches sized so that even rows that all repeat the largest page's value (a dictionary
     page) stay under PARQUET_BATCH_BYTES decoded. A file pyarrow cannot read is counted under
-    corrupt_parquet (rows read before the damage are kept)."""
+    corrupt_parquet (rows read before the damage are kept). piece: row groups [first, end) only, the rows
+    numbered from piece["row"] + 1 (data/pieces.py)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     try:
@@ -519,7 +561,7 @@ def _read_parquet(path: str, opts: CorpusOptions, stats: CorpusStats) -> Iterato
     except UnusableInput as e:
         stats.skip(e.reason, path, opts.strict, e.detail)
         return
-    row = 0
+    row = piece["row"] if piece else 0
     with f:
         try:
             pf = pq.ParquetFile(f)
@@ -528,7 +570,7 @@ def _read_parquet(path: str, opts: CorpusOptions, stats: CorpusStats) -> Iterato
                                   f"{pf.schema_arrow.names}); set --text-field")
             limit = parquet_page_limit(opts.max_file_bytes)
             meta = pf.metadata
-            for i in range(meta.num_row_groups):
+            for i in range(*piece["groups"]) if piece else range(meta.num_row_groups):
                 rg = meta.row_group(i)
                 chunks = [c for c in map(rg.column, range(rg.num_columns))
                           if c.path_in_schema == opts.text_field
@@ -707,10 +749,15 @@ def source_units(src: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[
         yield src, None, size
 
 
-def read_unit(path: str, tree: str | None, opts: CorpusOptions, stats: CorpusStats) -> Iterator[Document]:
-    """Raw documents of one unit of source_units."""
+def read_unit(path: str, tree: str | None, opts: CorpusOptions, stats: CorpusStats,
+              piece: dict | None = None) -> Iterator[Document]:
+    """Raw documents of one unit of source_units; piece: a piece of a large JSONL or parquet input (plan
+    time's data/pieces.py), read as that part of the whole file would be."""
     if tree is not None:
         yield from _read_file(path, opts, stats, tree)
+    elif piece is not None:
+        reader = _read_parquet if "groups" in piece else _read_jsonl
+        yield from reader(path, opts, stats, piece)
     else:
         yield from read_source(path, opts, stats)
 

@@ -67,7 +67,7 @@ from datatrove.pipeline.writers import JsonlWriter
 
 from .. import CodeforgeError
 from ..corpus import CorpusOptions, CorpusStats, check_sources, source_units
-from . import local, ray_executor, workdir
+from . import local, pieces, ray_executor, workdir
 from . import slurm as slurm_jobs
 from .steps import (EXACT, BenchmarkFilter, CodeMinhashSignature, EncodeShards, ExactSignature, MergeShards,
                     QualityFilter, ReadUnits, RedactSecrets, Tally, TaskDocs, minhash_config, save_stats)
@@ -103,18 +103,22 @@ def make_plan(sources: list[str], opts: CorpusOptions, work: Path, tasks: int | 
     n, total = 0, 0
     with open(plan / "units.jsonl", "xb") as f:  # streamed: a corpus of millions of files is not held
         for src in sources:
-            for unit in source_units(src, opts, stats):
-                f.write(json.dumps(list(unit)).encode() + b"\n")  # json: a file name may hold surrogates
-                n += 1
-                total += unit[2]
+            for path, tree, size in source_units(src, opts, stats):
+                # a large JSONL or parquet input: in pieces, so that every worker reads part of it
+                parts = pieces.split(path, size, TASK_BYTES, plan) if tree is None else None
+                for unit in ([[path, tree, size]] if parts is None else
+                             [[path, None, _piece_size(p), p] for p in parts]):
+                    f.write(json.dumps(unit).encode() + b"\n")  # json: a file name may hold surrogates
+                    n += 1
+                    total += unit[2]
     t = max(1, min(tasks, max(n, 1))) if tasks else task_count(n, total)
     outs = [open(plan / f"{r:05d}.jsonl", "xb") for r in range(t)]  # x: a new file, never through a link
     try:
         done, cur, cur_bytes, last_dir = 0, 0, 0, None
         with open(plan / "units.jsonl", "rb") as f:
             for i, line in enumerate(f):
-                path, _, size = json.loads(line)
-                here = os.path.dirname(path)
+                path, _, size, *piece = json.loads(line)
+                here = (path, i) if piece else os.path.dirname(path)  # a file's pieces may go to any task
                 # by bytes before this unit; a directory stays in one task unless that task is already twice
                 # its share (repo-level FIM takes context from the files before it in the same directory)
                 r = min(t - 1, done * t // max(total, 1), i)
@@ -136,6 +140,13 @@ def make_plan(sources: list[str], opts: CorpusOptions, work: Path, tasks: int | 
     workdir.write_text(plan / "plan.json",
                        json.dumps({"tasks": t, "units": n, "bytes": total, "started": time.time()}))
     return t
+
+
+def _piece_size(piece: dict) -> int:
+    """The bytes a piece of a large input stands for (its share of the input, for cutting tasks)."""
+    if "bytes" in piece:
+        return piece["bytes"][1] - piece["bytes"][0]
+    return piece.get("size", 0)
 
 
 def auto_workers(total_bytes: int) -> int:

@@ -171,8 +171,8 @@ class ReadUnits(_Step):
 
     def apply(self, data, rank, stats):
         n = 0
-        for path, tree in workdir.plan_units(Path(self.work), rank, self.sources):
-            docs = read_unit(path, None, self.opts, stats) if tree is None else \
+        for path, tree, piece in workdir.plan_units(Path(self.work), rank, self.sources):
+            docs = read_unit(path, None, self.opts, stats, piece) if tree is None else \
                 _read_inside(path, tree, self.opts, stats)
             for doc in docs:
                 stats.step("read", doc.nbytes, True)

@@ -99,9 +99,10 @@ def audit(work: Path) -> None:
                                f"again (it starts that dataset afresh)")
 
 
-def plan_units(work: Path, rank: int, sources: list[str]) -> Iterator[tuple[str, str | None]]:
-    """Task `rank`'s (path, tree) units of the plan (plan/RANK.jsonl, pipeline.make_plan), each checked
-    against the inputs (_planned): one that is not refused (KeepWork), never read."""
+def plan_units(work: Path, rank: int, sources: list[str]) -> Iterator[tuple[str, str | None, dict | None]]:
+    """Task `rank`'s (path, tree, piece) units of the plan (plan/RANK.jsonl, pipeline.make_plan), each
+    checked against the inputs (_planned; a piece's chunk file must be one of plan/chunks/): one that is not
+    refused (KeepWork), never read."""
     trees: dict[str, list[str]] = {}
     for src in sources:
         if not src.startswith("hf:") and os.path.isdir(src):
@@ -110,15 +111,32 @@ def plan_units(work: Path, rank: int, sources: list[str]) -> Iterator[tuple[str,
     with open(name, "rb") as f:
         for i, line in enumerate(f, 1):
             try:
-                path, tree, _ = json.loads(line)
+                path, tree, _, *piece = json.loads(line)
             except (ValueError, TypeError):
                 path = tree = None
-            if not _planned(path, tree, sources, trees):
+                piece = []
+            piece = piece[0] if piece else None
+            if not _planned(path, tree, sources, trees) or not _piece_ok(work, tree, piece):
                 raise KeepWork(printable(
                     f"{name} line {i} is not a unit of the inputs ({line[:200]!r}): prepare reads only the "
                     f"inputs' files (an input directory that resolves elsewhere now, or a plan changed by "
                     f"something other than prepare). Delete {work} and run the same command again"))
-            yield path, tree
+            yield path, tree, piece
+
+
+def _piece_ok(work: Path, tree, piece) -> bool:
+    """No piece, or a piece of a whole input (pieces.py's shape) whose chunk file, if it has one, is a file
+    of this work directory's plan/chunks/."""
+    if piece is None:
+        return True
+    if tree is not None or not isinstance(piece, dict):
+        return False
+    if "file" not in piece:
+        return True
+    chunks = os.path.realpath(work / "plan" / "chunks")
+    name = piece["file"]
+    return (isinstance(name, str) and os.path.realpath(name) == name
+            and os.path.dirname(os.path.dirname(name)) == chunks)
 
 
 def _planned(path, tree, sources: list[str], trees: dict[str, list[str]]) -> bool:
