@@ -196,17 +196,27 @@ def job_losscheck(p: dict) -> dict:
     return out
 
 
-def _busy_us(intervals: list[tuple[float, float]]) -> float:
-    """The time covered by the union of (start, end) intervals."""
+DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # a Chrome trace's categories of work on the GPU
+
+
+def device_timeline(events: list[dict]) -> tuple[float | None, float | None]:
+    """(busy microseconds, idle fraction) of the GPU in a torch.profiler Chrome trace's events: the time
+    covered by the union of its kernels, copies and fills (overlapping streams counted once), and the share of
+    the span from the first to the last of them with none running. (None, None) when the trace has none."""
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
+                   if e.get("ph") == "X" and e.get("cat") in DEVICE_WORK)
+    if not spans:
+        return None, None
     busy, end = 0.0, None
-    for s, e in sorted(intervals):
+    for s, e in spans:
         if end is None or s > end:
             busy += e - s
             end = e
         elif e > end:
             busy += e - end
             end = e
-    return busy
+    timeline = end - spans[0][0]
+    return busy, (1 - busy / timeline if timeline > 0 else 0.0)
 
 
 def job_profile(p: dict) -> dict:
@@ -248,13 +258,7 @@ def job_profile(p: dict) -> dict:
     prof.export_chrome_trace(str(trace))
     busy = idle = None
     if cuda:  # the device's timeline: kernels, copies and fills, and the gaps between them
-        events = json.loads(trace.read_text()).get("traceEvents", [])
-        spans = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
-                 if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-        if spans:
-            busy = _busy_us(spans)
-            timeline = max(e for _, e in spans) - min(s for s, _ in spans)
-            idle = 1 - busy / timeline if timeline > 0 else 0.0
+        busy, idle = device_timeline(json.loads(trace.read_text()).get("traceEvents", []))
     size = trace.stat().st_size
     kept = size < 50 * 2**20
     if not kept:

@@ -3,6 +3,7 @@ and the memory of each stage (near-dedup's above all) as the corpus grows.
 
     python benchmarks/prepare_engine.py speed  [--input DIR ...] [--old-rev REV] [--workers 1 2]
     python benchmarks/prepare_engine.py memory [--sizes 100 1000]
+    python benchmarks/prepare_engine.py bigfile [--mb 200] [--gzip] [--workers 1 2]
 
 speed: the same command (`codeforge prepare` with its defaults: exact dedup, HumanEval decontamination,
 secrets replaced) on the same input, each run a fresh process: the engine at each --workers, and the code
@@ -14,6 +15,9 @@ first copy as it is, every further copy with one line of every file changed (a n
 so the dedup stages have real clusters to find). A sampler reads the RSS of the command's whole process
 tree every 0.2 s and books it to the stage running (the newest WORK/logs/STAGE): the largest single process
 and the tree's sum. Flat memory: the per-stage peaks do not grow with the corpus.
+
+bigfile: one large JSONL file (or .jsonl.gz) as the whole corpus: before pieces (data/pieces.py) it was one
+task on one core whatever --workers said; now every worker reads part of it, with the same shards.
 """
 
 from __future__ import annotations
@@ -181,6 +185,62 @@ def memory(a) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def bigfile(a) -> None:
+    """One large JSONL (Go's standard library, each file a record, every copy after the first with one line
+    changed so that exact dedup keeps it) prepared with the defaults at each --workers: wall time, MB/s of
+    kept bytes, the speed-up over the first, and whether the shards are byte for byte the same."""
+    import gzip
+    tmp = Path(tempfile.mkdtemp(prefix="prep-big-", dir=a.tmp))
+    try:
+        tok = tmp / "tok"
+        _train_tokenizer([GO], tok)
+        files = []
+        for dirpath, _, names in os.walk(GO):
+            if "testdata" not in dirpath:
+                files += [Path(dirpath, f) for f in sorted(names) if f.endswith(".go")]
+        texts = []
+        for f in sorted(files):
+            try:
+                texts.append(f.read_text())
+            except (OSError, UnicodeDecodeError):
+                continue
+        path = tmp / ("big.jsonl.gz" if a.gzip else "big.jsonl")
+        rng = random.Random(0)
+        size, copy = 0, 0
+        with (gzip.open(path, "wt") if a.gzip else open(path, "w")) as out:
+            while size < a.mb * 1e6:
+                for t in texts:
+                    if copy:
+                        lines = t.split("\n")
+                        lines[rng.randrange(len(lines))] = f"// copy {copy}: {rng.random()}"
+                        t = "\n".join(lines)
+                    line = json.dumps({"text": t}) + "\n"
+                    out.write(line)
+                    size += len(line.encode())
+                    if size >= a.mb * 1e6:
+                        break
+                copy += 1
+        print(f"{path.name}: {size / 1e6:,.0f} MB of JSONL ({path.stat().st_size / 1e6:,.0f} MB on disk), "
+              f"{copy} pass(es) over Go's standard library", flush=True)
+        rows, first = [], None
+        for w in a.workers:
+            out_dir = tmp / f"out{w}"
+            wall, meta, _ = run_prepare(["--input", str(path), "--tokenizer", str(tok), "--out", str(out_dir),
+                                         "--workers", str(w)])
+            shards = {f.name: f.read_bytes() for f in sorted(out_dir.iterdir())
+                      if f.suffix in (".bin", ".npy")}
+            same = "" if first is None else ("; shards identical" if shards == first else "; SHARDS DIFFER")
+            first = first if first is not None else shards
+            rate = meta["bytes"] / 1e6 / wall
+            rows.append(rate)
+            print(f"  --workers {w}: {wall:7.1f}s  {rate:6.2f} MB/s kept  {meta['engine']['tasks']} tasks, "
+                  f"{meta['documents']:,} documents{same}; x{rate / rows[0]:.2f} of --workers "
+                  f"{a.workers[0]}", flush=True)
+        print(f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -193,8 +253,13 @@ def main() -> None:
     m.add_argument("--sizes", nargs="+", type=int, default=[100, 1000], help="corpus sizes in MB")
     m.add_argument("--workers", type=int, default=2)
     m.add_argument("--tmp", default=None)
+    b = sub.add_parser("bigfile")
+    b.add_argument("--mb", type=float, default=200.0, help="size of the one JSONL file, in MB")
+    b.add_argument("--gzip", action="store_true", help="the file as .jsonl.gz")
+    b.add_argument("--workers", nargs="+", type=int, default=[1, 2])
+    b.add_argument("--tmp", default=None)
     a = ap.parse_args()
-    speed(a) if a.cmd == "speed" else memory(a)
+    {"speed": speed, "memory": memory, "bigfile": bigfile}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,10 @@ def test_smoke_runs_every_part(tmp_path):
     failed = {j["name"]: j["error"] for j in res["jobs"] if j["error"] or j["result"] is None}
     assert not failed, failed
     parts = {j["part"] for j in res["jobs"]}
-    assert parts >= {"env", "train", "hf", "seed000", "data", "quality", "fsdp", "serve"}
+    assert parts >= {"env", "levers", "profile", "train", "hf", "seed000", "data", "quality", "fsdp", "serve"}
+    # levers and profile run first, right after env (a GPU session's budget goes to them before the rest)
+    assert [j["part"] for j in res["jobs"]][:9] == ["env"] + ["levers"] * 7 + ["profile"]
+    _check_levers_and_profile(res, out)
     jobs = {j["name"]: j["result"] for j in res["jobs"]}
     steps = [j["result"] for j in res["jobs"] if j["part"] in ("train", "hf", "seed000")]
     assert len(steps) >= 9
@@ -49,6 +52,40 @@ def test_smoke_runs_every_part(tmp_path):
     assert s["decode"]["codeforge_tokens_per_s"] > 0 and s["decode"]["transformers_tokens_per_s"] > 0
     table = (out / "table.md").read_text()
     assert "| gpt2 compile, chunked loss |" in table and "held-out" in table and "FSDP2 on one rank" in table
+    assert "| + cudnn attention | not available on this device |" in table
+    assert "**Quality guard**" in table and "**Profile**" in table and "| top ops by self CPU time |" in table
+
+
+def _check_levers_and_profile(res: dict, out: Path) -> None:
+    levers = {j["name"]: j["result"] for j in res["jobs"] if j["kind"] == "lever"}
+    assert list(levers) == ["before", "+ cudnn attention", "+ static whole graph", "+ host-sync log",
+                            "+ prefetch", "all levers"]
+    # a CPU has no cuDNN attention: that row says so (the part goes on), the all-levers row runs flash instead
+    assert levers.pop("+ cudnn attention")["not_available"].startswith("not available on this device")
+    for name, r in levers.items():
+        assert r["tokens_per_s"] > 0 and r["timing"] == "window" and r["host_batches"], name
+        assert r["compile"] and torch.isfinite(torch.tensor(r["loss"])) and r["steps_skipped"] == 0, name
+    assert (levers["before"]["compile_shapes"], levers["before"]["host_sync"], levers["before"]["prefetch"],
+            levers["before"]["attention"]) == ("dynamic", "step", False, "flash")
+    every = levers["all levers"]
+    assert (every["compile_shapes"], every["host_sync"], every["prefetch"], every["attention"]) == (
+        "static", "log", True, "flash")
+    assert "cudnn attention not available" in every["fallback_note"]
+    assert levers["+ static whole graph"]["whole_graph"] is True and every["whole_graph"] is True
+    assert levers["+ host-sync log"]["host_sync"] == "log" and levers["+ prefetch"]["prefetch"]
+    guard = next(j["result"] for j in res["jobs"] if j["kind"] == "losscheck")
+    assert guard["steps"] == 3 and len(guard["before_losses"]) == len(guard["all_losses"]) == 3
+    assert all(torch.isfinite(torch.tensor([guard["before_loss"], guard["all_loss"]])))
+    assert guard["diff"] == guard["all_loss"] - guard["before_loss"]
+    assert abs(guard["diff"]) < 1e-4  # fp32 on a CPU, the same attention: the levers change no arithmetic
+    prof = next(j["result"] for j in res["jobs"] if j["kind"] == "profile")
+    assert prof["steps"] == 3 and prof["top"] and prof["top_by"] == "self CPU time"
+    assert all(t["self_ms_per_step"] > 0 and t["name"] for t in prof["top"]) and len(prof["top"]) <= 10
+    assert prof["host_ms_per_step"] > 0 and prof["wall_ms_per_step"] > 0
+    assert prof["idle_gap_fraction"] is None and prof["device_busy_ms_per_step"] is None  # no GPU timeline
+    assert prof["settings"]["host_sync"] == "log" and prof["settings"]["prefetch"]
+    assert prof["trace"] == str(out / "profile-trace.json")
+    assert "traceEvents" in json.loads((out / "profile-trace.json").read_text())
 
 
 def test_failed_job_is_written_down_and_the_rest_runs(tmp_path):
@@ -68,6 +105,27 @@ def test_failed_job_is_written_down_and_the_rest_runs(tmp_path):
     assert rows["seed000 fp16, batch 8, chunked loss"]["result"]["tokens_per_s"] > 0
     assert rows["gpt2 eager, plain loss"]["error"] == "not run (--only)"
     assert "missing" in (out / "table.md").read_text()
+
+
+def test_only_names_a_part_or_a_job(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--smoke", "--out",
+                        str(tmp_path / "out"), "--only", "levers", "nonsense"], capture_output=True,
+                       text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2 and "--only nonsense" in r.stderr and "levers" in r.stderr, r.stderr[-2000:]
+
+
+def test_device_timeline_counts_overlaps_once():
+    """The profile's busy time and idle share of the GPU, from a Chrome trace's events (a GPU path, checked
+    here on made-up events): kernels on two streams overlapping count once, CPU events not at all."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_suite import device_timeline
+    work = [("kernel", 0, 10), ("kernel", 5, 10), ("gpu_memcpy", 20, 5), ("cpu_op", 0, 100),
+            ("kernel", 30, 10)]
+    events = [{"ph": "X", "cat": c, "ts": t, "dur": d} for c, t, d in work]
+    events.append({"ph": "i", "cat": "kernel", "ts": 90})  # an instant, not work
+    busy, idle = device_timeline(events)
+    assert busy == 30 and idle == pytest.approx(1 - 30 / 40)
+    assert device_timeline([{"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 1}]) == (None, None)
 
 
 def test_cuda_without_index_takes_the_ranks_gpu(monkeypatch):

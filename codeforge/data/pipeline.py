@@ -8,8 +8,9 @@ on hostile input, its filters, decontam.py, redact.py, the shard writer), writte
 steps.py. This file makes the plan, puts the stages in order and runs them.
 
 The work directory, `.OUT.prepare-FINGERPRINT` beside OUT, holds everything between stages:
-  plan/       units.jsonl (every file, in reading order, with its size), RANK.jsonl (one task's run of them),
-              plan.json (the task count, the start time), stats.json (what the walk skipped)
+  plan/       units.jsonl (every file or piece, in reading order, with its size), RANK.jsonl (one task's run
+              of them), plan.json (the task count, the start time), stats.json (what the walk skipped),
+              chunks/ (compressed inputs decompressed in pieces: removed with the work directory)
   docs/       RANK.jsonl: the documents each task kept after reading and quality filters, with their content
               hash (taken before secrets are replaced: it picks the split); raw text, secrets included, so
               removed as soon as the encode stage is done (the merge starts by removing it)
@@ -41,9 +42,12 @@ that fails (a task's error, a full disk) keeps the work directory (StageFailed);
 empty corpus, --strict) removes it. Not handled: a pool worker killed on its own (the kernel's OOM killer)
 leaves the engine's pool waiting for it; stop the command and run it again.
 
-A unit is a file of a walked directory, or a whole single-file source (a JSONL, a parquet, an hf: dataset):
-a corpus given as one large JSONL is one task, on one core. Tasks are cut at directory changes where they
-can be (a task may grow to twice its share first), so repo-level FIM documents rarely lose their context.
+A unit is a file of a walked directory, a single-file source (a JSONL, a parquet, an hf: dataset), or a
+piece of a large single-file source: a JSONL, compressed JSONL or parquet file of more than two pieces'
+worth is cut at plan time (pieces.py: byte ranges at line ends, decompressed chunks, runs of row groups), so
+a corpus given as one large file is still many tasks, read as the whole file would be. Tasks are cut at
+directory changes where they can (a task may grow to twice its share first), so repo-level FIM documents
+rarely lose their context.
 
 Near duplicates: MinHash over the same code-aware shingles as before (5 whitespace-separated words, so `a+b`
 and `a + b` differ and punctuation counts), with 128 hashes in the bands datasketch's LSH picks for
