@@ -451,6 +451,7 @@ class MergeShards(PipelineStep):
         # the documents' raw text, secrets not yet replaced: every encode task is done with it (the merge runs
         # after the whole encode stage, here and on Slurm), and no later stage or rerun reads it again
         shutil.rmtree(work / "docs", ignore_errors=True)
+        shutil.rmtree(work / "plan" / "chunks", ignore_errors=True)  # compressed inputs' decompressed pieces
         dest = work / "out"
         shutil.rmtree(dest, ignore_errors=True)
         dest.mkdir()
