@@ -1,6 +1,6 @@
 """codeforge measured on one GPU, in one command: every GPU path (compile, bf16/fp16 autocast, the chunked
-loss, FSDP2 on NCCL, async sharded checkpoints, the server's batching) and the figures the guides quote,
-written to one JSON file and one Markdown table.
+loss, the training step's speed levers, FSDP2 on NCCL, async sharded checkpoints, the server's batching) and
+the figures the guides quote, written to one JSON file and one Markdown table.
 
     python benchmarks/gpu_suite.py --out DIR [--data PREPARED] [--budget-s 540] [--only PART ...]
     python benchmarks/gpu_suite.py --smoke --out DIR      # every part on the CPU at
@@ -19,8 +19,9 @@ and one failure never stops the rest; a job that fails or runs out of time is wr
             batch built by a background thread); all levers. Tokens/s, the ratio to "before", MFU, peak
             memory, the first step's seconds. A kernel the device lacks (cuDNN attention on a CPU) makes its
             row "not available on this device" and the all-levers rows run the before's attention instead.
-            Then the quality guard: 50 steps from one seed on the same batches before and with all levers,
-            the final loss of each and their difference.
+            Then the quality guard: 50 steps from one seed on the same host batches (random tokens with a
+            structure to learn, so the loss falls) before and with all levers, the final loss of each and
+            their difference.
   profile   torch.profiler over 3 steps of the all-levers step after warm-up: the top 10 kernels by self
             device time (ops by self CPU time on a CPU), device-busy time against wall time per step, the
             share of the GPU's timeline idle between kernels, the host's time per step (its launch cost with
@@ -47,6 +48,13 @@ and one failure never stops the rest; a job that fails or runs out of time is wr
 
 --budget-s bounds the whole suite: a job that cannot start in what is left is listed as not run (run it
 later with --only). Results are written after every job, so a suite stopped from outside keeps what it had.
+Rough seconds on an H100/H200: env 15, levers ~390 (six variants, the first compile cold, then the quality
+guard's two), profile ~50; so the default 540 holds env, levers and profile, and the parts after them
+(train ~135, hf ~60, seed000 ~60, quality ~190, fsdp ~90, serve ~90, modern ~135) want a run of their own
+(in 540 s modern is the first cut, as it always was):
+
+    python benchmarks/gpu_suite.py --out DIR --only levers profile      # reads no prepared data
+    python benchmarks/gpu_suite.py --out DIR2 --data PREPARED --only train hf seed000 quality fsdp serve
 
 What it needs beyond torch: codeforge's own dependencies for the train/serve paths (tokenizers, safetensors,
 numpy, fastapi, uvicorn, pydantic, llguidance, prometheus-client, httpx) and transformers (the hf part and
@@ -92,6 +100,7 @@ TINY = ["--set", "model.n_layer=2", "--set", "model.n_head=2", "--set", "model.n
         "64", "--vocab-size", "512", "--batch-size", "2"]
 CHUNK = ["--loss-chunk-rows", "4096"]
 PARTS = ("env", "levers", "profile", "train", "hf", "seed000", "data", "quality", "fsdp", "serve")
+READS_DATA = ("quality", "fsdp")  # the parts that read the prepared Python-library data
 WHEELS = ["fastapi==0.163.2", "starlette==1.10.0", "pydantic==2.14.4", "pydantic_core==2.50.5",
           "annotated-types==0.8.0", "typing-inspection==0.4.5", "uvicorn==0.54.0", "llguidance==1.9.1",
           "sniffio==1.3.1", "datasketch==2.0.0", "zstandard==0.25.0", "tree-sitter==0.26.1",
@@ -882,7 +891,8 @@ def main() -> None:
     ap.add_argument("--quality-seconds", type=float, default=150.0)
     ap.add_argument("--only", nargs="+", metavar="PART",
                     help=f"parts to run ({', '.join(PARTS)}), or jobs by the start of their name "
-                    "('modern', 'gpt2 compile', 'all levers'); env and the data preparation always run")
+                    "('modern', 'gpt2 compile', 'all levers'); env always runs, the data preparation "
+                    "when a part chosen reads it")
     ap.add_argument("--prepare", metavar="DIR", help="only prepare the Python-library data into DIR and stop")
     ap.add_argument("--wheels", metavar="DIR",
                     help="only download the device's missing wheels into DIR and stop")
@@ -901,6 +911,13 @@ def main() -> None:
         ap.error("--out DIR is required")
     if a.smoke:
         a.quality_seconds = min(a.quality_seconds, 4.0)
+    jobs = plan(a)
+    unknown = [o for o in a.only or () if o not in PARTS and not any(j[1].startswith(o) for j in jobs)]
+    if unknown:
+        ap.error(f"--only {' '.join(unknown)}: not a part ({', '.join(PARTS)}) nor the start of a job's name")
+
+    def chosen(part: str, name: str) -> bool:  # env always runs; the data preparation when a part reads it
+        return not a.only or part in ("env", "data") or any(part == o or name.startswith(o) for o in a.only)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     Path(a.work).mkdir(parents=True, exist_ok=True)
@@ -913,15 +930,11 @@ def main() -> None:
     deadline = t_start + a.budget_s
     res = {"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "smoke": a.smoke,
            "budget_s": a.budget_s, "argv": sys.argv[1:], "jobs": []}
-    jobs = plan(a)
-    unknown = [o for o in a.only or () if o not in PARTS and not any(j[1].startswith(o) for j in jobs)]
-    if unknown:
-        ap.error(f"--only {' '.join(unknown)}: not a part ({', '.join(PARTS)}) nor the start of a job's name")
     for part, name, kind, params, est in jobs:
         row = {"part": part, "name": name, "kind": kind, "result": None, "error": None, "seconds": None}
         res["jobs"].append(row)
-        if a.only and part not in ("env", "data") and not any(part == o or name.startswith(o)
-                                                              for o in a.only):
+        if not chosen(part, name) or (part == "data" and not any(chosen(p, n) for p, n, *_ in jobs
+                                                                 if p in READS_DATA)):
             row["error"] = "not run (--only)"
             continue
         left = deadline - time.perf_counter()
