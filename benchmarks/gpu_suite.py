@@ -6,8 +6,10 @@ the figures the guides quote, written to one JSON file and one Markdown table.
     python benchmarks/gpu_suite.py --smoke --out DIR      # every part on the CPU at
                                                           tiny shapes (the tests run it)
 
-Parts, in the order they run (each job in a process of its own, so peak memory and compilation start clean
-and one failure never stops the rest; a job that fails or runs out of time is written down with its error):
+Parts (each job in a process of its own, so peak memory and compilation start clean and one failure never
+stops the rest; a job that fails or runs out of time is written down with its error). They run with what no
+GPU has measured yet first: env, levers, profile, fsdp, serve, the Llama/Qwen rows of train ("modern"),
+quality, then the rest of train, hf and seed000 (the data preparation, when needed, before fsdp):
   env       device name, torch, CUDA, driver, clocks and power limit (nvidia-smi), the bf16 peak MFU is taken
             against, and a measured bf16 matrix-product rate (8192^3 on random data)
   levers    the training step's GPU speed levers one at a time against the step before them
@@ -49,12 +51,13 @@ and one failure never stops the rest; a job that fails or runs out of time is wr
 --budget-s bounds the whole suite: a job that cannot start in what is left is listed as not run (run it
 later with --only). Results are written after every job, so a suite stopped from outside keeps what it had.
 Rough seconds on an H100/H200: env 15, levers ~390 (six variants, the first compile cold, then the quality
-guard's two), profile ~50; so the default 540 holds env, levers and profile, and the parts after them
-(train ~135, hf ~60, seed000 ~60, quality ~190, fsdp ~90, serve ~90, modern ~135) want a run of their own
-(in 540 s modern is the first cut, as it always was):
+guard's two), profile ~50; so a budget of 480 or 540 holds env, levers and profile, and the parts after them
+(fsdp ~90, serve ~90, modern ~135, quality ~190, train ~135, hf ~60, seed000 ~60) want a call of their own:
 
-    python benchmarks/gpu_suite.py --out DIR --only levers profile      # reads no prepared data
-    python benchmarks/gpu_suite.py --out DIR2 --data PREPARED --only train hf seed000 quality fsdp serve
+    python benchmarks/gpu_suite.py --out DIR --data PREPARED --budget-s 480 \
+        --only levers profile fsdp serve modern quality
+    python benchmarks/gpu_suite.py --out DIR2 --data PREPARED \
+        --only fsdp serve modern quality train hf seed000
 
 What it needs beyond torch: codeforge's own dependencies for the train/serve paths (tokenizers, safetensors,
 numpy, fastapi, uvicorn, pydantic, llguidance, prometheus-client, httpx) and transformers (the hf part and
@@ -701,7 +704,16 @@ def plan(a) -> list[tuple[str, str, str, dict, float]]:
               ("modern eager, chunked loss", CHUNK, 15))
     for name, extra, secs in modern[2:3] if smoke else modern:  # smoke: one job covers the preset's paths
         jobs.append(("train", name, "train", tt(MODERN, *extra), secs))
-    return jobs
+
+    # the rows no GPU has measured yet first (a GPU is lent for minutes): the levers, the profile, FSDP2 on
+    # NCCL, serving, the Llama/Qwen preset, quality per GPU-second; then the rows measured before
+    def first(job) -> int:
+        part, name = job[0], job[1]
+        if part == "train" and name.startswith("modern"):
+            return 6
+        return {"env": 0, "levers": 1, "profile": 2, "data": 3, "fsdp": 4, "serve": 5, "quality": 7,
+                "train": 8, "hf": 9, "seed000": 10}[part]
+    return sorted(jobs, key=first)
 
 
 def run_job(kind: str, params: dict, timeout: float, log) -> tuple[dict | None, str | None, float]:

@@ -107,17 +107,28 @@ def describe(f: Field) -> str:
 
 
 class SwitchAction(argparse.Action):
-    """A switch's flags: `--X` alone is on, `--X VALUE` one of its choices, `--no-X` off."""
+    """A switch's flags: `--X` alone is on, `--X VALUE` one of its choices (or true/false), `--no-X` off."""
+
+    ALONE = object()  # what nargs "?" hands over when no value follows the flag (not a str: never checked)
 
     def __init__(self, option_strings, dest, **kw):
-        super().__init__(option_strings, dest, nargs="?", const="on", **kw)
+        kw["type"] = _switch_word
+        super().__init__(option_strings, dest, nargs="?", const=self.ALONE, **kw)
 
     def __call__(self, parser, namespace, values, option_string=None):
         if option_string and option_string.startswith("--no-"):
-            if values not in (None, self.const):  # nargs "?" hands the const when no value follows
+            if values is not self.ALONE:
                 parser.error(f"{option_string} takes no value")
             values = "off"
+        elif values is self.ALONE:
+            values = "on"
         setattr(namespace, self.dest, values)
+
+
+def _switch_word(value: str) -> str:
+    """A switch's value on the command line: true/false (yes/no, 1/0) as on/off."""
+    word = value.lower()
+    return {"true": "on", "yes": "on", "1": "on", "false": "off", "no": "off", "0": "off"}.get(word, value)
 
 
 def add_flags(parser: argparse.ArgumentParser, cls: type, group: str | None = None, dest_prefix: str = "",
@@ -140,7 +151,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, group: str | None = No
             kw["action"] = (argparse.BooleanOptionalAction if given_only or d is True
                             else "store_true")
         elif m.get("switch"):  # --X (on), --X auto|on|off, --no-X (off)
-            kw.update(type=str, choices=m["choices"], action=SwitchAction)
+            kw.update(choices=m["choices"], action=SwitchAction)
         else:
             kw["type"] = vt
             if m.get("choices"):

@@ -240,7 +240,7 @@ def test_a_model_that_breaks_the_graph_is_compiled_in_pieces_and_said():
     fwd = parallel.compiled(m, static=True, say=said.append, backend="eager")
     x = torch.randn(3, 4)
     assert torch.equal(fwd(x), m(x))
-    assert fwd.whole is False and "does not trace as one graph" in said[0]
+    assert fwd.whole is False and "does not run as one static graph" in said[0]
     fwd(x)
     assert len(said) == 1
 
@@ -279,6 +279,11 @@ def test_compile_is_a_switch_that_reads_old_configs(tmp_path):
     assert getattr(args("--compile"), "train.compile") == "on"
     assert getattr(args("--no-compile"), "train.compile") == "off"
     assert getattr(args("--compile", "auto"), "train.compile") == "auto"
+    assert getattr(args("--compile", "true"), "train.compile") == "on"
+    assert getattr(args("--compile", "--max-iters", "3"), "train.compile") == "on"
+    for wrong in (["--no-compile", "on"], ["--no-compile=off"]):
+        with pytest.raises(SystemExit):
+            args(*wrong)
     assert getattr(args(), "train.compile") is None
     with pytest.raises(SystemExit):
         args("--compile", "maybe")
@@ -287,14 +292,24 @@ def test_compile_is_a_switch_that_reads_old_configs(tmp_path):
 
 
 def test_a_compiled_training_run_keeps_the_losses_within_the_bound(data_dir, tmp_path, capsys):
-    """`--compile on` (inductor, static whole graph) against eager on the CPU: the same run within 1e-4 of each
-    loss (inductor fuses and reorders sums), and the compilation's seconds said."""
+    """`--compile on` (inductor, static whole graph) against eager on the CPU: the same run within 1e-4 of
+    each loss (inductor fuses and reorders sums), and the compilation's seconds said."""
     a = train(data_dir, tmp_path / "eager", "--compile", "off", steps=4)
     b = train(data_dir, tmp_path / "compiled", "--compile", "on", "--compile-shapes", "static", steps=4)
     err = capsys.readouterr().err
-    assert "compile: the first step took" in err and "does not trace as one graph" not in err
+    assert "compile: the first step took" in err and "does not run as one static graph" not in err
     la, lb = metrics(a), metrics(b)
     assert len(la) == len(lb) == 4
     for x, y in zip(la, lb):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-4)
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-3)
+
+
+def test_a_static_graph_past_the_recompile_limit_falls_back_to_dynamic_shapes():
+    said = []
+    m = torch.nn.Linear(4, 4)
+    fwd = parallel.compiled(m, static=True, say=said.append, backend="eager")
+    for n in range(1, 14):  # 13 shapes: past torch's limit of 8 recompiles of one static graph
+        x = torch.randn(n, 4)
+        assert torch.equal(fwd(x), m(x))
+    assert fwd.whole is False and len(said) == 1 and "dynamic shapes" in said[0]

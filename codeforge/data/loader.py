@@ -212,6 +212,9 @@ class ChatBatchLoader:
                 self.pos += 1
         x = torch.from_numpy(ids[:, :-1])
         y = torch.from_numpy(np.where(mask[:, 1:], ids[:, 1:], -1))
+        if self.device.type == "cuda":  # from pinned memory, so the copy can overlap the step
+            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device,
+                                                                                      non_blocking=True)
         return x.to(self.device), y.to(self.device)
 
     def __iter__(self):

@@ -129,7 +129,7 @@ def _train(run: Run, resume: bool, sampler: Callable[..., str]) -> dict:
 
     # -- train ----------------------------------------------------------------------------------------------
     return train(run, began, model, batches, lm_loss_fn, total_steps=total, tokens_per_step=tokens_per_step,
-                 tok=tok, evaluate=evaluate, mode=mode,
+                 tok=tok, evaluate=evaluate, mode=mode, fixed_shapes=True,
                  sample=lambda mdl, step: sampler(mdl, tok, device, precision, step, t.sample_tokens),
                  plan_note=lambda steps: passes_note(steps, tokens_per_step, train_set.tokens, False))
 

@@ -99,9 +99,14 @@ class RunLogger:
             self.bar.total = total
             self.bar.refresh()
 
-    def progress(self, step: int, postfix: dict, eta: float | None = None) -> None:
+    def now(self) -> float:
+        """The clock progress lines are spaced by."""
+        return time.monotonic()
+
+    def progress(self, step: int, postfix: dict, eta: float | None = None, when: float | None = None) -> None:
         """The progress bar on a terminal; otherwise (output redirected, or --no-progress) a compact line
-        every log_every steps, at most one per MIN_LINE_SECONDS, and at least one per LINE_SECONDS."""
+        every log_every steps, at most one per MIN_LINE_SECONDS, and at least one per LINE_SECONDS. when: the
+        time (now()) the line is of, where it is written later (--host-sync log writes it a step late)."""
         if not self.enabled:
             return
         if self.bar is not None:
@@ -109,7 +114,7 @@ class RunLogger:
             self.bar.set_postfix(postfix, refresh=False)
             self.bar.refresh()
             return
-        now = time.monotonic()
+        now = time.monotonic() if when is None else when
         if now - self.last_line < self.MIN_LINE_SECONDS and step != self.total and step != 1:
             return
         self.last_line = now

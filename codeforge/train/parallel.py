@@ -117,15 +117,16 @@ class WholeGraph(torch.nn.Module):
     def forward(self, *args, **kwargs):
         if not self.whole:
             return self._run(*args, **kwargs)
-        from torch._dynamo.exc import Unsupported, UserError
+        from torch._dynamo import exc
         try:
             return self._run(*args, **kwargs)
-        except (Unsupported, UserError) as e:
+        except (exc.Unsupported, exc.UserError, getattr(exc, "FailOnRecompileLimitHit", exc.Unsupported)
+                ) as e:
             why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-            self._say(f"compile: {type(self.inner).__name__} does not trace as one graph ({why}); compiled "
-                      "in pieces")
+            self._say(f"compile: {type(self.inner).__name__} does not run as one static graph ({why}); "
+                      "compiled in pieces, with dynamic shapes")
             self.whole = False
-            self._run = torch.compile(self.inner, dynamic=False, backend=self._backend)
+            self._run = torch.compile(self.inner, backend=self._backend)
             return self._run(*args, **kwargs)
 
     def __getattr__(self, name):

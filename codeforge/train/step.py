@@ -76,7 +76,9 @@ def train_step(fwd, model, opt, scaler, batches, loss_fn: LossFn, accum: int, cl
                              "(skips_on_device)")
         loss_t, norm_t = loss_acc.float(), norm.float()
         applied = torch.isfinite(loss_t) & torch.isfinite(norm_t)
-        # where found_inf is 1 the fused kernel leaves weights, moments and step counts as they were
+        # where found_inf is 1 the fused kernel leaves weights, moments and step counts as they were (a
+        # skipped first step still creates the zero moments the host's skip would create at the next step:
+        # the checkpoint's optimizer state has them a step early, every update is the same)
         opt.found_inf = (~applied).float()
         try:
             opt.step()

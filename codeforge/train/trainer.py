@@ -43,7 +43,8 @@ class Trainer:
                  sample: Callable[[torch.nn.Module, int], str] | None = None,
                  start_checkpoint: Path | None = None,
                  rank: int = 0, world: int = 1, log=print, aux: torch.nn.Module | None = None,
-                 mode: tuple[str, str] | None = None, plan_note: Callable[[int], str] | None = None):
+                 mode: tuple[str, str] | None = None, plan_note: Callable[[int], str] | None = None,
+                 fixed_shapes: bool = False):
         """model: initialised (or loaded by the stage), on the host or `device` (wrap places it); under FSDP
         the ranks other than 0 may hand it on the meta device (parallel.materialises).
         batches: the training batch source.
@@ -60,7 +61,10 @@ class Trainer:
         rank, world: this process among torchrun's. mode: (mode, why) from parallel.choose_mode, when the
         stage decided it (before building the model); otherwise decided here from cfg.parallel.
         plan_note(steps) -> what that many steps mean for the data (passes over it, and a warning): said
-        again when --time-budget chooses the count, so a warning is about the plan that runs."""
+        again when --time-budget chooses the count, so a warning is about the plan that runs.
+        fixed_shapes: every batch has the same shape (the LM stages' (B, T)), so --compile-shapes static
+        may compile for that one shape; the stages whose batches are padded per batch (pairs, rollouts, the
+        hierarchical model's) compile with PyTorch's dynamic shapes whatever it says."""
         self.model, self.batches, self.loss_fn, self.cfg = model, batches, loss_fn, cfg
         self.run_dir, self.device, self.precision = Path(run_dir), device, precision
         self.total_steps, self.tokens_per_step, self.run_config = total_steps, tokens_per_step, run_config
@@ -88,7 +92,7 @@ class Trainer:
             self.say(f"parallel: {self.mode} ({why})")
         compiled = cfg.compile == "on" or (cfg.compile == "auto" and device.type == "cuda")
         self.fwd = parallel.wrap(model, device, self.mode, compiled, precision, cfg.fsdp_offload,
-                                 static=cfg.compile_shapes == "static", say=self.say)
+                                 static=cfg.compile_shapes == "static" and fixed_shapes, say=self.say)
         self.compiled = compiled
         background = cfg.async_checkpoint == "on" or (cfg.async_checkpoint == "auto"
                                                       and device.type == "cuda")
@@ -106,7 +110,8 @@ class Trainer:
         self.defer = self._host_sync(cfg.host_sync, device, precision)
         self.readback = Readback()  # --host-sync log: the steps' numbers not read yet
         self.line_wait: tuple | None = None  # a log line due at a step whose numbers are not read yet
-        self.last_numbers = (math.nan, math.nan)  # --host-sync step: the last step's (loss, norm)
+        self.last_numbers = (math.nan, math.nan)  # the last step's (loss, norm) read to the host
+        self.last_read = 0  # the step they are of
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
         self.flops_per_token = model.flops_per_token()
         self.peak = peak_flops(device)
@@ -425,12 +430,16 @@ class Trainer:
 
     def _fit_budget_if_due(self, pace: "Pace", t_run: float) -> None:
         """--time-budget: the step count, once the pace is measured (a resumed run too, from then on)."""
+        if self.cfg.time_budget and not self.budget_set and self.defer:
+            self._read_back()  # the steps timed are the device's, not their launches (the first few only)
         if self.cfg.time_budget and not self.budget_set and pace.measured(self.step):
             self._fit_budget(pace, t_run)
 
     def _note_pace(self, pace: "Pace") -> None:
         """The step timed; the pace line (how long the rest will take) once the first steps are measured."""
         first = pace.t_first is None
+        if self.defer and not pace.said:  # the pace line times the device's steps, not their launches
+            self._read_back()
         note = pace.step(self.step)
         if first and self.compiled:  # the first step traced and compiled the model: say what that cost
             self.logger.message(f"compile: the first step took {duration(pace.t_first - pace.t0)} "
@@ -442,10 +451,10 @@ class Trainer:
         """A metrics record and the progress line every log_every steps, at the first and the last, and at
         least once a minute (the logger says when). Under --host-sync log the line of step k is written once
         step k+1 is queued, with the numbers of step k read then (and those of the steps before it)."""
+        if self.defer and (self.line_wait is not None or len(self.readback) >= 256):
+            self._read_back(upto=self.step - 1)  # first: the waiting line resets the logger's clock
         due = (self.step % self.cfg.log_every == 0 or self.step == 1 or self.step == self.total_steps
                or self.logger.line_due())
-        if self.defer and (self.line_wait is not None or len(self.readback) >= 256):
-            self._read_back(upto=self.step - 1)
         if not due:
             return
         now = time.perf_counter()
@@ -454,10 +463,10 @@ class Trainer:
         # what the line says, as it is at this step (the loss_fn's own terms stay tensors until written)
         at = {"step": self.step, "tokens": self.tokens, "lr": self.opt.param_groups[0]["lr"],
               "tokens_per_s": (self.tokens - tokens_last) / max(now - t_last, 1e-9),
-              "eta": pace.eta(self.step), "parts": (self.parts, self.parts_steps)}
+              "eta": pace.eta(self.step), "parts": (self.parts, self.parts_steps), "when": self.logger.now()}
         self.parts, self.parts_steps = {}, 0
-        if self.defer:
-            self.line_wait = at
+        if self.defer and self.last_read != self.step:
+            self.line_wait = at  # written when this step's numbers are read
         else:
             self._log_line(at, *self.last_numbers)
 
@@ -469,6 +478,7 @@ class Trainer:
             return
         for step, loss, norm, applied in self.readback.read(upto):
             self._account(step, loss, norm, applied)
+            self.last_numbers, self.last_read = (loss, norm), step
             if self.line_wait is not None and self.line_wait["step"] == step:
                 at, self.line_wait = self.line_wait, None
                 self._log_line(at, loss, norm)
@@ -490,7 +500,7 @@ class Trainer:
             post["mfu"] = f"{rec['mfu']:.1%}"
         if "memory_gib" in rec:
             post["mem"] = f"{rec['memory_gib']:.1f}G"
-        self.logger.progress(at["step"], post, at["eta"])
+        self.logger.progress(at["step"], post, at["eta"], when=at["when"])
 
     def _fail(self, e: Exception, stop: "StopRequests") -> None:
         """An error in the loop: raised as it is, unless another rank was lost (then the message says what
@@ -531,7 +541,7 @@ class Trainer:
         if self.defer:
             self.readback.add(self.step + 1, loss, norm, applied)
         else:
-            self.last_numbers = (loss, norm)
+            self.last_numbers, self.last_read = (loss, norm), self.step + 1
             self._account(self.step + 1, loss, norm, applied)
 
     def _account(self, step: int, loss_v: float, norm_v: float, applied: bool) -> None:
