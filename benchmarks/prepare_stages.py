@@ -36,13 +36,13 @@ import json
 import os
 import pstats
 import re
+import resource
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -138,9 +138,11 @@ def run_command(inputs: list[str], tok_dir: str, opts: CorpusOptions, workers: i
         cmd.append("--redact-pii")
     if workers:
         cmd += ["--workers", str(workers)]
-    t0 = time.perf_counter()
+    t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
+    wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+    # the command and every child it waited for
+    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
     if p.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-3000:]}")
     meta = json.loads((out / "meta.json").read_text())
@@ -150,7 +152,7 @@ def run_command(inputs: list[str], tok_dir: str, opts: CorpusOptions, workers: i
     for s in SPLITS:
         keys.update(np.load(out / f"{s}_digests.npy").tolist())
     shutil.rmtree(out, ignore_errors=True)
-    return {"workers": workers or "default", "command": " ".join(cmd[1:]), "wall_s": wall,
+    return {"workers": workers or "default", "command": " ".join(cmd[1:]), "wall_s": wall, "cpu_s": cpu,
             "meta_seconds": meta["seconds"], "bytes": meta["bytes"], "documents": meta["documents"],
             "tokens": meta["tokens"], "skipped": meta["skipped"], "secrets": meta["secrets_replaced"],
             "steps": meta["steps"], "stages": stages, "mb_per_s": meta["bytes"] / 1e6 / wall, "keys": keys}
@@ -198,8 +200,8 @@ class Steps:
 
     def bytes_in(self, stage: str) -> int:
         docs = {"walk": None, "read": None, "quality": self.docs, "hash": self.kept, "exact": self.kept,
-                "minhash": self.unique, "bench_index": None, "benchmarks": self.deduped, "secrets": self.clean,
-                "encode": self.final, "write": self.final}[stage]
+                "minhash": self.unique, "bench_index": None, "benchmarks": self.deduped,
+                "secrets": self.clean, "encode": self.final, "write": self.final}[stage]
         if docs is None:
             return sum(d.nbytes for d in self.docs)
         return sum(d.nbytes for d in docs)
@@ -338,7 +340,8 @@ def diagnose_secrets(steps: Steps) -> dict:
     redacted = sum(1 for _, f in (scrub(d.text, d.source, steps.opts) for d in docs) if f)
     words = sum(1 for d in docs for m in [R.MARK_WORDS.search(d.text.lower())] if m)
     formats = sum(1 for d in docs if R.MARK_FORMATS.search(d.text))
-    return {"documents": len(docs), "lines": lines_total, "pem_docs": sum("PRIVATE KEY" in d.text for d in docs),
+    return {"documents": len(docs), "lines": lines_total,
+            "pem_docs": sum("PRIVATE KEY" in d.text for d in docs),
             "marked_documents": len(marked_docs), "marked_lines": n_marked,
             "docs_marked_by_words": words, "docs_marked_by_formats": formats,
             "mark_scan_s": t_mark, "detect_secrets_s": t_ds, "our_patterns_s": t_pat,
@@ -369,54 +372,146 @@ def diagnose_benchmarks(steps: Steps) -> dict:
             "documents_with_def": with_def, "word_hits": w_hits, "shape_hits": s_hits}
 
 
+# -- the engine, in this process ---------------------------------------------------------------------------
+
+ENGINE_STEPS = {"read": ("read", "quality", "hash", "exact"), "near": ("minhash",),
+                "encode": ("bench_index", "benchmarks", "secrets", "encode", "write")}
+
+
+def run_in_process(inputs: list[str], tok_dir: str, opts: CorpusOptions, tmp: Path) -> dict:
+    """shards.prepare with --workers 1 in this process (the engine then runs every task here, no pool), with
+    the plan and each stage timed (wall and CPU) by wrapping pipeline.make_plan and pipeline._run_stage, and
+    the engine's per-task logging (loguru sinks added and removed) and tokenizer loads counted."""
+    from datatrove.executor import base as executor_base
+    from codeforge.data import pipeline, shards
+    from codeforge.data import steps as steps_mod
+    rows: list[dict] = []
+    counts: Counter = Counter()
+    cost: Counter = Counter()
+
+    def timed_call(name, fn, *a, **k):
+        w0, c0 = time.perf_counter(), time.process_time()
+        try:
+            return fn(*a, **k)
+        finally:
+            rows.append({"stage": name, "tasks": a[2] if name != "plan" else 1,
+                         "seconds": time.perf_counter() - w0, "cpu_s": time.process_time() - c0})
+
+    def counted(key, fn):
+        def wrapper(*a, **k):
+            c0 = time.process_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                counts[key] += 1
+                cost[key] += time.process_time() - c0
+        return wrapper
+
+    real = {"stage": pipeline._run_stage, "plan": pipeline.make_plan,
+            "add": executor_base.add_task_logger, "close": executor_base.close_task_logger,
+            "load": steps_mod.CodeTokenizer}
+    pipeline._run_stage = lambda name, *a, **k: timed_call(name, real["stage"], name, *a, **k)
+    pipeline.make_plan = lambda *a, **k: timed_call("plan", real["plan"], *a, **k)
+    executor_base.add_task_logger = counted("task logger added", real["add"])
+    executor_base.close_task_logger = counted("task logger closed", real["close"])
+
+    class Tok:  # steps.CodeTokenizer.load, counted (EncodeShards and MergeShards load it per task)
+        load = staticmethod(counted("tokenizer loads in tasks", real["load"].load))
+    steps_mod.CodeTokenizer = Tok
+    out = tmp / "in-process"
+    try:
+        w0, c0 = time.perf_counter(), time.process_time()
+        meta = shards.prepare(inputs, tok_dir, out, opts, workers=1, log=lambda *a: None)
+        wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+    finally:
+        pipeline._run_stage, pipeline.make_plan = real["stage"], real["plan"]
+        executor_base.add_task_logger, executor_base.close_task_logger = real["add"], real["close"]
+        steps_mod.CodeTokenizer = real["load"]
+        shutil.rmtree(out, ignore_errors=True)
+    return {"wall_s": wall, "cpu_s": cpu, "bytes": meta["bytes"], "documents": meta["documents"],
+            "stages": rows, "calls": {k: {"calls": counts[k], "cpu_s": cost[k]} for k in counts}}
+
+
 # -- output ------------------------------------------------------------------------------------------------
 
+def _row(cells) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
 def markdown(res: dict) -> str:
-    out = [f"inputs: {' '.join(res['inputs'])}", f"options: {res['options']}",
-           f"load average before {res['load_before']}, after {res['load_after']}; {res['cores']} cores",
-           f"read: {res['documents_read']:,} documents, {res['input_bytes'] / 1e6:.2f} MB; kept (in memory): "
-           f"{res['documents_kept']:,} documents, {res['kept_bytes'] / 1e6:.2f} MB, {res['tokens']:,} tokens",
-           "", "| stage | seconds | CPU s | MB in | MB/s | share |", "|---|---:|---:|---:|---:|---:|"]
-    for r in res["stages"]:
-        out.append(f"| {r['stage']} | {r['seconds']:.3f} | {r['cpu_s']:.3f} | {r['bytes_in'] / 1e6:.2f} | "
-                   f"{r['mb_per_s']:.2f} | {r['share']:.1%} |")
-    total = sum(r["seconds"] for r in res["stages"])
     kept_mb = res["kept_bytes"] / 1e6
-    out.append(f"| **all steps, one core** | {total:.3f} | {sum(r['cpu_s'] for r in res['stages']):.3f} | "
-               f"{kept_mb:.2f} kept | {kept_mb / total:.2f} | 100% |")
+    out = [f"inputs: {' '.join(res['inputs'])}",
+           f"options (prepare's defaults): {res['options']}",
+           f"load average before {res['load_before']}, after {res['load_after']}; {res['cores']} cores",
+           f"read: {res['documents_read']:,} documents, {res['input_bytes'] / 1e6:.2f} MB; kept: "
+           f"{res['documents_kept']:,} documents, {kept_mb:.2f} MB, {res['tokens']:,} tokens", "",
+           _row(("stage (alone, one process, one thread)", "seconds", "CPU s", "MB in", "MB/s", "share")),
+           "|---|---:|---:|---:|---:|---:|"]
+    for r in res["stages"]:
+        out.append(_row((r["stage"], f"{r['seconds']:.3f}", f"{r['cpu_s']:.3f}", f"{r['bytes_in'] / 1e6:.2f}",
+                         f"{r['mb_per_s']:.2f}", f"{r['share']:.1%}")))
+    total = sum(r["seconds"] for r in res["stages"])
+    total_cpu = sum(r["cpu_s"] for r in res["stages"])
+    out.append(_row(("**all steps**", f"{total:.3f}", f"{total_cpu:.3f}", f"{kept_mb:.2f} kept",
+                     f"{kept_mb / total:.2f}", "100%")))
     raw1, rawn = res["raw_1_thread"], res["raw_all_threads"]
-    out += ["", "| raw tokenizer (encode_batch, same batches) | seconds | MB/s |", "|---|---:|---:|",
-            f"| 1 thread | {raw1['seconds']:.3f} | {raw1['mb_per_s']:.2f} |",
-            f"| every core | {rawn['seconds']:.3f} | {rawn['mb_per_s']:.2f} |"]
-    out.append(f"\nall steps on one core: {kept_mb / total / raw1['mb_per_s']:.2f} of the 1-thread tokenizer, "
-               f"{kept_mb / total / rawn['mb_per_s']:.2f} of the every-core one")
+    out += ["", _row(("raw tokenizer (kept texts, EncodeShards' batches)", "seconds", "CPU s", "MB/s")),
+            "|---|---:|---:|---:|",
+            _row(("encode_batch, 1 thread", f"{raw1['seconds']:.3f}", f"{raw1['cpu_s']:.3f}",
+                  f"{raw1['mb_per_s']:.2f}")),
+            _row(("encode_batch, every core", f"{rawn['seconds']:.3f}", f"{rawn['cpu_s']:.3f}",
+                  f"{rawn['mb_per_s']:.2f}")),
+            f"\nevery core / 1 thread: {rawn['mb_per_s'] / raw1['mb_per_s']:.2f}x (other jobs' load shows)"]
+    runs = list(res["commands"])
+    if res.get("in_process"):
+        runs.append({**res["in_process"], "workers": "1, in this process", "mb_per_s":
+                     res["in_process"]["bytes"] / 1e6 / res["in_process"]["wall_s"]})
+    if runs:
+        out += ["", _row(("whole command", "wall s", "CPU s", "kept MB", "MB/s kept",
+                          "/ tokenizer every core", "/ tokenizer 1 thread", "tokenizer CPU / its CPU")),
+                "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for c in runs:
+            out.append(_row((f"prepare --workers {c['workers']}", f"{c['wall_s']:.2f}", f"{c['cpu_s']:.2f}",
+                             f"{c['bytes'] / 1e6:.2f}", f"{c['mb_per_s']:.2f}",
+                             f"{c['mb_per_s'] / rawn['mb_per_s']:.2f}",
+                             f"{c['mb_per_s'] / raw1['mb_per_s']:.2f}", f"{raw1['cpu_s'] / c['cpu_s']:.2f}")))
+        out.append("\nCPU s of a command: its process and the children it reaped (a pool's workers, forked by"
+                   " the engine's fork server, are not counted: --workers N > 1 reads low); the last column,"
+                   " the 1-thread tokenizer's CPU s over the command's, is the ratio least moved by other"
+                   " jobs' load")
+    ip = res.get("in_process")
+    if ip:
+        by_key = {r["key"]: r for r in res["stages"]}
+        out += ["", _row(("engine stage (--workers 1, in this process)", "tasks", "wall s", "CPU s",
+                          "its steps alone, CPU s", "engine's own CPU s")), "|---|---:|---:|---:|---:|---:|"]
+        for r in ip["stages"]:
+            alone = sum(by_key[k]["cpu_s"] for k in ENGINE_STEPS.get(r["stage"], ()) if k in by_key)
+            if r["stage"] == "plan":
+                alone = by_key["walk"]["cpu_s"]
+            out.append(_row((r["stage"], r["tasks"], f"{r['seconds']:.2f}", f"{r['cpu_s']:.2f}",
+                             f"{alone:.2f}", f"{r['cpu_s'] - alone:.2f}")))
+        rest_w = ip["wall_s"] - sum(r["seconds"] for r in ip["stages"])
+        rest_c = ip["cpu_s"] - sum(r["cpu_s"] for r in ip["stages"])
+        out.append(_row(("outside stages and plan (fingerprint, tokenizer, work dir)", "", f"{rest_w:.2f}",
+                         f"{rest_c:.2f}", "", "")))
+        out.append("\nengine calls per run: " + ", ".join(f"{k} {v['calls']}x ({v['cpu_s']:.2f} CPU s)"
+                                                        for k, v in ip["calls"].items()))
     if res["commands"]:
-        out += ["", "| whole command | wall s | kept MB | MB/s kept | / tokenizer (every core) | "
-                "/ tokenizer (1 thread) |", "|---|---:|---:|---:|---:|---:|"]
-        for c in res["commands"]:
-            out.append(f"| prepare --workers {c['workers']} | {c['wall_s']:.2f} | {c['bytes'] / 1e6:.2f} | "
-                       f"{c['mb_per_s']:.2f} | {c['mb_per_s'] / rawn['mb_per_s']:.2f} | "
-                       f"{c['mb_per_s'] / raw1['mb_per_s']:.2f} |")
         names = [s["stage"] for s in res["commands"][0]["stages"]]
-        out += ["", "| engine stage (its own log line) | " + " | ".join(f"--workers {c['workers']}"
-                                                                      for c in res["commands"]) + " |",
+        out += ["", _row(["engine stage (its log line, separate process)"]
+                         + [f"--workers {c['workers']}" for c in res["commands"]]),
                 "|---|" + "---:|" * len(res["commands"])]
         for n in names:
             cells = []
             for c in res["commands"]:
                 s = next((s for s in c["stages"] if s["stage"] == n), None)
                 cells.append(f"{s['seconds']:.1f} s ({s['tasks']} tasks, {s['on']})" if s else "-")
-            out.append(f"| {n} | " + " | ".join(cells) + " |")
-        cells = [f"{c['wall_s'] - sum(s['seconds'] for s in c['stages']):.1f} s" for c in res["commands"]]
-        out.append("| outside the stages (start, imports, tokenizer, fingerprint, plan) | " + " | ".join(cells)
-                   + " |")
-        inside = res.get("steps_per_engine_stage", {})
-        if inside:
-            out.append("\nthe same steps timed alone, per engine stage (the rest of an engine stage is the "
-                       "engine's: JSON to docs/ and back, Document objects, stats, logs, dedup files): "
-                       + ", ".join(f"{k} {v:.2f} s" for k, v in inside.items()))
+            out.append(_row([n] + cells))
+        out.append(_row(["outside the stages (start, imports, tokenizer, fingerprint, plan)"]
+                        + [f"{c['wall_s'] - sum(s['seconds'] for s in c['stages']):.1f} s"
+                           for c in res["commands"]]))
         for c in res["commands"]:
-            out.append(f"`{c['command']}`: {c['documents']:,} documents kept, skipped {c['skipped']}, "
+            out.append(f"\n`{c['command']}`: {c['documents']:,} documents kept, skipped {c['skipped']}, "
                        f"secrets {c['secrets']}")
     for name in ("secrets", "benchmarks"):
         d = res.get("diagnose", {}).get(name)
@@ -426,13 +521,11 @@ def markdown(res: dict) -> str:
     return "\n".join(out)
 
 
-ENGINE_STEPS = {"read": ("read", "quality", "hash", "exact"), "near": ("minhash",),
-                "encode": ("bench_index", "benchmarks", "secrets", "encode", "write")}
-
-
 def profile(stage: str, steps: Steps | None, inputs, tok_dir, opts, top: int, sort: str) -> None:
+    """cProfile of one step on the in-memory documents, or of the whole pipeline in this process (`prepare`,
+    --workers 1): the top functions by `sort` (cumulative), then by their own time."""
     prof = cProfile.Profile()
-    if stage == "prepare":  # the whole pipeline in this process: --workers 1 runs its tasks here
+    if stage == "prepare":
         from codeforge.data.shards import prepare
         with tempfile.TemporaryDirectory() as tmp:
             prof.enable()
@@ -443,13 +536,11 @@ def profile(stage: str, steps: Steps | None, inputs, tok_dir, opts, top: int, so
         prof.enable()
         fn()
         prof.disable()
-    s = io.StringIO()
-    st = pstats.Stats(prof, stream=s)
-    st.sort_stats(sort).print_stats(top)
-    print(s.getvalue())
-    if sort != "tottime":
+    for key, n in ((sort, top), ("tottime", 15)):
+        if key == sort and key == "tottime" and n != top:
+            continue
         s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(15)
+        pstats.Stats(prof, stream=s).sort_stats(key).print_stats(n)
         print(s.getvalue())
 
 
@@ -461,11 +552,13 @@ def main() -> None:
                     "it does not exist; default: a temporary one")
     ap.add_argument("--dedup", default="near", choices=("none", "exact", "near"))
     ap.add_argument("--redact-pii", action="store_true", help="also e-mail and IP addresses (off in prepare)")
-    ap.add_argument("--repeats", type=int, default=1, help="timings are the best of this many")
+    ap.add_argument("--repeats", type=int, default=1, help="each step's time is the best of this many")
+    ap.add_argument("--workers", nargs="+", default=["1", "default"],
+                    help="the whole-command runs, one per value (a number or `default`)")
     ap.add_argument("--no-command", action="store_true", help="skip the whole-command runs")
     ap.add_argument("--profile", choices=STAGES + ("prepare",), default=None,
-                    help="cProfile one stage on the in-memory documents (or the whole pipeline in this "
-                    "process, --workers 1) instead of the table")
+                    help="cProfile one stage on the in-memory documents (or `prepare`: the whole pipeline in "
+                    "this process, --workers 1) instead of the tables")
     ap.add_argument("--sort", default="cumulative", help="pstats sort key for --profile")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--diagnose", action="store_true", help="also count and time the parts of the secrets "
@@ -486,9 +579,11 @@ def main() -> None:
         if a.profile == "prepare":
             profile("prepare", None, inputs, tok_dir, opts, a.top, a.sort)
             return
-        commands = []
+        commands, in_process = [], None
         if not a.no_command and not a.profile:
-            commands = [run_command(inputs, tok_dir, opts, w, tmp) for w in (1, None)]
+            commands = [run_command(inputs, tok_dir, opts, None if w == "default" else int(w), tmp)
+                        for w in a.workers]
+            in_process = run_in_process(inputs, tok_dir, opts, tmp)
         keys = commands[0]["keys"] if commands else None
         steps = Steps(inputs, opts, tok, keys)
         if a.profile:
@@ -504,16 +599,14 @@ def main() -> None:
         diag = {}
         if a.diagnose:
             diag = {"secrets": diagnose_secrets(steps), "benchmarks": diagnose_benchmarks(steps)}
-    by_key = {r["key"]: r["seconds"] for r in rows}
     res = {
-        "inputs": inputs, "options": {k: v for k, v in vars(opts).items()}, "cores": os.cpu_count(),
+        "inputs": inputs, "options": dict(vars(opts)), "cores": os.cpu_count(),
         "load_before": load_before, "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
         "documents_read": len(steps.docs), "input_bytes": sum(d.nbytes for d in steps.docs),
         "documents_kept": len(steps.final), "kept_bytes": kept, "tokens": n_tok, "stages": rows,
         "raw_1_thread": raw[False], "raw_all_threads": raw[True],
         "commands": [{k: v for k, v in c.items() if k != "keys"} for c in commands],
-        "steps_per_engine_stage": {k: sum(by_key.get(s, 0.0) for s in v) for k, v in ENGINE_STEPS.items()},
-        "diagnose": diag,
+        "in_process": in_process, "diagnose": diag,
     }
     if commands and (commands[0]["documents"], commands[0]["bytes"]) != (len(steps.final), kept):
         res["mismatch"] = (f"the command kept {commands[0]['documents']} documents, {commands[0]['bytes']} "
