@@ -285,7 +285,8 @@ def reject_reason(text: str, opts: CorpusOptions) -> str | None:
         return "too_large"
     if "\x00" in text[:8192]:
         return "binary"
-    if re.search(f"[^\n]{{{opts.max_line_length + 1}}}", text):  # scanned in C, no split
+    # tried at line starts only (an attempt from every position costs the square of a line's length)
+    if re.search(f"(?m)^[^\n]{{{opts.max_line_length + 1}}}", text):
         return "minified"
     if GENERATED.search(text[:2000]):
         return "generated"

@@ -171,3 +171,30 @@ def test_prepare_of_one_big_jsonl_is_the_same_for_any_task_and_worker_count(tmp_
             b = _stream(tmp_path / other, split)
             assert all(np.array_equal(x, y) for x, y in zip(a, b)), (split, other)
     assert one["skipped"]["bad_json"] >= 6 and one["secrets_replaced"]
+
+
+def test_encoding_overlapped_with_the_hygiene_steps_keeps_the_shards(tmp_path, tokenizer_dir, code_corpus,
+                                                                      monkeypatch):
+    """EncodeShards encodes a batch on its own thread while the next is filtered and redacted: with a batch
+    per document (hundreds in flight one after another) the shards are byte for byte those of a few large
+    batches."""
+    from codeforge.data import steps
+    opts = CorpusOptions(redact_secrets=True, val_fraction=0.2)
+    prepare([str(code_corpus)], tokenizer_dir, tmp_path / "few", opts, log=_quiet, workers=1, tasks=2)
+    monkeypatch.setattr(steps, "BATCH_BYTES", 1)
+    prepare([str(code_corpus)], tokenizer_dir, tmp_path / "many", opts, log=_quiet, workers=1, tasks=2)
+    files = lambda d: {f.name: f.read_bytes() for f in sorted(d.iterdir()) if f.suffix in (".bin", ".npy")}  # noqa: E731
+    assert files(tmp_path / "few") == files(tmp_path / "many") and files(tmp_path / "few")
+
+
+def test_the_minified_check_tried_at_line_starts_finds_what_any_position_finds():
+    from codeforge.corpus import reject_reason
+    rng = random.Random(1)
+    opts = CorpusOptions()
+    for _ in range(300):
+        lines = ["x" * rng.choice([5, 80, 999, 1000, 1001, 1500, 3000]) + rng.choice(["", "\r", " "])
+                 for _ in range(rng.randint(1, 30))]
+        text = "\n".join(lines)
+        import re
+        long_line = bool(re.search(f"[^\n]{{{opts.max_line_length + 1}}}", text))
+        assert (reject_reason(text, opts) == "minified") == long_line

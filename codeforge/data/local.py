@@ -12,6 +12,7 @@ codeforge's error naming the task's log file.
 from __future__ import annotations
 
 import ctypes
+import functools
 import io
 import os
 import re
@@ -27,6 +28,23 @@ from datatrove.executor import LocalPipelineExecutor
 from datatrove.utils.logging import setup_default_logger
 
 from .. import printable
+
+
+def _lib_dirs_once() -> None:
+    """loguru works out the standard library's directories (sysconfig: ~110 calls a scheme) for every handler
+    added, and the engine adds three for every task: ~0.5 CPU-s of a prepare's 59 tasks on an 8 MB corpus
+    (benchmarks/prepare_stages.py). They cannot change within a process: computed once. A loguru without
+    that method is left as it is."""
+    try:
+        from loguru._better_exceptions import ExceptionFormatter
+    except ImportError:
+        return
+    find = ExceptionFormatter.__dict__.get("_get_lib_dirs")
+    if isinstance(find, staticmethod) and not hasattr(find.__func__, "cache_info"):
+        ExceptionFormatter._get_lib_dirs = staticmethod(functools.cache(find.__func__))
+
+
+_lib_dirs_once()
 
 _ENGINE_LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} \| ")
 # tqdm's redrawn line: "\rname:  50%|#####     | 8/16 [00:01<..."

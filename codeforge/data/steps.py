@@ -17,12 +17,14 @@ order.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import shutil
 import stat
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +39,7 @@ from ..atomic import publish
 from ..corpus import (CorpusOptions, CorpusStats, Document, content_hash, read_unit, reject_reason, scrub,
                       split_of)
 from ..decontam import benchmarks
-from ..tokenizer import CodeTokenizer
+from ..tokenizer import TOKENIZER_FILE, CodeTokenizer
 from . import workdir
 from .writer import BATCH_BYTES, SPLITS, RepoDocs, ShardError, SplitWriter, dtype_for, finish_meta
 
@@ -358,6 +360,18 @@ class Tally(PipelineStep):
         workdir.write_text(d / f"{rank:05d}.json", json.dumps([docs, nbytes]))
 
 
+@functools.lru_cache(maxsize=4)
+def _loaded(tokenizer_dir: str, stamp: tuple[int, int]) -> CodeTokenizer:
+    return CodeTokenizer.load(tokenizer_dir)
+
+
+def _tokenizer(tokenizer_dir: str) -> CodeTokenizer:
+    """The tokenizer, loaded once per worker process (a worker runs many encode tasks), again if its file
+    changed."""
+    st = os.stat(Path(tokenizer_dir) / TOKENIZER_FILE)
+    return _loaded(str(tokenizer_dir), (st.st_mtime_ns, st.st_size))
+
+
 class EncodeShards(PipelineStep):
     """Token ids of this task's documents into tokens/RANK/ (shard files of at most shard_tokens, the
     documents' offsets and content hashes), split train/val by each document's content hash; repo-level FIM
@@ -384,7 +398,7 @@ class EncodeShards(PipelineStep):
                 os.environ["TOKENIZERS_PARALLELISM"] = before
 
     def _encode(self, data, rank: int) -> None:
-        tok = CodeTokenizer.load(self.tokenizer_dir)
+        tok = _tokenizer(self.tokenizer_dir)
         dest = Path(self.work) / "tokens" / f"{rank:05d}"
         tmp = dest.with_name(dest.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -394,9 +408,9 @@ class EncodeShards(PipelineStep):
         repo = RepoDocs(tok, self.sources, self.repo_fim) if self.repo_fim else None
         kept = {"documents": 0, "bytes": 0}
 
-        def flush(batch: list[Document]) -> None:
+        def flush(batch: list[Document], encoded: list[list[int]]) -> None:
             out: dict[str, tuple[list, list, list]] = {s: ([], [], []) for s in SPLITS}
-            for doc, ids in zip(batch, tok.encode_batch([d.text for d in batch])):
+            for doc, ids in zip(batch, encoded):
                 ids.append(tok.eot_id)
                 split = split_of(doc.digest, self.val_fraction)
                 docs, nb, dg = out[split]
@@ -415,18 +429,33 @@ class EncodeShards(PipelineStep):
 
         batch: list[Document] = []
         size = 0
-        for d in data:
-            doc = Document(d.text, d.metadata["source"], d.metadata["nbytes"],
-                           bytes.fromhex(d.metadata["digest"]))
-            kept["documents"] += 1
-            kept["bytes"] += doc.nbytes
-            batch.append(doc)
-            size += doc.nbytes
-            if len(batch) >= 512 or size >= BATCH_BYTES:  # one encode_batch call a batch, bounded in memory
-                flush(batch)
-                batch, size = [], 0
-        if batch:
-            flush(batch)
+        # a batch is encoded on a thread of its own (the Rust encoder leaves the GIL) while this thread pulls
+        # the next one through the filters, dedup, benchmark and secret steps; written in order, one batch
+        # ahead at most
+        with ThreadPoolExecutor(1, thread_name_prefix="codeforge-encode") as pool:
+            ahead = None  # (batch, its encoding's future)
+
+            def hand_on(batch: list[Document]) -> None:
+                nonlocal ahead
+                job = (batch, pool.submit(tok.encode_batch, [d.text for d in batch]))
+                if ahead is not None:
+                    flush(ahead[0], ahead[1].result())
+                ahead = job
+
+            for d in data:
+                doc = Document(d.text, d.metadata["source"], d.metadata["nbytes"],
+                               bytes.fromhex(d.metadata["digest"]))
+                kept["documents"] += 1
+                kept["bytes"] += doc.nbytes
+                batch.append(doc)
+                size += doc.nbytes
+                if len(batch) >= 512 or size >= BATCH_BYTES:  # one encode_batch a batch, bounded in memory
+                    hand_on(batch)
+                    batch, size = [], 0
+            if batch:
+                hand_on(batch)
+            if ahead is not None:
+                flush(ahead[0], ahead[1].result())
         summary = {"splits": {s: w.close() for s, w in writers.items()}, **kept,
                    "repo_fim_documents": repo.made if repo is not None else 0}
         (tmp / "summary.json").write_text(json.dumps(summary))
