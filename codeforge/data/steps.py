@@ -39,6 +39,7 @@ from ..atomic import publish
 from ..corpus import (CorpusOptions, CorpusStats, Document, content_hash, read_unit, reject_reason, scrub,
                       split_of)
 from ..decontam import benchmarks
+from ..redact import scanning as redact_scanning
 from ..tokenizer import TOKENIZER_FILE, CodeTokenizer
 from . import workdir
 from .writer import BATCH_BYTES, SPLITS, RepoDocs, ShardError, SplitWriter, dtype_for, finish_meta
@@ -231,6 +232,10 @@ class RedactSecrets(_Step):
     name, step = "secrets replaced", "secrets"
 
     def apply(self, data, rank, stats):
+        with redact_scanning():  # detect-secrets' settings once for the task, not per document
+            yield from self._replaced(data, stats)
+
+    def _replaced(self, data, stats):
         for doc in data:
             before = doc.metadata["nbytes"]
             text, found = scrub(doc.text, doc.metadata["source"], self.opts)
