@@ -179,10 +179,21 @@ def test_encoding_overlapped_with_the_hygiene_steps_keeps_the_shards(tmp_path, t
     per document (hundreds in flight one after another) the shards are byte for byte those of a few large
     batches."""
     from codeforge.data import steps
+    pools = []
+
+    class Counted(steps.ThreadPoolExecutor):
+        def __init__(self, *a, **kw):
+            pools.append(1)
+            super().__init__(*a, **kw)
+
     opts = CorpusOptions(redact_secrets=True, val_fraction=0.2)
+    # --workers 1 as asked: a worker is a core, so nothing runs beside it
     prepare([str(code_corpus)], tokenizer_dir, tmp_path / "few", opts, log=_quiet, workers=1, tasks=2)
     monkeypatch.setattr(steps, "BATCH_BYTES", 1)
-    prepare([str(code_corpus)], tokenizer_dir, tmp_path / "many", opts, log=_quiet, workers=1, tasks=2)
+    monkeypatch.setattr(steps, "ThreadPoolExecutor", Counted)
+    # the default for a small corpus: one process that may use every core, so the encoder has its thread
+    prepare([str(code_corpus)], tokenizer_dir, tmp_path / "many", opts, log=_quiet, tasks=2)
+    assert pools  # the overlapped path ran
     files = lambda d: {f.name: f.read_bytes() for f in sorted(d.iterdir()) if f.suffix in (".bin", ".npy")}  # noqa: E731
     assert files(tmp_path / "few") == files(tmp_path / "many") and files(tmp_path / "few")
 

@@ -24,7 +24,7 @@ import os
 import shutil
 import stat
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -365,6 +365,21 @@ class Tally(PipelineStep):
         workdir.write_text(d / f"{rank:05d}.json", json.dumps([docs, nbytes]))
 
 
+class _Inline:
+    """A pool of no threads: submit() runs the call at once (EncodeShards without a thread of its own)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def submit(self, fn, *args) -> Future:
+        done: Future = Future()
+        done.set_result(fn(*args))
+        return done
+
+
 @functools.lru_cache(maxsize=4)
 def _loaded(tokenizer_dir: str, stamp: tuple[int, int]) -> CodeTokenizer:
     return CodeTokenizer.load(tokenizer_dir)
@@ -434,10 +449,11 @@ class EncodeShards(PipelineStep):
 
         batch: list[Document] = []
         size = 0
-        # a batch is encoded on a thread of its own (the Rust encoder leaves the GIL) while this thread pulls
-        # the next one through the filters, dedup, benchmark and secret steps; written in order, one batch
-        # ahead at most
-        with ThreadPoolExecutor(1, thread_name_prefix="codeforge-encode") as pool:
+        # a lone process that may use every core (threads) encodes a batch on a thread of its own (the Rust
+        # encoder leaves the GIL) while this thread pulls the next one through the filters, dedup, benchmark
+        # and secret steps; written in order, one batch ahead at most. A worker of many is one core: inline.
+        pool = ThreadPoolExecutor(1, thread_name_prefix="codeforge-encode") if self.threads else _Inline()
+        with pool:
             ahead = None  # (batch, its encoding's future)
 
             def hand_on(batch: list[Document]) -> None:
