@@ -232,9 +232,12 @@ class DeviceSettings:
                            choices=("auto", "on", "off"), switch=True)
     compile_shapes: str = setting(
         "static",
-        "what a compiled training step is compiled for. static: the one batch shape training runs, as one "
-        "whole graph where the model traces without a break (fullgraph; a model that breaks is compiled in "
-        "pieces, said once); dynamic: PyTorch's default (a second shape recompiles with symbolic sizes)",
+        "what a compiled training step is compiled for. static: in the LM stages (pretrain, code, sft, "
+        "tools: every batch is batch x context) that one shape, as one whole graph where the model traces "
+        "without a break (fullgraph; a model that breaks, or a graph past torch's recompile limit, is "
+        "compiled in pieces with dynamic shapes, said once); the stages whose batches are padded per batch "
+        "compile with dynamic shapes whatever this says. dynamic: PyTorch's default (a second shape "
+        "recompiles with symbolic sizes)",
         choices=("static", "dynamic"))
     host_sync: str = setting(
         "auto",
