@@ -515,6 +515,11 @@ def _read_jsonl(path: str, opts: CorpusOptions, stats: CorpusStats, piece: dict 
     limit = line_limit(opts.max_file_bytes)
     read_from, span, first = ((piece.get("file", path), tuple(piece["bytes"]), piece["line"]) if piece
                               else (path, None, 1))
+    if piece and "file" in piece and not os.path.isfile(piece["file"]):
+        raise CorpusError(f"{path}: the decompressed piece {piece['file']} of prepare's work directory is "
+                          "gone (removed while prepare ran?); run the same command again, it starts afresh")
+    if piece and not _opens(read_from, path, opts, stats, _first_piece(piece)):
+        return
     try:
         with open_text(read_from, span) as f:
             for lineno, line in bounded_lines(f, limit, first):
@@ -546,6 +551,28 @@ def _read_jsonl(path: str, opts: CorpusOptions, stats: CorpusStats, piece: dict 
         stats.skip("unreadable", path, opts.strict, e.strerror or str(e))
 
 
+def _first_piece(piece: dict | None) -> bool:
+    """Whether a piece is its input's first (or the whole input): a file that cannot be opened is counted in
+    that one only, as it is once when read whole."""
+    if piece is None:
+        return True
+    if "groups" in piece:
+        return piece["groups"][0] == 0
+    return piece["line"] == 1
+
+
+def _opens(read_from: str, path: str, opts: CorpusOptions, stats: CorpusStats, count: bool) -> bool:
+    """Whether `read_from` (a piece's file) opens; if not, its reason is counted under `path` when `count`."""
+    try:
+        f, _ = _open_regular(read_from)
+    except UnusableInput as e:
+        if count:
+            stats.skip(e.reason, path, opts.strict, e.detail)
+        return False
+    f.close()
+    return True
+
+
 def _read_parquet(path: str, opts: CorpusOptions, stats: CorpusStats, piece: dict | None = None,
                   ) -> Iterator[Document]:
     """Rows of a parquet file, row group by row group. pyarrow decodes a page whole (a 10 KB file can hold
@@ -560,7 +587,8 @@ def _read_parquet(path: str, opts: CorpusOptions, stats: CorpusStats, piece: dic
     try:
         f, _ = _open_regular(path)
     except UnusableInput as e:
-        stats.skip(e.reason, path, opts.strict, e.detail)
+        if _first_piece(piece):
+            stats.skip(e.reason, path, opts.strict, e.detail)
         return
     row = piece["row"] if piece else 0
     with f:
@@ -763,15 +791,25 @@ def read_unit(path: str, tree: str | None, opts: CorpusOptions, stats: CorpusSta
         yield from read_source(path, opts, stats)
 
 
+def record_kind(src: str) -> str | None:
+    """How a single-file input that is not a directory is read: "jsonl" (also .gz, .zst), "parquet", or None
+    (one whole file, one document). By its name as given, case and all."""
+    if src.startswith("hf:"):
+        return None
+    if re.search(r"\.jsonl?(\.gz|\.zst)?$", src):
+        return "jsonl"
+    return "parquet" if src.endswith(".parquet") else None
+
+
 def read_source(src: str, opts: CorpusOptions, stats: CorpusStats) -> Iterator[Document]:
     """Raw documents of one source, before text filters and dedup."""
     if src.startswith("hf:"):
         yield from _read_hf(src, opts, stats)
     elif os.path.isdir(src):
         yield from _walk(src, opts, stats)
-    elif re.search(r"\.jsonl?(\.gz|\.zst)?$", src):
+    elif record_kind(src) == "jsonl":
         yield from _read_jsonl(src, opts, stats)
-    elif src.endswith(".parquet"):
+    elif record_kind(src) == "parquet":
         yield from _read_parquet(src, opts, stats)
     elif os.path.exists(src):
         yield from _read_file(src, opts, stats)

@@ -13,9 +13,10 @@ part of the whole file would be read: the same documents, in the same order, nam
 
 A file is left whole (one unit, read as before) when cutting it could change what is read: not UTF-8
 somewhere (the reader stops at the first bad byte), damaged compressed data (the reader keeps what comes
-before the damage), or decompressed data that would leave less than KEEP_FREE of the work directory's disk.
-A damaged parquet row group found only while reading ends that piece's reading; the later pieces are still
-read (whole, the reader would stop at the damage).
+before the damage), a parquet page header that does not parse, or decompressed data that would take more
+than a third of the work directory's free disk beyond KEEP_FREE (the raw documents and the tokens need the
+rest). A parquet data page damaged past a sound header, found only while reading, ends that piece's reading;
+the later pieces are still read (whole, the reader would stop there).
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ import os
 import shutil
 from pathlib import Path
 
-from ..corpus import UnusableInput, open_bytes
+from ..corpus import UnusableInput, open_bytes, record_kind
+from ..parquet_pages import BadPageHeader, parquet_page_sizes
 
 PIECE_MIN = 4 << 20  # a piece's least bytes (smaller ones cost more in task overhead than they save)
 SPLIT_PARTS = 16  # a file is cut into about this many pieces (pipeline.MIN_TASKS), each at most `top` bytes
-KEEP_FREE = 1 << 30  # decompressed chunks never leave less than this free on the work directory's disk
+KEEP_FREE = 1 << 30  # decompressed chunks take at most a third of what is free beyond this
 BLOCK = 8 << 20  # bytes read at a time by the pass over a file
 CHUNKS = "chunks"  # plan/chunks/: decompressed pieces of compressed inputs
 
@@ -41,29 +43,25 @@ def piece_bytes(size: int, top: int) -> int:
 
 
 def kind(path: str) -> str | None:
-    """How a single-file input is cut: "jsonl", "compressed" or "parquet"; None for what is read whole."""
-    if path.startswith("hf:"):
-        return None
-    low = path.lower()
-    if low.endswith((".jsonl", ".json")):
-        return "jsonl"
-    if low.endswith((".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst")):
+    """How a single-file input is cut: "jsonl", "compressed" or "parquet", as corpus.record_kind reads it;
+    None for what is read whole."""
+    how = record_kind(path)
+    if how == "jsonl" and path.endswith((".gz", ".zst")):
         return "compressed"
-    if low.endswith(".parquet"):
-        return "parquet"
-    return None
+    return how
 
 
-def split(path: str, size: int, top: int, plan: Path) -> list[dict] | None:
+def split(path: str, size: int, top: int, plan: Path, text_field: str = "text") -> list[dict] | None:
     """The pieces of input `path` (`size` bytes on disk), or None to read it whole (too small, one piece, or
     a file cutting could change; see the module docstring). plan: the work directory's plan/, where
-    compressed inputs' chunks go."""
+    compressed inputs' chunks go; text_field: the parquet column read (its page headers are checked)."""
     how = kind(path)
-    if how is None or (how != "compressed" and size < 2 * PIECE_MIN):
+    # a compressed file of a quarter piece or less holds about a piece at the usual 4x: read whole
+    if how is None or size < (PIECE_MIN // 4 if how == "compressed" else 2 * PIECE_MIN):
         return None
     try:
         if how == "parquet":
-            return _row_groups(path, piece_bytes(size, top))
+            return _row_groups(path, piece_bytes(size, top), text_field)
         if how == "jsonl":
             with open_bytes(path) as f:
                 pieces = _cut(f, piece_bytes(size, top), None)
@@ -167,18 +165,22 @@ def _chunked(path: str, size: int, top: int, plan: Path) -> list[dict] | None:
     than KEEP_FREE free."""
     root = plan / CHUNKS
     root.mkdir(exist_ok=True)
-    out = Path(os.path.realpath(root / f"{len(os.listdir(root)):05d}"))
-    out.mkdir()
-    free = shutil.disk_usage(out).free - KEEP_FREE
+    name = f"{len(os.listdir(root)):05d}"
+    out = root / name
     with open_bytes(path) as f:
-        limited = _Bounded(f, free)
+        out.mkdir()
+        # the stages after the plan need room too: the same text again as raw documents, then the tokens
+        room = (shutil.disk_usage(out).free - KEEP_FREE) // 3
         try:
             # the decompressed size is not known before the pass: pieces sized for 4x compression
-            pieces = _cut(limited, piece_bytes(size * 4, top), out)
+            pieces = _cut(_Bounded(f, room), piece_bytes(size * 4, top), out)
         except (UnusableInput, _TooBig):
             pieces = None
-    if pieces is None:
+    if pieces is None or len(pieces) < 2:  # damaged, too big, or one piece: read whole, as before
         shutil.rmtree(out, ignore_errors=True)
+        return None
+    for p in pieces:  # named within plan/chunks/, so any host that mounts the work directory finds them
+        p["file"] = f"{name}/{os.path.basename(p['file'])}"
     return pieces
 
 
@@ -200,14 +202,22 @@ class _Bounded(io.RawIOBase):
         return data
 
 
-def _row_groups(path: str, piece: int) -> list[dict] | None:
+def _row_groups(path: str, piece: int, text_field: str) -> list[dict] | None:
     """Runs of whole row groups of about `piece` bytes: {"groups": [first, end), "row": the rows before the
-    first, "size": their bytes}. None for a file pyarrow cannot open (the reader says why)."""
+    first, "size": their bytes}. None for a file pyarrow cannot open, or one with a text-column page header
+    that does not parse (read whole, the reader stops there: so it is read whole)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     try:
-        meta = pq.ParquetFile(path).metadata
-    except (pa.ArrowException, OSError):
+        with open(path, "rb") as f:
+            meta = pq.ParquetFile(f).metadata
+            for i in range(meta.num_row_groups):
+                rg = meta.row_group(i)
+                for c in map(rg.column, range(rg.num_columns)):
+                    if c.path_in_schema == text_field or c.path_in_schema.startswith(text_field + "."):
+                        for _ in parquet_page_sizes(f.fileno(), c):
+                            pass
+    except (pa.ArrowException, OSError, BadPageHeader):
         return None
     pieces, first, rows, acc, before = [], 0, 0, 0, 0
     for i in range(meta.num_row_groups):

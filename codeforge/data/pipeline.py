@@ -109,7 +109,7 @@ def make_plan(sources: list[str], opts: CorpusOptions, work: Path, tasks: int | 
         for src in sources:
             for path, tree, size in source_units(src, opts, stats):
                 # a large JSONL or parquet input: in pieces, so that every worker reads part of it
-                parts = pieces.split(path, size, TASK_BYTES, plan) if tree is None else None
+                parts = pieces.split(path, size, TASK_BYTES, plan, opts.text_field) if tree is None else None
                 for unit in ([[path, tree, size]] if parts is None else
                              [[path, None, _piece_size(p), p] for p in parts]):
                     f.write(json.dumps(unit).encode() + b"\n")  # json: a file name may hold surrogates

@@ -18,6 +18,7 @@ order.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import os
@@ -232,19 +233,23 @@ class RedactSecrets(_Step):
     name, step = "secrets replaced", "secrets"
 
     def apply(self, data, rank, stats):
-        with redact_scanning():  # detect-secrets' settings once for the task, not per document
-            yield from self._replaced(data, stats)
+        docs = iter(data)
+        # detect-secrets' settings entered once for a run of documents, not for each; never held across a
+        # yield (the settings are the process's, and a step after this one may run meanwhile)
+        while batch := list(itertools.islice(docs, 64)):
+            with redact_scanning():
+                for doc in batch:
+                    self._replace(doc, stats)
+            yield from batch
 
-    def _replaced(self, data, stats):
-        for doc in data:
-            before = doc.metadata["nbytes"]
-            text, found = scrub(doc.text, doc.metadata["source"], self.opts)
-            if found:
-                stats.secrets.update(found)
-                doc.text = text
-                doc.metadata["nbytes"] = len(text.encode("utf-8"))
-            stats.step("secrets replaced", before, True, doc.metadata["nbytes"])
-            yield doc
+    def _replace(self, doc, stats) -> None:
+        before = doc.metadata["nbytes"]
+        text, found = scrub(doc.text, doc.metadata["source"], self.opts)
+        if found:
+            stats.secrets.update(found)
+            doc.text = text
+            doc.metadata["nbytes"] = len(text.encode("utf-8"))
+        stats.step("secrets replaced", before, True, doc.metadata["nbytes"])
 
 
 def _text(doc: EngineDocument) -> str:

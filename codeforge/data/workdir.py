@@ -21,6 +21,7 @@ import fcntl
 import glob
 import json
 import os
+import re
 import shutil
 import stat
 import time
@@ -28,6 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .. import printable
+from ..corpus import record_kind
 from .writer import ShardError
 
 LOCK = "lock"
@@ -116,27 +118,41 @@ def plan_units(work: Path, rank: int, sources: list[str]) -> Iterator[tuple[str,
                 path = tree = None
                 piece = []
             piece = piece[0] if piece else None
-            if not _planned(path, tree, sources, trees) or not _piece_ok(work, tree, piece):
+            if not _planned(path, tree, sources, trees) or not _piece_ok(path, tree, piece):
                 raise KeepWork(printable(
                     f"{name} line {i} is not a unit of the inputs ({line[:200]!r}): prepare reads only the "
                     f"inputs' files (an input directory that resolves elsewhere now, or a plan changed by "
                     f"something other than prepare). Delete {work} and run the same command again"))
+            if piece is not None and "file" in piece:  # a chunk, named within this work directory's chunks/
+                piece = {**piece, "file": str(work / "plan" / "chunks" / piece["file"])}
             yield path, tree, piece
 
 
-def _piece_ok(work: Path, tree, piece) -> bool:
-    """No piece, or a piece of a whole input (pieces.py's shape) whose chunk file, if it has one, is a file
-    of this work directory's plan/chunks/."""
+CHUNK_NAME = re.compile(r"\d{5}/\d{5}\.jsonl")
+
+
+def _piece_ok(path: str, tree, piece) -> bool:
+    """No piece, or a piece of a whole input in one of pieces.py's shapes: byte ranges and a first line of a
+    JSONL input (and the name of its decompressed chunk, N/M.jsonl under plan/chunks/, for a compressed
+    one), or a run of row groups of a parquet input."""
     if piece is None:
         return True
     if tree is not None or not isinstance(piece, dict):
         return False
-    if "file" not in piece:
-        return True
-    chunks = os.path.realpath(work / "plan" / "chunks")
-    name = piece["file"]
-    return (isinstance(name, str) and os.path.realpath(name) == name
-            and os.path.dirname(os.path.dirname(name)) == chunks)
+
+    def count(v) -> bool:
+        return type(v) is int and v >= 0
+
+    if set(piece) == {"groups", "row", "size"}:
+        g = piece["groups"]
+        return (record_kind(path) == "parquet" and isinstance(g, list) and len(g) == 2
+                and all(map(count, g)) and g[0] < g[1] and count(piece["row"]) and count(piece["size"]))
+    keys = {"bytes", "line"} | ({"file"} if "file" in piece else set())
+    b = piece.get("bytes")
+    return (set(piece) == keys and record_kind(path) == "jsonl" and isinstance(b, list) and len(b) == 2
+            and all(map(count, b)) and b[0] <= b[1] and count(piece["line"]) and piece["line"] >= 1
+            and ("file" not in piece or isinstance(piece["file"], str) and CHUNK_NAME.fullmatch(piece["file"])
+                 is not None))
 
 
 def _planned(path, tree, sources: list[str], trees: dict[str, list[str]]) -> bool:
