@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from codeforge.config import resolve
+from codeforge.data.loader import on_device
 from codeforge.device import choose_device, choose_precision, peak_flops
 from codeforge.models import build_model
 from codeforge.models.gpt import set_attention
@@ -84,11 +85,7 @@ class HostBatches:
         starts = np.random.default_rng([self.seed, self.pos]).integers(0, len(self.tokens) - self.T, self.B)
         self.pos += 1
         buf = np.stack([self.tokens[s:s + self.T + 1] for s in starts]).astype(np.int64)  # (B, T+1)
-        t = torch.from_numpy(buf)
-        if self.device.type == "cuda":
-            t = t.pin_memory().to(self.device, non_blocking=True)
-        else:
-            t = t.to(self.device)
+        t = on_device(torch.from_numpy(buf), self.device)  # as the real loader moves it
         return t[:, :-1], t[:, 1:]
 
     def state_dict(self) -> dict:

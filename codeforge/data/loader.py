@@ -19,6 +19,14 @@ from ..fim import fim_ids, permute_window
 from .shards import ShardSet
 
 
+def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; to a GPU from pinned memory without waiting, so the copy can overlap the
+    step running (a prefetch thread's side stream)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 class BatchLoader:
     def __init__(self, shards: ShardSet, batch_size: int, block_size: int, seed: int = 1337,
                  shuffle: bool = True, rank: int = 0, world_size: int = 1, device: str | torch.device = "cpu",
@@ -80,11 +88,7 @@ class BatchLoader:
         ids = self._epoch_order()[self.pos * self.B:(self.pos + 1) * self.B]
         self.pos += 1
         buf = np.stack([self._chunk(int(c)) for c in ids]).astype(np.int64)  # (B, T+1)
-        t = torch.from_numpy(buf)
-        if self.device.type == "cuda":
-            t = t.pin_memory().to(self.device, non_blocking=True)
-        else:
-            t = t.to(self.device)
+        t = on_device(torch.from_numpy(buf), self.device)
         return t[:, :-1], t[:, 1:]
 
     def __iter__(self):
@@ -212,10 +216,7 @@ class ChatBatchLoader:
                 self.pos += 1
         x = torch.from_numpy(ids[:, :-1])
         y = torch.from_numpy(np.where(mask[:, 1:], ids[:, 1:], -1))
-        if self.device.type == "cuda":  # from pinned memory, so the copy can overlap the step
-            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device,
-                                                                                      non_blocking=True)
-        return x.to(self.device), y.to(self.device)
+        return on_device(x, self.device), on_device(y, self.device)
 
     def __iter__(self):
         return self
