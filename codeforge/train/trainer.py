@@ -109,7 +109,7 @@ class Trainer:
         self.params = [p for g in self.opt.param_groups for p in g["params"]]
         self.defer = self._host_sync(cfg.host_sync, device, precision)
         self.readback = Readback()  # --host-sync log: the steps' numbers not read yet
-        self.line_wait: tuple | None = None  # a log line due at a step whose numbers are not read yet
+        self.line_wait: dict | None = None  # a log line due at a step whose numbers are not read yet
         self.last_numbers = (math.nan, math.nan)  # the last step's (loss, norm) read to the host
         self.last_read = 0  # the step they are of
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
