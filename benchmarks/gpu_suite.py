@@ -200,6 +200,7 @@ def job_losscheck(p: dict) -> dict:
         torch._dynamo.reset()  # the second model compiles as the first did, not as a recompile of it
         notes += [note] if note else []
         out[f"{side}_losses"], out[f"{side}_loss"] = r["losses"], r["loss"]
+        out[f"{side}_heldout"] = r.get("heldout_loss")
         out[f"{side}_whole_graph"] = r["whole_graph"]
         print(f"{side}: losses {r['losses']}", flush=True)
     out["diff"] = out["all_loss"] - out["before_loss"]
@@ -788,6 +789,9 @@ def levers_table(res: dict) -> list[str]:
                       "batches): " + (
                 f"final loss before {r['before_loss']:.4f}, all levers {r['all_loss']:.4f}, difference "
                 f"{r['diff']:+.2e} (largest at any step {r['max_step_diff']:.2e})"
+                + (f"; held-out loss at equal steps before {r['before_heldout']:.4f}, all levers "
+                   f"{r['all_heldout']:.4f}" if r.get("before_heldout") is not None
+                   and r.get("all_heldout") is not None else "")
                 + (f"; {r['fallback_note']}" if r.get("fallback_note") else "") if r else e or "not run")]
         elif j["kind"] == "profile":
             lines += ["", f"**Profile** ({j['name']}): " + (e or "not run" if not r else

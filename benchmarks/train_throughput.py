@@ -41,7 +41,7 @@ import torch
 
 from codeforge.config import resolve
 from codeforge.data.loader import on_device
-from codeforge.device import choose_device, choose_precision, peak_flops
+from codeforge.device import autocast, choose_device, choose_precision, peak_flops
 from codeforge.models import build_model
 from codeforge.models.gpt import set_attention
 from codeforge.train import parallel
@@ -207,8 +207,28 @@ def _loss_check(b: Bench, n: int) -> dict:
     b.sync()
     losses = [r[1] for r in got]
     return {**_describe(b), **b.settings(), "loss_check": n, "losses": losses, "loss": losses[-1],
+            "heldout_loss": _heldout(b),
             "steps_skipped": sum(not r[3] for r in got), "seconds": time.perf_counter() - t0,
             "tokens_per_s": None, "torch": torch.__version__}
+
+
+def _heldout(b: Bench, batches: int = 4) -> float | None:
+    """The trained model's mean loss on `batches` batches of windows at offsets of their own (seeded far past
+    any step's) from the same token array: the same distribution, though their text may overlap what training
+    saw. The model runs uncompiled in eval mode. The loss at equal steps a lever that changes the numerics is
+    compared by; None without host batches."""
+    if b.source is None:
+        return None
+    held = HostBatches.__new__(HostBatches)
+    held.__dict__.update(b.source.__dict__)
+    held.pos = 1 << 30
+    b.model.eval()
+    total = 0.0
+    with torch.no_grad(), autocast(b.device, b.precision):
+        for _ in range(batches):
+            total += float(lm_loss_fn(b.model, next(held))[0])
+    b.model.train()
+    return total / batches
 
 
 def _timed(b: Bench) -> dict:

@@ -78,6 +78,8 @@ def _check_levers_and_profile(res: dict, out: Path) -> None:
     assert all(torch.isfinite(torch.tensor([guard["before_loss"], guard["all_loss"]])))
     assert guard["diff"] == guard["all_loss"] - guard["before_loss"]
     assert abs(guard["diff"]) < 1e-4  # fp32 on a CPU, the same attention: the levers change no arithmetic
+    assert guard["before_heldout"] == pytest.approx(guard["all_heldout"], abs=1e-4)
+    assert 0 < guard["before_heldout"] < 20
     prof = next(j["result"] for j in res["jobs"] if j["kind"] == "profile")
     assert prof["steps"] == 3 and prof["top"] and prof["top_by"] == "self CPU time"
     assert all(t["self_ms_per_step"] > 0 and t["name"] for t in prof["top"]) and len(prof["top"]) <= 10
