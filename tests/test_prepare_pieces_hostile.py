@@ -164,3 +164,19 @@ def test_an_input_gone_after_the_plan_is_counted_once(tmp_path, small_pieces):
     assert parts and len(parts) > 1
     f.unlink()
     assert _read(str(f), parts)[1] == _read(str(f), None)[1]
+
+
+def test_a_full_disk_while_decompressing_leaves_no_chunks(tmp_path, small_pieces, monkeypatch):
+    """An error writing a chunk (the disk full): the file is read whole, with nothing half-written left."""
+    f = tmp_path / "big.jsonl.gz"
+    with gzip.open(f, "wt") as g:
+        g.write(_jsonl(3000))
+    plan = tmp_path / "plan"
+    plan.mkdir()
+    def full(stream, piece, out):
+        (out / "00000.jsonl").write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pieces, "_cut", full)
+    assert pieces.split(str(f), f.stat().st_size, 1 << 30, plan) is None  # read whole: the reader says why
+    assert not any((plan / "chunks").rglob("*.jsonl"))

@@ -161,8 +161,8 @@ def _drop(pieces: list[dict], sink) -> None:
 
 def _chunked(path: str, size: int, top: int, plan: Path) -> list[dict] | None:
     """A compressed JSONL decompressed once into plan/chunks/N/ (N: the input's place among the chunked),
-    cut into pieces; None (nothing kept) where it is damaged or not UTF-8, or its chunks would leave less
-    than KEEP_FREE free."""
+    cut into pieces; None (nothing kept) where it is damaged, not UTF-8, one piece, or its chunks would take
+    more than a third of the disk free beyond KEEP_FREE."""
     root = plan / CHUNKS
     root.mkdir(exist_ok=True)
     name = f"{len(os.listdir(root)):05d}"
@@ -176,6 +176,9 @@ def _chunked(path: str, size: int, top: int, plan: Path) -> list[dict] | None:
             pieces = _cut(_Bounded(f, room), piece_bytes(size * 4, top), out)
         except (UnusableInput, _TooBig):
             pieces = None
+        except BaseException:  # a full disk, an interrupt: no half-written chunks left behind
+            shutil.rmtree(out, ignore_errors=True)
+            raise
     if pieces is None or len(pieces) < 2:  # damaged, too big, or one piece: read whole, as before
         shutil.rmtree(out, ignore_errors=True)
         return None
