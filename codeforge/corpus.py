@@ -518,8 +518,6 @@ def _read_jsonl(path: str, opts: CorpusOptions, stats: CorpusStats, piece: dict 
     if piece and "file" in piece and not os.path.isfile(piece["file"]):
         raise CorpusError(f"{path}: the decompressed piece {piece['file']} of prepare's work directory is "
                           "gone (removed while prepare ran?); run the same command again, it starts afresh")
-    if piece and not _opens(read_from, path, opts, stats, _first_piece(piece)):
-        return
     try:
         with open_text(read_from, span) as f:
             for lineno, line in bounded_lines(f, limit, first):
@@ -544,9 +542,10 @@ def _read_jsonl(path: str, opts: CorpusOptions, stats: CorpusStats, piece: dict 
                 yield Document(text, where)
     except UnicodeDecodeError:
         stats.skip("non_utf8", path, opts.strict)
-    except UnusableInput as e:
-        stats.skip(e.reason, path, opts.strict,
-                   e.detail + (f" (kept the {kept} records before it)" if kept else ""))
+    except UnusableInput as e:  # a piece (plain bytes) meets it only on opening: counted once, by the first
+        if _first_piece(piece):
+            stats.skip(e.reason, path, opts.strict,
+                       e.detail + (f" (kept the {kept} records before it)" if kept else ""))
     except OSError as e:
         stats.skip("unreadable", path, opts.strict, e.strerror or str(e))
 
@@ -559,18 +558,6 @@ def _first_piece(piece: dict | None) -> bool:
     if "groups" in piece:
         return piece["groups"][0] == 0
     return piece["line"] == 1
-
-
-def _opens(read_from: str, path: str, opts: CorpusOptions, stats: CorpusStats, count: bool) -> bool:
-    """Whether `read_from` (a piece's file) opens; if not, its reason is counted under `path` when `count`."""
-    try:
-        f, _ = _open_regular(read_from)
-    except UnusableInput as e:
-        if count:
-            stats.skip(e.reason, path, opts.strict, e.detail)
-        return False
-    f.close()
-    return True
 
 
 def _read_parquet(path: str, opts: CorpusOptions, stats: CorpusStats, piece: dict | None = None,
