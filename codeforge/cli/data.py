@@ -63,8 +63,11 @@ def cmd_tokenizer_eval(a: argparse.Namespace) -> int:
 
 
 def cmd_prepare(a: argparse.Namespace) -> int:
-    from ..data.shards import prepare
     p = from_args(PrepareOptions, a, "prepare")
+    if p.executor == "local" and p.workers != 1 and not p.chat:
+        from ..data.fork_server import start_early
+        start_early()  # its imports run on another core while this process makes the same (fork_server.py)
+    from ..data.shards import prepare
     opts = p.corpus(from_args(CorpusOptions, a, "prepare"))
     if p.keep_secrets and not p.chat:
         print("WARNING: --keep-secrets: keys, tokens and passwords in these files go into the training data "

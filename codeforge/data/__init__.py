@@ -5,6 +5,7 @@
 - pipeline.py     prepare as a datatrove pipeline: the plan, the stages in order, local or Slurm
 - steps.py        the pipeline's steps: read, quality filters, exact/near dedup signatures, benchmarks out,
                   secrets replaced, encode, merge; the counts each keeps
+- fork_server.py  the fork server the local pools fork from, started as the command begins
 - local.py        the local executor: a process pool whose workers end with the command, the engine's console
                   output kept off the terminal
 - slurm.py        the Slurm executor: one job array per stage, every path in the job scripts quoted

@@ -64,14 +64,13 @@ import shutil
 import time
 from pathlib import Path
 
-import multiprocess
 from datatrove.pipeline.dedup.exact_dedup import ExactDedupFilter, ExactFindDedups
 from datatrove.pipeline.dedup.minhash import MinhashDedupBuckets, MinhashDedupCluster, MinhashDedupFilter
 from datatrove.pipeline.writers import JsonlWriter
 
 from .. import CodeforgeError
 from ..corpus import CorpusOptions, CorpusStats, check_sources, source_units
-from . import local, pieces, ray_executor, workdir
+from . import fork_server, local, pieces, ray_executor, workdir
 from . import slurm as slurm_jobs
 from .steps import (EXACT, BenchmarkFilter, CodeMinhashSignature, EncodeShards, ExactSignature, MergeShards,
                     QualityFilter, ReadUnits, RedactSecrets, Tally, TaskDocs, minhash_config, save_stats)
@@ -223,7 +222,7 @@ def run(sources: list[str], tokenizer_dir, work: Path, out: Path, opts: CorpusOp
     workdir.enter(work)
     # the engine's pool forks its workers from a fork server: with this module loaded there once, a worker
     # starts in milliseconds instead of importing codeforge and datatrove again (~1 s a worker, every stage)
-    multiprocess.set_forkserver_preload(["codeforge.data.pipeline"])
+    fork_server.preload()
     lock = workdir.lock(work)
     try:
         with local.ending_with_this_process():
