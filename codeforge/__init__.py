@@ -4,7 +4,7 @@ The package is in layers; a module imports only from its own layer or a lower on
 reads the table below, the one place it is written, and checks the rules after it, and that the imports make
 no cycle, by parsing every import; a name ending in / is a package, every module in it in that layer):
 
-  0  atomic box_memory box_runner box_values catalog device distributed fields parquet_pages rundir
+  0  atomic box_memory box_runner box_values catalog device distributed fields parquet_pages prescan rundir
                                                                   (nothing of codeforge's above layer 0)
   1  corpus decontam redact tokenizer chat constrain grammar_ways json_schema fim sandbox syntax   text, code
   2  models/ tasks/ mining/
