@@ -196,3 +196,41 @@ class Starts:
                     pos = m.end()
             out.append(starts)
         return out
+
+
+class AnyOf:
+    """`any_of(data)`: whether any of the byte strings occurs in `data`, by one Hyperscan pass (a pure literal
+    database: compiled in ~0.1 s for thousands). `fast` is False without the hyperscan package (or where it
+    cannot compile them); the caller then asks otherwise."""
+
+    def __init__(self, literals: list[bytes]):
+        self.literals = sorted(set(literals))
+        self._local = threading.local()
+        self.fast = hyperscan is not None and bool(self.literals)
+        if self.fast:
+            try:
+                self._database()
+            except hyperscan.error:
+                self.fast = False
+
+    def _database(self):
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = hyperscan.Database(mode=hyperscan.HS_MODE_BLOCK)
+            n = len(self.literals)
+            db.compile(expressions=self.literals, ids=list(range(n)), elements=n,
+                       flags=[hyperscan.HS_FLAG_SINGLEMATCH] * n, literal=True)
+            self._local.db = db
+        return db
+
+    def __call__(self, data: bytes) -> bool:
+        found = []
+
+        def on_match(*_) -> bool:
+            found.append(True)
+            return True  # one is enough: the scan stops
+        try:
+            self._database().scan(data, match_event_handler=on_match)
+        except hyperscan.ScanTerminated:
+            pass
+        return bool(found)

@@ -247,3 +247,63 @@ def test_prepare_drops_a_renamed_solution(tmp_path, code_corpus, tokenizer_dir, 
     meta = json.loads((out / "meta.json").read_text())
     assert meta["skipped"]["benchmark"] == 1 and meta["documents"] == 8
     assert "any_two_near" not in decoded(out, tok)
+
+
+# -- the word rule's first look: runs of WINDOW words found by Hyperscan, the same answers as the words alone --
+
+def _word_hit_by_words(b, text):
+    """The word rule without the first look: every n-gram of the text's words against the index."""
+    from codeforge.decontam import NGRAM, TOKEN
+    toks = TOKEN.findall(text)
+    return next((b.grams[h] for h in (hash(tuple(toks[i:i + NGRAM])) for i in range(len(toks) - NGRAM + 1))
+                 if h in b.grams), None)
+
+
+def test_the_first_look_answers_as_the_words_do():
+    """HumanEval's prompts and solutions planted in ordinary code, their words apart by other separators
+    (no-break spaces, dashes beyond ASCII, tabs, newlines) and glued to words beyond ASCII: every answer the
+    same as the n-grams of the words give, hits and misses."""
+    import random
+
+    from codeforge import decontam
+    b = decontam.Benchmarks(["humaneval"])
+    assert b.windows is not None and b.windows.fast  # hyperscan is a dependency: the fast look is taken
+    rng = random.Random(3)
+    records = [t for t, _ in decontam._texts("humaneval")]
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    ordinary = [p.read_text(encoding="utf-8", errors="replace") for p in sorted(lib.glob("*.py"))[:120]]
+    texts = list(ordinary)
+    for host in ordinary[:60]:
+        rec = rng.choice(records)
+        start = rng.randint(0, max(0, len(rec) // 2))
+        piece = rec[start:start + rng.randint(40, 600)]
+        for sep in (" ", "\u00a0", " \u2014 ", "\t", "\n"):
+            if rng.random() < 0.5:
+                piece = piece.replace(" ", sep, rng.randint(1, 20))
+        texts.append(host[:1500] + "é" + piece + "ß\n" + host[1500:3000])
+    answers = [b.word_hit(t) for t in texts]
+    assert answers == [_word_hit_by_words(b, t) for t in texts]
+    assert 10 < sum(a is not None for a in answers) < len(texts)  # both answers were exercised
+
+
+def test_an_index_whose_runs_are_not_ascii_goes_by_the_words(tmp_path):
+    """An n-gram with a word beyond ASCII in each of its runs: no first look (it could not find the run),
+    and the words answer."""
+    from codeforge import decontam
+    words = ["résumé%d" % i for i in range(14)]
+    src = tmp_path / "b.jsonl"
+    src.write_text(json.dumps({"prompt": " ".join(words)}) + "\n")
+    b = decontam.Benchmarks([str(src)])
+    assert b.windows is None
+    assert b.word_hit("x = 1\n" + " ".join(words) + "\n") == str(src)
+    assert b.word_hit("x = 1\n") is None
+
+
+def test_without_hyperscan_the_words_answer(monkeypatch):
+    from codeforge import decontam, prescan
+    monkeypatch.setattr(prescan, "hyperscan", None)
+    b = decontam.Benchmarks(["humaneval"])
+    assert b.windows is not None and not b.windows.fast
+    rec = next(t for t, _ in decontam._texts("humaneval"))
+    assert b.word_hit("# copied\n" + rec) == "humaneval"
+    assert b.word_hit("package main\nfunc main() {}\n") is None
