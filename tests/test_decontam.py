@@ -249,7 +249,7 @@ def test_prepare_drops_a_renamed_solution(tmp_path, code_corpus, tokenizer_dir, 
     assert "any_two_near" not in decoded(out, tok)
 
 
-# -- the word rule's first look: runs of WINDOW words found by Hyperscan, the same answers as the words alone --
+# -- the word rule's first look: runs of WINDOW words found by Hyperscan, the answers of the words alone --
 
 def _word_hit_by_words(b, text):
     """The word rule without the first look: every n-gram of the text's words against the index."""
