@@ -62,9 +62,18 @@ def _class(members: set[int]) -> str:
 ASCII = [chr(i) for i in range(128)]
 
 
+def _ascii_matching(rx: re.Pattern) -> set[int]:
+    return {i for i, ch in enumerate(ASCII) if rx.match(ch)}
+
+
+def _cased(members: set[int]) -> bool:
+    return any(chr(i).isalpha() for i in members)
+
+
 def _members(items, flags: int) -> set[int]:
     """The bytes a character class of the parse tree holds: the ASCII characters Python's class matches
-    (tested one by one against the class itself), and OTHER where it may match any other character."""
+    (tested one by one against the class itself, with the pattern's flags), and OTHER where it may match a
+    character beyond ASCII (under IGNORECASE, one whose case is an ASCII letter's: the Kelvin sign is `k`)."""
     negate = any(op is _c.NEGATE for op, _ in items)
     beyond = negate  # a negated class holds nearly every character beyond ASCII
     parts = []
@@ -85,9 +94,9 @@ def _members(items, flags: int) -> set[int]:
             }.get(av) or _unsupported(f"category {av}"))
         else:
             raise Untranslatable(f"class item {op}")
-    cls = re.compile("[" + ("^" if negate else "") + "".join(parts) + "]", flags & re.ASCII)
-    out = {i for i, ch in enumerate(ASCII) if cls.match(ch)}
-    if beyond:
+    out = _ascii_matching(re.compile("[" + ("^" if negate else "") + "".join(parts) + "]",
+                                     flags & (re.ASCII | re.IGNORECASE)))
+    if beyond or (flags & re.IGNORECASE and _cased(out)):
         out.add(OTHER)
     return out
 
@@ -97,51 +106,107 @@ def _unsupported(what: str):
 
 
 ALL = set(range(128))
+_REPEATS = (_c.MAX_REPEAT, _c.MIN_REPEAT) + ((_c.POSSESSIVE_REPEAT,) if hasattr(_c, "POSSESSIVE_REPEAT") else ())
 
 
-def _reverse(sub, flags: int) -> str:
-    """The Hyperscan pattern of a parse-tree sequence, read backwards, its assertions dropped."""
-    out = []
-    for op, av in reversed(list(sub)):
-        if op is _c.LITERAL:
-            out.append(_byte(av if av < 128 else OTHER))
-        elif op is _c.NOT_LITERAL:
-            out.append(_class((ALL - {av}) | {OTHER}))
-        elif op is _c.IN:
-            out.append(_class(_members(av, flags)))
-        elif op is _c.ANY:
-            out.append(_class(ALL))
-        elif op in (_c.MAX_REPEAT, _c.MIN_REPEAT) or op is getattr(_c, "POSSESSIVE_REPEAT", None):
-            lo, hi, inner = av
-            top = "" if hi is _c.MAXREPEAT else str(hi)
-            out.append(f"(?:{_reverse(inner, flags)}){{{lo},{top}}}")
-        elif op is _c.SUBPATTERN:
-            _, add, _, inner = av
-            if add & re.IGNORECASE:
-                raise Untranslatable("IGNORECASE")
-            out.append(f"(?:{_reverse(inner, flags)})")
-        elif op is getattr(_c, "ATOMIC_GROUP", None):
-            out.append(f"(?:{_reverse(av, flags)})")  # atomic matches a subset of the plain group
-        elif op is _c.BRANCH:
-            out.append("(?:" + "|".join(_reverse(alt, flags) for alt in av[1]) + ")")
-        elif op in (_c.ASSERT, _c.ASSERT_NOT, _c.AT):
-            continue  # an assertion only narrows where a match is: without it, a superset
-        else:
-            raise Untranslatable(f"{op}")
-    return "".join(out)
+class _Translation:
+    """A parse tree as a Hyperscan pattern over the bytes scanned (one a character: ASCII as itself, any other
+    character OTHER), matching every string the Python pattern matches, or those strings reversed
+    (`backwards`): assertions dropped, classes as explicit bytes, a back reference as its group's pattern."""
+
+    def __init__(self, tree, backwards: bool):
+        self.backwards = backwards
+        self.groups: dict[int, tuple] = {}  # group number -> (its sequence, the flags inside it)
+        self._collect(tree, tree.state.flags)
+
+    def _collect(self, sub, flags: int) -> None:
+        for op, av in sub:
+            if op is _c.SUBPATTERN:
+                group, add, drop, inner = av
+                inner_flags = (flags | add) & ~drop
+                if group is not None:
+                    self.groups[group] = (inner, inner_flags)
+                self._collect(inner, inner_flags)
+            elif op in _REPEATS:
+                self._collect(av[2], flags)
+            elif op is _c.BRANCH:
+                for alt in av[1]:
+                    self._collect(alt, flags)
+            elif op is getattr(_c, "ATOMIC_GROUP", None) or op in (_c.ASSERT, _c.ASSERT_NOT):
+                self._collect(av if op is not _c.ASSERT and op is not _c.ASSERT_NOT else av[1], flags)
+            elif op is _c.GROUPREF_EXISTS:
+                for alt in av[1:]:
+                    if alt is not None:
+                        self._collect(alt, flags)
+
+    def literal(self, c: int, flags: int) -> str:
+        if not flags & re.IGNORECASE:
+            return _byte(c if c < 128 else OTHER)
+        members = _ascii_matching(re.compile(re.escape(chr(c)), re.IGNORECASE))
+        if c > 127 or _cased(members):
+            members.add(OTHER)
+        return _class(members)
+
+    def seq(self, sub, flags: int) -> str:
+        items = list(sub)
+        out = []
+        for op, av in reversed(items) if self.backwards else items:
+            if op is _c.LITERAL:
+                out.append(self.literal(av, flags))
+            elif op is _c.NOT_LITERAL:
+                out.append(_class(ALL | {OTHER}))  # all but one character: every byte can stand for one
+            elif op is _c.IN:
+                out.append(_class(_members(av, flags)))
+            elif op is _c.ANY:
+                out.append(_class(ALL | {OTHER}))
+            elif op in _REPEATS:
+                lo, hi, inner = av
+                top = "" if hi is _c.MAXREPEAT else str(hi)
+                out.append(f"(?:{self.seq(inner, flags)}){{{lo},{top}}}")
+            elif op is _c.SUBPATTERN:
+                _, add, drop, inner = av
+                out.append(f"(?:{self.seq(inner, (flags | add) & ~drop)})")
+            elif op is getattr(_c, "ATOMIC_GROUP", None):
+                out.append(f"(?:{self.seq(av, flags)})")  # atomic matches a subset of the plain group
+            elif op is _c.BRANCH:
+                out.append("(?:" + "|".join(self.seq(alt, flags) for alt in av[1]) + ")")
+            elif op is _c.GROUPREF:
+                if av not in self.groups:
+                    raise Untranslatable(f"a reference to group {av}")
+                inner, inner_flags = self.groups[av]
+                # the text the group matched, perhaps in another case under IGNORECASE
+                out.append(f"(?:{self.seq(inner, inner_flags | (flags & re.IGNORECASE))})")
+            elif op is _c.GROUPREF_EXISTS:
+                _, yes, no = av
+                alts = [self.seq(yes, flags), self.seq(no, flags) if no is not None else ""]
+                out.append("(?:" + "|".join(alts) + ")")
+            elif op in (_c.ASSERT, _c.ASSERT_NOT, _c.AT):
+                continue  # an assertion only narrows where a match is: without it, a superset
+            else:
+                raise Untranslatable(f"{op}")
+        return "".join(out)
+
+
+def translated(rx: re.Pattern, backwards: bool = False) -> str:
+    """A Hyperscan pattern (bytes one a character, as scanned) matching, wherever `rx` can match, the text
+    (or with `backwards`, the reversed text) there. A pattern that can match the empty string is refused
+    (it matches everywhere)."""
+    if not isinstance(rx.pattern, str):
+        raise Untranslatable("a bytes pattern")
+    if rx.flags & re.LOCALE:
+        raise Untranslatable("LOCALE")
+    tree = _p.parse(rx.pattern, rx.flags)
+    if tree.getwidth()[0] == 0:
+        raise Untranslatable("a pattern that can match empty")
+    try:
+        return _Translation(tree, backwards).seq(tree, tree.state.flags)
+    except RecursionError:
+        raise Untranslatable("nested too deep") from None
 
 
 def reversed_pattern(rx: re.Pattern) -> str:
-    """A Hyperscan pattern (bytes one a character, as scanned) matching the reversed text at every place
-    `rx` can match forwards."""
-    if not isinstance(rx.pattern, str):
-        raise Untranslatable("a bytes pattern")
-    if rx.flags & (re.IGNORECASE | re.LOCALE):
-        raise Untranslatable("IGNORECASE")
-    tree = _p.parse(rx.pattern, rx.flags)
-    if tree.getwidth()[0] == 0:
-        raise Untranslatable("a pattern that can match empty")  # finditer's empty matches are not replayed
-    return _reverse(tree, rx.flags)
+    """translated(rx, backwards=True): every place `rx` can match forwards, as the reversed text's matches."""
+    return translated(rx, backwards=True)
 
 
 class Starts:

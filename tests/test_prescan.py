@@ -82,15 +82,30 @@ def test_same_starts_on_edge_cases(pattern, text):
     assert starts([text]) == [finditer_starts(rx, text)]
 
 
-@pytest.mark.parametrize("pattern", [r"(?i)token", r"(['\"])x+\1", r"a*", r"(?:x|)"])
+@pytest.mark.parametrize("pattern, text", [
+    (r"(?i)token", "Token TOKEN to\u212aen toke"),  # the Kelvin sign is a `k` to IGNORECASE
+    (r"(?i:pa\u017f\u017f)", "pass PASS pa\u017f\u017f"),
+    (r"(['\"])x+\1", "'xx' \"x' \"xxx\" 'x\""),  # a back reference: its group's pattern in the scan
+    (r"(?i)(['\"])([a-z]+)(\1)", "'ABc' \"aB' \"x\""),
+    (r"(a)?(?(1)b|c)d", "abd cd bd"),
+])
+def test_ignorecase_and_back_references_are_translated(pattern, text):
+    rx = re.compile(pattern)
+    starts = Starts([rx])
+    assert starts.fast
+    assert starts([text]) == [finditer_starts(rx, text)]
+
+
+@pytest.mark.parametrize("pattern", [r"a*", r"(?:x|)", rb"token"])
 def test_patterns_it_cannot_translate_fall_back_to_re(pattern):
     rx = re.compile(pattern)
     with pytest.raises(Untranslatable):
         reversed_pattern(rx)
     starts = Starts([rx])
     assert not starts.fast
-    text = "Token 'xx' \"x' a token"
-    assert starts([text]) == [finditer_starts(rx, text)]
+    if isinstance(pattern, str):
+        text = "Token 'xx' \"x' a token"
+        assert starts([text]) == [finditer_starts(rx, text)]
 
 
 def test_without_the_hyperscan_package_the_answer_is_the_same(monkeypatch):
