@@ -106,7 +106,8 @@ def _unsupported(what: str):
 
 
 ALL = set(range(128))
-_REPEATS = (_c.MAX_REPEAT, _c.MIN_REPEAT) + ((_c.POSSESSIVE_REPEAT,) if hasattr(_c, "POSSESSIVE_REPEAT") else ())
+_REPEATS = (_c.MAX_REPEAT, _c.MIN_REPEAT) + tuple(
+    getattr(_c, name) for name in ("POSSESSIVE_REPEAT",) if hasattr(_c, name))
 
 
 class _Translation:
