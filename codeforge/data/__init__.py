@@ -6,6 +6,7 @@
 - steps.py        the pipeline's steps: read, quality filters, exact/near dedup signatures, benchmarks out,
                   secrets replaced, encode, merge; the counts each keeps
 - fork_server.py  the fork server the local pools fork from, started as the command begins
+- warm_scans.py   imported by that fork server: the secrets step's Hyperscan databases compiled there once
 - local.py        the local executor: a process pool whose workers end with the command, the engine's console
                   output kept off the terminal
 - slurm.py        the Slurm executor: one job array per stage, every path in the job scripts quoted

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 
-PRELOAD = ["codeforge.data.pipeline"]
+# the pipeline's modules, and the secrets step's Hyperscan databases compiled once (warm_scans.py)
+PRELOAD = ["codeforge.data.pipeline", "codeforge.data.warm_scans"]
 
 
 def preload() -> None:

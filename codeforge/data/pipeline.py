@@ -61,6 +61,7 @@ import json
 import math
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -68,7 +69,7 @@ from datatrove.pipeline.dedup.exact_dedup import ExactDedupFilter, ExactFindDedu
 from datatrove.pipeline.dedup.minhash import MinhashDedupBuckets, MinhashDedupCluster, MinhashDedupFilter
 from datatrove.pipeline.writers import JsonlWriter
 
-from .. import CodeforgeError
+from .. import CodeforgeError, redact
 from ..corpus import CorpusOptions, CorpusStats, check_sources, source_units
 from . import fork_server, local, pieces, ray_executor, workdir
 from . import slurm as slurm_jobs
@@ -245,6 +246,10 @@ def run(sources: list[str], tokenizer_dir, work: Path, out: Path, opts: CorpusOp
                                   extra, threads)
                 if executor == "slurm":
                     return slurm_jobs.submit(pipeline, work, slurm or {}, log)
+                if workers == 1 and opts.redact_secrets:  # the tasks run in this process: its scans
+                    # compiled on a thread of their own while the read stage runs (a pool's workers have
+                    # them from the fork server)
+                    threading.Thread(target=redact.warm, daemon=True).start()
                 for name, steps, n in pipeline:
                     _run_stage(name, steps, n, workers, work, log)
     finally:
