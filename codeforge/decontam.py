@@ -68,15 +68,18 @@ def _gram_words(text: str) -> set[tuple[str, ...]]:
 # for have none, so a run the document's words hold is found. On Go's standard library against HumanEval,
 # 433 of 5,560 files hold one of the runs (none an n-gram); the others are answered without their words.
 WINDOW = 4
-MAX_WINDOWS = 200_000  # runs looked for this way at most (a large held-out directory: words only)
+# runs looked for this way at most: a held-out directory of a few MB has more n-grams than that, and its
+# documents are then checked by their words alone (compiling 200,000 runs took ~10 s, in every worker)
+MAX_WINDOWS = 20_000
+MAX_WINDOW_BYTES = 256  # a run longer than this (a minified file's long token) is not looked for
 _NOT_WORD = bytes(c if c < 128 and (chr(c).isalnum() or c == ord("_")) else ord(" ") for c in range(256))
 
 
 def _window(gram: tuple[str, ...]) -> bytes | None:
     """The run of WINDOW words of an n-gram looked for first, as the literal searched, or None when every
-    run has a character beyond ASCII."""
-    runs = [gram[i:i + WINDOW] for i in range(NGRAM - WINDOW + 1)
-            if all(w.isascii() for w in gram[i:i + WINDOW])]
+    run has a character beyond ASCII or is MAX_WINDOW_BYTES long."""
+    runs = [run for run in (gram[i:i + WINDOW] for i in range(NGRAM - WINDOW + 1))
+            if all(w.isascii() for w in run) and sum(map(len, run)) < MAX_WINDOW_BYTES]
     if not runs:
         return None
     return (" " + " ".join(max(runs, key=lambda w: sum(map(len, w)))) + " ").encode()
@@ -322,7 +325,7 @@ class Benchmarks:
     def __init__(self, sources: list[str] | tuple[str, ...], shapes: bool = True):
         self.sources = list(sources)
         self.grams: dict[int, str] = {}
-        windows: set[bytes | None] = set()  # one run of WINDOW words of each n-gram
+        windows: set[bytes | None] | None = set()  # one run of WINDOW words of each n-gram
         # shape runs themselves (a few thousand for HumanEval) -> the solutions holding them, numbered; each
         # solution's source and the number of its runs a document must hold
         self.shapes: dict[str, list[int]] = {}
@@ -332,8 +335,10 @@ class Benchmarks:
             for text, codes in _texts(source):
                 for g in _gram_words(text):
                     self.grams.setdefault(hash(g), source)
-                    if len(windows) <= MAX_WINDOWS:
+                    if windows is not None:
                         windows.add(_window(g))
+                        if None in windows or len(windows) > MAX_WINDOWS:
+                            windows = None  # no first look: the words alone
                 for code in codes if shapes else ():
                     runs = shape_runs(code)
                     if not runs:
@@ -344,8 +349,7 @@ class Benchmarks:
                     self.def_only = self.def_only and _DEF.search(code) is not None
 
         # None: no run to look for first (an n-gram with none in ASCII, or too many runs)
-        usable = None not in windows and len(windows) <= MAX_WINDOWS
-        self.windows = prescan.AnyOf(sorted(windows)) if usable and windows else None
+        self.windows = prescan.AnyOf(sorted(windows)) if windows else None
 
     def hit(self, text: str) -> str | None:
         return self.word_hit(text) or self.shape_hit(text)

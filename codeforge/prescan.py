@@ -263,6 +263,12 @@ def _compiled(dbs: list[_Db]) -> bool:
     return True
 
 
+# a text with more candidates than one in CROWDED positions (a hostile run of `MMMM...`: each a candidate re
+# rejects) is scanned by re alone, so such a text costs what it did (a Python step a candidate costs ~10x
+# re's own try at a position)
+CROWDED = 32
+
+
 class Starts:
     """`starts(texts)` is `[[m.start() for m in rx.finditer(t)] for rx, t in zip(patterns, texts)]`: the
     match starts of each pattern over its own text (the texts are of one length, one position a character:
@@ -289,12 +295,18 @@ class Starts:
         if any(len(t) != n for t in texts):
             raise ValueError("the texts differ in length")
         out = []
+        limit = n // CROWDED + 64
         for rx, text, db in zip(self.patterns, texts, self.dbs):
             found: set[int] = set()
 
-            def on_match(_i: int, _from: int, to: int, _flags: int, _ctx, add: Callable = found.add) -> None:
+            def on_match(_i: int, _from: int, to: int, _flags: int, _ctx, add: Callable = found.add,
+                         size: Callable = found.__len__) -> bool:
                 add(n - to)
+                return size() > limit  # crowded: stop, and let re scan it
             db.scan(text.encode("ascii", "replace")[::-1], on_match)
+            if len(found) > limit:
+                out.append([m.start() for m in rx.finditer(text)])
+                continue
             starts, pos, match = [], 0, rx.match
             for c in sorted(found):
                 if c < pos:

@@ -307,3 +307,22 @@ def test_without_hyperscan_the_words_answer(monkeypatch):
     rec = next(t for t, _ in decontam._texts("humaneval"))
     assert b.word_hit("# copied\n" + rec) == "humaneval"
     assert b.word_hit("package main\nfunc main() {}\n") is None
+
+
+def test_a_large_or_minified_held_out_directory_goes_by_the_words(tmp_path):
+    """More n-grams than MAX_WINDOWS, or one whose every run holds a token too long to look for: no first look
+    (it would cost more to build than it saves), and the words answer."""
+    from codeforge import decontam
+    many = tmp_path / "many"
+    many.mkdir()
+    (many / "a.py").write_text("\n".join(f"v{i} = f{i}(a{i}, b{i})" for i in range(decontam.MAX_WINDOWS)))
+    b = decontam.Benchmarks([str(many)])
+    assert b.windows is None
+    assert b.word_hit("x\nv5 = f5(a5, b5)\nv6 = f6(a6, b6)\nv7 = f7(a7, b7)\nv8 = f8(a8, b8)\n") == str(many)
+    minified = tmp_path / "minified"
+    minified.mkdir()
+    long = "w" * 300
+    (minified / "m.js").write_text(" ".join(f"{long}{i}" for i in range(20)))
+    b = decontam.Benchmarks([str(minified)])
+    assert b.windows is None
+    assert b.word_hit(" ".join(f"{long}{i}" for i in range(3, 17))) == str(minified)

@@ -144,3 +144,13 @@ def test_each_thread_scans_with_its_own_scratch():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_a_crowded_text_is_left_to_re_with_the_same_starts():
+    """A hostile run where every position is a candidate re then rejects (`MMMM...` for the Discord-token
+    alternative): re scans it alone, with the same answer, instead of a Python step per candidate."""
+    marks = redact._marks()
+    for text in ("M" * 20000 + ".abcdef.", "M" * 30 + "." + "a" * 6 + ".x " + "M" * 5000, "'" + "a" * 9000):
+        low = lowered(text)
+        assert marks([low, text]) == [finditer_starts(redact.MARK_WORDS, low),
+                                      finditer_starts(redact.MARK_FORMATS, text)]
