@@ -265,7 +265,13 @@ def _run_stage(name: str, steps: list, n: int, workers: int | None, work: Path, 
     done = len(list((logs / "completions").iterdir())) if (logs / "completions").is_dir() else 0
     t0 = time.perf_counter()
     if ray_opts is None:
-        ex = local.LocalExecutor(steps, tasks=n, workers=max(1, min(workers, n)), logging_dir=str(logs))
+        # the read stage's workers forked from this process itself, which has every module they need loaded
+        # (the fork server may still be compiling the secrets step's scans, which only the encode stage
+        # needs: 8.75 -> 8.43 s on Go's standard library), when it runs no other thread (a fork copies only
+        # the forking thread); every other stage's from the fork server
+        fork = name == "read" and threading.active_count() == 1
+        ex = local.LocalExecutor(steps, tasks=n, workers=max(1, min(workers, n)), logging_dir=str(logs),
+                                 start_method="fork" if fork else "forkserver")
         where = f"{max(1, min(workers, n))} worker(s)"
     else:
         ex = ray_executor.executor(steps, n, workers, logs, ray_opts)
