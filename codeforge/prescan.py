@@ -286,8 +286,9 @@ class Starts:
     match starts of each pattern over its own text (the texts are of one length, one position a character:
     a text and its lower case, say), found as the module says. `warm()` compiles its databases now."""
 
-    def __init__(self, patterns: list[re.Pattern]):
+    def __init__(self, patterns: list[re.Pattern], probes: tuple[str, ...] = ()):
         self.patterns = list(patterns)
+        self.probes = probes  # texts warm() checks the answers on: any difference, and re answers alone
         self.fast = hyperscan is not None
         if self.fast:
             try:  # one database a pattern: each scans its own text alone
@@ -296,8 +297,10 @@ class Starts:
                 self.fast = False
 
     def warm(self) -> None:
-        if self.fast:
-            self.fast = _compiled(self.dbs)
+        if self.fast and self.dbs[0]._db is None:
+            self.fast = _compiled(self.dbs) and all(
+                _starts(rx, db, t) == [m.start() for m in rx.finditer(t)]
+                for rx, db in zip(self.patterns, self.dbs) for t in self.probes)
 
     def __call__(self, texts: list[str]) -> list[list[int]]:
         self.warm()
@@ -306,29 +309,31 @@ class Starts:
         n = len(texts[0])
         if any(len(t) != n for t in texts):
             raise ValueError("the texts differ in length")
-        out = []
-        limit = n // CROWDED + 64
-        for rx, text, db in zip(self.patterns, texts, self.dbs):
-            found: set[int] = set()
+        return [_starts(rx, db, text) for rx, text, db in zip(self.patterns, texts, self.dbs)]
 
-            def on_match(_i: int, _from: int, to: int, _flags: int, _ctx, add: Callable = found.add,
-                         size: Callable = found.__len__) -> bool:
-                add(n - to)
-                return size() > limit  # crowded: stop, and let re scan it
-            db.scan(text.encode("ascii", "replace")[::-1], on_match)
-            if len(found) > limit:
-                out.append([m.start() for m in rx.finditer(text)])
-                continue
-            starts, pos, match = [], 0, rx.match
-            for c in sorted(found):
-                if c < pos:
-                    continue
-                m = match(text, c)
-                if m:
-                    starts.append(c)
-                    pos = m.end()
-            out.append(starts)
-        return out
+
+def _starts(rx: re.Pattern, db: _Db, text: str) -> list[int]:
+    """rx's finditer starts over text, from the reversed scan's candidates (or re alone when crowded)."""
+    n = len(text)
+    limit = n // CROWDED + 64
+    found: set[int] = set()
+
+    def on_match(_i: int, _from: int, to: int, _flags: int, _ctx, add: Callable = found.add,
+                 size: Callable = found.__len__) -> bool:
+        add(n - to)
+        return size() > limit  # crowded: stop, and let re scan it
+    db.scan(text.encode("ascii", "replace")[::-1], on_match)
+    if len(found) > limit:
+        return [m.start() for m in rx.finditer(text)]
+    starts, pos, match = [], 0, rx.match
+    for c in sorted(found):
+        if c < pos:
+            continue
+        m = match(text, c)
+        if m:
+            starts.append(c)
+            pos = m.end()
+    return starts
 
 
 class AnyOf:
@@ -360,7 +365,9 @@ class Gate:
     each pattern is widened to a Hyperscan pattern matching every string it matches (assertions dropped), so
     a match inside the line is one Hyperscan reports. `warm()` compiles its database now."""
 
-    def __init__(self, groups: list[list[re.Pattern] | None]):
+    def __init__(self, groups: list[list[re.Pattern] | None], probes: tuple[str, ...] = ()):
+        self.groups = groups
+        self.probes = probes  # lines warm() checks: a group one of whose patterns matches must be in its set
         self.always: set[int] = set()
         owners: dict[bytes, list[int]] = {}  # each expression once (detect-secrets' keyword plugin has 64
         # patterns, 10 of them distinct: compiled 1.1 -> 0.2 s), with the groups it stands for
@@ -383,12 +390,23 @@ class Gate:
             self.always |= {k for ks in self.owners for k in ks}
 
     def warm(self) -> None:
-        if self.fast and not _compiled([self.db]):
+        if self.fast and self.db._db is None and not (_compiled([self.db]) and self._probes_pass()):
             self.fast = False
             self.always |= {k for ks in self.owners for k in ks}
 
+    def _probes_pass(self) -> bool:
+        for line, got in zip(self.probes, self._sets(list(self.probes))):
+            want = {k for k, patterns in enumerate(self.groups)
+                    if any(rx.search(line) for rx in patterns or ())}
+            if not want <= got:
+                return False
+        return True
+
     def __call__(self, lines: list[str]) -> list[set[int]]:
         self.warm()
+        return self._sets(lines)
+
+    def _sets(self, lines: list[str]) -> list[set[int]]:
         out = [set(self.always) for _ in lines]
         if not self.fast:
             return out

@@ -170,3 +170,24 @@ def test_a_match_at_the_very_end_of_a_short_text_is_found():
         assert gate([text]) == [{0}], repr(text)
     any_of = prescan.AnyOf([b"D ?"])
     assert any_of(b"z D ?") and not any_of(b"z D !")
+
+
+def test_an_engine_that_answers_wrong_on_the_probes_is_not_used(monkeypatch):
+    """Once compiled, the scans are checked on probe lines against re's own answers: an engine that reports
+    nothing (a broken build, an unsupported CPU) is dropped, and re answers alone, the same."""
+    monkeypatch.setattr(prescan._Db, "scan", lambda self, data, on_match: None)
+    text = 'x = 1\npassword = "hunter2x9"\n'
+    starts = Starts([redact.MARK_WORDS], probes=redact.PROBES)
+    assert starts([text.lower()]) == [finditer_starts(redact.MARK_WORDS, text.lower())]
+    assert not starts.fast
+    rx = re.compile(r"password")
+    gate = prescan.Gate([[rx], [re.compile("nothing here")]], probes=redact.PROBES)
+    assert gate(["password = 1", "x"]) == [{0, 1}, {0, 1}]  # every group on every line
+    assert not gate.fast
+
+
+def test_a_sound_engine_passes_the_probes():
+    starts = Starts([redact.MARK_WORDS, redact.MARK_FORMATS], probes=redact.PROBES)
+    gate = prescan.Gate([[redact.MARK_FORMATS], [re.compile(r"(?i)passw")]], probes=redact.PROBES)
+    assert starts(["password", "password"]) and starts.fast
+    assert gate(["PASSWORD=1", "nothing"]) == [{1}, set()] and gate.fast
