@@ -74,22 +74,14 @@ def test_same_starts_on_real_source_files():
     (r"[^\s/@]{2,5}@", "ab@cd éé@x \u00a0\u00a0@"),  # classes with characters beyond ASCII
     (r"é+t", "ééét et ét"),
     (r"^key", "key\nkey key"),
-])
-def test_same_starts_on_edge_cases(pattern, text):
-    rx = re.compile(pattern)
-    starts = Starts([rx])
-    assert starts.fast
-    assert starts([text]) == [finditer_starts(rx, text)]
-
-
-@pytest.mark.parametrize("pattern, text", [
+    # IGNORECASE and back references are translated too
     (r"(?i)token", "Token TOKEN to\u212aen toke"),  # the Kelvin sign is a `k` to IGNORECASE
     (r"(?i:pa\u017f\u017f)", "pass PASS pa\u017f\u017f"),
     (r"(['\"])x+\1", "'xx' \"x' \"xxx\" 'x\""),  # a back reference: its group's pattern in the scan
     (r"(?i)(['\"])([a-z]+)(\1)", "'ABc' \"aB' \"x\""),
     (r"(a)?(?(1)b|c)d", "abd cd bd"),
 ])
-def test_ignorecase_and_back_references_are_translated(pattern, text):
+def test_same_starts_on_edge_cases(pattern, text):
     rx = re.compile(pattern)
     starts = Starts([rx])
     assert starts.fast
